@@ -1,0 +1,364 @@
+"""The run folder: resolved config, per-step metrics (JSONL + TensorBoard), sample completions.
+
+Layout of ``runs/<name>/`` (``ExperimentConfig.run_path``)::
+
+    config.json              the resolved ExperimentConfig (``dataclasses.asdict``)
+    metrics.jsonl            one JSON object per ``MetricsWriter.log`` call:
+                             {"step": int, "time": unix seconds, "<metric>": float | null, ...,
+                              "non_finite": [names]}   (last key only when a value was NaN/inf)
+    samples.jsonl            one JSON object per sample completion:
+                             {"step", "prompt", "completion", "reward", "version", ...extras}
+    events.out.tfevents.*    TensorBoard scalars/histograms/text (tensorboardX SummaryWriter)
+    report/                  written by ``rlflow report`` (rlflow/report.py)
+
+One writer per run: the process that owns the run folder (the launcher or the learner)
+logs both programs' metrics; the sampler's figures travel to it with the rollouts.
+Metric names are ``section/name``; :data:`REQUIRED_METRICS` lists those every
+``rlflow train`` step must log (the runtime's end-to-end test checks them with
+:func:`rlflow.run_folder.validate_run_folder`). Any other name may be logged as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+logger = logging.getLogger("rlflow.metrics")
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+TB_GLOB = "events.out.tfevents.*"
+RESERVED_KEYS = ("step", "time", "non_finite")
+
+# Staleness histogram: the fraction of consumed samples that lag the learner by 0, 1, 2
+# and >= 3 policy versions (fixed buckets so every run logs the same names).
+STALENESS_BUCKETS = (0, 1, 2)
+STALENESS_HIST = tuple(f"staleness/frac_{k}" for k in STALENESS_BUCKETS) + (
+    f"staleness/frac_{STALENESS_BUCKETS[-1] + 1}plus",)
+
+# name -> (unit, meaning). Times are wall-clock seconds measured since the previous step.
+METRIC_SPECS: dict[str, tuple[str, str]] = {
+    "reward/mean": ("reward", "mean reward of the samples consumed this step"),
+    "reward/std": ("reward", "standard deviation (ddof=0) of those rewards"),
+    "reward/min": ("reward", "smallest reward"),
+    "reward/max": ("reward", "largest reward"),
+    "reward/accuracy": ("fraction", "samples the verifier marked correct"),
+    "response/length_mean": ("tokens", "mean completion length (EOS included)"),
+    "response/length_max": ("tokens", "longest completion"),
+    "response/truncation_rate": ("fraction", "completions cut by sampler.max_tokens"),
+    "policy/kl": ("nats", "KL(current || reference), the learner's estimator, token mean"),
+    "policy/entropy": ("nats", "current-policy token entropy, token mean"),
+    "policy/clip_frac_low": ("fraction", "tokens with ratio clipped at 1 - clip_low"),
+    "policy/clip_frac_high": ("fraction", "tokens with ratio clipped at 1 + clip_high"),
+    "policy/is_weight_mean": ("ratio", "importance weight pi_old / pi_behaviour, token mean"),
+    "policy/is_weight_min": ("ratio", "smallest importance weight"),
+    "policy/is_weight_max": ("ratio", "largest importance weight (before the cap)"),
+    "staleness/mean": ("versions", "learner version minus sample version, mean"),
+    "staleness/max": ("versions", "largest staleness consumed"),
+    **{name: ("fraction", "staleness histogram bucket") for name in STALENESS_HIST},
+    "learner/step_time_s": ("s", "wall time of the learner's train step"),
+    "learner/idle_frac": ("fraction", "learner time spent waiting for rollouts"),
+    "sampler/tokens_per_s": ("tokens/s", "decoded tokens per second"),
+    "sampler/slot_occupancy": ("fraction", "decode slots holding a live sequence, mean"),
+    "sampler/idle_frac": ("fraction", "sampler time blocked on the buffer or on weights"),
+    "sync/weight_sync_s": ("s", "publish-to-swap time of the latest weight version"),
+    "sync/sampler_pause_s": ("s", "decode time lost to the latest weight swap"),
+    "buffer/fill": ("fraction", "groups held / buffer.capacity"),
+    "buffer/producer_wait_s": ("s", "time the sampler waited on a full buffer"),
+    "buffer/consumer_wait_s": ("s", "time the learner waited on an empty buffer"),
+}
+REQUIRED_METRICS: tuple[str, ...] = tuple(METRIC_SPECS)
+
+
+class NonFiniteMetricError(ValueError):
+    """A metric value is NaN or inf and ``on_non_finite == "error"``."""
+
+
+def staleness_histogram(staleness: Sequence[int] | np.ndarray) -> dict[str, float]:
+    """Staleness metrics of one step's consumed samples.
+
+    Args:
+      staleness: int ``[N]``, learner version minus each sample's policy version (>= 0).
+
+    Returns:
+      ``staleness/mean``, ``staleness/max`` and the :data:`STALENESS_HIST` fractions
+      (they sum to 1).
+
+    Raises:
+      ValueError: empty input, non-integer values, or a negative staleness (a sample from
+        a version the learner has not published yet).
+    """
+    s = np.asarray(staleness)
+    if s.ndim != 1 or s.size == 0:
+        raise ValueError(f"staleness must be a non-empty 1-D array, got shape {s.shape}")
+    if s.dtype.kind not in "iu":
+        raise ValueError(f"staleness must hold integers (versions), got dtype {s.dtype}")
+    if (s < 0).any():
+        raise ValueError(f"staleness must be >= 0, got {s[s < 0][:5].tolist()} (a sample "
+                         "tagged with a version newer than the learner's)")
+    out = {"staleness/mean": float(s.mean()), "staleness/max": float(s.max())}
+    for k, name in zip(STALENESS_BUCKETS, STALENESS_HIST):
+        out[name] = float((s == k).mean())
+    out[STALENESS_HIST[-1]] = float((s > STALENESS_BUCKETS[-1]).mean())
+    return out
+
+
+def _scalar(where: str, value: Any) -> float:
+    arr = np.asarray(value)
+    if arr.size != 1 or arr.dtype.kind not in "biuf":
+        raise TypeError(f"{where} must be a real scalar, got "
+                        f"{type(value).__name__} with shape {arr.shape} and dtype {arr.dtype} "
+                        "(log arrays with MetricsWriter.histogram)")
+    return float(arr.reshape(()))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+class MetricsWriter:
+    """Writes one run folder: config, metrics (JSONL + TensorBoard) and sample completions.
+
+    Thread-safe (a lock around each write); the JSONL files are flushed after every record
+    so a crash loses nothing already logged. Use as a context manager or call :meth:`close`.
+
+    Args:
+      run_dir: the run folder (created if missing).
+      samples_every: :meth:`log_samples` writes on steps divisible by this (0: never).
+      num_samples: most completions written per sampled step.
+      on_non_finite: "error" raises :class:`NonFiniteMetricError`; "flag" writes the value
+        as null, lists it under the record's "non_finite" key and logs a warning.
+      start_step: first step this writer will log; > 0 on resume, so TensorBoard hides
+        events of steps >= start_step written by the interrupted run (``purge_step``).
+      tensorboard: also write TensorBoard event files.
+    """
+
+    def __init__(self, run_dir: str, *, samples_every: int = 5, num_samples: int = 4,
+                 on_non_finite: str = "flag", start_step: int = 0, tensorboard: bool = True):
+        if on_non_finite not in ("error", "flag"):
+            raise ValueError(f"on_non_finite must be 'error' or 'flag', got {on_non_finite!r}")
+        if samples_every < 0 or num_samples < 0:
+            raise ValueError(f"samples_every and num_samples must be >= 0, got "
+                             f"{samples_every}, {num_samples}")
+        self.run_dir = os.fspath(run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.samples_every, self.num_samples = samples_every, num_samples
+        self.on_non_finite = on_non_finite
+        self.non_finite_count = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._metrics = open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8")
+        self._samples = open(os.path.join(self.run_dir, SAMPLES_FILE), "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imports torch: keep it off module import
+            # The suffix keeps two writers opened in the same second (a quick resume) from
+            # sharing tensorboardX's per-second file name, which would truncate the first.
+            self._tb = SummaryWriter(logdir=self.run_dir, flush_secs=10,
+                                     purge_step=start_step if start_step > 0 else None,
+                                     filename_suffix=f".{time.time_ns()}")
+
+    @classmethod
+    def for_experiment(cls, cfg, *, start_step: int = 0) -> "MetricsWriter":
+        """Writer for ``cfg.run_path`` with ``cfg.metrics`` settings; writes ``config.json``."""
+        m = cfg.metrics
+        writer = cls(cfg.run_path, samples_every=m.samples_every, num_samples=m.num_samples,
+                     on_non_finite=m.on_non_finite, start_step=start_step)
+        writer.write_config(cfg)
+        return writer
+
+    # -- config --------------------------------------------------------------------------
+    def write_config(self, cfg: Any) -> str:
+        """Write the resolved config (a dataclass or a mapping) to ``config.json``.
+
+        Replaces the file atomically; also shown as text in TensorBoard. Returns its path.
+        """
+        data = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+        text = json.dumps(data, indent=2, default=_jsonable)
+        path = os.path.join(self.run_dir, CONFIG_FILE)
+        with self._lock:
+            self._check_open()
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            os.replace(path + ".tmp", path)
+            if self._tb is not None:
+                self._tb.add_text("config", "```\n" + text + "\n```", 0)
+        return path
+
+    # -- scalars -------------------------------------------------------------------------
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
+        """Record scalar metrics of one step (JSONL line + TensorBoard scalars).
+
+        Args:
+          step: learner step (= policy version), int >= 0. Several calls may share a step
+            (e.g. sampler and learner figures); readers merge them, later values winning.
+          metrics: name -> real scalar (Python/numpy number or 0-d array, JAX included).
+
+        Returns:
+          The JSON record written.
+
+        Raises:
+          TypeError: a name is not a non-empty string, or a value is not a real scalar.
+          ValueError: bad step, or a reserved name ("step", "time", "non_finite").
+          NonFiniteMetricError: a NaN/inf value and ``on_non_finite == "error"`` (nothing
+            of that call is written).
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        step = int(step)
+        values: dict[str, float] = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"metric names must be non-empty strings, got {name!r} "
+                                f"at step {step}")
+            if name in RESERVED_KEYS:
+                raise ValueError(f"metric name {name!r} is reserved ({RESERVED_KEYS})")
+            values[name] = _scalar(f"metric {name!r} at step {step}", value)
+        bad = [n for n, v in values.items() if not math.isfinite(v)]
+        if bad:
+            detail = ", ".join(f"{n}={values[n]}" for n in bad)
+            if self.on_non_finite == "error":
+                raise NonFiniteMetricError(
+                    f"step {step}: non-finite metric values: {detail} "
+                    "(metrics.on_non_finite='flag' records them as null and continues)")
+            logger.warning("step %d: non-finite metric values recorded as null: %s", step, detail)
+        record: dict[str, Any] = {"step": step, "time": time.time()}
+        record.update({n: (None if n in bad else v) for n, v in values.items()})
+        if bad:
+            record["non_finite"] = bad
+        line = json.dumps(record, allow_nan=False)
+        with self._lock:
+            self._check_open()
+            self.non_finite_count += len(bad)
+            self._metrics.write(line + "\n")
+            self._metrics.flush()
+            if self._tb is not None:
+                for n, v in values.items():
+                    if n not in bad:
+                        self._tb.add_scalar(n, v, step, walltime=record["time"])
+        return record
+
+    def histogram(self, step: int, name: str, values: Sequence[float] | np.ndarray) -> None:
+        """TensorBoard histogram of ``values`` (any shape, flattened) at ``step``.
+
+        Raises:
+          ValueError: empty or non-finite values (histogram bins would be meaningless).
+        """
+        arr = np.asarray(values, dtype=np.float64).ravel()
+        if arr.size == 0 or not np.isfinite(arr).all():
+            raise ValueError(f"histogram {name!r} at step {step}: needs a non-empty array of "
+                             f"finite values, got {arr.size} values "
+                             f"({int((~np.isfinite(arr)).sum())} non-finite)")
+        with self._lock:
+            self._check_open()
+            if self._tb is not None:
+                self._tb.add_histogram(name, arr, step)
+
+    # -- samples -------------------------------------------------------------------------
+    def samples_due(self, step: int) -> bool:
+        """Whether :meth:`log_samples` writes at ``step`` (detokenize only then)."""
+        return self.samples_every > 0 and self.num_samples > 0 and step % self.samples_every == 0
+
+    def log_samples(self, step: int, samples: Iterable[Mapping[str, Any]]) -> int:
+        """Write up to ``num_samples`` completions when :meth:`samples_due` (else nothing).
+
+        Args:
+          samples: mappings with ``prompt`` (str), ``completion`` (str), ``reward`` (real
+            scalar) and ``version`` (int, the policy version that sampled it); extra
+            JSON-serialisable keys (e.g. ``answer``, ``truncated``) are kept.
+
+        Returns:
+          The number of samples written.
+
+        Raises:
+          ValueError / TypeError: a sample misses a key or has a value of the wrong type
+            (message names the sample's index and the key).
+        """
+        if not self.samples_due(step):
+            return 0
+        lines = []
+        for i, sample in enumerate(samples):
+            if i >= self.num_samples:
+                break
+            where = f"sample {i} at step {step}"
+            for key in ("prompt", "completion", "reward", "version"):
+                if key not in sample:
+                    raise ValueError(f"{where}: missing key {key!r} (has {sorted(sample)})")
+            for key in ("prompt", "completion"):
+                if not isinstance(sample[key], str):
+                    raise TypeError(f"{where}: {key!r} must be str, got "
+                                    f"{type(sample[key]).__name__}")
+            version = sample["version"]
+            if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+                raise TypeError(f"{where}: 'version' must be int, got {version!r}")
+            reward = _scalar(f"{where}: 'reward'", sample["reward"])
+            record = {"step": int(step), **sample, "version": int(version),
+                      "reward": reward if math.isfinite(reward) else None}
+            if not math.isfinite(reward):
+                if self.on_non_finite == "error":
+                    raise NonFiniteMetricError(f"{where}: reward is {reward}")
+                logger.warning("%s: non-finite reward %s recorded as null", where, reward)
+                record["non_finite"] = ["reward"]
+            try:
+                lines.append(json.dumps(record, default=_jsonable, allow_nan=False))
+            except ValueError as e:
+                raise ValueError(f"{where}: an extra key holds a value JSON cannot store "
+                                 f"({e})") from None
+        with self._lock:
+            self._check_open()
+            for line in lines:
+                self._samples.write(line + "\n")
+            self._samples.flush()
+            if self._tb is not None and lines:
+                self._tb.add_text("samples", _samples_markdown(lines), step)
+        return len(lines)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def flush(self) -> None:
+        with self._lock:
+            if not self._closed and self._tb is not None:
+                self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close every file (idempotent); later writes raise RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._metrics.close()
+            self._samples.close()
+            if self._tb is not None:
+                self._tb.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"MetricsWriter for {self.run_dir} is closed")
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _samples_markdown(lines: Sequence[str]) -> str:
+    rows = ["| version | reward | prompt | completion |", "|---|---|---|---|"]
+    for line in lines:
+        r = json.loads(line)
+        cells = [str(r["version"]), str(r["reward"]), r["prompt"][:200], r["completion"][:400]]
+        rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells)
+                    + " |")
+    return "\n".join(rows)

@@ -1,0 +1,316 @@
+"""``rlflow report <run folder>``: PNG plots and one HTML and/or Markdown page of a run.
+
+Reads what :class:`rlflow.metrics.MetricsWriter` wrote (``metrics.jsonl``,
+``samples.jsonl``, ``config.json``) and writes into ``<run folder>/report/`` (or ``--out-dir``)::
+
+    plots/reward.png      reward mean (+/- std band), min, max; verifier accuracy
+    plots/length.png      response length mean/max; truncation rate
+    plots/kl_entropy.png  KL to the reference; policy entropy
+    plots/throughput.png  sampler tokens/s; idle fractions, slot occupancy, buffer fill
+    plots/staleness.png   staleness histogram over steps (stacked); mean/max staleness
+    plots/timing.png      learner step time, weight sync, sampler pause; buffer waits
+    report.html           self-contained page (PNG data URIs), metric table, samples table
+    report.md             the same page in Markdown (relative image links)
+
+A plot whose metrics were never logged is left out and the page says so. Plots use
+matplotlib's Agg canvas (no display needed).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal, Optional, Sequence
+
+import numpy as np
+import tyro
+
+from rlflow.metrics import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST
+from rlflow.run_folder import RunFolderError, metrics_by_step, read_jsonl
+
+FIGSIZE = (8.0, 5.5)  # inches
+DPI = 100
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One axes: a y label and the metrics drawn on it.
+
+    ``band`` = (mean, std) shades mean +/- std; ``stacked`` draws the series as a stacked area.
+    """
+
+    ylabel: str
+    series: tuple[str, ...]
+    band: Optional[tuple[str, str]] = None
+    stacked: bool = False
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    name: str
+    title: str
+    panels: tuple[Panel, Panel]
+
+
+PLOTS: tuple[PlotSpec, ...] = (
+    PlotSpec("reward", "Reward", (
+        Panel("reward", ("reward/mean", "reward/min", "reward/max"),
+              band=("reward/mean", "reward/std")),
+        Panel("accuracy", ("reward/accuracy",)))),
+    PlotSpec("length", "Response length", (
+        Panel("tokens", ("response/length_mean", "response/length_max")),
+        Panel("truncation rate", ("response/truncation_rate",)))),
+    PlotSpec("kl_entropy", "KL and entropy", (
+        Panel("KL (nats)", ("policy/kl",)),
+        Panel("entropy (nats)", ("policy/entropy",)))),
+    PlotSpec("throughput", "Throughput and idle fractions", (
+        Panel("sampler tokens/s", ("sampler/tokens_per_s",)),
+        Panel("fraction", ("learner/idle_frac", "sampler/idle_frac",
+                           "sampler/slot_occupancy", "buffer/fill")))),
+    PlotSpec("staleness", "Staleness (policy versions)", (
+        Panel("fraction of samples", STALENESS_HIST, stacked=True),
+        Panel("versions", ("staleness/mean", "staleness/max")))),
+    PlotSpec("timing", "Timing", (
+        Panel("seconds", ("learner/step_time_s", "sync/weight_sync_s", "sync/sampler_pause_s")),
+        Panel("wait (s)", ("buffer/producer_wait_s", "buffer/consumer_wait_s")))),
+)
+
+
+@dataclass(frozen=True)
+class ReportArgs:
+    """Render plots and a page for a run folder.
+
+    Attributes:
+      run_dir: the run folder (``runs/<name>``) written by ``rlflow train``.
+      out_dir: where to write (default: ``<run_dir>/report``).
+      format: "html", "md" or "both".
+      max_samples: most recent sample completions shown in the table.
+    """
+
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
+    out_dir: str = ""
+    format: Literal["html", "md", "both"] = "both"
+    max_samples: int = 20
+
+
+def _series(by_step: dict[int, dict[str, float]], name: str) -> np.ndarray:
+    return np.array([row.get(name, math.nan) for row in by_step.values()], dtype=np.float64)
+
+
+def _has(by_step, name: str) -> bool:
+    return bool(np.isfinite(_series(by_step, name)).any())
+
+
+def plot(spec: PlotSpec, by_step: dict[int, dict[str, float]], path: str) -> bool:
+    """Draw ``spec`` to a PNG of FIGSIZE * DPI pixels; False (nothing written) when none of
+    its metrics has a finite value."""
+    if not any(_has(by_step, n) for p in spec.panels for n in p.series):
+        return False
+    from matplotlib.figure import Figure  # Agg canvas; never touches pyplot's backend
+    from matplotlib.ticker import MaxNLocator
+
+    steps = np.array(list(by_step), dtype=np.float64)
+    marker = "o" if len(steps) <= 50 else None
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    axes = fig.subplots(2, 1, sharex=True)
+    for ax, panel in zip(axes, spec.panels):
+        present = [n for n in panel.series if _has(by_step, n)]
+        if panel.stacked and present:
+            ys = np.stack([_series(by_step, n) for n in present])
+            rows = np.isfinite(ys).any(axis=0)  # steps that logged the histogram
+            ax.stackplot(steps[rows], np.nan_to_num(ys[:, rows]), labels=present, alpha=0.8)
+        else:
+            for n in present:
+                ax.plot(steps, _series(by_step, n), marker=marker, markersize=3, label=n)
+        if panel.band and all(_has(by_step, n) for n in panel.band):
+            mean, std = (_series(by_step, n) for n in panel.band)
+            ax.fill_between(steps, mean - std, mean + std, alpha=0.2, label="mean ± std")
+        if not present:
+            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center")
+        else:
+            ax.legend(fontsize="small", loc="best")
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(spec.title)
+    fig.savefig(path, dpi=DPI)
+    return True
+
+
+def _cell(text, limit: int = 600) -> str:
+    s = str(text)
+    if len(s) > limit:
+        s = s[:limit] + " …"
+    return s
+
+
+def _fmt(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.4g}"
+
+
+def _summary_rows(by_step) -> list[tuple[str, str, str, str, str]]:
+    names = sorted({k for row in by_step.values() for k in row})
+    rows = []
+    for n in names:
+        y = _series(by_step, n)
+        fin = y[np.isfinite(y)]
+        last = fin[-1] if fin.size else math.nan
+        rows.append((n, _fmt(last), *(_fmt(f(fin)) if fin.size else "–"
+                                      for f in (np.min, np.max, np.mean))))
+    return rows
+
+
+def _md_cell(text) -> str:
+    return html.escape(_cell(text)).replace("|", "\\|").replace("\n", "<br>")
+
+
+def _markdown(title, meta, plots, missing, summary, samples, problems) -> str:
+    out = [f"# {title}", ""] + [f"- {k}: {v}" for k, v in meta] + [""]
+    if problems:
+        out += ["## Problems reading the run folder", ""] + [f"- {p}" for p in problems] + [""]
+    out += ["## Plots", ""]
+    out += [f"![{spec.title}](plots/{spec.name}.png)\n" for spec in plots]
+    out += [f"- {spec.title}: not logged ({', '.join(_plot_metrics(spec))})" for spec in missing]
+    out += ["", "## Metrics", "", "| metric | last | min | max | mean |", "|---|---|---|---|---|"]
+    out += ["| " + " | ".join(r) + " |" for r in summary]
+    out += ["", f"## Sample completions (latest {len(samples)})", ""]
+    if samples:
+        out += ["| step | version | reward | prompt | completion |", "|---|---|---|---|---|"]
+        out += ["| " + " | ".join(_md_cell(s.get(k)) for k in
+                                  ("step", "version", "reward", "prompt", "completion")) + " |"
+                for s in samples]
+    else:
+        out.append("No sample completions were written (metrics.samples_every = 0?).")
+    return "\n".join(out) + "\n"
+
+
+def _html(title, meta, plots, missing, summary, samples, problems, img_dir, config) -> str:
+    e = html.escape
+    out = ["<!doctype html><html><head><meta charset='utf-8'>", f"<title>{e(title)}</title>",
+           "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}"
+           "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 6px;"
+           "vertical-align:top}td.t{white-space:pre-wrap;max-width:420px}</style></head><body>",
+           f"<h1>{e(title)}</h1><ul>"]
+    out += [f"<li>{e(k)}: {e(str(v))}</li>" for k, v in meta] + ["</ul>"]
+    if problems:
+        out += ["<h2>Problems reading the run folder</h2><ul>"]
+        out += [f"<li>{e(p)}</li>" for p in problems] + ["</ul>"]
+    out.append("<h2>Plots</h2>")
+    for spec in plots:
+        with open(os.path.join(img_dir, f"{spec.name}.png"), "rb") as f:
+            data = base64.b64encode(f.read()).decode()
+        out.append(f"<img alt='{e(spec.title)}' src='data:image/png;base64,{data}'><br>")
+    if missing:
+        out += ["<ul>"] + [f"<li>{e(s.title)}: not logged ({e(', '.join(_plot_metrics(s)))})"
+                           "</li>" for s in missing] + ["</ul>"]
+    out += ["<h2>Metrics</h2><table><tr><th>metric</th><th>last</th><th>min</th><th>max</th>"
+            "<th>mean</th></tr>"]
+    out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in summary]
+    out += ["</table>", f"<h2>Sample completions (latest {len(samples)})</h2>"]
+    if samples:
+        out.append("<table><tr><th>step</th><th>version</th><th>reward</th><th>prompt</th>"
+                   "<th>completion</th></tr>")
+        for s in samples:
+            out.append("<tr>" + "".join(f"<td>{e(_cell(s.get(k)))}</td>" for k in
+                                        ("step", "version", "reward"))
+                       + "".join(f"<td class='t'>{e(_cell(s.get(k)))}</td>" for k in
+                                 ("prompt", "completion")) + "</tr>")
+        out.append("</table>")
+    else:
+        out.append("<p>No sample completions were written (metrics.samples_every = 0?).</p>")
+    if config is not None:
+        out.append("<h2>Config</h2><details><summary>config.json</summary><pre>"
+                   f"{e(json.dumps(config, indent=2))}</pre></details>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def _plot_metrics(spec: PlotSpec) -> list[str]:
+    return [n for p in spec.panels for n in p.series]
+
+
+def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
+                max_samples: int = 20) -> str:
+    """Write the plots and the page(s) of ``run_dir``; return the page's path (the HTML
+    page when ``fmt == "both"``).
+
+    Raises:
+      RunFolderError: ``run_dir`` is not a folder, or has no ``metrics.jsonl`` or no valid
+        metric record in it (bad lines are listed on the page instead of failing).
+      ValueError: ``fmt`` not "html" / "md" / "both", or ``max_samples < 0``.
+    """
+    if fmt not in ("html", "md", "both"):
+        raise ValueError(f"format must be 'html', 'md' or 'both', got {fmt!r}")
+    if max_samples < 0:
+        raise ValueError(f"max_samples must be >= 0, got {max_samples}")
+    if not os.path.isdir(run_dir):
+        raise RunFolderError(f"{run_dir}: not a folder (expected a run folder runs/<name>)")
+    records, problems = read_jsonl(os.path.join(run_dir, METRICS_FILE))
+    by_step = metrics_by_step(records)
+    problems += [f"{METRICS_FILE}: step {r['step']}: non-finite values {r['non_finite']} "
+                 "(recorded as null)" for r in records if r.get("non_finite")]
+    if not by_step:
+        raise RunFolderError(f"{os.path.join(run_dir, METRICS_FILE)}: no valid metric records"
+                             + (f" ({problems[0]} ...)" if problems else ""))
+    samples = []
+    if os.path.isfile(os.path.join(run_dir, SAMPLES_FILE)):
+        samples, bad = read_jsonl(os.path.join(run_dir, SAMPLES_FILE))
+        problems += bad
+    samples = samples[-max_samples:] if max_samples else []
+    config = None
+    config_path = os.path.join(run_dir, CONFIG_FILE)
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        except json.JSONDecodeError as err:
+            problems.append(f"{config_path}: not valid JSON ({err})")
+    else:
+        problems.append(f"{config_path}: file not found")
+
+    out_dir = out_dir or os.path.join(run_dir, "report")
+    img_dir = os.path.join(out_dir, "plots")
+    os.makedirs(img_dir, exist_ok=True)
+    drawn, missing = [], []
+    for spec in PLOTS:
+        (drawn if plot(spec, by_step, os.path.join(img_dir, f"{spec.name}.png"))
+         else missing).append(spec)
+    name = (config or {}).get("name") or os.path.basename(os.path.abspath(run_dir))
+    steps = list(by_step)
+    meta = [("run folder", os.path.abspath(run_dir)), ("steps", f"{steps[0]} … {steps[-1]} "
+            f"({len(steps)} logged)"), ("generated", time.strftime("%Y-%m-%d %H:%M:%S"))]
+    title = f"rlflow run report: {name}"
+    summary = _summary_rows(by_step)
+    page = ""
+    if fmt in ("md", "both"):
+        page = os.path.join(out_dir, "report.md")
+        with open(page, "w", encoding="utf-8") as f:
+            f.write(_markdown(title, meta, drawn, missing, summary, samples, problems))
+    if fmt in ("html", "both"):
+        page = os.path.join(out_dir, "report.html")
+        with open(page, "w", encoding="utf-8") as f:
+            f.write(_html(title, meta, drawn, missing, summary, samples, problems, img_dir,
+                          config))
+    return page
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``rlflow report`` entry point: prints the page path; 2 on a bad run folder."""
+    args = tyro.cli(ReportArgs, args=list(sys.argv[1:] if argv is None else argv),
+                    prog="rlflow report")
+    try:
+        page = make_report(args.run_dir, out_dir=args.out_dir, fmt=args.format,
+                           max_samples=args.max_samples)
+    except (RunFolderError, ValueError) as err:
+        print(f"rlflow report: {err}", file=sys.stderr)
+        return 2
+    print(page)
+    return 0
+

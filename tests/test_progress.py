@@ -1,0 +1,136 @@
+"""Live progress: rich bar on a TTY, plain lines without control characters elsewhere."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlflow.progress import (ProgressReporter, format_duration, format_status, plain_text,
+                             use_bar)
+
+# Any C0/C1 control character other than newline (ESC, CR, BS, TAB, ...).
+CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+METRICS = {"reward/mean": 0.5, "policy/kl": 0.00123, "sampler/tokens_per_s": 1520.4,
+           "staleness/mean": 0.75, "buffer/fill": 0.4, "learner/step_time_s": 1.0}
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_plain_lines_when_not_a_tty():
+    out = io.StringIO()
+    with ProgressReporter(10, mode="auto", stream=out) as p:
+        assert not p.is_bar
+        for step in range(1, 11):
+            p.update(step, METRICS)
+        p.message("\x1b[31mred\x1b[0m\tdone\r")
+    text = out.getvalue()
+    assert CONTROL.search(text) is None, repr(CONTROL.search(text))
+    lines = text.splitlines()
+    assert len(lines) == 11
+    assert lines[2].startswith("step 3/10 (30%) elapsed 0:00:00 eta 0:00:00 | ")
+    assert lines[2].endswith("reward 0.500 | kl 1.23e-03 | tok/s 1520 | stale 0.75 | buf 40%")
+    assert lines[-1] == "red done "
+
+
+def test_subprocess_piped_output_has_no_control_characters():
+    script = textwrap.dedent("""
+        import sys
+        from rlflow.progress import ProgressReporter
+        p = ProgressReporter(4, stream=sys.stdout)
+        for step in range(1, 5):
+            p.update(step, {"reward/mean": step / 4, "buffer/fill": 0.5})
+        p.message("weights \\x1b[1mv3\\x1b[0m swapped\\r")
+        p.close()
+    """)
+    env = dict(os.environ, TERM="xterm-256color", FORCE_COLOR="", PYTHONPATH=os.getcwd())
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=60, check=True)
+    assert CONTROL.search(res.stdout) is None, repr(res.stdout)
+    assert res.stdout.splitlines()[0].startswith("step 1/4 (25%) elapsed")
+    assert res.stdout.splitlines()[-1] == "weights v3 swapped "
+
+
+def test_plain_forced_on_a_tty_and_bar_on_a_tty():
+    plain = FakeTTY()
+    with ProgressReporter(3, mode="plain", stream=plain) as p:
+        p.update(1, METRICS)
+    assert CONTROL.search(plain.getvalue()) is None
+
+    tty = FakeTTY()
+    with ProgressReporter(3, mode="auto", stream=tty) as p:
+        assert p.is_bar
+        for step in range(1, 4):
+            p.update(step, METRICS)
+        p.message("hello above the bar")
+    text = tty.getvalue()
+    assert "\x1b[" in text  # a live terminal display, not plain lines
+    visible = plain_text(text)
+    assert "3/3" in visible and "hello above the bar" in visible
+    assert "reward 0.500 | kl 1.23e-03" in visible
+
+
+def test_eta_from_mean_step_time_with_resume():
+    clock = FakeClock()
+    out = io.StringIO()
+    p = ProgressReporter(100, mode="plain", stream=out, clock=clock)
+    clock.t += 20.0
+    p.update(10, {})
+    # 10 steps in 20 s -> 2 s/step, 90 steps left -> 180 s.
+    assert out.getvalue() == "step 10/100 (10%) elapsed 0:00:20 eta 0:03:00\n"
+
+    clock = FakeClock()
+    out = io.StringIO()
+    p = ProgressReporter(100, mode="plain", stream=out, start_step=50, clock=clock,
+                         plain_every=5)
+    assert p.eta_s() != p.eta_s()  # NaN before the first step of this process
+    clock.t += 10.0
+    p.update(59, {})  # not a multiple of plain_every: quiet
+    assert out.getvalue() == ""
+    p.update(60, {})  # 10 steps in 10 s, 40 left -> 40 s; the 50 resumed steps don't count
+    assert out.getvalue() == "step 60/100 (60%) elapsed 0:00:10 eta 0:00:40\n"
+    p.update(100, {})
+    assert out.getvalue().splitlines()[-1].endswith("eta 0:00:00")
+
+
+def test_use_bar_modes(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    assert use_bar("auto", FakeTTY()) and not use_bar("auto", io.StringIO())
+    assert use_bar("bar", io.StringIO()) and not use_bar("plain", FakeTTY())
+    monkeypatch.setenv("TERM", "dumb")
+    assert not use_bar("auto", FakeTTY())
+    with pytest.raises(ValueError, match="metrics.progress must be"):
+        use_bar("fancy", io.StringIO())
+
+
+def test_formatting_helpers():
+    assert format_duration(3725.4) == "1:02:05"
+    assert format_duration(float("nan")) == "-:--:--" and format_duration(-1) == "-:--:--"
+    assert format_status({"reward/mean": float("nan"), "buffer/fill": 1.0}) == \
+        "reward nan | buf 100%"
+    assert format_status({"unrelated": 1.0}) == ""
+    assert plain_text("a\x1b]0;title\x07b\x1b[2Kc\r\n") == "abc \n"
+
+
+@pytest.mark.parametrize("kwargs", [dict(total_steps=0), dict(total_steps=5, start_step=6),
+                                    dict(total_steps=5, plain_every=0),
+                                    dict(total_steps=5, mode="quiet")])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        ProgressReporter(stream=io.StringIO(), **kwargs)

@@ -1,0 +1,120 @@
+"""`rlflow report`: PNG plots and an HTML/Markdown page of a run folder."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+from contextlib import redirect_stderr, redirect_stdout
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rlflow.cli import main as cli_main
+from rlflow.metrics import MetricsWriter
+from rlflow.report import make_report
+
+from _synthetic_run import NUM_SAMPLES, write_run
+
+PLOTS = ("reward", "length", "kl_entropy", "throughput", "staleness", "timing")
+TAB_BLUE = np.array([31, 119, 180])  # matplotlib's first line colour ("C0")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    run_dir = write_run(str(tmp_path_factory.mktemp("runs"))).run_path
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = cli_main(["report", run_dir])
+    return run_dir, rc, out.getvalue().strip(), err.getvalue()
+
+
+def _rgb(path):
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.float64)
+
+
+def test_cli_writes_page_and_prints_its_path(report):
+    run_dir, rc, printed, err = report
+    assert rc == 0, err
+    assert printed == os.path.join(run_dir, "report", "report.html")
+    assert os.path.isfile(printed)
+    assert os.path.isfile(os.path.join(run_dir, "report", "report.md"))
+
+
+@pytest.mark.parametrize("name", PLOTS)
+def test_png_has_size_and_is_not_blank(report, name):
+    run_dir = report[0]
+    rgb = _rgb(os.path.join(run_dir, "report", "plots", f"{name}.png"))
+    height, width, _ = rgb.shape
+    assert width >= 640 and height >= 400
+    assert rgb.std() > 10.0  # a blank (single-colour) image has 0
+    # The first series is drawn: many pixels of matplotlib's first line colour.
+    blue = (np.abs(rgb - TAB_BLUE).max(axis=-1) < 40).sum()
+    assert blue > 300, f"{name}: only {blue} pixels of the first series' colour"
+
+
+def test_html_embeds_every_plot_and_escapes_samples(report):
+    run_dir = report[0]
+    with open(os.path.join(run_dir, "report", "report.html"), encoding="utf-8") as f:
+        page = f.read()
+    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(images) == len(PLOTS)
+    files = {open(os.path.join(run_dir, "report", "plots", f"{n}.png"), "rb").read()
+             for n in PLOTS}
+    assert {base64.b64decode(d) for d in images} == files
+    # latest samples (step 6, i = 0..2), HTML-escaped, never raw markup from the completion
+    for i in range(NUM_SAMPLES):
+        assert f"Q6.{i}: what is 6 + {i}? &lt;b&gt;|pipe|&lt;/b&gt;" in page
+    assert "<b>|pipe|" not in page and "Done &amp; dusted" in page
+    assert "<td>policy/kl</td>" in page  # metric table
+    assert "&quot;lr&quot;: 3e-06" in page  # config section
+
+
+def test_markdown_links_plots_and_escapes_table_cells(report):
+    run_dir = report[0]
+    out_dir = os.path.join(run_dir, "report")
+    with open(os.path.join(out_dir, "report.md"), encoding="utf-8") as f:
+        page = f.read()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
+    assert sorted(links) == sorted(f"plots/{n}.png" for n in PLOTS)
+    assert all(os.path.isfile(os.path.join(out_dir, link)) for link in links)
+    rows = [line for line in page.splitlines() if line.startswith("| 6 | 5 |")]
+    assert len(rows) == NUM_SAMPLES
+    for row in rows:  # 5 cells: pipes and newlines inside cells are escaped
+        assert len(re.split(r"(?<!\\)\|", row.strip("|"))) == 5
+        assert "The answer is" in row and "<br>Done &amp; dusted" in row
+    assert "not logged" not in page
+
+
+def test_partial_metrics_draw_what_exists_and_name_the_rest(tmp_path):
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:
+        for step in range(3):
+            w.log(step, {"reward/mean": 0.1 * step, "policy/kl": 0.01})
+        w.log(3, {"policy/kl": float("nan")})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/mean": 0.')  # a crash mid-line
+    page = make_report(str(tmp_path), fmt="md")
+    assert page == str(tmp_path / "report" / "report.md")
+    assert not os.path.exists(tmp_path / "report" / "report.html")
+    assert sorted(os.listdir(tmp_path / "report" / "plots")) == ["kl_entropy.png", "reward.png"]
+    text = open(page, encoding="utf-8").read()
+    assert "Staleness (policy versions): not logged (staleness/frac_0" in text
+    assert f"{tmp_path}/metrics.jsonl:5: not valid JSON" in text
+    assert "step 3: non-finite values ['policy/kl']" in text
+    assert "No sample completions were written" in text  # no samples.jsonl
+    assert "config.json: file not found" in text
+
+
+def test_bad_run_folders_fail_with_a_named_error(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path / "nope")]) == 2
+    assert "nope: not a folder" in capsys.readouterr().err
+    assert cli_main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl: file not found" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text("garbage\n")
+    assert cli_main(["report", str(tmp_path)]) == 2
+    assert "no valid metric records (" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["report", str(tmp_path), "--format", "pdf"])
