@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Shared by the Cloud TPU scripts in this folder (sourced, not run): flag parsing, names,
+# and `run`, which prints the exact command under --dry-run and runs it otherwise.
+# Flags and environment are documented in docs/tpu.md.
+# shellcheck disable=SC2034  # variables set here are read by the scripts that source this file
+
+NAME="rlflow"
+PROJECT=""
+ZONE=""
+LEARNER_TYPE="v5litepod-8"
+SAMPLER_TYPE="v5litepod-8"
+RUNTIME_VERSION=""
+PROVISIONING=""            # "", "spot" or "reserved"
+CONFIG="configs/gsm8k_qwen2_5_0_5b.py"
+MODEL_DIR=""               # HF model folder on every host (RLFLOW_MODEL_PATH)
+MODEL_GCS=""               # gs:// folder copied to MODEL_DIR by install.sh
+RUN_DIR=""                 # rlflow --run_dir (use gs://... when the learner has > 1 host)
+BUFFER_PORT="5555"
+COORDINATOR_PORT="5556"
+JAX_PORT="8476"
+TOKEN="${RLFLOW_BUFFER_TOKEN:-}"
+LEARNER_IP=""
+GIT_REF="HEAD"
+PYTHON="python3.11"
+JAX_VERSION="0.10.2"
+ROLE="both"
+WORKER="0"
+NO_WAIT=0
+DRY_RUN=0
+TRAIN_ARGS=()
+# shellcheck disable=SC2016  # $HOME is expanded by the remote shell, on each TPU host
+REMOTE_DIR='$HOME/rlflow'
+
+usage_common() {
+  cat <<'EOF'
+Common flags (docs/tpu.md):
+  --name NAME              prefix of the slices: NAME-learner, NAME-sampler (default rlflow)
+  --project PROJECT        Google Cloud project (default: gcloud's core/project)
+  --zone ZONE              zone of both slices (required)
+  --learner-type TYPE      learner slice accelerator type (default v5litepod-8)
+  --sampler-type TYPE      sampler slice accelerator type (default v5litepod-8)
+  --runtime-version V      TPU VM image (default from the type: v5litepod -> v2-alpha-tpuv5-lite,
+                           v6e -> v2-alpha-tpuv6e, v5p -> v2-alpha-tpuv5, v4 -> tpu-ubuntu2204-base)
+  --spot | --reserved      provisioning model of the queued resources (default on-demand)
+  --config PATH            rlflow config file, relative to the repository (default
+                           configs/gsm8k_qwen2_5_0_5b.py)
+  --model-dir DIR          Hugging Face model folder on every host (exported as RLFLOW_MODEL_PATH)
+  --model-gcs GS_URL       copy this gs:// folder to --model-dir on every host (install.sh)
+  --run-dir DIR            rlflow run_dir on the hosts (gs://bucket/runs for multi-host learners)
+  --buffer-port N          ring-buffer port on learner host 0 (default 5555)
+  --coordinator-port N     weight-coordinator port on learner host 0 (default 5556)
+  --jax-port N             jax.distributed coordinator port inside each slice (default 8476)
+  --token TOKEN            ring-buffer shared secret (default $RLFLOW_BUFFER_TOKEN, else random)
+  --learner-ip IP          internal IP of learner host 0 (default: asked from gcloud)
+  --git-ref REF            git ref shipped to the hosts by install.sh (default HEAD)
+  --python EXE             Python on the hosts (default python3.11)
+  --jax-version V          jax[tpu] version installed on the hosts (default 0.10.2)
+  --role learner|sampler|both   slice(s) that logs.sh / stop.sh act on (default both)
+  --worker N|all           host(s) whose log logs.sh streams (default 0)
+  --no-wait                create.sh: do not wait for the queued resources to be ACTIVE
+  --dry-run                print the exact commands instead of running them
+  -- ARGS...               extra `rlflow train` overrides (e.g. -- --learner.lr 1e-6)
+EOF
+}
+
+die() { echo "error: $*" >&2; exit 2; }
+
+parse_flags() {
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --name) NAME="${2:?--name needs a value}"; shift 2 ;;
+      --project) PROJECT="${2:?--project needs a value}"; shift 2 ;;
+      --zone) ZONE="${2:?--zone needs a value}"; shift 2 ;;
+      --learner-type) LEARNER_TYPE="${2:?--learner-type needs a value}"; shift 2 ;;
+      --sampler-type) SAMPLER_TYPE="${2:?--sampler-type needs a value}"; shift 2 ;;
+      --runtime-version) RUNTIME_VERSION="${2:?--runtime-version needs a value}"; shift 2 ;;
+      --spot) PROVISIONING="spot"; shift ;;
+      --reserved) PROVISIONING="reserved"; shift ;;
+      --config) CONFIG="${2:?--config needs a value}"; shift 2 ;;
+      --model-dir) MODEL_DIR="${2:?--model-dir needs a value}"; shift 2 ;;
+      --model-gcs) MODEL_GCS="${2:?--model-gcs needs a value}"; shift 2 ;;
+      --run-dir) RUN_DIR="${2:?--run-dir needs a value}"; shift 2 ;;
+      --buffer-port) BUFFER_PORT="${2:?--buffer-port needs a value}"; shift 2 ;;
+      --coordinator-port) COORDINATOR_PORT="${2:?--coordinator-port needs a value}"; shift 2 ;;
+      --jax-port) JAX_PORT="${2:?--jax-port needs a value}"; shift 2 ;;
+      --token) TOKEN="${2:?--token needs a value}"; shift 2 ;;
+      --learner-ip) LEARNER_IP="${2:?--learner-ip needs a value}"; shift 2 ;;
+      --git-ref) GIT_REF="${2:?--git-ref needs a value}"; shift 2 ;;
+      --python) PYTHON="${2:?--python needs a value}"; shift 2 ;;
+      --jax-version) JAX_VERSION="${2:?--jax-version needs a value}"; shift 2 ;;
+      --role) ROLE="${2:?--role needs a value}"; shift 2 ;;
+      --worker) WORKER="${2:?--worker needs a value}"; shift 2 ;;
+      --no-wait) NO_WAIT=1; shift ;;
+      --dry-run) DRY_RUN=1; shift ;;
+      -h|--help) usage; exit 0 ;;
+      --) shift; TRAIN_ARGS=("$@"); break ;;
+      *) die "unknown flag $1 (see --help)" ;;
+    esac
+  done
+  [ -n "$ZONE" ] || die "--zone is required"
+  case "$ROLE" in learner|sampler|both) ;; *) die "--role must be learner, sampler or both, got $ROLE" ;; esac
+  for port in "$BUFFER_PORT" "$COORDINATOR_PORT" "$JAX_PORT"; do
+    [[ "$port" =~ ^[0-9]+$ ]] && [ "$port" -gt 0 ] && [ "$port" -lt 65536 ] \
+      || die "ports must be integers in [1, 65535], got $port"
+  done
+  [[ "$NAME" =~ ^[a-z][-a-z0-9]*$ ]] || die "--name must be lowercase letters, digits and -, got $NAME"
+  LEARNER_NODE="${NAME}-learner"
+  SAMPLER_NODE="${NAME}-sampler"
+  LEARNER_QR="${NAME}-learner-qr"
+  SAMPLER_QR="${NAME}-sampler-qr"
+  GCLOUD_COMMON=(--zone="$ZONE")
+  if [ -n "$PROJECT" ]; then GCLOUD_COMMON+=(--project="$PROJECT"); fi
+}
+
+# The TPU VM image for an accelerator type (unless --runtime-version is given).
+runtime_for() {
+  if [ -n "$RUNTIME_VERSION" ]; then echo "$RUNTIME_VERSION"; return; fi
+  case "$1" in
+    v5litepod-*) echo "v2-alpha-tpuv5-lite" ;;
+    v6e-*) echo "v2-alpha-tpuv6e" ;;
+    v5p-*) echo "v2-alpha-tpuv5" ;;
+    v4-*) echo "tpu-ubuntu2204-base" ;;
+    *) die "no default runtime for accelerator type $1; pass --runtime-version" ;;
+  esac
+}
+
+# Quote one word for a POSIX shell, leaving plain words as they are.
+shell_quote() {
+  if [[ "$1" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+    printf '%s' "$1"
+  else
+    printf "'%s'" "${1//\'/\'\\\'\'}"
+  fi
+}
+
+# The words as one shell command line.
+command_line() {
+  local out="" word
+  for word in "$@"; do out+="$(shell_quote "$word") "; done
+  printf '%s' "${out% }"
+}
+
+# Print the command (--dry-run) or run it.
+run() {
+  if [ "$DRY_RUN" = 1 ]; then
+    command_line "$@"; echo
+  else
+    echo "+ $(command_line "$@")" >&2
+    "$@"
+  fi
+}
+
+note() { echo "# $*"; }
+
+# gcloud compute tpus tpu-vm ssh NODE --worker=W --command=CMD
+ssh_cmd() {
+  local node="$1" worker="$2" remote="$3"
+  run gcloud compute tpus tpu-vm ssh "$node" "${GCLOUD_COMMON[@]}" --worker="$worker" \
+    --command="$remote"
+}
+
+# Slices the current --role selects.
+selected_nodes() {
+  case "$ROLE" in
+    learner) echo "$LEARNER_NODE" ;;
+    sampler) echo "$SAMPLER_NODE" ;;
+    both) echo "$SAMPLER_NODE $LEARNER_NODE" ;;
+  esac
+}

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Create the two Cloud TPU slices as queued resources, one for the learner program and one
+# for the sampler program, and wait until both are ACTIVE.
+#   scripts/tpu/create.sh --zone us-west4-a [--learner-type v5litepod-16]
+#       [--sampler-type v5litepod-8] [--spot] [--dry-run] ...
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+usage() { sed -n '2,5p' "${BASH_SOURCE[0]}"; usage_common; }
+parse_flags "$@"
+
+create_qr() {
+  local qr="$1" node="$2" type="$3" extra=()
+  case "$PROVISIONING" in
+    spot) extra+=(--spot) ;;
+    reserved) extra+=(--reserved) ;;
+  esac
+  run gcloud compute tpus queued-resources create "$qr" "${GCLOUD_COMMON[@]}" \
+    --node-id="$node" --accelerator-type="$type" --runtime-version="$(runtime_for "$type")" \
+    "${extra[@]}"
+}
+
+wait_active() {
+  local qr="$1" state
+  if [ "$DRY_RUN" = 1 ]; then
+    note "repeated every 30 s until the state is ACTIVE (FAILED or SUSPENDED stops the script):"
+    run gcloud compute tpus queued-resources describe "$qr" "${GCLOUD_COMMON[@]}" \
+      --format='value(state.state)'
+    return
+  fi
+  while true; do
+    state="$(gcloud compute tpus queued-resources describe "$qr" "${GCLOUD_COMMON[@]}" \
+      --format='value(state.state)')"
+    echo "$qr: $state" >&2
+    case "$state" in
+      ACTIVE) return ;;
+      FAILED|SUSPENDED) die "queued resource $qr is $state" ;;
+    esac
+    sleep 30
+  done
+}
+
+create_qr "$LEARNER_QR" "$LEARNER_NODE" "$LEARNER_TYPE"
+create_qr "$SAMPLER_QR" "$SAMPLER_NODE" "$SAMPLER_TYPE"
+if [ "$NO_WAIT" = 0 ]; then
+  wait_active "$LEARNER_QR"
+  wait_active "$SAMPLER_QR"
+fi

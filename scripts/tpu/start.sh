@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Start the learner program on every host of the learner slice, then the sampler program on
+# every host of the sampler slice. Both get the learner host 0 addresses (ring buffer and
+# weight coordinator); each slice runs jax.distributed for its own hosts only.
+#   scripts/tpu/start.sh --zone us-west4-a --config configs/gsm8k_qwen2_5_0_5b.py
+#       --model-dir /home/me/qwen [--run-dir gs://b/runs] [--dry-run] [-- --learner.lr 1e-6]
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+usage() { sed -n '2,6p' "${BASH_SOURCE[0]}"; usage_common; }
+parse_flags "$@"
+
+if [ -z "$TOKEN" ]; then
+  TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
+  note "generated the ring-buffer token $TOKEN (pass --token to choose it)"
+fi
+if [ -z "$LEARNER_IP" ]; then
+  if [ "$DRY_RUN" = 1 ]; then
+    note "the internal IP of learner host 0 comes from (--learner-ip skips it):"
+    run gcloud compute tpus tpu-vm describe "$LEARNER_NODE" "${GCLOUD_COMMON[@]}" \
+      --format='value(networkEndpoints[0].ipAddress)'
+    LEARNER_IP="LEARNER_HOST0_IP"
+  else
+    LEARNER_IP="$(gcloud compute tpus tpu-vm describe "$LEARNER_NODE" "${GCLOUD_COMMON[@]}" \
+      --format='value(networkEndpoints[0].ipAddress)')"
+    [ -n "$LEARNER_IP" ] || die "no IP address for $LEARNER_NODE; is it ACTIVE?"
+  fi
+fi
+
+env_words=("RLFLOW_BUFFER_ADDRESS=$LEARNER_IP:$BUFFER_PORT"
+           "RLFLOW_COORDINATOR_ADDRESS=$LEARNER_IP:$COORDINATOR_PORT"
+           "RLFLOW_JAX_PORT=$JAX_PORT")
+if [ -n "$MODEL_DIR" ]; then env_words+=("RLFLOW_MODEL_PATH=$MODEL_DIR"); fi
+train=(--config "$CONFIG" --buffer.bind_address "$LEARNER_IP" --buffer.port "$BUFFER_PORT"
+       --buffer.token "$TOKEN")
+if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
+train+=("${TRAIN_ARGS[@]}")
+
+for role in learner sampler; do
+  node="$LEARNER_NODE"; [ "$role" = sampler ] && node="$SAMPLER_NODE"
+  remote="env $(command_line "${env_words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
+  remote+=" start $role $(command_line "${train[@]}")"
+  ssh_cmd "$node" all "$remote"
+done
+note "follow the logs with scripts/tpu/logs.sh --zone $ZONE --name $NAME"
