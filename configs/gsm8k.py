@@ -1,0 +1,40 @@
+"""GRPO on GSM8K with any local Hugging Face model: ``--model.path`` is required.
+
+    rlflow train --config configs/gsm8k.py --model.path ~/models/Qwen2.5-0.5B-Instruct
+
+Data: GSM8K JSONL (``question``; ``answer`` ending ``#### <number>``), by default
+``<repo>/../shared/data/gsm8k/train.jsonl``; point ``--data.path`` at another copy (or
+``test.jsonl``). The question goes into the model's own chat template (``data.chat_template
+"hf"``) as the user message, followed by the instruction below (the prompt of verl's GSM8K
+recipe). Reward: ``math_verify`` (1 when the completion's final answer, after ``####`` or in
+``\\boxed{}``, equals the reference number under math-verify, else 0).
+
+Sizes are for one accelerator host; a laptop run of a tiny model overrides them, e.g.
+``--learner.num_steps 3 --sampler.max_tokens 16 --learner.groups_per_step 2``.
+"""
+
+import os
+
+from rlflow.config import (DataConfig, ExperimentConfig, LearnerConfig, RewardConfig,
+                           RuntimeConfig, SamplerConfig)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DATA = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "gsm8k", "train.jsonl"))
+INSTRUCTION = "{prompt} Let's think step by step and output the final answer after \"####\"."
+
+
+def config() -> ExperimentConfig:
+    return ExperimentConfig(
+        name="gsm8k",
+        data=DataConfig(source="jsonl", path=DEFAULT_DATA, prompt_field="question",
+                        answer_field="answer", chat_template="hf", plain_template=INSTRUCTION,
+                        max_prompt_tokens=256),
+        reward=RewardConfig(functions=("math_verify",), weights=(1.0,), timeout_s=10.0),
+        sampler=SamplerConfig(num_slots=64, max_prefill_length=256,
+                              prefill_buckets=(64, 128, 256), max_tokens=512, group_size=8,
+                              temperature=1.0),
+        learner=LearnerConfig(num_steps=200, groups_per_step=8, lr=1e-6, warmup_steps=10,
+                              advantage="grpo", loss_agg="token-mean", clip_low=0.2,
+                              clip_high=0.28, max_grad_norm=1.0),
+        runtime=RuntimeConfig(mode="async", max_staleness=1),
+    )

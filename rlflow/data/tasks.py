@@ -1,0 +1,110 @@
+"""Built-in procedural tasks: prompts with a verifiable answer, made from a seed (no download).
+
+The default task, ``digits`` ("next digit"): the prompt is a digit ``d`` followed by ``>``
+(``"7>"``), the answer is ``(d + 1) mod 10`` (``"8"``). Its reward ``digits_match`` is
+``0.9 * [first character of the completion == answer] + 0.1 * [completion is one character]``:
+the correctness of the first answer token plus a small partial credit for stopping right
+after it (which also keeps generation short).
+
+It is made for the CPU demo: a randomly initialised decoder (hidden 64, 2 layers) with the
+task's character tokenizer (15 tokens: 4 specials + ``0-9`` + ``>``; set ``model.vocab_size``
+to ``len(tokenizer)``) samples the right digit about 1/15 of the time, so the mean reward
+starts near 0.1. In a plain on-policy GRPO reference loop (torch ``LlamaForCausalLM`` of that
+size, 1 CPU thread; group size 8, 8 groups per step, lr 1e-3, ``max_tokens`` 4, temperature 1)
+the mean reward rose from 0.07-0.09 to 0.97-0.99 between the first and last 10% of 300 steps
+(three seeds, ~20 s each); with 16 samples per step (4 groups of 4) the rise was only 0.2-0.3,
+so the demo should use about 64 samples per step. No supervised warm-start is needed (a
+format-only warm-start did not speed it up).
+
+A task is a :class:`Task`: its record source (``{"prompt", "answer"}`` dicts, record ``i``
+a pure function of ``(seed, i)``), its alphabet and the name of its reward function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from rlflow.data.rewards import register_reward
+from rlflow.data.tokenizer import build_char_tokenizer
+
+
+class DigitsSource:
+    """``num_records`` "next digit" records; record ``i`` depends only on ``(seed, i)``.
+
+    ``__getitem__(i) -> {"prompt": "7>", "answer": "8"}`` (grain ``RandomAccessDataSource``).
+    """
+
+    def __init__(self, seed: int, num_records: int = 1024):
+        if num_records <= 0:
+            raise ValueError(f"DigitsSource: num_records must be > 0, got {num_records}")
+        self.seed = int(seed)
+        self.num_records = int(num_records)
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    def location(self, index: int) -> str:
+        return f"builtin task 'digits' (seed {self.seed}): record {index}"
+
+    def __getitem__(self, index: int) -> dict:
+        index = int(index)
+        if not 0 <= index < self.num_records:
+            raise IndexError(f"record {index} out of range [0, {self.num_records})")
+        d = int(np.random.default_rng([self.seed, index]).integers(10))
+        return {"prompt": f"{d}>", "answer": str((d + 1) % 10)}
+
+
+@register_reward("digits_match")
+def digits_match(completion: str, answer: str) -> float:
+    """Reward of the ``digits`` task: 0.9 for a correct first character, 0.1 for stopping.
+
+    Args:
+      completion: decoded completion (special tokens removed).
+      answer: the reference digit.
+
+    Returns:
+      ``0.9 * [completion[:1] == answer] + 0.1 * [len(completion.strip()) == 1]``, in [0, 1].
+    """
+    text = completion.strip()
+    return 0.9 * float(text[:1] == answer.strip()) + 0.1 * float(len(text) == 1)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in task.
+
+    Attributes:
+      name: ``data.task`` value.
+      alphabet: characters of its character tokenizer.
+      reward: registry name of its reward function (``reward.functions``).
+      make_source: ``seed -> source`` of ``{"prompt", "answer"}`` records.
+    """
+
+    name: str
+    alphabet: str
+    reward: str
+    make_source: Callable[[int], object]
+
+    def build_tokenizer(self, out_dir: str):
+        """Write the task's character tokenizer to ``out_dir`` and return it (no chat template)."""
+        return build_char_tokenizer(self.alphabet, out_dir)
+
+
+TASKS = {
+    "digits": Task(name="digits", alphabet="0123456789>", reward="digits_match",
+                   make_source=DigitsSource),
+}
+
+
+def get_task(name: str) -> Task:
+    """The built-in task called ``name``.
+
+    Raises:
+      KeyError: unknown name (the message lists the known tasks and names ``data.task``).
+    """
+    if name not in TASKS:
+        raise KeyError(f"data.task: unknown built-in task {name!r}; known: {sorted(TASKS)}")
+    return TASKS[name]

@@ -1,0 +1,108 @@
+"""The built-in ``digits`` task, its reward, and the local tokenizer builders."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from rlflow.config import DataConfig, RewardConfig
+from rlflow.data.rewards import Rewarder, get_reward
+from rlflow.data.tasks import TASKS, DigitsSource, digits_match, get_task
+from rlflow.data.tokenizer import (DEFAULT_CHAT_TEMPLATE, build_bpe_tokenizer,
+                                   build_char_tokenizer, load_tokenizer)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_TEST = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "gsm8k", "test.jsonl"))
+
+
+def test_digits_records_are_deterministic_and_correct():
+    a, b, c = DigitsSource(seed=0, num_records=200), DigitsSource(seed=0, num_records=200), \
+        DigitsSource(seed=1, num_records=200)
+    ra = [a[i] for i in range(len(a))]
+    assert ra == [b[i] for i in range(len(b))]
+    assert ra != [c[i] for i in range(len(c))]
+    digits = []
+    for r in ra:
+        assert len(r["prompt"]) == 2 and r["prompt"][1] == ">"
+        d = int(r["prompt"][0])
+        assert r["answer"] == str((d + 1) % 10)
+        digits.append(d)
+    counts = np.bincount(digits, minlength=10)
+    assert counts.min() > 0  # every digit appears in 200 records
+    with pytest.raises(IndexError):
+        a[200]
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("8", 1.0), (" 8\n", 1.0), ("89", 0.9), ("8>>>", 0.9), ("7", 0.1), ("", 0.0), ("78", 0.0),
+])
+def test_digits_match(completion, want):
+    assert digits_match(completion, "8") == pytest.approx(want)
+
+
+def test_default_config_names_the_task_and_its_reward():
+    task = get_task(DataConfig().task)
+    assert task.reward in RewardConfig().functions
+    assert get_reward(task.reward) is digits_match
+    with pytest.raises(KeyError, match=r"data\.task: unknown built-in task 'nope'.*digits"):
+        get_task("nope")
+
+
+def test_task_tokenizer_round_trips_every_prompt_and_answer(tmp_path):
+    task = TASKS["digits"]
+    tok = task.build_tokenizer(str(tmp_path / "tok"))
+    again = load_tokenizer(str(tmp_path / "tok"))
+    assert len(tok) == len(again) == 4 + len(task.alphabet)
+    ids_of = {ch: tok.convert_tokens_to_ids(ch) for ch in task.alphabet}
+    assert len(set(ids_of.values())) == len(task.alphabet) and min(ids_of.values()) >= 4
+    src = task.make_source(0)
+    for i in range(30):
+        r = src[i]
+        ids = again(r["prompt"])["input_ids"]
+        assert ids == [tok.bos_token_id] + [ids_of[ch] for ch in r["prompt"]]
+        assert again.decode(ids, skip_special_tokens=True) == r["prompt"]
+    # a completion "8<eos>" decodes to the text the reward sees
+    completion = [ids_of["8"], tok.eos_token_id]
+    assert tok.decode(completion, skip_special_tokens=True) == "8"
+    r = Rewarder(RewardConfig())
+    assert r.score_group(0, [tok.decode(completion, skip_special_tokens=True)], "8").tolist() \
+        == [1.0]
+
+
+def test_char_tokenizer_with_chat_template(tmp_path):
+    tok = build_char_tokenizer("ab ", str(tmp_path / "c"), chat_template=DEFAULT_CHAT_TEMPLATE)
+    assert os.path.isfile(tmp_path / "c" / "tokenizer.json")
+    text = tok.apply_chat_template([{"role": "user", "content": "ab a"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert text == "<bos><|user|>ab a<eos><|assistant|>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    role = tok.convert_tokens_to_ids
+    assert ids == [tok.bos_token_id, role("<|user|>"), role("a"), role("b"), role(" "), role("a"),
+                   tok.eos_token_id, role("<|assistant|>")]
+    assert tok("abc")["input_ids"][-1] == tok.unk_token_id  # outside the alphabet
+    with pytest.raises(ValueError, match="alphabet must not be empty"):
+        build_char_tokenizer("", str(tmp_path / "e"))
+
+
+def test_bpe_tokenizer_on_gsm8k_questions(tmp_path):
+    if not os.path.isfile(GSM8K_TEST):
+        pytest.skip(f"GSM8K test file not found at {GSM8K_TEST} (expected <repo>/../shared/data)")
+    with open(GSM8K_TEST) as f:
+        questions = [json.loads(line)["question"] for line in f][:400]
+    tok = build_bpe_tokenizer(questions, str(tmp_path / "bpe"), vocab_size=400)
+    assert 263 < len(tok) <= 400
+    for q in questions[:50]:
+        ids = tok(q)["input_ids"]
+        assert ids[0] == tok.bos_token_id and len(ids) < len(q.encode("utf-8"))  # merges learned
+        assert tok.decode(ids, skip_special_tokens=True) == q
+    with pytest.raises(ValueError, match=r"vocab_size must be >= 263"):
+        build_bpe_tokenizer(questions, str(tmp_path / "small"), vocab_size=100)
+
+
+def test_load_tokenizer_names_a_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer folder not found"):
+        load_tokenizer(str(tmp_path / "none"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"holds no tokenizer files"):
+        load_tokenizer(str(tmp_path / "empty"))
