@@ -10,7 +10,7 @@ RUNTIME = [
     "orbax-checkpoint>=0.11",
     "grain>=0.2.12",
     "google-jetstream==0.2.2",
-    "transformers>=4.51",
+    "transformers>=5.0",
     "tokenizers>=0.21",
     "safetensors>=0.4",
     "tyro>=0.9",

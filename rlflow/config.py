@@ -117,7 +117,8 @@ class DataConfig:
       task: name of the built-in task when ``source == "builtin"``.
       prompt_field / answer_field: record fields holding the prompt and the reference answer.
       chat_template: "hf" (the tokenizer's chat template), "plain" (``plain_template``) or "none".
-      plain_template: Python format string with ``{prompt}``.
+      plain_template: Python format string with ``{prompt}``: the whole prompt text for
+        "plain", the user message inside the chat template for "hf"; unused for "none".
       max_prompt_tokens: prompts longer than this (in tokens) are filtered out and counted.
       shuffle_seed: seed of the deterministic shuffle.
       num_epochs: passes over the dataset (0: unlimited).
@@ -235,6 +236,19 @@ class LearnerConfig:
       dynamic_sampling: drop groups with zero reward variance (DAPO).
       num_devices / mesh: devices and mesh of the learner program.
       compute_dtype: activations dtype in the train step; params stay ``model.param_dtype``.
+      scale_by_std: divide advantages by the group std (None: only "grpo" does).
+      off_policy: "decoupled" (AReaL decoupled PPO: ratio against the old policy times a
+        detached truncated weight pi_old / pi_behaviour) or "behaviour" (ratio directly
+        against the sampler's behaviour logprobs).
+      is_floor: lower clamp of the truncated importance weight (0 off).
+      is_window_low / is_window_high: tokens whose importance ratio lies outside this window
+        are masked out of the loss (0 turns a side off).
+      overlong_buffer / overlong_penalty: DAPO soft overlong punishment over the last
+        ``overlong_buffer`` tokens of ``sampler.max_tokens`` (0 off), scaled by the penalty.
+      zero_truncated_rewards: reward 0 for completions cut by ``max_tokens``.
+      on_bad_reward: a NaN/inf reward "error"s (naming the sample) or is "drop"ped (counted).
+      seq_buckets: padded training lengths (prompt + completion); the step compiles once per
+        bucket used. Empty: one bucket of ``sampler.max_prefill_length + sampler.max_tokens``.
     """
 
     num_steps: int = 20
@@ -262,6 +276,16 @@ class LearnerConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
+    scale_by_std: Optional[bool] = None
+    off_policy: Literal["decoupled", "behaviour"] = "decoupled"
+    is_floor: float = 0.0
+    is_window_low: float = 0.0
+    is_window_high: float = 0.0
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    zero_truncated_rewards: bool = False
+    on_bad_reward: Literal["error", "drop"] = "error"
+    seq_buckets: Tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices"):
@@ -283,6 +307,21 @@ class LearnerConfig:
         _check(math.isfinite(self.lr), "learner.lr", "must be finite")
         _check(self.mesh.num_devices == self.num_devices, "learner.mesh",
                f"has {self.mesh.num_devices} devices but learner.num_devices={self.num_devices}")
+        _check(not (self.advantage == "drgrpo" and self.scale_by_std), "learner.scale_by_std",
+               "must not be True with learner.advantage='drgrpo' (Dr. GRPO has no std scaling)")
+        _one_of(self.off_policy, ("decoupled", "behaviour"), "learner.off_policy")
+        _one_of(self.on_bad_reward, ("error", "drop"), "learner.on_bad_reward")
+        _check(self.is_floor >= 0 and (self.is_cap == 0 or self.is_floor <= self.is_cap),
+               "learner.is_floor", f"must be in [0, learner.is_cap], got {self.is_floor}")
+        _check(0 <= self.is_window_low <= 1, "learner.is_window_low",
+               f"must be in [0, 1] (0 off), got {self.is_window_low}")
+        _check(self.is_window_high == 0 or self.is_window_high >= 1, "learner.is_window_high",
+               f"must be 0 (off) or >= 1, got {self.is_window_high}")
+        _check(self.overlong_buffer >= 0, "learner.overlong_buffer", "must be >= 0 (0 off)")
+        _check(self.overlong_penalty >= 0, "learner.overlong_penalty", "must be >= 0")
+        _check(all(b > 0 for b in self.seq_buckets) and
+               list(self.seq_buckets) == sorted(set(self.seq_buckets)), "learner.seq_buckets",
+               f"must be positive and strictly increasing, got {self.seq_buckets}")
 
 
 @dataclass(frozen=True)
@@ -329,7 +368,17 @@ class RuntimeConfig:
       weight_transfer: "transfer" (jax.experimental.transfer) or "orbax" (folder fallback).
       publish_every: publish weights every k learner steps.
       transfer_timeout_s: watchdog for one weight pull, seconds.
+      transfer_retries: extra pull attempts (each with a fresh uuid) after a failed pull.
+      transfer_layout: "native" (pull in the learner's shard layout; the sampler needs at
+        least as many devices) or "single_device" (published gathered on one device).
+      bind_address: host the weight coordinator and the transfer server bind; off loopback
+        requires ``buffer.token`` (the run's shared secret).
+      coordinator_port: TCP port of the weight coordinator (0: pick a free one).
+      weights_keep_last: versions kept in ``<run>/weights`` by the orbax fallback.
       restart_sampler: restart a dead sampler process instead of stopping the run.
+      sampler_sleep: the sampler frees its KV cache whenever it waits (for a new version or
+        for admission budget) and allocates a fresh one when it resumes; it keeps generating
+        with the last synced weights.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -338,7 +387,13 @@ class RuntimeConfig:
     weight_transfer: Literal["transfer", "orbax"] = "transfer"
     publish_every: int = 1
     transfer_timeout_s: float = 120.0
+    transfer_retries: int = 2
+    transfer_layout: Literal["native", "single_device"] = "native"
+    bind_address: str = "127.0.0.1"
+    coordinator_port: int = 0
+    weights_keep_last: int = 2
     restart_sampler: bool = False
+    sampler_sleep: bool = False
 
     def __post_init__(self):
         _one_of(self.mode, ("async", "sync"), "runtime.mode")
@@ -348,7 +403,18 @@ class RuntimeConfig:
         _check(self.mode == "async" or self.max_staleness == 0, "runtime.max_staleness",
                f"must be 0 in sync mode, got {self.max_staleness}")
         _positive(self.publish_every, "runtime.publish_every")
+        # Between two publishes the sampler keeps the last published version, so samples
+        # consumed there lag by up to publish_every - 1 versions by construction.
+        _check(self.max_staleness >= self.publish_every - 1, "runtime.publish_every",
+               f"must be <= runtime.max_staleness + 1 = {self.max_staleness + 1} (samples "
+               f"between publishes are publish_every - 1 versions old), got {self.publish_every}")
         _positive(self.transfer_timeout_s, "runtime.transfer_timeout_s")
+        _check(self.transfer_retries >= 0, "runtime.transfer_retries", "must be >= 0")
+        _one_of(self.transfer_layout, ("native", "single_device"), "runtime.transfer_layout")
+        _check(bool(self.bind_address), "runtime.bind_address", "must not be empty")
+        _check(0 <= self.coordinator_port < 65536, "runtime.coordinator_port",
+               f"must be in [0, 65535], got {self.coordinator_port}")
+        _positive(self.weights_keep_last, "runtime.weights_keep_last")
 
 
 @dataclass(frozen=True)
@@ -359,18 +425,21 @@ class CheckpointConfig:
       every_steps: save every N learner steps (0: only at exit).
       keep_last: keep the newest K checkpoints.
       keep_best_metric: also keep the best checkpoint by this metric ("" off).
+      keep_best_mode: "max" (higher is better, e.g. a reward) or "min" (e.g. a loss).
       resume: "auto" resumes when the run folder has checkpoints; "never" starts fresh.
     """
 
     every_steps: int = 0
     keep_last: int = 2
     keep_best_metric: str = ""
+    keep_best_mode: Literal["max", "min"] = "max"
     resume: Literal["auto", "never"] = "auto"
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
         _positive(self.keep_last, "checkpoint.keep_last")
         _one_of(self.resume, ("auto", "never"), "checkpoint.resume")
+        _one_of(self.keep_best_mode, ("max", "min"), "checkpoint.keep_best_mode")
 
 
 @dataclass(frozen=True)
@@ -381,16 +450,20 @@ class MetricsConfig:
       samples_every: write sample completions every N steps (0 off).
       num_samples: completions written each time.
       progress: "auto" (bar on a TTY, plain lines otherwise), "bar" or "plain".
+      on_non_finite: a NaN/inf metric value "error"s (raises, naming step and metric) or is
+        "flag"ged (written as null, listed under the record's "non_finite" key, warned).
     """
 
     samples_every: int = 5
     num_samples: int = 4
     progress: Literal["auto", "bar", "plain"] = "auto"
+    on_non_finite: Literal["error", "flag"] = "flag"
 
     def __post_init__(self):
         _check(self.samples_every >= 0, "metrics.samples_every", "must be >= 0")
         _check(self.num_samples >= 0, "metrics.num_samples", "must be >= 0")
         _one_of(self.progress, ("auto", "bar", "plain"), "metrics.progress")
+        _one_of(self.on_non_finite, ("error", "flag"), "metrics.on_non_finite")
 
 
 @dataclass(frozen=True)
@@ -419,9 +492,21 @@ class ExperimentConfig:
     def __post_init__(self):
         _check(bool(self.name) and "/" not in self.name, "name",
                f"must be a non-empty folder name, got {self.name!r}")
+        bind = self.runtime.bind_address
+        _check(bind == "localhost" or bind.startswith("127.") or bind == "::1"
+               or bool(self.buffer.token), "buffer.token",
+               f"is required when runtime.bind_address={bind!r} is not loopback")
         if self.runtime.stale_policy == "correct":
             _check(self.learner.is_cap > 0, "learner.is_cap",
                    "must be > 0 when runtime.stale_policy='correct'")
+        lr, sp = self.learner, self.sampler
+        rows = lr.groups_per_step * sp.group_size
+        split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
+        _check(rows % split == 0, "learner.micro_batches",
+               f"learner.groups_per_step * sampler.group_size = {rows} samples must divide into "
+               f"learner.micro_batches * learner.mesh.data * learner.mesh.fsdp = {split} parts")
+        _check(lr.overlong_buffer <= sp.max_tokens, "learner.overlong_buffer",
+               f"must be <= sampler.max_tokens={sp.max_tokens}, got {lr.overlong_buffer}")
 
     @property
     def run_path(self) -> str:

@@ -1,0 +1,164 @@
+"""Weight publish-to-swap latency over loopback, against a numpy copy of the same bytes.
+
+A learner process (its own JAX runtime, 2 fake CPU devices, leaves sharded over ``fsdp``)
+publishes versions of W bytes of float32 leaves through ``WeightPublisher`` + coordinator;
+this process is the sampler (2 fake CPU devices): it polls, pulls in the learner's layout,
+re-lays onto its own shardings and swaps. Publish-to-swap is the wall
+time from the learner starting ``publish`` to the sampler holding the new arrays (same-host
+clock). The baseline is a single-thread ``np.copyto`` of W bytes in this run. Printed::
+
+    RESULT numpy_copy_<W>MB <ms> ms
+    RESULT weight_publish_to_swap_<W>MB_<case> <ms> ms
+    RESULT weight_swap_vs_numpy_copy_<W>MB_<case> <ratio> x     (target <= 3)
+    RESULT weight_sampler_pause_<W>MB_<case> <ms> ms            (re-layout + swap)
+
+(and the publish and pull parts) for two cases: ``same_layout`` (the sampler keeps the
+learner's split, so nothing is re-laid) and ``resharded`` (rows -> columns: a full re-layout
+on the sampler, which the CPU backend does slowly).
+
+Usage: ``python benchmarks/weight_transfer.py [--mb 50 200] [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+DEVICES = 2
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={DEVICES}").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+LEAVES = 8
+WARMUP = 2
+
+
+def leaf_shape(mb: int) -> tuple[int, int]:
+    rows = max(DEVICES, (mb * 2**20 // 4 // LEAVES) // 1024 // DEVICES * DEVICES)
+    return rows, 1024
+
+
+def learner(mb: int) -> None:
+    """Peer process: on "publish <v>" publish version v and print its start time."""
+    from rlflow.exchange.coordinator import Coordinator
+    from rlflow.exchange.transfer import WeightPublisher
+
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    shape = leaf_shape(mb)
+    params = {f"w{i}": jax.device_put(np.full(shape, i, np.float32),
+                                      NamedSharding(mesh, P("fsdp", None)))
+              for i in range(LEAVES)}
+    pub = WeightPublisher(pull_timeout_s=300)
+    coord = Coordinator(pub).start()
+    print("READY", coord.address, flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[:1] == ["publish"]:
+            t0 = time.time()
+            pub.publish(int(cmd[1]), params)
+            jax.block_until_ready(pub._current[1])
+            print("PUBLISHED", cmd[1], t0, time.time() - t0, flush=True)
+        elif cmd[:1] == ["quit"]:
+            break
+    coord.close()
+
+
+def numpy_copy_s(nbytes: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of a single-thread numpy copy of ``nbytes``: into a warm, reused
+    buffer (``np.copyto``, the headline baseline) and into a fresh one (``np.copy``, which
+    allocates like a pull does)."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    warm, fresh = [], []
+    for _ in range(WARMUP + repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        warm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = np.copy(src)
+        fresh.append(time.perf_counter() - t0)
+        del out
+    return float(np.median(warm[WARMUP:])), float(np.median(fresh[WARMUP:]))
+
+
+def sampler(mb: int, repeats: int) -> None:
+    from rlflow.exchange.transfer import WeightSubscriber
+
+    proc = subprocess.Popen([sys.executable, __file__, "--learner", str(mb)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    mesh = Mesh(np.array(jax.devices()), ("tensor",))
+    targets = {  # the sampler's own mesh; "same" keeps the learner's split, no re-layout
+        "same_layout": NamedSharding(mesh, P("tensor", None)),
+        "resharded": NamedSharding(mesh, P(None, "tensor")),
+    }
+    results = {}
+    try:
+        ready = proc.stdout.readline().split()
+        assert ready[:1] == ["READY"], ready
+        sub = WeightSubscriber(ready[1], consumer_id="bench-sampler", timeout_s=300)
+        version = 0
+        for case, sharding in targets.items():
+            sub.target = {f"w{i}": sharding for i in range(LEAVES)}
+            params = None
+            rows = []
+            for r in range(WARMUP + repeats):  # warm-up: connections, allocator, page faults
+                proc.stdin.write(f"publish {version}\n")
+                proc.stdin.flush()
+                _, _, t_start, t_publish = proc.stdout.readline().split()
+                got, new = sub.poll()
+                s0 = time.perf_counter()
+                params = new  # the swap: the sampler's engine takes this pytree
+                swap_s = time.perf_counter() - s0
+                t_done = time.time()
+                assert got == version and float(np.asarray(params["w3"][0, 0])) == 3.0
+                if r >= WARMUP:
+                    rows.append((t_done - float(t_start), float(t_publish),
+                                 sub.metrics["last_pull_s"],
+                                 sub.metrics["last_relayout_s"] + swap_s))
+                version += 1
+            results[case] = np.median(np.array(rows), axis=0) * 1e3  # ms
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        proc.stdin.write("quit\n")
+        proc.stdin.flush()
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    base, fresh = (t * 1e3 for t in numpy_copy_s(nbytes, repeats))
+    name = f"{round(nbytes / 2**20)}MB"
+    print(f"# {name}: {LEAVES} float32 leaves; learner {DEVICES} devices P('fsdp', None); "
+          f"sampler {DEVICES} devices; median of {repeats} after {WARMUP} warm-up rounds")
+    print(f"RESULT numpy_copy_{name} {base:.1f} ms np.copyto into a reused buffer (baseline)")
+    print(f"RESULT numpy_copy_fresh_{name} {fresh:.1f} ms np.copy into a new buffer")
+    for case, (latency, publish, pull, pause) in results.items():
+        print(f"RESULT weight_publish_{name}_{case} {publish:.1f} ms")
+        print(f"RESULT weight_pull_{name}_{case} {pull:.1f} ms")
+        print(f"RESULT weight_publish_to_swap_{name}_{case} {latency:.1f} ms")
+        print(f"RESULT weight_swap_vs_numpy_copy_{name}_{case} {latency / base:.2f} x "
+              "target<=3")
+        print(f"RESULT weight_sampler_pause_{name}_{case} {pause:.1f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, nargs="+", default=[50, 200], help="weight sizes W, MiB")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--learner", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.learner is not None:
+        learner(args.learner)
+        return
+    for mb in args.mb:
+        sampler(mb, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

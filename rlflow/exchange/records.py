@@ -1,0 +1,310 @@
+"""Rollout group records: schema validation and binary framing (never pickle).
+
+A *group* is one prompt's ``G`` completions, never split (``docs/interfaces.md``): a
+``dict`` of plain numpy arrays
+
+====================  =======  ========  ===============================================
+field                 dtype    shape     meaning
+====================  =======  ========  ===============================================
+prompt_id             int64    []        dataset index of the prompt
+prompt_tokens         int32    [P]       prompt token ids (no padding)
+completion_tokens     int32    [G, T]    sampled ids, right-padded with 0
+completion_lengths    int32    [G]       real tokens per completion (EOS included)
+behaviour_logprobs    float32  [G, T]    logprob each token was sampled with (0 on padding)
+policy_versions       int32    [G, T]    version that produced each token (-1 on padding)
+rewards               float32  [G]       scalar reward per completion
+truncated             bool     [G]       cut by ``max_tokens`` (no EOS)
+====================  =======  ========  ===============================================
+
+Framing (any dict of named arrays, not only groups). As ZeroMQ frames
+(:func:`encode_frames`): frame 0 is a UTF-8 JSON header
+``{"format": "rlflow-arrays/1", "fields": [[name, dtype, shape], ...]}``, then one frame of
+raw little-endian C-order bytes per field. As one buffer (:func:`encode_bytes`): the magic
+``b"RLFA"``, the header length as little-endian uint32, the header, then the raw bytes of the
+fields back to back. Only the dtypes in :data:`WIRE_DTYPES` travel, so decoding never builds
+Python objects from the wire.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Mapping, Sequence
+
+import numpy as np
+
+FORMAT = "rlflow-arrays/1"
+MAGIC = b"RLFA"
+MAX_HEADER_BYTES = 1 << 16
+
+# dtype name on the wire -> explicit little-endian numpy dtype.
+WIRE_DTYPES = {
+    "bool": np.dtype("|b1"),
+    "int8": np.dtype("<i1"), "uint8": np.dtype("<u1"),
+    "int16": np.dtype("<i2"), "int32": np.dtype("<i4"), "int64": np.dtype("<i8"),
+    "float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "float64": np.dtype("<f8"),
+}
+
+# field -> (dtype name, shape as dimension symbols); a symbol binds to one size per group.
+GROUP_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
+    "prompt_id": ("int64", ()),
+    "prompt_tokens": ("int32", ("P",)),
+    "completion_tokens": ("int32", ("G", "T")),
+    "completion_lengths": ("int32", ("G",)),
+    "behaviour_logprobs": ("float32", ("G", "T")),
+    "policy_versions": ("int32", ("G", "T")),
+    "rewards": ("float32", ("G",)),
+    "truncated": ("bool", ("G",)),
+}
+
+
+class FrameError(ValueError):
+    """Bytes that are not a well-formed array frame (bad magic, header, dtype or size)."""
+
+
+class RecordError(ValueError):
+    """A group record that breaks the schema.
+
+    Attributes:
+      field: the offending field name ("" when the record as a whole is wrong).
+      expected: what the schema wants (text).
+      got: what the record has (text).
+    """
+
+    def __init__(self, field: str, expected: str, got: str):
+        self.field, self.expected, self.got = field, expected, got
+        where = f"field {field!r}" if field else "record"
+        super().__init__(f"bad group record: {where}: expected {expected}, got {got}")
+
+    def to_dict(self) -> dict:
+        return {"field": self.field, "expected": self.expected, "got": self.got}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "RecordError":
+        return cls(str(d.get("field", "")), str(d.get("expected", "?")), str(d.get("got", "?")))
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def validate_group(group: Mapping[str, np.ndarray], *, group_size: int | None = None,
+                   max_tokens: int | None = None) -> dict[str, int]:
+    """Check a group record against :data:`GROUP_SCHEMA`.
+
+    Args:
+      group: field name -> numpy array.
+      group_size: the ``G`` every group must have (None: any G >= 1).
+      max_tokens: upper bound on ``T`` (None: any).
+
+    Returns:
+      The bound dimensions ``{"P": ..., "G": ..., "T": ...}``.
+
+    Raises:
+      RecordError: naming the field, what was expected and what the record has, for a
+        missing or extra field, a non-array, a wrong dtype or rank, sizes that disagree
+        between fields, a length outside ``[0, T]``, a non-finite reward or logprob, or a real
+        token tagged with a policy version < 0.
+    """
+    if not isinstance(group, Mapping):
+        raise RecordError("", "a mapping of field name -> numpy array", type(group).__name__)
+    missing = [k for k in GROUP_SCHEMA if k not in group]
+    extra = [k for k in group if k not in GROUP_SCHEMA]
+    if missing:
+        raise RecordError(missing[0], "field present", f"missing (all missing: {missing})")
+    if extra:
+        raise RecordError(str(extra[0]), f"only the fields {list(GROUP_SCHEMA)}",
+                          f"unknown field(s) {extra}")
+    dims: dict[str, int] = {}
+    if group_size is not None:
+        dims["G"] = int(group_size)
+    for name, (dtype, symbols) in GROUP_SCHEMA.items():
+        arr = group[name]
+        if not isinstance(arr, np.ndarray):
+            raise RecordError(name, f"numpy array of {dtype}",
+                              f"object of type {type(arr).__name__}")
+        if arr.dtype != np.dtype(dtype):
+            raise RecordError(name, f"dtype {dtype}", f"dtype {arr.dtype}")
+        want = "[" + ", ".join(symbols) + "]"
+        if arr.ndim != len(symbols):
+            raise RecordError(name, f"shape {want}", f"shape {list(arr.shape)}")
+        for sym, size in zip(symbols, arr.shape):
+            if sym in dims and dims[sym] != size:
+                bound = ", ".join(f"{k}={v}" for k, v in dims.items())
+                raise RecordError(name, f"shape {want} with {bound}", f"shape {list(arr.shape)}")
+            dims.setdefault(sym, int(size))
+    if dims["G"] < 1:
+        raise RecordError("completion_tokens", "G >= 1 completions", "G = 0")
+    if max_tokens is not None and dims["T"] > max_tokens:
+        raise RecordError("completion_tokens", f"T <= max_tokens={max_tokens}", f"T = {dims['T']}")
+    lengths = group["completion_lengths"]
+    if lengths.size and (lengths.min() < 0 or lengths.max() > dims["T"]):
+        raise RecordError("completion_lengths", f"values in [0, T={dims['T']}]",
+                          f"values {lengths.tolist()}")
+    for name in ("rewards", "behaviour_logprobs"):
+        if not np.isfinite(group[name]).all():
+            raise RecordError(name, "finite values", "NaN or inf")
+    real = np.arange(dims["T"])[None, :] < lengths[:, None]
+    if (group["policy_versions"][real] < 0).any():
+        raise RecordError("policy_versions", "a version >= 0 on every real token",
+                          "a negative version within completion_lengths")
+    return dims
+
+
+def policy_version_range(group: Mapping[str, np.ndarray]) -> tuple[int, int]:
+    """Oldest and newest policy version over the real tokens of a (valid) group.
+
+    Returns ``(-1, -1)`` when the group has no real token. The oldest one is what a
+    staleness bound compares against the learner's version.
+    """
+    lengths = group["completion_lengths"]
+    versions = group["policy_versions"]
+    real = np.arange(versions.shape[1])[None, :] < lengths[:, None]
+    if not real.any():
+        return -1, -1
+    v = versions[real]
+    return int(v.min()), int(v.max())
+
+
+# ----------------------------------------------------------------------------- framing
+
+
+def _header(arrays: Mapping[str, np.ndarray]) -> tuple[bytes, list[np.ndarray]]:
+    fields, data = [], []
+    for name, arr in arrays.items():
+        arr = np.asarray(arr)
+        wire = WIRE_DTYPES.get(arr.dtype.name)
+        if wire is None or arr.dtype.kind not in "biuf":
+            raise FrameError(f"field {name!r}: dtype {arr.dtype} cannot travel; "
+                             f"allowed: {sorted(WIRE_DTYPES)}")
+        data.append(np.ascontiguousarray(arr, dtype=wire))
+        fields.append([str(name), arr.dtype.name, list(arr.shape)])
+    header = json.dumps({"format": FORMAT, "fields": fields}, separators=(",", ":")).encode()
+    if len(header) > MAX_HEADER_BYTES:
+        raise FrameError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    return header, data
+
+
+def _parse_header(header: bytes | memoryview) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    if len(header) > MAX_HEADER_BYTES:
+        raise FrameError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        meta = json.loads(bytes(header).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FrameError(f"header is not UTF-8 JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise FrameError(f"header format: expected {FORMAT!r}, got {got!r}")
+    out = []
+    for i, entry in enumerate(meta.get("fields", ())):
+        try:
+            name, dtype, shape = entry
+            shape = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise FrameError(f"header field #{i}: expected [name, dtype, shape], got {entry!r}") \
+                from None
+        if dtype not in WIRE_DTYPES:
+            raise FrameError(f"field {name!r}: dtype {dtype!r} not allowed; "
+                             f"allowed: {sorted(WIRE_DTYPES)}")
+        if any(s < 0 for s in shape):
+            raise FrameError(f"field {name!r}: negative size in shape {list(shape)}")
+        out.append((str(name), WIRE_DTYPES[dtype], shape))
+    return out
+
+
+def _array(name: str, dtype: np.dtype, shape: tuple[int, ...], buf) -> np.ndarray:
+    need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(buf) != need:
+        raise FrameError(f"field {name!r}: {dtype.name}{list(shape)} needs {need} bytes, "
+                         f"got {len(buf)}")
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    return arr.astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+def encode_frames(arrays: Mapping[str, np.ndarray]) -> list:
+    """Frames for ZeroMQ multipart: ``[header, raw bytes of field 0, field 1, ...]``.
+
+    Raises:
+      FrameError: a field has a dtype outside :data:`WIRE_DTYPES` (e.g. object).
+    """
+    header, data = _header(arrays)
+    return [header] + [memoryview(a).cast("B") if a.size else b"" for a in data]
+
+
+def decode_frames(frames: Sequence) -> dict[str, np.ndarray]:
+    """Inverse of :func:`encode_frames`; arrays are read-only views of the frame buffers.
+
+    Raises:
+      FrameError: a malformed header, a disallowed dtype, a frame count or a byte count
+        that does not match the header.
+    """
+    if not frames:
+        raise FrameError("no frames")
+    bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    fields = _parse_header(bufs[0])
+    if len(bufs) - 1 != len(fields):
+        raise FrameError(f"header names {len(fields)} fields but {len(bufs) - 1} data frames "
+                         "follow")
+    return {name: _array(name, dt, shape, buf)
+            for (name, dt, shape), buf in zip(fields, bufs[1:])}
+
+
+def encode_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """One buffer: ``b"RLFA" + uint32-LE header length + header + raw bytes of each field``."""
+    header, data = _header(arrays)
+    return b"".join([MAGIC, struct.pack("<I", len(header)), header] + [a.tobytes() for a in data])
+
+
+def decode_bytes(buf: bytes | memoryview) -> dict[str, np.ndarray]:
+    """Inverse of :func:`encode_bytes` (arrays are read-only views of ``buf``).
+
+    Raises:
+      FrameError: bad magic, a truncated buffer, trailing bytes, or a header problem.
+    """
+    view = memoryview(buf).cast("B")
+    if len(view) < 8 or bytes(view[:4]) != MAGIC:
+        raise FrameError(f"expected magic {MAGIC!r}, got {bytes(view[:4])!r}")
+    (hlen,) = struct.unpack("<I", view[4:8])
+    if 8 + hlen > len(view):
+        raise FrameError(f"header of {hlen} bytes runs past the {len(view)}-byte buffer")
+    fields = _parse_header(view[8:8 + hlen])
+    out, pos = {}, 8 + hlen
+    for name, dt, shape in fields:
+        need = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if pos + need > len(view):
+            raise FrameError(f"field {name!r}: buffer truncated ({len(view) - pos} of {need} "
+                             "bytes)")
+        out[name] = _array(name, dt, shape, view[pos:pos + need])
+        pos += need
+    if pos != len(view):
+        raise FrameError(f"{len(view) - pos} trailing bytes after the last field")
+    return out
+
+
+def group_nbytes(group: Mapping[str, np.ndarray]) -> int:
+    """Payload bytes of a record (sum of its arrays' ``nbytes``)."""
+    return int(sum(np.asarray(a).nbytes for a in group.values()))
+
+
+def synthetic_group(rng: np.random.Generator, *, group_size: int = 4, max_tokens: int = 16,
+                    prompt_len: int = 8, version: int = 0, vocab: int = 512,
+                    prompt_id: int = 0) -> dict[str, np.ndarray]:
+    """A valid random group record (for tests and benchmarks; no model involved).
+
+    Completion lengths are drawn in ``[1, max_tokens]``; padding follows the schema (token
+    0, logprob 0, version -1); every real token carries ``version``.
+    """
+    G, T = group_size, max_tokens
+    lengths = rng.integers(1, T + 1, size=G).astype(np.int32)
+    real = np.arange(T)[None, :] < lengths[:, None]
+    tokens = np.where(real, rng.integers(1, vocab, size=(G, T)), 0).astype(np.int32)
+    logprobs = np.where(real, -rng.exponential(1.0, size=(G, T)), 0).astype(np.float32)
+    return {
+        "prompt_id": np.array(prompt_id, np.int64),
+        "prompt_tokens": rng.integers(1, vocab, size=prompt_len).astype(np.int32),
+        "completion_tokens": tokens,
+        "completion_lengths": lengths,
+        "behaviour_logprobs": logprobs,
+        "policy_versions": np.where(real, version, -1).astype(np.int32),
+        "rewards": rng.random(G).astype(np.float32),
+        "truncated": lengths == T,
+    }

@@ -1,0 +1,232 @@
+"""Weight transfer learner -> sampler with ``jax.experimental.transfer``.
+
+:class:`WeightPublisher` (learner) runs a ``TransferServer`` and holds the newest published
+version; the :class:`~rlflow.exchange.coordinator.Coordinator` hands each sampler an offer
+``(address, uuid, version, layout)`` and registers one ``await_pull`` per offer.
+:class:`WeightSubscriber` (sampler) asks for offers, pulls in the learner's shard layout
+(``pull`` must match the source layout), waits for the arrays under a watchdog, re-lays them
+onto its own shardings (``jax.device_put``) and returns them for the swap.
+
+Facts this code relies on (jax 0.10, checked on CPU across two processes on 127.0.0.1):
+
+* ``TransferServer.await_pull(uuid, arrays, timeout)`` returns at once; the server keeps the
+  arrays until that uuid is pulled once or the (absolute) timeout passes.
+* ``TransferConnection.pull`` returns at once with arrays that become ready when the bytes
+  arrive. A pull of a uuid nobody registered never becomes ready and its own ``timeout``
+  does not fire, hence the watchdog here: poll ``is_ready()`` up to ``timeout_s``, then
+  raise :class:`WeightTransferTimeout`, drop the connection and retry with a fresh offer
+  (a new uuid).
+* A pull with a different shard layout fails with an error (no silent reshuffle).
+
+Versions never go backwards: the publisher refuses a version <= the last one; the subscriber
+ignores offers <= the version it has. The transfer server has no authentication of its own:
+its uuids are random 63-bit numbers handed out only by the (token-guarded) coordinator, and
+off loopback it belongs on a private network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+from jax.experimental import transfer as jax_transfer
+
+from rlflow.exchange import layout as layout_lib
+from rlflow.exchange.coordinator import CoordinatorClient
+
+log = logging.getLogger(__name__)
+
+
+class WeightTransferError(RuntimeError):
+    """A weight pull failed after all retries (the message names version, uuid, address)."""
+
+
+class WeightTransferTimeout(WeightTransferError, TimeoutError):
+    """One pull did not complete within the watchdog's timeout."""
+
+
+def _start_server(bind_address: str):
+    # One bulk-transport address per local device of the process (fewer aborts the process).
+    host = bind_address if ":" not in bind_address else f"[{bind_address.strip('[]')}]"
+    devices = jax.local_devices()
+    return jax_transfer.start_transfer_server(devices[0].client, f"{host}:0",
+                                              [f"{host}:0"] * len(devices))
+
+
+class WeightPublisher:
+    """Learner side: publishes versions of a params pytree for samplers to pull.
+
+    Args:
+      bind_address: host the transfer server binds (127.0.0.1 default).
+      advertise_host: host samplers connect to (default: ``bind_address``, or this host's
+        address when bound to all interfaces).
+      pull_timeout_s: seconds an offer's ``await_pull`` keeps its arrays for the pull.
+      copy: publish a device copy (needed when the train step donates the params).
+      layout: "native" (the learner's shardings; the sampler needs as many devices) or
+        "single_device" (gathered onto the first local device: any sampler can pull).
+    """
+
+    def __init__(self, *, bind_address: str = "127.0.0.1", advertise_host: str | None = None,
+                 pull_timeout_s: float = 120.0, copy: bool = True, layout: str = "native"):
+        if layout not in ("native", "single_device"):
+            raise ValueError(f"layout must be 'native' or 'single_device', got {layout!r}")
+        self.pull_timeout_s, self.copy, self.layout = pull_timeout_s, copy, layout
+        self._devices = jax.local_devices()
+        self._server = _start_server(bind_address)
+        port = self._server.address().rsplit(":", 1)[1]
+        if advertise_host is None:
+            wildcard = bind_address in ("0.0.0.0", "::", "[::]", "*")
+            advertise_host = socket.gethostbyname(socket.gethostname()) if wildcard else \
+                bind_address
+        self.address = f"{advertise_host}:{port}"
+        self._lock = threading.Lock()
+        self._current: tuple[int, list, dict] | None = None
+        self.version = -1
+        self.offers = 0
+
+    def publish(self, version: int, params) -> None:
+        """Make ``params`` (pytree of ``jax.Array``) the newest version.
+
+        Raises:
+          ValueError: ``version`` is not greater than the last published one.
+          layout.LayoutError: a leaf cannot be described (see ``layout.describe``).
+        """
+        if version <= self.version:
+            raise ValueError(f"weight versions never go backwards: publishing {version} after "
+                             f"{self.version}")
+        paths, leaves, _ = layout_lib.flatten(params)
+        if self.layout == "single_device":
+            dst = [jax.sharding.SingleDeviceSharding(self._devices[0])] * len(leaves)
+        else:
+            dst = [getattr(x, "sharding", None) for x in leaves]
+        if self.copy or self.layout == "single_device":
+            leaves = jax.device_put(leaves, dst, may_alias=not self.copy)
+        desc = layout_lib.describe(paths, leaves)
+        with self._lock:
+            self._current = (version, leaves, desc)
+            self.version = version
+
+    def offer(self, consumer: str, have_version: int) -> dict:
+        """Register one pull of the newest version for ``consumer`` (called by the
+        coordinator's thread). Returns ``{"version": v}`` when ``have_version`` is current."""
+        with self._lock:
+            if self._current is None or self._current[0] <= have_version:
+                return {"version": self.version}
+            version, leaves, desc = self._current
+            uuid = secrets.randbits(63)
+            deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.pull_timeout_s)
+            self._server.await_pull(uuid, leaves, timeout=deadline)
+            self.offers += 1
+        log.info("weights: offered version %d to %s (uuid %d)", version, consumer, uuid)
+        return {"version": version, "address": self.address, "uuid": uuid, "layout": desc}
+
+
+class WeightSubscriber:
+    """Sampler side: polls the coordinator, pulls new versions, re-lays them.
+
+    Args:
+      coordinator_address: ``tcp://host:port`` of the learner's coordinator.
+      consumer_id: this sampler host's name.
+      token: the shared secret.
+      target: pytree with the publisher's structure whose leaves are arrays,
+        ``ShapeDtypeStruct`` with shardings, or ``Sharding`` objects: where the new weights
+        go. None: return ``{path: array}`` in the publisher's layout.
+      timeout_s: watchdog seconds for one pull.
+      retries: extra attempts (each with a fresh offer/uuid) after a failed pull.
+      bind_address: host of this process's own transfer server (used to connect).
+      devices: local devices to pull onto (default ``jax.local_devices()``).
+    """
+
+    def __init__(self, coordinator_address: str, *, consumer_id: str, token: str = "",
+                 target=None, timeout_s: float = 120.0, retries: int = 2,
+                 bind_address: str = "127.0.0.1", devices: Sequence[jax.Device] | None = None,
+                 request_timeout_s: float = 30.0):
+        self.target, self.timeout_s, self.retries = target, timeout_s, retries
+        self._devices = list(jax.local_devices() if devices is None else devices)
+        self._server = _start_server(bind_address)
+        self._coord = CoordinatorClient(coordinator_address, consumer_id=consumer_id,
+                                        token=token, timeout_s=request_timeout_s)
+        self._connections: dict[str, Any] = {}
+        self.version = -1
+        self.metrics = dict(pulls=0, failed_pulls=0, timeouts=0, bytes=0, last_pull_s=0.0,
+                            last_relayout_s=0.0)
+
+    def poll(self) -> tuple[int, Any] | None:
+        """Fetch the newest version if the learner has one newer than ``self.version``.
+
+        Returns:
+          ``(version, params)`` laid out on ``target``'s shardings, or None when current.
+
+        Raises:
+          WeightTransferError: every attempt (1 + ``retries``) failed; chained to the last
+            error (a :class:`WeightTransferTimeout` or the runtime's error).
+          wire.PeerTimeoutError / wire.PeerRefusedError: from the coordinator.
+        """
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            offer = self._coord.latest(self.version)
+            if "uuid" not in offer or offer["version"] <= self.version:
+                return None
+            try:
+                arrays = self.pull(offer)
+                break
+            except (WeightTransferTimeout, jax.errors.JaxRuntimeError) as e:
+                last = e
+                self.metrics["failed_pulls"] += 1
+                self._connections.pop(offer["address"], None)
+                log.warning("weights: pull attempt %d/%d failed: %s", attempt + 1,
+                            self.retries + 1, e)
+        else:
+            raise WeightTransferError(f"pulling weights failed after {self.retries + 1} "
+                                      f"attempts: {last}") from last
+        t0 = time.perf_counter()
+        out = layout_lib.relayout(arrays, self.target, offer["layout"]["leaves"])
+        jax.block_until_ready(out)
+        self.metrics["last_relayout_s"] = time.perf_counter() - t0
+        self.version = offer["version"]
+        return self.version, out
+
+    def pull(self, offer: dict, timeout_s: float | None = None) -> list[jax.Array]:
+        """Pull one offer in the publisher's layout, waiting at most ``timeout_s``.
+
+        Raises:
+          WeightTransferTimeout: not complete in time (e.g. no ``await_pull`` for the uuid).
+          layout.LayoutError: this process lacks the devices the layout needs.
+          jax.errors.JaxRuntimeError: the transfer itself failed.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        avals = layout_lib.pull_avals(offer["layout"], self._devices)
+        address = offer["address"]
+        t0 = time.perf_counter()
+        conn = self._connections.get(address)
+        if conn is None:
+            conn = self._connections[address] = self._server.connect(address)
+        arrays = conn.pull(offer["uuid"], avals)
+        deadline, pause, done = time.monotonic() + timeout_s, 1e-4, 0
+        while True:
+            while done < len(arrays) and arrays[done].is_ready():  # ready stays ready
+                done += 1
+            if done == len(arrays):
+                break
+            if time.monotonic() > deadline:
+                self.metrics["timeouts"] += 1
+                raise WeightTransferTimeout(
+                    f"weight pull of version {offer['version']} (uuid {offer['uuid']}) from "
+                    f"{address} not complete after {timeout_s:.1f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+        jax.block_until_ready(arrays)  # raises the transfer's error, if any
+        self.metrics["last_pull_s"] = time.perf_counter() - t0
+        self.metrics["pulls"] += 1
+        self.metrics["bytes"] += sum(a.nbytes for a in arrays)
+        return arrays
+
+    def close(self) -> None:
+        self._coord.close()
+        self._connections.clear()

@@ -1,0 +1,277 @@
+"""Weight transfer (jax.experimental.transfer + coordinator) and the orbax folder fallback.
+
+The two-process test runs this file as a script for the learner side (``python
+tests/test_transfer.py learner``) with 2 fake CPU devices; the pytest process (4 fake
+devices) is the sampler.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+PEER_DEVICES = 2
+
+
+def expected(version):
+    """Numpy oracle of the params the peer learner publishes at ``version``."""
+    return {
+        "embed": (np.arange(16 * 8, dtype=np.float32).reshape(16, 8) * (version + 1)),
+        "layers": [{"w": (np.arange(64, dtype=np.float32).reshape(8, 8) - version) / 8},
+                   {"w": np.full((8, 8), version, np.float32)}],
+        "scale": np.float32(0.5 * version),
+    }
+
+
+def learner_peer():
+    """The learner process: publish v1, then v2 on "next", exit on "quit"."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from rlflow.exchange.coordinator import Coordinator
+    from rlflow.exchange.transfer import WeightPublisher
+
+    assert len(jax.devices()) == PEER_DEVICES
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    shard = {"embed": P("fsdp", None), "w": P(None, "fsdp")}
+
+    def params(v):
+        e = expected(v)
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+        return {"embed": put(e["embed"], shard["embed"]),
+                "layers": [{"w": put(layer["w"], shard["w"])} for layer in e["layers"]],
+                "scale": jax.device_put(e["scale"], jax.devices()[1])}
+
+    pub = WeightPublisher(pull_timeout_s=60)
+    coord = Coordinator(pub).start()
+    pub.publish(1, params(1))
+    print("READY", coord.address, flush=True)
+    for line in sys.stdin:
+        if line.strip() == "next":
+            pub.publish(2, params(2))
+            print("PUBLISHED 2", flush=True)
+        elif line.strip() == "quit":
+            break
+    coord.close()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["learner"]:
+    learner_peer()
+    sys.exit(0)
+
+import jax  # noqa: E402  (the peer sets its device count through the environment first)
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from rlflow.exchange import layout as layout_lib  # noqa: E402
+from rlflow.exchange.coordinator import Coordinator, CoordinatorClient  # noqa: E402
+from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, OrbaxWeightSubscriber  # noqa
+from rlflow.exchange.transfer import (WeightPublisher, WeightSubscriber,  # noqa: E402
+                                      WeightTransferError, WeightTransferTimeout)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sampler_target():
+    """The sampler's own layout: a 2x2 mesh with shardings unlike the learner's."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    return {"embed": s(None, "tensor"), "layers": [{"w": s("data", None)}, {"w": s()}],
+            "scale": s()}
+
+
+def assert_params_equal(got, want, target):
+    leaves_got = jax.tree.leaves(got)
+    leaves_want = jax.tree.leaves(want)
+    assert len(leaves_got) == len(leaves_want)
+    for g, w, t in zip(leaves_got, leaves_want, jax.tree.leaves(target)):
+        np.testing.assert_array_equal(np.asarray(g), w)
+        assert g.sharding == t
+
+
+@pytest.mark.slow
+def test_two_processes_pull_two_versions():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={PEER_DEVICES}")
+    peer = subprocess.Popen([sys.executable, __file__, "learner"], cwd=REPO, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = peer.stdout.readline().split()
+        assert line[:1] == ["READY"], line
+        target = sampler_target()
+        sub = WeightSubscriber(line[1], consumer_id="sampler-0", target=target, timeout_s=60)
+        versions = []
+        v, params = sub.poll()
+        versions.append(v)
+        assert_params_equal(params, expected(1), target)
+        assert sub.poll() is None  # nothing newer: no uuid spent
+        peer.stdin.write("next\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().split() == ["PUBLISHED", "2"]
+        v, params = sub.poll()
+        versions.append(v)
+        assert_params_equal(params, expected(2), target)
+        assert versions == [1, 2] and sub.metrics["pulls"] == 2
+        sub.close()
+        peer.stdin.write("quit\n")
+        peer.stdin.flush()
+        assert peer.wait(60) == 0
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+
+
+# ----------------------------------------------------------------- in-process pieces
+
+
+@pytest.fixture
+def learner():
+    """Publisher + coordinator in this process (a second transfer server is the sampler)."""
+    made = []
+
+    def make(publisher=None, **kw):
+        pub = publisher or WeightPublisher(pull_timeout_s=30, **kw)
+        coord = Coordinator(pub).start()
+        made.append(coord)
+        return pub, coord
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def sharded_params(version, devices=4):
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
+    e = expected(version)
+    return {"embed": jax.device_put(e["embed"], NamedSharding(mesh, P("fsdp"))),
+            "layers": [{"w": jax.device_put(x["w"], NamedSharding(mesh, P(None, "fsdp")))}
+                       for x in e["layers"]],
+            "scale": jax.device_put(e["scale"], jax.devices()[0])}
+
+
+def test_stuck_pull_times_out_with_named_error(learner):
+    pub, coord = learner()
+    pub.publish(3, sharded_params(3))
+    sub = WeightSubscriber(coord.address, consumer_id="s0", timeout_s=0.3)
+    offer = CoordinatorClient(coord.address, consumer_id="s1").latest(-1)
+    stuck = dict(offer, uuid=offer["uuid"] ^ 1)  # a uuid nobody called await_pull for
+    with pytest.raises(WeightTransferTimeout, match=f"version 3 \\(uuid {stuck['uuid']}\\)"):
+        sub.pull(stuck)
+    assert sub.metrics["timeouts"] == 1
+
+
+class LosesFirstOffer(WeightPublisher):
+    """A publisher whose first offer's await_pull never happens (a lost registration)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._real_server, self.lost = self._server, 0
+
+    def offer(self, consumer, have_version):
+        if self.lost == 0:
+            self.lost += 1
+
+            class NoAwait:
+                def await_pull(self, *a, **k):
+                    pass
+            self._server = NoAwait()
+            try:
+                return super().offer(consumer, have_version)
+            finally:
+                self._server = self._real_server
+        return super().offer(consumer, have_version)
+
+
+def test_watchdog_retries_with_a_fresh_uuid(learner):
+    pub, coord = learner(LosesFirstOffer(pull_timeout_s=30))
+    pub.publish(1, sharded_params(1))
+    target = sampler_target()
+    sub = WeightSubscriber(coord.address, consumer_id="s0", target=target, timeout_s=0.3,
+                           retries=1)
+    v, params = sub.poll()
+    assert v == 1
+    assert_params_equal(params, expected(1), target)
+    assert (sub.metrics["timeouts"], sub.metrics["failed_pulls"], pub.offers) == (1, 1, 2)
+
+
+def test_retries_exhausted_raise_transfer_error(learner):
+    pub, coord = learner(LosesFirstOffer(pull_timeout_s=30))
+    pub.publish(1, sharded_params(1))
+    sub = WeightSubscriber(coord.address, consumer_id="s0", timeout_s=0.3, retries=0)
+    with pytest.raises(WeightTransferError, match="after 1 attempts") as e:
+        sub.poll()
+    assert isinstance(e.value.__cause__, WeightTransferTimeout)
+    assert sub.version == -1
+    assert sub.poll()[0] == 1  # the next poll gets a fresh offer and succeeds
+
+
+def test_versions_never_go_backwards(learner, tmp_path):
+    pub, _ = learner()
+    pub.publish(5, sharded_params(5))
+    with pytest.raises(ValueError, match="never go backwards: publishing 5 after 5"):
+        pub.publish(5, sharded_params(5))
+    opub = OrbaxWeightPublisher(str(tmp_path))
+    opub.publish(2, sharded_params(2))
+    with pytest.raises(ValueError, match="publishing 1 after 2"):
+        opub.publish(1, sharded_params(1))
+    opub.close()
+
+
+def test_single_device_layout_reaches_a_one_device_sampler(learner):
+    pub, coord = learner(layout="single_device")
+    pub.publish(1, sharded_params(1, devices=4))
+    one = jax.devices()[2:3]
+    with pytest.raises(layout_lib.LayoutError, match="this process has 1 devices"):
+        layout_lib.pull_avals(layout_lib.describe(
+            *layout_lib.flatten(sharded_params(1))[:2]), one)
+    sub = WeightSubscriber(coord.address, consumer_id="s0", devices=one, timeout_s=30)
+    v, flat = sub.poll()  # no target: {path: array} in the published layout
+    assert v == 1 and set(flat) == {"['embed']", "['layers'][0]['w']", "['layers'][1]['w']",
+                                    "['scale']"}
+    np.testing.assert_array_equal(np.asarray(flat["['embed']"]), expected(1)["embed"])
+    assert flat["['embed']"].sharding.device_set == set(one)
+
+
+def test_nnx_state_round_trip_and_target_mismatch(learner):
+    pub, coord = learner()
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    pub.publish(1, nnx.state(model, nnx.Param))
+    other = nnx.Linear(8, 4, rngs=nnx.Rngs(1))  # the sampler's copy, different values
+    sub = WeightSubscriber(coord.address, consumer_id="s0", target=nnx.state(other, nnx.Param))
+    v, state = sub.poll()
+    nnx.update(other, state)
+    np.testing.assert_array_equal(np.asarray(other.kernel.value), np.asarray(model.kernel.value))
+    pub.publish(2, nnx.state(model, nnx.Param))
+    bad = nnx.state(nnx.Linear(8, 5, rngs=nnx.Rngs(0)), nnx.Param)
+    sub.target = bad
+    with pytest.raises(layout_lib.LayoutError, match=r"leaf \['bias'\].*\[5\].*\[4\]"):
+        sub.poll()
+
+
+def test_orbax_fallback_round_trip(tmp_path):
+    run = str(tmp_path / "run")
+    target = sampler_target()
+    # the subscriber needs shapes too: ShapeDtypeStruct leaves carry them
+    abstract = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(np.shape(x), np.float32, sharding=s),
+                            target, expected(0))
+    sub = OrbaxWeightSubscriber(run, target=abstract)
+    assert sub.poll() is None  # nothing published yet
+    pub = OrbaxWeightPublisher(run, keep_last=2)
+    pub.publish(1, sharded_params(1))
+    v, params = sub.poll()
+    assert v == 1
+    assert_params_equal(params, expected(1), target)
+    assert sub.poll() is None
+    pub.publish(2, sharded_params(2))
+    pub.publish(3, sharded_params(3))
+    v, params = sub.poll()  # the newest, skipping 2
+    assert v == 3
+    assert_params_equal(params, expected(3), target)
+    assert sorted(os.listdir(os.path.join(run, "weights"))) == ["2", "3"]
+    # a restarted learner continues from the newest version on disk
+    pub.close()
+    assert OrbaxWeightPublisher(run).version == 3
+    sub.close()
