@@ -1,0 +1,176 @@
+"""Meshes, logical-axis rules and shardings: the one source of truth for layout.
+
+Parameters carry *logical* axis names (``nnx.Param`` ``out_sharding`` metadata, set by
+``rlflow.models.decoder``): ``("embed", "mlp")`` for an MLP kernel. ``LOGICAL_AXIS_RULES``
+maps each logical name to mesh axes, MaxText-style: FSDP shards the ``embed`` dimension of
+every weight, tensor parallelism shards heads / MLP width / vocab, and the batch of
+activations is split over ``data`` x ``fsdp``. A logical name with no rule is an error.
+
+A dimension whose size is not divisible by its mesh axes (two KV heads on a tensor axis
+of four) is replicated instead of sharded; that is the usual treatment of KV heads and
+keeps every model loadable on every mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    # KV cache [L, B, S, K, D]
+    ("layers", None),
+    ("cache_batch", ("data", "fsdp")),
+    ("cache_seq", None),
+)
+
+CACHE_AXES = ("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh of ``mesh_cfg.num_devices`` devices.
+
+    Args:
+      mesh_cfg: :class:`rlflow.config.MeshConfig` (axis sizes).
+      devices: the program's devices (default: ``jax.devices()``); their number must equal
+        ``data * fsdp * tensor``.
+
+    Raises:
+      ValueError: the device count does not match the mesh (names both).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    if len(devices) != math.prod(shape):
+        raise ValueError(
+            f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} needs {math.prod(shape)} "
+            f"devices, got {len(devices)}; pass `devices` or change the mesh config")
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+
+
+def _rule_table(rules) -> dict:
+    table = {}
+    for name, target in rules:
+        table.setdefault(name, target)   # first rule wins
+    return table
+
+
+def logical_to_spec(logical_axes: tuple[str | None, ...], rules=LOGICAL_AXIS_RULES) -> P:
+    """PartitionSpec of an array whose dimensions have these logical names.
+
+    ``None`` stays unsharded. A mesh axis already used by an earlier dimension is not
+    reused (the later dimension is replicated).
+
+    Raises:
+      ValueError: a logical name has no rule (names it and the known names).
+    """
+    table = _rule_table(rules)
+    used: set[str] = set()
+    out = []
+    for name in logical_axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"logical axis {name!r} has no rule; known logical axes: "
+                             f"{', '.join(sorted(table))}")
+        target = table[name]
+        targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        targets = tuple(t for t in targets if t not in used)
+        used.update(targets)
+        out.append(None if not targets else (targets[0] if len(targets) == 1 else targets))
+    return P(*out)
+
+
+def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Replicate dimensions whose size the mesh axes do not divide."""
+    fitted = []
+    for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        n = math.prod(mesh.shape[a] for a in names) if names else 1
+        fitted.append(axes if size % n == 0 else None)
+    return P(*fitted)
+
+
+def logical_sharding(mesh: Mesh, logical_axes, shape, rules=LOGICAL_AXIS_RULES) -> NamedSharding:
+    """NamedSharding of one array of ``shape`` with the given logical axes."""
+    return NamedSharding(mesh, _fit(logical_to_spec(tuple(logical_axes), rules), shape, mesh))
+
+
+def _path_str(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_shardings(params: nnx.State, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+    """The NamedSharding of every parameter, as a tree shaped like ``params``.
+
+    Args:
+      params: ``nnx.State`` of ``nnx.Param`` (concrete or abstract, e.g. from
+        ``nnx.eval_shape``), each with logical axes in its ``out_sharding`` metadata.
+      mesh: the program's mesh.
+      rules: logical-axis rules.
+
+    Returns:
+      The same tree with each Variable's value replaced by its ``NamedSharding`` (usable as
+      ``jax.jit`` in/out shardings and by ``jax.device_put``).
+
+    Raises:
+      ValueError: a parameter has no logical axes, the wrong number of them, or a logical
+        axis without a rule; the message names the parameter path.
+    """
+    def one(path, var):
+        if not isinstance(var, nnx.Variable):
+            raise ValueError(f"parameter {_path_str(path)}: expected an nnx.Variable, got "
+                             f"{type(var).__name__}")
+        shape = tuple(var.get_value().shape)
+        axes = var.get_metadata().get("out_sharding")
+        if axes is None:
+            raise ValueError(f"parameter {_path_str(path)} {shape} has no logical axes "
+                             "(out_sharding metadata)")
+        if len(axes) != len(shape):
+            raise ValueError(f"parameter {_path_str(path)}: logical axes {axes} do not match "
+                             f"its shape {shape}")
+        try:
+            return var.replace(logical_sharding(mesh, axes, shape, rules))
+        except ValueError as e:
+            raise ValueError(f"parameter {_path_str(path)}: {e}") from None
+
+    return jax.tree_util.tree_map_with_path(one, params,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_params(params: nnx.State, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> nnx.State:
+    """``params`` placed on ``mesh`` in their :func:`param_shardings`."""
+    return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of ``[batch, seq]`` arrays: batch over ``data`` x ``fsdp``."""
+    return NamedSharding(mesh, P(("data", "fsdp"), None))
+
+
+def cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):
+    """Shardings of a :class:`rlflow.models.kv_cache.KVCache` (same NamedTuple shape)."""
+    kv = logical_sharding(mesh, CACHE_AXES, cache.k.shape, rules)
+    mask = logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules)
+    return type(cache)(k=kv, v=kv, mask=mask)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,261 @@
+"""Decoder architecture: one frozen dataclass read from / written to a HF ``config.json``.
+
+Supported families (``model_type``):
+
+* ``llama``: Llama 2/3.x (GQA, RoPE with ``rope_theta`` and optional Llama-3 ``rope_scaling``).
+* ``qwen2``: Qwen2 / Qwen2.5 (q/k/v projection biases, usually tied embeddings).
+* ``qwen3``: Qwen3 dense (per-head RMSNorm on q and k before RoPE).
+
+Both config.json layouts are read: the transformers 4.x one (``rope_theta`` and
+``rope_scaling`` at top level) and the 5.x one (``rope_parameters`` holding both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+DTYPES = ("float32", "bfloat16")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
+class ModelFormatError(ValueError):
+    """A model folder, config or weight file does not match what rlflow expects.
+
+    The message names the file and the field / tensor, and what was expected.
+    """
+
+
+def _need(ok: bool, where: str, msg: str) -> None:
+    if not ok:
+        raise ModelFormatError(f"{where}: {msg}")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Architecture of a Llama / Qwen2 / Qwen3 decoder.
+
+    Attributes:
+      model_type: "llama" | "qwen2" | "qwen3".
+      vocab_size: V, rows of the embedding.
+      hidden_size: E, the residual width.
+      intermediate_size: F, SwiGLU MLP width.
+      num_layers: L.
+      num_heads / num_kv_heads: H query heads, K key/value heads (GQA; K divides H).
+      head_dim: D.
+      rope_theta: RoPE base frequency.
+      rope_scaling: None, or a Llama-3 dict ``{"rope_type": "llama3", "factor",
+        "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``.
+      rms_norm_eps: epsilon of every RMSNorm.
+      tie_word_embeddings: output projection is the transposed input embedding.
+      attention_bias: q/k/v projections carry a bias (always on for Qwen2; for llama /
+        qwen3 the HF flag also adds an o_proj bias, which rlflow mirrors).
+      qk_norm: per-head RMSNorm on q and k (Qwen3).
+      max_position_embeddings: longest position the model was trained for.
+      bos_token_id / eos_token_ids / pad_token_id: special ids (``eos_token_ids`` holds
+        every end-of-sequence id).
+      dtype: activation / compute dtype; param_dtype: stored parameter dtype.
+
+    Raises:
+      ModelFormatError: on an unsupported family or inconsistent shape (names the field).
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        _need(self.model_type in SUPPORTED_MODEL_TYPES, "model_type",
+              f"unsupported model_type {self.model_type!r}; supported: "
+              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            _need(isinstance(value, int) and value > 0, name, f"must be a positive int, got {value!r}")
+        _need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+              f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
+        _need(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
+        _need(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        _need(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        _need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _need(self.param_dtype in DTYPES, "param_dtype",
+              f"must be one of {DTYPES}, got {self.param_dtype!r}")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            _need(rope_type in SUPPORTED_ROPE_TYPES, "rope_scaling.rope_type",
+                  f"unsupported {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            if rope_type == "llama3":
+                missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
+                _need(not missing, "rope_scaling", f"llama3 scaling is missing {missing}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
+
+    @property
+    def rope_type(self) -> str:
+        if self.rope_scaling is None:
+            return "default"
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    @property
+    def o_bias(self) -> bool:
+        """o_proj carries a bias (HF llama / qwen3 with ``attention_bias``; never qwen2)."""
+        return self.attention_bias and self.model_type != "qwen2"
+
+    # ------------------------------------------------------------------ HF config.json
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], *, where: str = "config.json",
+                     dtype: str = "float32", param_dtype: str = "float32") -> "DecoderConfig":
+        """Build from a parsed HF ``config.json``.
+
+        Args:
+          d: the parsed JSON object.
+          where: file name used in error messages.
+          dtype / param_dtype: rlflow's compute / parameter dtypes (not stored by HF).
+
+        Raises:
+          ModelFormatError: unsupported ``model_type`` (lists the supported ones), a missing
+            required field, or an unsupported feature (sliding window, MLP bias, other
+            activations or RoPE types); the message names ``where`` and the field.
+        """
+        model_type = d.get("model_type")
+        _need(model_type in SUPPORTED_MODEL_TYPES, f"{where}: model_type",
+              f"unsupported model_type {model_type!r}; supported: "
+              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+        def req(key):
+            _need(key in d and d[key] is not None, f"{where}: {key}", "required field is missing")
+            return d[key]
+
+        act = d.get("hidden_act", "silu")
+        _need(act == "silu", f"{where}: hidden_act", f"only 'silu' is supported, got {act!r}")
+        _need(not d.get("mlp_bias", False), f"{where}: mlp_bias", "MLP biases are not supported")
+        _need(not d.get("use_sliding_window", False), f"{where}: use_sliding_window",
+              "sliding-window attention is not supported")
+        heads = int(req("num_attention_heads"))
+        hidden = int(req("hidden_size"))
+        rope_params = dict(d.get("rope_parameters") or {})
+        legacy = d.get("rope_scaling")
+        if legacy:
+            rope_params = {**dict(legacy), **rope_params}
+        theta = rope_params.pop("rope_theta", d.get("rope_theta", 10000.0))
+        rope_type = rope_params.pop("rope_type", rope_params.pop("type", "default"))
+        _need(rope_type in SUPPORTED_ROPE_TYPES, f"{where}: rope_type",
+              f"unsupported {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        max_pos = int(d.get("max_position_embeddings", 4096))
+        scaling = None
+        if rope_type == "llama3":
+            rope_params.setdefault("original_max_position_embeddings", max_pos)
+            scaling = {"rope_type": "llama3", **{k: rope_params.get(k) for k in LLAMA3_ROPE_KEYS}}
+        eos = d.get("eos_token_id")
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=int(req("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),   # HF's default
+            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=max_pos,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=d.get("pad_token_id"),
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+
+    def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
+        """A HF ``config.json`` object: ``model_type``, every RoPE field and the tie flag at
+        top level (4.x layout) plus ``rope_parameters`` (5.x layout)."""
+        rope_parameters = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update({k: self.rope_scaling[k] for k in LLAMA3_ROPE_KEYS})
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        eos = list(self.eos_token_ids)
+        d = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling is not None else None,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": torch_dtype or self.param_dtype,
+            "use_cache": True,
+        }
+        if self.model_type == "llama":
+            d["mlp_bias"] = False
+        else:
+            d.update(use_sliding_window=False, sliding_window=None,
+                     max_window_layers=self.num_layers)
+        return d
+
+    @classmethod
+    def from_model_config(cls, model_cfg) -> "DecoderConfig":
+        """The random-model architecture of an :class:`rlflow.config.ModelConfig`."""
+        return cls(
+            model_type=model_cfg.model_type,
+            vocab_size=model_cfg.vocab_size,
+            hidden_size=model_cfg.hidden_size,
+            intermediate_size=model_cfg.intermediate_size,
+            num_layers=model_cfg.num_layers,
+            num_heads=model_cfg.num_heads,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim,
+            rope_theta=float(model_cfg.rope_theta),
+            tie_word_embeddings=model_cfg.tie_word_embeddings,
+            attention_bias=model_cfg.model_type == "qwen2",
+            qk_norm=model_cfg.model_type == "qwen3",
+            dtype=model_cfg.dtype,
+            param_dtype=model_cfg.param_dtype,
+        )
+
+    def __hash__(self):  # rope_scaling is a dict: hash a frozen view (jit static args)
+        values = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                          for v in values))
+
+    def replace(self, **changes) -> "DecoderConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,312 @@
+"""Llama / Qwen2 / Qwen3 decoder in Flax NNX, with a full-sequence forward (learner) and a
+KV-cached forward (sampler prefill + decode) that share every layer.
+
+Architecture (Touvron et al. 2023, "Llama 2"; Qwen2 / Qwen3 technical reports): pre-norm
+blocks of RMSNorm (Zhang & Sennrich 2019, eq. 4) -> grouped-query attention (Ainslie et
+al. 2023) with rotary position embeddings (Su et al. 2021, eq. 34; HF "rotate-half"
+layout; Llama-3 frequency scaling) -> residual -> RMSNorm -> SwiGLU MLP (Shazeer 2020,
+eq. 6) -> residual. Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k.
+
+Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds its *logical*
+axes (``("embed", "mlp")``); ``rlflow.mesh`` maps them to mesh axes. Creation never
+shards eagerly (``eager_sharding=False``); placement is ``rlflow.mesh.shard_params``.
+
+Numerics: parameters are stored in ``cfg.param_dtype`` and cast to ``cfg.dtype`` at use;
+RMSNorm statistics, RoPE angles, attention logits and softmax, and output logits are
+float32. Masked attention entries get a large negative logit (not -inf), so a query
+whose keys are all masked (a padding row) gives a finite uniform average, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlflow.models.config import DecoderConfig
+from rlflow.models.kv_cache import KVCache
+
+MASK_VALUE = -1e30   # masked attention logit (finite: a fully masked row stays finite)
+INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
+
+
+class TokenRangeError(ValueError):
+    """A token id is negative or >= vocab_size (a gather inside jit would not notice)."""
+
+
+def validate_tokens(tokens, vocab_size: int, *, where: str = "tokens") -> None:
+    """Host-side check that every id is in ``[0, vocab_size)``.
+
+    Call it on host arrays before they enter a jitted function: out-of-range gathers in
+    XLA are clamped silently. ``Decoder`` calls it itself when run eagerly.
+
+    Args:
+      tokens: int array-like of any shape.
+      vocab_size: V.
+      where: name used in the message (e.g. ``"prompt 17"``).
+
+    Raises:
+      TokenRangeError: naming the first bad id, its index and the vocab size.
+    """
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise TokenRangeError(
+            f"{where}: token id {int(arr[idx])} at index {idx} is out of range for vocab_size "
+            f"{vocab_size} ({int(bad.sum())} ids out of range; expected 0 <= id < {vocab_size})")
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Positions of a left/right-padded batch: ``cumsum(mask) - 1`` clipped at 0.
+
+    Args:
+      attention_mask: ``[B, T]`` bool/int, False/0 on padding.
+
+    Returns:
+      ``[B, T]`` int32; the real tokens of a row get 0, 1, 2, ... (pads get 0 before the
+      first real token, and repeat the last position after it).
+    """
+    mask = jnp.asarray(attention_mask).astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
+    """Inverse RoPE frequencies ``[D/2]`` float32, with Llama-3 scaling when configured.
+
+    Matches transformers' ``_compute_default_rope_parameters`` and
+    ``_compute_llama3_parameters`` (Llama 3.1 report, sec. 3.1.3 / Meta reference code).
+    """
+    d = cfg.head_dim
+    exps = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    inv = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exps)).astype(np.float32)
+    if cfg.rope_type == "llama3":
+        s = cfg.rope_scaling
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old / lo, old / hi
+        wavelen = (2 * math.pi / inv).astype(np.float32)
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv).astype(np.float32)
+        smooth = ((old / wavelen - lo) / (hi - lo)).astype(np.float32)
+        smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate ``x`` ``[B, T, N, D]`` by ``positions`` ``[B, T]`` (HF rotate-half layout)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _param(value, axes: tuple) -> nnx.Param:
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, axes) -> nnx.Param:
+    return _param((INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype),
+                  axes)
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, dtype):
+        self.scale = _param(jnp.ones((dim,), param_dtype), ("norm",))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * self.scale[...].astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention; kernels ``q [E, H, D]``, ``k, v [E, K, D]``, ``o [H, D, E]``."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+        self.num_kv_heads, self.head_dim = k, d
+        self.q_kernel = _normal(rngs, (e, h, d), pdt, ("embed", "q_heads", "head_dim"))
+        self.k_kernel = _normal(rngs, (e, k, d), pdt, ("embed", "kv_heads", "head_dim"))
+        self.v_kernel = _normal(rngs, (e, k, d), pdt, ("embed", "kv_heads", "head_dim"))
+        self.o_kernel = _normal(rngs, (h, d, e), pdt, ("q_heads", "head_dim", "embed"))
+        if cfg.attention_bias:
+            self.q_bias = _param(jnp.zeros((h, d), pdt), ("q_heads", "head_dim"))
+            self.k_bias = _param(jnp.zeros((k, d), pdt), ("kv_heads", "head_dim"))
+            self.v_bias = _param(jnp.zeros((k, d), pdt), ("kv_heads", "head_dim"))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = _param(jnp.zeros((e,), pdt), ("embed",)) if cfg.o_bias else None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _proj(self, x, kernel, bias):
+        y = jnp.einsum("bte,end->btnd", x, kernel[...].astype(self.dtype))
+        return y if bias is None else y + bias[...].astype(self.dtype)
+
+    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook):
+        """x ``[B, T, E]``; attend_mask ``[B, T, S]`` bool over the keys that ``kv_hook``
+        returns: ``kv_hook(k [B, T, K, D], v) -> (keys [B, S, K, D], values)``."""
+        q = self._proj(x, self.q_kernel, self.q_bias)
+        k = self._proj(x, self.k_kernel, self.k_bias)
+        v = self._proj(x, self.v_kernel, self.v_bias)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        keys, values = kv_hook(k, v)
+        b, t, h, d = q.shape
+        q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys,
+                            preferred_element_type=jnp.float32) * (d ** -0.5)
+        scores = jnp.where(attend_mask[:, None, None, :, :], scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, d)
+        y = jnp.einsum("bthd,hde->bte", out, self.o_kernel[...].astype(self.dtype))
+        return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``; gate/up ``[E, F]``, down ``[F, E]``."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+        self.gate_kernel = _normal(rngs, (e, f), pdt, ("embed", "mlp"))
+        self.up_kernel = _normal(rngs, (e, f), pdt, ("embed", "mlp"))
+        self.down_kernel = _normal(rngs, (f, e), pdt, ("mlp", "embed"))
+
+    def __call__(self, x):
+        dt = self.dtype
+        gate = jax.nn.silu(x @ self.gate_kernel[...].astype(dt))
+        return (gate * (x @ self.up_kernel[...].astype(dt))) @ self.down_kernel[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook):
+        x = x + self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Decoder(nnx.Module):
+    """Causal LM: ``embed [V, E]``, ``layers`` (a list of :class:`Block`), ``final_norm``,
+    ``lm_head [E, V]`` (None when ``tie_word_embeddings``: logits use ``embed``)."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+        self.embed = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), pdt, ("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        _normal(rngs, (cfg.hidden_size, cfg.vocab_size), pdt, ("embed", "vocab")))
+
+    def _check_tokens(self, tokens):
+        if not isinstance(tokens, jax.core.Tracer):
+            validate_tokens(tokens, self.cfg.vocab_size)
+
+    def _logits(self, x) -> jax.Array:
+        x = self.final_norm(x)
+        dt = jnp.dtype(self.cfg.dtype)
+        if self.lm_head is None:
+            return jnp.einsum("bte,ve->btv", x, self.embed[...].astype(dt),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dt),
+                          preferred_element_type=jnp.float32)
+
+    def _embed(self, tokens) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array,
+                 attention_mask: jax.Array) -> jax.Array:
+        """Full-sequence forward.
+
+        Args:
+          tokens: ``[B, T]`` int32 ids in ``[0, V)`` (checked when called outside jit).
+          positions: ``[B, T]`` int32 RoPE positions (see :func:`positions_from_mask`).
+          attention_mask: ``[B, T]`` bool, False on padding (left padding allowed).
+            Query ``t`` attends keys ``s <= t`` with ``attention_mask[b, s]``.
+
+        Returns:
+          ``[B, T, V]`` float32 logits (rows at padding are finite but meaningless).
+
+        Raises:
+          TokenRangeError: an id is out of range (eager calls only).
+        """
+        self._check_tokens(tokens)
+        t = tokens.shape[1]
+        mask = jnp.asarray(attention_mask, bool)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        attend = causal[None] & mask[:, None, :]                       # [B, T, T]
+        inv_freq = rope_inv_freq(self.cfg)
+        x = self._embed(tokens)
+        for block in self.layers:
+            x = block(x, positions, inv_freq, attend, lambda k, v: (k, v))
+        return self._logits(x)
+
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+                       cache: KVCache, cache_index: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Forward over ``T`` new tokens per row against a KV cache (prefill / decode).
+
+        Row ``b``'s new keys/values go to cache positions
+        ``[cache_index[b], cache_index[b] + T)``; those entries' mask becomes
+        ``attention_mask[b]`` (other entries keep theirs). Query ``t`` attends entries
+        ``j`` with ``new_mask[b, j]`` and ``j <= cache_index[b] + t``. Writes past the
+        cache end (``S``) are dropped, so callers must keep ``cache_index + T <= S``.
+        Static shapes: jit-compiles once per ``(B, T, S)``.
+
+        Args:
+          tokens: ``[B, T]`` int32; positions: ``[B, T]`` int32; attention_mask: ``[B, T]``
+            bool (False on padding).
+          cache: :class:`KVCache` with ``k, v [L, B, S, K, D]`` and ``mask [B, S]``.
+          cache_index: ``[B]`` int32 first cache position written for each row.
+
+        Returns:
+          ``(logits [B, T, V] float32, new cache)``.
+
+        Raises:
+          TokenRangeError: an id is out of range (eager calls only).
+        """
+        self._check_tokens(tokens)
+        b, t = tokens.shape
+        s = cache.k.shape[2]
+        cache_index = jnp.asarray(cache_index, jnp.int32).reshape(b)
+        cols = cache_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]     # [B, T]
+        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        new_mask = cache.mask.at[rows, cols].set(jnp.asarray(attention_mask, bool), mode="drop")
+        attend = new_mask[:, None, :] & (jnp.arange(s)[None, None, :] <= cols[:, :, None])
+        inv_freq = rope_inv_freq(self.cfg)
+        ks, vs = cache.k, cache.v
+        x = self._embed(tokens)
+        for layer, block in enumerate(self.layers):
+            def hook(k, v, layer=layer):
+                nonlocal ks, vs
+                ks = ks.at[layer, rows, cols].set(k.astype(ks.dtype), mode="drop")
+                vs = vs.at[layer, rows, cols].set(v.astype(vs.dtype), mode="drop")
+                return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
+            x = block(x, positions, inv_freq, attend, hook)
+        return self._logits(x), KVCache(k=ks, v=vs, mask=new_mask)

@@ -1,0 +1,370 @@
+"""Hugging Face interop: load a local HF folder into a :class:`Decoder`, write one back.
+
+Folder layout (transformers' ``save_pretrained``): ``config.json``, ``model.safetensors``
+or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, optional
+``generation_config.json`` and tokenizer files. HF ``nn.Linear`` weights are
+``[out, in]``; rlflow kernels are ``[in, out]`` with heads split out (``q [E, H, D]``,
+``o [H, D, E]``), so each tensor is transposed / reshaped through one table
+(:func:`hf_weight_map`) that both directions use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rlflow.models.config import DecoderConfig, ModelFormatError
+from rlflow.models.decoder import Decoder
+
+CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints carry
+DEFAULT_MAX_SHARD_BYTES = 4 * 1024 ** 3
+_NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+# kinds: how an HF tensor maps to ours (and back)
+#   copy:      same layout              ([V, E] embedding, [E] norm scales / bias)
+#   linear:    HF [out, in] -> [in, out]
+#   in_heads:  HF [N*D, E]  -> [E, N, D] (q/k/v projections)
+#   out_heads: HF [E, H*D]  -> [H, D, E] (o projection)
+#   heads:     HF [N*D]     -> [N, D]    (q/k/v biases)
+
+
+def hf_weight_map(cfg: DecoderConfig) -> list[tuple[str, tuple, str]]:
+    """``(hf_name, rlflow parameter path, kind)`` for every tensor of ``cfg``'s model."""
+    m = [("model.embed_tokens.weight", ("embed",), "copy")]
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", ("layers", i)
+        attn = ours + ("attn",)
+        m += [(hf + "input_layernorm.weight", ours + ("input_norm", "scale"), "copy"),
+              (hf + "post_attention_layernorm.weight", ours + ("post_attn_norm", "scale"), "copy")]
+        for p in ("q", "k", "v"):
+            m.append((hf + f"self_attn.{p}_proj.weight", attn + (f"{p}_kernel",), "in_heads"))
+            if cfg.attention_bias:
+                m.append((hf + f"self_attn.{p}_proj.bias", attn + (f"{p}_bias",), "heads"))
+        m.append((hf + "self_attn.o_proj.weight", attn + ("o_kernel",), "out_heads"))
+        if cfg.o_bias:
+            m.append((hf + "self_attn.o_proj.bias", attn + ("o_bias",), "copy"))
+        if cfg.qk_norm:
+            m += [(hf + "self_attn.q_norm.weight", attn + ("q_norm", "scale"), "copy"),
+                  (hf + "self_attn.k_norm.weight", attn + ("k_norm", "scale"), "copy")]
+        for p in ("gate", "up", "down"):
+            m.append((hf + f"mlp.{p}_proj.weight", ours + ("mlp", f"{p}_kernel"), "linear"))
+    m.append(("model.norm.weight", ("final_norm", "scale"), "copy"))
+    if not cfg.tie_word_embeddings:
+        m.append(("lm_head.weight", ("lm_head",), "linear"))
+    return m
+
+
+def _hf_shape(kind: str, shape: tuple) -> tuple:
+    if kind == "copy":
+        return tuple(shape)
+    if kind == "linear":
+        return (shape[1], shape[0])
+    if kind == "in_heads":
+        return (shape[1] * shape[2], shape[0])
+    if kind == "out_heads":
+        return (shape[2], shape[0] * shape[1])
+    return (shape[0] * shape[1],)   # heads
+
+
+def _to_ours(kind: str, a: np.ndarray, shape: tuple) -> np.ndarray:
+    if kind in ("linear", "in_heads", "out_heads"):
+        a = a.T
+    return a.reshape(shape)
+
+
+def _to_hf(kind: str, a: np.ndarray) -> np.ndarray:
+    if kind == "in_heads":
+        a = a.reshape(a.shape[0], -1)
+    elif kind == "out_heads":
+        a = a.reshape(-1, a.shape[-1])
+    elif kind == "heads":
+        a = a.reshape(-1)
+    if kind in ("linear", "in_heads", "out_heads"):
+        a = a.T
+    return np.ascontiguousarray(a)
+
+
+def _get(tree, path):
+    for key in path:
+        if key not in tree and str(key) in tree:
+            key = str(key)
+        tree = tree[key]
+    return tree
+
+
+def _set(tree, path, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+# ------------------------------------------------------------------------------ reading
+def read_hf_config(path: str) -> dict:
+    """Parsed ``config.json`` of a HF folder.
+
+    Raises:
+      ModelFormatError: the folder does not exist, has no config.json, or it is not JSON.
+    """
+    if not os.path.isdir(path):
+        raise ModelFormatError(f"{path}: not a folder (expected a Hugging Face model folder)")
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        raise ModelFormatError(f"{path}: no {CONFIG_FILE} (expected a Hugging Face model folder "
+                               "with config.json and *.safetensors)")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{cfg_path}: not valid JSON ({e})") from None
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from the index (sharded) or the single file."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelFormatError(f"{index}: has no 'weight_map' object")
+        files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+        for fname in sorted(set(files.values())):
+            if not os.path.isfile(fname):
+                raise ModelFormatError(f"{index}: lists {os.path.basename(fname)}, which is missing")
+        # the index can lie: trust the files' own headers
+        out = {}
+        for fname in sorted(set(files.values())):
+            with safe_open(fname, framework="numpy") as f:
+                out.update({k: fname for k in f.keys()})
+        return out
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.isfile(single):
+        raise ModelFormatError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
+                               "weights are supported)")
+    with safe_open(single, framework="numpy") as f:
+        return {k: single for k in f.keys()}
+
+
+def _generation_eos(path: str) -> tuple[int, ...]:
+    gen = os.path.join(path, GENERATION_FILE)
+    if not os.path.isfile(gen):
+        return ()
+    with open(gen) as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
+            mesh: jax.sharding.Mesh | None = None) -> tuple[Decoder, DecoderConfig]:
+    """Load a local HF folder (Llama / Qwen2 / Qwen3) into a :class:`Decoder`.
+
+    Args:
+      path: folder with config.json and safetensors weights (single or sharded).
+      dtype: compute dtype ("float32" default, or "bfloat16").
+      param_dtype: stored parameter dtype ("float32" default, or "bfloat16").
+      mesh: when given, every parameter is created directly in its sharding
+        (``rlflow.mesh.param_shardings``), never whole on one device.
+
+    Returns:
+      ``(model, cfg)``; ``cfg.eos_token_ids`` holds config.json's EOS ids plus those of
+      generation_config.json.
+
+    Raises:
+      ModelFormatError: no config.json; unsupported ``model_type`` (lists the supported);
+        a tensor missing from the safetensors files (names it); a tensor whose shape does
+        not match config.json (names tensor, file and both shapes).
+    """
+    d = read_hf_config(path)
+    cfg = DecoderConfig.from_hf_dict(d, where=os.path.join(path, CONFIG_FILE),
+                                     dtype=dtype or "float32", param_dtype=param_dtype or "float32")
+    extra_eos = tuple(e for e in _generation_eos(path) if e not in cfg.eos_token_ids)
+    if extra_eos:
+        cfg = cfg.replace(eos_token_ids=cfg.eos_token_ids + extra_eos)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abs_params = nnx.split(abstract, nnx.Param)
+    shardings = None
+    if mesh is not None:
+        from rlflow.mesh import param_shardings
+        shardings = param_shardings(abs_params, mesh).to_pure_dict()
+    files = _tensor_files(path)
+    wanted = hf_weight_map(cfg)
+    missing = [name for name, _, _ in wanted if name not in files]
+    if missing:
+        raise ModelFormatError(
+            f"{path}: tensor {missing[0]!r} is missing from the safetensors files "
+            f"({len(missing)} missing in all: {missing[:5]}{' ...' if len(missing) > 5 else ''})")
+    known = {name for name, _, _ in wanted} | {"lm_head.weight"}
+    unused = sorted(n for n in files if n not in known and not n.endswith(IGNORED_SUFFIXES))
+    if unused:
+        warnings.warn(f"{path}: ignoring {len(unused)} tensors rlflow does not use: {unused[:5]}")
+
+    abs_pure = abs_params.to_pure_dict()
+    np_dtype = _NP_DTYPES[cfg.param_dtype]
+    loaded: dict = {}
+    handles: dict = {}
+    try:
+        for name, ours, kind in wanted:
+            fname = files[name]
+            if fname not in handles:
+                handles[fname] = safe_open(fname, framework="numpy").__enter__()
+            shape = tuple(_get(abs_pure, ours).shape)
+            hf_shape = tuple(handles[fname].get_slice(name).get_shape())
+            if hf_shape != _hf_shape(kind, shape):
+                raise ModelFormatError(
+                    f"{fname}: tensor {name!r} has shape {list(hf_shape)}, expected "
+                    f"{list(_hf_shape(kind, shape))} from {CONFIG_FILE}")
+            arr = _to_ours(kind, handles[fname].get_tensor(name), shape).astype(np_dtype)
+            if shardings is None:
+                value = jnp.asarray(arr)
+            else:
+                value = jax.make_array_from_callback(shape, _get(shardings, ours),
+                                                     lambda idx, a=arr: a[idx])
+            _set(loaded, ours, value)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    nnx.replace_by_pure_dict(abs_params, loaded)
+    return nnx.merge(graphdef, abs_params), cfg
+
+
+# ------------------------------------------------------------------------------ writing
+def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | None = None,
+             dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write parameters as a HF folder that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Args:
+      params: ``nnx.State`` of the decoder's ``nnx.Param`` (``nnx.split(model, nnx.Param)``)
+        or the same tree as a nested dict of arrays (e.g. restored by orbax).
+      cfg: the model's :class:`DecoderConfig`.
+      out_dir: created if missing; existing weight files in it are overwritten.
+      tokenizer_dir: folder whose tokenizer files are copied (``TOKENIZER_FILES``).
+      dtype: stored dtype ("float32" / "bfloat16"); default ``cfg.param_dtype``.
+      max_shard_bytes: above this total, weights are split into numbered files + index.
+
+    Tied models write no ``lm_head.weight`` and keep ``tie_word_embeddings: true``.
+
+    Raises:
+      ModelFormatError: ``dtype`` is unknown, a parameter is missing from ``params``,
+        or ``tokenizer_dir`` has no tokenizer files.
+    """
+    dtype = dtype or cfg.param_dtype
+    if dtype not in _NP_DTYPES:
+        raise ModelFormatError(f"dtype: must be one of {sorted(_NP_DTYPES)}, got {dtype!r}")
+    pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
+    tensors = {}
+    for name, ours, kind in hf_weight_map(cfg):
+        try:
+            value = _get(pure, ours)
+        except (KeyError, TypeError):
+            raise ModelFormatError(f"params: missing {'.'.join(map(str, ours))} "
+                                   f"(for HF tensor {name!r})") from None
+        arr = np.asarray(jax.device_get(value)).astype(_NP_DTYPES[dtype])
+        tensors[name] = _to_hf(kind, arr)
+    os.makedirs(out_dir, exist_ok=True)
+    _write_safetensors(tensors, out_dir, max_shard_bytes)
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+        json.dump(cfg.to_hf_dict(torch_dtype=dtype), f, indent=2, sort_keys=True)
+    _write_generation_config(cfg, out_dir)
+    if tokenizer_dir:
+        copy_tokenizer(tokenizer_dir, out_dir)
+
+
+def save_hf(model: Decoder, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | None = None,
+            dtype: str | None = None) -> None:
+    """Export a :class:`Decoder` as a HF folder (see :func:`write_hf`)."""
+    write_hf(nnx.state(model, nnx.Param), cfg, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype)
+
+
+def _write_safetensors(tensors: dict, out_dir: str, max_shard_bytes: int) -> None:
+    for old in os.listdir(out_dir):
+        if old.endswith(".safetensors") or old == INDEX_FILE:
+            os.remove(os.path.join(out_dir, old))
+    meta = {"format": "pt"}
+    shards, current, size = [], {}, 0
+    for name, arr in tensors.items():
+        if current and size + arr.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = arr
+        size += arr.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+        weight_map.update({name: fname for name in shard})
+    total = sum(a.nbytes for a in tensors.values())
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _write_generation_config(cfg: DecoderConfig, out_dir: str) -> None:
+    from transformers import GenerationConfig
+
+    eos = list(cfg.eos_token_ids)
+    gen = GenerationConfig(bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id,
+                           eos_token_id=(eos[0] if len(eos) == 1 else eos) if eos else None)
+    gen.save_pretrained(out_dir)
+
+
+def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
+    """Copy the tokenizer files of ``tokenizer_dir`` into ``out_dir``; returns their names.
+
+    Raises:
+      ModelFormatError: ``tokenizer_dir`` holds none of ``TOKENIZER_FILES``.
+    """
+    present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_dir, f))]
+    if not present:
+        raise ModelFormatError(f"{tokenizer_dir}: no tokenizer files (expected one of "
+                               f"{', '.join(TOKENIZER_FILES)})")
+    for f in present:
+        shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(out_dir, f))
+    return present
+
+
+# ------------------------------------------------------------------------------ building
+def build_model(model_cfg, *, mesh: jax.sharding.Mesh | None = None
+                ) -> tuple[Decoder, DecoderConfig]:
+    """The policy model of an :class:`rlflow.config.ModelConfig`.
+
+    ``model_cfg.path`` set: :func:`load_hf` with its dtypes; else a random model of the
+    architecture fields, seeded by ``model_cfg.init_seed`` (the same values with and
+    without ``mesh`` up to float rounding; with one, parameters are initialised directly
+    in their shardings).
+    """
+    if model_cfg.path:
+        return load_hf(model_cfg.path, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype,
+                       mesh=mesh)
+    cfg = DecoderConfig.from_model_config(model_cfg)
+
+    def init():
+        return Decoder(cfg, rngs=nnx.Rngs(params=model_cfg.init_seed))
+
+    if mesh is None:
+        return init(), cfg
+    from rlflow.mesh import param_shardings
+    graphdef, abs_params = nnx.split(nnx.eval_shape(init), nnx.Param)
+    params = jax.jit(lambda: nnx.state(init(), nnx.Param),
+                     out_shardings=param_shardings(abs_params, mesh))()
+    return nnx.merge(graphdef, params), cfg

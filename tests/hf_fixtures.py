@@ -1,0 +1,61 @@
+"""Tiny random ``transformers`` models for parity tests (built locally, never downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+# Llama-3 RoPE scaling with a small original context so that all three frequency bands
+# (kept, smoothed, divided by `factor`) occur at head_dim 16.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def make_tiny_hf_model(family: str, out_dir: str, *, tie: bool | None = None, seed: int = 0) -> str:
+    """Build a tiny random HF causal LM of ``family`` and ``save_pretrained`` it.
+
+    Shapes: vocab 256, hidden 64, 2 layers, 4 query heads, 2 kv heads (GQA), head_dim 16
+    (qwen3: 8, so that heads * head_dim != hidden), MLP 96. Llama gets Llama-3
+    ``rope_scaling``; Qwen2 has q/k/v biases (set non-zero); Qwen3 q/k norms (set
+    non-trivial). ``tie`` defaults to the family's usual choice (llama untied, qwen tied).
+
+    Returns:
+      ``out_dir`` (a folder with config.json, model.safetensors, generation_config.json).
+    """
+    import torch
+    import transformers as tf
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    tie = (family != "llama") if tie is None else tie
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                  max_position_embeddings=256, tie_word_embeddings=tie,
+                  bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
+    if family == "llama":
+        config = tf.LlamaConfig(head_dim=16, rope_parameters=dict(LLAMA3_ROPE), **common)
+        cls = tf.LlamaForCausalLM
+    elif family == "qwen2":
+        config = tf.Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                **common)
+        cls = tf.Qwen2ForCausalLM
+    else:
+        config = tf.Qwen3Config(head_dim=8, rope_parameters={"rope_type": "default",
+                                                             "rope_theta": 1000000.0}, **common)
+        cls = tf.Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:       # RMSNorm scales: perturb away from all-ones
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:                    # larger than HF's 0.02 so that logits are not flat
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir

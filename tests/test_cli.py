@@ -1,0 +1,83 @@
+"""CLI: ``rlflow train`` config file + tyro overrides; ``rlflow export`` end to end."""
+
+import json
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+from rlflow import cli
+from rlflow.config import ExperimentConfig
+
+CONFIG = textwrap.dedent("""
+    from rlflow.config import ExperimentConfig, LearnerConfig, SamplerConfig
+
+    def config():
+        return ExperimentConfig(name="tiny", learner=LearnerConfig(lr=1e-3, num_steps=3),
+                                sampler=SamplerConfig(group_size=2))
+""")
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "tiny.py"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def test_train_overrides_apply_on_top_of_the_config_file(config_file):
+    cfg = cli.parse_train_args(["--config", config_file, "--learner.lr", "1e-6",
+                                "--sampler.temperature", "0.5"])
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.learner.lr == 1e-6 and cfg.sampler.temperature == 0.5
+    # untouched fields keep the file's values, not the dataclass defaults
+    assert cfg.name == "tiny" and cfg.learner.num_steps == 3 and cfg.sampler.group_size == 2
+    assert cli.parse_train_args(["--config", config_file]).learner.lr == 1e-3
+
+
+def test_train_invalid_override_names_the_field(config_file, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_train_args(["--config", config_file, "--learner.lr", "-1"])
+    assert "learner.lr" in capsys.readouterr().err
+
+
+def test_train_unknown_flag_and_missing_file(config_file, tmp_path):
+    with pytest.raises(SystemExit):
+        cli.parse_train_args(["--config", config_file, "--learner.nope", "1"])
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        cli.parse_train_args(["--config", str(tmp_path / "missing.py")])
+    assert cli.main(["train", "--config", str(tmp_path / "missing.py")]) == 2
+
+
+def test_unknown_command(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_export_command_writes_a_transformers_folder(tmp_path, capsys):
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_fixtures import make_tiny_hf_model
+
+    src = make_tiny_hf_model("qwen2", str(tmp_path / "src"))
+    out = str(tmp_path / "out")
+    assert cli.main(["export", "--model-path", src, "--out", out, "--dtype", "bfloat16"]) == 0
+    assert "wrote qwen2 model" in capsys.readouterr().out
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ref = load_file(os.path.join(src, "model.safetensors"))["model.embed_tokens.weight"]
+    got = model.model.embed_tokens.weight.detach().float().numpy()
+    np.testing.assert_allclose(got, ref, rtol=2 ** -8)          # bf16 rounding only
+    assert not np.array_equal(got, ref)
+
+
+def test_export_argument_errors(tmp_path, capsys):
+    assert cli.main(["export", "--out", str(tmp_path / "o")]) == 2
+    assert "exactly one of --model-path or --run" in capsys.readouterr().err
+    assert cli.main(["export", "--model-path", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "no config.json" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+"""Config dataclasses: bad values fail at construction with the field named; config files."""
+
+import textwrap
+
+import pytest
+
+from rlflow.config import (BufferConfig, CheckpointConfig, ConfigError, DataConfig,
+                           ExperimentConfig, LearnerConfig, MeshConfig, MetricsConfig,
+                           ModelConfig, RewardConfig, RuntimeConfig, SamplerConfig,
+                           load_config_file, replace)
+
+BAD = [
+    (ModelConfig, dict(model_type="gpt2"), "model.model_type"),
+    (ModelConfig, dict(num_heads=4, num_kv_heads=3), "model.num_kv_heads"),
+    (ModelConfig, dict(hidden_size=0), "model.hidden_size"),
+    (ModelConfig, dict(dtype="float16"), "model.dtype"),
+    (ModelConfig, dict(path="/definitely/not/here"), "model.path"),
+    (MeshConfig, dict(tensor=0), "mesh.tensor"),
+    (DataConfig, dict(source="jsonl"), "data.path"),
+    (DataConfig, dict(plain_template="no placeholder"), "data.plain_template"),
+    (RewardConfig, dict(functions=("a", "b"), weights=(1.0,)), "reward.weights"),
+    (SamplerConfig, dict(prefill_buckets=(32, 16), max_prefill_length=32), "sampler.prefill_buckets"),
+    (SamplerConfig, dict(top_p=0.0), "sampler.top_p"),
+    (SamplerConfig, dict(num_devices=2), "sampler.mesh"),
+    (LearnerConfig, dict(lr=-1.0), "learner.lr"),
+    (LearnerConfig, dict(clip_low=1.0), "learner.clip_low"),
+    (LearnerConfig, dict(dual_clip=0.5), "learner.dual_clip"),
+    (BufferConfig, dict(bind_address="0.0.0.0"), "buffer.token"),
+    (BufferConfig, dict(port=70000), "buffer.port"),
+    (RuntimeConfig, dict(mode="sync", max_staleness=2), "runtime.max_staleness"),
+    (CheckpointConfig, dict(keep_last=0), "checkpoint.keep_last"),
+    (MetricsConfig, dict(progress="fancy"), "metrics.progress"),
+    (ExperimentConfig, dict(name="a/b"), "name"),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,field", BAD, ids=[f"{c.__name__}-{f}" for c, _, f in BAD])
+def test_bad_value_names_the_field(cls, kwargs, field):
+    with pytest.raises(ConfigError, match=rf"^{field}: "):
+        cls(**kwargs)
+
+
+def test_defaults_are_valid_and_frozen():
+    cfg = ExperimentConfig()
+    with pytest.raises(AttributeError):
+        cfg.name = "x"
+    assert cfg.run_path.endswith("demo")
+
+
+def test_replace_revalidates():
+    cfg = LearnerConfig()
+    assert replace(cfg, lr=1e-5).lr == 1e-5
+    with pytest.raises(ConfigError, match="learner.lr"):
+        replace(cfg, lr=0.0)
+
+
+def test_one_of_error_lists_allowed_values():
+    with pytest.raises(ConfigError, match=r"learner.advantage: must be one of "
+                                          r"\['drgrpo', 'grpo', 'rloo'\], got 'ppo'"):
+        LearnerConfig(advantage="ppo")
+
+
+def _write(tmp_path, body):
+    path = tmp_path / "cfg.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_load_config_file(tmp_path):
+    path = _write(tmp_path, """
+        from rlflow.config import ExperimentConfig
+        def config():
+            return ExperimentConfig(name="from_file", seed=7)
+    """)
+    cfg = load_config_file(path)
+    assert cfg.name == "from_file" and cfg.seed == 7
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config_file(str(tmp_path / "missing.py"))
+    no_fn = _write(tmp_path, "x = 1\n")
+    with pytest.raises(ConfigError, match="must define a function `config"):
+        load_config_file(no_fn)
+    wrong = _write(tmp_path, "def config():\n    return {'name': 'x'}\n")
+    with pytest.raises(ConfigError, match="config\\(\\) must return ExperimentConfig, got dict"):
+        load_config_file(wrong)
+    bad_value = _write(tmp_path, """
+        from rlflow.config import ExperimentConfig, LearnerConfig
+        def config():
+            return ExperimentConfig(learner=LearnerConfig(lr=-1.0))
+    """)
+    with pytest.raises(ConfigError, match="learner.lr"):
+        load_config_file(bad_value)
