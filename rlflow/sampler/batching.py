@@ -1,0 +1,375 @@
+"""rlflow's continuous-batching loop over the JetStream ``Engine`` API.
+
+The pattern of MaxText's offline engine (not JetStream's orchestrator/Driver): a queue of
+samples to run; before every decode step each free slot is refilled from the queue
+(prefill + insert); after it, each active slot's token, logprob and policy version are
+appended to its completion, and slots whose completion ended (a stop id, or
+``max_tokens``) are freed at once. A prompt's ``G`` samples share one prefill (while the
+policy version does not change) and come back together as one group.
+
+Weight swap: :meth:`ContinuousBatcher.update_params` may be called from any thread; the
+new weights take effect before the next decode step. Sequences in flight continue under
+them (their earlier KV entries stay), every token is tagged with the version that
+produced it, and a prefix computed under an older version is never inserted again
+(it is recomputed).
+
+Counters (:class:`BatchCounters`) make the scheduling checkable without timing:
+``idle_slot_steps_while_queued`` counts free slots during a decode step while samples
+were waiting; it must stay 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rlflow.sampler.engine import PromptError
+from rlflow.sampler.sampling import SamplingError, SamplingParams
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to sample ``num_samples`` (G) times.
+
+    Attributes:
+      prompt_id: dataset index of the prompt (returned with the group).
+      prompt_tokens: int ``[P]`` token ids, no padding, ``P >= 1``.
+      num_samples: completions to draw (G >= 1).
+      sampling: settings (incl. seed and max_tokens); ``None``: the sampler config's
+        with ``seed = sampler.seed + prompt_id``.
+    """
+
+    prompt_id: int
+    prompt_tokens: Sequence[int]
+    num_samples: int = 1
+    sampling: Optional[SamplingParams] = None
+
+
+@dataclass
+class Completion:
+    """One finished sample: ``tokens`` int32 ``[T]`` (stop id included), ``logprobs``
+    float32 ``[T]`` (tempered, as sampled), ``versions`` int32 ``[T]`` (policy version
+    per token), ``finish_reason`` "stop" (a stop id) or "length" (``max_tokens``)."""
+
+    prompt_id: int
+    sample_index: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class CompletedGroup:
+    """A request's G completions, ordered by ``sample_index``."""
+
+    request: Request
+    prompt_tokens: np.ndarray
+    max_tokens: int
+    completions: list
+
+    @property
+    def prompt_id(self) -> int:
+        return self.request.prompt_id
+
+    def to_record(self) -> dict:
+        """The "rollout group record" of ``docs/interfaces.md`` (rewards 0: the runtime
+        fills them). ``T`` = the request's ``max_tokens``."""
+        g, t = len(self.completions), self.max_tokens
+        tokens = np.zeros((g, t), np.int32)
+        logprobs = np.zeros((g, t), np.float32)
+        versions = np.full((g, t), -1, np.int32)
+        lengths = np.zeros((g,), np.int32)
+        for i, c in enumerate(self.completions):
+            n = len(c.tokens)
+            tokens[i, :n], logprobs[i, :n], versions[i, :n], lengths[i] = (
+                c.tokens, c.logprobs, c.versions, n)
+        return {
+            "prompt_id": np.asarray(self.prompt_id, np.int64),
+            "prompt_tokens": self.prompt_tokens.astype(np.int32),
+            "completion_tokens": tokens,
+            "completion_lengths": lengths,
+            "behaviour_logprobs": logprobs,
+            "policy_versions": versions,
+            "rewards": np.zeros((g,), np.float32),
+            "truncated": np.array([c.truncated for c in self.completions], bool),
+        }
+
+
+@dataclass
+class BatchCounters:
+    """Scheduling counters (plain ints, no timing).
+
+    decode_steps: generate calls; slot_steps_available: decode_steps x slots;
+    slot_steps_used: slot steps whose token was kept; idle_slot_steps_while_queued:
+    free slots during a step while samples waited (must be 0); prefills / prefix_reuses:
+    prefill calls and inserts that reused a group's prefix; stale_prefixes_dropped:
+    prefixes recomputed because the policy version changed; prompts_truncated: prompts
+    cut to ``max_prefill_length`` (``on_long_prompt="truncate"``); weight_swaps;
+    completions_stopped / completions_truncated.
+    """
+
+    decode_steps: int = 0
+    slot_steps_available: int = 0
+    slot_steps_used: int = 0
+    idle_slot_steps_while_queued: int = 0
+    prefills: int = 0
+    prefix_reuses: int = 0
+    stale_prefixes_dropped: int = 0
+    prompts_truncated: int = 0
+    weight_swaps: int = 0
+    completions_stopped: int = 0
+    completions_truncated: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        """Fraction of slot steps that produced a kept token."""
+        return self.slot_steps_used / max(self.slot_steps_available, 1)
+
+
+@dataclass
+class _Live:
+    """Host-side state of one submitted request."""
+    request: Request
+    tokens: np.ndarray
+    sampling: SamplingParams
+    stop_ids: frozenset
+    completions: dict = field(default_factory=dict)
+    prefix: object = None
+    prefix_version: int = -1
+
+
+@dataclass
+class _Slot:
+    live: _Live
+    sample_index: int
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+
+
+class ContinuousBatcher:
+    """Drives an :class:`rlflow.sampler.engine.RlflowEngine` with continuous batching.
+
+    Args:
+      engine: the engine (its ``sampler_cfg`` gives slots, buckets, ``max_tokens``,
+        ``on_long_prompt`` and default sampling settings).
+      params: initial weights (``nnx.State``; ``None``: the engine model's own).
+      version: their policy version.
+      on_long_prompt: "error" or "truncate" (keep the last ``max_prefill_length``
+        tokens, counted); ``None``: ``sampler_cfg.on_long_prompt``.
+
+    Raises:
+      ValueError: ``on_long_prompt`` is not one of the two.
+    """
+
+    def __init__(self, engine, params=None, version: int = 0,
+                 on_long_prompt: Optional[str] = None):
+        self.engine = engine
+        self.cfg = engine.sampler_cfg
+        self.on_long_prompt = on_long_prompt or self.cfg.on_long_prompt
+        if self.on_long_prompt not in ("error", "truncate"):
+            raise ValueError(f"on_long_prompt must be 'error' or 'truncate', "
+                             f"got {self.on_long_prompt!r}")
+        self.counters = BatchCounters()
+        self._params = engine.load_params(params, version)
+        self.version = int(version)
+        self._pending_params = None
+        self._lock = threading.Lock()
+        self._queue: collections.deque = collections.deque()
+        self._slots: list[Optional[_Slot]] = [None] * engine.max_concurrent_decodes
+        self._device_active = [False] * engine.max_concurrent_decodes
+        self._state = None
+
+    # ------------------------------------------------------------------ input
+    def submit(self, request: Request) -> None:
+        """Queue a request's G samples.
+
+        Raises:
+          PromptError: empty prompt, an id outside the vocabulary, or a prompt longer than
+            ``max_prefill_length`` when ``on_long_prompt="error"`` (names the prompt_id).
+          SamplingError: ``num_samples`` < 1, ``max_tokens`` above the engine's, or a stop
+            id outside the vocabulary.
+        """
+        pid = request.prompt_id
+        tokens = np.asarray(request.prompt_tokens, np.int64).reshape(-1)
+        truncated = False
+        try:
+            if tokens.size > self.cfg.max_prefill_length:
+                if self.on_long_prompt == "error":
+                    raise PromptError(
+                        f"prompt of {tokens.size} tokens is longer than the largest prefill "
+                        f"bucket sampler.max_prefill_length={self.cfg.max_prefill_length} "
+                        f"(set sampler.on_long_prompt='truncate' to keep the last tokens)")
+                tokens, truncated = tokens[-self.cfg.max_prefill_length:], True
+            self.engine.pad_prompt(tokens)        # checks empty / vocabulary range
+        except PromptError as e:
+            raise PromptError(f"prompt_id {pid}: {e}") from None
+        sp = request.sampling or SamplingParams.from_config(
+            self.cfg, seed=(self.cfg.seed + int(pid)) % 2**32)
+        if request.num_samples < 1:
+            raise SamplingError(f"prompt_id {pid}: num_samples must be >= 1, "
+                                f"got {request.num_samples}")
+        if sp.max_tokens > self.engine.max_tokens:
+            raise SamplingError(f"prompt_id {pid}: sampling.max_tokens={sp.max_tokens} exceeds "
+                                f"sampler.max_tokens={self.engine.max_tokens} (the KV cache size)")
+        stop = sp.stop_token_ids if sp.stop_token_ids is not None else self.engine.eos_token_ids
+        vocab = self.engine.cfg.vocab_size
+        unknown = [i for i in stop if not 0 <= i < vocab]
+        if unknown:
+            raise SamplingError(f"prompt_id {pid}: unknown stop id(s) {unknown}: not in the "
+                                f"vocabulary [0, {vocab})")
+        self.counters.prompts_truncated += int(truncated)
+        live = _Live(request=request, tokens=tokens.astype(np.int32), sampling=sp,
+                     stop_ids=frozenset(stop))
+        for i in range(request.num_samples):
+            self._queue.append((live, i))
+
+    def update_params(self, params, version: int) -> None:
+        """New weights (``nnx.State``), used from the next decode step on (thread-safe).
+
+        The arrays are re-laid onto the engine's mesh here (``engine.load_params``).
+        """
+        engine_params = self.engine.load_params(params, version)
+        with self._lock:
+            self._pending_params = (engine_params, int(version))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_active(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue) or self.num_active > 0
+
+    def reset_cache(self) -> None:
+        """Free the decode state (KV cache); the next step allocates a fresh one.
+
+        Raises:
+          RuntimeError: sequences are in flight.
+        """
+        if self.num_active:
+            raise RuntimeError(f"reset_cache: {self.num_active} sequences are in flight")
+        self._state = None
+        self._device_active = [False] * len(self._slots)
+
+    def _apply_pending_params(self) -> None:
+        with self._lock:
+            pending, self._pending_params = self._pending_params, None
+        if pending is not None:
+            self._params, self.version = pending
+            self.counters.weight_swaps += 1
+
+    def _prefix_for(self, live: _Live, sample_index: int):
+        if live.prefix is not None and live.prefix_version != self.version:
+            live.prefix = None
+            self.counters.stale_prefixes_dropped += 1
+        if live.prefix is None:
+            padded, n = self.engine.pad_prompt(live.tokens)
+            live.prefix = self.engine.prefill(params=self._params, padded_tokens=padded,
+                                              true_length=n, sampling=live.sampling)
+            live.prefix_version = self.version
+            self.counters.prefills += 1
+        else:
+            self.counters.prefix_reuses += 1
+        return live.prefix.replace(sample_index=np.int32(sample_index))
+
+    def _refill(self) -> None:
+        for slot, busy in enumerate(self._slots):
+            if busy is not None:
+                continue
+            if self._queue:
+                live, i = self._queue.popleft()
+                self._state = self.engine.insert(self._prefix_for(live, i), self._state, slot)
+                self._device_active[slot] = True
+                self._slots[slot] = _Slot(live=live, sample_index=i)
+                if i == live.request.num_samples - 1:
+                    live.prefix = None               # last sample admitted: drop the prefix
+            elif self._device_active[slot]:
+                self._state = self.engine.release(self._state, slot)
+                self._device_active[slot] = False
+
+    # ------------------------------------------------------------------ loop
+    def step(self) -> list[CompletedGroup]:
+        """Apply pending weights, refill free slots, run one decode step.
+
+        Returns:
+          The groups completed by this step (possibly empty).
+        """
+        self._apply_pending_params()
+        if self._state is None:
+            self._state = self.engine.init_decode_state()
+        self._refill()
+        active = self.num_active
+        if active == 0:
+            return []
+        if self._queue:
+            self.counters.idle_slot_steps_while_queued += len(self._slots) - active
+        self._state, result = self.engine.generate(self._params, self._state)
+        result = result.convert_to_numpy()
+        self.counters.decode_steps += 1
+        self.counters.slot_steps_available += len(self._slots)
+        done = []
+        for slot, s in enumerate(self._slots):
+            if s is None:
+                continue
+            data = result.get_result_at_slot(slot)
+            if not int(data.valid[0, 0]):
+                raise RuntimeError(f"engine returned an invalid token for busy slot {slot}")
+            token = int(data.tokens[0, 0])
+            s.tokens.append(token)
+            s.logprobs.append(float(result.logprobs[slot]))
+            s.versions.append(int(result.versions[slot]))
+            self.counters.slot_steps_used += 1
+            reason = ("stop" if token in s.live.stop_ids else
+                      "length" if len(s.tokens) >= s.live.sampling.max_tokens else None)
+            if reason is None:
+                continue
+            self._slots[slot] = None
+            group = self._finish(s, reason)
+            if group is not None:
+                done.append(group)
+        return done
+
+    def _finish(self, s: _Slot, reason: str) -> Optional[CompletedGroup]:
+        live = s.live
+        if reason == "stop":
+            self.counters.completions_stopped += 1
+        else:
+            self.counters.completions_truncated += 1
+        live.completions[s.sample_index] = Completion(
+            prompt_id=live.request.prompt_id, sample_index=s.sample_index,
+            tokens=np.asarray(s.tokens, np.int32), logprobs=np.asarray(s.logprobs, np.float32),
+            versions=np.asarray(s.versions, np.int32), finish_reason=reason)
+        if len(live.completions) < live.request.num_samples:
+            return None
+        return CompletedGroup(request=live.request, prompt_tokens=live.tokens,
+                              max_tokens=live.sampling.max_tokens,
+                              completions=[live.completions[i] for i in
+                                           range(live.request.num_samples)])
+
+    def run(self, requests: Sequence[Request] = ()) -> list[CompletedGroup]:
+        """Submit ``requests`` and step until every queued sample has finished.
+
+        Returns:
+          The completed groups in completion order.
+        """
+        for r in requests:
+            self.submit(r)
+        out = []
+        while self.has_work:
+            out.extend(self.step())
+        return out

@@ -1,0 +1,93 @@
+"""Hugging Face tokenizers behind JetStream's ``Tokenizer`` API, and the model's stop ids.
+
+A model's end-of-sequence ids are the union of ``generation_config.json``'s
+``eos_token_id`` (often a list, e.g. Qwen2.5-Instruct's ``[151645, 151643]``),
+``config.json``'s and the tokenizer's own ``eos_token_id``: stopping only on the
+tokenizer's id would run chat models past their end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import numpy as np
+from jetstream.engine import tokenizer_api
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def model_eos_token_ids(path: str, tokenizer=None) -> tuple[int, ...]:
+    """Every EOS id of the HF folder ``path``, sorted.
+
+    Reads ``generation_config.json`` and ``config.json`` (when present) with
+    ``transformers`` and adds ``tokenizer.eos_token_id`` when a tokenizer is given.
+
+    Raises:
+      FileNotFoundError: ``path`` is not a folder.
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model folder not found: {path}")
+    ids: set[int] = set()
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        ids.update(_as_ids(GenerationConfig.from_pretrained(path).eos_token_id))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        ids.update(_as_ids(getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)))
+    if tokenizer is not None:
+        ids.update(_as_ids(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+class HFTokenizer(tokenizer_api.Tokenizer):
+    """JetStream ``Tokenizer`` over ``transformers.AutoTokenizer``.
+
+    Args:
+      path: local HF folder with tokenizer files (and optionally generation_config.json).
+      stop_ids: extra stop ids; the model's EOS ids (:func:`model_eos_token_ids`) are
+        always included.
+    """
+
+    def __init__(self, path: str, stop_ids: Iterable[int] = ()):
+        from transformers import AutoTokenizer
+
+        self.path = path
+        self.hf = AutoTokenizer.from_pretrained(path)
+        self._stop = set(model_eos_token_ids(path, self.hf)) | {int(i) for i in stop_ids}
+
+    def encode(self, s: str, **kwargs) -> tuple[np.ndarray, int]:
+        """Token ids of ``s`` (int32 ``[n]``, no padding) and their count ``n``."""
+        ids = np.asarray(self.hf.encode(s, add_special_tokens=kwargs.get("add_special_tokens",
+                                                                          True)), np.int32)
+        return ids, int(ids.size)
+
+    def decode(self, token_ids: list[int], **kwargs) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=kwargs.get(
+            "skip_special_tokens", False))
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.hf.pad_token_id
+        return int(pad) if pad is not None else self.eos_id
+
+    @property
+    def eos_id(self) -> int:
+        eos = self.hf.eos_token_id
+        return int(eos) if eos is not None else min(self._stop, default=0)
+
+    @property
+    def bos_id(self) -> int:
+        bos = self.hf.bos_token_id
+        return int(bos) if bos is not None else -1
+
+    @property
+    def stop_tokens(self) -> set[int]:
+        """Every id that ends a completion (all EOS ids of the model)."""
+        return set(self._stop)

@@ -1,0 +1,200 @@
+"""The JetStream engine: parity with transformers, logprobs vs a full recompute, sharding,
+JetStream API plumbing (ResultTokens layout, tokenizer, stop ids)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlflow.config import MeshConfig, ModelConfig, SamplerConfig
+from rlflow.mesh import make_mesh
+from rlflow.models import build_model, load_hf, positions_from_mask
+from rlflow.models.logprobs import token_logprobs
+from rlflow.sampler.batching import ContinuousBatcher, Request
+from rlflow.sampler.engine import PromptError, RlflowEngine
+from rlflow.sampler.sampling import SamplingParams
+from tests.hf_fixtures import FAMILIES, make_tiny_hf_model
+
+PROMPTS = [[1, 17, 42], [1, 5, 9, 200, 31, 77, 4, 8, 100, 12, 6], [1], [9, 8, 7, 6, 5, 4, 3 + 10]]
+
+
+def one_device_mesh():
+    return make_mesh(MeshConfig(), jax.devices()[:1])
+
+
+def sampler_cfg(**kw):
+    base = dict(num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16), max_tokens=8,
+                temperature=0.0)
+    base.update(kw)
+    return SamplerConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """family -> (HF folder, rlflow model, engine); one engine per family for the module."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            path = make_tiny_hf_model(family, str(tmp_path_factory.mktemp(family)))
+            model, cfg = load_hf(path)
+            cache[family] = (path, model, cfg, RlflowEngine(model, sampler_cfg(),
+                                                             mesh=one_device_mesh()))
+        return cache[family]
+    return get
+
+
+def hf_greedy(path, prompt, max_new_tokens):
+    import torch
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                             dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist(), model.generation_config
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_generate(hf_models, family):
+    path, model, cfg, engine = hf_models(family)
+    assert set(cfg.eos_token_ids) == {2, 3}
+    batcher = ContinuousBatcher(engine)
+    # Four prompts of different lengths (1 to 11 tokens, two buckets) decode together.
+    groups = {g.prompt_id: g for g in batcher.run(
+        [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=8))
+         for i, p in enumerate(PROMPTS)])}
+    assert batcher.counters.decode_steps < sum(len(g.completions[0].tokens) for g in
+                                               groups.values())      # they shared steps
+    for i, prompt in enumerate(PROMPTS):
+        ours = groups[i].completions[0]
+        ref, gen_cfg = hf_greedy(path, prompt, 8)
+        n = len(ours.tokens)
+        assert ours.tokens.tolist() == ref[:n], (family, i, ours.tokens, ref)
+        if ours.finish_reason == "stop":
+            assert ref[n - 1] in (2, 3) and all(t == gen_cfg.pad_token_id for t in ref[n:])
+        else:
+            assert n == 8 and not set(ref) & {2, 3}
+
+
+def recompute_logprobs(model, prompt_tokens, completions, temperature):
+    """Learner-style: one full forward over the right-padded batch prompt+completion."""
+    seqs = [np.concatenate([prompt_tokens, c]) for c in completions]
+    t = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), t), np.int32)
+    mask = np.zeros((len(seqs), t), bool)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)], mask[i, :len(s)] = s, True
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a))
+    logits = forward(state, jnp.asarray(tokens), positions_from_mask(mask), jnp.asarray(mask))
+    lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(tokens[:, 1:]), temperature))
+    p = len(prompt_tokens)
+    return [lp[i, p - 1:p - 1 + len(c)] for i, c in enumerate(completions)]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_logprobs_equal_full_recompute(hf_models, temperature):
+    _, model, _, engine = hf_models("qwen2")
+    batcher = ContinuousBatcher(engine)
+    reqs = [Request(i, p, 3, SamplingParams(temperature=temperature, max_tokens=8, seed=10 + i))
+            for i, p in enumerate(PROMPTS[:2])]
+    groups = batcher.run(reqs)
+    assert len(groups) == 2
+    for g in groups:
+        comps = [c.tokens for c in g.completions]
+        assert len({tuple(c) for c in comps}) > 1, "samples of a group should differ"
+        ref = recompute_logprobs(model, np.asarray(g.request.prompt_tokens), comps, temperature)
+        for c, r in zip(g.completions, ref):
+            np.testing.assert_allclose(c.logprobs, r, atol=1e-5, rtol=0)
+            assert (c.versions == 0).all()
+
+
+def random_model(scale=1.0, **kw):
+    """A random tiny model; ``scale`` > 1 sharpens its logits (a non-constant greedy path)."""
+    model = build_model(ModelConfig(hidden_size=64, num_layers=2, vocab_size=128, **kw))[0]
+    if scale != 1.0:
+        nnx.update(model, jax.tree_util.tree_map(lambda x: x * scale,
+                                                 nnx.state(model, nnx.Param)))
+    return model
+
+
+@pytest.mark.parametrize("mesh_name,mesh_cfg", [
+    ("data2xtensor2", MeshConfig(data=2, tensor=2)),
+    # 2 KV heads on a tensor axis of 4: the cache is replicated, the weights still split.
+    pytest.param("tensor4", MeshConfig(tensor=4), marks=pytest.mark.slow)])
+def test_sharded_engine_matches_single_device(mesh_name, mesh_cfg):
+    model = random_model(scale=6.0, init_seed=3)
+    reqs = [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=6))
+            for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]])]
+    sampled = [Request(10, [5, 6, 7], 2, SamplingParams(temperature=1.0, max_tokens=6, seed=4))]
+    results = {}
+    for name, mesh in [("1", one_device_mesh()), (mesh_name, make_mesh(mesh_cfg, jax.devices()))]:
+        engine = RlflowEngine(model, sampler_cfg(), mesh=mesh)
+        groups = ContinuousBatcher(engine).run(reqs + sampled)
+        results[name] = {g.prompt_id: g for g in groups}
+    base = results["1"]
+    assert len({tuple(base[i].completions[0].tokens) for i in range(3)}) > 1
+    assert results[mesh_name].keys() == base.keys()
+    for pid, g in results[mesh_name].items():
+        for c, ref in zip(g.completions, base[pid].completions):
+            assert c.tokens.tolist() == ref.tokens.tolist(), (mesh_name, pid)
+            np.testing.assert_allclose(c.logprobs, ref.logprobs, rtol=2e-5, atol=2e-5)
+
+
+def test_result_tokens_layout_and_slot_api():
+    model = random_model()
+    engine = RlflowEngine(model, sampler_cfg(num_slots=2), mesh=one_device_mesh())
+    assert engine.max_concurrent_decodes == 2 and engine.samples_per_slot == 1
+    assert engine.max_prefill_length == 16
+    params = engine.load_params(version=4)
+    state = engine.init_decode_state()
+    padded, n = engine.pad_prompt([1, 2, 3, 4, 5])
+    assert padded.shape == (8,) and n == 5 and (padded[5:] == 0).all()
+    prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n)
+    state = engine.insert(prefix, state, 1)
+    state, result = engine.generate(params, state)
+    result = result.convert_to_numpy()
+    assert result.data.shape == (2, 3)
+    free, busy = result.get_result_at_slot(0), result.get_result_at_slot(1)
+    assert int(free.valid[0, 0]) == 0 and int(busy.valid[0, 0]) == 1
+    assert int(busy.lengths[0]) == 1 and int(free.lengths[0]) == 0
+    assert int(result.versions[1]) == 4
+    # Its token and logprob are the greedy next token of a full forward of the prompt.
+    logits = nnx.jit(lambda m, *a: m(*a))(model, jnp.asarray([[1, 2, 3, 4, 5]]),
+                                           jnp.arange(5)[None], jnp.ones((1, 5), bool))
+    assert int(busy.tokens[0, 0]) == int(jnp.argmax(logits[0, -1]))
+    np.testing.assert_allclose(result.logprobs[1], jax.nn.log_softmax(logits[0, -1])[
+        int(busy.tokens[0, 0])], atol=1e-5)
+    with pytest.raises(PromptError, match="not a prefill bucket"):
+        engine.prefill(params=params, padded_tokens=np.zeros(5, np.int32), true_length=3)
+    with pytest.raises(NotImplementedError):
+        engine.prefill(params=params, existing_prefix=prefix, padded_tokens=padded, true_length=n)
+    with pytest.raises(ValueError, match="slot 2"):
+        engine.insert(prefix, state, 2)
+
+
+def make_tokenizer_folder(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<|im_end|>": 3}
+    vocab.update({f"w{i}": i for i in range(4, 128)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(path)
+    GenerationConfig(eos_token_id=[2, 3], bos_token_id=1).save_pretrained(path)
+    return str(path)
+
+
+def test_tokenizer_and_all_eos_ids(tmp_path):
+    path = make_tokenizer_folder(tmp_path)
+    engine = RlflowEngine(random_model(), sampler_cfg(), mesh=one_device_mesh(),
+                          tokenizer_path=path)
+    tok = engine.build_tokenizer(engine.get_tokenizer())
+    ids, n = tok.encode("w5 w6 w100", add_special_tokens=False)
+    assert ids.tolist() == [5, 6, 100] and n == 3
+    assert tok.decode([5, 6]) == "w5 w6"
+    assert tok.eos_id == 2 and tok.pad_id == 0 and tok.bos_id == 1
+    assert tok.stop_tokens == {2, 3}     # generation_config's list, not only the tokenizer's
