@@ -1,0 +1,196 @@
+"""Rewards -> advantages: group baselines (GRPO, Dr. GRPO, RLOO), GAE, DAPO reward shaping.
+
+Pure ``jax.numpy`` functions (they accept numpy arrays too). Shapes: ``N`` groups, ``G``
+samples per group, ``B`` samples, ``T`` response tokens.
+
+Numerics: group statistics are computed on rewards shifted by the group's first reward
+(``r - r[:, :1]``). The shift changes no advantage mathematically, but a group whose rewards
+are all equal then has deviations that are exactly 0 in float32, so it gets advantage 0,
+never NaN and never ``residue / (residue_std + floor)`` (seven copies of 0.35 in float32 have
+a mean that is not exactly 0.35; the unshifted z-score gives ~0.03 instead of 0).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Estimator = Literal["grpo", "drgrpo", "rloo"]
+
+
+def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bool | None = None,
+                     std_floor: float = 1e-6) -> jax.Array:
+    """Per-sample advantages from the rewards of each group (one prompt's G completions).
+
+    With deviations ``d_i = r_i - mean(r)`` and the unbiased group std
+    ``s = sqrt(sum_i d_i^2 / (G - 1))`` (as ``torch.std`` in TRL/verl):
+
+    - ``"grpo"``   (Shao et al. 2024, DeepSeekMath sec. 4.1.2): ``A_i = d_i / (s + floor)``.
+    - ``"drgrpo"`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr. GRPO objective): ``A_i = d_i``.
+    - ``"rloo"``   (leave-one-out baseline: Kool et al. 2019; Ahmadian et al. 2024, RLOO): ``A_i = r_i - mean_{j != i} r_j = G/(G-1) d_i``.
+
+    ``scale_by_std`` overrides the std scaling (None: only GRPO scales); RLOO with std scaling
+    is ``G/(G-1) d_i / (s + floor)``, bounded by ``sqrt(G)`` in magnitude (eight rewards
+    seven x 0.35 and one 0.0: the lone 0.0 gets -0.35 unscaled, about -2.83 scaled).
+
+    Args:
+      rewards: ``[N, G]`` float rewards (computed in float32).
+      estimator: "grpo", "drgrpo" or "rloo".
+      scale_by_std: divide by ``s + std_floor`` (None: estimator's default).
+      std_floor: added to the std before dividing (> 0 keeps zero-variance groups finite).
+
+    Returns:
+      ``[N, G]`` float32 advantages; exactly 0 for a group whose rewards are all equal.
+
+    Raises:
+      ValueError: rewards not 2-D, unknown estimator, G < 2 where the estimator needs it,
+        Dr. GRPO with std scaling, or a non-finite reward (naming group and sample).
+    """
+    r = jnp.asarray(rewards, jnp.float32)
+    if r.ndim != 2:
+        raise ValueError(f"rewards must be [num_groups, group_size], got shape {r.shape}")
+    if estimator not in ("grpo", "drgrpo", "rloo"):
+        raise ValueError(f"estimator must be 'grpo', 'drgrpo' or 'rloo', got {estimator!r}")
+    if scale_by_std is None:
+        scale_by_std = estimator == "grpo"
+    if estimator == "drgrpo" and scale_by_std:
+        raise ValueError("drgrpo means no std scaling (Liu et al. 2025); use estimator='grpo'")
+    g = r.shape[1]
+    if (estimator == "rloo" or scale_by_std) and g < 2:
+        raise ValueError(f"estimator {estimator!r} (std scaling={scale_by_std}) needs group_size "
+                         f">= 2, got {g}")
+    _check_finite(r)
+    shifted = r - r[:, :1]
+    dev = shifted - jnp.mean(shifted, axis=1, keepdims=True)
+    adv = dev * (g / (g - 1)) if estimator == "rloo" else dev
+    if scale_by_std:
+        std = jnp.sqrt(jnp.sum(dev * dev, axis=1, keepdims=True) / (g - 1))
+        adv = adv / (std + std_floor)
+    return adv
+
+
+def flat_group_advantages(rewards, group_size: int, **kwargs) -> jax.Array:
+    """:func:`group_advantages` on a flat ``[B]`` reward vector of consecutive groups.
+
+    Raises:
+      ValueError: ``group_size`` does not divide ``B`` (names both), or as group_advantages.
+    """
+    r = jnp.asarray(rewards, jnp.float32)
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be [batch], got shape {r.shape}")
+    if group_size <= 0 or r.shape[0] % group_size:
+        raise ValueError(f"group_size {group_size} does not divide the batch of {r.shape[0]} "
+                         f"rewards")
+    return group_advantages(r.reshape(-1, group_size), **kwargs).reshape(-1)
+
+
+def _check_finite(r) -> None:
+    try:
+        bad = ~jnp.isfinite(r)
+        if bool(jnp.any(bad)):
+            n, i = (int(x) for x in jnp.argwhere(bad)[0])
+            raise ValueError(f"non-finite reward {float(r[n, i])} at group {n}, sample {i}")
+    except jax.errors.ConcretizationTypeError:
+        pass  # traced inside jit: the host-side batch builder checks rewards before this
+
+
+def zero_truncated_rewards(rewards, truncated) -> jax.Array:
+    """Rewards with those of truncated completions (cut by ``max_tokens``) set to 0.
+
+    Args:
+      rewards: ``[...]`` float rewards.
+      truncated: ``[...]`` bool, same shape.
+
+    Returns: float32, same shape ([1,0,1,1] with [F,F,T,F] -> [1,0,0,1]).
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    truncated = jnp.asarray(truncated, bool)
+    if rewards.shape != truncated.shape:
+        raise ValueError(f"rewards {rewards.shape} and truncated {truncated.shape} differ in shape")
+    return jnp.where(truncated, 0.0, rewards)
+
+
+def overlong_penalty(lengths, *, max_tokens: int, buffer: int, factor: float = 1.0) -> jax.Array:
+    """DAPO soft overlong punishment (Yu et al. 2025, "DAPO", sec. 3.4), times ``factor``.
+
+    ``R(y) = 0`` if ``|y| <= L_max - L_cache``; ``((L_max - L_cache) - |y|) / L_cache`` if
+    ``L_max - L_cache < |y| <= L_max``; ``-1`` if ``|y| > L_max``; added to the task reward.
+
+    Args:
+      lengths: ``[...]`` int completion lengths in tokens (EOS included).
+      max_tokens: ``L_max``.
+      buffer: ``L_cache`` (> 0, <= max_tokens).
+      factor: scale of the penalty.
+
+    Returns: float32 ``[...]`` penalties in [-factor, 0].
+    """
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"overlong buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
+    n = jnp.asarray(lengths, jnp.float32)
+    start = float(max_tokens - buffer)
+    pen = jnp.clip((start - n) / buffer, -1.0, 0.0)
+    return factor * pen
+
+
+def groups_with_signal(rewards) -> jax.Array:
+    """DAPO dynamic sampling filter (Yu et al. 2025, sec. 3.2): keep groups whose rewards differ.
+
+    Args:
+      rewards: ``[N, G]`` rewards.
+
+    Returns:
+      ``[N]`` bool, False for groups with zero reward variance (exact comparison: all equal).
+    """
+    r = jnp.asarray(rewards, jnp.float32)
+    return jnp.max(r, axis=1) > jnp.min(r, axis=1)
+
+
+def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over response tokens.
+
+    ``delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t`` and
+    ``A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}``; the episode ends after the last valid
+    token (value 0 beyond it). ``returns = A + V`` are the value-function targets.
+
+    Args:
+      rewards: ``[B, T]`` float per-token rewards (the sequence reward on its last token,
+        see :func:`terminal_rewards`).
+      values: ``[B, T]`` float value estimates V(s_t) of the policy's state before token t.
+      mask: ``[B, T]`` bool/0-1 valid-token mask (contiguous per row).
+      gamma, lam: discount and GAE lambda in [0, 1].
+
+    Returns:
+      ``(advantages, returns)``, both ``[B, T]`` float32, 0 where ``mask`` is 0.
+    """
+    m = jnp.asarray(mask, jnp.float32)
+    r = jnp.where(m > 0, jnp.asarray(rewards, jnp.float32), 0.0)
+    v = jnp.where(m > 0, jnp.asarray(values, jnp.float32), 0.0)
+    if not (r.shape == v.shape == m.shape and r.ndim == 2):
+        raise ValueError(f"rewards {r.shape}, values {v.shape}, mask {m.shape} must be equal [B, T]")
+    v_next = jnp.concatenate([v[:, 1:], jnp.zeros_like(v[:, :1])], axis=1)
+    m_next = jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
+    delta = r + gamma * v_next * m_next - v
+
+    def back(carry, xs):
+        d, mn = xs
+        a = d + gamma * lam * mn * carry
+        return a, a
+
+    _, adv = jax.lax.scan(back, jnp.zeros(r.shape[0], jnp.float32), (delta.T, m_next.T),
+                          reverse=True)
+    adv = adv.T * m
+    return adv, (adv + v) * m
+
+
+def terminal_rewards(rewards, mask) -> jax.Array:
+    """Place each sequence reward ``[B]`` on the last valid token of ``mask [B, T]``.
+
+    Returns: ``[B, T]`` float32, zero elsewhere (rows without valid tokens are all zero).
+    """
+    m = jnp.asarray(mask, bool)
+    n = jnp.sum(m, axis=1)
+    last = jnp.max(jnp.where(m, jnp.arange(m.shape[1])[None, :], -1), axis=1)
+    onehot = (jnp.arange(m.shape[1])[None, :] == last[:, None]) & (n[:, None] > 0)
+    return jnp.where(onehot, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)

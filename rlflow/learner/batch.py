@@ -1,0 +1,323 @@
+"""Rollout group records -> one padded training batch (host side, numpy).
+
+Layout of a row (``P`` = longest prompt in the batch, ``L`` = the sequence bucket)::
+
+    tokens          [pad pad p0 p1 p2 | c0 c1 c2 c3 | pad ...]   prompt left-padded to P,
+                                                                 completion right-padded to L
+    targets[t]      = tokens[t + 1]   (last column: pad)
+    loss_mask[t]    = target t is a completion token (EOS included) that counts
+
+All per-token arrays are aligned with ``targets``: ``behaviour_logprobs[t]`` is the
+sampler's logprob of ``targets[t]``. The prompt ``[Hello]`` with completion
+``[, World ! <eot>]`` gives 4 loss positions (t = 0..3), all counted, EOS included.
+
+Rows are padded to ``num_rows`` (fixed per config) and columns to the smallest of the
+configured ``seq_buckets`` that fits, so the jitted step sees few distinct shapes. Padding
+rows hold one attended pad token and no loss positions.
+
+Sample selection (each counted in the returned info, never silent):
+  * non-finite reward: error naming the record and sample, or (``on_bad_reward="drop"``) the
+    whole group leaves the loss (its baseline would be undefined);
+  * staleness ``learner_version - min(policy_versions)`` above ``max_staleness`` with
+    ``stale_policy="drop"`` leaves the loss; with ``"correct"`` it stays (the truncated
+    importance weight of the loss corrects it);
+  * DAPO dynamic sampling: groups with zero reward variance leave the loss;
+  * ``mask_truncated``: completions cut by ``max_tokens`` leave the loss (DAPO overlong filter).
+Advantages are computed on the whole group (all G rewards, after reward shaping) before any
+sample leaves the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from rlflow.learner import advantages as adv_lib
+from rlflow.metrics import staleness_histogram
+from rlflow.models.decoder import positions_from_mask
+
+FIELDS_2D = ("completion_tokens", "behaviour_logprobs", "policy_versions")
+FIELDS_1D = ("completion_lengths", "rewards", "truncated")
+
+
+class BatchError(ValueError):
+    """A rollout record does not fit the training batch; the message names record and field."""
+
+
+class TrainBatch(NamedTuple):
+    """Device-ready training batch, every array ``[B, L]`` (numpy on the host).
+
+    tokens int32, attention_mask bool, positions int32 (``positions_from_mask``), targets
+    int32 (``tokens`` shifted left), loss_mask bool, behaviour_logprobs float32 and
+    advantages float32 (per-sample advantage broadcast over its loss positions), the last
+    four aligned with ``targets``.
+    """
+    tokens: np.ndarray
+    attention_mask: np.ndarray
+    positions: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    advantages: np.ndarray
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Everything :func:`build_batch` needs from the experiment config."""
+    group_size: int
+    num_rows: int
+    seq_buckets: tuple
+    max_tokens: int
+    estimator: str = "grpo"
+    scale_by_std: bool | None = None
+    std_floor: float = 1e-6
+    mask_truncated: bool = False
+    zero_truncated_rewards: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    dynamic_sampling: bool = False
+    max_staleness: int = 0
+    stale_policy: Literal["drop", "correct"] = "drop"
+    on_bad_reward: Literal["error", "drop"] = "error"
+    pad_id: int = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "BatchSpec":
+        """From an :class:`rlflow.config.ExperimentConfig`."""
+        lr, sp, rt = cfg.learner, cfg.sampler, cfg.runtime
+        return cls(group_size=sp.group_size, num_rows=lr.groups_per_step * sp.group_size,
+                   seq_buckets=tuple(lr.seq_buckets) or (sp.max_prefill_length + sp.max_tokens,),
+                   max_tokens=sp.max_tokens, estimator=lr.advantage,
+                   scale_by_std=lr.scale_by_std, std_floor=lr.std_floor,
+                   mask_truncated=lr.mask_truncated,
+                   zero_truncated_rewards=lr.zero_truncated_rewards,
+                   overlong_buffer=lr.overlong_buffer, overlong_penalty=lr.overlong_penalty,
+                   dynamic_sampling=lr.dynamic_sampling, max_staleness=rt.max_staleness,
+                   stale_policy=rt.stale_policy, on_bad_reward=lr.on_bad_reward)
+
+    def replace(self, **kw) -> "BatchSpec":
+        return dataclasses.replace(self, **kw)
+
+
+_KINDS = dict(tokens="i", attention_mask="b", positions="i", targets="i", loss_mask="b",
+              behaviour_logprobs="f", advantages="f")
+
+
+def validate_batch(batch: TrainBatch) -> None:
+    """Check that every field of ``batch`` is ``[B, L]`` like ``tokens`` with the right dtype kind.
+
+    Raises: BatchError naming the field, its shape/dtype and what was expected.
+    """
+    shape = np.shape(batch.tokens)
+    if len(shape) != 2:
+        raise BatchError(f"tokens must be [batch, seq], got shape {shape}")
+    for name in TrainBatch._fields:
+        x = getattr(batch, name)
+        if np.shape(x) != shape:
+            raise BatchError(f"{name} has shape {np.shape(x)}, expected {shape} like tokens")
+        kind = np.dtype(x.dtype).kind
+        if kind != _KINDS[name] and not (_KINDS[name] == "i" and kind == "u"):
+            raise BatchError(f"{name} has dtype {x.dtype}, expected kind {_KINDS[name]!r}")
+
+
+# ------------------------------------------------------------------------ staleness (pure)
+
+def sample_staleness(policy_versions, lengths, learner_version: int) -> np.ndarray:
+    """Per-sample staleness ``learner_version - min_t policy_versions[g, t]`` over real tokens.
+
+    Args:
+      policy_versions: ``[G, T]`` int versions that produced each token (-1 on padding).
+      lengths: ``[G]`` real tokens per completion (>= 1).
+      learner_version: the learner's current policy version.
+
+    Returns: ``[G]`` int64 staleness (>= 0).
+
+    Raises:
+      ValueError: a real token has version < 0, or a version newer than the learner's.
+    """
+    v = np.asarray(policy_versions).astype(np.int64)
+    n = np.asarray(lengths)
+    real = np.arange(v.shape[1])[None, :] < n[:, None]
+    if np.any(real & (v < 0)):
+        g = int(np.argwhere(real & (v < 0))[0, 0])
+        raise ValueError(f"sample {g}: policy_versions has -1 on a real token (length {n[g]})")
+    oldest = np.where(real, v, np.iinfo(np.int64).max).min(axis=1)
+    stale = learner_version - oldest.astype(np.int64)
+    if np.any(stale < 0):
+        g = int(np.argmin(stale))
+        raise ValueError(f"sample {g}: policy version {oldest[g]} is newer than the learner's "
+                         f"{learner_version}")
+    return stale
+
+
+def stale_keep(staleness, max_staleness: int, stale_policy: str) -> np.ndarray:
+    """Which samples stay in the loss: all with ``"correct"``, ``staleness <= max`` with ``"drop"``.
+
+    Returns: bool array shaped like ``staleness``.
+    """
+    s = np.asarray(staleness)
+    if stale_policy == "correct":
+        return np.ones(s.shape, bool)
+    if stale_policy == "drop":
+        return s <= max_staleness
+    raise ValueError(f"stale_policy must be 'drop' or 'correct', got {stale_policy!r}")
+
+
+# --------------------------------------------------------------------------- validation
+
+def _check_record(i: int, rec: Mapping, g_expected: int) -> None:
+    where = f"record {i} (prompt_id {rec.get('prompt_id', '?')})"
+    for name in ("prompt_tokens",) + FIELDS_2D + FIELDS_1D:
+        if name not in rec:
+            raise BatchError(f"{where}: missing field {name!r}")
+    p = np.asarray(rec["prompt_tokens"])
+    if p.ndim != 1 or p.shape[0] < 1:
+        raise BatchError(f"{where}: prompt_tokens must be [P] with P >= 1, got shape {p.shape}")
+    ct = np.asarray(rec["completion_tokens"])
+    if ct.ndim != 2:
+        raise BatchError(f"{where}: completion_tokens must be [G, T], got shape {ct.shape}")
+    if ct.shape[0] != g_expected:
+        raise BatchError(f"{where}: completion_tokens has {ct.shape[0]} samples, expected "
+                         f"group_size {g_expected}")
+    for name in FIELDS_2D[1:]:
+        if np.shape(rec[name]) != ct.shape:
+            raise BatchError(f"{where}: {name} has shape {np.shape(rec[name])}, expected "
+                             f"{ct.shape} like completion_tokens")
+    for name in FIELDS_1D:
+        if np.shape(rec[name]) != (ct.shape[0],):
+            raise BatchError(f"{where}: {name} has shape {np.shape(rec[name])}, expected "
+                             f"({ct.shape[0]},)")
+    n = np.asarray(rec["completion_lengths"])
+    bad = np.flatnonzero((n < 1) | (n > ct.shape[1]))
+    if bad.size:
+        g = int(bad[0])
+        raise BatchError(f"{where}, sample {g}: completion_lengths {int(n[g])} must be in "
+                         f"[1, {ct.shape[1]}] (an empty response has nothing to learn from)")
+
+
+# ------------------------------------------------------------------------------- build
+
+def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: int
+                ) -> tuple[TrainBatch, dict]:
+    """Assemble one training batch from rollout group records (``docs/interfaces.md``).
+
+    Args:
+      records: group records, each with ``G = spec.group_size`` completions.
+      spec: :class:`BatchSpec`.
+      learner_version: current policy version of the learner (for staleness).
+
+    Returns:
+      ``(batch, info)``: a :class:`TrainBatch` of numpy arrays ``[num_rows, L]`` and a dict of
+      host-side metrics named as in :mod:`rlflow.metrics`: ``batch/*`` counts (samples, loss
+      tokens, drops by reason, bucket length), ``reward/*`` (raw finite rewards),
+      ``response/*`` and the staleness histogram of every sample in the records.
+
+    Raises:
+      BatchError: more samples than ``num_rows``, a malformed record (names record, field and
+        expected shape), a non-finite reward with ``on_bad_reward="error"`` (names record
+        and sample), a version problem, or no bucket long enough.
+    """
+    g = spec.group_size
+    if len(records) * g > spec.num_rows:
+        raise BatchError(f"{len(records)} groups x group_size {g} = {len(records) * g} samples "
+                         f"exceed the batch of {spec.num_rows} rows")
+    if not records:
+        raise BatchError("no records: a training batch needs at least one group")
+    for i, rec in enumerate(records):
+        _check_record(i, rec, g)
+
+    rewards = np.stack([np.asarray(r["rewards"], np.float32) for r in records])      # [N, G]
+    lengths = np.stack([np.asarray(r["completion_lengths"], np.int64) for r in records])
+    truncated = np.stack([np.asarray(r["truncated"], bool) for r in records])
+    finite = np.isfinite(rewards)
+    if not finite.all():
+        n_bad, s_bad = (int(x) for x in np.argwhere(~finite)[0])
+        if spec.on_bad_reward == "error":
+            raise BatchError(f"record {n_bad} (prompt_id {records[n_bad].get('prompt_id', '?')}),"
+                             f" sample {s_bad}: reward is {rewards[n_bad, s_bad]} (expected a "
+                             f"finite number; learner.on_bad_reward='drop' drops such groups)")
+    good_group = finite.all(axis=1)
+    shaped = np.where(finite, rewards, 0.0).astype(np.float32)
+    if spec.overlong_buffer > 0:
+        shaped = shaped + np.asarray(adv_lib.overlong_penalty(
+            lengths, max_tokens=spec.max_tokens, buffer=spec.overlong_buffer,
+            factor=spec.overlong_penalty))
+    if spec.zero_truncated_rewards:
+        shaped = np.asarray(adv_lib.zero_truncated_rewards(shaped, truncated))
+    advantages = np.asarray(adv_lib.group_advantages(
+        shaped, estimator=spec.estimator, scale_by_std=spec.scale_by_std,
+        std_floor=spec.std_floor))
+
+    staleness = np.stack([sample_staleness(r["policy_versions"], r["completion_lengths"],
+                                           learner_version) for r in records])
+    keep_stale = stale_keep(staleness, spec.max_staleness, spec.stale_policy)
+    signal = np.asarray(adv_lib.groups_with_signal(shaped)) if spec.dynamic_sampling else \
+        np.ones(len(records), bool)
+    keep = good_group[:, None] & keep_stale & signal[:, None]
+    if spec.mask_truncated:
+        keep &= ~truncated
+
+    p_max = max(int(np.asarray(r["prompt_tokens"]).shape[0]) for r in records)
+    need = p_max + int(lengths.max())
+    fits = [b for b in spec.seq_buckets if b >= need]
+    if not fits:
+        raise BatchError(f"longest prompt ({p_max}) + completion ({int(lengths.max())}) = {need} "
+                         f"tokens exceed the largest seq bucket {max(spec.seq_buckets)} "
+                         f"(learner.seq_buckets)")
+    seq = fits[0]
+    b_rows = spec.num_rows
+    tokens = np.full((b_rows, seq), spec.pad_id, np.int32)
+    attn = np.zeros((b_rows, seq), bool)
+    loss_mask = np.zeros((b_rows, seq), bool)
+    behaviour = np.zeros((b_rows, seq), np.float32)
+    adv_tok = np.zeros((b_rows, seq), np.float32)
+    attn[:, 0] = True                                   # padding rows: one attended pad token
+    for i, rec in enumerate(records):
+        prompt = np.asarray(rec["prompt_tokens"], np.int32)
+        ct = np.asarray(rec["completion_tokens"], np.int32)
+        mu = np.asarray(rec["behaviour_logprobs"], np.float32)
+        start = p_max - prompt.shape[0]
+        for s in range(g):
+            row, n = i * g + s, int(lengths[i, s])
+            tokens[row, start:p_max] = prompt
+            tokens[row, p_max:p_max + n] = ct[s, :n]
+            attn[row, :] = False
+            attn[row, start:p_max + n] = True
+            # target t predicts token t+1: completion tokens sit at p_max .. p_max+n-1
+            tgt = slice(p_max - 1, p_max - 1 + n)
+            loss_mask[row, tgt] = keep[i, s]
+            behaviour[row, tgt] = mu[s, :n]
+            adv_tok[row, tgt] = advantages[i, s] if keep[i, s] else 0.0
+    targets = np.concatenate([tokens[:, 1:], np.full((b_rows, 1), spec.pad_id, np.int32)], 1)
+    positions = np.asarray(positions_from_mask(attn), np.int32)
+    if not np.isfinite(behaviour).all():
+        r, t = (int(x) for x in np.argwhere(~np.isfinite(behaviour))[0])
+        raise BatchError(f"record {r // g}, sample {r % g}: behaviour_logprobs at completion "
+                         f"token {t - p_max + 1} is not finite")
+
+    real = rewards[finite]
+    info = {
+        "batch/samples": len(records) * g,
+        "batch/groups": len(records),
+        "batch/loss_samples": int(keep.sum()),
+        "batch/loss_tokens": int(loss_mask.sum()),
+        "batch/seq_len": seq,
+        "batch/dropped_bad_reward_groups": int((~good_group).sum()),
+        "batch/dropped_stale": int((~keep_stale).sum()),
+        "batch/dropped_zero_variance_groups": int((~signal).sum()),
+        "batch/masked_truncated": int(truncated.sum()) if spec.mask_truncated else 0,
+        "reward/mean": float(real.mean()) if real.size else float("nan"),
+        "reward/std": float(real.std()) if real.size else float("nan"),
+        "reward/min": float(real.min()) if real.size else float("nan"),
+        "reward/max": float(real.max()) if real.size else float("nan"),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": int(lengths.max()),
+        "response/truncation_rate": float(truncated.mean()),
+        **staleness_histogram(staleness.reshape(-1)),
+    }
+    batch = TrainBatch(tokens=tokens, attention_mask=attn, positions=positions, targets=targets,
+                       loss_mask=loss_mask, behaviour_logprobs=behaviour, advantages=adv_tok)
+    return batch, info

@@ -1,0 +1,296 @@
+"""The jitted, sharded train step: ``(state, batch, ref_params) -> (state, metrics)``.
+
+One optimiser step per batch. The batch ``[B, L]`` (:class:`rlflow.learner.batch.TrainBatch`)
+is split into ``k`` micro-batches (micro-batch ``j`` holds rows ``j, j + k, j + 2k, ...``, so
+every micro-batch stays spread over the batch-sharded devices); gradients and metric sums are
+accumulated with ``lax.scan`` in float32. The aggregation weights of
+:func:`rlflow.learner.losses.loss_weights` are computed on the whole batch first, so their
+global normalisers (token count, sequence count) make the sum of micro-batch losses equal
+the full-batch loss in every aggregation mode.
+
+Logprobs are those of the tempered policy ``softmax(logits / T)`` with the sampler's
+temperature ``T`` (1 for greedy sampling), the distribution the behaviour logprobs came from.
+
+Layout: parameters and the optimiser state use :func:`rlflow.mesh.param_shardings` (FSDP x
+tensor), the batch :func:`rlflow.mesh.batch_sharding`, metrics are replicated. The state is
+donated. :func:`compile_train_step` compiles ahead of time for one batch shape and logs the
+compiled memory analysis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from rlflow.learner import losses
+from rlflow.learner.batch import TrainBatch
+from rlflow.mesh import batch_sharding, param_shardings, replicated
+from rlflow.models.logprobs import token_logprobs
+
+logger = logging.getLogger("rlflow.learner")
+
+
+class TrainState(NamedTuple):
+    """Everything the optimiser step changes (donated to the step).
+
+    step: int32 ``[]`` optimiser steps taken (= the policy version of ``params``).
+    params: ``nnx.State`` of master parameters (``model.param_dtype``).
+    opt_state: the optax state (AdamW moments shaped like ``params``).
+    """
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """Static settings of the loss and the step (hashable; see ``LearnerConfig``)."""
+    loss_agg: str = "token-mean"
+    norm_len: int = 1
+    off_policy: str = "decoupled"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 0.0
+    is_cap: float = 2.0
+    is_floor: float = 0.0
+    window_low: float = 0.0
+    window_high: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    micro_batches: int = 1
+    temperature: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "StepSettings":
+        """From an :class:`rlflow.config.ExperimentConfig` (``norm_len`` = ``sampler.max_tokens``)."""
+        lr = cfg.learner
+        return cls(loss_agg=lr.loss_agg, norm_len=cfg.sampler.max_tokens,
+                   off_policy=lr.off_policy, clip_low=lr.clip_low, clip_high=lr.clip_high,
+                   dual_clip=lr.dual_clip, is_cap=lr.is_cap, is_floor=lr.is_floor,
+                   window_low=lr.is_window_low, window_high=lr.is_window_high,
+                   kl_coef=lr.kl_coef, kl_estimator=lr.kl_estimator,
+                   micro_batches=lr.micro_batches,
+                   temperature=cfg.sampler.temperature or 1.0)
+
+
+def init_state(params, tx: optax.GradientTransformation, mesh=None) -> TrainState:
+    """A fresh :class:`TrainState` (step 0) laid out in :func:`state_shardings` when ``mesh``."""
+    if mesh is None:
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+    sh = state_shardings(params, tx, mesh)
+    return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
+                   out_shardings=sh)(params)
+
+
+def state_shardings(params, tx: optax.GradientTransformation, mesh) -> TrainState:
+    """Shardings of the state: params per the logical-axis rules, the optimiser's
+    param-shaped entries (moments) like their params, everything else replicated."""
+    ps = param_shardings(params, mesh)
+    abstract = jax.eval_shape(tx.init, params)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    opt = optax.tree_map_params(tx, lambda _, s: s, abstract, ps,
+                                transform_non_params=lambda _: replicated(mesh), is_leaf=is_var)
+    return TrainState(replicated(mesh), ps, opt)
+
+
+def split_micro(x: jax.Array, k: int) -> jax.Array:
+    """``[B, ...] -> [k, B / k, ...]``; micro-batch ``j`` holds rows ``j, j + k, ...``."""
+    return x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
+
+
+def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0):
+    """Tempered logprobs of ``batch.targets`` and the policy entropy at each position.
+
+    Returns: ``(logprobs, entropy)``, both float32 ``[B, L]`` (entropy carries no gradient).
+    """
+    model = nnx.merge(graphdef, params)
+    logits = model(batch.tokens, batch.positions, batch.attention_mask)
+    logp = token_logprobs(logits, batch.targets, temperature)
+    ent = losses.entropy_from_logits(jax.lax.stop_gradient(logits) / temperature)
+    return logp, ent
+
+
+_SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
+         "is_kept", "is_truncated")
+
+
+def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings):
+    logp, ent = policy_logprobs(graphdef, params, mb, s.temperature)
+    mask = mb.loss_mask
+    t = losses.policy_loss(logp, mb.behaviour_logprobs, mb.advantages, mask,
+                           off_policy=s.off_policy, clip_low=s.clip_low, clip_high=s.clip_high,
+                           dual_clip=s.dual_clip, is_cap=s.is_cap, is_floor=s.is_floor,
+                           window_low=s.window_low, window_high=s.window_high)
+    pg = jnp.sum(w * t.loss)
+    loss = pg
+    kl = jnp.zeros_like(logp)
+    if ref_logp is not None:
+        kl = losses.kl_penalty(logp, ref_logp, mask, s.kl_estimator)
+        loss = loss + s.kl_coef * jnp.sum(w * kl)
+    m = mask.astype(jnp.float32)
+    kept = t.in_window.astype(jnp.float32)
+    if s.off_policy == "decoupled" and s.is_cap > 0:
+        trunc = (t.is_log_ratio > math.log(s.is_cap)).astype(jnp.float32)
+    else:
+        trunc = jnp.zeros_like(m)
+    sums = dict(pg_loss=pg, kl=jnp.sum(m * kl), entropy=jnp.sum(m * ent),
+                clip_low=jnp.sum(t.clipped_low), clip_high=jnp.sum(t.clipped_high),
+                clip_dual=jnp.sum(t.dual_clipped), is_weight=jnp.sum(kept * t.is_weight),
+                is_kept=jnp.sum(kept), is_truncated=jnp.sum(kept * trunc))
+    sums = {k: v.astype(jnp.float32) for k, v in sums.items()}
+    lr_big = jnp.where(mask, t.is_log_ratio, -jnp.inf)
+    lr_small = jnp.where(mask, t.is_log_ratio, jnp.inf)
+    return loss, (sums, jnp.max(lr_big), jnp.min(lr_small))
+
+
+def make_grad_fn(graphdef, settings: StepSettings, mesh=None):
+    """``(params, batch, ref_params) -> (loss, grads, stats)`` accumulated over micro-batches.
+
+    ``grads`` is shaped like ``params`` (float32 accumulation, cast back to the params'
+    dtype); ``stats`` holds the summed metric numerators (see :func:`make_train_step`) and
+    the extreme IS log-ratios ``is_lr_max`` / ``is_lr_min`` over loss tokens.
+    """
+    s, k = settings, settings.micro_batches
+
+    def constrain(x, lead):
+        if mesh is None:
+            return x
+        spec = P(*((None,) * lead), ("data", "fsdp"), *((None,) * (x.ndim - lead - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def grad_fn(params, batch: TrainBatch, ref_params):
+        b = batch.tokens.shape[0]
+        if b % k:
+            raise ValueError(f"batch of {b} rows does not split into {k} micro-batches")
+        w = losses.loss_weights(batch.loss_mask, s.loss_agg, norm_len=s.norm_len)
+        micro = jax.tree.map(lambda x: constrain(split_micro(x, k), 1), (batch, w))
+        value_and_grad = jax.value_and_grad(_micro_loss, has_aux=True)
+
+        def body(carry, xs):
+            mb, w_mb = jax.tree.map(lambda x: constrain(x, 0), xs)
+            ref_logp = None if ref_params is None else jax.lax.stop_gradient(
+                policy_logprobs(graphdef, ref_params, mb, s.temperature)[0])
+            (loss, (sums, hi, lo)), g = value_and_grad(params, graphdef, mb, w_mb, ref_logp, s)
+            grads, acc = carry
+            grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g)
+            acc = {n: acc[n] + sums[n] for n in _SUMS} | {
+                "loss": acc["loss"] + loss, "is_lr_max": jnp.maximum(acc["is_lr_max"], hi),
+                "is_lr_min": jnp.minimum(acc["is_lr_min"], lo)}
+            return (grads, acc), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        acc0 = {n: jnp.zeros((), jnp.float32) for n in _SUMS + ("loss",)} | {
+            "is_lr_max": jnp.array(-jnp.inf, jnp.float32),
+            "is_lr_min": jnp.array(jnp.inf, jnp.float32)}
+        (grads, acc), _ = jax.lax.scan(body, (zeros, acc0), micro)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        return acc.pop("loss"), grads, acc
+
+    return grad_fn
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    settings: StepSettings, mesh=None):
+    """The pure train step ``(state, batch, ref_params) -> (state, metrics)``.
+
+    Args:
+      graphdef: the model's ``nnx.GraphDef`` (from ``nnx.split(model, nnx.Param)``).
+      tx, schedule: from :func:`rlflow.learner.optimizer.make_optimizer`.
+      settings: :class:`StepSettings`.
+      mesh: when given, micro-batches are constrained to :func:`rlflow.mesh.batch_sharding`.
+
+    The step's ``batch`` is a :class:`TrainBatch` of ``[B, L]`` arrays with ``B`` divisible by
+    ``settings.micro_batches``; ``ref_params`` are the frozen reference parameters (or None:
+    no KL term). Metrics (float32 scalars): ``learner/loss``, ``learner/pg_loss``,
+    ``policy/kl``, ``policy/entropy`` (token means), ``policy/clip_frac_low|high|dual``
+    (fractions of loss tokens), ``policy/is_weight_mean`` (applied weight over kept tokens),
+    ``policy/is_weight_min|max`` (untruncated ratio over loss tokens),
+    ``policy/is_masked_frac`` (outside the IS window), ``policy/is_truncated_frac`` (above the
+    cap), ``learner/grad_norm`` (before clipping), ``learner/tokens``, ``learner/lr``,
+    ``learner/skipped`` (1 when the batch had no loss tokens: parameters, optimiser state and
+    step are then left unchanged).
+    """
+    grad_fn = make_grad_fn(graphdef, settings, mesh)
+
+    def step(state: TrainState, batch: TrainBatch, ref_params):
+        loss, grads, acc = grad_fn(state.params, batch, ref_params)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        n_tok = jnp.sum(batch.loss_mask).astype(jnp.float32)
+        # a batch without loss tokens carries no signal: keep params, moments and version
+        skip = n_tok == 0
+        params, opt_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new),
+                                         (state.params, state.opt_state), (params, opt_state))
+        per_tok = 1.0 / jnp.maximum(n_tok, 1.0)
+        any_tok = n_tok > 0
+        metrics = {
+            "learner/loss": loss,
+            "learner/pg_loss": acc["pg_loss"],
+            "policy/kl": acc["kl"] * per_tok,
+            "policy/entropy": acc["entropy"] * per_tok,
+            "policy/clip_frac_low": acc["clip_low"] * per_tok,
+            "policy/clip_frac_high": acc["clip_high"] * per_tok,
+            "policy/clip_frac_dual": acc["clip_dual"] * per_tok,
+            "policy/is_weight_mean": acc["is_weight"] / jnp.maximum(acc["is_kept"], 1.0),
+            "policy/is_weight_max": jnp.where(any_tok, jnp.exp(jnp.minimum(acc["is_lr_max"], 80.0)),
+                                              1.0),
+            "policy/is_weight_min": jnp.where(any_tok,
+                                              jnp.exp(jnp.maximum(acc["is_lr_min"], -80.0)), 1.0),
+            "policy/is_masked_frac": (n_tok - acc["is_kept"]) * per_tok,
+            "policy/is_truncated_frac": acc["is_truncated"] * per_tok,
+            "learner/grad_norm": grad_norm,
+            "learner/tokens": n_tok,
+            "learner/lr": jnp.asarray(schedule(state.step), jnp.float32),
+            "learner/skipped": skip.astype(jnp.float32),
+        }
+        return TrainState(state.step + 1 - skip.astype(jnp.int32), params, opt_state), metrics
+
+    return step
+
+
+def jit_train_step(step_fn, state_sh: TrainState, mesh, *, with_ref: bool):
+    """``jax.jit`` of ``step_fn`` with explicit shardings and the state donated."""
+    bsh = batch_sharding(mesh)
+    batch_sh = TrainBatch(*([bsh] * len(TrainBatch._fields)))
+    return jax.jit(step_fn,
+                   in_shardings=(state_sh, batch_sh, state_sh.params if with_ref else None),
+                   out_shardings=(state_sh, replicated(mesh)), donate_argnums=(0,))
+
+
+def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
+    """``jax.ShapeDtypeStruct`` batch of ``[rows, seq]`` in the batch sharding (for AOT)."""
+    sh = batch_sharding(mesh)
+    dtypes = dict(tokens=jnp.int32, attention_mask=jnp.bool_, positions=jnp.int32,
+                  targets=jnp.int32, loss_mask=jnp.bool_, behaviour_logprobs=jnp.float32,
+                  advantages=jnp.float32)
+    return TrainBatch(**{f: jax.ShapeDtypeStruct((rows, seq), dtypes[f], sharding=sh)
+                         for f in TrainBatch._fields})
+
+
+def compile_train_step(jitted, state: TrainState, batch: TrainBatch, ref_params=None):
+    """AOT ``lower().compile()`` for these (abstract or concrete) shapes; logs memory use.
+
+    Returns: the compiled executable (call it like the step).
+    """
+    def abstract(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    args = jax.tree.map(abstract, (state, batch, ref_params))
+    compiled = jitted.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        logger.info("train step [%s]: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB, "
+                    "aliased %.1f MiB, code %.1f MiB", "x".join(map(str, batch.tokens.shape)),
+                    *(getattr(mem, f, 0) / 2 ** 20 for f in (
+                        "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                        "alias_size_in_bytes", "generated_code_size_in_bytes")))
+    return compiled

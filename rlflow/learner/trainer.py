@@ -1,0 +1,122 @@
+"""The learner's stateful shell: model, optimiser, sharded state and compiled steps.
+
+:class:`Learner` owns the :class:`rlflow.learner.step.TrainState` on the learner's mesh and a
+compiled train step per sequence bucket. The runtime feeds it rollout group records::
+
+    learner = Learner(cfg)                       # builds/loads the model on the mesh
+    metrics = learner.train_on(records)          # batch -> one optimiser step -> metrics
+    learner.version                              # = optimiser steps taken
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlflow import config as config_lib
+from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch, validate_batch
+from rlflow.learner.optimizer import make_optimizer
+from rlflow.learner.step import (StepSettings, TrainState, abstract_batch, compile_train_step,
+                                 init_state, jit_train_step, make_train_step, state_shardings)
+from rlflow.mesh import batch_sharding, make_mesh
+from rlflow.models.decoder import validate_tokens
+from rlflow.models.hf import build_model
+
+logger = logging.getLogger("rlflow.learner")
+
+
+class Learner:
+    """Train state + compiled step of one learner program.
+
+    Args:
+      cfg: the :class:`rlflow.config.ExperimentConfig`.
+      mesh: the learner's mesh (default: ``make_mesh(cfg.learner.mesh, devices)``).
+      devices: devices for the default mesh (default: all of ``jax.devices()``).
+
+    The policy is built with ``model.param_dtype`` master parameters and
+    ``learner.compute_dtype`` activations (bf16 compute with fp32 master weights when
+    ``model.param_dtype = "float32"`` and ``learner.compute_dtype = "bfloat16"``). With
+    ``learner.kl_coef > 0`` a frozen copy of the initial parameters is the KL reference.
+    """
+
+    def __init__(self, cfg, *, mesh=None, devices=None):
+        self.cfg = cfg
+        lc = cfg.learner
+        self.mesh = mesh if mesh is not None else make_mesh(lc.mesh, devices)
+        model_cfg = config_lib.replace(cfg.model, dtype=lc.compute_dtype)
+        model, self.model_config = build_model(model_cfg, mesh=self.mesh)
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.tx, self.schedule = make_optimizer(lc)
+        self.settings = StepSettings.from_config(cfg)
+        self.batch_spec = BatchSpec.from_config(cfg)
+        self.shardings = state_shardings(params, self.tx, self.mesh)
+        self.state: TrainState = init_state(params, self.tx, self.mesh)
+        self.ref_params = None
+        if lc.kl_coef > 0:
+            self.ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.copy(), p),
+                                      out_shardings=self.shardings.params)(self.state.params)
+        step_fn = make_train_step(self.graphdef, self.tx, self.schedule, self.settings, self.mesh)
+        self._jitted = jit_train_step(step_fn, self.shardings, self.mesh,
+                                      with_ref=self.ref_params is not None)
+        self._compiled: dict[tuple[int, int], object] = {}
+
+    @property
+    def version(self) -> int:
+        """Policy version of the current parameters (= optimiser steps taken)."""
+        return int(self.state.step)
+
+    @property
+    def params(self):
+        return self.state.params
+
+    def compiled_step(self, rows: int, seq: int):
+        """The AOT-compiled step for ``[rows, seq]`` batches (compiled once per shape)."""
+        key = (rows, seq)
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            self._compiled[key] = compile_train_step(
+                self._jitted, self.state, abstract_batch(rows, seq, self.mesh), self.ref_params)
+            logger.info("compiled train step for batch %dx%d in %.1f s", rows, seq,
+                        time.perf_counter() - t0)
+        return self._compiled[key]
+
+    def build_batch(self, records: Sequence[Mapping]) -> tuple[TrainBatch, dict]:
+        """:func:`rlflow.learner.batch.build_batch` at the current version."""
+        return build_batch(records, self.batch_spec, self.version)
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step on a host batch; returns the step metrics as floats.
+
+        Raises: :class:`rlflow.learner.batch.BatchError` for mismatched shapes or dtypes, or a
+        row count that the micro-batches and batch-sharded devices do not divide;
+        :class:`rlflow.models.decoder.TokenRangeError` for a token id outside the vocabulary
+        (inside jit a gather would clamp it silently).
+        """
+        validate_batch(batch)
+        validate_tokens(batch.tokens, self.model_config.vocab_size, where="train batch tokens")
+        rows = batch.tokens.shape[0]
+        split = self.settings.micro_batches * self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if rows % split:
+            raise BatchError(f"batch of {rows} rows does not divide into learner.micro_batches x "
+                             f"data x fsdp = {split} parts")
+        sh = batch_sharding(self.mesh)
+        dev = TrainBatch(*(jax.device_put(np.asarray(x), sh) for x in batch))
+        fn = self.compiled_step(*batch.tokens.shape)
+        self.state, metrics = fn(self.state, dev, self.ref_params)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def train_on(self, records: Sequence[Mapping]) -> dict[str, float]:
+        """Build the batch from group records, take one step, merge batch and step metrics.
+
+        Raises: :class:`rlflow.learner.batch.BatchError` for records that do not fit.
+        """
+        batch, info = self.build_batch(records)
+        t0 = time.perf_counter()
+        metrics = self.step(batch)
+        metrics["learner/step_time_s"] = time.perf_counter() - t0
+        return {**info, **metrics}

@@ -1,0 +1,155 @@
+"""Advantages and reward shaping against plain numpy oracles (float64) on small exact inputs."""
+
+import numpy as np
+import pytest
+
+from rlflow.learner import advantages as A
+
+
+def np_grpo(r, floor=1e-6):
+    r = np.asarray(r, np.float64)
+    d = r - r.mean(1, keepdims=True)
+    return d / (r.std(1, ddof=1, keepdims=True) + floor)
+
+
+def np_rloo(r):
+    r = np.asarray(r, np.float64)
+    n, g = r.shape
+    out = np.zeros_like(r)
+    for i in range(n):
+        for j in range(g):
+            others = [r[i, k] for k in range(g) if k != j]
+            out[i, j] = r[i, j] - sum(others) / len(others)
+    return out
+
+
+@pytest.fixture
+def rewards():
+    return np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
+
+
+def test_grpo_matches_oracle(rewards):
+    np.testing.assert_allclose(A.group_advantages(rewards, estimator="grpo"), np_grpo(rewards),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_drgrpo_matches_oracle(rewards):
+    want = rewards - rewards.astype(np.float64).mean(1, keepdims=True)
+    np.testing.assert_allclose(A.group_advantages(rewards, estimator="drgrpo"), want, atol=1e-6)
+
+
+def test_rloo_matches_oracle(rewards):
+    np.testing.assert_allclose(A.group_advantages(rewards, estimator="rloo"), np_rloo(rewards),
+                               atol=1e-6)
+    scaled = np_rloo(rewards) / (rewards.astype(np.float64).std(1, ddof=1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(A.group_advantages(rewards, estimator="rloo", scale_by_std=True),
+                               scaled, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+@pytest.mark.parametrize("group", [[1.0, 1.0, 1.0, 1.0], [0.35] * 7])
+def test_equal_rewards_give_exact_zero(estimator, group):
+    r = np.asarray([group, np.arange(len(group))], np.float32)
+    adv = np.asarray(A.group_advantages(r, estimator=estimator))
+    assert np.all(adv[0] == 0.0), adv[0]
+    assert np.all(np.isfinite(adv))
+    assert np.any(adv[1] != 0.0)
+
+
+def test_rloo_lone_zero_among_equal_rewards():
+    r = np.asarray([[0.35] * 7 + [0.0]], np.float32)
+    raw = np.asarray(A.group_advantages(r, estimator="rloo"))[0]
+    np.testing.assert_allclose(raw[-1], -0.35, atol=1e-6)
+    np.testing.assert_allclose(raw[:-1], 0.35 - 0.30, atol=1e-6)
+    scaled = np.asarray(A.group_advantages(r, estimator="rloo", scale_by_std=True))[0]
+    assert np.all(np.isfinite(scaled)) and np.max(np.abs(scaled)) <= 3.0, scaled
+    np.testing.assert_allclose(scaled, np_rloo(r)[0] / (r.astype(np.float64).std(ddof=1) + 1e-6),
+                               rtol=1e-5)
+
+
+def test_flat_groups_and_group_size_errors():
+    r = np.arange(8, dtype=np.float32)
+    np.testing.assert_allclose(A.flat_group_advantages(r, 4, estimator="drgrpo"),
+                               [-1.5, -0.5, 0.5, 1.5] * 2, atol=1e-6)
+    with pytest.raises(ValueError, match="group_size 3 does not divide the batch of 8"):
+        A.flat_group_advantages(r, 3)
+    with pytest.raises(ValueError, match="needs group_size >= 2"):
+        A.group_advantages(np.ones((2, 1)), estimator="grpo")
+    with pytest.raises(ValueError, match="drgrpo means no std"):
+        A.group_advantages(np.ones((2, 2)), estimator="drgrpo", scale_by_std=True)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_reward_names_the_sample(bad):
+    r = np.zeros((3, 4), np.float32)
+    r[1, 2] = bad
+    with pytest.raises(ValueError, match="group 1, sample 2"):
+        A.group_advantages(r)
+
+
+def test_zero_truncated_rewards_touches_only_truncated():
+    out = A.zero_truncated_rewards([1.0, 0.0, 1.0, 1.0], [False, False, True, False])
+    np.testing.assert_array_equal(out, [1.0, 0.0, 0.0, 1.0])
+
+
+def test_overlong_penalty_piecewise():
+    lengths = np.array([3, 6, 7, 8, 10, 12])
+    L, cache = 10, 4
+
+    def oracle(n):
+        if n <= L - cache:
+            return 0.0
+        if n <= L:
+            return ((L - cache) - n) / cache
+        return -1.0
+
+    want = [0.5 * oracle(n) for n in lengths]
+    np.testing.assert_allclose(A.overlong_penalty(lengths, max_tokens=L, buffer=cache, factor=0.5),
+                               want, atol=1e-7)
+    np.testing.assert_allclose(want, [0, 0, -0.125, -0.25, -0.5, -0.5])
+    with pytest.raises(ValueError, match="overlong buffer"):
+        A.overlong_penalty(lengths, max_tokens=4, buffer=5)
+
+
+def test_dynamic_sampling_filter():
+    r = np.array([[1, 1, 1], [0, 1, 0], [0.35, 0.35, 0.35], [0, 0, 1e-3]], np.float32)
+    np.testing.assert_array_equal(A.groups_with_signal(r), [False, True, False, True])
+
+
+def np_gae(r, v, m, gamma, lam):
+    b, t = r.shape
+    adv = np.zeros((b, t))
+    for i in range(b):
+        last = 0.0
+        for j in reversed(range(t)):
+            if not m[i, j]:
+                last = 0.0
+                continue
+            nv = v[i, j + 1] if j + 1 < t and m[i, j + 1] else 0.0
+            nm = 1.0 if j + 1 < t and m[i, j + 1] else 0.0
+            delta = r[i, j] + gamma * nv - v[i, j]
+            last = delta + gamma * lam * nm * last
+            adv[i, j] = last
+    return adv, (adv + v) * m
+
+
+def test_gae_matches_oracle():
+    rng = np.random.default_rng(1)
+    m = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+    r = rng.normal(size=m.shape).astype(np.float32)
+    v = rng.normal(size=m.shape).astype(np.float32)
+    adv, ret = A.gae(r, v, m, gamma=0.9, lam=0.8)
+    want_adv, want_ret = np_gae(r, v * m, m, 0.9, 0.8)
+    np.testing.assert_allclose(adv, want_adv, atol=1e-5)
+    np.testing.assert_allclose(ret, want_ret, atol=1e-5)
+
+
+def test_gae_terminal_reward_monte_carlo():
+    """gamma = lam = 1 with the reward on the last token: A_t = R - V_t."""
+    m = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], bool)
+    r = A.terminal_rewards(np.array([2.0, -1.0]), m)
+    np.testing.assert_array_equal(r, [[0, 0, 2, 0], [-1, 0, 0, 0]])
+    v = np.array([[0.5, 1.0, 1.5, 9.0], [0.25, 9.0, 9.0, 9.0]], np.float32)
+    adv, ret = A.gae(r, v, m, gamma=1.0, lam=1.0)
+    np.testing.assert_allclose(adv, [[1.5, 1.0, 0.5, 0], [-1.25, 0, 0, 0]], atol=1e-6)
+    np.testing.assert_allclose(ret, [[2, 2, 2, 0], [-1, 0, 0, 0]], atol=1e-6)

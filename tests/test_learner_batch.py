@@ -1,0 +1,202 @@
+"""Group records -> training batch: layout, masks, staleness, shaping and bad input."""
+
+import numpy as np
+import pytest
+
+from rlflow.config import ExperimentConfig, LearnerConfig, RuntimeConfig, SamplerConfig
+from rlflow.learner import losses
+from rlflow.learner.batch import (BatchError, BatchSpec, build_batch, sample_staleness,
+                                  stale_keep)
+
+
+def record(prompt, completions, rewards, *, truncated=None, versions=None, pid=0, width=None):
+    g = len(completions)
+    width = width or max(len(c) for c in completions)
+    toks = np.zeros((g, width), np.int32)
+    mu = np.zeros((g, width), np.float32)
+    ver = np.full((g, width), -1, np.int32)
+    for i, c in enumerate(completions):
+        toks[i, :len(c)] = c
+        mu[i, :len(c)] = -0.1 * (np.arange(len(c)) + 1) - i
+        ver[i, :len(c)] = 5 if versions is None else versions[i]
+    return dict(prompt_id=np.int64(pid), prompt_tokens=np.asarray(prompt, np.int32),
+                completion_tokens=toks, completion_lengths=np.array([len(c) for c in completions],
+                                                                    np.int32),
+                behaviour_logprobs=mu, policy_versions=ver,
+                rewards=np.asarray(rewards, np.float32),
+                truncated=np.asarray(truncated if truncated is not None else [False] * g))
+
+
+def spec(**kw):
+    base = dict(group_size=2, num_rows=4, seq_buckets=(8, 16), max_tokens=6,
+                estimator="drgrpo", max_staleness=1)
+    base.update(kw)
+    return BatchSpec(**base)
+
+
+def test_prompt_response_boundary_hello_world():
+    """[Hello | , World ! <eot>] with prompt length 1: 4 targets, EOS included, denominator 4."""
+    hello, comma, world, bang, eot = 11, 12, 13, 14, 2
+    rec = record([hello], [[comma, world, bang, eot]], [1.0])
+    b, info = build_batch([rec], spec(group_size=1, num_rows=1, seq_buckets=(5,)), 5)
+    np.testing.assert_array_equal(b.tokens[0], [hello, comma, world, bang, eot])
+    np.testing.assert_array_equal(b.targets[0, :4], [comma, world, bang, eot])
+    np.testing.assert_array_equal(b.loss_mask[0], [1, 1, 1, 1, 0])
+    np.testing.assert_allclose(b.behaviour_logprobs[0, :4], rec["behaviour_logprobs"][0])
+    assert info["batch/loss_tokens"] == 4
+    w = losses.loss_weights(b.loss_mask, "token-mean")
+    np.testing.assert_allclose(np.asarray(w)[0], [0.25] * 4 + [0])
+
+
+def test_left_padded_prompts_right_padded_completions():
+    recs = [record([7, 8, 9], [[1, 2], [3]], [1.0, 0.0], pid=3),
+            record([5], [[4, 4, 4], [6]], [0.0, 0.0], pid=4)]
+    b, info = build_batch(recs, spec(), 5)
+    assert b.tokens.shape == (4, 8) and info["batch/seq_len"] == 8   # need 3 + 3 -> bucket 8
+    np.testing.assert_array_equal(b.tokens[0], [7, 8, 9, 1, 2, 0, 0, 0])
+    np.testing.assert_array_equal(b.tokens[2], [0, 0, 5, 4, 4, 4, 0, 0])
+    np.testing.assert_array_equal(b.attention_mask[2], [0, 0, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(b.positions[2, 2:6], [0, 1, 2, 3])
+    np.testing.assert_array_equal(b.loss_mask[2], [0, 0, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(b.targets[2, 2:5], [4, 4, 4])
+    # advantages (Dr. GRPO: r - mean) broadcast over exactly the loss positions
+    np.testing.assert_allclose(b.advantages[0], [0, 0, 0.5, 0.5, 0, 0, 0, 0])
+    np.testing.assert_allclose(b.advantages[1], [0, 0, -0.5, 0, 0, 0, 0, 0])
+    assert not b.advantages[2:].any()                                 # equal rewards -> 0
+
+
+def test_padding_rows_are_inert():
+    b, info = build_batch([record([5], [[1, 2], [3]], [1.0, 0.0])], spec(num_rows=4), 5)
+    assert not b.loss_mask[2:].any() and b.attention_mask[2:, 0].all()
+    assert info["batch/samples"] == 2 and info["batch/loss_samples"] == 2
+
+
+def test_mask_truncated_case():
+    """A: 3 tokens ending in EOS; B: 2 tokens cut by max_tokens; loss 1.0 per token -> 1.0."""
+    rec = record([5], [[1, 2, 2], [3, 3]], [1.0, 0.0], truncated=[False, True])
+    b, info = build_batch([rec], spec(num_rows=2, mask_truncated=True), 5)
+    ones = np.ones(b.loss_mask.shape, np.float32)
+    assert float(losses.aggregate(ones, b.loss_mask, "token-mean")) == pytest.approx(1.0)
+    b2, _ = build_batch([rec], spec(num_rows=2), 5)
+    assert float(losses.aggregate(ones, b2.loss_mask, "token-mean")) == pytest.approx(1.0)
+    assert int(b.loss_mask.sum()) == 3 and int(b2.loss_mask.sum()) == 5
+    all_trunc = record([5], [[1, 2], [3, 3]], [1.0, 0.0], truncated=[True, True])
+    b3, info3 = build_batch([all_trunc], spec(num_rows=2, mask_truncated=True), 5)
+    assert not b3.loss_mask.any() and info3["batch/loss_tokens"] == 0
+    assert float(losses.aggregate(ones, b3.loss_mask, "token-mean")) == 0.0
+
+
+def test_zero_truncated_rewards_and_overlong_shaping():
+    rec = record([5], [[1], [1], [1, 1, 1, 1, 1], [1, 1, 1, 1]], [1, 0, 1, 1],
+                 truncated=[False, False, True, False])
+    s = spec(group_size=4, num_rows=4, zero_truncated_rewards=True)
+    b, info = build_batch([rec], s, 5)
+    shaped = np.array([1, 0, 0, 1.0])
+    np.testing.assert_allclose(b.advantages[:, 0], shaped - shaped.mean())
+    # overlong: max_tokens 6, buffer 4 -> lengths 1,1,5,4 get 0,0,-0.75,-0.5 (factor 1)
+    b, _ = build_batch([rec], s.replace(zero_truncated_rewards=False, overlong_buffer=4), 5)
+    shaped = np.array([1, 0, 1 - 0.75, 1 - 0.5])
+    np.testing.assert_allclose(b.advantages[:, 0], shaped - shaped.mean(), rtol=1e-6)
+
+
+def test_dynamic_sampling_drops_zero_variance_groups():
+    recs = [record([5], [[1], [2]], [1.0, 1.0]), record([5], [[1], [2]], [1.0, 0.0])]
+    b, info = build_batch(recs, spec(dynamic_sampling=True), 5)
+    np.testing.assert_array_equal(b.loss_mask.any(1), [False, False, True, True])
+    assert info["batch/dropped_zero_variance_groups"] == 1
+
+
+def test_staleness_pure_functions():
+    versions = np.array([[3, 4, -1], [5, 5, 5], [2, -1, -1]])
+    stale = sample_staleness(versions, [2, 3, 1], learner_version=5)
+    np.testing.assert_array_equal(stale, [2, 0, 3])
+    np.testing.assert_array_equal(stale_keep(stale, 2, "drop"), [True, True, False])
+    np.testing.assert_array_equal(stale_keep(stale, 2, "correct"), [True, True, True])
+    with pytest.raises(ValueError, match="newer than the learner"):
+        sample_staleness(versions, [2, 3, 1], learner_version=3)
+    with pytest.raises(ValueError, match="sample 0: policy_versions has -1"):
+        sample_staleness(versions, [3, 3, 1], learner_version=5)
+
+
+def test_stale_samples_dropped_or_kept_and_histogram():
+    rec = record([5], [[1, 1], [2, 2]], [1.0, 0.0], versions=[[9, 9], [6, 7]])
+    b, info = build_batch([rec], spec(num_rows=2, max_staleness=2), 9)   # staleness 0 and 3
+    np.testing.assert_array_equal(b.loss_mask.any(1), [True, False])
+    assert info["batch/dropped_stale"] == 1
+    assert info["staleness/frac_0"] == 0.5 and info["staleness/frac_3plus"] == 0.5
+    assert info["staleness/max"] == 3
+    b, info = build_batch([rec], spec(num_rows=2, max_staleness=2, stale_policy="correct"), 9)
+    np.testing.assert_array_equal(b.loss_mask.any(1), [True, True])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_reward_error_or_drop(bad):
+    recs = [record([5], [[1], [2]], [1.0, 0.0], pid=10),
+            record([5], [[1], [2]], [bad, 0.0], pid=11)]
+    with pytest.raises(BatchError, match=r"record 1 \(prompt_id 11\), sample 0: reward is"):
+        build_batch(recs, spec(), 5)
+    b, info = build_batch(recs, spec(on_bad_reward="drop"), 5)
+    assert info["batch/dropped_bad_reward_groups"] == 1
+    np.testing.assert_array_equal(b.loss_mask.any(1), [True, True, False, False])
+    assert np.isfinite(b.advantages).all()
+
+
+def test_bad_records_named_errors():
+    good = record([5], [[1], [2]], [1.0, 0.0], pid=7)
+    with pytest.raises(BatchError, match="has 3 samples, expected group_size 2"):
+        build_batch([record([5], [[1], [2], [3]], [1, 0, 0])], spec(), 5)
+    bad = dict(good, rewards=np.zeros(3, np.float32))
+    with pytest.raises(BatchError, match=r"record 1 \(prompt_id 7\): rewards has shape \(3,\)"):
+        build_batch([good, bad], spec(), 5)
+    bad = dict(good, behaviour_logprobs=np.zeros((2, 5), np.float32))
+    with pytest.raises(BatchError, match="behaviour_logprobs has shape"):
+        build_batch([bad], spec(), 5)
+    bad = dict(good, completion_lengths=np.array([1, 0], np.int32))
+    with pytest.raises(BatchError, match="sample 1: completion_lengths 0 must be in"):
+        build_batch([bad], spec(), 5)
+    bad = dict(good, prompt_tokens=np.zeros(0, np.int32))
+    with pytest.raises(BatchError, match="prompt_tokens must be"):
+        build_batch([bad], spec(), 5)
+    with pytest.raises(BatchError, match="exceed the batch of 4 rows"):
+        build_batch([good] * 3, spec(), 5)
+    with pytest.raises(BatchError, match="exceed the largest seq bucket 8"):
+        build_batch([record([5] * 6, [[1, 1, 1], [2]], [1, 0])], spec(seq_buckets=(8,)), 5)
+    bad = dict(good, behaviour_logprobs=np.array([[np.nan], [0.0]], np.float32))
+    with pytest.raises(BatchError, match="behaviour_logprobs at completion token 0"):
+        build_batch([bad], spec(), 5)
+
+
+def test_spec_from_experiment_config():
+    cfg = ExperimentConfig(sampler=SamplerConfig(group_size=4, max_tokens=8, max_prefill_length=16,
+                                                 prefill_buckets=(16,)),
+                           learner=LearnerConfig(groups_per_step=2, advantage="rloo"),
+                           runtime=RuntimeConfig(max_staleness=3))
+    s = BatchSpec.from_config(cfg)
+    assert (s.num_rows, s.seq_buckets, s.estimator, s.max_staleness) == (8, (24,), "rloo", 3)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(advantage="drgrpo", scale_by_std=True), "learner.scale_by_std"),
+    (dict(off_policy="proximal"), "learner.off_policy"),
+    (dict(is_cap=2.0, is_floor=3.0), "learner.is_floor"),
+    (dict(is_window_low=1.5), "learner.is_window_low"),
+    (dict(is_window_high=0.5), "learner.is_window_high"),
+    (dict(overlong_buffer=-1), "learner.overlong_buffer"),
+    (dict(on_bad_reward="skip"), "learner.on_bad_reward"),
+    (dict(seq_buckets=(32, 16)), "learner.seq_buckets"),
+])
+def test_learner_config_validation_names_the_field(bad, field):
+    from rlflow.config import ConfigError
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        LearnerConfig(**bad)
+
+
+def test_experiment_checks_micro_batches_and_overlong_buffer():
+    from rlflow.config import ConfigError, MeshConfig
+    with pytest.raises(ConfigError, match="learner.micro_batches"):
+        ExperimentConfig(learner=LearnerConfig(groups_per_step=1, micro_batches=8))
+    with pytest.raises(ConfigError, match="learner.micro_batches"):
+        ExperimentConfig(learner=LearnerConfig(groups_per_step=1, micro_batches=2, num_devices=4,
+                                               mesh=MeshConfig(fsdp=4)))
+    with pytest.raises(ConfigError, match="learner.overlong_buffer"):
+        ExperimentConfig(learner=LearnerConfig(overlong_buffer=100))

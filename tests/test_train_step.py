@@ -1,0 +1,235 @@
+"""The jitted train step: sharded = single device, micro-batching = one batch, it learns,
+bf16 compute keeps fp32 master weights, bad batches get named errors."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from rlflow.config import (ExperimentConfig, LearnerConfig, MeshConfig, ModelConfig,
+                           SamplerConfig, replace)
+from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch
+from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
+from rlflow.learner.trainer import Learner
+from rlflow.mesh import make_mesh
+from rlflow.models.hf import build_model
+
+VOCAB, G, T = 64, 4, 6
+MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def make_records(seed, n_groups, *, noise=0.3, version=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_groups):
+        lens = rng.integers(1, T + 1, size=G).astype(np.int32)
+        ct = np.zeros((G, T), np.int32)
+        mu = np.zeros((G, T), np.float32)
+        ver = np.full((G, T), -1, np.int32)
+        for s in range(G):
+            ct[s, :lens[s]] = rng.integers(1, VOCAB, size=lens[s])
+            mu[s, :lens[s]] = -np.log(VOCAB) + rng.normal(scale=noise, size=lens[s])
+            ver[s, :lens[s]] = version
+        out.append(dict(prompt_id=np.int64(i),
+                        prompt_tokens=rng.integers(1, VOCAB, size=rng.integers(2, 6)).astype(np.int32),
+                        completion_tokens=ct, completion_lengths=lens, behaviour_logprobs=mu,
+                        policy_versions=ver, rewards=rng.normal(size=G).astype(np.float32),
+                        truncated=lens == T))
+    return out
+
+
+def experiment(**learner):
+    base = dict(groups_per_step=2, seq_buckets=(16,), lr=1e-4)
+    base.update(learner)
+    return ExperimentConfig(model=MODEL, sampler=SamplerConfig(group_size=G, max_tokens=T,
+                                                               max_prefill_length=8,
+                                                               prefill_buckets=(8,)),
+                            learner=LearnerConfig(**base))
+
+
+def one_device_mesh():
+    return make_mesh(MeshConfig(), jax.devices()[:1])
+
+
+def flat(params):
+    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)}
+
+
+@pytest.mark.slow
+def test_sharded_step_equals_single_device():
+    """fsdp=2 x tensor=2 on 4 fake devices vs 1 device: same loss, metrics and parameters
+    after two steps (KL to the reference, IS weights, window and 2 micro-batches active)."""
+    cfg = experiment(num_devices=4, mesh=MeshConfig(fsdp=2, tensor=2), micro_batches=2,
+                     kl_coef=0.5, is_window_low=0.5, is_window_high=1.5)
+    sharded, single = Learner(cfg), Learner(cfg, mesh=one_device_mesh())
+    emb = sharded.params["embed"][...]
+    assert len(emb.sharding.device_set) == 4 and not emb.sharding.is_fully_replicated
+    init = flat(single.params)
+    for step in range(2):
+        recs = make_records(step, 2)
+        m4, m1 = sharded.train_on(recs), single.train_on(recs)
+        for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",
+                    "policy/is_masked_frac"):
+            np.testing.assert_allclose(m4[key], m1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert m1["policy/kl"] > 0 and 0 < m1["policy/is_masked_frac"] < 1
+    got, want = flat(sharded.params), flat(single.params)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=str(k))
+        assert not np.array_equal(want[k], init[k]), k        # every parameter moved
+    assert sharded.version == single.version == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    model, _ = build_model(replace(MODEL, num_layers=1))
+    graphdef, params = nnx.split(model, nnx.Param)
+    ref = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
+    return graphdef, params, ref
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_accumulation_equals_one_batch(tiny_model, mode):
+    graphdef, params, ref = tiny_model
+    batch, _ = build_batch(make_records(7, 2, noise=1.0),
+                           BatchSpec(group_size=G, num_rows=8, seq_buckets=(16,), max_tokens=T), 0)
+    out = {}
+    for k in (1, 4):
+        s = StepSettings(loss_agg=mode, norm_len=T, micro_batches=k, kl_coef=0.3,
+                         window_low=0.4, window_high=2.5, is_cap=1.5)
+        out[k] = jax.jit(make_grad_fn(graphdef, s))(params, TrainBatch(*batch), ref)
+    (l1, g1, s1), (l4, g4, s4) = out[1], out[4]
+    assert abs(float(l4) - float(l1)) <= 1e-6 * abs(float(l1)) and float(l1) != 0
+    g1, g4 = flat(g1), flat(g4)
+    for key in g1:
+        err = np.linalg.norm(g4[key] - g1[key]) / np.linalg.norm(g1[key])
+        assert err <= 1e-6, (key, err)
+    for key in s1:
+        np.testing.assert_allclose(s4[key], s1[key], rtol=1e-6, err_msg=key)
+    assert float(s1["kl"]) > 0 and float(s1["is_kept"]) < float(batch.loss_mask.sum())
+
+
+@pytest.fixture(scope="module")
+def learner():
+    """One single-device learner shared by the tests below (4 rows, 2 micro-batches)."""
+    return Learner(experiment(groups_per_step=1, lr=3e-3, micro_batches=2),
+                   mesh=one_device_mesh())
+
+
+def test_learning_smoke_positive_advantage_raises_logprobs(learner):
+    """Sample 0 of the group has reward 1, the rest 0: after a few steps on the same batch the
+    logprob of sample 0's completion rises and the others' fall."""
+    rec = make_records(3, 1, version=learner.version)[0]
+    rec["rewards"] = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
+    batch, _ = learner.build_batch([rec])
+    jbatch = TrainBatch(*batch)
+
+    def seq_logprobs(params):
+        logp, _ = policy_logprobs(learner.graphdef, params, jbatch)
+        return np.asarray(jnp.sum(jnp.where(batch.loss_mask, logp, 0.0), axis=1))
+
+    before = seq_logprobs(learner.params)
+    # on-policy behaviour logprobs so the IS weights are 1
+    batch = batch._replace(behaviour_logprobs=np.asarray(
+        jnp.where(batch.loss_mask, policy_logprobs(learner.graphdef, learner.params, jbatch)[0],
+                  0.0)))
+    for _ in range(5):
+        metrics = learner.step(batch)
+    after = seq_logprobs(learner.params)
+    assert batch.advantages[0].max() > 0 and (batch.advantages[1:] <= 0).all()
+    assert after[0] > before[0] + 0.1, (before, after)
+    assert np.all(after[1:] < before[1:]), (before, after)
+    assert metrics["learner/tokens"] == batch.loss_mask.sum()
+    assert metrics["policy/is_weight_max"] >= 1.0 >= metrics["policy/is_weight_min"]
+
+
+@pytest.mark.slow
+def test_bf16_compute_keeps_fp32_master_params(learner, caplog):
+    """bf16 activations, fp32 master parameters: the step's loss and gradient norm are close
+    to the fp32 computation on the same parameters, and the parameters stay fp32."""
+    with caplog.at_level(logging.INFO, logger="rlflow.learner"):
+        bf16 = Learner(replace(learner.cfg, learner=replace(learner.cfg.learner,
+                                                            compute_dtype="bfloat16")),
+                       mesh=one_device_mesh())
+        batch, info = bf16.build_batch(make_records(5, 1))
+        assert info["batch/loss_tokens"] > 0
+        s = bf16.settings
+        loss32, g32, _ = jax.jit(make_grad_fn(learner.graphdef, s))(bf16.params, TrainBatch(*batch),
+                                                                    None)
+        m16 = bf16.step(batch)
+        bf16.step(batch._replace(advantages=-batch.advantages))   # same bucket: no recompile
+    assert len(bf16._compiled) == 1
+    assert sum("temporaries" in r.getMessage() for r in caplog.records) == 1
+    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(bf16.params))
+    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(bf16.state.opt_state)
+               if hasattr(v, "dtype") and v.ndim)
+    np.testing.assert_allclose(m16["learner/loss"], float(loss32), rtol=5e-2, atol=1e-3)
+    np.testing.assert_allclose(m16["learner/grad_norm"], float(optax.global_norm(g32)), rtol=5e-2)
+    assert m16["learner/loss"] != float(loss32)               # really computed in bf16
+
+
+def test_bad_batches_get_named_errors_and_empty_mask_is_a_no_op(learner):
+    batch, info = learner.build_batch(make_records(1, 1, version=learner.version))
+    assert info["batch/loss_tokens"] > 0
+    with pytest.raises(BatchError, match=r"advantages has shape \(4, 15\), expected \(4, 16\)"):
+        learner.step(batch._replace(advantages=batch.advantages[:, :-1]))
+    with pytest.raises(BatchError, match="loss_mask has dtype float32"):
+        learner.step(batch._replace(loss_mask=batch.loss_mask.astype(np.float32)))
+    with pytest.raises(ValueError, match=f"token id {VOCAB} at index \\(1, 2\\)"):
+        tokens = batch.tokens.copy()
+        tokens[1, 2] = VOCAB
+        learner.step(batch._replace(tokens=tokens))
+    with pytest.raises(BatchError, match="3 rows does not divide into"):
+        learner.step(TrainBatch(*(x[:3] for x in batch)))
+    learner.step(batch)                          # Adam moments are non-zero from here on
+    before, version = flat(learner.params), learner.version
+    empty = batch._replace(loss_mask=np.zeros_like(batch.loss_mask))
+    metrics = learner.step(empty)
+    assert metrics["learner/loss"] == 0.0 and metrics["learner/grad_norm"] == 0.0
+    assert metrics["learner/skipped"] == 1.0 and learner.version == version
+    after = flat(learner.params)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    assert learner.step(batch)["learner/skipped"] == 0.0 and learner.version == version + 1
+    assert all(np.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_lr_schedule_matches_oracle(schedule):
+    from rlflow.learner.optimizer import lr_schedule
+
+    cfg = LearnerConfig(lr=2e-3, warmup_steps=4, num_steps=20, schedule=schedule)
+
+    def oracle(t):
+        if t < 4:
+            return 2e-3 * t / 4
+        if schedule == "constant":
+            return 2e-3
+        return 2e-3 * 0.5 * (1 + np.cos(np.pi * min(t - 4, 16) / 16))
+
+    sched = lr_schedule(cfg)
+    for t in (0, 1, 3, 4, 5, 12, 19, 20, 25):
+        np.testing.assert_allclose(float(sched(t)), oracle(t), rtol=1e-5, atol=1e-9,
+                                   err_msg=f"step {t}")
+
+
+def test_adamw_clips_and_decays_matrices_only():
+    from rlflow.learner.optimizer import make_optimizer
+
+    tx, _ = make_optimizer(LearnerConfig(lr=0.1, max_grad_norm=1.0, weight_decay=0.5))
+    params = {"w": jnp.ones((2, 2)), "scale": jnp.ones(2)}
+    grads = {"w": jnp.full((2, 2), 3.0), "scale": jnp.full(2, 4.0)}   # norm sqrt(68)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    # first Adam step: m/sqrt(v) = sign(g) = 1 (clipping rescales g, not the sign), so
+    # update = -lr * (1 + wd * p) on matrices and -lr on vectors
+    np.testing.assert_allclose(updates["w"], -0.1 * (1 + 0.5), rtol=1e-5)
+    np.testing.assert_allclose(updates["scale"], -0.1, rtol=1e-5)
+    # clipping really precedes Adam: clipped to norm 1e-8, the gradients are comparable to
+    # Adam's eps = 1e-8, so the first update is lr * g_c / (|g_c| + eps), no longer lr * sign(g)
+    tx, _ = make_optimizer(LearnerConfig(lr=0.1, max_grad_norm=1e-8))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    g_c = 3.0 * 1e-8 / np.sqrt(68.0)
+    np.testing.assert_allclose(updates["w"], -0.1 * g_c / (g_c + 1e-8), rtol=1e-4)
