@@ -48,8 +48,8 @@ class ModelConfig:
       path: local Hugging Face folder (config.json + safetensors). Empty: build a random
         model from the architecture fields below (used by the built-in demo and tests).
       model_type: architecture family when ``path`` is empty: "llama", "qwen2" or "qwen3".
-      vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
-        head_dim: architecture of the random model (ignored when ``path`` is set).
+      vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim:
+        architecture of the random model (ignored when ``path`` is set).
       rope_theta: RoPE base frequency of the random model.
       tie_word_embeddings: share input embedding and output projection (random model).
       dtype: activation/compute dtype.
@@ -92,6 +92,11 @@ class MeshConfig:
     """Device mesh of one program: sizes of the ``data``, ``fsdp`` and ``tensor`` axes.
 
     The product must equal the number of devices the program sees.
+
+    Attributes:
+      data: data-parallel axis size (batch split, parameters replicated).
+      fsdp: fully-sharded data-parallel axis size (batch and parameters split).
+      tensor: tensor-parallel axis size (heads and MLP columns split).
     """
 
     data: int = 1
@@ -155,6 +160,11 @@ class RewardConfig:
 
     A function that raises or runs longer than ``timeout_s`` seconds gives reward 0 for
     that sample; the failure is counted and logged with the sample id.
+
+    Attributes:
+      functions: reward function names (registry in ``rlflow.data.rewards``).
+      weights: one weight per function; the reward is the weighted sum.
+      timeout_s: seconds one reward call may take before it scores 0 (counted).
     """
 
     functions: Tuple[str, ...] = ("digits_match",)
@@ -174,8 +184,9 @@ class SamplerConfig:
 
     Attributes:
       num_slots: decode slots (the decode batch size).
-      max_prefill_length: longest prompt, in tokens; prefill lengths are bucketed to
-        ``prefill_buckets`` (each <= max_prefill_length).
+      max_prefill_length: longest prompt, in tokens.
+      prefill_buckets: padded prefill lengths, increasing; the largest equals
+        max_prefill_length (one compiled prefill per bucket).
       max_tokens: most new tokens per completion.
       group_size: completions per prompt (G).
       temperature / top_k / top_p: sampling settings (temperature 0 is greedy; top_k 0 off).
@@ -236,6 +247,7 @@ class LearnerConfig:
       dynamic_sampling: drop groups with zero reward variance (DAPO).
       num_devices / mesh: devices and mesh of the learner program.
       compute_dtype: activations dtype in the train step; params stay ``model.param_dtype``.
+      seed: PRNG seed of the learner (dropout-free; used for any sampled quantity).
       scale_by_std: divide advantages by the group std (None: only "grpo" does).
       off_policy: "decoupled" (AReaL decoupled PPO: ratio against the old policy times a
         detached truncated weight pi_old / pi_behaviour) or "behaviour" (ratio directly
