@@ -281,6 +281,16 @@ class Checkpointer:
         """Metrics saved with ``step`` (only kept when ``keep_best_metric`` is set)."""
         return self._manager.metrics(step)
 
+    def run_metadata(self, step: Optional[int] = None) -> dict:
+        """The ``meta`` item of checkpoint ``step`` (default: the latest), reading no array.
+
+        Raises:
+          CheckpointError: no such step (lists the available ones).
+        """
+        step = self._step_or_latest(step)
+        got = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(got["meta"])
+
     def should_save(self, step: int) -> bool:
         """True on every ``every_steps``-th step (never when ``every_steps`` is 0)."""
         return self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0

@@ -4,8 +4,10 @@ Sources:
 
 * ``--model-path <hf folder>``: load and re-export (a format / dtype conversion, and the
   check that a folder round-trips through rlflow).
-* ``--run <run folder> [--step N]``: a learner checkpoint (restored by
-  ``rlflow.checkpoint``; not wired yet: :func:`params_from_run` is the seam).
+* ``--run <run folder> [--step N]``: a learner checkpoint (:func:`params_from_run`). The
+  architecture and the tokenizer come from the Hugging Face folder the run started from,
+  ``model.path`` of the resolved config that the learner saves with every checkpoint
+  (``--base-model`` overrides it, e.g. when the run was trained on another machine).
 
 Every source ends in :func:`export_params`, which writes safetensors, config.json
 (``model_type``, RoPE fields and the tie flag at top level), generation_config.json (every
@@ -15,13 +17,21 @@ EOS id) and copies the tokenizer files.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, NamedTuple, Optional, Sequence
 
+from rlflow.checkpoint import CheckpointError
 from rlflow.models.config import DecoderConfig, ModelFormatError
-from rlflow.models.hf import CONFIG_FILE, TOKENIZER_FILES, read_hf_config, write_hf
+from rlflow.models.hf import (CONFIG_FILE, TOKENIZER_FILES, read_decoder_config, read_hf_config,
+                              write_hf)
+
+
+class ExportError(ValueError):
+    """``rlflow export --run``: the run folder, the step or its checkpoint cannot be exported
+    (the message names the folder, the step or the tensor, and what was expected)."""
 
 
 @dataclass(frozen=True)
@@ -33,14 +43,18 @@ class ExportArgs:
       model_path: Hugging Face folder to re-export.
       run: run folder of a training run (checkpoint export).
       step: checkpoint step of ``run`` (default: the latest).
+      base_model: with ``run``: the Hugging Face folder the run started from (architecture,
+        tokenizer); default: ``model.path`` of the run config saved in the checkpoint.
       tokenizer_dir: folder with tokenizer files to copy (default: the source folder's).
-      dtype: stored dtype; default: the source's (config.json ``torch_dtype``) or float32.
+      dtype: stored dtype; default: the source's (config.json ``torch_dtype`` of
+        ``model_path``; ``model.param_dtype`` of the run) or float32.
     """
 
     out: str
     model_path: str = ""
     run: str = ""
     step: Optional[int] = None
+    base_model: str = ""
     tokenizer_dir: str = ""
     dtype: Optional[Literal["float32", "bfloat16"]] = None
 
@@ -48,11 +62,13 @@ class ExportArgs:
         """Raises ModelFormatError on a bad combination (called by :func:`run_export`, so
         the message reaches the console unwrapped)."""
         if bool(self.model_path) == bool(self.run):
-            raise ModelFormatError("rlflow export: give exactly one of --model-path or --run")
+            raise ModelFormatError("give exactly one of --model-path or --run")
         if self.step is not None and not self.run:
-            raise ModelFormatError("rlflow export: --step needs --run")
+            raise ModelFormatError("--step needs --run")
+        if self.base_model and not self.run:
+            raise ModelFormatError("--base-model needs --run")
         if not self.out:
-            raise ModelFormatError("rlflow export: --out must be a folder path")
+            raise ModelFormatError("--out must be a folder path")
 
 
 def export_params(params, decoder_cfg: DecoderConfig, out: str, tokenizer_dir: str | None = None,
@@ -92,7 +108,7 @@ def export_hf_folder(model_path: str, out: str, *, tokenizer_dir: str | None = N
     from rlflow.models.hf import load_hf
 
     if os.path.abspath(model_path) == os.path.abspath(out):
-        raise ModelFormatError(f"rlflow export: --out must differ from --model-path ({out})")
+        raise ModelFormatError(f"--out must differ from --model-path ({out})")
     dtype = dtype or _source_dtype(read_hf_config(model_path))
     model, cfg = load_hf(model_path)
     if tokenizer_dir is None and _has_tokenizer(model_path):
@@ -100,11 +116,111 @@ def export_hf_folder(model_path: str, out: str, *, tokenizer_dir: str | None = N
     export_params(nnx.state(model, nnx.Param), cfg, out, tokenizer_dir, dtype)
 
 
-def params_from_run(run: str, step: int | None):
-    """``(params, decoder_cfg, tokenizer_dir)`` of a run's checkpoint: the seam for the
-    checkpoint module (``rlflow.checkpoint``)."""
-    raise NotImplementedError("rlflow export --run: checkpoint export is not wired yet; "
-                              "export a Hugging Face folder with --model-path")
+def _base_config(meta: dict, base_model: str, where: str) -> tuple[DecoderConfig, str]:
+    """``(decoder config, base folder)`` of a checkpoint from its run metadata."""
+    model = (meta.get("config") or {}).get("model")
+    path = base_model
+    if not path:
+        hint = "; give the Hugging Face folder the run started from with --base-model"
+        if not model:
+            raise ExportError(f"{where}: the checkpoint metadata holds no run config (it was "
+                              f"not saved with run_metadata(cfg)){hint}")
+        path = model.get("path") or ""
+        if not path:
+            raise ExportError(f"{where}: the run trained a random model (model.path is empty in "
+                              f"its config), so there is no base config.json or tokenizer{hint}")
+        if not os.path.isdir(path):
+            raise ExportError(f"{where}: model.path={path!r} of the run config is not a folder "
+                              f"on this machine{hint}")
+    param_dtype = (model or {}).get("param_dtype") or "float32"
+    return read_decoder_config(path, param_dtype=param_dtype), path
+
+
+def _params_target(cfg: DecoderConfig):
+    """The decoder's parameters as ``ShapeDtypeStruct`` on the host CPU device (an
+    ``nnx.State``; the restore target, so nothing is materialised on an accelerator)."""
+    import jax
+    from flax import nnx
+
+    from rlflow.models.decoder import Decoder
+
+    params = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), params)
+
+
+class RunParams(NamedTuple):
+    """What :func:`params_from_run` read from a run's checkpoint."""
+    params: Any                  # nnx.State of host numpy arrays (dtype model.param_dtype)
+    config: DecoderConfig        # architecture of the base folder, param_dtype of the run
+    base_model: str              # the base Hugging Face folder (config.json, tokenizer files)
+    step: int                    # the checkpoint step exported
+
+
+def params_from_run(run: str, step: int | None = None, *, base_model: str = "") -> RunParams:
+    """The policy parameters of a run's checkpoint, ready for :func:`export_params`.
+
+    The checkpoint is ``<run>/checkpoints/<step>/`` (``rlflow.checkpoint``; any mesh may have
+    saved it). The architecture comes from ``config.json`` (+ the EOS ids of
+    ``generation_config.json``) of the base Hugging Face folder: ``base_model``, or else
+    ``model.path`` of the resolved run config stored in the checkpoint's ``meta`` item. Every
+    saved tensor is checked against that architecture (name and shape) before any array is read.
+
+    Args:
+      run: the run folder (``ExperimentConfig.run_path``).
+      step: checkpoint step (None: the latest complete one).
+      base_model: overrides the run config's ``model.path`` ("" : use it).
+
+    Returns:
+      :class:`RunParams`: ``params`` an ``nnx.State`` of host numpy arrays with dtype
+      ``model.param_dtype`` of the run (e.g. ``embed`` ``[V, E]``), ``config`` with the same
+      ``param_dtype``, the base folder and the step read.
+
+    Raises:
+      ExportError: ``run`` is not a folder; it has no complete checkpoint; ``step`` is not
+        among its checkpoints (lists the available steps); the metadata has no run config or
+        ``model.path`` is empty / missing (and no ``base_model``); a saved tensor is missing,
+        extra or of another shape than the base config expects (names it and both shapes).
+      rlflow.models.ModelFormatError: the base folder's config.json is missing or invalid.
+    """
+    import jax
+    from etils import epath
+
+    from rlflow.checkpoint import Checkpointer, checkpoint_dir
+
+    if not epath.Path(run).is_dir():
+        raise ExportError(f"--run {run}: not a folder (expected a run folder with checkpoints/)")
+    ckdir = checkpoint_dir(run)
+    no_ckpt = (f"--run {run}: no complete checkpoint in {ckdir} (the learner saves one every "
+               "checkpoint.every_steps steps and at exit)")
+    absl_log = logging.getLogger("absl")        # orbax warns that read-only mode is read-only
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        ck = Checkpointer(ckdir, read_only=True)
+    except CheckpointError:
+        raise ExportError(no_ckpt) from None
+    finally:
+        absl_log.setLevel(level)
+    try:
+        steps = ck.all_steps()
+        if not steps:
+            raise ExportError(no_ckpt)
+        if step is not None and step not in steps:
+            raise ExportError(f"--step {step}: {ckdir} has no checkpoint for step {step}; "
+                              f"available steps: {steps}")
+        step = steps[-1] if step is None else step
+        where = os.path.join(ckdir, str(step))
+        cfg, base = _base_config(ck.run_metadata(step), base_model, where)
+        try:
+            restored = ck.restore(step, params_target=_params_target(cfg),
+                                  restore_opt_state=False)
+        except CheckpointError as e:
+            raise ExportError(f"{where}: the saved parameters do not match the base model "
+                              f"{os.path.join(base, CONFIG_FILE)}: {e}") from None
+    finally:
+        ck.close()
+    return RunParams(jax.device_get(restored.params), cfg, base, step)
 
 
 def run_export(args: ExportArgs) -> str:
@@ -114,20 +230,25 @@ def run_export(args: ExportArgs) -> str:
         export_hf_folder(args.model_path, args.out, tokenizer_dir=args.tokenizer_dir or None,
                          dtype=args.dtype)
     else:
-        params, cfg, tokenizer_dir = params_from_run(args.run, args.step)
-        export_params(params, cfg, args.out, args.tokenizer_dir or tokenizer_dir, args.dtype)
+        got = params_from_run(args.run, args.step, base_model=args.base_model)
+        if os.path.abspath(got.base_model) == os.path.abspath(args.out):
+            raise ExportError(f"--out must differ from the run's base model folder ({args.out})")
+        tokenizer_dir = args.tokenizer_dir or (got.base_model if _has_tokenizer(got.base_model)
+                                               else None)
+        export_params(got.params, got.config, args.out, tokenizer_dir, args.dtype)
     return args.out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry: ``rlflow export --model-path DIR --out DIR [--dtype bfloat16]``."""
+    """Console entry: ``rlflow export (--model-path DIR | --run DIR [--step N]) --out DIR
+    [--dtype bfloat16]``; returns the exit status (2 with the message on stderr on bad input)."""
     import tyro
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = tyro.cli(ExportArgs, args=argv, prog="rlflow export")
         out = run_export(args)
-    except (ModelFormatError, NotImplementedError, FileNotFoundError) as e:
+    except (ModelFormatError, ExportError, CheckpointError, FileNotFoundError) as e:
         print(f"rlflow export: {e}", file=sys.stderr)
         return 2
     with open(os.path.join(out, CONFIG_FILE)) as f:

@@ -172,6 +172,25 @@ def _generation_eos(path: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
+def read_decoder_config(path: str, *, dtype: str | None = None,
+                        param_dtype: str | None = None) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a HF folder, without reading any weight.
+
+    ``eos_token_ids`` holds config.json's EOS ids plus those of generation_config.json;
+    ``dtype`` / ``param_dtype`` default to "float32".
+
+    Raises:
+      ModelFormatError: no config.json, or a field is missing / unsupported (names it).
+    """
+    d = read_hf_config(path)
+    cfg = DecoderConfig.from_hf_dict(d, where=os.path.join(path, CONFIG_FILE),
+                                     dtype=dtype or "float32", param_dtype=param_dtype or "float32")
+    extra_eos = tuple(e for e in _generation_eos(path) if e not in cfg.eos_token_ids)
+    if extra_eos:
+        cfg = cfg.replace(eos_token_ids=cfg.eos_token_ids + extra_eos)
+    return cfg
+
+
 def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
             mesh: jax.sharding.Mesh | None = None) -> tuple[Decoder, DecoderConfig]:
     """Load a local HF folder (Llama / Qwen2 / Qwen3) into a :class:`Decoder`.
@@ -192,12 +211,7 @@ def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = No
         a tensor missing from the safetensors files (names it); a tensor whose shape does
         not match config.json (names tensor, file and both shapes).
     """
-    d = read_hf_config(path)
-    cfg = DecoderConfig.from_hf_dict(d, where=os.path.join(path, CONFIG_FILE),
-                                     dtype=dtype or "float32", param_dtype=param_dtype or "float32")
-    extra_eos = tuple(e for e in _generation_eos(path) if e not in cfg.eos_token_ids)
-    if extra_eos:
-        cfg = cfg.replace(eos_token_ids=cfg.eos_token_ids + extra_eos)
+    cfg = read_decoder_config(path, dtype=dtype, param_dtype=param_dtype)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_params = nnx.split(abstract, nnx.Param)
     shardings = None

@@ -1,0 +1,271 @@
+"""``rlflow export --run``: a trained policy's checkpoint leaves rlflow as a Hugging Face folder.
+
+A tiny random HF model (``tests/hf_fixtures.py``) gets a tokenizer, is loaded with ``load_hf``
+onto a 2 x 2 (fsdp x tensor) mesh of the fake CPU devices, takes 2 AdamW steps (the learner's
+optimiser) on a toy next-token loss and is checkpointed after each step the way the learner
+program does it (``rlflow/learner/program.py``: same items, run metadata with the resolved
+config). The export goes through ``rlflow.cli.main`` and is loaded by ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+from safetensors import safe_open
+
+from hf_fixtures import LLAMA3_ROPE, make_tiny_hf_model
+from rlflow import checkpoint as ckpt_lib
+from rlflow import cli
+from rlflow.config import (CheckpointConfig, ExperimentConfig, LearnerConfig, MeshConfig,
+                           ModelConfig)
+from rlflow.data.tokenizer import build_char_tokenizer
+from rlflow.learner.optimizer import make_optimizer
+from rlflow.learner.step import init_state, state_shardings
+from rlflow.mesh import make_mesh
+from rlflow.models import load_hf
+
+TOKENS = np.array([[1, 17, 200, 31, 4, 99, 250, 8, 64, 128, 5, 77]], np.int32)   # [1, 12]
+MESH = MeshConfig(fsdp=2, tensor=2)
+
+
+def _rlflow_logits(graphdef, params) -> np.ndarray:
+    """Logits float32 [T, V] of ``TOKENS[0]`` under ``params`` (rlflow's decoder)."""
+    model = nnx.merge(graphdef, jax.device_get(params))
+    t = TOKENS.shape[1]
+    return np.asarray(model(jnp.asarray(TOKENS), jnp.arange(t, dtype=jnp.int32)[None],
+                            jnp.ones((1, t), bool)))[0]
+
+
+def _hf_logits(path: str) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(TOKENS, dtype=torch.long)).logits[0].numpy()
+
+
+def _experiment(run_dir: str, base: str) -> ExperimentConfig:
+    return ExperimentConfig(
+        name="run", run_dir=run_dir, model=ModelConfig(path=base),
+        learner=LearnerConfig(lr=1e-2, num_steps=2, num_devices=MESH.num_devices, mesh=MESH),
+        checkpoint=CheckpointConfig(every_steps=1, keep_last=5))
+
+
+def _save(checkpointer, step, params, opt_state, cfg, mesh, *, final=False):
+    """``LearnerProgram._checkpoint``: the items and metadata the learner program saves."""
+    ck = ckpt_lib.LearnerCheckpoint(
+        step=step, params=params, opt_state=opt_state, data_state={"next_index": 2 * step},
+        extra={"accepted_groups": 2 * step}, metadata=ckpt_lib.run_metadata(cfg, mesh))
+    metrics = {"loss": 1.0}
+    if final:
+        checkpointer.save_final(ck, metrics=metrics)
+    else:
+        assert checkpointer.save(ck, metrics=metrics)
+
+
+def _train_and_checkpoint(root: str, family: str, tie: bool) -> dict:
+    """Base folder + a run folder with checkpoints after step 1 and step 2."""
+    base = make_tiny_hf_model(family, os.path.join(root, "base"), tie=tie)
+    build_char_tokenizer("0123456789+=", base)            # tokenizer files of the base model
+    cfg = _experiment(os.path.join(root, "runs"), base)
+    mesh = make_mesh(MESH, jax.devices()[:MESH.num_devices])
+    model, _ = load_hf(base, mesh=mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx, _ = make_optimizer(cfg.learner)
+    state = init_state(params, tx, mesh)
+    tokens = jnp.asarray(TOKENS)
+    positions = jnp.arange(TOKENS.shape[1], dtype=jnp.int32)[None]
+    mask = jnp.ones(TOKENS.shape, bool)
+
+    def loss_fn(p):                                        # toy loss: next-token NLL
+        logits = nnx.merge(graphdef, p)(tokens, positions, mask)[:, :-1]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+    shardings = state_shardings(params, tx, mesh)     # the learner's layout, kept across steps
+
+    @partial(jax.jit, out_shardings=(shardings.params, shardings.opt_state))
+    def step(p, opt_state):
+        grads = jax.grad(loss_fn)(p)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    snapshots = {0: jax.device_get(params)}
+    params, opt_state = state.params, state.opt_state
+    with ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path), cfg.checkpoint) as ck:
+        for s in (1, 2):
+            params, opt_state = step(params, opt_state)
+            snapshots[s] = jax.device_get(params)
+            _save(ck, s, params, opt_state, cfg, mesh, final=s == 2)
+        assert ck.all_steps() == [1, 2]
+    assert int(opt_state[1][0].count) == 2
+    return {"base": base, "run": cfg.run_path, "graphdef": graphdef, "params": snapshots,
+            "cfg": cfg}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    cache = {}
+
+    def get(family, tie):
+        if (family, tie) not in cache:
+            root = str(tmp_path_factory.mktemp(f"{family}_{tie}"))
+            cache[family, tie] = _train_and_checkpoint(root, family, tie)
+        return cache[family, tie]
+    return get
+
+
+def _export(args, capsys) -> tuple[int, str]:
+    rc = cli.main(["export", *args])
+    captured = capsys.readouterr()
+    return rc, captured.out + captured.err
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("family,tie", [("llama", False), ("qwen2", True)])
+def test_export_of_trained_run_loads_in_transformers_with_equal_logits(trained, tmp_path,
+                                                                       capsys, family, tie):
+    from transformers import AutoConfig
+
+    t = trained(family, tie)
+    out = str(tmp_path / "export")
+    rc, text = _export(["--run", t["run"], "--out", out], capsys)
+    assert rc == 0, text
+    assert f"wrote {family} model to {out}" in text
+
+    ours = _rlflow_logits(t["graphdef"], t["params"][2])       # latest step by default
+    exported, base = _hf_logits(out), _hf_logits(t["base"])
+    np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
+    # the trained weights were exported, not the base model's
+    np.testing.assert_allclose(base, _rlflow_logits(t["graphdef"], t["params"][0]),
+                               atol=1e-4, rtol=0)
+    assert np.abs(exported - base).max() > 1e-2
+
+    cfg_out, cfg_base = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(t["base"])
+    assert cfg_out.rope_parameters == cfg_base.rope_parameters
+    assert cfg_out.tie_word_embeddings is cfg_base.tie_word_embeddings is tie
+    assert cfg_out.eos_token_id == cfg_base.eos_token_id == [2, 3]
+    raw = _json(os.path.join(out, "config.json"))
+    assert raw["rope_theta"] == cfg_base.rope_parameters["rope_theta"]
+    assert raw["tie_word_embeddings"] is tie and raw["torch_dtype"] == "float32"
+    if family == "llama":
+        assert raw["rope_scaling"] == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    else:
+        assert raw["rope_scaling"] is None
+    assert _json(os.path.join(out, "generation_config.json"))["eos_token_id"] == [2, 3]
+    with safe_open(os.path.join(out, "model.safetensors"), framework="numpy") as f:
+        assert ("lm_head.weight" in f.keys()) is (not tie)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(out, name)) as a, open(os.path.join(t["base"], name)) as b:
+            assert a.read() == b.read()
+
+
+def test_step_flag_picks_that_checkpoint(trained, tmp_path, capsys):
+    t = trained("llama", False)
+    out = str(tmp_path / "step1")
+    rc, text = _export(["--run", t["run"], "--step", "1", "--out", out], capsys)
+    assert rc == 0, text
+    exported = _hf_logits(out)
+    np.testing.assert_allclose(exported, _rlflow_logits(t["graphdef"], t["params"][1]),
+                               atol=1e-4, rtol=0)
+    assert np.abs(exported - _rlflow_logits(t["graphdef"], t["params"][2])).max() > 1e-3
+
+
+def test_dtype_bfloat16_writes_bf16_weights_of_the_checkpoint(trained, tmp_path, capsys):
+    t = trained("qwen2", True)
+    out = str(tmp_path / "bf16")
+    rc, text = _export(["--run", t["run"], "--out", out, "--dtype", "bfloat16"], capsys)
+    assert rc == 0, text
+    assert _json(os.path.join(out, "config.json"))["torch_dtype"] == "bfloat16"
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        embed = f.get_tensor("model.embed_tokens.weight").float().numpy()
+    trained_embed = np.asarray(t["params"][2]["embed"][...], np.float32)
+    expected = trained_embed.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(embed, expected)
+    assert not np.array_equal(embed, np.asarray(t["params"][0]["embed"][...], np.float32)
+                              .astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+# ------------------------------------------------------------------------------ errors
+def test_run_folder_without_checkpoints(tmp_path, capsys):
+    rc, text = _export(["--run", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "nope: not a folder" in text
+    (tmp_path / "empty").mkdir()
+    rc, text = _export(["--run", str(tmp_path / "empty"), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "no complete checkpoint in" in text
+    assert os.path.join(str(tmp_path / "empty"), "checkpoints") in text
+    (tmp_path / "empty" / "checkpoints").mkdir()
+    rc, text = _export(["--run", str(tmp_path / "empty"), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "no complete checkpoint in" in text
+    rc, text = _export(["--model-path", str(tmp_path), "--base-model", str(tmp_path),
+                        "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "--base-model needs --run" in text
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_unknown_step_lists_the_available_steps(trained, tmp_path, capsys):
+    t = trained("llama", False)
+    rc, text = _export(["--run", t["run"], "--step", "7", "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2
+    assert "--step 7" in text and "available steps: [1, 2]" in text
+    rc, text = _export(["--run", t["run"], "--out", t["base"]], capsys)
+    assert rc == 2 and "--out must differ from the run's base model folder" in text
+
+
+def _edited_base(src: str, dst: str, **changes) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "config.json")
+    raw = _json(path)
+    raw.update(changes)
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    return dst
+
+
+def test_params_that_do_not_match_the_base_config_name_the_tensor(trained, tmp_path, capsys):
+    t = trained("qwen2", True)
+    wider = _edited_base(t["base"], str(tmp_path / "wider"), intermediate_size=128)
+    rc, text = _export(["--run", t["run"], "--base-model", wider, "--out",
+                        str(tmp_path / "o")], capsys)
+    assert rc == 2 and "do not match the base model" in text
+    assert "layers/0/mlp/down_kernel" in text and "(96, 64)" in text and "(128, 64)" in text
+    untied = _edited_base(t["base"], str(tmp_path / "untied"), tie_word_embeddings=False)
+    rc, text = _export(["--run", t["run"], "--base-model", untied, "--out",
+                        str(tmp_path / "o")], capsys)
+    assert rc == 2 and "lm_head" in text
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_missing_base_folder_asks_for_base_model(trained, tmp_path, capsys):
+    t = trained("qwen2", True)
+    moved = str(tmp_path / "moved_base")
+    shutil.copytree(t["base"], moved)
+    cfg = _experiment(str(tmp_path / "runs"), moved)
+    params = t["params"][2]
+    with ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path), cfg.checkpoint) as ck:
+        _save(ck, 2, params, None, cfg, None, final=True)
+    shutil.rmtree(moved)
+    out = str(tmp_path / "o")
+    rc, text = _export(["--run", cfg.run_path, "--out", out], capsys)
+    assert rc == 2 and f"model.path={moved!r}" in text and "--base-model" in text
+    # the override finds the architecture and tokenizer elsewhere
+    rc, text = _export(["--run", cfg.run_path, "--base-model", t["base"], "--out", out], capsys)
+    assert rc == 0, text
+    np.testing.assert_allclose(_hf_logits(out), _rlflow_logits(t["graphdef"], params),
+                               atol=1e-4, rtol=0)
