@@ -236,7 +236,8 @@ class LearnerConfig:
       micro_batches: gradient-accumulation micro-batches per step.
       lr, warmup_steps, schedule, weight_decay, max_grad_norm, b1, b2: optax AdamW.
       advantage: "grpo" (z-score, Shao et al. 2024), "drgrpo" (no std, Liu et al. 2025),
-        "rloo" (leave-one-out, Ahmadian et al. 2024).
+        "rloo" (leave-one-out, Ahmadian et al. 2024), "gae" (PPO with a value head on the
+        policy's final hidden states and GAE, Schulman et al. 2016 / 2017).
       std_floor: floor added to the group std in GRPO.
       loss_agg: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm" (Dr. GRPO).
       clip_low / clip_high: PPO ratio clip range [1-clip_low, 1+clip_high] (DAPO clip-higher).
@@ -261,6 +262,15 @@ class LearnerConfig:
       on_bad_reward: a NaN/inf reward "error"s (naming the sample) or is "drop"ped (counted).
       seq_buckets: padded training lengths (prompt + completion); the step compiles once per
         bucket used. Empty: one bucket of ``sampler.max_prefill_length + sampler.max_tokens``.
+      gae_lambda / gae_gamma: GAE lambda and discount over response tokens, in [0, 1]
+        (``advantage="gae"`` only).
+      value_coef: weight of the value loss in the total loss (``advantage="gae"``).
+      value_clip: PPO2 value clip range around the old values (0 off; ``advantage="gae"``).
+      gae_whiten: whiten GAE advantages over the batch's response tokens (zero mean, unit
+        variance).
+      gae_kl_in_reward: move the KL penalty (``kl_coef``, k1 of the old policy against the
+        reference) from the loss into the per-token rewards (``advantage="gae"``; needs
+        ``kl_coef > 0``).
     """
 
     num_steps: int = 20
@@ -273,7 +283,7 @@ class LearnerConfig:
     max_grad_norm: float = 1.0
     b1: float = 0.9
     b2: float = 0.99
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo", "gae"] = "grpo"
     std_floor: float = 1e-6
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     clip_low: float = 0.2
@@ -298,13 +308,19 @@ class LearnerConfig:
     zero_truncated_rewards: bool = False
     on_bad_reward: Literal["error", "drop"] = "error"
     seq_buckets: Tuple[int, ...] = ()
+    gae_lambda: float = 0.95
+    gae_gamma: float = 1.0
+    value_coef: float = 0.1
+    value_clip: float = 0.2
+    gae_whiten: bool = True
+    gae_kl_in_reward: bool = False
 
     def __post_init__(self):
         for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices"):
             _positive(getattr(self, name), f"learner.{name}")
         _check(self.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
         _one_of(self.schedule, ("constant", "cosine"), "learner.schedule")
-        _one_of(self.advantage, ("grpo", "drgrpo", "rloo"), "learner.advantage")
+        _one_of(self.advantage, ("grpo", "drgrpo", "rloo", "gae"), "learner.advantage")
         _one_of(self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                 "learner.loss_agg")
         _one_of(self.kl_estimator, ("k1", "k2", "k3"), "learner.kl_estimator")
@@ -334,6 +350,20 @@ class LearnerConfig:
         _check(all(b > 0 for b in self.seq_buckets) and
                list(self.seq_buckets) == sorted(set(self.seq_buckets)), "learner.seq_buckets",
                f"must be positive and strictly increasing, got {self.seq_buckets}")
+        for name in ("gae_lambda", "gae_gamma"):
+            v = getattr(self, name)
+            _check(0 <= v <= 1, f"learner.{name}", f"must be in [0, 1], got {v}")
+        _check(self.value_coef > 0 and math.isfinite(self.value_coef), "learner.value_coef",
+               f"must be finite and > 0, got {self.value_coef}")
+        _check(self.value_clip >= 0, "learner.value_clip",
+               f"must be >= 0 (0 off), got {self.value_clip}")
+        gae = self.advantage == "gae"
+        _check(not gae or self.scale_by_std is None, "learner.scale_by_std",
+               "must be None with learner.advantage='gae' (GAE has no group std; see "
+               "learner.gae_whiten)")
+        _check(not self.gae_kl_in_reward or (gae and self.kl_coef > 0),
+               "learner.gae_kl_in_reward", f"needs learner.advantage='gae' and "
+               f"learner.kl_coef > 0, got advantage={self.advantage!r}, kl_coef={self.kl_coef}")
 
 
 @dataclass(frozen=True)
@@ -391,6 +421,9 @@ class RuntimeConfig:
       sampler_sleep: the sampler frees its KV cache whenever it waits (for a new version or
         for admission budget) and allocates a fresh one when it resumes; it keeps generating
         with the last synced weights.
+      pin_cpus: on one machine (``rlflow train``), run the learner on the first half of the
+        CPUs this process may use and the sampler on the rest (``sched_setaffinity``): the
+        CPU stand-in for two accelerator slices. Ignored with fewer than 2 CPUs.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -406,6 +439,7 @@ class RuntimeConfig:
     weights_keep_last: int = 2
     restart_sampler: bool = False
     sampler_sleep: bool = False
+    pin_cpus: bool = False
 
     def __post_init__(self):
         _one_of(self.mode, ("async", "sync"), "runtime.mode")

@@ -56,7 +56,7 @@ def test_replace_revalidates():
 
 def test_one_of_error_lists_allowed_values():
     with pytest.raises(ConfigError, match=r"learner.advantage: must be one of "
-                                          r"\['drgrpo', 'grpo', 'rloo'\], got 'ppo'"):
+                                          r"\['drgrpo', 'gae', 'grpo', 'rloo'\], got 'ppo'"):
         LearnerConfig(advantage="ppo")
 
 

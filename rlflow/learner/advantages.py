@@ -194,3 +194,51 @@ def terminal_rewards(rewards, mask) -> jax.Array:
     last = jnp.max(jnp.where(m, jnp.arange(m.shape[1])[None, :], -1), axis=1)
     onehot = (jnp.arange(m.shape[1])[None, :] == last[:, None]) & (n[:, None] > 0)
     return jnp.where(onehot, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)
+
+
+def masked_whiten(x, mask, eps: float = 1e-8) -> jax.Array:
+    """Advantage whitening over the valid entries: ``(x - mu) / sqrt(var + eps)``.
+
+    ``mu`` and the population variance ``var`` are taken over entries where ``mask`` is set
+    (e.g. all response tokens of a batch; as TRL's ``masked_whiten``, without Bessel's
+    correction). Any shape (``[B, T]``, or ``[k, B/k, T]`` micro-batches: the statistics are
+    over every valid entry). Returns float32, 0 where ``mask`` is 0; all-zero mask -> zeros.
+    """
+    m = jnp.asarray(mask, jnp.float32)
+    v = jnp.where(m > 0, jnp.asarray(x, jnp.float32), 0.0)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    mu = jnp.sum(v) / n
+    var = jnp.sum(m * (v - mu) ** 2) / n
+    return m * (v - mu) * jax.lax.rsqrt(var + eps)
+
+
+def ppo_targets(token_rewards, old_values, mask, *, gamma: float, lam: float,
+                old_logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
+    """GAE advantages and value targets of PPO for one batch of response tokens.
+
+    Token rewards (Ouyang et al. 2022, InstructGPT eq. 2, per token as in Stiennon et al.
+    2020): ``r_t = R 1[t = last] - kl_coef (log pi_old - log pi_ref)_t`` (the KL term only
+    when ``ref_logprobs`` is given), then :func:`gae` with the *old* values (detached,
+    Schulman et al. 2017 eq. 11-12): ``returns = A + V_old``.
+
+    Args:
+      token_rewards: ``[B, T]`` float32, the sequence reward on its last response token.
+      old_values: ``[B, T]`` float32 ``V_old(s_t)`` at the step start (treated as constants).
+      mask: ``[B, T]`` response-token mask (contiguous per row).
+      gamma, lam: GAE discount and lambda.
+      old_logprobs, ref_logprobs: ``[B, T]`` logprobs of the targets under the old and the
+        reference policy (KL-in-reward; both or neither).
+      kl_coef: KL-in-reward coefficient.
+
+    Returns: ``(advantages, returns)``, float32 ``[B, T]``, 0 where ``mask`` is 0, no gradient.
+    """
+    m = jnp.asarray(mask, bool)
+    r = jnp.where(m, jnp.asarray(token_rewards, jnp.float32), 0.0)
+    if ref_logprobs is not None:
+        if old_logprobs is None:
+            raise ValueError("KL-in-reward needs old_logprobs with ref_logprobs")
+        d = jnp.where(m, jnp.asarray(old_logprobs, jnp.float32)
+                      - jnp.asarray(ref_logprobs, jnp.float32), 0.0)
+        r = r - kl_coef * d
+    adv, ret = gae(r, old_values, m, gamma=gamma, lam=lam)
+    return jax.lax.stop_gradient(adv), jax.lax.stop_gradient(ret)

@@ -24,7 +24,9 @@ Sample selection (each counted in the returned info, never silent):
   * DAPO dynamic sampling: groups with zero reward variance leave the loss;
   * ``mask_truncated``: completions cut by ``max_tokens`` leave the loss (DAPO overlong filter).
 Advantages are computed on the whole group (all G rewards, after reward shaping) before any
-sample leaves the loss.
+sample leaves the loss. With ``estimator="gae"`` (PPO) the batch carries no advantages (zeros):
+the step computes them from the value head; ``token_rewards`` holds each sample's shaped
+reward on its last response token.
 """
 
 from __future__ import annotations
@@ -51,9 +53,12 @@ class TrainBatch(NamedTuple):
     """Device-ready training batch, every array ``[B, L]`` (numpy on the host).
 
     tokens int32, attention_mask bool, positions int32 (``positions_from_mask``), targets
-    int32 (``tokens`` shifted left), loss_mask bool, behaviour_logprobs float32 and
-    advantages float32 (per-sample advantage broadcast over its loss positions), the last
-    four aligned with ``targets``.
+    int32 (``tokens`` shifted left), loss_mask bool, behaviour_logprobs float32,
+    advantages float32 (per-sample advantage broadcast over its loss positions; 0 with
+    ``learner.advantage="gae"``) and token_rewards float32 (the sample's shaped reward on its
+    last loss position, 0 elsewhere; read by the PPO/GAE step), the last five aligned with
+    ``targets``. ``token_rewards`` may be None for the group estimators (the learner then
+    sends zeros).
     """
     tokens: np.ndarray
     attention_mask: np.ndarray
@@ -62,6 +67,7 @@ class TrainBatch(NamedTuple):
     loss_mask: np.ndarray
     behaviour_logprobs: np.ndarray
     advantages: np.ndarray
+    token_rewards: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class BatchSpec:
 
 
 _KINDS = dict(tokens="i", attention_mask="b", positions="i", targets="i", loss_mask="b",
-              behaviour_logprobs="f", advantages="f")
+              behaviour_logprobs="f", advantages="f", token_rewards="f")
 
 
 def validate_batch(batch: TrainBatch) -> None:
@@ -116,6 +122,8 @@ def validate_batch(batch: TrainBatch) -> None:
         raise BatchError(f"tokens must be [batch, seq], got shape {shape}")
     for name in TrainBatch._fields:
         x = getattr(batch, name)
+        if x is None and name == "token_rewards":
+            continue
         if np.shape(x) != shape:
             raise BatchError(f"{name} has shape {np.shape(x)}, expected {shape} like tokens")
         kind = np.dtype(x.dtype).kind
@@ -247,9 +255,12 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
             factor=spec.overlong_penalty))
     if spec.zero_truncated_rewards:
         shaped = np.asarray(adv_lib.zero_truncated_rewards(shaped, truncated))
-    advantages = np.asarray(adv_lib.group_advantages(
-        shaped, estimator=spec.estimator, scale_by_std=spec.scale_by_std,
-        std_floor=spec.std_floor))
+    if spec.estimator == "gae":                   # PPO: the step computes advantages (GAE)
+        advantages = np.zeros_like(shaped)
+    else:
+        advantages = np.asarray(adv_lib.group_advantages(
+            shaped, estimator=spec.estimator, scale_by_std=spec.scale_by_std,
+            std_floor=spec.std_floor))
 
     staleness = np.stack([sample_staleness(r["policy_versions"], r["completion_lengths"],
                                            learner_version) for r in records])
@@ -274,6 +285,7 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
     loss_mask = np.zeros((b_rows, seq), bool)
     behaviour = np.zeros((b_rows, seq), np.float32)
     adv_tok = np.zeros((b_rows, seq), np.float32)
+    rew_tok = np.zeros((b_rows, seq), np.float32)
     attn[:, 0] = True                                   # padding rows: one attended pad token
     for i, rec in enumerate(records):
         prompt = np.asarray(rec["prompt_tokens"], np.int32)
@@ -291,6 +303,7 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
             loss_mask[row, tgt] = keep[i, s]
             behaviour[row, tgt] = mu[s, :n]
             adv_tok[row, tgt] = advantages[i, s] if keep[i, s] else 0.0
+            rew_tok[row, p_max - 2 + n] = shaped[i, s] if keep[i, s] else 0.0
     targets = np.concatenate([tokens[:, 1:], np.full((b_rows, 1), spec.pad_id, np.int32)], 1)
     positions = np.asarray(positions_from_mask(attn), np.int32)
     if not np.isfinite(behaviour).all():
@@ -319,5 +332,6 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
         **staleness_histogram(staleness.reshape(-1)),
     }
     batch = TrainBatch(tokens=tokens, attention_mask=attn, positions=positions, targets=targets,
-                       loss_mask=loss_mask, behaviour_logprobs=behaviour, advantages=adv_tok)
+                       loss_mask=loss_mask, behaviour_logprobs=behaviour, advantages=adv_tok,
+                       token_rewards=rew_tok)
     return batch, info

@@ -11,6 +11,17 @@ the full-batch loss in every aggregation mode.
 Logprobs are those of the tempered policy ``softmax(logits / T)`` with the sampler's
 temperature ``T`` (1 for greedy sampling), the distribution the behaviour logprobs came from.
 
+PPO (``settings.gae``): a :class:`rlflow.learner.value.ValueHead` on the same forward gives
+``V(s_t)``; GAE advantages and returns come from the *old* values (the step-start parameters,
+detached: with one optimiser step per batch they are this forward's values under
+``stop_gradient``) via :func:`rlflow.learner.advantages.ppo_targets`; the loss is
+``policy + value_coef * value`` (clipped value loss :func:`rlflow.learner.losses.value_loss`,
+aggregated with the policy's weights). Whitening needs batch-wide statistics, so with
+whitening and ``k > 1`` micro-batches a forward-only pass first computes the old values of the
+whole batch (the micro-batch sums then still equal the full-batch step). The trainable tree is
+the pair ``(policy params, value-head params)`` (:func:`trainable`): one optimiser, joint
+gradient clipping; the head lives in ``TrainState.value``, never in ``TrainState.params``.
+
 Layout: parameters and the optimiser state use :func:`rlflow.mesh.param_shardings` (FSDP x
 tensor), the batch :func:`rlflow.mesh.batch_sharding`, metrics are replicated. The state is
 donated. :func:`compile_train_step` compiles ahead of time for one batch shape and logs the
@@ -30,6 +41,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from rlflow.learner import advantages as adv_lib
 from rlflow.learner import losses
 from rlflow.learner.batch import TrainBatch
 from rlflow.mesh import batch_sharding, param_shardings, replicated
@@ -42,17 +54,25 @@ class TrainState(NamedTuple):
     """Everything the optimiser step changes (donated to the step).
 
     step: int32 ``[]`` optimiser steps taken (= the policy version of ``params``).
-    params: ``nnx.State`` of master parameters (``model.param_dtype``).
-    opt_state: the optax state (AdamW moments shaped like ``params``).
+    params: ``nnx.State`` of the policy's master parameters (``model.param_dtype``): what
+      weight transfer publishes and export writes.
+    opt_state: the optax state (AdamW moments shaped like ``params``, or like the pair
+      ``(params, value)`` with a value head).
+    value: ``nnx.State`` of the PPO value head (float32), or None (group estimators).
     """
     step: jax.Array
     params: Any
     opt_state: Any
+    value: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-    """Static settings of the loss and the step (hashable; see ``LearnerConfig``)."""
+    """Static settings of the loss and the step (hashable; see ``LearnerConfig``).
+
+    ``gae`` turns on PPO with the value head (``learner.advantage == "gae"``); ``whiten`` and
+    ``kl_in_reward`` are ``learner.gae_whiten`` / ``learner.gae_kl_in_reward``.
+    """
     loss_agg: str = "token-mean"
     norm_len: int = 1
     off_policy: str = "decoupled"
@@ -67,6 +87,13 @@ class StepSettings:
     kl_estimator: str = "k3"
     micro_batches: int = 1
     temperature: float = 1.0
+    gae: bool = False
+    gae_lambda: float = 0.95
+    gae_gamma: float = 1.0
+    value_coef: float = 0.1
+    value_clip: float = 0.2
+    whiten: bool = True
+    kl_in_reward: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> "StepSettings":
@@ -78,27 +105,38 @@ class StepSettings:
                    window_low=lr.is_window_low, window_high=lr.is_window_high,
                    kl_coef=lr.kl_coef, kl_estimator=lr.kl_estimator,
                    micro_batches=lr.micro_batches,
-                   temperature=cfg.sampler.temperature or 1.0)
+                   temperature=cfg.sampler.temperature or 1.0,
+                   gae=lr.advantage == "gae", gae_lambda=lr.gae_lambda, gae_gamma=lr.gae_gamma,
+                   value_coef=lr.value_coef, value_clip=lr.value_clip, whiten=lr.gae_whiten,
+                   kl_in_reward=lr.gae_kl_in_reward)
 
 
-def init_state(params, tx: optax.GradientTransformation, mesh=None) -> TrainState:
-    """A fresh :class:`TrainState` (step 0) laid out in :func:`state_shardings` when ``mesh``."""
+def trainable(params, value=None):
+    """The tree the optimiser updates: ``params``, or ``(params, value)`` with a value head."""
+    return params if value is None else (params, value)
+
+
+def init_state(params, tx: optax.GradientTransformation, mesh=None, value=None) -> TrainState:
+    """A fresh :class:`TrainState` (step 0) laid out in :func:`state_shardings` when ``mesh``;
+    ``value``: the value head's params (PPO) or None."""
+    def make(p, v):
+        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(trainable(p, v)), v)
+
     if mesh is None:
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
-    sh = state_shardings(params, tx, mesh)
-    return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
-                   out_shardings=sh)(params)
+        return make(params, value)
+    return jax.jit(make, out_shardings=state_shardings(params, tx, mesh, value))(params, value)
 
 
-def state_shardings(params, tx: optax.GradientTransformation, mesh) -> TrainState:
-    """Shardings of the state: params per the logical-axis rules, the optimiser's
-    param-shaped entries (moments) like their params, everything else replicated."""
+def state_shardings(params, tx: optax.GradientTransformation, mesh, value=None) -> TrainState:
+    """Shardings of the state: params (and value head) per the logical-axis rules, the
+    optimiser's param-shaped entries (moments) like their params, everything else replicated."""
     ps = param_shardings(params, mesh)
-    abstract = jax.eval_shape(tx.init, params)
+    vs = None if value is None else param_shardings(value, mesh)
+    abstract = jax.eval_shape(tx.init, trainable(params, value))
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    opt = optax.tree_map_params(tx, lambda _, s: s, abstract, ps,
+    opt = optax.tree_map_params(tx, lambda _, s: s, abstract, trainable(ps, vs),
                                 transform_non_params=lambda _: replicated(mesh), is_leaf=is_var)
-    return TrainState(replicated(mesh), ps, opt)
+    return TrainState(replicated(mesh), ps, opt, vs)
 
 
 def split_micro(x: jax.Array, k: int) -> jax.Array:
@@ -106,26 +144,68 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
     return x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
 
 
+def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
+                  value_graphdef=None):
+    """One forward: tempered logprobs of ``batch.targets``, entropy and values.
+
+    Args:
+      params: the policy's ``nnx.State``, or ``(policy, value head)`` with ``value_graphdef``.
+
+    Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
+    gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head.
+    """
+    policy, vparams = (params, None) if value_graphdef is None else params
+    model = nnx.merge(graphdef, policy)
+    values = None
+    if value_graphdef is None:
+        logits = model(batch.tokens, batch.positions, batch.attention_mask)
+    else:
+        logits, hidden = model(batch.tokens, batch.positions, batch.attention_mask,
+                               return_hidden=True)
+        values = nnx.merge(value_graphdef, vparams)(hidden)
+    logp = token_logprobs(logits, batch.targets, temperature)
+    ent = losses.entropy_from_logits(jax.lax.stop_gradient(logits) / temperature)
+    return logp, ent, values
+
+
 def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0):
     """Tempered logprobs of ``batch.targets`` and the policy entropy at each position.
 
     Returns: ``(logprobs, entropy)``, both float32 ``[B, L]`` (entropy carries no gradient).
     """
-    model = nnx.merge(graphdef, params)
-    logits = model(batch.tokens, batch.positions, batch.attention_mask)
-    logp = token_logprobs(logits, batch.targets, temperature)
-    ent = losses.entropy_from_logits(jax.lax.stop_gradient(logits) / temperature)
-    return logp, ent
+    return model_outputs(graphdef, params, batch, temperature)[:2]
 
 
 _SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
          "is_kept", "is_truncated")
+# PPO: value loss; token sums of V_old, returns R, R^2, residual R - V_old and its square
+_VALUE_SUMS = ("value_loss", "v_old", "ret", "ret_sq", "res", "res_sq")
 
 
-def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings):
-    logp, ent = policy_logprobs(graphdef, params, mb, s.temperature)
+def _targets(mb: TrainBatch, v_old, logp, ref_logp, s: StepSettings):
+    """Unwhitened GAE ``(advantages, returns)`` of one (micro-)batch."""
+    kl_in = s.kl_in_reward and ref_logp is not None
+    return adv_lib.ppo_targets(mb.token_rewards, v_old, mb.loss_mask, gamma=s.gae_gamma,
+                               lam=s.gae_lambda, old_logprobs=jax.lax.stop_gradient(logp),
+                               ref_logprobs=ref_logp if kl_in else None, kl_coef=s.kl_coef)
+
+
+def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
+                value_graphdef=None, old=None):
+    """Loss of one micro-batch. PPO: ``old = (advantages, returns, V_old)`` from the
+    old-values pass, or None (computed here from this forward's detached values)."""
+    logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef)
     mask = mb.loss_mask
-    t = losses.policy_loss(logp, mb.behaviour_logprobs, mb.advantages, mask,
+    advantages = mb.advantages
+    if s.gae:
+        if old is None:
+            v_old = jax.lax.stop_gradient(values)
+            advantages, returns = _targets(mb, v_old, logp, ref_logp, s)
+            if s.whiten:              # here this micro-batch is the whole batch (make_grad_fn)
+                advantages = adv_lib.masked_whiten(advantages, mask)
+        else:
+            advantages, returns, v_old = old
+    t = losses.policy_loss(logp, mb.behaviour_logprobs, advantages, mask,
                            off_policy=s.off_policy, clip_low=s.clip_low, clip_high=s.clip_high,
                            dual_clip=s.dual_clip, is_cap=s.is_cap, is_floor=s.is_floor,
                            window_low=s.window_low, window_high=s.window_high)
@@ -134,7 +214,8 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings):
     kl = jnp.zeros_like(logp)
     if ref_logp is not None:
         kl = losses.kl_penalty(logp, ref_logp, mask, s.kl_estimator)
-        loss = loss + s.kl_coef * jnp.sum(w * kl)
+        if not (s.gae and s.kl_in_reward):
+            loss = loss + s.kl_coef * jnp.sum(w * kl)
     m = mask.astype(jnp.float32)
     kept = t.in_window.astype(jnp.float32)
     if s.off_policy == "decoupled" and s.is_cap > 0:
@@ -145,20 +226,37 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings):
                 clip_low=jnp.sum(t.clipped_low), clip_high=jnp.sum(t.clipped_high),
                 clip_dual=jnp.sum(t.dual_clipped), is_weight=jnp.sum(kept * t.is_weight),
                 is_kept=jnp.sum(kept), is_truncated=jnp.sum(kept * trunc))
+    if s.gae:
+        vl = jnp.sum(w * losses.value_loss(values, v_old, returns, mask, clip=s.value_clip))
+        loss = loss + s.value_coef * vl
+        res = returns - v_old
+        sums |= dict(value_loss=vl, v_old=jnp.sum(m * v_old), ret=jnp.sum(m * returns),
+                     ret_sq=jnp.sum(m * returns ** 2), res=jnp.sum(m * res),
+                     res_sq=jnp.sum(m * res ** 2))
     sums = {k: v.astype(jnp.float32) for k, v in sums.items()}
     lr_big = jnp.where(mask, t.is_log_ratio, -jnp.inf)
     lr_small = jnp.where(mask, t.is_log_ratio, jnp.inf)
     return loss, (sums, jnp.max(lr_big), jnp.min(lr_small))
 
 
-def make_grad_fn(graphdef, settings: StepSettings, mesh=None):
+def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=None):
     """``(params, batch, ref_params) -> (loss, grads, stats)`` accumulated over micro-batches.
 
+    ``params`` is the policy's ``nnx.State``, or with ``settings.gae`` the pair
+    ``(policy, value head)`` (:func:`trainable`; ``value_graphdef`` is the head's graphdef).
     ``grads`` is shaped like ``params`` (float32 accumulation, cast back to the params'
     dtype); ``stats`` holds the summed metric numerators (see :func:`make_train_step`) and
     the extreme IS log-ratios ``is_lr_max`` / ``is_lr_min`` over loss tokens.
+
+    Raises: ValueError when ``settings.gae`` and ``value_graphdef`` disagree, or (when traced)
+    a PPO batch without ``token_rewards``.
     """
     s, k = settings, settings.micro_batches
+    if s.gae != (value_graphdef is not None):
+        raise ValueError(f"settings.gae={s.gae} needs a value head graphdef exactly when True, "
+                         f"got value_graphdef={value_graphdef!r}")
+    sums_names = _SUMS + (_VALUE_SUMS if s.gae else ())
+    old_values_pass = s.gae and s.whiten and k > 1
 
     def constrain(x, lead):
         if mesh is None:
@@ -166,31 +264,52 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None):
         spec = P(*((None,) * lead), ("data", "fsdp"), *((None,) * (x.ndim - lead - 1)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
+    def ref_logprobs(ref_params, mb):
+        return None if ref_params is None else jax.lax.stop_gradient(
+            policy_logprobs(graphdef, ref_params, mb, s.temperature)[0])
+
+    def old_pass(params, micro: TrainBatch, ref_params):
+        """Forward only, at the step-start params: GAE targets of every micro-batch, whitened
+        over the whole batch. Returns ``(advantages, returns, V_old)``, each ``[k, B/k, L]``."""
+        def body(_, mb):
+            mb = jax.tree.map(lambda x: constrain(x, 0), mb)
+            logp, _, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef)
+            ref = ref_logprobs(ref_params, mb) if s.kl_in_reward else None
+            v_old = jax.lax.stop_gradient(values)
+            return None, (*_targets(mb, v_old, logp, ref, s), v_old)
+
+        _, (adv, ret, v_old) = jax.lax.scan(body, None, micro)
+        adv = constrain(adv_lib.masked_whiten(adv, micro.loss_mask), 1)
+        return jax.lax.stop_gradient((adv, ret, v_old))
+
     def grad_fn(params, batch: TrainBatch, ref_params):
         b = batch.tokens.shape[0]
         if b % k:
             raise ValueError(f"batch of {b} rows does not split into {k} micro-batches")
+        if s.gae and batch.token_rewards is None:
+            raise ValueError("PPO (settings.gae) needs batch.token_rewards")
         w = losses.loss_weights(batch.loss_mask, s.loss_agg, norm_len=s.norm_len)
         micro = jax.tree.map(lambda x: constrain(split_micro(x, k), 1), (batch, w))
+        old = old_pass(params, micro[0], ref_params) if old_values_pass else None
         value_and_grad = jax.value_and_grad(_micro_loss, has_aux=True)
 
         def body(carry, xs):
-            mb, w_mb = jax.tree.map(lambda x: constrain(x, 0), xs)
-            ref_logp = None if ref_params is None else jax.lax.stop_gradient(
-                policy_logprobs(graphdef, ref_params, mb, s.temperature)[0])
-            (loss, (sums, hi, lo)), g = value_and_grad(params, graphdef, mb, w_mb, ref_logp, s)
+            (mb, w_mb), old_mb = jax.tree.map(lambda x: constrain(x, 0), xs)
+            ref_logp = ref_logprobs(ref_params, mb)
+            (loss, (sums, hi, lo)), g = value_and_grad(params, graphdef, mb, w_mb, ref_logp, s,
+                                                       value_graphdef, old_mb)
             grads, acc = carry
             grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g)
-            acc = {n: acc[n] + sums[n] for n in _SUMS} | {
+            acc = {n: acc[n] + sums[n] for n in sums_names} | {
                 "loss": acc["loss"] + loss, "is_lr_max": jnp.maximum(acc["is_lr_max"], hi),
                 "is_lr_min": jnp.minimum(acc["is_lr_min"], lo)}
             return (grads, acc), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        acc0 = {n: jnp.zeros((), jnp.float32) for n in _SUMS + ("loss",)} | {
+        acc0 = {n: jnp.zeros((), jnp.float32) for n in sums_names + ("loss",)} | {
             "is_lr_max": jnp.array(-jnp.inf, jnp.float32),
             "is_lr_min": jnp.array(jnp.inf, jnp.float32)}
-        (grads, acc), _ = jax.lax.scan(body, (zeros, acc0), micro)
+        (grads, acc), _ = jax.lax.scan(body, (zeros, acc0), (micro, old))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return acc.pop("loss"), grads, acc
 
@@ -198,7 +317,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    settings: StepSettings, mesh=None):
+                    settings: StepSettings, mesh=None, value_graphdef=None):
     """The pure train step ``(state, batch, ref_params) -> (state, metrics)``.
 
     Args:
@@ -206,6 +325,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
       tx, schedule: from :func:`rlflow.learner.optimizer.make_optimizer`.
       settings: :class:`StepSettings`.
       mesh: when given, micro-batches are constrained to :func:`rlflow.mesh.batch_sharding`.
+      value_graphdef: the value head's graphdef with ``settings.gae`` (``state.value`` holds
+        its params), else None.
 
     The step's ``batch`` is a :class:`TrainBatch` of ``[B, L]`` arrays with ``B`` divisible by
     ``settings.micro_batches``; ``ref_params`` are the frozen reference parameters (or None:
@@ -216,20 +337,26 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     ``policy/is_masked_frac`` (outside the IS window), ``policy/is_truncated_frac`` (above the
     cap), ``learner/grad_norm`` (before clipping), ``learner/tokens``, ``learner/lr``,
     ``learner/skipped`` (1 when the batch had no loss tokens: parameters, optimiser state and
-    step are then left unchanged).
+    step are then left unchanged). PPO adds ``value/loss`` (aggregated like the policy loss),
+    ``value/mean`` and ``value/return_mean`` (token means of ``V_old`` and of the returns) and
+    ``value/explained_variance`` ``1 - Var(R - V_old) / Var(R)`` over response tokens (0 when
+    the returns have no variance); ``learner/grad_norm`` is then the joint norm of policy and
+    value-head gradients.
     """
-    grad_fn = make_grad_fn(graphdef, settings, mesh)
+    grad_fn = make_grad_fn(graphdef, settings, mesh, value_graphdef)
 
     def step(state: TrainState, batch: TrainBatch, ref_params):
-        loss, grads, acc = grad_fn(state.params, batch, ref_params)
+        current = trainable(state.params, state.value)
+        loss, grads, acc = grad_fn(current, batch, ref_params)
         grad_norm = optax.global_norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, current)
+        new = optax.apply_updates(current, updates)
         n_tok = jnp.sum(batch.loss_mask).astype(jnp.float32)
         # a batch without loss tokens carries no signal: keep params, moments and version
         skip = n_tok == 0
-        params, opt_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new),
-                                         (state.params, state.opt_state), (params, opt_state))
+        new, opt_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new),
+                                      (current, state.opt_state), (new, opt_state))
+        params, value = (new, None) if state.value is None else new
         per_tok = 1.0 / jnp.maximum(n_tok, 1.0)
         any_tok = n_tok > 0
         metrics = {
@@ -252,9 +379,25 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             "learner/lr": jnp.asarray(schedule(state.step), jnp.float32),
             "learner/skipped": skip.astype(jnp.float32),
         }
-        return TrainState(state.step + 1 - skip.astype(jnp.int32), params, opt_state), metrics
+        if settings.gae:
+            metrics |= _value_metrics(acc, n_tok)
+        return TrainState(state.step + 1 - skip.astype(jnp.int32), params, opt_state,
+                          value), metrics
 
     return step
+
+
+def _value_metrics(acc, n_tok) -> dict:
+    n = jnp.maximum(n_tok, 1.0)
+    ret_mean, res_mean = acc["ret"] / n, acc["res"] / n
+    var_ret = jnp.maximum(acc["ret_sq"] / n - ret_mean ** 2, 0.0)
+    var_res = jnp.maximum(acc["res_sq"] / n - res_mean ** 2, 0.0)
+    # float32 sums: a variance below ~1e-6 of the mean square is rounding, not signal
+    has_var = var_ret > 1e-6 * acc["ret_sq"] / n + 1e-12
+    return {"value/loss": acc["value_loss"], "value/mean": acc["v_old"] / n,
+            "value/return_mean": ret_mean,
+            "value/explained_variance": jnp.where(
+                has_var, 1.0 - var_res / jnp.where(has_var, var_ret, 1.0), 0.0)}
 
 
 def jit_train_step(step_fn, state_sh: TrainState, mesh, *, with_ref: bool):
@@ -271,7 +414,7 @@ def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
     sh = batch_sharding(mesh)
     dtypes = dict(tokens=jnp.int32, attention_mask=jnp.bool_, positions=jnp.int32,
                   targets=jnp.int32, loss_mask=jnp.bool_, behaviour_logprobs=jnp.float32,
-                  advantages=jnp.float32)
+                  advantages=jnp.float32, token_rewards=jnp.float32)
     return TrainBatch(**{f: jax.ShapeDtypeStruct((rows, seq), dtypes[f], sharding=sh)
                          for f in TrainBatch._fields})
 

@@ -6,6 +6,11 @@ compiled train step per sequence bucket. The runtime feeds it rollout group reco
     learner = Learner(cfg)                       # builds/loads the model on the mesh
     metrics = learner.train_on(records)          # batch -> one optimiser step -> metrics
     learner.version                              # = optimiser steps taken
+
+With ``learner.advantage = "gae"`` (PPO) the state also holds a value head
+(``TrainState.value``, :mod:`rlflow.learner.value`), trained with the policy;
+:attr:`Learner.params` (what the runtime publishes and checkpoints as the policy) stays the
+policy alone.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch,
 from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import (StepSettings, TrainState, abstract_batch, compile_train_step,
                                  init_state, jit_train_step, make_train_step, state_shardings)
+from rlflow.learner.value import init_value_head
 from rlflow.mesh import batch_sharding, make_mesh
 from rlflow.models.decoder import validate_tokens
 from rlflow.models.hf import build_model
@@ -42,6 +48,8 @@ class Learner:
     ``learner.compute_dtype`` activations (bf16 compute with fp32 master weights when
     ``model.param_dtype = "float32"`` and ``learner.compute_dtype = "bfloat16"``). With
     ``learner.kl_coef > 0`` a frozen copy of the initial parameters is the KL reference.
+    With ``learner.advantage = "gae"`` a zero-initialised float32 value head
+    (``value_graphdef``, ``state.value``) is trained jointly with the policy.
     """
 
     def __init__(self, cfg, *, mesh=None, devices=None):
@@ -54,13 +62,17 @@ class Learner:
         self.tx, self.schedule = make_optimizer(lc)
         self.settings = StepSettings.from_config(cfg)
         self.batch_spec = BatchSpec.from_config(cfg)
-        self.shardings = state_shardings(params, self.tx, self.mesh)
-        self.state: TrainState = init_state(params, self.tx, self.mesh)
+        self.value_graphdef, value = None, None
+        if self.settings.gae:
+            self.value_graphdef, value = init_value_head(self.model_config.hidden_size)
+        self.shardings = state_shardings(params, self.tx, self.mesh, value)
+        self.state: TrainState = init_state(params, self.tx, self.mesh, value)
         self.ref_params = None
         if lc.kl_coef > 0:
             self.ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.copy(), p),
                                       out_shardings=self.shardings.params)(self.state.params)
-        step_fn = make_train_step(self.graphdef, self.tx, self.schedule, self.settings, self.mesh)
+        step_fn = make_train_step(self.graphdef, self.tx, self.schedule, self.settings, self.mesh,
+                                  self.value_graphdef)
         self._jitted = jit_train_step(step_fn, self.shardings, self.mesh,
                                       with_ref=self.ref_params is not None)
         self._compiled: dict[tuple[int, int], object] = {}
@@ -72,7 +84,13 @@ class Learner:
 
     @property
     def params(self):
+        """The policy's parameters (``nnx.State``): never the value head."""
         return self.state.params
+
+    @property
+    def value_params(self):
+        """The PPO value head's parameters (``nnx.State``), or None without one."""
+        return self.state.value
 
     def compiled_step(self, rows: int, seq: int):
         """The AOT-compiled step for ``[rows, seq]`` batches (compiled once per shape)."""
@@ -95,9 +113,20 @@ class Learner:
         Raises: :class:`rlflow.learner.batch.BatchError` for mismatched shapes or dtypes, or a
         row count that the micro-batches and batch-sharded devices do not divide;
         :class:`rlflow.models.decoder.TokenRangeError` for a token id outside the vocabulary
-        (inside jit a gather would clamp it silently).
+        (inside jit a gather would clamp it silently); a PPO batch without
+        ``token_rewards``. RuntimeError: PPO state without its value head (e.g. a
+        ``TrainState`` rebuilt from a checkpoint that did not carry ``value``).
         """
         validate_batch(batch)
+        if batch.token_rewards is None:
+            if self.settings.gae:
+                raise BatchError("token_rewards is None, but learner.advantage='gae' needs each "
+                                 "sample's reward on its last response token (build_batch)")
+            batch = batch._replace(token_rewards=np.zeros(batch.advantages.shape, np.float32))
+        if self.settings.gae and self.state.value is None:
+            raise RuntimeError("learner.advantage='gae' but the train state has no value head "
+                               "(TrainState.value is None): a state restored from a checkpoint "
+                               "must carry the value head too")
         validate_tokens(batch.tokens, self.model_config.vocab_size, where="train batch tokens")
         rows = batch.tokens.shape[0]
         split = self.settings.micro_batches * self.mesh.shape["data"] * self.mesh.shape["fsdp"]

@@ -230,7 +230,10 @@ class Decoder(nnx.Module):
             validate_tokens(tokens, self.cfg.vocab_size)
 
     def _logits(self, x) -> jax.Array:
-        x = self.final_norm(x)
+        return self._project(self.final_norm(x))
+
+    def _project(self, x) -> jax.Array:
+        """Final-normed hidden states ``[B, T, E]`` -> float32 logits ``[B, T, V]``."""
         dt = jnp.dtype(self.cfg.dtype)
         if self.lm_head is None:
             return jnp.einsum("bte,ve->btv", x, self.embed[...].astype(dt),
@@ -241,8 +244,8 @@ class Decoder(nnx.Module):
     def _embed(self, tokens) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array,
-                 attention_mask: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+                 *, return_hidden: bool = False):
         """Full-sequence forward.
 
         Args:
@@ -250,9 +253,14 @@ class Decoder(nnx.Module):
           positions: ``[B, T]`` int32 RoPE positions (see :func:`positions_from_mask`).
           attention_mask: ``[B, T]`` bool, False on padding (left padding allowed).
             Query ``t`` attends keys ``s <= t`` with ``attention_mask[b, s]``.
+          return_hidden: also return the final hidden states (the same forward; e.g. for a
+            value head).
 
         Returns:
-          ``[B, T, V]`` float32 logits (rows at padding are finite but meaningless).
+          ``[B, T, V]`` float32 logits (rows at padding are finite but meaningless); with
+          ``return_hidden`` the pair ``(logits, hidden)``, ``hidden [B, T, E]`` in
+          ``cfg.dtype``: the last layer's output after the final RMSNorm (the input of the
+          output projection).
 
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
@@ -266,7 +274,9 @@ class Decoder(nnx.Module):
         x = self._embed(tokens)
         for block in self.layers:
             x = block(x, positions, inv_freq, attend, lambda k, v: (k, v))
-        return self._logits(x)
+        hidden = self.final_norm(x)
+        logits = self._project(hidden)
+        return (logits, hidden) if return_hidden else logits
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache, cache_index: jax.Array) -> tuple[jax.Array, KVCache]:
