@@ -5,18 +5,25 @@ publishes versions of W bytes of float32 leaves through ``WeightPublisher`` + co
 this process is the sampler (2 fake CPU devices): it polls, pulls in the learner's layout,
 re-lays onto its own shardings and swaps. Publish-to-swap is the wall
 time from the learner starting ``publish`` to the sampler holding the new arrays (same-host
-clock). The baseline is a single-thread ``np.copyto`` of W bytes in this run. Printed::
+clock). The baseline is a single-thread ``np.copyto`` of W bytes in this run (also shown:
+a copy into a fresh buffer, and a copy split over as many threads as the transfer has
+connections, one per device). Printed::
 
     RESULT numpy_copy_<W>MB <ms> ms
     RESULT weight_publish_to_swap_<W>MB_<case> <ms> ms
     RESULT weight_swap_vs_numpy_copy_<W>MB_<case> <ratio> x     (target <= 3)
     RESULT weight_sampler_pause_<W>MB_<case> <ms> ms            (re-layout + swap)
 
-(and the publish and pull parts) for two cases: ``same_layout`` (the sampler keeps the
+(and the parts: publish = the learner's device copy; pull = first request to last byte;
+other = coordinator round trip and Python) for two cases: ``same_layout`` (the sampler keeps the
 learner's split, so nothing is re-laid) and ``resharded`` (rows -> columns: a full re-layout
 on the sampler, which the CPU backend does slowly).
 
-Usage: ``python benchmarks/weight_transfer.py [--mb 50 200] [--repeats 3]``.
+The first rounds are slow while the allocators of both processes warm up (fresh pages on
+every pull); ``--warmup`` rounds (default 5) are not counted, so the figures are the steady
+state of a run that swaps weights every step.
+
+Usage: ``python benchmarks/weight_transfer.py [--mb 50 200] [--repeats 3] [--warmup 5]``.
 """
 
 from __future__ import annotations
@@ -38,7 +45,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 LEAVES = 8
-WARMUP = 2
 
 
 def leaf_shape(mb: int) -> tuple[int, int]:
@@ -71,14 +77,19 @@ def learner(mb: int) -> None:
     coord.close()
 
 
-def numpy_copy_s(nbytes: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of a single-thread numpy copy of ``nbytes``: into a warm, reused
-    buffer (``np.copyto``, the headline baseline) and into a fresh one (``np.copy``, which
-    allocates like a pull does)."""
+def numpy_copy_s(nbytes: int, repeats: int, warmup: int) -> tuple[float, float, float]:
+    """Median seconds of a numpy copy of ``nbytes``: single-thread into a warm, reused
+    buffer (``np.copyto``, the headline baseline), into a fresh one (``np.copy``, which
+    allocates like a pull does), and split over ``DEVICES`` threads into a reused buffer."""
+    from concurrent.futures import ThreadPoolExecutor
+
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
-    warm, fresh = [], []
-    for _ in range(WARMUP + repeats):
+    cuts = [nbytes * i // DEVICES for i in range(DEVICES + 1)]
+    bounds = list(zip(cuts[:-1], cuts[1:]))
+    pool = ThreadPoolExecutor(DEVICES)
+    warm, fresh, threaded = [], [], []
+    for _ in range(warmup + repeats):
         t0 = time.perf_counter()
         np.copyto(dst, src)
         warm.append(time.perf_counter() - t0)
@@ -86,10 +97,14 @@ def numpy_copy_s(nbytes: int, repeats: int) -> tuple[float, float]:
         out = np.copy(src)
         fresh.append(time.perf_counter() - t0)
         del out
-    return float(np.median(warm[WARMUP:])), float(np.median(fresh[WARMUP:]))
+        t0 = time.perf_counter()
+        list(pool.map(lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds))
+        threaded.append(time.perf_counter() - t0)
+    pool.shutdown()
+    return tuple(float(np.median(x[warmup:])) for x in (warm, fresh, threaded))
 
 
-def sampler(mb: int, repeats: int) -> None:
+def sampler(mb: int, repeats: int, warmup: int) -> None:
     from rlflow.exchange.transfer import WeightSubscriber
 
     proc = subprocess.Popen([sys.executable, __file__, "--learner", str(mb)],
@@ -109,7 +124,7 @@ def sampler(mb: int, repeats: int) -> None:
             sub.target = {f"w{i}": sharding for i in range(LEAVES)}
             params = None
             rows = []
-            for r in range(WARMUP + repeats):  # warm-up: connections, allocator, page faults
+            for r in range(warmup + repeats):  # warm-up: connections, allocator, page faults
                 proc.stdin.write(f"publish {version}\n")
                 proc.stdin.flush()
                 _, _, t_start, t_publish = proc.stdout.readline().split()
@@ -119,7 +134,7 @@ def sampler(mb: int, repeats: int) -> None:
                 swap_s = time.perf_counter() - s0
                 t_done = time.time()
                 assert got == version and float(np.asarray(params["w3"][0, 0])) == 3.0
-                if r >= WARMUP:
+                if r >= warmup:
                     rows.append((t_done - float(t_start), float(t_publish),
                                  sub.metrics["last_pull_s"],
                                  sub.metrics["last_relayout_s"] + swap_s))
@@ -132,15 +147,17 @@ def sampler(mb: int, repeats: int) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    base, fresh = (t * 1e3 for t in numpy_copy_s(nbytes, repeats))
+    base, fresh, threaded = (t * 1e3 for t in numpy_copy_s(nbytes, repeats, warmup))
     name = f"{round(nbytes / 2**20)}MB"
     print(f"# {name}: {LEAVES} float32 leaves; learner {DEVICES} devices P('fsdp', None); "
-          f"sampler {DEVICES} devices; median of {repeats} after {WARMUP} warm-up rounds")
+          f"sampler {DEVICES} devices; median of {repeats} after {warmup} warm-up rounds")
     print(f"RESULT numpy_copy_{name} {base:.1f} ms np.copyto into a reused buffer (baseline)")
     print(f"RESULT numpy_copy_fresh_{name} {fresh:.1f} ms np.copy into a new buffer")
+    print(f"RESULT numpy_copy_{DEVICES}threads_{name} {threaded:.1f} ms")
     for case, (latency, publish, pull, pause) in results.items():
         print(f"RESULT weight_publish_{name}_{case} {publish:.1f} ms")
         print(f"RESULT weight_pull_{name}_{case} {pull:.1f} ms")
+        print(f"RESULT weight_other_{name}_{case} {latency - publish - pull - pause:.1f} ms")
         print(f"RESULT weight_publish_to_swap_{name}_{case} {latency:.1f} ms")
         print(f"RESULT weight_swap_vs_numpy_copy_{name}_{case} {latency / base:.2f} x "
               "target<=3")
@@ -151,13 +168,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, nargs="+", default=[50, 200], help="weight sizes W, MiB")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=5, help="rounds not counted")
     ap.add_argument("--learner", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.learner is not None:
         learner(args.learner)
         return
     for mb in args.mb:
-        sampler(mb, args.repeats)
+        sampler(mb, args.repeats, args.warmup)
 
 
 if __name__ == "__main__":

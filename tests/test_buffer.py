@@ -153,6 +153,53 @@ def test_put_over_zmq_round_trip(served):
     assert server.metrics()["bytes_in"] == sum(records.group_nbytes(g) for g in gs)
 
 
+def test_put_groups_batch_keeps_order_and_rejects_only_bad_records(served):
+    server = served(capacity=8, group_size=3)
+    gs = [group(prompt_id=i, group_size=3, max_tokens=9) for i in range(5)]
+    bad_schema = dict(gs[1], rewards=gs[1]["rewards"].astype(np.float64))
+    bad_dtype = dict(gs[3], truncated=np.array([object()] * 3))  # cannot travel
+    with BufferClient(server.address, timeout_s=LONG, name="sampler-7") as client:
+        rejected = client.put_groups([gs[0], bad_schema, gs[2], bad_dtype, gs[4]])
+        assert sorted(rejected) == [1, 3]
+        assert (rejected[1].field, rejected[1].expected, rejected[1].got) == (
+            "rewards", "dtype float32", "dtype float64")
+        assert "object" in rejected[3].got
+        assert client.put_groups([]) == {}
+        assert client.put_groups([gs[2]]) == {}
+    got = server.get_groups(4, timeout=LONG)
+    for want, g in zip([gs[0], gs[2], gs[4], gs[2]], got):
+        assert_same(want, g)
+    m = server.metrics()
+    assert (m["put"], m["rejected"]) == (4, 1)  # bad_dtype never left the client
+    assert "sampler-7 (group 1 of a batch)" in m["last_rejection"]
+
+
+def test_put_groups_blocks_when_full_then_times_out_with_accepted_count(served):
+    server = served(capacity=3)
+    with BufferClient(server.address, timeout_s=LONG) as client:
+        with pytest.raises(BufferTimeoutError, match="consumer") as e:
+            client.put_groups([group(prompt_id=i) for i in range(5)], timeout=0.2)
+        assert e.value.stalled_side == "consumer" and e.value.accepted == 3
+        assert [int(g["prompt_id"]) for g in server.get_groups(3, timeout=LONG)] == [0, 1, 2]
+        # a blocked batch completes, in order, as the consumer takes groups
+        join = in_thread(client.put_groups, [group(prompt_id=10 + i) for i in range(5)])
+        got = [int(g["prompt_id"]) for g in server.get_groups(5, timeout=LONG)]
+        assert join() == {} and got == [10, 11, 12, 13, 14]
+    assert server.metrics()["pending_puts"] == 0
+
+
+def test_put_many_with_wrong_frame_counts_is_rejected(served):
+    server = served()
+    req = wire.Requester(server.address, name="buffer server")
+    frames = records.encode_frames(group())
+    for counts in ([len(frames) + 1], [0, len(frames)], "all"):
+        meta = wire.dumps({"frames": counts})
+        status, rest = req.request(b"put-many", [meta, *frames], timeout_s=LONG)
+        assert status == b"rejected" and b"frame count" in rest[0].bytes
+    req.close()
+    assert server.metrics()["rejected"] == 3 and len(server.ring) == 0
+
+
 def test_bad_record_rejected_with_named_error_and_server_keeps_running(served):
     server = served(group_size=4)
     with BufferClient(server.address, timeout_s=LONG, name="sampler-3") as client:

@@ -8,6 +8,13 @@ another host, the transport is the same: TCP through ZeroMQ, bound to 127.0.0.1 
 config names another address, with a shared token required off loopback. (On a multi-host
 learner the server runs on the learner's process 0.)
 
+Batches (:meth:`BufferClient.put_groups`): several groups in one request and one reply, so
+small records do not each pay a round trip. The server validates every group of the batch;
+a bad one is rejected on its own (named by its index in the batch, with its RecordError) and
+the good ones are accepted, in order. The reply comes when all accepted groups are in the
+ring; on a timeout the groups already in stay in (groups are never split, a batch may be) and
+the error says how many.
+
 Flow of one ``put``: the client sends the group as array frames (``records.encode_frames``:
 a JSON header with names, dtypes and shapes, then raw bytes; never pickle). The server
 decodes and validates it; a bad record is answered with its :class:`~rlflow.exchange.records.
@@ -28,7 +35,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -37,10 +44,19 @@ from rlflow.exchange.ring import BufferClosedError, BufferTimeoutError, Group, R
 
 log = logging.getLogger(__name__)
 
-PUT, ERROR, STATS = b"put", b"error", b"stats"
+PUT, PUT_MANY, ERROR, STATS = b"put", b"put-many", b"error", b"stats"
 REJECTED, TIMEOUT, CLOSED = b"rejected", b"timeout", b"closed"
 
-_Pending = collections.namedtuple("_Pending", "identity rid group nbytes arrived deadline")
+
+class _Pending:
+    """A put (one group) or a batch put (its accepted groups, FIFO) waiting for space.
+    ``report`` is None for a single put, else the batch reply (accepted count, rejections)."""
+
+    __slots__ = ("identity", "rid", "groups", "arrived", "deadline", "report")
+
+    def __init__(self, identity, rid, groups, arrived, deadline, report=None):
+        self.identity, self.rid, self.groups = identity, rid, groups
+        self.arrived, self.deadline, self.report = arrived, deadline, report
 
 
 class BufferServer(wire.RouterService):
@@ -98,6 +114,8 @@ class BufferServer(wire.RouterService):
     def handle(self, identity, rid, kind, payload):
         if kind == PUT:
             return self._put(identity, rid, payload)
+        if kind == PUT_MANY:
+            return self._put_many(identity, rid, payload)
         if kind == ERROR:
             msg = bytes(payload[0].buffer).decode("utf-8", "replace") if payload else "?"
             log.error("buffer server: a producer reported a failure: %s", msg)
@@ -107,48 +125,89 @@ class BufferServer(wire.RouterService):
             return wire.OK, [wire.dumps(self.metrics())]
         return wire.BAD_REQUEST, [b"unknown request kind"]
 
+    def _meta(self, payload, kind: str) -> tuple[dict, float]:
+        meta = wire.loads(payload[0]) if payload else None
+        if not isinstance(meta, dict):
+            raise records.FrameError(f"{kind}: the first frame must be a JSON object")
+        try:
+            timeout = float(meta.get("timeout_s", self.ring.timeout_s))
+        except (TypeError, ValueError):
+            raise records.FrameError(f"{kind}: timeout_s must be a number, got "
+                                     f"{meta.get('timeout_s')!r}") from None
+        return meta, timeout
+
+    def _decode(self, frames) -> tuple[dict, int]:
+        group = records.decode_frames(frames)
+        records.validate_group(group, group_size=self.group_size, max_tokens=self.max_tokens)
+        return group, records.group_nbytes(group)
+
     def _put(self, identity, rid, payload):
         meta = None
         try:
-            meta = wire.loads(payload[0]) if payload else None
-            if not isinstance(meta, dict):
-                raise records.FrameError("put: the first frame must be a JSON object")
-            try:
-                timeout = float(meta.get("timeout_s", self.ring.timeout_s))
-            except (TypeError, ValueError):
-                raise records.FrameError(f"put: timeout_s must be a number, got "
-                                         f"{meta.get('timeout_s')!r}") from None
-            group = records.decode_frames(payload[1:])
-            records.validate_group(group, group_size=self.group_size, max_tokens=self.max_tokens)
+            meta, timeout = self._meta(payload, "put")
+            item = self._decode(payload[1:])
         except (records.RecordError, records.FrameError, wire.ProtocolError) as e:
-            return self._reject(meta, e)
-        nbytes = records.group_nbytes(group)
+            return REJECTED, [wire.dumps(self._reject(meta, e).to_dict())]
+        return self._enqueue(identity, rid, collections.deque([item]), timeout, None)
+
+    def _put_many(self, identity, rid, payload):
+        meta = None
         try:
-            if not self._pending and self.ring.try_put(group, nbytes):
-                return wire.OK, []
+            meta, timeout = self._meta(payload, "put-many")
+            counts = meta.get("frames")
+            if not (isinstance(counts, list) and all(type(c) is int and c >= 1 for c in counts)
+                    and sum(counts) == len(payload) - 1):
+                raise records.FrameError(
+                    f"put-many: 'frames' must list the frame count of each group, summing to "
+                    f"the {len(payload) - 1} frames sent; got {counts!r}")
+        except (records.RecordError, records.FrameError, wire.ProtocolError) as e:
+            return REJECTED, [wire.dumps(self._reject(meta, e).to_dict())]
+        items, rejected, start = collections.deque(), [], 1
+        for index, count in enumerate(counts):
+            try:
+                items.append(self._decode(payload[start:start + count]))
+            except (records.RecordError, records.FrameError) as e:
+                rejected.append(dict(index=index, **self._reject(meta, e, index).to_dict()))
+            start += count
+        report = {"accepted": len(items), "rejected": rejected}
+        return self._enqueue(identity, rid, items, timeout, report)
+
+    def _enqueue(self, identity, rid, items, timeout, report):
+        """Put ``items`` into the ring in order; reply now when all fit, else hold the rest."""
+        try:
+            while not self._pending and items and self.ring.try_put(*items[0]):
+                items.popleft()
         except BufferClosedError:
             return CLOSED, [b"the buffer is closed"]
+        if not items:
+            return wire.OK, [] if report is None else [wire.dumps(report)]
         now = time.monotonic()
-        self._pending.append(_Pending(identity, rid, group, nbytes, now, now + timeout))
+        self._pending.append(_Pending(identity, rid, items, now, now + timeout, report))
         return None
 
-    def _reject(self, meta, e: Exception):
+    def _reject(self, meta, e: Exception, index: int | None = None) -> records.RecordError:
         producer = meta.get("producer", "?") if isinstance(meta, dict) else "?"
         self.rejected += 1
-        self.last_rejection = f"from {producer}: {e}"
+        where = "" if index is None else f" (group {index} of a batch)"
+        self.last_rejection = f"from {producer}{where}: {e}"
         log.warning("buffer server: rejected a record %s", self.last_rejection)
         if not isinstance(e, records.RecordError):
             e = records.RecordError("", "a well-formed array frame", str(e))
-        return REJECTED, [wire.dumps(e.to_dict())]
+        return e
 
     def tick(self) -> None:
         now = time.monotonic()
         try:
-            while self._pending and self.ring.try_put(self._pending[0].group,
-                                                      self._pending[0].nbytes):
-                p = self._pending.popleft()
+            while self._pending:
+                p = self._pending[0]
+                while p.groups and self.ring.try_put(*p.groups[0]):
+                    p.groups.popleft()
+                if p.groups:
+                    break
+                self._pending.popleft()
                 self.ring.add_producer_wait(now - p.arrived)
-                self.reply(p.identity, p.rid, wire.OK)
+                self.reply(p.identity, p.rid, wire.OK,
+                           [] if p.report is None else [wire.dumps(p.report)])
         except BufferClosedError:
             for p in self._pending:
                 self.reply(p.identity, p.rid, CLOSED, [b"the buffer is closed"])
@@ -158,7 +217,9 @@ class BufferServer(wire.RouterService):
             if p.deadline <= now:
                 self.ring.add_producer_wait(now - p.arrived)
                 err = self.ring.producer_timeout(now - p.arrived)
-                self.reply(p.identity, p.rid, TIMEOUT, [str(err).encode()])
+                extra = [] if p.report is None else [
+                    wire.dumps(dict(p.report, accepted=p.report["accepted"] - len(p.groups)))]
+                self.reply(p.identity, p.rid, TIMEOUT, [str(err).encode(), *extra])
             else:
                 keep.append(p)
         self._pending = keep
@@ -215,6 +276,59 @@ class BufferClient:
             raise BufferClosedError("the learner closed the buffer")
         raise wire.ProtocolError(f"buffer server answered {status!r} to a put")
 
+    def put_groups(self, groups: Sequence[Mapping[str, np.ndarray]], *,
+                   timeout: float | None = None) -> dict[int, records.RecordError]:
+        """Send several groups in one request (one round trip); blocks until all accepted
+        groups are in the buffer. Order is kept; each group stays whole.
+
+        A bad group does not fail the batch: it is rejected on its own and the others are
+        accepted. Check the returned dict (empty when every group was accepted).
+
+        Returns:
+          ``{index in groups: RecordError}`` for the rejected groups (server-side schema
+          errors, and groups with a dtype that cannot travel, caught here and not sent).
+
+        Raises:
+          BufferTimeoutError: (stalled_side "consumer") the buffer stayed full for
+            ``timeout`` seconds or the server did not answer; its ``accepted`` attribute is
+            the number of this batch's good groups already in the buffer (None: unknown).
+          BufferClosedError: the learner closed the buffer (the run is ending).
+          wire.PeerRefusedError: wrong or missing token.
+        """
+        timeout = self.timeout_s if timeout is None else timeout
+        rejected: dict[int, records.RecordError] = {}
+        sent, frames, counts = [], [], []
+        for i, g in enumerate(groups):
+            try:
+                f = records.encode_frames(g)
+            except (records.FrameError, AttributeError, TypeError, ValueError) as e:
+                rejected[i] = records.RecordError("", "a mapping of numpy arrays that can "
+                                                  "travel", f"{type(e).__name__}: {e}")
+                continue
+            sent.append(i)
+            frames.extend(f)
+            counts.append(len(f))
+        if not sent:
+            return rejected
+        meta = wire.dumps({"timeout_s": timeout, "producer": self.name, "frames": counts})
+        status, rest = self._request(PUT_MANY, [meta, *frames], timeout + self.reply_grace_s)
+        if status in (wire.OK, TIMEOUT):
+            report = wire.loads(rest[-1]) if len(rest) > (status == TIMEOUT) else {}
+            if not isinstance(report, dict):
+                raise wire.ProtocolError(f"buffer server answered a batch with {report!r}")
+            for r in report.get("rejected", []):
+                rejected[sent[int(r["index"])]] = records.RecordError.from_dict(r)
+            if status == wire.OK:
+                return rejected
+            err = BufferTimeoutError("consumer", rest[0].bytes.decode() if rest else "timeout")
+            err.accepted = report.get("accepted")
+            raise err
+        if status == REJECTED:  # the request as a whole was malformed
+            raise records.RecordError.from_dict(wire.loads(rest[0]) if rest else {})
+        if status == CLOSED:
+            raise BufferClosedError("the learner closed the buffer")
+        raise wire.ProtocolError(f"buffer server answered {status!r} to a batch put")
+
     def report_error(self, message: str, *, timeout: float = 30.0) -> None:
         """Tell the consumer this producer failed; its next ``get_groups`` raises
         ``ProducerError(message)``."""
@@ -229,8 +343,10 @@ class BufferClient:
         try:
             return self._req.request(kind, payload, timeout_s=timeout_s)
         except wire.PeerTimeoutError as e:
-            raise BufferTimeoutError("consumer", f"{e}: the consumer (learner) process that "
-                                     "serves the buffer stopped answering") from None
+            err = BufferTimeoutError("consumer", f"{e}: the consumer (learner) process that "
+                                     "serves the buffer stopped answering")
+            err.accepted = None  # a batch put cannot know what arrived
+            raise err from None
 
     def close(self) -> None:
         self._req.close()

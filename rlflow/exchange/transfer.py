@@ -18,6 +18,14 @@ Facts this code relies on (jax 0.10, checked on CPU across two processes on 127.
   (a new uuid).
 * A pull with a different shard layout fails with an error (no silent reshuffle).
 
+Speed (``benchmarks/weight_transfer.py``, 2-core CPU host, loopback): the pull runs near
+the host's single-stream loopback TCP rate (~1.3 GB/s raw sockets here), so
+publish-to-swap is ~10x a numpy copy. Measured and dropped: packing all leaves into one flat
+buffer (slower on CPU: shards > 32 MB are fresh mmaps, page-faulted on every pull), more
+transport connections per device, ``use_raw_buffers``, other ``transfer_size`` /
+``max_num_parallel_copies``. Kept: each leaf is re-laid onto the target as soon as it has
+landed, so only the last leaf's re-layout remains after the transfer.
+
 Versions never go backwards: the publisher refuses a version <= the last one; the subscriber
 ignores offers <= the version it has. The transfer server has no authentication of its own:
 its uuids are random 63-bit numbers handed out only by the (token-guarded) coordinator, and
@@ -174,7 +182,19 @@ class WeightSubscriber:
             if "uuid" not in offer or offer["version"] <= self.version:
                 return None
             try:
-                arrays = self.pull(offer)
+                # each leaf is re-laid as soon as its bytes have landed, overlapping the
+                # re-layout with the rest of the transfer. Never dispatch on a leaf that is not
+                # ready: a stuck pull would leave that work queued on the device for good.
+                if self.target is None:
+                    shardings, treedef = None, None
+                else:
+                    shardings, treedef = layout_lib.target_shardings(
+                        self.target, offer["layout"]["leaves"])
+                arrays = self._pull_async(offer)
+                relaid: list = []
+                on_ready = None if shardings is None else \
+                    (lambda i, a: relaid.append(jax.device_put(a, shardings[i])))
+                self._await(arrays, offer, self.timeout_s, on_ready)
                 break
             except (WeightTransferTimeout, jax.errors.JaxRuntimeError) as e:
                 last = e
@@ -186,8 +206,12 @@ class WeightSubscriber:
             raise WeightTransferError(f"pulling weights failed after {self.retries + 1} "
                                       f"attempts: {last}") from last
         t0 = time.perf_counter()
-        out = layout_lib.relayout(arrays, self.target, offer["layout"]["leaves"])
+        if shardings is None:
+            out = layout_lib.relayout(arrays, None, offer["layout"]["leaves"])
+        else:
+            out = jax.tree_util.tree_unflatten(treedef, relaid)
         jax.block_until_ready(out)
+        # the re-layout left after the last byte arrived (the rest overlapped the transfer)
         self.metrics["last_relayout_s"] = time.perf_counter() - t0
         self.version = offer["version"]
         return self.version, out
@@ -200,17 +224,30 @@ class WeightSubscriber:
           layout.LayoutError: this process lacks the devices the layout needs.
           jax.errors.JaxRuntimeError: the transfer itself failed.
         """
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        arrays = self._pull_async(offer)
+        self._await(arrays, offer, self.timeout_s if timeout_s is None else timeout_s)
+        return arrays
+
+    def _pull_async(self, offer: dict) -> list[jax.Array]:
+        """Start the pull; the arrays become ready as their bytes arrive."""
         avals = layout_lib.pull_avals(offer["layout"], self._devices)
         address = offer["address"]
-        t0 = time.perf_counter()
+        self._t_pull = time.perf_counter()
         conn = self._connections.get(address)
         if conn is None:
             conn = self._connections[address] = self._server.connect(address)
-        arrays = conn.pull(offer["uuid"], avals)
+        return conn.pull(offer["uuid"], avals)
+
+    def _await(self, arrays: list[jax.Array], offer: dict, timeout_s: float,
+               on_ready=None) -> None:
+        """The watchdog: wait until every pulled array is ready or raise after ``timeout_s``;
+        ``on_ready(i, array)`` is called for each array, in order, once it is ready."""
+        address = offer["address"]
         deadline, pause, done = time.monotonic() + timeout_s, 1e-4, 0
         while True:
             while done < len(arrays) and arrays[done].is_ready():  # ready stays ready
+                if on_ready is not None:
+                    on_ready(done, arrays[done])
                 done += 1
             if done == len(arrays):
                 break
@@ -222,10 +259,9 @@ class WeightSubscriber:
             time.sleep(pause)
             pause = min(pause * 2, 0.002)
         jax.block_until_ready(arrays)  # raises the transfer's error, if any
-        self.metrics["last_pull_s"] = time.perf_counter() - t0
+        self.metrics["last_pull_s"] = time.perf_counter() - self._t_pull
         self.metrics["pulls"] += 1
         self.metrics["bytes"] += sum(a.nbytes for a in arrays)
-        return arrays
 
     def close(self) -> None:
         self._coord.close()
