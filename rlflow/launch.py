@@ -1,0 +1,391 @@
+"""Start and supervise the two rlflow programs: the learner and the sampler.
+
+**One machine** (``rlflow train``): :func:`run_train` writes the resolved config to the run
+folder, picks two free loopback ports (ring buffer, weight coordinator), and starts
+
+    python -m rlflow.launch --role learner     (XLA sees learner.num_devices devices)
+    python -m rlflow.launch --role sampler     (XLA sees sampler.num_devices devices)
+
+as separate OS processes, each its own JAX runtime. On CPU each child gets its own fake
+device count through ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set in the
+child's environment before JAX is imported. The children run in their own session (so a
+terminal Ctrl-C reaches only the launcher) and die with it (``PR_SET_PDEATHSIG``). Their
+output goes to ``<run>/logs/<role>.log``; the launcher prints one progress line per learner
+step (read from the run folder's metrics JSONL).
+
+Shutdown: when the learner finishes, the sampler is told to stop (the coordinator's "done"
+flag, then SIGTERM after a grace period) and the exit code is 0. When either child dies
+first, or on Ctrl-C / SIGTERM, both are stopped (SIGTERM, which the learner answers with its
+exit checkpoint, then SIGKILL after ``STOP_GRACE_S``) and the exit code is not 0;
+the message names the side that died and shows the end of its log. With
+``runtime.restart_sampler`` a dead sampler is started again (it pulls the newest weights
+from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times.
+
+**TPU pod** (one slice per program, many hosts per slice): the Cloud TPU scripts start
+``python -m rlflow.launch --role learner|sampler --config <resolved config.json>`` on every
+host of the matching slice, with these environment variables:
+
+    RLFLOW_BUFFER_ADDRESS       host:port of the learner's ring buffer (learner host 0 binds it)
+    RLFLOW_COORDINATOR_ADDRESS  host:port of the learner's weight coordinator
+    RLFLOW_JAX_COORDINATOR      host:port of this slice's jax.distributed coordinator
+    RLFLOW_NUM_PROCESSES        hosts in this slice
+    RLFLOW_PROCESS_ID           this host's index in its slice
+
+:func:`run_role` calls ``jax.distributed.initialize`` for the program's own slice when
+``RLFLOW_NUM_PROCESSES > 1`` (so the learner's mesh spans only the learner slice and the
+sampler's only the sampler slice), then runs the program: the programs themselves are the
+same as on a laptop. Limitation: the program loops do not yet split work between the hosts
+of a slice, so a slice with more than one host stops with ``NotImplementedError``; one
+host per slice (e.g. v5litepod-8 / v6e-8 pairs) runs as on a laptop.
+
+Other knobs: ``runtime.pin_cpus`` gives each program its own CPUs (``RLFLOW_CPUS``);
+``RLFLOW_PROFILE=<dir>`` writes a cProfile of each program to ``<dir>/<role>.prof``;
+``kill -USR1 <pid>`` dumps a program's Python stacks into its log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from rlflow import programs_common as pc
+
+MAX_SAMPLER_RESTARTS = 3
+STOP_GRACE_S = 20.0       # seconds a child gets between the stop request and SIGKILL
+POLL_S = 0.2
+LOG_TAIL_LINES = 30
+PROCESSES_FILE = "processes.json"   # {"learner": pid, "sampler": pid} in the run folder
+BOTH_DIED_WINDOW_S = 2.0  # a second death this soon after the first is reported as well
+STOPPED_EXIT_CODE = 143   # a program stopped by SIGTERM (128 + 15), not a finished one
+
+
+# --------------------------------------------------------------------------- child side
+
+def _distributed_init(env=None) -> None:
+    """``jax.distributed.initialize`` for this program's own slice, when it has > 1 host."""
+    env = os.environ if env is None else env
+    n = int(env.get(pc.ENV_NUM_PROCESSES, "1"))
+    if n <= 1:
+        return
+    import jax
+
+    jax.distributed.initialize(coordinator_address=env[pc.ENV_DIST_COORDINATOR],
+                               num_processes=n, process_id=int(env[pc.ENV_PROCESS_ID]))
+
+
+def run_role(role: str, cfg, endpoints: pc.Endpoints) -> int:
+    """Run one program in this process (after ``jax.distributed`` set-up on a pod).
+
+    Returns 0 when the program finished; raises what the program raised otherwise.
+    """
+    if role not in pc.ROLES:
+        raise ValueError(f"role must be one of {pc.ROLES}, got {role!r}")
+    _distributed_init()
+    import jax
+
+    if jax.process_count() > 1:
+        # jax.distributed is initialised for the slice above; the programs' loops do not yet
+        # split the work between hosts (host 0 serving buffer / coordinator / metrics and
+        # broadcasting each batch, every sampler host its own replica).
+        raise NotImplementedError(
+            f"the {role} program runs on one host per slice for now; this slice has "
+            f"{jax.process_count()} hosts (RLFLOW_NUM_PROCESSES)")
+    if role == "learner":
+        from rlflow.learner.program import main as program_main
+    else:
+        from rlflow.sampler.program import main as program_main
+    program_main(cfg, endpoints)
+    return 0
+
+
+def child_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry of ``python -m rlflow.launch --role R --config C``: one program, one process."""
+    ap = argparse.ArgumentParser(prog="python -m rlflow.launch")
+    ap.add_argument("--role", choices=pc.ROLES, default=os.environ.get(pc.ENV_ROLE))
+    ap.add_argument("--config", default=os.environ.get(pc.ENV_CONFIG),
+                    help="resolved config JSON (written by rlflow train)")
+    args = ap.parse_args(argv)
+    if not args.role or not args.config:
+        ap.error("--role and --config (or RLFLOW_ROLE / RLFLOW_CONFIG) are required")
+    _die_with_parent()
+    _pin_cpus()                             # before JAX starts its thread pools
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 pid`: stacks to log
+    log = pc.setup_logging(args.role)
+    pc.install_signal_handlers()
+    cfg = pc.load_config(args.config)
+    profile = os.environ.get(pc.ENV_PROFILE)
+    if profile:                             # RLFLOW_PROFILE=dir: cProfile stats per program
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    try:
+        return run_role(args.role, cfg, pc.Endpoints.from_env())
+    except pc.Stopped as e:
+        log.info("stopped: %s", e)
+        return STOPPED_EXIT_CODE
+    finally:
+        if profile:
+            profiler.disable()
+            os.makedirs(profile, exist_ok=True)
+            profiler.dump_stats(os.path.join(profile, f"{args.role}.prof"))
+
+
+# --------------------------------------------------------------------------- parent side
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def child_env(role: str, num_devices: int, endpoints: pc.Endpoints, config_path: str,
+              base: Optional[dict] = None) -> dict:
+    """Environment of one program: its own fake device count, its role and addresses.
+
+    Any ``--xla_force_host_platform_device_count`` inherited from the parent is replaced.
+    """
+    env = dict(os.environ if base is None else base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append(f"--xla_force_host_platform_device_count={num_devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env[pc.ENV_PARENT_PID] = str(os.getpid())
+    env[pc.ENV_ROLE] = role
+    env[pc.ENV_CONFIG] = config_path
+    env.update(endpoints.to_env())
+    return env
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent (the launcher) dies; exit now if
+    the parent is already gone. No-op elsewhere."""
+    if os.environ.get(pc.ENV_PARENT_PID) is None:
+        return                              # started by hand or by the TPU scripts
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(os.environ[pc.ENV_PARENT_PID]):
+        sys.exit("rlflow: the launcher exited before this program started")
+
+
+def _pin_cpus(env=None) -> None:
+    """Restrict this process to the CPUs in ``RLFLOW_CPUS`` (set by ``runtime.pin_cpus``)."""
+    env = os.environ if env is None else env
+    if env.get(pc.ENV_CPUS) and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in env[pc.ENV_CPUS].split(",")})
+
+
+def split_cpus(cpus: Sequence[int]) -> dict[str, list[int]]:
+    """``runtime.pin_cpus``: the learner gets the first half (rounded up), the sampler the
+    rest; an empty dict (no pinning) with fewer than 2 CPUs."""
+    cpus = sorted(cpus)
+    if len(cpus) < 2:
+        return {}
+    half = (len(cpus) + 1) // 2
+    return {"learner": cpus[:half], "sampler": cpus[half:]}
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    log_path: str
+    restarts: int = 0
+
+
+@dataclass
+class Supervisor:
+    """Starts the two programs and watches them (thin stateful shell around Popen)."""
+
+    cfg: object
+    run_path: str
+    config_path: str
+    endpoints: pc.Endpoints
+    children: dict = field(default_factory=dict)
+
+    def start(self, role: str, instance: int = 0) -> Child:
+        num_devices = (self.cfg.learner.num_devices if role == "learner"
+                       else self.cfg.sampler.num_devices)
+        eps = pc.Endpoints(self.endpoints.buffer, self.endpoints.coordinator, instance)
+        env = child_env(role, num_devices, eps, self.config_path)
+        if self.cfg.runtime.pin_cpus and hasattr(os, "sched_getaffinity"):
+            cpus = split_cpus(os.sched_getaffinity(0)).get(role)
+            if cpus:
+                env[pc.ENV_CPUS] = ",".join(map(str, cpus))
+        log_path = os.path.join(self.run_path, "logs", f"{role}.log")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        with open(log_path, "ab") as log:
+            log.write(f"--- rlflow {role} start #{instance} ---\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlflow.launch", "--role", role,
+                 "--config", self.config_path],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        child = Child(role, proc, log_path, restarts=instance)
+        self.children[role] = child
+        self._write_pids()
+        return child
+
+    def _write_pids(self) -> None:
+        path = os.path.join(self.run_path, PROCESSES_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump({r: c.proc.pid for r, c in self.children.items()}, f)
+        os.replace(path + ".tmp", path)
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every live child, wait up to ``grace_s``, then SIGKILL."""
+        for c in self.children.values():
+            if c.proc.poll() is None:
+                try:
+                    c.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for c in self.children.values():
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+    def failure(self, role: str) -> str:
+        c = self.children[role]
+        text = (f"rlflow train: the {role} process died ({_exit_text(c.proc.returncode)}); "
+                f"stopping the run. Last lines of {c.log_path}:\n")
+        from rlflow.progress import plain_text     # no control characters in CI logs
+
+        return text + "\n".join(f"  [{role}] {plain_text(line)}"
+                                for line in tail(c.log_path).splitlines())
+
+
+def run_train(cfg) -> int:
+    """``rlflow train``: run both programs on this machine until the learner finishes.
+
+    Returns:
+      0 when the learner completed ``learner.num_steps``; 1 when a program died (the message
+      on stderr names it and shows its log); 130 on Ctrl-C.
+    """
+    from rlflow.run_watch import RunWatcher
+
+    run_path = os.path.abspath(cfg.run_path)
+    os.makedirs(run_path, exist_ok=True)
+    config_path = os.path.join(run_path, "config.json")
+    pc.save_config(cfg, config_path)
+    bhost, chost = cfg.buffer.bind_address, cfg.runtime.bind_address
+    endpoints = pc.Endpoints(
+        buffer=f"{bhost}:{cfg.buffer.port or free_port(bhost)}",
+        coordinator=f"{chost}:{cfg.runtime.coordinator_port or free_port(chost)}")
+    sup = Supervisor(cfg, run_path, config_path, endpoints)
+    watcher = RunWatcher(cfg, run_path)
+    print(f"rlflow train: run folder {run_path} (logs in {run_path}/logs)", flush=True)
+    code = 1
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sup.start("learner")
+        sup.start("sampler")
+        code = _supervise(cfg, sup, watcher)
+    except KeyboardInterrupt:
+        print("\nrlflow train: interrupted; stopping both programs", file=sys.stderr, flush=True)
+        code = 130
+    finally:
+        for sig in previous:                # a second Ctrl-C no longer interrupts the stop
+            signal.signal(sig, signal.SIG_IGN)
+        sup.stop_all()
+        watcher.poll()
+        watcher.close(success=(code == 0))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code
+
+
+def _interrupt(signum, frame):
+    """Ctrl-C or SIGTERM to the launcher (also when started in the background, where
+    SIGINT would otherwise be ignored): stop both programs cleanly."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _supervise(cfg, sup: Supervisor, watcher) -> int:
+    learner_done_at = None
+    while True:
+        watcher.poll()
+        learner = sup.children["learner"].proc.poll()
+        sampler_child = sup.children["sampler"]
+        sampler = sampler_child.proc.poll()
+        if learner is not None:
+            if learner != 0:
+                _report_failures(sup, "learner")
+                return 1
+            if sampler is not None:
+                return 0
+            learner_done_at = learner_done_at or time.monotonic()
+            if time.monotonic() - learner_done_at > STOP_GRACE_S:
+                return 0      # finally: stop_all() ends the sampler
+        elif sampler == 0:
+            pass              # the sampler saw the coordinator's "done"; the learner ends next
+        elif sampler is not None:
+            n = sampler_child.restarts
+            if cfg.runtime.restart_sampler and n < MAX_SAMPLER_RESTARTS:
+                print(f"rlflow train: the sampler process died ({_exit_text(sampler)}); "
+                      f"restarting it ({n + 1}/{MAX_SAMPLER_RESTARTS})",
+                      file=sys.stderr, flush=True)
+                sup.start("sampler", instance=n + 1)
+            else:
+                _report_failures(sup, "sampler")
+                return 1
+        time.sleep(POLL_S)
+
+
+def _report_failures(sup: Supervisor, first: str) -> None:
+    """Print the failure of ``first``, and of the other program too when it dies within
+    ``BOTH_DIED_WINDOW_S`` (a sampler error reported to the learner ends both)."""
+    other = "sampler" if first == "learner" else "learner"
+    try:
+        code = sup.children[other].proc.wait(timeout=BOTH_DIED_WINDOW_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    roles = [first] + ([other] if code not in (None, 0, STOPPED_EXIT_CODE) else [])
+    for role in sorted(roles, key=lambda r: r != "sampler"):   # the producer's error first
+        print(sup.failure(role), file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

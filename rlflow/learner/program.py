@@ -1,0 +1,330 @@
+"""The learner program: pulls rollout groups, trains, publishes weights, writes the run folder.
+
+One process (one host of the learner slice on a pod), its own JAX runtime and mesh::
+
+    build model + train state on the mesh (rlflow.learner.trainer.Learner)
+    resume from <run>/checkpoints when there is one (rlflow.checkpoint)
+    serve the ring buffer (rlflow.exchange.buffer) and the coordinator (run control +
+      weight offers, rlflow.runtime_control) ; publish version v0
+    for each step:
+        take learner.groups_per_step groups from the buffer; a group whose every sample is
+          older than runtime.max_staleness versions (stale_policy "drop"), or that has no
+          reward variance under learner.dynamic_sampling, is rejected and counted, and the
+          sampler makes a replacement (see rlflow.runtime_control)
+        build the batch, run the jitted step          -> version v + 1 (= steps taken)
+        publish every runtime.publish_every steps; log one metrics record (rlflow.metrics);
+        write sample completions; checkpoint every checkpoint.every_steps
+    tell the samplers the run is done; save the exit checkpoint.
+
+Metrics of one step come from the batch (rewards, lengths, staleness of every consumed
+sample), the step (loss, KL, entropy, clipping, importance weights), the buffer (fill,
+waits), the sampler's latest status (tokens/s, slot occupancy, idle time, swap pause) and
+the learner's own clock (step time, idle fraction, publish-to-swap time).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+
+import jax
+import numpy as np
+
+from rlflow import checkpoint as ckpt_lib
+from rlflow import programs_common as pc
+from rlflow.exchange.buffer import BufferServer
+from rlflow.exchange.records import policy_version_range
+from rlflow.exchange.ring import RingBuffer
+from rlflow.learner import advantages as adv_lib
+from rlflow.learner.batch import sample_staleness
+from rlflow.learner.step import TrainState
+from rlflow.learner.trainer import Learner
+from rlflow.metrics import MetricsWriter
+from rlflow.runtime_control import RunCoordinator, decode_state, encode_state
+
+log = logging.getLogger("rlflow.learner")
+
+DONE_GRACE_S = 10.0   # seconds the learner waits for the samplers to see "done"
+
+
+def _opt_item(state: TrainState):
+    """What the checkpoint's ``opt_state`` item holds: the optax state, plus the PPO value
+    head when there is one (so ``params`` stays the policy alone, as export expects)."""
+    if state.value is None:
+        return state.opt_state
+    return {"opt_state": state.opt_state, "value": state.value}
+
+
+class _NoOffers:
+    """Offer source of the orbax fallback: the coordinator only reports versions."""
+
+    def __init__(self):
+        self.version = -1
+
+    def offer(self, consumer: str, have_version: int) -> dict:
+        return {"version": self.version}
+
+
+class _Publisher:
+    """``runtime.weight_transfer``: TransferServer offers or the orbax folder."""
+
+    def __init__(self, cfg, bind_host: str):
+        rt = cfg.runtime
+        if rt.weight_transfer == "transfer":
+            from rlflow.exchange.transfer import WeightPublisher
+
+            self.impl = WeightPublisher(bind_address=bind_host,
+                                        pull_timeout_s=rt.transfer_timeout_s, copy=True,
+                                        layout=rt.transfer_layout)
+            self.offers = self.impl
+        else:
+            from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, weights_dir
+
+            # Versions left by an earlier (interrupted) run are not this run's: a resumed
+            # learner republishes from its checkpoint's version.
+            shutil.rmtree(weights_dir(cfg.run_path), ignore_errors=True)
+            self.impl = OrbaxWeightPublisher(cfg.run_path, keep_last=rt.weights_keep_last)
+            self.offers = _NoOffers()
+        self.publish_time: dict[int, float] = {}
+
+    def publish(self, version: int, params) -> None:
+        self.impl.publish(version, params)
+        self.offers.version = version
+        self.publish_time[version] = time.time()
+
+    def close(self) -> None:
+        if hasattr(self.impl, "close"):
+            self.impl.close()
+
+
+class LearnerProgram:
+    """State of one learner program (a thin shell; the math lives in rlflow.learner.*)."""
+
+    def __init__(self, cfg, endpoints: pc.Endpoints):
+        self.cfg = cfg
+        self.gps = cfg.learner.groups_per_step
+        self.learner = Learner(cfg)
+        self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path),
+                                                  cfg.checkpoint)
+        self.start_step, data_state = self._resume()
+        self.version = self.start_step
+        # Every step accepts exactly groups_per_step groups, so the admission count of a
+        # resumed run starts where the checkpointed one stopped.
+        self.counts = dict(accepted=self.start_step * self.gps, stale_groups=0,
+                           zero_variance_groups=0)
+        self.tokenizer = pc.run_tokenizer(cfg)
+        self.threshold = pc.accuracy_threshold(cfg.reward)
+        self.writer = MetricsWriter.for_experiment(cfg, start_step=self.start_step)
+        bhost, bport = pc.split_address(endpoints.buffer)
+        self.buffer = BufferServer(RingBuffer.from_config(cfg.buffer), bind_address=bhost,
+                                   port=bport, token=cfg.buffer.token,
+                                   group_size=cfg.sampler.group_size,
+                                   max_tokens=cfg.sampler.max_tokens).start()
+        chost, cport = pc.split_address(endpoints.coordinator)
+        self.publisher = _Publisher(cfg, chost)
+        self.coordinator = RunCoordinator(
+            self.publisher.offers, buffer_counts=self._buffer_counts, bind_address=chost,
+            port=cport, token=cfg.buffer.token)
+        self.coordinator.data_state = self.data_snapshot = encode_state(data_state)
+        self.coordinator.start()                 # a sampler's first status gets the state
+        self._publish()
+        self._last_buffer = self.buffer.metrics()
+        log.info("learner ready at version %d: buffer %s, coordinator %s", self.version,
+                 self.buffer.address, self.coordinator.address)
+
+    # ------------------------------------------------------------------ set-up pieces
+    def _resume(self):
+        st = self.learner.state
+        restored = ckpt_lib.resume(self.checkpointer, params_target=st.params,
+                                   opt_state_target=_opt_item(st))
+        if restored is None:
+            return 0, None
+        step = jax.device_put(np.int32(restored.step), self.learner.shardings.step)
+        opt, value = restored.opt_state, None
+        if st.value is not None:
+            opt, value = opt["opt_state"], opt["value"]
+        self.learner.state = TrainState(step, restored.params, opt, value)
+        log.info("resumed from checkpoint step %d", restored.step)
+        return restored.step, restored.data_state
+
+    def _buffer_counts(self) -> tuple[int, int]:
+        buffered = len(self.buffer.ring)          # read before accepted (see runtime_control)
+        return self.counts["accepted"], buffered
+
+    def _publish(self) -> None:
+        self.publisher.publish(self.version, self.learner.params)
+        self.coordinator.set_progress(learner_version=self.version,
+                                      published_version=self.version)
+
+    # ------------------------------------------------------------------ consuming groups
+    def accept(self, group) -> bool:
+        """Buffer filter (runs under the ring's lock, so counts stay consistent with the
+        buffer's fill): reject a group whose every sample is too stale ("drop" policy) or
+        that has no reward variance (dynamic sampling)."""
+        rt = self.cfg.runtime
+        if rt.stale_policy == "drop":
+            stale = sample_staleness(group["policy_versions"], group["completion_lengths"],
+                                     self.version)
+            if (stale > rt.max_staleness).all():
+                self.counts["stale_groups"] += 1
+                return False
+        if self.cfg.learner.dynamic_sampling and \
+                not bool(np.asarray(adv_lib.groups_with_signal(group["rewards"][None]))[0]):
+            self.counts["zero_variance_groups"] += 1
+            return False
+        self.counts["accepted"] += 1
+        return True
+
+    def take_groups(self) -> list:
+        groups = []
+        while len(groups) < self.gps:
+            groups += self.buffer.get_groups(1, timeout=self.cfg.buffer.timeout_s,
+                                             accept=self.accept)
+        return groups
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict:
+        t0 = time.monotonic()
+        groups = self.take_groups()
+        t_wait = time.monotonic() - t0
+        batch, info = self.learner.build_batch(groups)
+        t1 = time.monotonic()
+        metrics = self.learner.step(batch)
+        t_step = time.monotonic() - t1
+        self.version = self.learner.version
+        # The prompt-iterator state to checkpoint with this version: read before the new
+        # version goes out, so in sync mode it is exactly after the prompts consumed so far
+        # (the sampler admits no new prompt before it sees the new version).
+        self.data_snapshot = self.coordinator.data_state
+        if self.version % self.cfg.runtime.publish_every == 0 or \
+                self.version == self.cfg.learner.num_steps:
+            self._publish()
+        else:
+            self.coordinator.set_progress(learner_version=self.version)
+        total = time.monotonic() - t0
+        rewards = np.concatenate([g["rewards"] for g in groups])
+        ranges = [policy_version_range(g) for g in groups]
+        metrics.update(info)
+        metrics.update({
+            "reward/accuracy": float(np.mean(rewards >= self.threshold)),
+            "learner/step_time_s": t_step,
+            "learner/idle_frac": t_wait / max(total, 1e-9),
+            "learner/wall_s": total,
+            "learner/version": self.version,
+            "rollout/version_min": min(r[0] for r in ranges),
+            "rollout/version_max": max(r[1] for r in ranges),
+            "learner/stale_groups_dropped": self.counts["stale_groups"],
+            "learner/zero_variance_groups_dropped": self.counts["zero_variance_groups"],
+            "learner/published_version": self.coordinator.published_version,
+        })
+        metrics.update(self._buffer_metrics())
+        metrics.update(self._sampler_metrics())
+        self.writer.log(self.version, metrics)
+        if self.writer.samples_due(self.version):
+            self.writer.log_samples(self.version, self._samples(groups))
+        return metrics
+
+    def _buffer_metrics(self) -> dict:
+        m = self.buffer.metrics()
+        last, self._last_buffer = self._last_buffer, m
+        return {"buffer/fill": m["fill_fraction"],
+                "buffer/producer_wait_s": m["producer_wait_s"] - last["producer_wait_s"],
+                "buffer/consumer_wait_s": m["consumer_wait_s"] - last["consumer_wait_s"],
+                "buffer/dropped_full": m["dropped_full"], "buffer/rejected": m["rejected"]}
+
+    def _sampler_metrics(self) -> dict:
+        status = self.coordinator.latest_status()
+        if status is None:
+            return {}
+        out = {k: float(v) for k, v in status.metrics.items()
+               if k.startswith(("sampler/", "sync/")) and isinstance(v, (int, float))}
+        swap_v, swap_t = out.get("sync/swap_version"), out.pop("sync/swap_time", None)
+        if swap_v is not None and int(swap_v) in self.publisher.publish_time:
+            out["sync/weight_sync_s"] = max(0.0, swap_t - self.publisher.publish_time[int(swap_v)])
+        if status.version >= 0:              # -1: a (re)started sampler before its first pull
+            out["sampler/version"] = float(status.version)
+        return out
+
+    def _samples(self, groups) -> list:
+        out = []
+        for g in groups:
+            prompt = self.tokenizer.decode(g["prompt_tokens"].tolist())
+            for i in range(len(g["rewards"])):
+                n = int(g["completion_lengths"][i])
+                toks = g["completion_tokens"][i, :n].tolist()
+                versions = g["policy_versions"][i, :n]
+                out.append({"prompt": prompt,
+                            "completion": self.tokenizer.decode(toks, skip_special_tokens=True),
+                            "reward": float(g["rewards"][i]), "version": int(versions.min()),
+                            "prompt_id": int(g["prompt_id"]),
+                            "truncated": bool(g["truncated"][i])})
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self, metrics=None, *, final: bool = False) -> None:
+        st = self.learner.state
+        ck = ckpt_lib.LearnerCheckpoint(
+            step=self.version, params=st.params, opt_state=_opt_item(st),
+            data_state=decode_state(self.data_snapshot),
+            extra={"accepted_groups": self.counts["accepted"]},
+            metadata=ckpt_lib.run_metadata(self.cfg, self.learner.mesh))
+        finite = None
+        if metrics is not None:
+            finite = {k: v for k, v in metrics.items()
+                      if isinstance(v, float) and np.isfinite(v)}
+        if final:
+            self.checkpointer.save_final(ck, metrics=finite)
+        else:
+            self.checkpointer.save(ck, metrics=finite)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        n = self.cfg.learner.num_steps
+        metrics = None
+        try:
+            while self.version < n:
+                metrics = self.step()
+                log.info("step %d/%d reward %.3f stale %.2f wait %.2fs step %.2fs", self.version,
+                         n, metrics["reward/mean"], metrics["staleness/mean"],
+                         metrics["buffer/consumer_wait_s"], metrics["learner/step_time_s"])
+                if self.checkpointer.should_save(self.version):
+                    self._checkpoint(metrics)
+        finally:
+            if self.version > self.start_step or metrics is not None:
+                self._checkpoint(metrics, final=True)
+        self._finish()
+
+    def _finish(self) -> None:
+        """Tell the samplers the run is done; keep the buffer drained until they saw it."""
+        self.coordinator.set_progress(done=True)
+        deadline = time.monotonic() + DONE_GRACE_S
+        while time.monotonic() < deadline and not self.coordinator.acknowledged_done():
+            try:
+                self.buffer.get_groups(1, timeout=0.05)
+            except Exception:  # noqa: BLE001 - timeouts while draining are expected
+                pass
+        log.info("learner finished at version %d", self.version)
+
+    def close(self) -> None:
+        for closer in (self.coordinator.close, self.buffer.close, self.publisher.close,
+                       self.writer.close, self.checkpointer.close):
+            try:
+                closer()
+            except Exception as e:  # noqa: BLE001 - keep closing the rest
+                log.warning("closing: %s", e)
+
+
+def main(cfg, endpoints: pc.Endpoints) -> None:
+    """Run the learner program until ``learner.num_steps`` steps are done.
+
+    Raises:
+      rlflow.exchange.ring.ProducerError: a sampler reported a failure.
+      rlflow.exchange.ring.BufferTimeoutError: no groups for ``buffer.timeout_s`` seconds.
+      rlflow.programs_common.Stopped: SIGTERM (the exit checkpoint is saved first).
+    """
+    program = LearnerProgram(cfg, endpoints)
+    try:
+        program.run()
+    finally:
+        program.close()

@@ -1,0 +1,179 @@
+"""What the learner program, the sampler program and the launcher share.
+
+* The resolved :class:`~rlflow.config.ExperimentConfig` travels to each program as a JSON
+  file (``config_to_dict`` / ``config_from_dict``: plain types, no pickle).
+* :class:`Endpoints` are the addresses one program needs to reach the other: the learner
+  serves the rollout ring buffer and the weight coordinator, the samplers connect to both.
+  They come from environment variables (set by ``rlflow.launch`` on one machine, or by the
+  Cloud TPU scripts on a pod: see ``rlflow/launch.py``).
+* ``install_signal_handlers`` turns SIGTERM (the launcher's stop request) into
+  :class:`Stopped`, so a program's ``finally`` blocks close sockets and servers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from rlflow import config as config_mod
+
+ENV_ROLE = "RLFLOW_ROLE"                      # "learner" | "sampler"
+ENV_CONFIG = "RLFLOW_CONFIG"                  # path of the resolved config JSON
+ENV_BUFFER = "RLFLOW_BUFFER_ADDRESS"          # host:port the learner's ring buffer binds
+ENV_COORDINATOR = "RLFLOW_COORDINATOR_ADDRESS"  # host:port of the weight coordinator
+ENV_INSTANCE = "RLFLOW_INSTANCE"              # restart count of this program (0 first start)
+ENV_DIST_COORDINATOR = "RLFLOW_JAX_COORDINATOR"  # jax.distributed coordinator of this slice
+ENV_NUM_PROCESSES = "RLFLOW_NUM_PROCESSES"    # hosts in this program's slice
+ENV_PROCESS_ID = "RLFLOW_PROCESS_ID"          # this host's index in its slice
+ENV_PARENT_PID = "RLFLOW_LAUNCHER_PID"        # set by rlflow.launch: die with the launcher
+ENV_CPUS = "RLFLOW_CPUS"                      # comma-separated CPU ids this program runs on
+ENV_PROFILE = "RLFLOW_PROFILE"                # folder: each program writes <role>.prof (cProfile)
+
+ROLES = ("learner", "sampler")
+
+
+class Stopped(BaseException):
+    """Raised inside a program when the launcher asks it to stop (SIGTERM).
+
+    A ``BaseException`` (like ``KeyboardInterrupt``), so that ``except Exception`` guards in
+    library code (reward functions, closers) do not swallow the stop request."""
+
+
+def config_to_dict(cfg) -> dict:
+    """A frozen config dataclass as plain JSON types (tuples become lists)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(cls, data: dict):
+    """Rebuild config dataclass ``cls`` from :func:`config_to_dict` output.
+
+    Validation runs again (each dataclass's ``__post_init__``).
+
+    Raises:
+      rlflow.config.ConfigError: an unknown field (named) or an invalid value.
+    """
+    hints = typing.get_type_hints(cls, vars(config_mod))
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise config_mod.ConfigError(f"{cls.__name__}: unknown field(s) {unknown}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            value = config_from_dict(hint, value)
+        elif typing.get_origin(hint) is tuple and isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def save_config(cfg, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(config_to_dict(cfg), f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def load_config(path: str):
+    """Read a resolved config JSON written by :func:`save_config`."""
+    with open(path) as f:
+        return config_from_dict(config_mod.ExperimentConfig, json.load(f))
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Addresses ``host:port`` of the learner's ring buffer and weight coordinator."""
+
+    buffer: str
+    coordinator: str
+    instance: int = 0
+
+    @classmethod
+    def from_env(cls, env=None) -> "Endpoints":
+        """Read the addresses from ``RLFLOW_BUFFER_ADDRESS`` / ``RLFLOW_COORDINATOR_ADDRESS``.
+
+        Raises:
+          KeyError: a variable is missing (the message names it).
+        """
+        env = os.environ if env is None else env
+        missing = [k for k in (ENV_BUFFER, ENV_COORDINATOR) if not env.get(k)]
+        if missing:
+            raise KeyError(f"environment variable(s) {missing} must hold host:port addresses "
+                           "(set by rlflow.launch or scripts/tpu)")
+        return cls(env[ENV_BUFFER], env[ENV_COORDINATOR], int(env.get(ENV_INSTANCE, "0")))
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV_BUFFER: self.buffer, ENV_COORDINATOR: self.coordinator,
+                ENV_INSTANCE: str(self.instance)}
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:5555"`` -> ``("127.0.0.1", 5555)``; ``[::1]:5`` keeps the brackets off."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM raises :class:`Stopped` in the main thread (clean shutdown on the launcher's
+    request); SIGINT is left to the launcher, which runs the programs in their own session."""
+
+    def _stop(signum, frame):
+        raise Stopped(f"received {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, _stop)
+
+
+def setup_logging(role: str) -> logging.Logger:
+    """Log lines ``[role] message`` to stderr (the launcher keeps them in ``logs/<role>.log``)."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax", "orbax", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return logging.getLogger(f"rlflow.{role}")
+
+
+def jsonable(value: Any) -> Any:
+    """Scalars of numpy / jax arrays as Python floats and ints (for JSON metrics)."""
+    if hasattr(value, "item") and getattr(value, "size", 1) == 1:
+        return value.item()
+    return value
+
+
+def run_tokenizer(cfg):
+    """The tokenizer both programs use (a ``transformers`` tokenizer).
+
+    ``model.path`` holding tokenizer files: that one. Otherwise, for a built-in task, the
+    task's character tokenizer (built locally into a temporary folder, deterministic).
+
+    Raises:
+      FileNotFoundError: no tokenizer can be found (names ``model.path``).
+    """
+    import tempfile
+
+    from rlflow.data.tokenizer import load_tokenizer
+
+    if cfg.model.path:
+        return load_tokenizer(cfg.model.path)
+    if cfg.data.source == "builtin":
+        from rlflow.data.tasks import get_task
+
+        return get_task(cfg.data.task).build_tokenizer(tempfile.mkdtemp(prefix="rlflow-tok-"))
+    raise FileNotFoundError("model.path: a Hugging Face folder with tokenizer files is "
+                            f"required for data.source={cfg.data.source!r}")
+
+
+def accuracy_threshold(reward_cfg) -> float:
+    """Reward at or above which a sample counts as correct for ``reward/accuracy``: half the
+    best total reward (the sum of the positive weights, each function scoring at most 1)."""
+    return 0.5 * sum(w for w in reward_cfg.weights if w > 0)

@@ -1,0 +1,133 @@
+"""The launcher's view of a running learner: progress lines from the run folder's metrics.
+
+The learner program logs one ``metrics.jsonl`` record per step (``step`` = policy version
+after the step, 1-based). :class:`RunWatcher` tails that file (only complete lines), feeds
+each new step to :class:`rlflow.progress.ProgressReporter`, and at the end writes
+``summary.json`` with the reward rise of the run (:func:`reward_rise`), prints it and the
+path of the ``rlflow report`` page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Mapping, Optional
+
+from rlflow.metrics import METRICS_FILE
+from rlflow.run_folder import metrics_by_step, read_jsonl
+
+SUMMARY_FILE = "summary.json"
+
+
+def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict:
+    """Mean reward of the first and last ``frac`` of steps (at least one step each).
+
+    Args:
+      rewards_by_step: step -> mean reward of that step (NaN entries are skipped).
+      frac: fraction of steps in each window, in (0, 0.5].
+
+    Returns:
+      ``{"steps", "window", "reward_first", "reward_last", "reward_rise"}`` (NaN figures
+      when there are no finite rewards).
+    """
+    if not 0 < frac <= 0.5:
+        raise ValueError(f"frac must be in (0, 0.5], got {frac}")
+    steps = [s for s in sorted(rewards_by_step) if math.isfinite(rewards_by_step[s])]
+    if not steps:
+        return {"steps": 0, "window": 0, "reward_first": math.nan, "reward_last": math.nan,
+                "reward_rise": math.nan}
+    k = max(1, int(round(frac * len(steps))))
+    first = sum(rewards_by_step[s] for s in steps[:k]) / k
+    last = sum(rewards_by_step[s] for s in steps[-k:]) / k
+    return {"steps": len(steps), "window": k, "reward_first": first, "reward_last": last,
+            "reward_rise": last - first}
+
+
+class RunWatcher:
+    """Tails ``<run>/metrics.jsonl`` and reports progress (a thin shell, no JAX).
+
+    Args:
+      cfg: the :class:`rlflow.config.ExperimentConfig` of the run.
+      run_path: the run folder.
+      stream: where progress goes (default stderr).
+    """
+
+    def __init__(self, cfg, run_path: str, stream=None):
+        from rlflow.progress import ProgressReporter
+
+        self.cfg = cfg
+        self.run_path = run_path
+        self.stream = stream if stream is not None else sys.stderr
+        self.path = os.path.join(run_path, METRICS_FILE)
+        self._offset = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
+        self._partial = b""
+        self._t0 = time.monotonic()
+        self.last_step = 0
+        self.progress = ProgressReporter(cfg.learner.num_steps, mode=cfg.metrics.progress,
+                                         stream=self.stream)
+
+    def poll(self) -> int:
+        """Read new complete records; one progress update per new step. Returns the newest
+        step seen (0 before the first)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return self.last_step
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            step = rec.get("step")
+            if isinstance(step, int) and step > self.last_step and "learner/step_time_s" in rec:
+                self.last_step = step
+                self.progress.update(min(step, self.cfg.learner.num_steps), {
+                    k: v for k, v in rec.items() if isinstance(v, (int, float))})
+        return self.last_step
+
+    def summary(self, success: bool) -> dict:
+        """Reward rise over the run (``reward/mean`` per step), wall time, outcome."""
+        try:
+            records, _ = read_jsonl(self.path)
+        except ValueError:
+            records = []
+        by_step = metrics_by_step(records)
+        rewards = {s: m["reward/mean"] for s, m in by_step.items() if "reward/mean" in m}
+        out = reward_rise(rewards)
+        out.update(success=bool(success), steps_completed=self.last_step,
+                   wall_s=time.monotonic() - self._t0)
+        return out
+
+    def close(self, success: bool, report: bool = True) -> Optional[dict]:
+        """Stop the progress display; write ``summary.json``, print the reward rise and
+        (on success, when ``report``) the report page path."""
+        self.progress.close()
+        summary = self.summary(success)
+        path = os.path.join(self.run_path, SUMMARY_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(summary, f, indent=2)
+        os.replace(path + ".tmp", path)
+        if summary["steps"]:
+            print(f"rlflow train: {summary['steps_completed']} steps in "
+                  f"{summary['wall_s']:.0f} s; mean reward first {summary['window']} step(s) "
+                  f"{summary['reward_first']:.3f} -> last {summary['window']} step(s) "
+                  f"{summary['reward_last']:.3f} (rise {summary['reward_rise']:+.3f}); "
+                  f"written to {path}", file=self.stream, flush=True)
+        if success and report:
+            try:
+                from rlflow.report import make_report
+
+                page = make_report(self.run_path)
+                print(f"rlflow train: report {page}", file=self.stream, flush=True)
+            except Exception as e:  # a report problem never fails a finished run
+                print(f"rlflow train: could not write the report ({e})", file=self.stream)
+        return summary

@@ -1,0 +1,393 @@
+"""The sampler program: prompts -> continuous batching (G samples each) -> rewards -> buffer.
+
+One process (one host of the sampler slice on a pod), its own JAX runtime and mesh::
+
+    prompt pipeline (rlflow.data.pipeline, grain; its state restored from the learner)
+    JetStream engine + continuous batching (rlflow.sampler.engine / batching)
+    wait for the learner's first published version, load it
+    loop:
+        status to the learner's run control (rlflow.runtime_control): figures out,
+          version / admission counts / done in
+        newer version published -> a background thread pulls it (rlflow.exchange.transfer
+          or the orbax folder) while decoding goes on, and the batcher swaps it in before
+          its next decode step (sequences in flight continue under the new weights)
+        admit new prompts within the staleness budget (groups_to_admit; in sync mode this
+          is exactly learner.groups_per_step per version, then a wait for the next one)
+        one decode step; each finished group gets its rewards (rlflow.data.rewards, on this
+          host) and goes to the learner's ring buffer (rlflow.exchange.buffer)
+
+A prompt that fails at every retry (``MAX_PROMPT_RETRIES``), a reward that is not finite,
+or a prompt dataset that runs out while the learner still needs groups is reported to the
+learner through the buffer (its next ``get_groups`` raises the message) and stops this
+program with the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from rlflow import programs_common as pc
+from rlflow.data.pipeline import build_prompt_pipeline
+from rlflow.data.rewards import Rewarder
+from rlflow.exchange.buffer import BufferClient
+from rlflow.exchange.ring import BufferClosedError
+from rlflow.exchange.wire import tcp_endpoint
+from rlflow.mesh import make_mesh
+from rlflow.models.hf import build_model
+from rlflow.runtime_control import ControlClient, decode_state, encode_state, groups_to_admit
+from rlflow.sampler.batching import ContinuousBatcher, Request
+from rlflow.sampler.engine import RlflowEngine
+
+log = logging.getLogger("rlflow.sampler")
+
+MAX_PROMPT_RETRIES = 2
+IDLE_POLL_S = 0.005        # status poll period while waiting for weights or budget
+BUSY_POLL_S = 0.1          # status poll period while decoding
+WINDOW_S = 1.0             # window of the rates reported to the learner
+FIRST_WEIGHTS_TIMEOUT_S = 600.0
+
+
+class SamplerError(RuntimeError):
+    """The sampler cannot go on (the message says why); reported to the learner too."""
+
+
+def _endpoint(address: str) -> str:
+    host, port = pc.split_address(address)
+    return tcp_endpoint(host, port)
+
+
+class _Window:
+    """Rates over the last closed window of about ``WINDOW_S`` seconds."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.tokens = self.slots_used = self.slots_total = 0
+        self.idle = 0.0
+        self.last: dict = {}
+
+    def add(self, tokens=0, slots_used=0, slots_total=0, idle=0.0):
+        self.tokens += tokens
+        self.slots_used += slots_used
+        self.slots_total += slots_total
+        self.idle += idle
+
+    def figures(self) -> dict:
+        now = time.monotonic()
+        dt = max(now - self.t0, 1e-9)
+        current = {"sampler/tokens_per_s": self.tokens / dt,
+                   "sampler/slot_occupancy": self.slots_used / max(self.slots_total, 1),
+                   "sampler/idle_frac": min(1.0, self.idle / dt)}
+        if dt >= WINDOW_S:
+            self.last = current
+            self.t0, self.tokens, self.slots_used, self.slots_total, self.idle = \
+                now, 0, 0, 0, 0.0
+        return self.last or current
+
+
+class _Puller:
+    """Pulls new weight versions on a background thread and hands each to ``on_weights``
+    (the batcher swaps it in before its next decode step), so decoding never waits on a
+    pull. An error stops the thread and is re-raised by :meth:`check`."""
+
+    def __init__(self, subscriber, on_weights):
+        self.subscriber, self.on_weights = subscriber, on_weights
+        self._want, self._stop = threading.Event(), threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rlflow-weight-puller",
+                                        daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """A newer version was published: pull it (no-op while a pull is pending)."""
+        self._want.set()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._want.wait(0.1):
+                continue
+            self._want.clear()
+            try:
+                t0 = time.monotonic()
+                got = self.subscriber.poll()
+                if got is not None:
+                    self.on_weights(got[0], got[1], time.monotonic() - t0)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+                self._error = e
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+
+
+class SamplerProgram:
+    """State of one sampler program (a thin shell over engine, batcher and clients)."""
+
+    def __init__(self, cfg, endpoints: pc.Endpoints):
+        self.cfg = cfg
+        sc = cfg.sampler
+        self.name = f"sampler-{os.environ.get(pc.ENV_PROCESS_ID, '0')}"
+        self.num_samplers = 1
+        self.mesh = make_mesh(sc.mesh)
+        model, dcfg = build_model(cfg.model, mesh=self.mesh)
+        self.tokenizer = pc.run_tokenizer(cfg)
+        eos = set(dcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.engine = RlflowEngine(model, sc, mesh=self.mesh, tokenizer_path=cfg.model.path,
+                                   eos_token_ids=sorted(eos))
+        coord = _endpoint(endpoints.coordinator)
+        self.control = ControlClient(coord, consumer_id=self.name, instance=endpoints.instance,
+                                     token=cfg.buffer.token, timeout_s=cfg.buffer.timeout_s)
+        self.subscriber = self._subscriber(coord, model)
+        del model
+        self.buffer = BufferClient.from_config(cfg.buffer, _endpoint(endpoints.buffer),
+                                               name=self.name)
+        self.rewarder = Rewarder(cfg.reward)
+        self.prompts, stats = build_prompt_pipeline(cfg.data, self.tokenizer, seed=cfg.seed)
+        log.info("%s", stats.summary())
+        self.prompts_started = 0
+        self.exhausted = False
+        self.in_flight: dict[int, dict] = {}     # id(Request) -> prompt element
+        self.delivered_since_status = 0
+        self.rejected = 0          # groups the buffer refused (a bug if ever > 0)
+        self.window = _Window()
+        self.swap = {"sync/pull_s": 0.0}
+        self.pause_s = 0.0
+        self.step_ema = None       # seconds per decode step without a swap
+        self.sleeping = False
+        self.version = -1          # version of the weights new groups start with
+        reply = self._status()
+        if reply.data_state is not None:
+            self.prompts.set_state(decode_state(reply.data_state))
+            log.info("prompt iterator restored from the learner's state")
+        self.batcher = self._first_weights(reply)
+        self.puller = _Puller(self.subscriber, self._on_weights)
+
+    # ------------------------------------------------------------------ weights
+    def _subscriber(self, coord: str, model):
+        from flax import nnx
+
+        target = nnx.state(model, nnx.Param)
+        rt = self.cfg.runtime
+        if rt.weight_transfer == "transfer":
+            from rlflow.exchange.transfer import WeightSubscriber
+
+            return WeightSubscriber(coord, consumer_id=f"{self.name}.{id(self)}",
+                                    token=self.cfg.buffer.token, target=target,
+                                    timeout_s=rt.transfer_timeout_s, retries=rt.transfer_retries,
+                                    bind_address=rt.bind_address)
+        from rlflow.exchange.orbax_fallback import OrbaxWeightSubscriber
+
+        return OrbaxWeightSubscriber(self.cfg.run_path, target=target)
+
+    def _first_weights(self, reply) -> ContinuousBatcher:
+        """Wait for the learner's first published version (never anything older, e.g. an
+        earlier run's orbax folder) and load it."""
+        deadline = time.monotonic() + FIRST_WEIGHTS_TIMEOUT_S
+        while True:
+            got = self.subscriber.poll() if reply.published_version >= 0 else None
+            if got is not None:
+                version, params = got
+                log.info("loaded weights version %d from the learner", version)
+                self._note_swap(version, 0.0)
+                self.version = version
+                return ContinuousBatcher(self.engine, params, version)
+            if time.monotonic() > deadline:
+                raise SamplerError(f"no weights published by the learner within "
+                                   f"{FIRST_WEIGHTS_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+            reply = self._status()
+
+    def _note_swap(self, version: int, pull_s: float) -> None:
+        self.swap = {"sync/swap_version": version, "sync/swap_time": time.time(),
+                     "sync/pull_s": pull_s}        # one reference swap (read by the main thread)
+
+    def _on_weights(self, version: int, params, pull_s: float) -> None:
+        """Puller thread: a new version arrived (laid out on this program's mesh)."""
+        self.batcher.update_params(params, version)   # used from the next decode step on
+        self.version = version     # every group admitted from now on starts with it
+        self._note_swap(version, pull_s)
+
+    # ------------------------------------------------------------------ control
+    def _status(self):
+        metrics = dict(self.window.figures(), **self.swap)
+        metrics["sync/sampler_pause_s"] = self.pause_s
+        metrics["sampler/instance"] = float(self.control.instance)
+        metrics["sampler/rejected_groups"] = float(self.rejected)
+        reply = self.control.status(
+            version=self.version,
+            prompts_started=self.prompts_started,
+            data_state=encode_state(self.prompts.get_state()) if self.prompts_started else None,
+            metrics=metrics)
+        self.delivered_since_status = 0
+        return reply
+
+    def _admit(self, reply) -> int:
+        n = groups_to_admit(version=self.version,
+                            groups_per_step=self.cfg.learner.groups_per_step,
+                            max_staleness=self.cfg.runtime.max_staleness,
+                            accepted=reply.accepted,
+                            buffered=reply.buffered + self.delivered_since_status,
+                            in_flight=len(self.in_flight), num_samplers=self.num_samplers)
+        admitted = 0
+        for _ in range(n):
+            try:
+                element = next(self.prompts)
+            except StopIteration:
+                self.exhausted = True
+                break
+            self._submit(element)
+            admitted += 1
+        return admitted
+
+    def _submit(self, element) -> None:
+        request = Request(prompt_id=int(element["prompt_id"]),
+                          prompt_tokens=element["prompt_tokens"],
+                          num_samples=self.cfg.sampler.group_size)
+        for attempt in range(MAX_PROMPT_RETRIES + 1):
+            try:
+                self.batcher.submit(request)
+                break
+            except Exception as e:  # noqa: BLE001 - reported below with the prompt id
+                if attempt == MAX_PROMPT_RETRIES:
+                    raise SamplerError(f"prompt_id {request.prompt_id} failed "
+                                       f"{MAX_PROMPT_RETRIES + 1} times: {e}") from e
+                log.warning("prompt_id %d: %s (retrying)", request.prompt_id, e)
+        self.in_flight[id(request)] = element
+        self.prompts_started += 1
+
+    def _starving(self, reply) -> bool:
+        """No prompts left while the learner still needs groups that will never come."""
+        gps = self.cfg.learner.groups_per_step
+        if reply.done or reply.learner_version >= self.cfg.learner.num_steps:
+            return False
+        coming = reply.accepted + reply.buffered + self.delivered_since_status + \
+            len(self.in_flight)
+        return not self.in_flight and coming < (reply.learner_version + 1) * gps
+
+    # ------------------------------------------------------------------ groups out
+    def _record(self, group) -> dict:
+        """The group's record with its rewards (scored here, on the sampler host)."""
+        element = self.in_flight.pop(id(group.request))
+        record = group.to_record()
+        texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
+                 for c in group.completions]
+        record["rewards"] = np.asarray(
+            self.rewarder.score_group(group.prompt_id, texts, element["answer"]), np.float32)
+        return record
+
+    def _deliver(self, groups) -> None:
+        """Send the groups one decode step finished, in one request to the buffer."""
+        records = [self._record(g) for g in groups]
+        t0 = time.monotonic()
+        rejected = self.buffer.put_groups(records)
+        self.window.add(idle=time.monotonic() - t0)
+        for i, err in rejected.items():      # never expected: a bug, logged and counted
+            self.rejected += 1
+            log.error("the buffer rejected the group of prompt_id %d: %s",
+                      int(records[i]["prompt_id"]), err)
+        self.delivered_since_status += len(records) - len(rejected)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        sync_sleep = self.cfg.runtime.sampler_sleep
+        last_status = 0.0
+        reply = None
+        while True:
+            now = time.monotonic()
+            busy = self.batcher.has_work
+            if reply is None or now - last_status >= (BUSY_POLL_S if busy else IDLE_POLL_S):
+                reply = self._status()
+                last_status = time.monotonic()
+                if reply.done:
+                    log.info("the learner is done (version %d); stopping", reply.learner_version)
+                    return
+                if reply.published_version > self.version:
+                    self.puller.request()
+            self.puller.check()
+            if not self.exhausted and self._admit(reply):
+                reply = self._status()          # the learner keeps the iterator state
+                last_status = time.monotonic()
+            if self.exhausted and self._starving(reply):
+                raise SamplerError(f"the prompt dataset ran out after {self.prompts_started} "
+                                   f"prompts (data.num_epochs={self.cfg.data.num_epochs}) while "
+                                   f"the learner at version {reply.learner_version} still "
+                                   f"needs groups")
+            if not self.batcher.has_work:
+                if sync_sleep and not self.sleeping:
+                    self.batcher.reset_cache()      # free the KV cache while waiting
+                    self.sleeping = True
+                time.sleep(IDLE_POLL_S)
+                self.window.add(idle=IDLE_POLL_S)
+                continue
+            self.sleeping = False
+            c = self.batcher.counters
+            used, avail, swaps = c.slot_steps_used, c.slot_steps_available, c.weight_swaps
+            t0 = time.monotonic()
+            groups = self.batcher.step()
+            self._time_step(time.monotonic() - t0, swapped=c.weight_swaps > swaps)
+            if groups:
+                try:
+                    self._deliver(groups)
+                except BufferClosedError:
+                    log.info("the learner closed the buffer: the run is ending; stopping")
+                    return
+            self.window.add(tokens=c.slot_steps_used - used, slots_used=c.slot_steps_used - used,
+                            slots_total=c.slot_steps_available - avail)
+
+    def _time_step(self, seconds: float, swapped: bool) -> None:
+        """``sync/sampler_pause_s``: extra time of the decode step that swapped weights in,
+        over the running mean of steps that did not."""
+        if swapped:
+            if self.step_ema is not None:
+                self.pause_s = max(0.0, seconds - self.step_ema)
+        else:
+            self.step_ema = seconds if self.step_ema is None else \
+                0.9 * self.step_ema + 0.1 * seconds
+
+    def report(self, message: str) -> None:
+        try:
+            self.buffer.report_error(message, timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - the learner may be gone already
+            log.warning("could not report the failure to the learner: %s", e)
+
+    def close(self) -> None:
+        closers = [self.control.close, self.buffer.close, self.subscriber.close]
+        if hasattr(self, "puller"):
+            closers.insert(0, self.puller.close)
+        for closer in closers:
+            try:
+                closer()
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing: %s", e)
+
+
+def main(cfg, endpoints: pc.Endpoints) -> None:
+    """Run the sampler program until the learner says the run is done.
+
+    Raises:
+      SamplerError: a prompt failed at every retry, or the prompts ran out too early.
+      rlflow.data.rewards.NonFiniteRewardError: a reward function returned NaN/inf.
+      rlflow.exchange.ring.BufferTimeoutError / rlflow.exchange.wire.PeerTimeoutError: the
+        learner stopped answering.
+    """
+    program = SamplerProgram(cfg, endpoints)
+    try:
+        program.run()
+    except pc.Stopped:
+        raise
+    except Exception as e:
+        program.report(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        program.close()

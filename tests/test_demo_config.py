@@ -1,0 +1,37 @@
+"""configs/demo.py (the default of `rlflow train`): a local HF model folder that transformers
+reads, with the task's tokenizer, built once into the cache folder."""
+
+import json
+import os
+
+from rlflow.config import load_config_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(REPO, "configs", "demo.py")
+
+
+def test_demo_builds_a_transformers_readable_model_with_its_tokenizer(tmp_path, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path))
+    cfg = load_config_file(DEMO)
+    path = cfg.model.path
+    assert os.path.dirname(path) == str(tmp_path)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".demo-model-")]  # tidied
+    tok = AutoTokenizer.from_pretrained(path)
+    hf_cfg = json.load(open(os.path.join(path, "config.json")))
+    assert hf_cfg["vocab_size"] == len(tok)
+    assert hf_cfg["eos_token_id"] in (tok.eos_token_id, [tok.eos_token_id])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = tok("7>", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok))
+    assert torch.isfinite(logits).all()
+    # built once: loading the config again reuses the folder
+    mtime = os.path.getmtime(os.path.join(path, "config.json"))
+    assert load_config_file(DEMO).model.path == path
+    assert os.path.getmtime(os.path.join(path, "config.json")) == mtime
+    assert cfg.runtime.mode == "async" and cfg.data.source == "builtin"

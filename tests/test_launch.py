@@ -1,0 +1,117 @@
+"""Launcher pieces that need no JAX program: config round trip, child environment, addresses."""
+
+import json
+
+import pytest
+
+from rlflow import config as C
+from rlflow import launch
+from rlflow import programs_common as pc
+
+
+def test_config_round_trip_through_json(tmp_path):
+    cfg = C.ExperimentConfig(
+        name="x", run_dir=str(tmp_path),
+        sampler=C.SamplerConfig(prefill_buckets=(8, 16), max_prefill_length=16, num_devices=2,
+                                mesh=C.MeshConfig(tensor=2)),
+        reward=C.RewardConfig(functions=("a", "b"), weights=(0.5, 2.0)),
+        runtime=C.RuntimeConfig(mode="sync", max_staleness=0))
+    path = tmp_path / "config.json"
+    pc.save_config(cfg, str(path))
+    json.loads(path.read_text())            # plain JSON on disk
+    back = pc.load_config(str(path))
+    assert back == cfg
+    assert isinstance(back.sampler.prefill_buckets, tuple)
+    assert isinstance(back.sampler.mesh, C.MeshConfig)
+
+
+def test_config_from_dict_names_unknown_field_and_revalidates():
+    d = pc.config_to_dict(C.ExperimentConfig())
+    d["learner"]["lr_typo"] = 1.0
+    with pytest.raises(C.ConfigError, match="lr_typo"):
+        pc.config_from_dict(C.ExperimentConfig, d)
+    d = pc.config_to_dict(C.ExperimentConfig())
+    d["runtime"]["mode"] = "sync"           # sync needs max_staleness 0 (default is 2)
+    with pytest.raises(C.ConfigError, match="runtime.max_staleness"):
+        pc.config_from_dict(C.ExperimentConfig, d)
+
+
+def test_publish_every_bounded_by_staleness():
+    C.RuntimeConfig(max_staleness=2, publish_every=3)
+    with pytest.raises(C.ConfigError, match="runtime.publish_every"):
+        C.RuntimeConfig(max_staleness=1, publish_every=3)
+    with pytest.raises(C.ConfigError, match="runtime.publish_every"):
+        C.RuntimeConfig(mode="sync", max_staleness=0, publish_every=2)
+
+
+def test_child_env_replaces_device_count_and_sets_addresses():
+    eps = pc.Endpoints("127.0.0.1:5001", "127.0.0.1:5002", instance=3)
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_foo=1", "PATH": "/bin"}
+    env = launch.child_env("sampler", 2, eps, "/tmp/c.json", base=base)
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=2"]
+    assert env[pc.ENV_ROLE] == "sampler" and env[pc.ENV_CONFIG] == "/tmp/c.json"
+    assert pc.Endpoints.from_env(env) == eps
+    assert base["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=4")  # untouched
+
+
+def test_endpoints_from_env_names_missing_variable():
+    with pytest.raises(KeyError, match=pc.ENV_COORDINATOR):
+        pc.Endpoints.from_env({pc.ENV_BUFFER: "127.0.0.1:1"})
+
+
+def test_split_address():
+    assert pc.split_address("127.0.0.1:5555") == ("127.0.0.1", 5555)
+    assert pc.split_address("[::1]:7") == ("::1", 7)
+    with pytest.raises(ValueError, match="host:port"):
+        pc.split_address("nohost")
+
+
+def test_split_cpus_gives_each_program_its_own_cores():
+    assert launch.split_cpus([3, 1, 0, 2]) == {"learner": [0, 1], "sampler": [2, 3]}
+    assert launch.split_cpus([0, 1, 2]) == {"learner": [0, 1], "sampler": [2]}
+    assert launch.split_cpus([5]) == {}
+
+
+def test_reward_rise_first_and_last_tenth_against_numpy():
+    import math
+
+    import numpy as np
+
+    from rlflow.run_watch import reward_rise
+
+    rng = np.random.default_rng(0)
+    r = rng.random(37)
+    got = reward_rise({i + 1: float(x) for i, x in enumerate(r)})
+    k = 4                                                     # round(0.1 * 37)
+    assert got["window"] == k and got["steps"] == 37
+    assert math.isclose(got["reward_first"], r[:k].mean())
+    assert math.isclose(got["reward_last"], r[-k:].mean())
+    assert math.isclose(got["reward_rise"], r[-k:].mean() - r[:k].mean())
+    assert reward_rise({1: 0.5, 2: float("nan")})["window"] == 1     # NaN steps skipped
+    assert math.isnan(reward_rise({})["reward_rise"])
+
+
+def test_run_watcher_reads_only_complete_step_records(tmp_path):
+    import io
+
+    from rlflow.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=3),
+                             metrics=C.MetricsConfig(progress="plain"))
+    run = tmp_path / "w"
+    run.mkdir()
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, str(run), stream=out)
+    path = run / "metrics.jsonl"
+    path.write_text('{"step": 1, "learner/step_time_s": 0.1, "reward/mean": 0.25}\n'
+                    '{"step": 2, "learner/step_ti')            # a half-written line
+    assert watcher.poll() == 1
+    with open(path, "a") as f:
+        f.write('me_s": 0.1, "reward/mean": 0.75}\n{"step": 3, "reward/mean": 1.0}\n')
+    assert watcher.poll() == 2          # step 3 has no learner figures: not a step record
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in lines] == ["1/3", "2/3"]
+    summary = watcher.close(success=True, report=False)
+    assert summary["steps_completed"] == 2 and summary["reward_rise"] == 0.75
+    assert json.load(open(run / "summary.json"))["reward_last"] == 1.0

@@ -1,0 +1,237 @@
+"""End to end: `rlflow train` as a real subprocess, learner and sampler as two processes.
+
+Each test runs the demo config (tiny model written to a temporary cache) for a few steps
+and reads what happened from the run folder (metrics.jsonl, processes.json, logs/).
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from rlflow.run_folder import metrics_by_step, read_jsonl, validate_run_folder
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HANG_GUARD_S = 300          # a run that takes longer than this is a hang (the test fails)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = dict(os.environ)
+    e["RLFLOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))   # the demo model folder
+    # Compiled programs are shared between the runs of this module (same shapes).
+    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("xla-cache"))
+    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    e["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    return e
+
+
+def _cmd(run_dir, name, *overrides):
+    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
+    base = [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
+    return base + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+                   "--run_dir", str(run_dir), "--name", name, "--metrics.progress", "plain",
+                   "--buffer.timeout_s", "120", "--checkpoint.every_steps", "0",
+                   *overrides]
+
+
+def _train(env, run_dir, name, *overrides):
+    proc = subprocess.run(_cmd(run_dir, name, *overrides), env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    return proc, os.path.join(str(run_dir), name)
+
+
+def _steps(run):
+    records, problems = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    assert not problems, problems
+    return metrics_by_step(records)
+
+
+def _non_decreasing(xs):
+    return all(b >= a for a, b in zip(xs, xs[1:]))
+
+
+def test_async_run_completes_within_staleness_bound(env, tmp_path):
+    proc, run = _train(env, tmp_path, "async", "--learner.num_steps", "6",
+                       "--metrics.samples_every", "3",
+                       "--runtime.max_staleness", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_step = _steps(run)
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
+    assert [m["learner/version"] for m in by_step.values()] == [1, 2, 3, 4, 5, 6]
+    for step, m in by_step.items():
+        assert m["staleness/max"] <= 2, (step, m["staleness/max"])
+        assert m["learner/version"] - 1 - m["rollout/version_min"] <= 2
+        assert m["rollout/version_max"] <= step - 1          # never newer than the learner
+    sampler_versions = [m["sampler/version"] for m in by_step.values() if "sampler/version" in m]
+    assert sampler_versions and _non_decreasing(sampler_versions)
+    assert _non_decreasing([m["rollout/version_max"] for m in by_step.values()])
+    used = {int(m[k]) for m in by_step.values() for k in ("rollout/version_min",
+                                                          "rollout/version_max")}
+    assert len(used) >= 2, used                     # the sampler swapped weights mid-run
+    validate_run_folder(run)                        # every required metric, finite, TB, samples
+    assert re.search(r"step 6/6", proc.stdout + proc.stderr)
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["steps_completed"] == 6 and summary["success"]
+
+
+def test_sync_mode_two_learner_devices_sleeping_sampler(env, tmp_path):
+    """Sync mode (k = 0), the learner on 2 fake devices (fsdp), weights through the orbax
+    folder fallback, and a sampler that frees its KV cache whenever it waits: every consumed
+    sample is version-current, so the sampler kept generating with the last synced weights
+    after each free."""
+    proc, run = _train(env, tmp_path, "sync", "--learner.num_steps", "4",
+                       "--runtime.mode", "sync", "--runtime.max_staleness", "0",
+                       "--runtime.sampler_sleep", "True", "--learner.num_devices", "2",
+                       "--learner.mesh.fsdp", "2", "--runtime.weight_transfer", "orbax")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_step = _steps(run)
+    assert sorted(by_step) == [1, 2, 3, 4]
+    for step, m in by_step.items():
+        assert m["staleness/max"] == 0 and m["staleness/frac_0"] == 1.0
+        assert m["rollout/version_min"] == m["rollout/version_max"] == step - 1
+        assert m["learner/stale_groups_dropped"] == 0
+
+
+def _start(env, run_dir, name, *overrides):
+    return subprocess.Popen(_cmd(run_dir, name, *overrides), env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(run, step, proc, limit_s=HANG_GUARD_S):
+    path = os.path.join(run, "metrics.jsonl")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if os.path.isfile(path):
+            lines = [json.loads(x) for x in open(path) if x.strip().endswith("}")]
+            if lines and lines[-1]["step"] >= step:
+                return lines[-1]["step"]
+        time.sleep(0.02)
+    raise AssertionError(f"no step {step} within {limit_s} s")
+
+
+@pytest.mark.parametrize("victim", ["sampler", "learner"])
+def test_killed_program_stops_the_run_with_its_name(env, tmp_path, victim):
+    proc = _start(env, tmp_path, victim, "--learner.num_steps", "100000")
+    run = os.path.join(str(tmp_path), victim)
+    try:
+        _wait_for_step(run, 2, proc)
+        pids = json.load(open(os.path.join(run, "processes.json")))
+        os.kill(pids[victim], signal.SIGKILL)
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert f"the {victim} process died (killed by SIGKILL)" in err
+    other = "learner" if victim == "sampler" else "sampler"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[other], 0)                     # the other side was stopped too
+
+
+def test_ctrl_c_stops_both_programs_and_saves_the_exit_checkpoint(env, tmp_path):
+    proc = _start(env, tmp_path, "ctrlc", "--learner.num_steps", "100000")
+    run = os.path.join(str(tmp_path), "ctrlc")
+    try:
+        _wait_for_step(run, 2, proc)
+        pids = json.load(open(os.path.join(run, "processes.json")))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted; stopping both programs" in err
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    saved = [int(d) for d in os.listdir(os.path.join(run, "checkpoints")) if d.isdigit()]
+    assert saved and max(saved) >= 2                  # the learner's exit checkpoint
+    assert "stopped: received SIGTERM" in open(os.path.join(run, "logs", "sampler.log")).read()
+
+
+def test_restarted_sampler_generates_with_last_synced_version(env, tmp_path):
+    proc = _start(env, tmp_path, "restart", "--learner.num_steps", "30",
+                  "--runtime.restart_sampler", "True", "--runtime.mode", "sync",
+                  "--runtime.max_staleness", "0")
+    run = os.path.join(str(tmp_path), "restart")
+    try:
+        killed_at = _wait_for_step(run, 3, proc)
+        os.kill(json.load(open(os.path.join(run, "processes.json")))["sampler"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting it (1/3)" in err
+    by_step = _steps(run)
+    assert sorted(by_step) == list(range(1, 31))
+    for step, m in by_step.items():              # on-policy all the way, across the restart
+        assert m["rollout/version_min"] == m["rollout/version_max"] == step - 1
+    log = open(os.path.join(run, "logs", "sampler.log")).read()
+    second = log.split("--- rlflow sampler start #1 ---")[1]
+    first_version = int(re.search(r"loaded weights version (\d+)", second).group(1))
+    assert first_version >= killed_at, (first_version, killed_at)   # not the initial weights
+
+
+def test_prompt_failing_every_retry_stops_the_run(env, tmp_path):
+    # Every built-in prompt has 3 tokens; a 2-token prefill bucket rejects each one.
+    proc, run = _train(env, tmp_path, "badprompt", "--learner.num_steps", "3",
+                       "--sampler.max_prefill_length", "2", "--sampler.prefill_buckets", "2")
+    assert proc.returncode == 1
+    assert "the sampler process died" in proc.stderr
+    assert re.search(r"prompt_id \d+ failed 3 times", proc.stderr)
+
+
+def _samples_by_step(run):
+    records, problems = read_jsonl(os.path.join(run, "samples.jsonl"))
+    assert not problems, problems
+    out = {}
+    for r in records:
+        out.setdefault(r["step"], []).append((r["prompt_id"], r["completion"], r["version"],
+                                              r["reward"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_sync_resume_continues_exactly(env, tmp_path):
+    """Stop after step 3 and resume to 6: the same prompts, completions and versions per
+    step, and the same final parameters, as an uninterrupted run (sync mode, CPU)."""
+    from rlflow.checkpoint import Checkpointer, checkpoint_dir
+
+    common = ["--runtime.mode", "sync", "--runtime.max_staleness", "0",
+              "--metrics.samples_every", "1", "--metrics.num_samples", "64"]
+    ref, ref_run = _train(env, tmp_path, "ref", "--learner.num_steps", "6", *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    first, run = _train(env, tmp_path, "resumed", "--learner.num_steps", "3", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second, _ = _train(env, tmp_path, "resumed", "--learner.num_steps", "6", *common)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from checkpoint step 3" in open(os.path.join(run, "logs",
+                                                                 "learner.log")).read()
+    want, got = _samples_by_step(ref_run), _samples_by_step(run)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for step in want:
+        assert got[step] == want[step], step
+    leaves = []
+    for r in (ref_run, run):
+        with Checkpointer(checkpoint_dir(r), read_only=True) as ck:
+            assert ck.latest_step() == 6
+            leaves.append(jax_leaves(ck.restore(restore_opt_state=False).params))
+    for a, b in zip(*leaves):
+        assert (a == b).all()                       # bit-identical on CPU
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
