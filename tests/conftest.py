@@ -1,7 +1,10 @@
 """Test-wide set-up: CPU only, 4 fake devices (sharded tests compare against 1 device)."""
 
 import os
+import tempfile
 
+# The demo model folder and other caches go to a session tmp folder, never ~/.cache.
+os.environ.setdefault("RLFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="rlflow-test-cache-"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:

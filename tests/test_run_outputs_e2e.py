@@ -1,0 +1,148 @@
+"""Issue 8 acceptance on a real run: one short ``rlflow train`` (demo config, 10 steps,
+samples every 2 steps) as a subprocess with stdout/stderr piped (not a TTY), then
+
+* its terminal output holds no control characters (no ANSI colours, no carriage returns);
+* the run folder (``rlflow.run_folder.validate_run_folder``: config, every required metric,
+  a TensorBoard file, samples) and, beyond what that checks: every metric value finite in
+  every record, the TensorBoard file read back by TensorBoard's ``EventAccumulator`` with
+  every required metric as a scalar tag, and sample completions with their fields;
+* ``rlflow report <run>`` (subprocess) writes the page and the PNGs; each PNG is opened
+  with PIL and checked for size and for not being blank.
+"""
+
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rlflow.metrics import REQUIRED_METRICS, RESERVED_KEYS
+from rlflow.run_folder import read_jsonl, validate_run_folder
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HANG_GUARD_S = 300
+NUM_STEPS, SAMPLES_EVERY = 10, 2
+PLOTS = ("reward", "length", "kl_entropy", "throughput", "staleness", "timing")
+# C0 controls except tab and newline (so: ESC of ANSI codes, carriage return, backspace ...),
+# DEL and the C1 controls.
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _rlflow():
+    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run-outputs")
+    env = dict(os.environ)
+    env["RLFLOW_CACHE_DIR"] = str(root / "cache")
+    env["TERM"] = "xterm-256color"          # only the missing TTY may make the output plain
+    for name in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        env.pop(name, None)
+    cmd = _rlflow() + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+                       "--run-dir", str(root / "runs"), "--name", "outputs",
+                       "--learner.num-steps", str(NUM_STEPS),
+                       "--metrics.samples-every", str(SAMPLES_EVERY),
+                       "--checkpoint.every-steps", "0", "--buffer.timeout-s", "120"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=HANG_GUARD_S)
+    return proc, str(root / "runs" / "outputs"), env
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-4000:]
+
+
+def test_non_tty_output_has_no_control_characters(run):
+    proc = run[0]
+    _ok(proc)
+    for name, raw in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+        text = raw.decode("utf-8")                      # also: valid UTF-8
+        bad = sorted({hex(ord(c)) for c in CONTROL.findall(text)})
+        assert not bad, f"{name} holds control characters {bad}: {text[-1500:]!r}"
+    out = (proc.stdout + proc.stderr).decode("utf-8")
+    assert f"step {NUM_STEPS}/{NUM_STEPS}" in out       # the plain progress lines are there
+
+
+def test_run_folder_config_metrics_tensorboard_samples(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc, run_dir, _ = run
+    _ok(proc)
+    validate_run_folder(run_dir)         # config.json parses, every required metric logged,
+    #                                      no record flagged non-finite, a TB file, samples
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    assert config["learner"]["num_steps"] == NUM_STEPS            # the resolved config
+    assert config["metrics"]["samples_every"] == SAMPLES_EVERY
+
+    records, problems = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert not problems, problems
+    assert {r["step"] for r in records} == set(range(1, NUM_STEPS + 1))
+    for r in records:                    # every logged value is a finite number
+        for k, v in r.items():
+            if k not in RESERVED_KEYS:
+                assert isinstance(v, (int, float)) and math.isfinite(v), (r["step"], k, v)
+    logged = set().union(*(r.keys() for r in records))
+    assert not [n for n in REQUIRED_METRICS if n not in logged]
+
+    events = glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    missing = [n for n in REQUIRED_METRICS if n not in tags]
+    assert not missing, f"TensorBoard scalars missing {missing}"
+    reward = acc.Scalars("reward/mean")
+    assert sorted({e.step for e in reward}) == list(range(1, NUM_STEPS + 1))
+    want = {r["step"]: r["reward/mean"] for r in records if "reward/mean" in r}
+    for e in reward:                     # the TB values are the JSONL values (float32)
+        assert np.isclose(e.value, want[e.step], rtol=1e-6, atol=1e-7), (e.step, e.value)
+
+    samples, problems = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
+    assert not problems, problems
+    assert {s["step"] for s in samples} == set(range(SAMPLES_EVERY, NUM_STEPS + 1,
+                                                     SAMPLES_EVERY))
+    for s in samples:
+        assert isinstance(s["prompt"], str) and s["prompt"]
+        assert isinstance(s["completion"], str)
+        assert isinstance(s["reward"], float) and math.isfinite(s["reward"])
+        assert isinstance(s["version"], int) and 0 <= s["version"] < s["step"]
+
+
+def test_report_writes_page_and_non_blank_pngs(run):
+    proc, run_dir, env = run
+    _ok(proc)
+    rep = subprocess.run(_rlflow() + ["report", run_dir], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    page = rep.stdout.strip().splitlines()[-1]
+    assert page == os.path.join(run_dir, "report", "report.html") and os.path.isfile(page)
+    html = open(page, encoding="utf-8").read()
+    assert html.count("data:image/png;base64,") == len(PLOTS)
+    md = open(os.path.join(run_dir, "report", "report.md"), encoding="utf-8").read()
+    for name in PLOTS:
+        assert f"plots/{name}.png" in md
+        path = os.path.join(run_dir, "report", "plots", f"{name}.png")
+        with Image.open(path) as im:
+            assert im.format == "PNG"
+            rgb = np.asarray(im.convert("RGB"), dtype=np.float64)
+        height, width, _ = rgb.shape
+        assert width >= 640 and height >= 400, (name, width, height)
+        # Not blank: many pixels differ from the most common (background) colour.
+        flat = rgb.reshape(-1, 3)
+        colours, counts = np.unique(flat, axis=0, return_counts=True)
+        background = colours[counts.argmax()]
+        drawn = (np.abs(flat - background).max(axis=-1) > 30).mean()
+        assert drawn > 0.01, f"{name}: only {drawn:.4f} of the pixels differ from background"
+        assert len(colours) > 20, f"{name}: {len(colours)} colours"
