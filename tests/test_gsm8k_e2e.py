@@ -96,6 +96,10 @@ def test_three_steps_end_to_end(gsm8k_run):
         assert 0.0 <= m["reward/min"] <= m["reward/mean"] <= m["reward/max"] <= 1.0
     model_cfg = json.load(open(os.path.join(model_dir, "config.json")))
     assert model_cfg["vocab_size"] == vocab          # the model's vocab is the tokenizer's
+    # the sampler reports its reward-failure counters (a raising verifier is never silent)
+    counts = [m["reward/errors/math_verify"] for m in by_step.values()
+              if "reward/errors/math_verify" in m]
+    assert counts and all(c == 0 for c in counts), counts
 
 
 def test_rewards_go_through_math_verify(gsm8k_run):

@@ -85,14 +85,14 @@ def test_async_run_completes_within_staleness_bound(env, tmp_path):
 
 
 def test_sync_mode_two_learner_devices_sleeping_sampler(env, tmp_path):
-    """Sync mode (k = 0), the learner on 2 fake devices (fsdp), weights through the orbax
-    folder fallback, and a sampler that frees its KV cache whenever it waits: every consumed
+    """Sync mode (k = 0), the learner on 2 fake devices (fsdp) and the sampler on 1, weights
+    through jax.experimental.transfer gathered on one device, and a sampler that frees its KV cache whenever it waits: every consumed
     sample is version-current, so the sampler kept generating with the last synced weights
     after each free."""
     proc, run = _train(env, tmp_path, "sync", "--learner.num_steps", "4",
                        "--runtime.mode", "sync", "--runtime.max_staleness", "0",
                        "--runtime.sampler_sleep", "True", "--learner.num_devices", "2",
-                       "--learner.mesh.fsdp", "2", "--runtime.weight_transfer", "orbax")
+                       "--learner.mesh.fsdp", "2", "--runtime.transfer_layout", "single_device")
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_step = _steps(run)
     assert sorted(by_step) == [1, 2, 3, 4]
@@ -205,10 +205,12 @@ def _samples_by_step(run):
 
 def test_sync_resume_continues_exactly(env, tmp_path):
     """Stop after step 3 and resume to 6: the same prompts, completions and versions per
-    step, and the same final parameters, as an uninterrupted run (sync mode, CPU)."""
+    step, and the same final parameters, as an uninterrupted run (sync mode, CPU; weights
+    through the orbax folder fallback, so that path runs end to end too)."""
     from rlflow.checkpoint import Checkpointer, checkpoint_dir
 
     common = ["--runtime.mode", "sync", "--runtime.max_staleness", "0",
+              "--runtime.weight_transfer", "orbax",
               "--metrics.samples_every", "1", "--metrics.num_samples", "64"]
     ref, ref_run = _train(env, tmp_path, "ref", "--learner.num_steps", "6", *common)
     assert ref.returncode == 0, ref.stderr[-3000:]

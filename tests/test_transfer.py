@@ -1,8 +1,10 @@
 """Weight transfer (jax.experimental.transfer + coordinator) and the orbax folder fallback.
 
-The two-process test runs this file as a script for the learner side (``python
-tests/test_transfer.py learner``) with 2 fake CPU devices; the pytest process (4 fake
-devices) is the sampler.
+The two-process tests run this file as a script for the learner side (``python
+tests/test_transfer.py learner [DEVICES [LAYOUT]]``, default 2 fake CPU devices) with the
+pytest process (4 fake devices) as the sampler, or with a second script process as the
+sampler (``python tests/test_transfer.py sampler DEVICES ADDRESS OUT_DIR``) when the sampler
+needs a device count of its own.
 """
 
 import os
@@ -25,7 +27,7 @@ def expected(version):
     }
 
 
-def learner_peer():
+def learner_peer(devices=PEER_DEVICES, layout="native"):
     """The learner process: publish v1, then v2 on "next", exit on "quit"."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -33,7 +35,7 @@ def learner_peer():
     from rlflow.exchange.coordinator import Coordinator
     from rlflow.exchange.transfer import WeightPublisher
 
-    assert len(jax.devices()) == PEER_DEVICES
+    assert len(jax.devices()) == devices
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
     shard = {"embed": P("fsdp", None), "w": P(None, "fsdp")}
 
@@ -42,9 +44,9 @@ def learner_peer():
         put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
         return {"embed": put(e["embed"], shard["embed"]),
                 "layers": [{"w": put(layer["w"], shard["w"])} for layer in e["layers"]],
-                "scale": jax.device_put(e["scale"], jax.devices()[1])}
+                "scale": jax.device_put(e["scale"], jax.devices()[-1])}
 
-    pub = WeightPublisher(pull_timeout_s=60)
+    pub = WeightPublisher(pull_timeout_s=60, layout=layout)
     coord = Coordinator(pub).start()
     pub.publish(1, params(1))
     print("READY", coord.address, flush=True)
@@ -57,8 +59,41 @@ def learner_peer():
     coord.close()
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["learner"]:
-    learner_peer()
+def sampler_peer(devices, address, out_dir):
+    """A sampler process with its own device count: on "pull", poll the coordinator, lay the
+    weights onto a mesh over all its devices, save them to ``OUT_DIR/v<version>.npz`` and
+    print "PULLED <version> <devices of each leaf>"; exit on "quit"."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from rlflow.exchange.transfer import WeightSubscriber
+
+    assert len(jax.devices()) == devices
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    target = {"embed": s("data"), "layers": [{"w": s(None, "data")}, {"w": s()}],
+              "scale": s()}
+    sub = WeightSubscriber(address, consumer_id=f"sampler-{devices}", target=target,
+                           timeout_s=60, retries=0)
+    for line in sys.stdin:
+        if line.strip() == "pull":
+            v, params = sub.poll()
+            flat = {jax.tree_util.keystr(p): x for p, x in
+                    jax.tree_util.tree_flatten_with_path(params)[0]}
+            np.savez(os.path.join(out_dir, f"v{v}.npz"),
+                     **{k: np.asarray(x) for k, x in flat.items()})
+            counts = sorted({len(x.sharding.device_set) for x in flat.values()})
+            print("PULLED", v, *counts, flush=True)
+        elif line.strip() == "quit":
+            break
+    sub.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["learner"]:
+    learner_peer(*[int(a) if a.isdigit() else a for a in sys.argv[2:]])
+    sys.exit(0)
+if __name__ == "__main__" and sys.argv[1:2] == ["sampler"]:
+    sampler_peer(int(sys.argv[2]), *sys.argv[3:])
     sys.exit(0)
 
 import jax  # noqa: E402  (the peer sets its device count through the environment first)
@@ -91,12 +126,29 @@ def assert_params_equal(got, want, target):
         assert g.sharding == t
 
 
+def _peer(role, devices, *args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.Popen([sys.executable, __file__, role, str(devices), *map(str, args)],
+                            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _say(peer, line):
+    peer.stdin.write(line + "\n")
+    peer.stdin.flush()
+
+
+def _stop(*peers):
+    for p in peers:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.slow
 def test_two_processes_pull_two_versions():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={PEER_DEVICES}")
-    peer = subprocess.Popen([sys.executable, __file__, "learner"], cwd=REPO, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    peer = _peer("learner", PEER_DEVICES)
     try:
         line = peer.stdout.readline().split()
         assert line[:1] == ["READY"], line
@@ -119,9 +171,42 @@ def test_two_processes_pull_two_versions():
         peer.stdin.flush()
         assert peer.wait(60) == 0
     finally:
-        if peer.poll() is None:
-            peer.kill()
-            peer.wait()
+        _stop(peer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner_devices,sampler_devices,layout", [
+    (2, 1, "single_device"),  # fewer sampler devices (aborted the sampler before the fix)
+    (1, 2, "native"),         # more sampler devices
+])
+def test_different_device_counts_pull_two_versions(tmp_path, learner_devices,
+                                                   sampler_devices, layout):
+    """Learner and sampler as two script processes with different device counts: both
+    versions arrive equal to the oracle, laid onto all of the sampler's devices."""
+    learner, sampler = _peer("learner", learner_devices, layout), None
+    try:
+        line = learner.stdout.readline().split()
+        assert line[:1] == ["READY"], line
+        sampler = _peer("sampler", sampler_devices, line[1], tmp_path)
+        for v in (1, 2):
+            if v == 2:
+                _say(learner, "next")
+                assert learner.stdout.readline().split() == ["PUBLISHED", "2"]
+            _say(sampler, "pull")
+            # a process abort shows up here as an empty line
+            assert sampler.stdout.readline().split() == ["PULLED", str(v),
+                                                         str(sampler_devices)]
+            got = np.load(tmp_path / f"v{v}.npz")
+            want = expected(v)
+            np.testing.assert_array_equal(got["['embed']"], want["embed"])
+            for i in range(2):
+                np.testing.assert_array_equal(got[f"['layers'][{i}]['w']"], want["layers"][i]["w"])
+            np.testing.assert_array_equal(got["['scale']"], want["scale"])
+        _say(sampler, "quit")
+        _say(learner, "quit")
+        assert sampler.wait(60) == 0 and learner.wait(60) == 0
+    finally:
+        _stop(learner, sampler)
 
 
 # ----------------------------------------------------------------- in-process pieces
@@ -224,7 +309,7 @@ def test_single_device_layout_reaches_a_one_device_sampler(learner):
     pub, coord = learner(layout="single_device")
     pub.publish(1, sharded_params(1, devices=4))
     one = jax.devices()[2:3]
-    with pytest.raises(layout_lib.LayoutError, match="this process has 1 devices"):
+    with pytest.raises(layout_lib.LayoutError, match="this process has 1 devices.*runtime.transfer_layout"):
         layout_lib.pull_avals(layout_lib.describe(
             *layout_lib.flatten(sharded_params(1))[:2]), one)
     sub = WeightSubscriber(coord.address, consumer_id="s0", devices=one, timeout_s=30)
@@ -275,3 +360,23 @@ def test_orbax_fallback_round_trip(tmp_path):
     pub.close()
     assert OrbaxWeightPublisher(run).version == 3
     sub.close()
+
+
+def test_subscriber_matches_the_publishers_transport_count(learner):
+    """A puller whose transfer server has fewer bulk transports than the publisher's would
+    abort: the subscriber starts its server with the advertised count, and restarts it for
+    a publisher with more."""
+    one = jax.devices()[:1]
+    pub1, coord1 = learner(transports=1, layout="single_device")
+    pub3, coord3 = learner(transports=3, layout="single_device")
+    pub1.publish(1, sharded_params(1))
+    pub3.publish(2, sharded_params(2))
+    sub = WeightSubscriber(coord1.address, consumer_id="s0", devices=one, timeout_s=30)
+    offers = [CoordinatorClient(c.address, consumer_id="s1").latest(-1) for c in (coord1, coord3)]
+    assert [o["transports"] for o in offers] == [1, 3]
+    for offer, v, transports in zip(offers, (1, 2), (1, 3)):
+        arrays = sub.pull(offer)
+        assert sub.transports == transports
+        np.testing.assert_array_equal(np.asarray(arrays[0]), expected(v)["embed"])
+    with pytest.raises(WeightTransferError, match="transports=None, expected an int"):
+        sub.pull(dict(offers[0], transports=None))

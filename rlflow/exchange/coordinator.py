@@ -3,11 +3,13 @@
 A sampler host asks "latest?" with the version it has; the coordinator answers either
 ``{"version": v}`` (nothing newer) or an *offer*::
 
-    {"version": v, "address": "host:port", "uuid": u, "layout": {...}}
+    {"version": v, "address": "host:port", "uuid": u, "layout": {...}, "transports": n}
 
 for which the publisher has just registered one ``TransferServer.await_pull(u, ...)``:
 one uuid per consumer per version (per attempt), since each ``await_pull`` serves exactly
-one pull. ``layout`` is :func:`rlflow.exchange.layout.describe` of the published arrays.
+one pull. ``layout`` is :func:`rlflow.exchange.layout.describe` of the published arrays;
+``transports`` is the publisher's count of bulk-transport sockets (the puller's transfer
+server needs at least as many, see :mod:`rlflow.exchange.transfer`).
 The coordinator binds 127.0.0.1 unless configured; off loopback it requires the shared token.
 """
 

@@ -100,7 +100,7 @@ def pull_avals(layout: dict, devices: Sequence[jax.Device] | None = None) -> lis
                 f"the published layout uses device positions up to {max(m['devices'])} (mesh "
                 f"{dict(zip(m['axes'], m['shape']))}) but this process has {len(devices)} "
                 "devices: give the subscriber at least as many devices or publish with "
-                "layout='single_device'")
+                "layout='single_device' (runtime.transfer_layout=\"single_device\")")
         devs = np.array([devices[i] for i in m["devices"]], dtype=object).reshape(m["shape"])
         meshes.append(Mesh(devs, tuple(m["axes"])))
     out = []

@@ -17,6 +17,12 @@ Facts this code relies on (jax 0.10, checked on CPU across two processes on 127.
   raise :class:`WeightTransferTimeout`, drop the connection and retry with a fresh offer
   (a new uuid).
 * A pull with a different shard layout fails with an error (no silent reshuffle).
+* Each server opens ``transports`` bulk-transport sockets. A connection from a server with
+  *fewer* transports than the server it pulls from aborts the pulling process (a failed
+  ``CHECK`` in ``socket_bulk_transport.cc``: ``bind ... Bad file descriptor``), whatever the
+  device counts; equal or more is fine. So the publisher advertises its count in every
+  offer and the subscriber's own server is started (or restarted) with at least that many
+  (:func:`_start_server`). Device counts only matter for the layout (``layout.pull_avals``).
 
 Speed (``benchmarks/weight_transfer.py``, 2-core CPU host, loopback): the pull runs near
 the host's single-stream loopback TCP rate (~1.3 GB/s raw sockets here), so
@@ -59,12 +65,16 @@ class WeightTransferTimeout(WeightTransferError, TimeoutError):
     """One pull did not complete within the watchdog's timeout."""
 
 
-def _start_server(bind_address: str):
-    # One bulk-transport address per local device of the process (fewer aborts the process).
+def _start_server(bind_address: str, transports: int | None = None):
+    """A transfer server with ``transports`` bulk-transport sockets (default: one per local
+    device). A puller needs at least as many as the server it pulls from (module doc)."""
     host = bind_address if ":" not in bind_address else f"[{bind_address.strip('[]')}]"
     devices = jax.local_devices()
+    n = len(devices) if transports is None else transports
+    if n < 1:
+        raise ValueError(f"a transfer server needs >= 1 transports, got {n}")
     return jax_transfer.start_transfer_server(devices[0].client, f"{host}:0",
-                                              [f"{host}:0"] * len(devices))
+                                              [f"{host}:0"] * n), n
 
 
 class WeightPublisher:
@@ -78,15 +88,18 @@ class WeightPublisher:
       copy: publish a device copy (needed when the train step donates the params).
       layout: "native" (the learner's shardings; the sampler needs as many devices) or
         "single_device" (gathered onto the first local device: any sampler can pull).
+      transports: bulk-transport sockets of the server (default: one per local device);
+        advertised in every offer so that subscribers match it.
     """
 
     def __init__(self, *, bind_address: str = "127.0.0.1", advertise_host: str | None = None,
-                 pull_timeout_s: float = 120.0, copy: bool = True, layout: str = "native"):
+                 pull_timeout_s: float = 120.0, copy: bool = True, layout: str = "native",
+                 transports: int | None = None):
         if layout not in ("native", "single_device"):
             raise ValueError(f"layout must be 'native' or 'single_device', got {layout!r}")
         self.pull_timeout_s, self.copy, self.layout = pull_timeout_s, copy, layout
         self._devices = jax.local_devices()
-        self._server = _start_server(bind_address)
+        self._server, self.transports = _start_server(bind_address, transports)
         port = self._server.address().rsplit(":", 1)[1]
         if advertise_host is None:
             wildcard = bind_address in ("0.0.0.0", "::", "[::]", "*")
@@ -132,7 +145,8 @@ class WeightPublisher:
             self._server.await_pull(uuid, leaves, timeout=deadline)
             self.offers += 1
         log.info("weights: offered version %d to %s (uuid %d)", version, consumer, uuid)
-        return {"version": version, "address": self.address, "uuid": uuid, "layout": desc}
+        return {"version": version, "address": self.address, "uuid": uuid, "layout": desc,
+                "transports": self.transports}
 
 
 class WeightSubscriber:
@@ -157,7 +171,8 @@ class WeightSubscriber:
                  request_timeout_s: float = 30.0):
         self.target, self.timeout_s, self.retries = target, timeout_s, retries
         self._devices = list(jax.local_devices() if devices is None else devices)
-        self._server = _start_server(bind_address)
+        self._bind_address = bind_address
+        self._server, self.transports = None, 0  # started at the first pull (_connect)
         self._coord = CoordinatorClient(coordinator_address, consumer_id=consumer_id,
                                         token=token, timeout_s=request_timeout_s)
         self._connections: dict[str, Any] = {}
@@ -174,6 +189,9 @@ class WeightSubscriber:
         Raises:
           WeightTransferError: every attempt (1 + ``retries``) failed; chained to the last
             error (a :class:`WeightTransferTimeout` or the runtime's error).
+          layout.LayoutError: this process has fewer devices than the published layout
+            uses (set ``runtime.transfer_layout="single_device"``), or ``target`` does not
+            match the published leaves.
           wire.PeerTimeoutError / wire.PeerRefusedError: from the coordinator.
         """
         last: BaseException | None = None
@@ -222,6 +240,7 @@ class WeightSubscriber:
         Raises:
           WeightTransferTimeout: not complete in time (e.g. no ``await_pull`` for the uuid).
           layout.LayoutError: this process lacks the devices the layout needs.
+          WeightTransferError: the offer does not say how many transports the publisher has.
           jax.errors.JaxRuntimeError: the transfer itself failed.
         """
         arrays = self._pull_async(offer)
@@ -231,12 +250,30 @@ class WeightSubscriber:
     def _pull_async(self, offer: dict) -> list[jax.Array]:
         """Start the pull; the arrays become ready as their bytes arrive."""
         avals = layout_lib.pull_avals(offer["layout"], self._devices)
-        address = offer["address"]
+        conn = self._connect(offer)
         self._t_pull = time.perf_counter()
+        return conn.pull(offer["uuid"], avals)
+
+    def _connect(self, offer: dict):
+        """The connection to the offer's server, from a local server with at least as many
+        bulk transports as the publisher advertises (fewer would abort this process)."""
+        address, need = offer["address"], offer.get("transports")
+        if not isinstance(need, int) or isinstance(need, bool) or need < 1:
+            raise WeightTransferError(
+                f"offer of version {offer['version']} from {address} has transports={need!r}, "
+                "expected an int >= 1: the learner runs an older rlflow.exchange.transfer")
+        if self._server is None or need > self.transports:
+            if self._server is not None:
+                log.info("weights: publisher %s has %d transports, this server %d: restarting "
+                         "it with %d", address, need, self.transports, need)
+            self._connections.clear()
+            self._server = None  # drop the old server before binding the new one
+            self._server, self.transports = _start_server(
+                self._bind_address, max(need, len(self._devices)))
         conn = self._connections.get(address)
         if conn is None:
             conn = self._connections[address] = self._server.connect(address)
-        return conn.pull(offer["uuid"], avals)
+        return conn
 
     def _await(self, arrays: list[jax.Array], offer: dict, timeout_s: float,
                on_ready=None) -> None:

@@ -224,6 +224,8 @@ class SamplerProgram:
         metrics["sync/sampler_pause_s"] = self.pause_s
         metrics["sampler/instance"] = float(self.control.instance)
         metrics["sampler/rejected_groups"] = float(self.rejected)
+        # reward functions that raised or timed out (scored 0): counted, never silent
+        metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
         reply = self.control.status(
             version=self.version,
             prompts_started=self.prompts_started,
