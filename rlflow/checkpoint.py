@@ -7,6 +7,9 @@ item           orbax handler        contents
 =============  ===================  ==========================================================
 ``params``     ``StandardSave``     the policy parameters (``nnx.State`` or any pytree of arrays)
 ``opt_state``  ``StandardSave``     the optax state (its ``count`` is the optimiser step)
+``value``      ``StandardSave``     the PPO value head (``learner.advantage="gae"``), only when
+                                    there is one: kept out of ``params`` so that ``params``
+                                    stays the policy alone (what ``rlflow export`` writes)
 ``progress``   ``JsonSave``         step, policy version, RNG keys (raw ``uint32`` key data and
                                     the key implementation), loop counters (``extra``)
 ``data``       ``JsonSave``         the prompt iterator state (grain ``get_state()``: a dict, or
@@ -52,7 +55,8 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 from rlflow.config import CheckpointConfig
 
 PyTree = Any
-ITEMS = ("params", "opt_state", "progress", "data", "meta")
+ITEMS = ("params", "opt_state", "value", "progress", "data", "meta")
+ARRAY_ITEMS = ("params", "opt_state", "value")
 FORMAT_VERSION = 1
 _BYTES_KEY = "__bytes_base64__"
 
@@ -70,6 +74,8 @@ class LearnerCheckpoint:
       params: policy parameters, a pytree of ``jax.Array`` (``nnx.State`` from
         ``nnx.split(model, nnx.Param)``).
       opt_state: optax state (``None``: not saved / not restored).
+      value: PPO value head parameters (``nnx.State``, :mod:`rlflow.learner.value`), or
+        ``None`` (group estimators: nothing saved).
       rngs: named PRNG keys, typed (``jax.random.key``) or raw ``uint32`` (``PRNGKey``);
         each must be fully replicated (the same on every host).
       data_state: prompt iterator state from grain's ``get_state()`` (dict or bytes), or None.
@@ -81,6 +87,7 @@ class LearnerCheckpoint:
     step: int
     params: PyTree
     opt_state: PyTree = None
+    value: PyTree = None
     rngs: Mapping[str, jax.Array] = field(default_factory=dict)
     data_state: Any = None
     policy_version: Optional[int] = None
@@ -256,7 +263,7 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint folder at {self.directory}")
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for name in ITEMS:
-            arrays = name in ("params", "opt_state")
+            arrays = name in ARRAY_ITEMS
             handler = ocp.StandardCheckpointHandler() if arrays else ocp.JsonCheckpointHandler()
             registry.add(name, ocp.args.StandardSave if arrays else ocp.args.JsonSave, handler)
             registry.add(name, ocp.args.StandardRestore if arrays else ocp.args.JsonRestore,
@@ -325,6 +332,8 @@ class Checkpointer:
                 "meta": ocp.args.JsonSave(dict(ckpt.metadata) or run_metadata())}
         if ckpt.opt_state is not None:
             args["opt_state"] = ocp.args.StandardSave(ckpt.opt_state)
+        if ckpt.value is not None:
+            args["value"] = ocp.args.StandardSave(ckpt.value)
         return self._manager.save(ckpt.step, args=ocp.args.Composite(**args),
                                   metrics=metrics if metric else None, force=True)
 
@@ -384,7 +393,8 @@ class Checkpointer:
                                   f"arrays {missing[:8]}")
 
     def restore(self, step: Optional[int] = None, *, params_target: PyTree = None,
-                opt_state_target: PyTree = None, restore_opt_state: bool = True
+                opt_state_target: PyTree = None, restore_opt_state: bool = True,
+                value_target: PyTree = None, restore_value: bool = True
                 ) -> LearnerCheckpoint:
         """Restore checkpoint ``step`` (default: the latest).
 
@@ -394,10 +404,15 @@ class Checkpointer:
             shardings are used). None reads ``params`` as host ``numpy`` arrays in a nested
             dict (what export needs) and ``opt_state`` onto the host CPU device.
           restore_opt_state: False skips the optimiser state (export, evaluation).
+          value_target: target of the PPO value head, as ``params_target``; given, the
+            checkpoint must hold a ``value`` item.
+          restore_value: False skips the value head. A checkpoint without one restores
+            ``value=None`` when no ``value_target`` is given.
 
         Raises:
-          CheckpointError: no such step, or a target's tree or shapes differ from what
-            was saved (names the array).
+          CheckpointError: no such step, a target's tree or shapes differ from what
+            was saved (names the array), or ``value_target`` is given but the checkpoint
+            has no value head (saved by a run without ``learner.advantage="gae"``).
         """
         step = self._step_or_latest(step)
         saved_items = self._manager.item_metadata(step)
@@ -407,6 +422,13 @@ class Checkpointer:
                 "meta": ocp.args.JsonRestore()}
         if want_opt:
             args["opt_state"] = self._array_restore_args(step, "opt_state", opt_state_target)
+        want_value = restore_value and saved_items.get("value") is not None
+        if restore_value and value_target is not None and not want_value:
+            raise CheckpointError(
+                f"{self.directory}/{step}: has no 'value' item, but a PPO value head is "
+                f"restored (learner.advantage='gae'); this checkpoint was saved without one")
+        if want_value:
+            args["value"] = self._array_restore_args(step, "value", value_target)
         got = self._manager.restore(step, args=ocp.args.Composite(**args))
         progress = got["progress"]
         params = got["params"]
@@ -415,6 +437,7 @@ class Checkpointer:
         return LearnerCheckpoint(
             step=progress["step"], params=params,
             opt_state=got["opt_state"] if want_opt else None,
+            value=got["value"] if want_value else None,
             rngs=_decode_rngs(progress.get("rngs", {})),
             data_state=_decode_data_state(got["data"]),
             policy_version=progress["policy_version"], extra=progress.get("extra", {}),
@@ -447,17 +470,22 @@ def _path_name(path) -> str:
 
 
 def resume(checkpointer: Checkpointer, *, params_target: PyTree,
-           opt_state_target: PyTree = None) -> Optional[LearnerCheckpoint]:
+           opt_state_target: PyTree = None, value_target: PyTree = None
+           ) -> Optional[LearnerCheckpoint]:
     """The automatic resume: the latest checkpoint, or None to start fresh.
 
     Returns None when ``checkpoint.resume == "never"`` or the folder has no complete
     checkpoint; otherwise the restored :class:`LearnerCheckpoint` whose ``step`` is the
     last completed step (the loop continues at ``step + 1``, with ``data_state`` given
     to the iterator's ``set_state`` and ``rngs`` replacing the fresh keys).
+    ``value_target`` (PPO): the value head's target; the checkpoint must hold one.
+
+    Raises: CheckpointError as :meth:`Checkpointer.restore`.
     """
     if checkpointer.cfg.resume == "never" or checkpointer.latest_step() is None:
         return None
-    return checkpointer.restore(params_target=params_target, opt_state_target=opt_state_target)
+    return checkpointer.restore(params_target=params_target, opt_state_target=opt_state_target,
+                                value_target=value_target)
 
 
 def restore_params(directory: str, step: Optional[int] = None, *, target: PyTree = None
@@ -473,7 +501,8 @@ def restore_params(directory: str, step: Optional[int] = None, *, target: PyTree
     """
     ckpt = Checkpointer(directory, read_only=True)
     try:
-        restored = ckpt.restore(step, params_target=target, restore_opt_state=False)
+        restored = ckpt.restore(step, params_target=target, restore_opt_state=False,
+                                restore_value=False)
     finally:
         ckpt.close()
     return restored.step, restored.params, dict(restored.metadata)

@@ -200,3 +200,115 @@ def test_experiment_checks_micro_batches_and_overlong_buffer():
                                                mesh=MeshConfig(fsdp=4)))
     with pytest.raises(ConfigError, match="learner.overlong_buffer"):
         ExperimentConfig(learner=LearnerConfig(overlong_buffer=100))
+
+
+# ------------------------------------------------------------- host (numpy) path = jnp reference
+
+@pytest.mark.parametrize("estimator,scale", [("grpo", None), ("grpo", False), ("drgrpo", None),
+                                             ("rloo", None), ("rloo", True)])
+def test_host_advantages_equal_jnp_reference(estimator, scale):
+    """The xp=numpy path of every reward-level function equals the jnp default on random
+    rewards (with all-equal groups), lengths and truncation flags."""
+    import jax.numpy as jnp
+    from rlflow.learner import advantages as adv
+
+    rng = np.random.default_rng(3)
+    for n, g in ((5, 8), (3, 2), (16, 4)):
+        r = rng.normal(size=(n, g)).astype(np.float32) * rng.choice([0.01, 1.0, 30.0])
+        r[0] = 0.35                                                # zero-variance group
+        r[-1] = rng.integers(0, 2, size=g)                         # 0/1 rewards
+        got = adv.group_advantages(r, estimator=estimator, scale_by_std=scale, xp=np)
+        ref = np.asarray(adv.group_advantages(r, estimator=estimator, scale_by_std=scale))
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-6)
+        assert (got[0] == 0).all()
+        lengths = rng.integers(1, 13, size=(n, g))
+        for buf, factor in ((4, 1.0), (12, 0.5), (1, 2.0)):
+            got = adv.overlong_penalty(lengths, max_tokens=12, buffer=buf, factor=factor, xp=np)
+            ref = adv.overlong_penalty(lengths, max_tokens=12, buffer=buf, factor=factor)
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-6)
+        trunc = rng.random((n, g)) < 0.3
+        np.testing.assert_array_equal(adv.zero_truncated_rewards(r, trunc, xp=np),
+                                      np.asarray(adv.zero_truncated_rewards(r, trunc)))
+        np.testing.assert_array_equal(adv.groups_with_signal(r, xp=np),
+                                      np.asarray(adv.groups_with_signal(jnp.asarray(r))))
+    bad = np.ones((2, 3), np.float32)
+    bad[1, 2] = np.nan
+    for xp in (np, jnp):
+        with pytest.raises(ValueError, match="group 1, sample 2"):
+            adv.group_advantages(bad, estimator=estimator, scale_by_std=scale, xp=xp)
+
+
+def test_host_positions_equal_positions_from_mask():
+    from rlflow.learner.batch import host_positions
+    from rlflow.models.decoder import positions_from_mask
+
+    rng = np.random.default_rng(0)
+    mask = np.zeros((16, 12), bool)
+    for i in range(16):
+        a = rng.integers(0, 12)
+        mask[i, a:rng.integers(a, 13)] = True
+    got = host_positions(mask)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(positions_from_mask(mask)))
+
+
+def _row_oracle(records, keep, adv, shaped, b_rows, seq, pad=0):
+    """Plain per-row loop (the layout of the module docstring), for the vectorised builder."""
+    g = len(records[0]["rewards"])
+    p_max = max(len(r["prompt_tokens"]) for r in records)
+    out = {k: np.zeros((b_rows, seq), t) for k, t in
+           (("tokens", np.int32), ("attn", bool), ("loss", bool), ("mu", np.float32),
+            ("adv", np.float32), ("rew", np.float32))}
+    out["attn"][:, 0] = True
+    for i, rec in enumerate(records):
+        p = list(rec["prompt_tokens"])
+        for s in range(g):
+            row, n = i * g + s, int(rec["completion_lengths"][s])
+            seq_toks = p + list(rec["completion_tokens"][s, :n])
+            start = p_max - len(p)
+            out["tokens"][row, start:start + len(seq_toks)] = seq_toks
+            out["attn"][row] = False
+            out["attn"][row, start:start + len(seq_toks)] = True
+            for t in range(n):
+                out["loss"][row, p_max - 1 + t] = keep[i, s]
+                out["mu"][row, p_max - 1 + t] = rec["behaviour_logprobs"][s, t]
+                out["adv"][row, p_max - 1 + t] = adv[i, s] if keep[i, s] else 0.0
+            out["rew"][row, p_max - 2 + n] = shaped[i, s] if keep[i, s] else 0.0
+    return out
+
+
+def test_random_batch_matches_per_row_oracle():
+    """Random prompts/completions of different widths, truncation, staleness drops and
+    zero-variance groups: every array equals the per-row loop."""
+    from rlflow.learner import advantages as adv
+
+    rng = np.random.default_rng(7)
+    g, n_rec = 4, 5
+    recs = []
+    for i in range(n_rec):
+        width = int(rng.integers(3, 7))
+        comps = [list(rng.integers(1, 50, size=rng.integers(1, width + 1))) for _ in range(g)]
+        rewards = rng.integers(0, 2, size=g).astype(np.float32) if i != 2 else np.ones(g)
+        versions = rng.integers(3, 6, size=g)
+        recs.append(record(rng.integers(1, 50, size=rng.integers(1, 5)), comps, rewards,
+                           truncated=rng.random(g) < 0.3, versions=versions, pid=i, width=width))
+    sp = spec(group_size=g, num_rows=24, seq_buckets=(16,), estimator="grpo",
+              mask_truncated=True, dynamic_sampling=True, max_staleness=1)
+    batch, info = build_batch(recs, sp, learner_version=5)
+    rewards = np.stack([r["rewards"] for r in recs]).astype(np.float32)
+    stale = np.stack([5 - r["policy_versions"].max(axis=1) for r in recs])
+    keep = (stale <= 1) & ~np.stack([r["truncated"] for r in recs]) & \
+        (rewards.max(1) > rewards.min(1))[:, None]
+    assert 0 < keep.sum() < keep.size
+    a = np.asarray(adv.group_advantages(rewards, estimator="grpo"))
+    want = _row_oracle(recs, keep, a, rewards, 24, 16)
+    np.testing.assert_array_equal(batch.tokens, want["tokens"])
+    np.testing.assert_array_equal(batch.attention_mask, want["attn"])
+    np.testing.assert_array_equal(batch.loss_mask, want["loss"])
+    np.testing.assert_array_equal(batch.behaviour_logprobs, want["mu"])
+    np.testing.assert_allclose(batch.advantages, want["adv"], rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(batch.token_rewards, want["rew"])
+    np.testing.assert_array_equal(batch.targets[:, :-1], want["tokens"][:, 1:])
+    assert info["batch/loss_samples"] == keep.sum()

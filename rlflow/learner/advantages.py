@@ -3,6 +3,12 @@
 Pure ``jax.numpy`` functions (they accept numpy arrays too). Shapes: ``N`` groups, ``G``
 samples per group, ``B`` samples, ``T`` response tokens.
 
+Host path: the reward-level functions (:func:`group_advantages`, :func:`zero_truncated_rewards`,
+:func:`overlong_penalty`, :func:`groups_with_signal`) take ``xp=numpy`` to run the same code on
+numpy arrays (returning numpy): the batch builder uses it, since a handful of eager ``jnp``
+dispatches on ``[N, G]`` arrays costs milliseconds of learner host time per step. The
+``jnp`` path (the default) is the tested reference; the numpy path is tested equal to it.
+
 Numerics: group statistics are computed on rewards shifted by the group's first reward
 (``r - r[:, :1]``). The shift changes no advantage mathematically, but a group whose rewards
 are all equal then has deviations that are exactly 0 in float32, so it gets advantage 0,
@@ -21,7 +27,7 @@ Estimator = Literal["grpo", "drgrpo", "rloo"]
 
 
 def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bool | None = None,
-                     std_floor: float = 1e-6) -> jax.Array:
+                     std_floor: float = 1e-6, xp=jnp) -> jax.Array:
     """Per-sample advantages from the rewards of each group (one prompt's G completions).
 
     With deviations ``d_i = r_i - mean(r)`` and the unbiased group std
@@ -40,6 +46,7 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
       estimator: "grpo", "drgrpo" or "rloo".
       scale_by_std: divide by ``s + std_floor`` (None: estimator's default).
       std_floor: added to the std before dividing (> 0 keeps zero-variance groups finite).
+      xp: array namespace, ``jax.numpy`` (default) or ``numpy`` (host path, numpy result).
 
     Returns:
       ``[N, G]`` float32 advantages; exactly 0 for a group whose rewards are all equal.
@@ -48,7 +55,7 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
       ValueError: rewards not 2-D, unknown estimator, G < 2 where the estimator needs it,
         Dr. GRPO with std scaling, or a non-finite reward (naming group and sample).
     """
-    r = jnp.asarray(rewards, jnp.float32)
+    r = xp.asarray(rewards, xp.float32)
     if r.ndim != 2:
         raise ValueError(f"rewards must be [num_groups, group_size], got shape {r.shape}")
     if estimator not in ("grpo", "drgrpo", "rloo"):
@@ -61,13 +68,13 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
     if (estimator == "rloo" or scale_by_std) and g < 2:
         raise ValueError(f"estimator {estimator!r} (std scaling={scale_by_std}) needs group_size "
                          f">= 2, got {g}")
-    _check_finite(r)
+    _check_finite(r, xp)
     shifted = r - r[:, :1]
-    dev = shifted - jnp.mean(shifted, axis=1, keepdims=True)
-    adv = dev * (g / (g - 1)) if estimator == "rloo" else dev
+    dev = shifted - xp.mean(shifted, axis=1, keepdims=True)
+    adv = dev * xp.float32(g / (g - 1)) if estimator == "rloo" else dev
     if scale_by_std:
-        std = jnp.sqrt(jnp.sum(dev * dev, axis=1, keepdims=True) / (g - 1))
-        adv = adv / (std + std_floor)
+        std = xp.sqrt(xp.sum(dev * dev, axis=1, keepdims=True) / xp.float32(g - 1))
+        adv = adv / (std + xp.float32(std_floor))
     return adv
 
 
@@ -86,33 +93,35 @@ def flat_group_advantages(rewards, group_size: int, **kwargs) -> jax.Array:
     return group_advantages(r.reshape(-1, group_size), **kwargs).reshape(-1)
 
 
-def _check_finite(r) -> None:
+def _check_finite(r, xp=jnp) -> None:
     try:
-        bad = ~jnp.isfinite(r)
-        if bool(jnp.any(bad)):
-            n, i = (int(x) for x in jnp.argwhere(bad)[0])
+        bad = ~xp.isfinite(r)
+        if bool(xp.any(bad)):
+            n, i = (int(x) for x in xp.argwhere(bad)[0])
             raise ValueError(f"non-finite reward {float(r[n, i])} at group {n}, sample {i}")
     except jax.errors.ConcretizationTypeError:
         pass  # traced inside jit: the host-side batch builder checks rewards before this
 
 
-def zero_truncated_rewards(rewards, truncated) -> jax.Array:
+def zero_truncated_rewards(rewards, truncated, *, xp=jnp) -> jax.Array:
     """Rewards with those of truncated completions (cut by ``max_tokens``) set to 0.
 
     Args:
       rewards: ``[...]`` float rewards.
       truncated: ``[...]`` bool, same shape.
+      xp: ``jax.numpy`` (default) or ``numpy`` (host path).
 
     Returns: float32, same shape ([1,0,1,1] with [F,F,T,F] -> [1,0,0,1]).
     """
-    rewards = jnp.asarray(rewards, jnp.float32)
-    truncated = jnp.asarray(truncated, bool)
+    rewards = xp.asarray(rewards, xp.float32)
+    truncated = xp.asarray(truncated, bool)
     if rewards.shape != truncated.shape:
         raise ValueError(f"rewards {rewards.shape} and truncated {truncated.shape} differ in shape")
-    return jnp.where(truncated, 0.0, rewards)
+    return xp.where(truncated, xp.float32(0.0), rewards)
 
 
-def overlong_penalty(lengths, *, max_tokens: int, buffer: int, factor: float = 1.0) -> jax.Array:
+def overlong_penalty(lengths, *, max_tokens: int, buffer: int, factor: float = 1.0,
+                     xp=jnp) -> jax.Array:
     """DAPO soft overlong punishment (Yu et al. 2025, "DAPO", sec. 3.4), times ``factor``.
 
     ``R(y) = 0`` if ``|y| <= L_max - L_cache``; ``((L_max - L_cache) - |y|) / L_cache`` if
@@ -123,28 +132,30 @@ def overlong_penalty(lengths, *, max_tokens: int, buffer: int, factor: float = 1
       max_tokens: ``L_max``.
       buffer: ``L_cache`` (> 0, <= max_tokens).
       factor: scale of the penalty.
+      xp: ``jax.numpy`` (default) or ``numpy`` (host path).
 
     Returns: float32 ``[...]`` penalties in [-factor, 0].
     """
     if not 0 < buffer <= max_tokens:
         raise ValueError(f"overlong buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
-    n = jnp.asarray(lengths, jnp.float32)
-    start = float(max_tokens - buffer)
-    pen = jnp.clip((start - n) / buffer, -1.0, 0.0)
-    return factor * pen
+    n = xp.asarray(lengths, xp.float32)
+    start = xp.float32(max_tokens - buffer)
+    pen = xp.clip((start - n) / xp.float32(buffer), xp.float32(-1.0), xp.float32(0.0))
+    return xp.float32(factor) * pen
 
 
-def groups_with_signal(rewards) -> jax.Array:
+def groups_with_signal(rewards, *, xp=jnp) -> jax.Array:
     """DAPO dynamic sampling filter (Yu et al. 2025, sec. 3.2): keep groups whose rewards differ.
 
     Args:
       rewards: ``[N, G]`` rewards.
+      xp: ``jax.numpy`` (default) or ``numpy`` (host path).
 
     Returns:
       ``[N]`` bool, False for groups with zero reward variance (exact comparison: all equal).
     """
-    r = jnp.asarray(rewards, jnp.float32)
-    return jnp.max(r, axis=1) > jnp.min(r, axis=1)
+    r = xp.asarray(rewards, xp.float32)
+    return xp.max(r, axis=1) > xp.min(r, axis=1)
 
 
 def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):

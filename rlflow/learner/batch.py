@@ -39,7 +39,6 @@ import numpy as np
 
 from rlflow.learner import advantages as adv_lib
 from rlflow.metrics import staleness_histogram
-from rlflow.models.decoder import positions_from_mask
 
 FIELDS_2D = ("completion_tokens", "behaviour_logprobs", "policy_versions")
 FIELDS_1D = ("completion_lengths", "rewards", "truncated")
@@ -129,6 +128,13 @@ def validate_batch(batch: TrainBatch) -> None:
         kind = np.dtype(x.dtype).kind
         if kind != _KINDS[name] and not (_KINDS[name] == "i" and kind == "u"):
             raise BatchError(f"{name} has dtype {x.dtype}, expected kind {_KINDS[name]!r}")
+
+
+def host_positions(attention_mask: np.ndarray) -> np.ndarray:
+    """numpy twin of :func:`rlflow.models.decoder.positions_from_mask` (``[B, T]`` int32,
+    ``cumsum(mask) - 1`` clipped at 0) for the host-side batch: no device dispatch."""
+    pos = np.cumsum(attention_mask, axis=-1, dtype=np.int32) - 1
+    return np.maximum(pos, 0, out=pos)
 
 
 # ------------------------------------------------------------------------ staleness (pure)
@@ -248,24 +254,25 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
                              f" sample {s_bad}: reward is {rewards[n_bad, s_bad]} (expected a "
                              f"finite number; learner.on_bad_reward='drop' drops such groups)")
     good_group = finite.all(axis=1)
-    shaped = np.where(finite, rewards, 0.0).astype(np.float32)
+    # Host path (xp=np) of the tested jnp reference: no device dispatch per step.
+    shaped = np.where(finite, rewards, np.float32(0.0))
     if spec.overlong_buffer > 0:
-        shaped = shaped + np.asarray(adv_lib.overlong_penalty(
+        shaped = shaped + adv_lib.overlong_penalty(
             lengths, max_tokens=spec.max_tokens, buffer=spec.overlong_buffer,
-            factor=spec.overlong_penalty))
+            factor=spec.overlong_penalty, xp=np)
     if spec.zero_truncated_rewards:
-        shaped = np.asarray(adv_lib.zero_truncated_rewards(shaped, truncated))
+        shaped = adv_lib.zero_truncated_rewards(shaped, truncated, xp=np)
     if spec.estimator == "gae":                   # PPO: the step computes advantages (GAE)
         advantages = np.zeros_like(shaped)
     else:
-        advantages = np.asarray(adv_lib.group_advantages(
+        advantages = adv_lib.group_advantages(
             shaped, estimator=spec.estimator, scale_by_std=spec.scale_by_std,
-            std_floor=spec.std_floor))
+            std_floor=spec.std_floor, xp=np)
 
     staleness = np.stack([sample_staleness(r["policy_versions"], r["completion_lengths"],
                                            learner_version) for r in records])
     keep_stale = stale_keep(staleness, spec.max_staleness, spec.stale_policy)
-    signal = np.asarray(adv_lib.groups_with_signal(shaped)) if spec.dynamic_sampling else \
+    signal = adv_lib.groups_with_signal(shaped, xp=np) if spec.dynamic_sampling else \
         np.ones(len(records), bool)
     keep = good_group[:, None] & keep_stale & signal[:, None]
     if spec.mask_truncated:
@@ -286,26 +293,32 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
     behaviour = np.zeros((b_rows, seq), np.float32)
     adv_tok = np.zeros((b_rows, seq), np.float32)
     rew_tok = np.zeros((b_rows, seq), np.float32)
-    attn[:, 0] = True                                   # padding rows: one attended pad token
-    for i, rec in enumerate(records):
+    attn[len(records) * g:, 0] = True                   # padding rows: one attended pad token
+    for i, rec in enumerate(records):                   # prompts, left-padded to p_max
         prompt = np.asarray(rec["prompt_tokens"], np.int32)
-        ct = np.asarray(rec["completion_tokens"], np.int32)
-        mu = np.asarray(rec["behaviour_logprobs"], np.float32)
-        start = p_max - prompt.shape[0]
-        for s in range(g):
-            row, n = i * g + s, int(lengths[i, s])
-            tokens[row, start:p_max] = prompt
-            tokens[row, p_max:p_max + n] = ct[s, :n]
-            attn[row, :] = False
-            attn[row, start:p_max + n] = True
-            # target t predicts token t+1: completion tokens sit at p_max .. p_max+n-1
-            tgt = slice(p_max - 1, p_max - 1 + n)
-            loss_mask[row, tgt] = keep[i, s]
-            behaviour[row, tgt] = mu[s, :n]
-            adv_tok[row, tgt] = advantages[i, s] if keep[i, s] else 0.0
-            rew_tok[row, p_max - 2 + n] = shaped[i, s] if keep[i, s] else 0.0
+        tokens[i * g:(i + 1) * g, p_max - prompt.shape[0]:p_max] = prompt
+        attn[i * g:(i + 1) * g, p_max - prompt.shape[0]:p_max] = True
+    # completions, right-padded: all rows at once ([R, t_max] with R = N * G real rows)
+    rows, t_max = len(records) * g, int(lengths.max())
+    comp = np.zeros((rows, t_max), np.int32)
+    mu = np.zeros((rows, t_max), np.float32)
+    for i, rec in enumerate(records):
+        t = min(t_max, np.shape(rec["completion_tokens"])[1])
+        comp[i * g:(i + 1) * g, :t] = np.asarray(rec["completion_tokens"])[:, :t]
+        mu[i * g:(i + 1) * g, :t] = np.asarray(rec["behaviour_logprobs"])[:, :t]
+    n_flat, keep_flat = lengths.reshape(-1), keep.reshape(-1)
+    real_tok = np.arange(t_max)[None, :] < n_flat[:, None]                 # [R, t_max]
+    tokens[:rows, p_max:p_max + t_max] = np.where(real_tok, comp, spec.pad_id)
+    attn[:rows, p_max:p_max + t_max] = real_tok
+    # target t predicts token t+1: completion tokens sit at p_max .. p_max+n-1
+    tgt = slice(p_max - 1, p_max - 1 + t_max)
+    loss_mask[:rows, tgt] = real_tok & keep_flat[:, None]
+    behaviour[:rows, tgt] = np.where(real_tok, mu, np.float32(0.0))
+    adv_tok[:rows, tgt] = np.where(loss_mask[:rows, tgt], advantages.reshape(-1)[:, None],
+                                   np.float32(0.0))
+    rew_tok[np.arange(rows), p_max - 2 + n_flat] = np.where(keep_flat, shaped.reshape(-1), 0.0)
     targets = np.concatenate([tokens[:, 1:], np.full((b_rows, 1), spec.pad_id, np.int32)], 1)
-    positions = np.asarray(positions_from_mask(attn), np.int32)
+    positions = host_positions(attn)
     if not np.isfinite(behaviour).all():
         r, t = (int(x) for x in np.argwhere(~np.isfinite(behaviour))[0])
         raise BatchError(f"record {r // g}, sample {r % g}: behaviour_logprobs at completion "

@@ -28,7 +28,6 @@ import logging
 import shutil
 import time
 
-import jax
 import numpy as np
 
 from rlflow import checkpoint as ckpt_lib
@@ -38,7 +37,6 @@ from rlflow.exchange.records import policy_version_range
 from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import sample_staleness
-from rlflow.learner.step import TrainState
 from rlflow.learner.trainer import Learner
 from rlflow.metrics import MetricsWriter
 from rlflow.runtime_control import RunCoordinator, decode_state, encode_state
@@ -46,14 +44,6 @@ from rlflow.runtime_control import RunCoordinator, decode_state, encode_state
 log = logging.getLogger("rlflow.learner")
 
 DONE_GRACE_S = 10.0   # seconds the learner waits for the samplers to see "done"
-
-
-def _opt_item(state: TrainState):
-    """What the checkpoint's ``opt_state`` item holds: the optax state, plus the PPO value
-    head when there is one (so ``params`` stays the policy alone, as export expects)."""
-    if state.value is None:
-        return state.opt_state
-    return {"opt_state": state.opt_state, "value": state.value}
 
 
 class _NoOffers:
@@ -135,16 +125,9 @@ class LearnerProgram:
 
     # ------------------------------------------------------------------ set-up pieces
     def _resume(self):
-        st = self.learner.state
-        restored = ckpt_lib.resume(self.checkpointer, params_target=st.params,
-                                   opt_state_target=_opt_item(st))
+        restored = self.learner.resume(self.checkpointer)   # PPO: with its value head
         if restored is None:
             return 0, None
-        step = jax.device_put(np.int32(restored.step), self.learner.shardings.step)
-        opt, value = restored.opt_state, None
-        if st.value is not None:
-            opt, value = opt["opt_state"], opt["value"]
-        self.learner.state = TrainState(step, restored.params, opt, value)
         log.info("resumed from checkpoint step %d", restored.step)
         return restored.step, restored.data_state
 
@@ -170,7 +153,7 @@ class LearnerProgram:
                 self.counts["stale_groups"] += 1
                 return False
         if self.cfg.learner.dynamic_sampling and \
-                not bool(np.asarray(adv_lib.groups_with_signal(group["rewards"][None]))[0]):
+                not adv_lib.groups_with_signal(group["rewards"][None], xp=np)[0]:
             self.counts["zero_variance_groups"] += 1
             return False
         self.counts["accepted"] += 1
@@ -238,7 +221,8 @@ class LearnerProgram:
         if status is None:
             return {}
         out = {k: float(v) for k, v in status.metrics.items()
-               if k.startswith(("sampler/", "sync/")) and isinstance(v, (int, float))}
+               if k.startswith(("sampler/", "sync/", "reward/errors/", "reward/timeouts/"))
+               and isinstance(v, (int, float))}
         swap_v, swap_t = out.get("sync/swap_version"), out.pop("sync/swap_time", None)
         if swap_v is not None and int(swap_v) in self.publisher.publish_time:
             out["sync/weight_sync_s"] = max(0.0, swap_t - self.publisher.publish_time[int(swap_v)])
@@ -263,9 +247,7 @@ class LearnerProgram:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, metrics=None, *, final: bool = False) -> None:
-        st = self.learner.state
-        ck = ckpt_lib.LearnerCheckpoint(
-            step=self.version, params=st.params, opt_state=_opt_item(st),
+        ck = self.learner.checkpoint(
             data_state=decode_state(self.data_snapshot),
             extra={"accepted_groups": self.counts["accepted"]},
             metadata=ckpt_lib.run_metadata(self.cfg, self.learner.mesh))

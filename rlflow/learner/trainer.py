@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from rlflow import checkpoint as ckpt_lib
 from rlflow import config as config_lib
 from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch, validate_batch
 from rlflow.learner.optimizer import make_optimizer
@@ -92,6 +93,33 @@ class Learner:
         """The PPO value head's parameters (``nnx.State``), or None without one."""
         return self.state.value
 
+    def checkpoint(self, **fields) -> ckpt_lib.LearnerCheckpoint:
+        """The current state as a :class:`rlflow.checkpoint.LearnerCheckpoint` at
+        ``step = version``: policy ``params``, ``opt_state`` and (PPO) the value head as its
+        own ``value`` item; ``fields``: the rest (``data_state``, ``extra``, ``metadata``)."""
+        st = self.state
+        return ckpt_lib.LearnerCheckpoint(step=self.version, params=st.params,
+                                          opt_state=st.opt_state, value=st.value, **fields)
+
+    def resume(self, checkpointer: ckpt_lib.Checkpointer):
+        """Restore the latest checkpoint of ``checkpointer`` onto this learner's mesh
+        (``rlflow.checkpoint.resume``): params, optimiser state, step and (PPO) value head.
+
+        Returns: the restored :class:`rlflow.checkpoint.LearnerCheckpoint`, or None (fresh
+        start: no checkpoint, or ``checkpoint.resume="never"``).
+
+        Raises: :class:`rlflow.checkpoint.CheckpointError` when the checkpoint does not fit
+        the state, e.g. a PPO learner resuming a checkpoint saved without a value head.
+        """
+        st = self.state
+        restored = ckpt_lib.resume(checkpointer, params_target=st.params,
+                                   opt_state_target=st.opt_state, value_target=st.value)
+        if restored is None:
+            return None
+        step = jax.device_put(np.int32(restored.step), self.shardings.step)
+        self.state = TrainState(step, restored.params, restored.opt_state, restored.value)
+        return restored
+
     def compiled_step(self, rows: int, seq: int):
         """The AOT-compiled step for ``[rows, seq]`` batches (compiled once per shape)."""
         key = (rows, seq)
@@ -134,7 +162,7 @@ class Learner:
             raise BatchError(f"batch of {rows} rows does not divide into learner.micro_batches x "
                              f"data x fsdp = {split} parts")
         sh = batch_sharding(self.mesh)
-        dev = TrainBatch(*(jax.device_put(np.asarray(x), sh) for x in batch))
+        dev = TrainBatch(*jax.device_put([np.asarray(x) for x in batch], sh))  # one transfer call
         fn = self.compiled_step(*batch.tokens.shape)
         self.state, metrics = fn(self.state, dev, self.ref_params)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
