@@ -10,7 +10,8 @@ recipe). Reward: ``math_verify`` (1 when the completion's final answer, after ``
 ``\\boxed{}``, equals the reference number under math-verify, else 0).
 
 Sizes are for one accelerator host; a laptop run of a tiny model overrides them, e.g.
-``--learner.num_steps 3 --sampler.max_tokens 16 --learner.groups_per_step 2``.
+``--learner.num-steps 3 --sampler.max-tokens 16 --learner.groups-per-step 2
+--metrics.samples-every 1``.
 """
 
 import os

@@ -79,6 +79,9 @@ class ModelConfig:
         if self.path:
             _check(os.path.isdir(self.path), "model.path",
                    f"must be an existing Hugging Face folder, got {self.path!r}")
+            _check(os.path.isfile(os.path.join(self.path, "config.json")), "model.path",
+                   f"{self.path!r} has no config.json (expected a Hugging Face model folder "
+                   "with config.json and *.safetensors)")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             _positive(getattr(self, name), f"model.{name}")

@@ -92,3 +92,11 @@ def test_load_config_file_errors(tmp_path):
     """)
     with pytest.raises(ConfigError, match="learner.lr"):
         load_config_file(bad_value)
+
+
+def test_model_folder_without_config_json_is_named(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"model\.path: .*has no config\.json"):
+        ModelConfig(path=str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert ModelConfig(path=str(tmp_path)).path == str(tmp_path)

@@ -23,6 +23,7 @@ REFERENCE = ["gsm8k_qwen2_5_0_5b.py", "gsm8k_qwen2_5_7b.py"]
 def model_dir(tmp_path, monkeypatch):
     folder = tmp_path / "hf-model"
     folder.mkdir()
+    (folder / "config.json").write_text("{}")    # a model folder stand-in (no weights needed)
     monkeypatch.setenv("RLFLOW_MODEL_PATH", str(folder))
     return str(folder)
 

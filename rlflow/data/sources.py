@@ -89,8 +89,12 @@ class JsonlSource:
         raw = self._mm[int(self._starts[index]):int(self._ends[index])]
         try:
             record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRecordError(f"{self.location(index)}: malformed JSON ({e})") from None
+        except json.JSONDecodeError as e:
+            raise BadRecordError(f"{self.location(index)}: malformed JSON ({e.msg} at character "
+                                 f"{e.pos} of the record)") from None
+        except UnicodeDecodeError as e:
+            raise BadRecordError(f"{self.location(index)}: malformed JSON (not UTF-8: {e.reason} "
+                                 f"at byte {e.start} of the record)") from None
         return _as_object(record, self.location(index))
 
 
