@@ -13,11 +13,19 @@ terminal Ctrl-C reaches only the launcher) and die with it (``PR_SET_PDEATHSIG``
 output goes to ``<run>/logs/<role>.log``; the launcher prints one progress line per learner
 step (read from the run folder's metrics JSONL).
 
+Re-runs: with ``checkpoint.resume="auto"`` the launcher reads the run folder's newest
+checkpoint step first (:func:`rlflow.run_watch.latest_checkpoint_step`: folder names only,
+no JAX): at or past ``learner.num_steps`` it says the run is already complete and exits 0
+without starting anything or touching the run folder; below it, it prints ``resuming run
+<name> from step N`` and the summary counts the steps run by this invocation
+(``steps_this_run``, ``resumed_from_step`` in ``summary.json``).
+
 Shutdown: when the learner finishes, the sampler is told to stop (the coordinator's "done"
 flag, then SIGTERM after a grace period) and the exit code is 0. When either child dies
 first, or on Ctrl-C / SIGTERM, both are stopped (SIGTERM, which the learner answers with its
 exit checkpoint, then SIGKILL after ``STOP_GRACE_S``) and the exit code is not 0;
-the message names the side that died and shows the end of its log. With
+the message names the side that died, puts its last exception line first (``rlflow train:
+the sampler failed: ValueError: .../bad.jsonl:7: ...``) and then shows the end of its log. With
 ``runtime.restart_sampler`` a dead sampler is started again (it pulls the newest weights
 from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times.
 
@@ -63,6 +71,8 @@ MAX_SAMPLER_RESTARTS = 3
 STOP_GRACE_S = 20.0       # seconds a child gets between the stop request and SIGKILL
 POLL_S = 0.2
 LOG_TAIL_LINES = 30
+ERROR_SCAN_LINES = 400    # log lines searched for the last exception (tracebacks can be long)
+TRACEBACK_HEADER = "Traceback (most recent call last):"
 PROCESSES_FILE = "processes.json"   # {"learner": pid, "sampler": pid} in the run folder
 BOTH_DIED_WINDOW_S = 2.0  # a second death this soon after the first is reported as well
 STOPPED_EXIT_CODE = 143   # a program stopped by SIGTERM (128 + 15), not a finished one
@@ -223,6 +233,26 @@ def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def last_exception_line(lines: Sequence[str]) -> Optional[str]:
+    """The exception line of the last Python traceback in ``lines`` (a log's end).
+
+    That is the first non-indented, non-empty line after the last ``Traceback (most recent
+    call last):`` header, e.g. ``ValueError: /data/bad.jsonl:7: malformed JSON ...``; with
+    chained exceptions, the last (outermost) one. None when there is no traceback (a
+    program killed by a signal, or one that exited with a plain message).
+    """
+    start = None
+    for i, line in enumerate(lines):
+        if line.rstrip().endswith(TRACEBACK_HEADER):
+            start = i
+    if start is None:
+        return None
+    for line in lines[start + 1:]:
+        if line.strip() and not line[:1].isspace():
+            return line.strip()
+    return None
+
+
 @dataclass
 class Child:
     role: str
@@ -288,25 +318,44 @@ class Supervisor:
                 c.proc.wait()
 
     def failure(self, role: str) -> str:
-        c = self.children[role]
-        text = (f"rlflow train: the {role} process died ({_exit_text(c.proc.returncode)}); "
-                f"stopping the run. Last lines of {c.log_path}:\n")
+        """The failure report of ``role``: its last exception line first (when its log has a
+        traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its log."""
         from rlflow.progress import plain_text     # no control characters in CI logs
 
-        return text + "\n".join(f"  [{role}] {plain_text(line)}"
-                                for line in tail(c.log_path).splitlines())
+        c = self.children[role]
+        lines = tail(c.log_path, ERROR_SCAN_LINES).splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith(f"--- rlflow {role} start")]
+        error = last_exception_line(lines[starts[-1]:] if starts else lines)  # this start's only
+        head = f"rlflow train: the {role} failed: {plain_text(error)}\n" if error else ""
+        text = (f"rlflow train: the {role} process died ({_exit_text(c.proc.returncode)}); "
+                f"stopping the run. Last lines of {c.log_path}:\n")
+        return head + text + "\n".join(f"  [{role}] {plain_text(line)}"
+                                       for line in lines[-LOG_TAIL_LINES:])
 
 
 def run_train(cfg) -> int:
     """``rlflow train``: run both programs on this machine until the learner finishes.
 
     Returns:
-      0 when the learner completed ``learner.num_steps``; 1 when a program died (the message
-      on stderr names it and shows its log); 130 on Ctrl-C.
+      0 when the learner completed ``learner.num_steps`` (also when the run folder's
+      checkpoint already had, with ``checkpoint.resume="auto"``: then nothing is started);
+      1 when a program died (the message on stderr names it and shows its log); 130 on Ctrl-C.
     """
-    from rlflow.run_watch import RunWatcher
+    from rlflow.run_watch import RunWatcher, latest_checkpoint_step
 
     run_path = os.path.abspath(cfg.run_path)
+    resumed_from = 0
+    if cfg.checkpoint.resume == "auto":
+        step = latest_checkpoint_step(run_path)
+        total = cfg.learner.num_steps
+        if step is not None and step >= total:
+            print(f"rlflow train: run {cfg.name} is already complete (step {step} of {total}); "
+                  f"use --checkpoint.resume never or a new --name", flush=True)
+            return 0
+        if step is not None:
+            print(f"rlflow train: resuming run {cfg.name} from step {step} (of {total})",
+                  flush=True)
+            resumed_from = step
     os.makedirs(run_path, exist_ok=True)
     config_path = os.path.join(run_path, "config.json")
     pc.save_config(cfg, config_path)
@@ -315,7 +364,7 @@ def run_train(cfg) -> int:
         buffer=f"{bhost}:{cfg.buffer.port or free_port(bhost)}",
         coordinator=f"{chost}:{cfg.runtime.coordinator_port or free_port(chost)}")
     sup = Supervisor(cfg, run_path, config_path, endpoints)
-    watcher = RunWatcher(cfg, run_path)
+    watcher = RunWatcher(cfg, run_path, resumed_from=resumed_from)
     print(f"rlflow train: run folder {run_path} (logs in {run_path}/logs)", flush=True)
     code = 1
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -3,7 +3,9 @@
 The learner program logs one ``metrics.jsonl`` record per step (``step`` = policy version
 after the step, 1-based). :class:`RunWatcher` tails that file (only complete lines), feeds
 each new step to :class:`rlflow.progress.ProgressReporter`, and at the end writes
-``summary.json`` with the reward rise of the run (:func:`reward_rise`), prints it and the
+``summary.json`` with the reward rise of the run, the learner step reached
+(``steps_completed``), the step the invocation resumed from (``resumed_from_step``, 0 for a
+fresh run) and the steps it ran (``steps_this_run``) (:func:`reward_rise`), prints it and the
 path of the ``rlflow report`` page.
 """
 
@@ -20,6 +22,25 @@ from rlflow.metrics import METRICS_FILE
 from rlflow.run_folder import metrics_by_step, read_jsonl
 
 SUMMARY_FILE = "summary.json"
+CHECKPOINTS_SUBDIR = "checkpoints"  # rlflow.checkpoint.checkpoint_dir(run) (not imported: JAX)
+
+
+def latest_checkpoint_step(run_path: str) -> Optional[int]:
+    """Step of the newest complete checkpoint of a local run folder, or None.
+
+    Reads only folder names under ``<run_path>/checkpoints``: orbax commits a checkpoint by
+    renaming ``<step>.orbax-checkpoint-tmp-*`` to ``<step>`` (:mod:`rlflow.checkpoint`), so
+    the all-digit names are the complete ones (what ``Checkpointer.latest_step()`` returns,
+    without importing JAX / orbax in the launcher).
+    """
+    directory = os.path.join(run_path, CHECKPOINTS_SUBDIR)
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    steps = [int(n) for n in names
+             if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
+    return max(steps) if steps else None
 
 
 def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict:
@@ -53,9 +74,13 @@ class RunWatcher:
       cfg: the :class:`rlflow.config.ExperimentConfig` of the run.
       run_path: the run folder.
       stream: where progress goes (default stderr).
+      resumed_from: learner step of the checkpoint this invocation resumes from (0: fresh).
+
+    Raises:
+      ValueError: ``resumed_from`` outside ``[0, learner.num_steps]``.
     """
 
-    def __init__(self, cfg, run_path: str, stream=None):
+    def __init__(self, cfg, run_path: str, stream=None, resumed_from: int = 0):
         from rlflow.progress import ProgressReporter
 
         self.cfg = cfg
@@ -65,13 +90,17 @@ class RunWatcher:
         self._offset = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
         self._partial = b""
         self._t0 = time.monotonic()
-        self.last_step = 0
+        if not 0 <= resumed_from <= cfg.learner.num_steps:
+            raise ValueError(f"resumed_from must be in [0, learner.num_steps="
+                             f"{cfg.learner.num_steps}], got {resumed_from}")
+        self.resumed_from = resumed_from
+        self.last_step = resumed_from
         self.progress = ProgressReporter(cfg.learner.num_steps, mode=cfg.metrics.progress,
-                                         stream=self.stream)
+                                         stream=self.stream, start_step=resumed_from)
 
     def poll(self) -> int:
         """Read new complete records; one progress update per new step. Returns the newest
-        step seen (0 before the first)."""
+        step seen (``resumed_from`` before the first)."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
@@ -95,7 +124,9 @@ class RunWatcher:
         return self.last_step
 
     def summary(self, success: bool) -> dict:
-        """Reward rise over the run (``reward/mean`` per step), wall time, outcome."""
+        """Reward rise over the run's whole ``metrics.jsonl`` (``reward/mean`` per step), wall
+        time of this invocation, outcome, ``steps_completed`` (learner step reached),
+        ``resumed_from_step`` and ``steps_this_run``."""
         try:
             records, _ = read_jsonl(self.path)
         except ValueError:
@@ -104,6 +135,8 @@ class RunWatcher:
         rewards = {s: m["reward/mean"] for s, m in by_step.items() if "reward/mean" in m}
         out = reward_rise(rewards)
         out.update(success=bool(success), steps_completed=self.last_step,
+                   resumed_from_step=self.resumed_from,
+                   steps_this_run=self.last_step - self.resumed_from,
                    wall_s=time.monotonic() - self._t0)
         return out
 
@@ -117,11 +150,13 @@ class RunWatcher:
             json.dump(summary, f, indent=2)
         os.replace(path + ".tmp", path)
         if summary["steps"]:
-            print(f"rlflow train: {summary['steps_completed']} steps in "
-                  f"{summary['wall_s']:.0f} s; mean reward first {summary['window']} step(s) "
-                  f"{summary['reward_first']:.3f} -> last {summary['window']} step(s) "
-                  f"{summary['reward_last']:.3f} (rise {summary['reward_rise']:+.3f}); "
-                  f"written to {path}", file=self.stream, flush=True)
+            resumed = (f" (resumed from step {self.resumed_from}, now at step "
+                       f"{summary['steps_completed']})" if self.resumed_from else "")
+            print(f"rlflow train: {summary['steps_this_run']} steps in "
+                  f"{summary['wall_s']:.0f} s{resumed}; mean reward first "
+                  f"{summary['window']} step(s) {summary['reward_first']:.3f} -> last "
+                  f"{summary['window']} step(s) {summary['reward_last']:.3f} (rise "
+                  f"{summary['reward_rise']:+.3f}); written to {path}", file=self.stream, flush=True)
         if success and report:
             try:
                 from rlflow.report import make_report

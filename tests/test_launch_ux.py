@@ -1,0 +1,184 @@
+"""Launcher UX: a finished run is not re-run, a resume says so and counts only its own steps,
+and a program that fails puts its exception line before its log tail (no JAX programs run:
+the children here are small Python processes)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlflow import config as C
+from rlflow import launch
+from rlflow import programs_common as pc
+from rlflow.run_watch import latest_checkpoint_step
+
+
+def _cfg(tmp_path, num_steps, resume="auto"):
+    return C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
+                              learner=C.LearnerConfig(num_steps=num_steps),
+                              checkpoint=C.CheckpointConfig(resume=resume),
+                              metrics=C.MetricsConfig(progress="plain"))
+
+
+def _no_spawn(self, role, instance=0):
+    raise AssertionError(f"the launcher started the {role}")
+
+
+def test_latest_checkpoint_step_agrees_with_orbax(tmp_path):
+    import jax.numpy as jnp
+
+    from rlflow.checkpoint import Checkpointer, LearnerCheckpoint, checkpoint_dir
+
+    assert latest_checkpoint_step(str(tmp_path)) is None          # no checkpoints folder
+    with Checkpointer(checkpoint_dir(str(tmp_path)), async_save=False) as ckpt:
+        for step in (1, 3):
+            ckpt.save(LearnerCheckpoint(step=step, params={"w": jnp.zeros(2)}), force=True)
+    ckdir = tmp_path / "checkpoints"
+    (ckdir / "5.orbax-checkpoint-tmp-1700000000").mkdir()          # a save killed mid-write
+    (ckdir / "7").write_text("not a checkpoint folder")
+    expected = Checkpointer(checkpoint_dir(str(tmp_path)), read_only=True).latest_step()
+    assert expected == 3
+    assert latest_checkpoint_step(str(tmp_path)) == expected
+
+
+def test_finished_run_exits_at_once_without_touching_the_run(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "demo"
+    (run / "checkpoints" / "300").mkdir(parents=True)
+    (run / "summary.json").write_text('{"steps_completed": 300}')
+    monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
+    assert launch.run_train(_cfg(tmp_path, num_steps=300)) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "rlflow train: run demo is already complete (step 300 of 300); "
+        "use --checkpoint.resume never or a new --name"]
+    assert (run / "summary.json").read_text() == '{"steps_completed": 300}'
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "summary.json"]
+
+
+def test_resume_never_on_a_finished_run_does_start_the_programs(tmp_path, monkeypatch):
+    (tmp_path / "demo" / "checkpoints" / "300").mkdir(parents=True)
+    monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
+    with pytest.raises(AssertionError, match="started the learner"):
+        launch.run_train(_cfg(tmp_path, num_steps=300, resume="never"))
+
+
+LEARNER = """
+import json, sys
+with open(sys.argv[1], "a") as f:
+    for step in (3, 4, 5):
+        f.write(json.dumps({"step": step, "learner/step_time_s": 0.1,
+                            "reward/mean": step / 4}) + "\\n")
+"""
+
+
+def test_resume_is_announced_and_summary_counts_this_invocation(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "demo"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:      # steps 1 and 2 from the first invocation
+        for step in (1, 2):
+            f.write(json.dumps({"step": step, "learner/step_time_s": 0.1,
+                                "reward/mean": (step - 1) / 4}) + "\n")
+
+    def fake_start(self, role, instance=0):          # stand-in programs, no JAX
+        code = LEARNER if role == "learner" else "pass"
+        proc = subprocess.Popen([sys.executable, "-c", code, str(run / "metrics.jsonl")])
+        proc.wait()                                  # the learner's steps land before polling
+        self.children[role] = launch.Child(role, proc, str(run / f"{role}.log"))
+        return self.children[role]
+
+    monkeypatch.setattr(launch.Supervisor, "start", fake_start)
+    monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
+    assert launch.run_train(_cfg(tmp_path, num_steps=5)) == 0
+    out, err = capsys.readouterr()
+    assert "rlflow train: resuming run demo from step 2 (of 5)" in out.splitlines()
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps_completed"], summary["resumed_from_step"],
+            summary["steps_this_run"]) == (5, 2, 3)
+    assert summary["reward_first"] == 0.0 and summary["reward_last"] == 1.25   # whole run
+    line = next(x for x in err.splitlines() if "steps in" in x)
+    assert line.startswith("rlflow train: 3 steps in ")
+    assert "(resumed from step 2, now at step 5)" in line
+    plain = [x.split()[1] for x in err.splitlines() if x.startswith("step ")]
+    assert plain == ["3/5", "4/5", "5/5"]
+
+
+FAILING_PROGRAM = """
+import json, logging, sys
+logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                    format="%(asctime)s [sampler] %(levelname)s %(name)s: %(message)s")
+for i in range(5):
+    logging.getLogger("rlflow.sampler").info("start-up %d", i)
+def read():
+    try:
+        json.loads("{not json")
+    except ValueError as e:
+        raise ValueError("/data/bad.jsonl:7: malformed JSON (expected a JSON object)") from e
+""" + "".join(f"def f{i}():\n    return f{i + 1}()\n" for i in range(20)) + """
+def f20():
+    return read()
+f0()
+"""
+
+
+def _supervisor_with(tmp_path, code):
+    log = tmp_path / "sampler.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=f,
+                                stderr=subprocess.STDOUT)
+        proc.wait()
+    sup = launch.Supervisor(cfg=None, run_path=str(tmp_path), config_path="",
+                            endpoints=pc.Endpoints("127.0.0.1:1", "127.0.0.1:2"))
+    sup.children["sampler"] = launch.Child("sampler", proc, str(log))
+    return sup, log
+
+
+def test_failure_report_puts_the_exception_line_first_then_the_log_tail(tmp_path):
+    sup, log = _supervisor_with(tmp_path, FAILING_PROGRAM)
+    lines = sup.failure("sampler").splitlines()
+    assert lines[0] == ("rlflow train: the sampler failed: ValueError: /data/bad.jsonl:7: "
+                        "malformed JSON (expected a JSON object)")
+    assert lines[1] == (f"rlflow train: the sampler process died (exit code 1); stopping the "
+                        f"run. Last lines of {log}:")
+    log_lines = log.read_text().splitlines()
+    assert len(log_lines) > launch.LOG_TAIL_LINES      # a traceback longer than the tail
+    assert lines[2:] == [f"  [sampler] {x}" for x in log_lines[-launch.LOG_TAIL_LINES:]]
+
+
+def test_failure_report_ignores_a_traceback_of_an_earlier_start(tmp_path):
+    sup, log = _supervisor_with(tmp_path, "import os, signal; os.kill(os.getpid(), 9)")
+    log.write_text("--- rlflow sampler start #0 ---\nTraceback (most recent call last):\n"
+                   "OSError: old\n--- rlflow sampler start #1 ---\nstarting\n")
+    assert "failed:" not in sup.failure("sampler")
+    with open(log, "a") as f:
+        f.write("Traceback (most recent call last):\nOSError: new\n")
+    assert sup.failure("sampler").startswith("rlflow train: the sampler failed: OSError: new\n")
+
+
+@pytest.mark.parametrize("code", ["import sys; sys.exit('rlflow: plain message')",
+                                  "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+def test_failure_report_without_traceback_has_no_exception_line(tmp_path, code):
+    sup, _ = _supervisor_with(tmp_path, code)
+    report = sup.failure("sampler")
+    assert report.startswith("rlflow train: the sampler process died (")
+    assert "failed:" not in report
+
+
+def test_last_exception_line_takes_the_outermost_of_chained_tracebacks():
+    log = textwrap.dedent("""\
+        2024-01-01 [learner] INFO rlflow.learner: step 1
+        Traceback (most recent call last):
+          File "a.py", line 1, in <module>
+        KeyError: 'x'
+
+        The above exception was the direct cause of the following exception:
+
+        Traceback (most recent call last):
+          File "b.py", line 2, in <module>
+            raise RuntimeError("buffer closed")
+            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+        RuntimeError: buffer closed
+        more detail on a second line
+        """).splitlines()
+    assert launch.last_exception_line(log) == "RuntimeError: buffer closed"
+    assert launch.last_exception_line(log[:1]) is None
