@@ -10,13 +10,12 @@ import optax
 import pytest
 from flax import nnx
 
-from rlflow.config import (ExperimentConfig, LearnerConfig, MeshConfig, ModelConfig,
-                           SamplerConfig, replace)
+from rlflow.config import LearnerConfig, MeshConfig, ModelConfig, replace
 from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
-from rlflow.mesh import make_mesh
 from rlflow.models.hf import build_model
+from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
 
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -24,40 +23,12 @@ MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_
 
 
 def make_records(seed, n_groups, *, noise=0.3, version=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n_groups):
-        lens = rng.integers(1, T + 1, size=G).astype(np.int32)
-        ct = np.zeros((G, T), np.int32)
-        mu = np.zeros((G, T), np.float32)
-        ver = np.full((G, T), -1, np.int32)
-        for s in range(G):
-            ct[s, :lens[s]] = rng.integers(1, VOCAB, size=lens[s])
-            mu[s, :lens[s]] = -np.log(VOCAB) + rng.normal(scale=noise, size=lens[s])
-            ver[s, :lens[s]] = version
-        out.append(dict(prompt_id=np.int64(i),
-                        prompt_tokens=rng.integers(1, VOCAB, size=rng.integers(2, 6)).astype(np.int32),
-                        completion_tokens=ct, completion_lengths=lens, behaviour_logprobs=mu,
-                        policy_versions=ver, rewards=rng.normal(size=G).astype(np.float32),
-                        truncated=lens == T))
-    return out
+    return make_group_records(seed, n_groups, vocab=VOCAB, group_size=G, max_tokens=T,
+                              noise=noise, version=version)
 
 
 def experiment(**learner):
-    base = dict(groups_per_step=2, seq_buckets=(16,), lr=1e-4)
-    base.update(learner)
-    return ExperimentConfig(model=MODEL, sampler=SamplerConfig(group_size=G, max_tokens=T,
-                                                               max_prefill_length=8,
-                                                               prefill_buckets=(8,)),
-                            learner=LearnerConfig(**base))
-
-
-def one_device_mesh():
-    return make_mesh(MeshConfig(), jax.devices()[:1])
-
-
-def flat(params):
-    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)}
+    return tiny_experiment(MODEL, G, T, **learner)
 
 
 @pytest.mark.slow

@@ -1,0 +1,52 @@
+"""Shared builders for the learner tests: random group records, a tiny experiment, meshes."""
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlflow.config import ExperimentConfig, LearnerConfig, MeshConfig, SamplerConfig
+from rlflow.mesh import make_mesh
+
+
+def make_group_records(seed, n_groups, *, vocab, group_size, max_tokens, min_len=1,
+                       noise=0.3, version=0, reward_mean=0.0):
+    """``n_groups`` rollout group records (docs/interfaces.md) with random prompts, completions
+    of ``min_len..max_tokens`` tokens, behaviour logprobs near uniform, one policy version."""
+    rng = np.random.default_rng(seed)
+    g, t = group_size, max_tokens
+    out = []
+    for i in range(n_groups):
+        lens = rng.integers(min_len, t + 1, size=g).astype(np.int32)
+        ct = np.zeros((g, t), np.int32)
+        mu = np.zeros((g, t), np.float32)
+        ver = np.full((g, t), -1, np.int32)
+        for s in range(g):
+            ct[s, :lens[s]] = rng.integers(1, vocab, size=lens[s])
+            mu[s, :lens[s]] = -np.log(vocab) + rng.normal(scale=noise, size=lens[s])
+            ver[s, :lens[s]] = version
+        prompt = rng.integers(1, vocab, size=rng.integers(2, 6)).astype(np.int32)
+        out.append(dict(prompt_id=np.int64(i), prompt_tokens=prompt,
+                        completion_tokens=ct, completion_lengths=lens, behaviour_logprobs=mu,
+                        policy_versions=ver,
+                        rewards=(reward_mean + rng.normal(size=g)).astype(np.float32),
+                        truncated=lens == t))
+    return out
+
+
+def tiny_experiment(model, group_size, max_tokens, **learner):
+    """An ExperimentConfig around ``model`` with 2 groups per step and one 16-token bucket."""
+    base = dict(groups_per_step=2, seq_buckets=(16,), lr=1e-4)
+    base.update(learner)
+    return ExperimentConfig(model=model,
+                            sampler=SamplerConfig(group_size=group_size, max_tokens=max_tokens,
+                                                  max_prefill_length=8, prefill_buckets=(8,)),
+                            learner=LearnerConfig(**base))
+
+
+def one_device_mesh():
+    return make_mesh(MeshConfig(), jax.devices()[:1])
+
+
+def flat(params):
+    """``{path: numpy array}`` of an nnx.State."""
+    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)}
