@@ -1,5 +1,7 @@
 """Continuous batching: scheduling counters, results mapping back, weight swap, bad input."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +28,7 @@ def setup():
                                     init_seed=1))[0]
     nnx.update(model, jax.tree_util.tree_map(lambda x: x * 6.0, nnx.state(model, nnx.Param)))
     cfg = SamplerConfig(num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16),
-                        max_tokens=16, temperature=1.0)
+                        max_tokens=16, temperature=1.0, decode_steps_per_call=1)
     engine = RlflowEngine(model, cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
     graphdef, state = nnx.split(model, nnx.Param)
     forward = jax.jit(lambda st, t, p, m: nnx.merge(graphdef, st)(t, p, m))
@@ -50,13 +52,35 @@ def with_lm_head_swapped(state, a, b):
     return new
 
 
+LENGTHS = [2, 16, 4, 9, 2, 12, 16, 3, 7, 5]                     # max/min = 8
+PROMPTS = [[1 + i, 5, 6 + i][: 1 + i % 3] + [9] * (i % 5) for i in range(10)]
+
+
+def mixed_requests():
+    return [Request(100 + i, PROMPTS[i], 1, SamplingParams(temperature=1.0, max_tokens=n,
+                                                           seed=i, stop_token_ids=()))
+            for i, n in enumerate(LENGTHS)]
+
+
+def simulate_schedule(lengths, slots, k):
+    """Plain oracle of the loop: refill free slots in order before each call of k steps.
+    Returns (calls, slot steps idle while requests were queued)."""
+    queue, left, calls, idle = list(lengths), [0] * slots, 0, 0
+    while queue or any(left):
+        for s in range(slots):
+            if left[s] == 0 and queue:
+                left[s] = queue.pop(0)
+        queued = bool(queue)
+        for _ in range(k):
+            idle += queued * sum(n == 0 for n in left)
+            left = [max(n - 1, 0) for n in left]
+        calls += 1
+    return calls, idle
+
+
 def test_continuous_batching_keeps_slots_busy_and_maps_results_back(setup):
     _, engine, _, _ = setup
-    lengths = [2, 16, 4, 9, 2, 12, 16, 3, 7, 5]                  # max/min = 8
-    prompts = [[1 + i, 5, 6 + i][: 1 + i % 3] + [9] * (i % 5) for i in range(10)]
-    reqs = [Request(100 + i, prompts[i], 1, SamplingParams(temperature=1.0, max_tokens=n,
-                                                           seed=i, stop_token_ids=()))
-            for i, n in enumerate(lengths)]
+    lengths, prompts, reqs = LENGTHS, PROMPTS, mixed_requests()
     batcher = ContinuousBatcher(engine)
     groups = batcher.run(reqs)
     c = batcher.counters
@@ -75,7 +99,7 @@ def test_continuous_batching_keeps_slots_busy_and_maps_results_back(setup):
     for n in lengths:
         s = int(np.argmin(free_at))
         free_at[s] += n
-    assert c.decode_steps == max(free_at)
+    assert c.decode_steps == max(free_at) == simulate_schedule(lengths, 4, 1)[0]
     # Each result is the one its request gives alone (per-request seeds: no slot effect).
     alone = ContinuousBatcher(engine)
     for i in (1, 3, 7):
@@ -100,6 +124,35 @@ def test_group_record_schema_and_stop_reason(setup):
     assert (rec["behaviour_logprobs"][:, 1:] == 0).all()
     assert rec["truncated"].tolist() == [False] * 3 and rec["rewards"].dtype == np.float32
     assert validate_group(rec, group_size=3, max_tokens=5) == {"P": 4, "G": 3, "T": 5}
+
+
+def test_k_steps_per_call_same_results_and_honest_counters(setup):
+    """decode_steps_per_call = 3: same tokens/logprobs as k = 1 (keys advance per token);
+    a slot finishing mid-call emits nothing more and idles until the next call."""
+    model, engine, state, forward = setup
+    engine3 = RlflowEngine(model, dataclasses.replace(engine.sampler_cfg,
+                                                      decode_steps_per_call=3),
+                           mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    ref = {g.prompt_id: g for g in ContinuousBatcher(engine).run(mixed_requests())}
+    batcher = ContinuousBatcher(engine3)
+    got = {g.prompt_id: g for g in batcher.run(mixed_requests())}
+    assert got.keys() == ref.keys()
+    for pid, g in got.items():
+        c, r = g.completions[0], ref[pid].completions[0]
+        np.testing.assert_array_equal(c.tokens, r.tokens)
+        np.testing.assert_allclose(c.logprobs, r.logprobs, atol=1e-6)
+    c = batcher.counters
+    calls, idle = simulate_schedule(LENGTHS, 4, 3)
+    assert (c.decode_calls, c.idle_slot_steps_while_queued) == (calls, idle)
+    assert idle > 0                                   # the chunking cost is counted
+    assert c.decode_steps == 3 * calls and c.slot_steps_available == 4 * 3 * calls
+    assert c.slot_steps_used == sum(LENGTHS)
+    # A stop id at the first token of a 3-step call: nothing after it is kept.
+    first = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
+    g = ContinuousBatcher(engine3).run([Request(7, PROMPT, 2, SamplingParams(
+        temperature=0.0, max_tokens=5, stop_token_ids=(first,)))])[0]
+    assert [c.tokens.tolist() for c in g.completions] == [[first], [first]]
+    assert [c.finish_reason for c in g.completions] == ["stop", "stop"]
 
 
 def test_weight_swap_new_request_gets_new_weights_and_version(setup):
@@ -172,9 +225,14 @@ def test_bad_input_errors(setup):
         b.submit(Request(9, [1, 2], 1, SamplingParams(max_tokens=17)))
     with pytest.raises(SamplingError, match="num_samples"):
         b.submit(Request(10, [1, 2], 0))
+    with pytest.raises(SamplingError, match="prompt_id 12: 9 stop ids"):
+        b.submit(Request(12, [1, 2], 1, SamplingParams(stop_token_ids=tuple(range(9)))))
     for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -2}, "max_tokens"),
                       ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
                       ({"top_p": 1.01}, "top_p")]:
+        if field == "temperature":
+            with pytest.raises(ConfigError, match="sampler.decode_steps_per_call"):
+                SamplerConfig(decode_steps_per_call=0)
         with pytest.raises(SamplingError, match=f"sampling.{field}"):
             SamplingParams(**kw)
         with pytest.raises(ConfigError, match=f"sampler.{field}"):

@@ -32,16 +32,19 @@ def sampler_cfg(**kw):
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """family -> (HF folder, rlflow model, engine); one engine per family for the module."""
-    cache = {}
+    """(family, k) -> (HF folder, rlflow model, engine with k decode steps per call); one
+    model per family and one engine per (family, k) for the module."""
+    models, engines = {}, {}
 
-    def get(family):
-        if family not in cache:
+    def get(family, k=1):
+        if family not in models:
             path = make_tiny_hf_model(family, str(tmp_path_factory.mktemp(family)))
-            model, cfg = load_hf(path)
-            cache[family] = (path, model, cfg, RlflowEngine(model, sampler_cfg(),
-                                                             mesh=one_device_mesh()))
-        return cache[family]
+            models[family] = (path, *load_hf(path))
+        if (family, k) not in engines:
+            path, model, cfg = models[family]
+            engines[family, k] = (path, model, cfg, RlflowEngine(
+                model, sampler_cfg(decode_steps_per_call=k), mesh=one_device_mesh()))
+        return engines[family, k]
     return get
 
 
@@ -55,9 +58,11 @@ def hf_greedy(path, prompt, max_new_tokens):
     return out[0, len(prompt):].tolist(), model.generation_config
 
 
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_transformers_generate(hf_models, family):
-    path, model, cfg, engine = hf_models(family)
+def test_greedy_matches_transformers_generate(hf_models, family, k):
+    """k decode steps per call: same greedy tokens (a slot ending mid-call stops there)."""
+    path, model, cfg, engine = hf_models(family, k)
     assert set(cfg.eos_token_ids) == {2, 3}
     batcher = ContinuousBatcher(engine)
     # Four prompts of different lengths (1 to 11 tokens, two buckets) decode together.
@@ -66,6 +71,7 @@ def test_greedy_matches_transformers_generate(hf_models, family):
          for i, p in enumerate(PROMPTS)])}
     assert batcher.counters.decode_steps < sum(len(g.completions[0].tokens) for g in
                                                groups.values())      # they shared steps
+    assert batcher.counters.decode_steps == k * batcher.counters.decode_calls
     for i, prompt in enumerate(PROMPTS):
         ours = groups[i].completions[0]
         ref, gen_cfg = hf_greedy(path, prompt, 8)
@@ -93,9 +99,9 @@ def recompute_logprobs(model, prompt_tokens, completions, temperature):
     return [lp[i, p - 1:p - 1 + len(c)] for i, c in enumerate(completions)]
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_sampled_logprobs_equal_full_recompute(hf_models, temperature):
-    _, model, _, engine = hf_models("qwen2")
+@pytest.mark.parametrize("temperature,k", [(0.7, 1), (1.0, 1), (1.0, 3)])
+def test_sampled_logprobs_equal_full_recompute(hf_models, temperature, k):
+    _, model, _, engine = hf_models("qwen2", k)
     batcher = ContinuousBatcher(engine)
     reqs = [Request(i, p, 3, SamplingParams(temperature=temperature, max_tokens=8, seed=10 + i))
             for i, p in enumerate(PROMPTS[:2])]

@@ -7,8 +7,14 @@ appended to its completion, and slots whose completion ended (a stop id, or
 ``max_tokens``) are freed at once. A prompt's ``G`` samples share one prefill (while the
 policy version does not change) and come back together as one group.
 
+Decode calls: each :meth:`ContinuousBatcher.step` runs ``sampler.decode_steps_per_call``
+(k) decode steps in one jitted call (:meth:`RlflowEngine.generate_packed`) and copies one
+``[k, slots, 6]`` array to the host. Stop ids and ``max_tokens`` are checked on device, so
+a slot that finishes mid-call emits nothing more; it is refilled at the next call, and its
+remaining steps of the call count as idle (not used) in the counters.
+
 Weight swap: :meth:`ContinuousBatcher.update_params` may be called from any thread; the
-new weights take effect before the next decode step. Sequences in flight continue under
+new weights take effect before the next decode call (with k > 1: between calls). Sequences in flight continue under
 them (their earlier KV entries stay), every token is tagged with the version that
 produced it, and a prefix computed under an older version is never inserted again
 (it is recomputed).
@@ -27,7 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rlflow.sampler.engine import PromptError
+from rlflow.sampler.engine import MAX_STOP_IDS, PromptError
 from rlflow.sampler.sampling import SamplingError, SamplingParams
 
 
@@ -108,9 +114,10 @@ class CompletedGroup:
 class BatchCounters:
     """Scheduling counters (plain ints, no timing).
 
-    decode_steps: generate calls; slot_steps_available: decode_steps x slots;
-    slot_steps_used: slot steps whose token was kept; idle_slot_steps_while_queued:
-    free slots during a step while samples waited (must be 0); prefills / prefix_reuses:
+    decode_steps: decode steps run (k per call); decode_calls: jitted decode calls;
+    slot_steps_available: decode_steps x slots; slot_steps_used: slot steps whose token
+    was kept; idle_slot_steps_while_queued: free slots during a step while samples waited
+    (0 with k = 1; with k > 1 the steps after a slot finished mid-call); prefills / prefix_reuses:
     prefill calls and inserts that reused a group's prefix; stale_prefixes_dropped:
     prefixes recomputed because the policy version changed; prompts_truncated: prompts
     cut to ``max_prefill_length`` (``on_long_prompt="truncate"``); weight_swaps;
@@ -118,6 +125,7 @@ class BatchCounters:
     """
 
     decode_steps: int = 0
+    decode_calls: int = 0
     slot_steps_available: int = 0
     slot_steps_used: int = 0
     idle_slot_steps_while_queued: int = 0
@@ -151,9 +159,6 @@ class _Live:
 class _Slot:
     live: _Live
     sample_index: int
-    tokens: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    versions: list = field(default_factory=list)
 
 
 class ContinuousBatcher:
@@ -188,6 +193,11 @@ class ContinuousBatcher:
         self._slots: list[Optional[_Slot]] = [None] * engine.max_concurrent_decodes
         self._device_active = [False] * engine.max_concurrent_decodes
         self._state = None
+        # Host copies of each slot's completion so far, written in place per call.
+        shape = (engine.max_concurrent_decodes, engine.max_tokens)
+        self._tokens = np.zeros(shape, np.int32)
+        self._logprobs = np.zeros(shape, np.float32)
+        self._versions = np.zeros(shape, np.int32)
 
     # ------------------------------------------------------------------ input
     def submit(self, request: Request) -> None:
@@ -227,6 +237,9 @@ class ContinuousBatcher:
         if unknown:
             raise SamplingError(f"prompt_id {pid}: unknown stop id(s) {unknown}: not in the "
                                 f"vocabulary [0, {vocab})")
+        if len(stop) > MAX_STOP_IDS:
+            raise SamplingError(f"prompt_id {pid}: {len(stop)} stop ids {tuple(stop)}; at most "
+                                f"{MAX_STOP_IDS} are supported")
         self.counters.prompts_truncated += int(truncated)
         live = _Live(request=request, tokens=tokens.astype(np.int32), sampling=sp,
                      stop_ids=frozenset(stop))
@@ -304,47 +317,53 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ loop
     def step(self) -> list[CompletedGroup]:
-        """Apply pending weights, refill free slots, run one decode step.
+        """Apply pending weights, refill free slots, run one decode call (k steps).
 
         Returns:
-          The groups completed by this step (possibly empty).
+          The groups completed by this call (possibly empty).
+
+        Raises:
+          RuntimeError: the engine reports a busy slot as inactive.
         """
         self._apply_pending_params()
         if self._state is None:
             self._state = self.engine.init_decode_state()
         self._refill()
-        active = self.num_active
-        if active == 0:
+        busy = [s is not None for s in self._slots]
+        if not any(busy):
             return []
-        if self._queue:
-            self.counters.idle_slot_steps_while_queued += len(self._slots) - active
-        self._state, result = self.engine.generate(self._params, self._state)
-        result = result.convert_to_numpy()
-        self.counters.decode_steps += 1
-        self.counters.slot_steps_available += len(self._slots)
+        queued = bool(self._queue)
+        self._state, packed = self.engine.generate_packed(self._params, self._state)
+        packed = np.asarray(packed)                       # the one device->host copy
+        k, b = packed.shape[:2]
+        valid = packed[:, :, 1] != 0                      # [k, B]
+        if not valid[0][busy].all():
+            bad = [i for i in range(b) if busy[i] and not valid[0, i]]
+            raise RuntimeError(f"engine returned an invalid token for busy slot(s) {bad}")
+        step_i, slot_i = np.nonzero(valid)
+        pos = packed[step_i, slot_i, 2] - 1
+        self._tokens[slot_i, pos] = packed[step_i, slot_i, 0]
+        self._logprobs[slot_i, pos] = packed[step_i, slot_i, 5].view(np.float32)
+        self._versions[slot_i, pos] = packed[step_i, slot_i, 4]
+        c = self.counters
+        c.decode_calls += 1
+        c.decode_steps += k
+        c.slot_steps_available += k * b
+        c.slot_steps_used += len(slot_i)
+        if queued:
+            c.idle_slot_steps_while_queued += k * b - len(slot_i)
         done = []
-        for slot, s in enumerate(self._slots):
-            if s is None:
-                continue
-            data = result.get_result_at_slot(slot)
-            if not int(data.valid[0, 0]):
-                raise RuntimeError(f"engine returned an invalid token for busy slot {slot}")
-            token = int(data.tokens[0, 0])
-            s.tokens.append(token)
-            s.logprobs.append(float(result.logprobs[slot]))
-            s.versions.append(int(result.versions[slot]))
-            self.counters.slot_steps_used += 1
-            reason = ("stop" if token in s.live.stop_ids else
-                      "length" if len(s.tokens) >= s.live.sampling.max_tokens else None)
-            if reason is None:
-                continue
+        for j, slot in zip(*np.nonzero(packed[:, :, 3])):
+            s = self._slots[slot]
             self._slots[slot] = None
-            group = self._finish(s, reason)
+            self._device_active[slot] = False             # the engine deactivated it
+            reason = "stop" if packed[j, slot, 3] == 1 else "length"
+            group = self._finish(s, slot, int(packed[j, slot, 2]), reason)
             if group is not None:
                 done.append(group)
         return done
 
-    def _finish(self, s: _Slot, reason: str) -> Optional[CompletedGroup]:
+    def _finish(self, s: _Slot, slot: int, n: int, reason: str) -> Optional[CompletedGroup]:
         live = s.live
         if reason == "stop":
             self.counters.completions_stopped += 1
@@ -352,8 +371,8 @@ class ContinuousBatcher:
             self.counters.completions_truncated += 1
         live.completions[s.sample_index] = Completion(
             prompt_id=live.request.prompt_id, sample_index=s.sample_index,
-            tokens=np.asarray(s.tokens, np.int32), logprobs=np.asarray(s.logprobs, np.float32),
-            versions=np.asarray(s.versions, np.int32), finish_reason=reason)
+            tokens=self._tokens[slot, :n].copy(), logprobs=self._logprobs[slot, :n].copy(),
+            versions=self._versions[slot, :n].copy(), finish_reason=reason)
         if len(live.completions) < live.request.num_samples:
             return None
         return CompletedGroup(request=live.request, prompt_tokens=live.tokens,

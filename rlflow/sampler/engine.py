@@ -13,7 +13,16 @@ four jitted functions (the MaxText ``MaxEngine`` pattern):
   state (donated; ``slot`` is traced, so one compile per bucket).
 * ``generate(params, decode_state)``: one decode step for all slots (one compile):
   forward of each slot's current token, then sampling with the slot's own temperature /
-  top-k / top-p / key (:mod:`rlflow.sampler.sampling`).
+  top-k / top-p / key (:mod:`rlflow.sampler.sampling`). A slot whose token is one of its
+  stop ids, or whose completion reaches its ``max_tokens``, is marked inactive on device
+  in the same step (its later tokens come back ``valid = 0``).
+* ``generate_packed(params, decode_state)``: the batching loop's fast path:
+  ``sampler.decode_steps_per_call`` (k) decode steps in one jitted ``lax.scan`` over the
+  same step function, returning one int32 array ``[k, slots, 6]`` (:data:`PACKED_FIELDS`)
+  so the host does one device->host copy per call. Keys advance per token
+  (``fold_in(request_key, t)``), so the tokens do not depend on k; a slot that finishes
+  mid-call emits nothing afterwards (``valid = 0``). Weights are fixed for the k steps:
+  a weight swap takes effect between calls.
 
 Params are :class:`EngineParams`: the model's ``nnx.State`` plus its policy version, so
 the version that produced each token comes out of the same jitted step as the token.
@@ -34,11 +43,22 @@ from flax import nnx, struct
 from jetstream.engine import engine_api, tokenizer_pb2
 
 from rlflow.models.kv_cache import KVCache, init_cache
-from rlflow.sampler.sampling import SamplingParams, request_key, sample_tokens, token_keys
+from rlflow.sampler.sampling import (SamplingError, SamplingParams, request_key,
+                                     sample_tokens, token_keys)
 
 
 class PromptError(ValueError):
     """A prompt cannot be prefilled (empty, too long for the buckets, bad token id)."""
+
+
+MAX_STOP_IDS = 8
+"""Most stop token ids per request (the device-side stop check has a fixed width)."""
+
+PACKED_FIELDS = ("token", "valid", "length", "done", "version", "logprob_bits")
+"""Columns of :meth:`RlflowEngine.generate_packed`'s ``[k, slots, 6]`` int32 result:
+token id; valid (1: the slot was active and emitted it); length (completion tokens so far,
+this one included); done (0: running, 1: stop id, 2: reached ``max_tokens``); policy
+version; the float32 logprob's bits (``view(np.float32)`` on the host)."""
 
 
 @struct.dataclass
@@ -65,6 +85,8 @@ class Prefix:
         ``fold_in(key(seed), sample_index)`` (replace ``sample_index`` to insert the same
         prefix as another sample of the group).
       version: int32 ``[]``, policy version of the weights the prefix was computed with.
+      max_tokens: int32 ``[]``, most completion tokens; stop_ids: int32
+        ``[MAX_STOP_IDS]``, the request's stop ids padded with -1.
     """
 
     cache: KVCache
@@ -76,6 +98,8 @@ class Prefix:
     seed: jax.Array
     sample_index: jax.Array
     version: jax.Array
+    max_tokens: jax.Array
+    stop_ids: jax.Array
 
 
 @struct.dataclass
@@ -88,8 +112,12 @@ class DecodeState:
       tokens: int32 ``[B]`` next decode input of each slot.
       index: int32 ``[B]`` its cache position (= its RoPE position).
       gen_len: int32 ``[B]`` completion tokens generated so far.
-      temperature / top_k / top_p: ``[B]`` per-slot settings; keys: PRNG keys ``[B]``.
-      active: bool ``[B]`` the slot holds a request.
+      temperature / top_k / top_p: ``[B]`` per-slot settings; keys: uint32 ``[B, 2]``
+        raw PRNG key data (``jax.random.key_data``: plain arrays are cheaper to pass to
+        a jitted call than typed keys).
+      active: bool ``[B]`` the slot holds a running request.
+      max_len: int32 ``[B]`` its ``max_tokens``; stop_ids: int32 ``[B, MAX_STOP_IDS]``
+        its stop ids (-1 padded).
     """
 
     cache: KVCache
@@ -101,6 +129,8 @@ class DecodeState:
     top_p: jax.Array
     keys: jax.Array
     active: jax.Array
+    max_len: jax.Array
+    stop_ids: jax.Array
 
 
 @struct.dataclass
@@ -170,6 +200,9 @@ class RlflowEngine(engine_api.Engine):
                                out_shardings=self._state_sharding)
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  out_shardings=(self._state_sharding, None))
+        self.decode_steps_per_call = int(getattr(sampler_cfg, "decode_steps_per_call", 1))
+        self._generate_packed = jax.jit(self._generate_packed_impl, donate_argnums=(1,),
+                                        out_shardings=(self._state_sharding, None))
         self._release = jax.jit(self._release_impl, donate_argnums=(0,),
                                 out_shardings=self._state_sharding)
 
@@ -185,7 +218,8 @@ class RlflowEngine(engine_api.Engine):
             mask=jax.ShapeDtypeStruct(shape[1:3], bool)))
         vec = self._mesh_lib.logical_sharding(self._mesh, ("cache_batch",), (self.num_slots,))
         return DecodeState(cache=cache, tokens=vec, index=vec, gen_len=vec, temperature=vec,
-                           top_k=vec, top_p=vec, keys=vec, active=vec)
+                           top_k=vec, top_p=vec, keys=vec, active=vec, max_len=vec,
+                           stop_ids=vec)
 
     # ------------------------------------------------------------------ params
     def load_params(self, params=None, version: int = 0) -> EngineParams:
@@ -210,7 +244,7 @@ class RlflowEngine(engine_api.Engine):
 
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, params: EngineParams, padded_tokens, true_length, temperature,
-                      top_k, top_p, seed, sample_index) -> Prefix:
+                      top_k, top_p, seed, sample_index, max_tokens, stop_ids) -> Prefix:
         model = nnx.merge(self.graphdef, params.state)
         p = padded_tokens.shape[0]
         n = true_length - 1
@@ -221,7 +255,8 @@ class RlflowEngine(engine_api.Engine):
                                         jnp.zeros((1,), jnp.int32))
         return Prefix(cache=cache, last_token=padded_tokens[n], length=n,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      sample_index=sample_index, version=params.version)
+                      sample_index=sample_index, version=params.version,
+                      max_tokens=max_tokens, stop_ids=stop_ids)
 
     def prefill(self, *, params: EngineParams, existing_prefix: Optional[Prefix] = None,
                 padded_tokens: jax.Array, true_length: int,
@@ -235,7 +270,8 @@ class RlflowEngine(engine_api.Engine):
           padded_tokens: int32 ``[P]``, the prompt right-padded to a bucket ``P``
             (:meth:`pad_prompt`).
           true_length: prompt tokens before padding, ``1 <= true_length <= P``.
-          sampling: the request's settings (default: the sampler config's).
+          sampling: the request's settings (default: the sampler config's); its
+            ``max_tokens`` and stop ids (``None``: the engine's EOS ids) end the slot.
           sample_index: which of the request's samples (selects its PRNG stream).
 
         Returns:
@@ -243,6 +279,8 @@ class RlflowEngine(engine_api.Engine):
 
         Raises:
           PromptError: empty prompt, ``true_length`` > ``P``, or ``P`` not a bucket.
+          SamplingError: more than :data:`MAX_STOP_IDS` stop ids, or ``max_tokens``
+            above ``sampler.max_tokens``.
           NotImplementedError: ``existing_prefix`` given.
         """
         if existing_prefix is not None:
@@ -253,10 +291,20 @@ class RlflowEngine(engine_api.Engine):
         if not 1 <= int(true_length) <= p:
             raise PromptError(f"true_length must be in [1, {p}], got {true_length}")
         sp = sampling or SamplingParams.from_config(self.sampler_cfg)
+        stop = self.eos_token_ids if sp.stop_token_ids is None else sp.stop_token_ids
+        if len(stop) > MAX_STOP_IDS:
+            raise SamplingError(f"sampling.stop_token_ids: at most {MAX_STOP_IDS} stop ids, "
+                                f"got {len(stop)}: {tuple(stop)}")
+        if sp.max_tokens > self.sampler_cfg.max_tokens:
+            raise SamplingError(f"sampling.max_tokens={sp.max_tokens} exceeds "
+                                f"sampler.max_tokens={self.sampler_cfg.max_tokens}")
+        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop_ids[:len(stop)] = stop
         return self._prefill(params, np.asarray(padded_tokens, np.int32),
                              np.int32(true_length), np.float32(sp.temperature),
                              np.int32(sp.top_k), np.float32(sp.top_p),
-                             np.uint32(sp.seed), np.int32(sample_index))
+                             np.uint32(sp.seed), np.int32(sample_index),
+                             np.int32(sp.max_tokens), stop_ids)
 
     def pad_prompt(self, tokens) -> tuple[np.ndarray, int]:
         """Right-pad a prompt to its bucket: returns (int32 ``[P]``, true length).
@@ -283,7 +331,9 @@ class RlflowEngine(engine_api.Engine):
             tokens=jnp.zeros((b,), jnp.int32), index=jnp.zeros((b,), jnp.int32),
             gen_len=jnp.zeros((b,), jnp.int32), temperature=jnp.ones((b,), jnp.float32),
             top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32),
-            keys=jax.random.split(jax.random.key(0), b), active=jnp.zeros((b,), bool))
+            keys=jax.random.key_data(jax.random.split(jax.random.key(0), b)),
+            active=jnp.zeros((b,), bool), max_len=jnp.zeros((b,), jnp.int32),
+            stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32))
 
     def init_decode_state(self) -> DecodeState:
         """A fresh decode state: empty cache ``[L, slots, S, K, D]``, all slots inactive."""
@@ -309,8 +359,10 @@ class RlflowEngine(engine_api.Engine):
             temperature=state.temperature.at[slot].set(prefix.temperature),
             top_k=state.top_k.at[slot].set(prefix.top_k),
             top_p=state.top_p.at[slot].set(prefix.top_p),
-            keys=state.keys.at[slot].set(key),
-            active=state.active.at[slot].set(True))
+            keys=state.keys.at[slot].set(jax.random.key_data(key)),
+            active=state.active.at[slot].set(True),
+            max_len=state.max_len.at[slot].set(prefix.max_tokens),
+            stop_ids=state.stop_ids.at[slot].set(prefix.stop_ids))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Put ``prefix`` into slot ``slot`` (``decode_state`` is donated: use the result)."""
@@ -326,29 +378,58 @@ class RlflowEngine(engine_api.Engine):
         return self._release(decode_state, np.int32(slot))
 
     # ------------------------------------------------------------------ generate
-    def _generate_impl(self, params: EngineParams, state: DecodeState):
-        model = nnx.merge(self.graphdef, params.state)
+    def _step(self, model, version, state: DecodeState):
+        """One decode step: ``(new state, packed int32 [B, 6])`` (:data:`PACKED_FIELDS`)."""
         b = self.num_slots
         logits, cache = model.forward_cached(
             state.tokens[:, None], state.index[:, None], jnp.ones((b, 1), bool), state.cache,
             state.index)
-        keys = token_keys(state.keys, state.gen_len)
+        keys = token_keys(jax.random.wrap_key_data(state.keys), state.gen_len)
         tokens, logprobs = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k,
                                          state.top_p)
-        gen_len = state.gen_len + state.active.astype(jnp.int32)
-        index = jnp.where(state.active, jnp.minimum(state.index + 1, self.cache_len - 1),
+        active = state.active
+        gen_len = state.gen_len + active.astype(jnp.int32)
+        index = jnp.where(active, jnp.minimum(state.index + 1, self.cache_len - 1),
                           state.index)
-        new_state = state.replace(cache=cache, tokens=tokens, index=index, gen_len=gen_len)
-        data = jnp.stack([tokens, state.active.astype(jnp.int32), gen_len], axis=-1)
-        result = SampledTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
-                               length_idx=(2, 3), samples_per_slot=1, logprobs=logprobs,
-                               versions=jnp.broadcast_to(params.version, (b,)))
+        stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)
+        done = jnp.where(active & stop, 1, jnp.where(active & (gen_len >= state.max_len), 2, 0))
+        new_state = state.replace(cache=cache, tokens=tokens, index=index, gen_len=gen_len,
+                                  active=active & (done == 0))
+        packed = jnp.stack([tokens, active.astype(jnp.int32), gen_len, done.astype(jnp.int32),
+                            jnp.broadcast_to(version, (b,)).astype(jnp.int32),
+                            jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32),
+                                                         jnp.int32)], axis=-1)
+        return new_state, packed
+
+    def _generate_impl(self, params: EngineParams, state: DecodeState):
+        model = nnx.merge(self.graphdef, params.state)
+        new_state, packed = self._step(model, params.version, state)
+        result = SampledTokens(data=packed[:, :3], tokens_idx=(0, 1), valid_idx=(1, 2),
+                               length_idx=(2, 3), samples_per_slot=1,
+                               logprobs=jax.lax.bitcast_convert_type(packed[:, 5], jnp.float32),
+                               versions=packed[:, 4])
         return new_state, result
 
     def generate(self, params: EngineParams, decode_state: DecodeState
                  ) -> tuple[DecodeState, SampledTokens]:
         """One decode step for every slot (``decode_state`` is donated: use the result)."""
         return self._generate(params, decode_state)
+
+    def _generate_packed_impl(self, params: EngineParams, state: DecodeState):
+        model = nnx.merge(self.graphdef, params.state)
+        return jax.lax.scan(lambda st, _: self._step(model, params.version, st), state,
+                            None, length=self.decode_steps_per_call)
+
+    def generate_packed(self, params: EngineParams, decode_state: DecodeState
+                        ) -> tuple[DecodeState, jax.Array]:
+        """``sampler.decode_steps_per_call`` (k) decode steps in one call.
+
+        Returns:
+          ``(new decode state, int32 [k, slots, 6])``, columns :data:`PACKED_FIELDS`; a
+          slot's entries after its ``done`` step have ``valid = 0``. ``decode_state`` is
+          donated: use the result.
+        """
+        return self._generate_packed(params, decode_state)
 
     # ------------------------------------------------------------------ JetStream plumbing
     def get_prefix_destination_sharding(self) -> Any:

@@ -8,6 +8,12 @@ The order of the logits processors is that of Hugging Face ``generate``
 is nucleus sampling (Holtzman et al. 2020, "The Curious Case of Neural Text
 Degeneration", Sec. 3.1: the smallest set of most likely tokens whose mass >= p).
 
+The draw is inverse-transform sampling (one uniform per row, found in the cumulative
+distribution of the kept tokens: the method of ``torch.multinomial``), not Gumbel-max over
+the vocabulary: it needs one random number per row instead of ``V``, which on CPU is most
+of a decode step's sampling cost. Tokens with zero kept mass are never drawn; the uniform's
+float32 resolution (2**-24) bounds the error on any token's probability.
+
 Reported logprob. The sampler reports ``log softmax(logits / T)[token]``
 (:func:`rlflow.models.logprobs.token_logprobs`, the one definition the learner also uses),
 so behaviour and recomputed logprobs agree. At T = 0 (greedy) it is the T = 1 logprob.
@@ -139,10 +145,28 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
     greedy = temperature <= 0.0
     t_eff = jnp.where(greedy, 1.0, temperature)
     masked = filter_logits(logits, t_eff, top_k.astype(jnp.int32), top_p.astype(jnp.float32))
-    drawn = jax.vmap(jax.random.categorical)(keys, masked)
+    drawn = inverse_cdf_draw(keys, masked)
     argmax = jnp.argmax(logits, axis=-1)
     tokens = jnp.where(greedy, argmax, drawn).astype(jnp.int32)
     return tokens, token_logprobs(logits, tokens, t_eff)
+
+
+def inverse_cdf_draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """One draw per row from ``softmax(logits)`` by inverse-transform sampling.
+
+    Args:
+      keys: typed PRNG keys ``[B]``; logits: float32 ``[B, V]`` (``-inf`` = excluded).
+
+    Returns:
+      int32 ``[B]``: the first token whose cumulative probability exceeds ``u * total``,
+      ``u ~ U[0, 1)`` from the row's key (``total`` = the cdf's last entry, so float32
+      rounding of the sum never selects past the last kept token).
+    """
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)       # [B]
+    cdf = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)                 # [B, V]
+    x = u * cdf[:, -1]
+    idx = jnp.sum(cdf <= x[:, None], axis=-1)
+    return jnp.minimum(idx, logits.shape[-1] - 1).astype(jnp.int32)
 
 
 def token_keys(request_keys: jax.Array, step: jax.Array) -> jax.Array:
