@@ -32,6 +32,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from _timing import best_of  # noqa: E402  (benchmarks/ is the script's folder)
+
 
 def env(name, default):
     return int(os.environ.get(f"LEARNER_BENCH_{name}", default))
@@ -40,15 +42,6 @@ def env(name, default):
 HIDDEN, LAYERS, HEADS, MLP = env("HIDDEN", 512), env("LAYERS", 12), env("HEADS", 8), env("MLP", 1536)
 VOCAB, BATCH, SEQ, MICRO = env("VOCAB", 16384), env("BATCH", 4), env("SEQ", 256), env("MICRO", 1)
 REPEATS, MATMUL = env("REPEATS", 3), env("MATMUL", 2048)
-
-
-def best_of(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def make_matmul(n: int):

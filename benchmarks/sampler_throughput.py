@@ -34,9 +34,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+from _timing import best_of  # noqa: E402  (benchmarks/ is the script's folder)
 
 
 def env(name, default):
@@ -46,15 +47,6 @@ def env(name, default):
 HIDDEN, LAYERS, VOCAB = env("HIDDEN", 64), env("LAYERS", 2), env("VOCAB", 512)
 BATCH, PROMPT, NEW, REPEATS = env("BATCH", 16), env("PROMPT", 32), env("NEW", 64), env("REPEATS", 3)
 OCC_REQUESTS = env("OCC_REQUESTS", 32 * BATCH)
-
-
-def best_of(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ shopt -s nullglob
 benches=()
 for f in benchmarks/*.py; do
   name="$(basename "$f" .py)"
+  case "$name" in _*) continue ;; esac      # shared helpers, not benchmarks
   if [ "$#" -eq 0 ]; then
     benches+=("$f")
   else
@@ -30,7 +31,7 @@ for f in benchmarks/*.py; do
 done
 if [ "$#" -gt 0 ] && [ "${#benches[@]}" -ne "$#" ]; then
   have=()
-  for f in benchmarks/*.py; do have+=("$(basename "$f" .py)"); done
+  for f in benchmarks/[!_]*.py; do have+=("$(basename "$f" .py)"); done
   echo "bench.sh: unknown benchmark among: $* (have: ${have[*]:-none})" >&2
   exit 2
 fi
