@@ -35,16 +35,18 @@ class FakeClock:
 
 def test_plain_lines_when_not_a_tty():
     out = io.StringIO()
-    with ProgressReporter(10, mode="auto", stream=out) as p:
+    clock = FakeClock()                     # 2 s per step, not the machine's speed
+    with ProgressReporter(10, mode="auto", stream=out, clock=clock) as p:
         assert not p.is_bar
         for step in range(1, 11):
+            clock.t += 2.0
             p.update(step, METRICS)
         p.message("\x1b[31mred\x1b[0m\tdone\r")
     text = out.getvalue()
     assert CONTROL.search(text) is None, repr(CONTROL.search(text))
     lines = text.splitlines()
     assert len(lines) == 11
-    assert lines[2].startswith("step 3/10 (30%) elapsed 0:00:00 eta 0:00:00 | ")
+    assert lines[2].startswith("step 3/10 (30%) elapsed 0:00:06 eta 0:00:14 | ")
     assert lines[2].endswith("reward 0.500 | kl 1.23e-03 | tok/s 1520 | stale 0.75 | buf 40%")
     assert lines[-1] == "red done "
 
