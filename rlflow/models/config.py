@@ -35,6 +35,13 @@ def _need(ok: bool, where: str, msg: str) -> None:
         raise ModelFormatError(f"{where}: {msg}")
 
 
+
+def eos_token_ids(value) -> tuple[int, ...]:
+    """An HF ``eos_token_id`` field (None, one id, or a list of ids) as a tuple of ints."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
 @dataclass(frozen=True)
 class DecoderConfig:
     """Architecture of a Llama / Qwen2 / Qwen3 decoder.
@@ -166,8 +173,7 @@ class DecoderConfig:
         if rope_type == "llama3":
             rope_params.setdefault("original_max_position_embeddings", max_pos)
             scaling = {"rope_type": "llama3", **{k: rope_params.get(k) for k in LLAMA3_ROPE_KEYS}}
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        eos_ids = eos_token_ids(d.get("eos_token_id"))
         return cls(
             model_type=model_type,
             vocab_size=int(req("vocab_size")),

@@ -23,7 +23,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from rlflow.models.config import DecoderConfig, ModelFormatError
+from rlflow.models.config import DecoderConfig, ModelFormatError, eos_token_ids
 from rlflow.models.decoder import Decoder
 
 CONFIG_FILE = "config.json"
@@ -161,15 +161,13 @@ def _tensor_files(path: str) -> dict[str, str]:
         return {k: single for k in f.keys()}
 
 
-def _generation_eos(path: str) -> tuple[int, ...]:
+def generation_eos_ids(path: str) -> tuple[int, ...]:
+    """EOS ids of ``generation_config.json`` in the folder ``path`` (empty when absent)."""
     gen = os.path.join(path, GENERATION_FILE)
     if not os.path.isfile(gen):
         return ()
     with open(gen) as f:
-        eos = json.load(f).get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        return eos_token_ids(json.load(f).get("eos_token_id"))
 
 
 def read_decoder_config(path: str, *, dtype: str | None = None,
@@ -185,7 +183,7 @@ def read_decoder_config(path: str, *, dtype: str | None = None,
     d = read_hf_config(path)
     cfg = DecoderConfig.from_hf_dict(d, where=os.path.join(path, CONFIG_FILE),
                                      dtype=dtype or "float32", param_dtype=param_dtype or "float32")
-    extra_eos = tuple(e for e in _generation_eos(path) if e not in cfg.eos_token_ids)
+    extra_eos = tuple(e for e in generation_eos_ids(path) if e not in cfg.eos_token_ids)
     if extra_eos:
         cfg = cfg.replace(eos_token_ids=cfg.eos_token_ids + extra_eos)
     return cfg

@@ -15,34 +15,26 @@ import numpy as np
 from jetstream.engine import tokenizer_api
 
 
-def _as_ids(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
 def model_eos_token_ids(path: str, tokenizer=None) -> tuple[int, ...]:
     """Every EOS id of the HF folder ``path``, sorted.
 
-    Reads ``generation_config.json`` and ``config.json`` (when present) with
-    ``transformers`` and adds ``tokenizer.eos_token_id`` when a tokenizer is given.
+    Those of ``generation_config.json`` and ``config.json`` (when present; read with
+    ``rlflow.models.hf``'s readers), plus ``tokenizer.eos_token_id`` when a tokenizer is given.
 
     Raises:
       FileNotFoundError: ``path`` is not a folder.
+      rlflow.models.config.ModelFormatError: config.json is present but not JSON.
     """
-    from transformers import AutoConfig, GenerationConfig
+    from rlflow.models.config import eos_token_ids
+    from rlflow.models.hf import CONFIG_FILE, generation_eos_ids, read_hf_config
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model folder not found: {path}")
-    ids: set[int] = set()
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        ids.update(_as_ids(GenerationConfig.from_pretrained(path).eos_token_id))
-    if os.path.isfile(os.path.join(path, "config.json")):
-        ids.update(_as_ids(getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)))
+    ids = set(generation_eos_ids(path))
+    if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        ids.update(eos_token_ids(read_hf_config(path).get("eos_token_id")))
     if tokenizer is not None:
-        ids.update(_as_ids(tokenizer.eos_token_id))
+        ids.update(eos_token_ids(tokenizer.eos_token_id))
     return tuple(sorted(ids))
 
 
