@@ -199,8 +199,9 @@ class SamplerConfig:
       seed: base PRNG seed.
       decode_steps_per_call: decode steps per jitted decode call (k >= 1, one host copy per
         call); weight swaps and slot refills happen between calls, so with k > 1 a slot
-        that finishes mid-call idles for the rest of it. Default 4: benchmarks/
-        sampler_throughput.py measured 1.3x the tokens/s of k = 1 at 0.94 occupancy.
+        that finishes mid-call idles for the rest of it. Default 1: every free slot is
+        refilled before every step; benchmarks/sampler_throughput.py reports k = 4 too
+        (more tokens/s on a small model, some slot steps idle).
     """
 
     num_slots: int = 16

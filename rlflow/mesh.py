@@ -34,13 +34,12 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
-    # KV cache [L, B, S, K, D]
-    ("layers", None),
+    # KV cache, per layer [B, K, S, D]
     ("cache_batch", ("data", "fsdp")),
     ("cache_seq", None),
 )
 
-CACHE_AXES = ("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim")
+CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -167,7 +166,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):
     """Shardings of a :class:`rlflow.models.kv_cache.KVCache` (same NamedTuple shape)."""
-    kv = logical_sharding(mesh, CACHE_AXES, cache.k.shape, rules)
+    kv = tuple(logical_sharding(mesh, CACHE_AXES, k.shape, rules) for k in cache.k)
     mask = logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules)
     return type(cache)(k=kv, v=kv, mask=mask)
 

@@ -100,13 +100,14 @@ def test_continuous_batching_keeps_slots_busy_and_maps_results_back(setup):
         s = int(np.argmin(free_at))
         free_at[s] += n
     assert c.decode_steps == max(free_at) == simulate_schedule(lengths, 4, 1)[0]
-    # Each result is the one its request gives alone (per-request seeds: no slot effect).
+    # Each result is the one its request gives alone (per-request seeds: no slot effect;
+    # logprobs to float32 rounding: alone, its prompt is prefilled in a batch of one).
     alone = ContinuousBatcher(engine)
     for i in (1, 3, 7):
         ref = alone.run([reqs[i]])[0].completions[0]
         np.testing.assert_array_equal(by_id[100 + i].completions[0].tokens, ref.tokens)
         np.testing.assert_allclose(by_id[100 + i].completions[0].logprobs, ref.logprobs,
-                                   atol=1e-6)
+                                   atol=1e-5)
 
 
 def test_group_record_schema_and_stop_reason(setup):

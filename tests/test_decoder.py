@@ -226,7 +226,7 @@ def test_bfloat16_params_and_activations(family):
     assert np.abs(l16 - l32).max() < 0.1 * np.abs(l32).max()
     assert np.abs(l16 - l32).max() > 0
     cache = init_cache(cfg16, 1, 8)
-    assert cache.k.dtype == jnp.bfloat16
+    assert {k.dtype for k in cache.k + cache.v} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_decoder_config_rejects_bad_values():

@@ -204,3 +204,63 @@ def test_tokenizer_and_all_eos_ids(tmp_path):
     assert tok.decode([5, 6]) == "w5 w6"
     assert tok.eos_id == 2 and tok.pad_id == 0 and tok.bos_id == 1
     assert tok.stop_tokens == {2, 3}     # generation_config's list, not only the tokenizer's
+
+
+def test_batched_prefill_and_insert_equal_one_at_a_time():
+    """prefill_batch + insert_batch (the batching loop's path) put the same state in the
+    same slots as JetStream's one-prompt prefill + insert: the next 4 sampled tokens and
+    their logprobs agree, slot by slot (rows padded to a power of two change nothing)."""
+    engine = RlflowEngine(random_model(), sampler_cfg(temperature=1.0), mesh=one_device_mesh())
+    params = engine.load_params()
+    prompts = [[1, 17, 42], [1, 5, 9, 100, 31, 77, 4], [7]]          # one bucket (8)
+    sps = [SamplingParams(temperature=t, max_tokens=8, seed=s, stop_token_ids=())
+           for t, s in ((1.0, 3), (0.7, 4), (1.3, 5))]
+    padded = [engine.pad_prompt(p) for p in prompts]
+    # Rows 0, 1, 2 -> slots 2, 0, 3; row 1 also as sample 1 of its request in slot 1.
+    rows, slots, index = [0, 1, 2, 1], [2, 0, 3, 1], [0, 0, 0, 1]
+
+    def decode(state, steps=4):
+        out = []
+        for _ in range(steps):
+            state, packed = engine.generate_packed(params, state)
+            out.append(np.asarray(packed)[0])
+        return np.stack(out)                                          # [steps, slots, 6]
+
+    prefix = engine.prefill_batch(params, [p for p, _ in padded], [n for _, n in padded], sps)
+    assert prefix.cache.k[0].shape[0] == 4                            # 3 rows padded to 4
+    batched = decode(engine.insert_batch(prefix, engine.init_decode_state(), rows, slots,
+                                         index))
+    state = engine.init_decode_state()
+    for r, s, i in zip(rows, slots, index):
+        one = engine.prefill(params=params, padded_tokens=padded[r][0],
+                             true_length=padded[r][1], sampling=sps[r], sample_index=i)
+        state = engine.insert(one, state, s)
+    single = decode(state)
+    np.testing.assert_array_equal(batched[..., :5], single[..., :5])  # token, valid, ..
+    np.testing.assert_allclose(batched[..., 5].view(np.float32),
+                               single[..., 5].view(np.float32), atol=1e-5)
+    assert (batched[:, :, 1] == 1).all()
+    # Sample 1 of the request in slot 1 draws its own tokens, not sample 0's (slot 0).
+    assert batched[:, 1, 0].tolist() != batched[:, 0, 0].tolist()
+    with pytest.raises(ValueError, match="distinct"):
+        engine.insert_batch(prefix, engine.init_decode_state(), [0, 1], [2, 2], [0, 0])
+    with pytest.raises(ValueError, match="different buckets"):
+        engine.prefill_batch(params, [np.zeros(8, np.int32), np.zeros(16, np.int32)], [2, 2],
+                             [None, None])
+
+
+def test_batching_loop_prefills_each_bucket_once_per_refill():
+    """One refill of 4 slots from 3 requests (G = 2, 1, 1; buckets 8, 8, 16): two prefill
+    calls (one per bucket), three prompts prefilled, one prefix reused, and one insert call
+    per prefill batch."""
+    engine = RlflowEngine(random_model(), sampler_cfg(), mesh=one_device_mesh())
+    sp = SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=())
+    batcher = ContinuousBatcher(engine)
+    for pid, (prompt, g) in enumerate([([1, 2, 3], 2), ([4, 5], 1), (list(range(1, 12)), 1)]):
+        batcher.submit(Request(pid, prompt, g, sp))
+    batcher.step()
+    c = batcher.counters
+    assert (c.prefill_calls, c.prefills, c.prefix_reuses, c.insert_calls) == (2, 3, 1, 2)
+    groups = batcher.run()
+    assert sorted(g.prompt_id for g in groups) == [0, 1, 2]
+    assert [len(g.completions) for g in sorted(groups, key=lambda g: g.prompt_id)] == [2, 1, 1]

@@ -7,7 +7,7 @@ import pytest
 
 from rlflow.config import SamplerConfig
 from rlflow.sampler.sampling import (SamplingError, SamplingParams, filter_logits,
-                                     request_key, sample_tokens, token_keys)
+                                     request_uniforms, sample_tokens)
 
 
 def np_log_softmax(x):
@@ -41,11 +41,11 @@ def np_kept_probs(logits, temperature, top_k, top_p):
 
 
 def draw(logits, temperature, top_k, top_p, n, seed=0):
-    """n independent draws from one row of settings (vmapped over keys)."""
+    """n independent draws from one row of settings (one uniform per row)."""
     logits = jnp.tile(jnp.asarray(logits, jnp.float32)[None], (n, 1))
-    keys = jax.random.split(jax.random.key(seed), n)
+    u = jax.random.uniform(jax.random.key(seed), (n,))
     fill = lambda v, dt: jnp.full((n,), v, dt)
-    return jax.jit(sample_tokens)(logits, keys, fill(temperature, jnp.float32),
+    return jax.jit(sample_tokens)(logits, u, fill(temperature, jnp.float32),
                                   fill(top_k, jnp.int32), fill(top_p, jnp.float32))
 
 
@@ -98,8 +98,8 @@ def test_greedy_rows_and_mixed_batch():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(4, 32)).astype(np.float32)
     temps = jnp.array([0.0, 1.0, 0.0, 0.7], jnp.float32)
-    keys = jax.random.split(jax.random.key(3), 4)
-    tok, lp = sample_tokens(jnp.asarray(logits), keys, temps, jnp.array([0, 1, 5, 0]),
+    u = jax.random.uniform(jax.random.key(3), (4,))
+    tok, lp = sample_tokens(jnp.asarray(logits), u, temps, jnp.array([0, 1, 5, 0]),
                             jnp.ones(4))
     tok, lp = np.asarray(tok), np.asarray(lp)
     assert tok[0] == logits[0].argmax() and tok[2] == logits[2].argmax()
@@ -108,23 +108,24 @@ def test_greedy_rows_and_mixed_batch():
            for b, t in enumerate(np.asarray(temps))]
     np.testing.assert_allclose(lp, ref, atol=1e-6)
     # Each row is independent of its neighbours: row 3 alone gives the same draw.
-    tok3, _ = sample_tokens(jnp.asarray(logits[3:]), keys[3:], temps[3:], jnp.array([0]),
+    tok3, _ = sample_tokens(jnp.asarray(logits[3:]), u[3:], temps[3:], jnp.array([0]),
                             jnp.ones(1))
     assert int(tok3[0]) == tok[3]
 
 
-def test_per_request_keys_are_reproducible_and_distinct():
-    k_a = request_key(7, 0)
-    k_b = request_key(7, 1)
-    keys = jnp.stack([k_a, k_a, k_b])
-    steps = jnp.array([0, 0, 0], jnp.int32)
+def test_per_request_uniforms_are_reproducible_and_distinct():
+    u_a, u_b = np.asarray(request_uniforms(7, 0, 64)), np.asarray(request_uniforms(7, 1, 64))
+    np.testing.assert_array_equal(u_a, np.asarray(request_uniforms(7, 0, 64)))
+    assert u_a.dtype == np.float32 and ((0 <= u_a) & (u_a < 1)).all()
+    assert len(np.unique(u_a)) == 64 and not np.isin(u_a, u_b).any()
+    assert not np.isin(u_a, np.asarray(request_uniforms(8, 0, 64))).any()
+    # Uniform in [0, 1): a KS-style check on 64 x 200 draws.
+    u = np.sort(np.concatenate([np.asarray(request_uniforms(s, 0, 64)) for s in range(200)]))
+    assert np.abs(u - (np.arange(u.size) + 0.5) / u.size).max() < 0.02
     logits = jnp.zeros((3, 1000))
-    tok, _ = sample_tokens(logits, token_keys(keys, steps), jnp.ones(3), jnp.zeros(3, jnp.int32),
-                           jnp.ones(3))
-    assert tok[0] == tok[1]
-    toks_b = [int(sample_tokens(logits[:1], token_keys(k_b[None], jnp.array([s])), jnp.ones(1),
-                                jnp.zeros(1, jnp.int32), jnp.ones(1))[0][0]) for s in range(4)]
-    assert len(set(toks_b + [int(tok[0])])) > 1
+    u = jnp.array([u_a[0], u_a[0], u_b[0]])
+    tok, _ = sample_tokens(logits, u, jnp.ones(3), jnp.zeros(3, jnp.int32), jnp.ones(3))
+    assert tok[0] == tok[1] and tok[0] != tok[2]
 
 
 @pytest.mark.parametrize("field,value,match", [

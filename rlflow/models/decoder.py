@@ -99,6 +99,11 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
     return inv
 
 
+def _heads_first(k, v):
+    """The full forward's ``kv_hook``: ``[B, T, K, D]`` -> ``[B, K, T, D]`` (the cache layout)."""
+    return k.swapaxes(1, 2), v.swapaxes(1, 2)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate ``x`` ``[B, T, N, D]`` by ``positions`` ``[B, T]`` (HF rotate-half layout)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
@@ -162,7 +167,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, inv_freq, attend_mask, kv_hook):
         """x ``[B, T, E]``; attend_mask ``[B, T, S]`` bool over the keys that ``kv_hook``
-        returns: ``kv_hook(k [B, T, K, D], v) -> (keys [B, S, K, D], values)``."""
+        returns: ``kv_hook(k [B, T, K, D], v) -> (keys [B, K, S, D], values)``."""
         q = self._proj(x, self.q_kernel, self.q_bias)
         k = self._proj(x, self.k_kernel, self.k_bias)
         v = self._proj(x, self.v_kernel, self.v_bias)
@@ -172,11 +177,23 @@ class Attention(nnx.Module):
         keys, values = kv_hook(k, v)
         b, t, h, d = q.shape
         q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys,
-                            preferred_element_type=jnp.float32) * (d ** -0.5)
+        if t == 1:
+            # One query per row (decode): multiply-and-reduce reads the cache in place;
+            # as dot products XLA CPU copies (transposes) the layer's cache every step.
+            qf = q[:, 0].astype(jnp.float32)                                   # [B, K, G, D]
+            scores = jnp.sum(qf[:, :, :, None, :] * keys[:, :, None].astype(jnp.float32),
+                             axis=-1)[:, :, :, None, :] * (d ** -0.5)          # [B, K, G, 1, S]
+        else:
+            scores = jnp.einsum("btkgd,bksd->bkgts", q, keys,
+                                preferred_element_type=jnp.float32) * (d ** -0.5)
         scores = jnp.where(attend_mask[:, None, None, :, :], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, d)
+        if t == 1:
+            out = jnp.sum(probs[:, :, :, 0, :, None] * values[:, :, None], axis=3,
+                          dtype=jnp.float32).astype(self.dtype)[:, None]      # [B, 1, K, G, D]
+            out = out.reshape(b, t, h, d)
+        else:
+            out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, d)
         y = jnp.einsum("bthd,hde->bte", out, self.o_kernel[...].astype(self.dtype))
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
@@ -273,7 +290,7 @@ class Decoder(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg)
         x = self._embed(tokens)
         for block in self.layers:
-            x = block(x, positions, inv_freq, attend, lambda k, v: (k, v))
+            x = block(x, positions, inv_freq, attend, _heads_first)
         hidden = self.final_norm(x)
         logits = self._project(hidden)
         return (logits, hidden) if return_hidden else logits
@@ -292,7 +309,7 @@ class Decoder(nnx.Module):
         Args:
           tokens: ``[B, T]`` int32; positions: ``[B, T]`` int32; attention_mask: ``[B, T]``
             bool (False on padding).
-          cache: :class:`KVCache` with ``k, v [L, B, S, K, D]`` and ``mask [B, S]``.
+          cache: :class:`KVCache` with ``k, v``: ``L`` arrays ``[B, K, S, D]``, ``mask [B, S]``.
           cache_index: ``[B]`` int32 first cache position written for each row.
 
         Returns:
@@ -303,20 +320,21 @@ class Decoder(nnx.Module):
         """
         self._check_tokens(tokens)
         b, t = tokens.shape
-        s = cache.k.shape[2]
+        s = cache.max_len
         cache_index = jnp.asarray(cache_index, jnp.int32).reshape(b)
         cols = cache_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]     # [B, T]
         rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
         new_mask = cache.mask.at[rows, cols].set(jnp.asarray(attention_mask, bool), mode="drop")
         attend = new_mask[:, None, :] & (jnp.arange(s)[None, None, :] <= cols[:, :, None])
         inv_freq = rope_inv_freq(self.cfg)
-        ks, vs = cache.k, cache.v
+        ks, vs = list(cache.k), list(cache.v)
         x = self._embed(tokens)
         for layer, block in enumerate(self.layers):
             def hook(k, v, layer=layer):
-                nonlocal ks, vs
-                ks = ks.at[layer, rows, cols].set(k.astype(ks.dtype), mode="drop")
-                vs = vs.at[layer, rows, cols].set(v.astype(vs.dtype), mode="drop")
+                # Index arrays around a slice: the indexed shape is [B, T, K, D], k's.
+                kl, vl = ks[layer], vs[layer]
+                ks[layer] = kl.at[rows, :, cols].set(k.astype(kl.dtype), mode="drop")
+                vs[layer] = vl.at[rows, :, cols].set(v.astype(vl.dtype), mode="drop")
                 return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
             x = block(x, positions, inv_freq, attend, hook)
-        return self._logits(x), KVCache(k=ks, v=vs, mask=new_mask)
+        return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)

@@ -1,17 +1,22 @@
 """rlflow's continuous-batching loop over the JetStream ``Engine`` API.
 
 The pattern of MaxText's offline engine (not JetStream's orchestrator/Driver): a queue of
-samples to run; before every decode step each free slot is refilled from the queue
-(prefill + insert); after it, each active slot's token, logprob and policy version are
-appended to its completion, and slots whose completion ended (a stop id, or
-``max_tokens``) are freed at once. A prompt's ``G`` samples share one prefill (while the
-policy version does not change) and come back together as one group.
+samples to run; before every decode call each free slot is refilled from the queue, and
+slots whose completion ended (a stop id, or ``max_tokens``) are freed as soon as the call
+that ended them returns. A prompt's ``G`` samples share one prefill (while the policy
+version does not change) and come back together as one group.
+
+Refill: the prompts admitted in one refill that need a prefix are prefilled together, one
+:meth:`RlflowEngine.prefill_batch` call per bucket, and all admitted samples are inserted
+with one :meth:`RlflowEngine.insert_batch` call per prefix batch.
 
 Decode calls: each :meth:`ContinuousBatcher.step` runs ``sampler.decode_steps_per_call``
 (k) decode steps in one jitted call (:meth:`RlflowEngine.generate_packed`) and copies one
 ``[k, slots, 6]`` array to the host. Stop ids and ``max_tokens`` are checked on device, so
 a slot that finishes mid-call emits nothing more; it is refilled at the next call, and its
-remaining steps of the call count as idle (not used) in the counters.
+remaining steps of the call count as idle (not used) in the counters. While a call runs
+on the device, the host files the previous call's tokens into their completions (so
+:meth:`ContinuousBatcher.step` returns the groups the previous call completed).
 
 Weight swap: :meth:`ContinuousBatcher.update_params` may be called from any thread; the
 new weights take effect before the next decode call (with k > 1: between calls). Sequences in flight continue under
@@ -121,7 +126,8 @@ class BatchCounters:
     prefill calls and inserts that reused a group's prefix; stale_prefixes_dropped:
     prefixes recomputed because the policy version changed; prompts_truncated: prompts
     cut to ``max_prefill_length`` (``on_long_prompt="truncate"``); weight_swaps;
-    completions_stopped / completions_truncated.
+    completions_stopped / completions_truncated; prefill_calls / insert_calls: engine
+    calls (several prompts / samples each).
     """
 
     decode_steps: int = 0
@@ -136,6 +142,8 @@ class BatchCounters:
     weight_swaps: int = 0
     completions_stopped: int = 0
     completions_truncated: int = 0
+    prefill_calls: int = 0
+    insert_calls: int = 0
 
     @property
     def occupancy(self) -> float:
@@ -193,6 +201,7 @@ class ContinuousBatcher:
         self._slots: list[Optional[_Slot]] = [None] * engine.max_concurrent_decodes
         self._device_active = [False] * engine.max_concurrent_decodes
         self._state = None
+        self._unfiled = None          # (packed, finished) of the last call, not yet filed
         # Host copies of each slot's completion so far, written in place per call.
         shape = (engine.max_concurrent_decodes, engine.max_tokens)
         self._tokens = np.zeros(shape, np.int32)
@@ -266,7 +275,8 @@ class ContinuousBatcher:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._queue) or self.num_active > 0
+        """Samples queued or decoding, or results not yet returned by :meth:`step`."""
+        return bool(self._queue) or self.num_active > 0 or self._unfiled is not None
 
     def reset_cache(self) -> None:
         """Free the decode state (KV cache); the next step allocates a fresh one.
@@ -286,41 +296,74 @@ class ContinuousBatcher:
             self._params, self.version = pending
             self.counters.weight_swaps += 1
 
-    def _prefix_for(self, live: _Live, sample_index: int):
-        if live.prefix is not None and live.prefix_version != self.version:
-            live.prefix = None
-            self.counters.stale_prefixes_dropped += 1
-        if live.prefix is None:
+    def _prefill(self, lives: list) -> None:
+        """Prefill the prompts of ``lives`` (no valid prefix), one call per bucket; each
+        live's ``prefix`` becomes ``(Prefix, row)``."""
+        by_bucket: dict = {}
+        for live in lives:
             padded, n = self.engine.pad_prompt(live.tokens)
-            live.prefix = self.engine.prefill(params=self._params, padded_tokens=padded,
-                                              true_length=n, sampling=live.sampling)
-            live.prefix_version = self.version
-            self.counters.prefills += 1
-        else:
-            self.counters.prefix_reuses += 1
-        return live.prefix.replace(sample_index=np.int32(sample_index))
+            by_bucket.setdefault(padded.shape[0], []).append((live, padded, n))
+        for group in by_bucket.values():
+            prefix = self.engine.prefill_batch(self._params, [g[1] for g in group],
+                                               [g[2] for g in group],
+                                               [g[0].sampling for g in group])
+            for row, (live, _, _) in enumerate(group):
+                live.prefix, live.prefix_version = (prefix, row), self.version
+            self.counters.prefills += len(group)
+            self.counters.prefill_calls += 1
 
     def _refill(self) -> None:
-        for slot, busy in enumerate(self._slots):
-            if busy is not None:
+        """Admit queued samples into every free slot: prefill the prompts that have no
+        prefix under the current policy version (one call per bucket), then insert all
+        admitted samples (one call per prefix batch). Free slots with nothing queued are
+        released on the device."""
+        admitted = []                                     # (slot, live, sample index)
+        for slot, s in enumerate(self._slots):
+            if s is not None:
                 continue
             if self._queue:
                 live, i = self._queue.popleft()
-                self._state = self.engine.insert(self._prefix_for(live, i), self._state, slot)
-                self._device_active[slot] = True
-                self._slots[slot] = _Slot(live=live, sample_index=i)
-                if i == live.request.num_samples - 1:
-                    live.prefix = None               # last sample admitted: drop the prefix
+                admitted.append((slot, live, i))
             elif self._device_active[slot]:
                 self._state = self.engine.release(self._state, slot)
                 self._device_active[slot] = False
+        if not admitted:
+            return
+        need = {}                                         # id -> live, in admission order
+        for _, live, _ in admitted:
+            if live.prefix is not None and live.prefix_version != self.version:
+                live.prefix = None                        # computed under older weights
+                self.counters.stale_prefixes_dropped += 1
+            if live.prefix is None:
+                need[id(live)] = live
+        self._prefill(list(need.values()))
+        self.counters.prefix_reuses += len(admitted) - len(need)
+        inserts: dict = {}                                # id(Prefix) -> (Prefix, [..])
+        for slot, live, i in admitted:
+            prefix, row = live.prefix
+            inserts.setdefault(id(prefix), (prefix, []))[1].append((row, slot, i))
+            self._device_active[slot] = True
+            self._slots[slot] = _Slot(live=live, sample_index=i)
+            if i == live.request.num_samples - 1:
+                live.prefix = None                        # last sample admitted: drop it
+        for prefix, items in inserts.values():
+            rows, slots, index = zip(*items)
+            self._state = self.engine.insert_batch(prefix, self._state, rows, slots, index)
+            self.counters.insert_calls += 1
 
     # ------------------------------------------------------------------ loop
     def step(self) -> list[CompletedGroup]:
         """Apply pending weights, refill free slots, run one decode call (k steps).
 
+        Host bookkeeping is overlapped with the device: the call dispatches its decode
+        step, then files the previous call's tokens into their completions while the
+        step runs, then waits for the step and frees the slots it finished (refilled at
+        the start of the next call, before its decode step). So the groups returned are
+        those completed by the previous call; a final call with nothing left to decode
+        returns the last ones (``has_work`` stays True until then).
+
         Returns:
-          The groups completed by this call (possibly empty).
+          The groups completed by the previous call (possibly empty).
 
         Raises:
           RuntimeError: the engine reports a busy slot as inactive.
@@ -330,33 +373,49 @@ class ContinuousBatcher:
             self._state = self.engine.init_decode_state()
         self._refill()
         busy = [s is not None for s in self._slots]
-        if not any(busy):
-            return []
-        queued = bool(self._queue)
-        self._state, packed = self.engine.generate_packed(self._params, self._state)
-        packed = np.asarray(packed)                       # the one device->host copy
+        in_flight = None
+        if any(busy):
+            queued = bool(self._queue)
+            self._state, in_flight = self.engine.generate_packed(self._params, self._state)
+        previous, self._unfiled = self._unfiled, None
+        done = self._file(*previous) if previous is not None else []
+        if in_flight is not None:
+            packed = np.asarray(in_flight)                # the one device->host copy
+            self._unfiled = (packed, self._collect(packed, busy, queued))
+        return done
+
+    def _collect(self, packed: np.ndarray, busy: list, queued: bool) -> list:
+        """Check a decode call's ``[k, B, 6]`` result, count it, free the slots it
+        finished; returns ``[(step, slot, _Slot)]`` of those finished."""
         k, b = packed.shape[:2]
         valid = packed[:, :, 1] != 0                      # [k, B]
         if not valid[0][busy].all():
             bad = [i for i in range(b) if busy[i] and not valid[0, i]]
             raise RuntimeError(f"engine returned an invalid token for busy slot(s) {bad}")
-        step_i, slot_i = np.nonzero(valid)
-        pos = packed[step_i, slot_i, 2] - 1
-        self._tokens[slot_i, pos] = packed[step_i, slot_i, 0]
-        self._logprobs[slot_i, pos] = packed[step_i, slot_i, 5].view(np.float32)
-        self._versions[slot_i, pos] = packed[step_i, slot_i, 4]
+        used = int(valid.sum())
         c = self.counters
         c.decode_calls += 1
         c.decode_steps += k
         c.slot_steps_available += k * b
-        c.slot_steps_used += len(slot_i)
+        c.slot_steps_used += used
         if queued:
-            c.idle_slot_steps_while_queued += k * b - len(slot_i)
-        done = []
+            c.idle_slot_steps_while_queued += k * b - used
+        finished = []
         for j, slot in zip(*np.nonzero(packed[:, :, 3])):
-            s = self._slots[slot]
+            finished.append((j, slot, self._slots[slot]))
             self._slots[slot] = None
             self._device_active[slot] = False             # the engine deactivated it
+        return finished
+
+    def _file(self, packed: np.ndarray, finished: list) -> list[CompletedGroup]:
+        """Write a decode call's tokens into the host arrays and finish completions."""
+        step_i, slot_i = np.nonzero(packed[:, :, 1])
+        pos = packed[step_i, slot_i, 2] - 1
+        self._tokens[slot_i, pos] = packed[step_i, slot_i, 0]
+        self._logprobs[slot_i, pos] = packed[step_i, slot_i, 5].view(np.float32)
+        self._versions[slot_i, pos] = packed[step_i, slot_i, 4]
+        done = []
+        for j, slot, s in finished:
             reason = "stop" if packed[j, slot, 3] == 1 else "length"
             group = self._finish(s, slot, int(packed[j, slot, 2]), reason)
             if group is not None:

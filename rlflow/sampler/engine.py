@@ -4,13 +4,16 @@ The engine is the device side of the sampler: a slot-based KV cache of fixed sha
 four jitted functions (the MaxText ``MaxEngine`` pattern):
 
 * ``prefill(params, padded_tokens [P], true_length)``: runs the first ``true_length - 1``
-  prompt tokens into a fresh ``[L, 1, P, K, D]`` cache (one compile per bucket ``P``).
-  The last prompt token is not run here: it becomes the slot's first decode input, so
-  every completion token (the first included) comes out of :meth:`generate`, under the
-  weights current at that step and tagged with their version. (The 0.2.2 API's
-  ``prefill`` returns only the prefix, no first token.)
+  prompt tokens into a fresh cache (per layer ``[1, K, P, D]``). The last prompt token is not run
+  here: it becomes the slot's first decode input, so every completion token (the first
+  included) comes out of :meth:`generate`, under the weights current at that step and
+  tagged with their version. (The 0.2.2 API's ``prefill`` returns only the prefix, no
+  first token.) :meth:`RlflowEngine.prefill_batch` does ``n`` prompts of one bucket in
+  one call (the batching loop's path; ``n`` padded to a power of two, so one compile per
+  bucket and size).
 * ``insert(prefix, decode_state, slot)``: copies a prefix into row ``slot`` of the decode
-  state (donated; ``slot`` is traced, so one compile per bucket).
+  state (donated). :meth:`RlflowEngine.insert_batch` inserts ``m`` (prefix row, slot,
+  sample index) triples in one call (``m`` padded to a power of two).
 * ``generate(params, decode_state)``: one decode step for all slots (one compile):
   forward of each slot's current token, then sampling with the slot's own temperature /
   top-k / top-p / key (:mod:`rlflow.sampler.sampling`). A slot whose token is one of its
@@ -19,8 +22,9 @@ four jitted functions (the MaxText ``MaxEngine`` pattern):
 * ``generate_packed(params, decode_state)``: the batching loop's fast path:
   ``sampler.decode_steps_per_call`` (k) decode steps in one jitted ``lax.scan`` over the
   same step function, returning one int32 array ``[k, slots, 6]`` (:data:`PACKED_FIELDS`)
-  so the host does one device->host copy per call. Keys advance per token
-  (``fold_in(request_key, t)``), so the tokens do not depend on k; a slot that finishes
+  so the host does one device->host copy per call. Each slot's uniforms are drawn at
+  insert (:func:`rlflow.sampler.sampling.request_uniforms`) and token ``t`` uses entry
+  ``t``, so the tokens do not depend on k; a slot that finishes
   mid-call emits nothing afterwards (``valid = 0``). Weights are fixed for the k steps:
   a weight swap takes effect between calls.
 
@@ -43,8 +47,8 @@ from flax import nnx, struct
 from jetstream.engine import engine_api, tokenizer_pb2
 
 from rlflow.models.kv_cache import KVCache, init_cache
-from rlflow.sampler.sampling import (SamplingError, SamplingParams, request_key,
-                                     sample_tokens, token_keys)
+from rlflow.sampler.sampling import (SamplingError, SamplingParams, request_uniforms,
+                                     sample_tokens)
 
 
 class PromptError(ValueError):
@@ -63,30 +67,32 @@ version; the float32 logprob's bits (``view(np.float32)`` on the host)."""
 
 @struct.dataclass
 class EngineParams:
-    """Model weights and the policy version they are. ``state``: the model's
-    ``nnx.State`` of ``nnx.Param`` (placed on the engine mesh); ``version``: int32 ``[]``."""
+    """Model weights and the policy version they are. ``leaves``: the arrays of the
+    model's ``nnx.State`` of ``nnx.Param`` (placed on the engine mesh) as a flat tuple, in
+    ``jax.tree`` order (a tuple of arrays is the cheapest argument for a jitted call;
+    :meth:`RlflowEngine.param_state` rebuilds the ``nnx.State``); ``version``: int32 ``[]``."""
 
-    state: Any
+    leaves: tuple
     version: jax.Array
 
 
 @struct.dataclass
 class Prefix:
-    """One prompt's prefill result, ready to ``insert`` into a slot.
+    """The prefill results of ``n`` prompts (one bucket ``P``), ready to insert into slots.
 
     Attributes:
-      cache: :class:`KVCache` with ``k, v [L, 1, P, K, D]`` and ``mask [1, P]`` holding the
-        first ``length`` prompt tokens (``P`` the bucket).
-      last_token: int32 ``[]``, the last prompt token (the slot's first decode input).
-      length: int32 ``[]``, tokens in the cache (= prompt length - 1), also the position
+      cache: :class:`KVCache`, per layer ``k, v [n, K, P, D]``, ``mask [n, P]``; row ``r``
+        holds the first ``length[r]`` tokens of prompt ``r``.
+      last_token: int32 ``[n]``, each prompt's last token (its slot's first decode input).
+      length: int32 ``[n]``, tokens in the cache (= prompt length - 1), also the position
         of ``last_token``.
-      temperature / top_k / top_p: the request's settings, ``[]`` each.
-      seed / sample_index: uint32 / int32 ``[]``: the slot's key is
-        ``fold_in(key(seed), sample_index)`` (replace ``sample_index`` to insert the same
-        prefix as another sample of the group).
-      version: int32 ``[]``, policy version of the weights the prefix was computed with.
-      max_tokens: int32 ``[]``, most completion tokens; stop_ids: int32
-        ``[MAX_STOP_IDS]``, the request's stop ids padded with -1.
+      temperature / top_k / top_p: ``[n]`` each, the requests' settings.
+      seed / sample_index: uint32 / int32 ``[n]``: a sample's uniforms are
+        ``request_uniforms(seed, sample_index)``; :meth:`RlflowEngine.insert_batch` takes
+        the sample index per insert, so one row serves every sample of its request.
+      version: int32 ``[]``, policy version of the weights the prefixes were computed with.
+      max_tokens: int32 ``[n]``, most completion tokens; stop_ids: int32
+        ``[n, MAX_STOP_IDS]``, the requests' stop ids padded with -1.
     """
 
     cache: KVCache
@@ -107,14 +113,14 @@ class DecodeState:
     """Everything one decode step transforms, one row per slot (``B`` = slots).
 
     Attributes:
-      cache: :class:`KVCache`, ``k, v [L, B, S, K, D]``, ``mask [B, S]``,
+      cache: :class:`KVCache`, per layer ``k, v [B, K, S, D]``, ``mask [B, S]``,
         ``S = max_prefill_length + max_tokens``.
       tokens: int32 ``[B]`` next decode input of each slot.
       index: int32 ``[B]`` its cache position (= its RoPE position).
       gen_len: int32 ``[B]`` completion tokens generated so far.
-      temperature / top_k / top_p: ``[B]`` per-slot settings; keys: uint32 ``[B, 2]``
-        raw PRNG key data (``jax.random.key_data``: plain arrays are cheaper to pass to
-        a jitted call than typed keys).
+      temperature / top_k / top_p: ``[B]`` per-slot settings.
+      uniforms: float32 ``[B, max_tokens]``: the uniform each completion token is drawn
+        with (:func:`rlflow.sampler.sampling.request_uniforms`, set at insert).
       active: bool ``[B]`` the slot holds a running request.
       max_len: int32 ``[B]`` its ``max_tokens``; stop_ids: int32 ``[B, MAX_STOP_IDS]``
         its stop ids (-1 padded).
@@ -127,7 +133,7 @@ class DecodeState:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-    keys: jax.Array
+    uniforms: jax.Array
     active: jax.Array
     max_len: jax.Array
     stop_ids: jax.Array
@@ -187,6 +193,7 @@ class RlflowEngine(engine_api.Engine):
         self._mesh = mesh if mesh is not None else mesh_lib.make_mesh(sampler_cfg.mesh)
         self.graphdef, state = nnx.split(model, nnx.Param)
         self._default_state = state
+        self._state_treedef = jax.tree_util.tree_structure(state)
         self.tokenizer_path = tokenizer_path
         self.eos_token_ids = tuple(int(e) for e in (
             self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
@@ -211,14 +218,13 @@ class RlflowEngine(engine_api.Engine):
         """KV cache per ``rlflow.mesh`` (KV heads over ``tensor``, slots over ``data`` x
         ``fsdp``, each replicated where the size does not divide); per-slot vectors
         follow the slot axis."""
-        shape = (self.cfg.num_layers, self.num_slots, self.cache_len, self.cfg.num_kv_heads,
-                 self.cfg.head_dim)
+        shape = (self.num_slots, self.cfg.num_kv_heads, self.cache_len, self.cfg.head_dim)
         cache = self._mesh_lib.cache_sharding(self._mesh, KVCache(
-            k=jax.ShapeDtypeStruct(shape, jnp.float32), v=None,
-            mask=jax.ShapeDtypeStruct(shape[1:3], bool)))
+            k=(jax.ShapeDtypeStruct(shape, jnp.float32),) * self.cfg.num_layers, v=None,
+            mask=jax.ShapeDtypeStruct((self.num_slots, self.cache_len), bool)))
         vec = self._mesh_lib.logical_sharding(self._mesh, ("cache_batch",), (self.num_slots,))
         return DecodeState(cache=cache, tokens=vec, index=vec, gen_len=vec, temperature=vec,
-                           top_k=vec, top_p=vec, keys=vec, active=vec, max_len=vec,
+                           top_k=vec, top_p=vec, uniforms=vec, active=vec, max_len=vec,
                            stop_ids=vec)
 
     # ------------------------------------------------------------------ params
@@ -240,20 +246,29 @@ class RlflowEngine(engine_api.Engine):
             raise ValueError(f"load_params: params do not match the model's tree "
                              f"(expected {ref}, got {got})")
         state = self._mesh_lib.shard_params(state, self._mesh)
-        return EngineParams(state=state, version=jnp.asarray(version, jnp.int32))
+        return EngineParams(leaves=tuple(jax.tree_util.tree_leaves(state)),
+                            version=jnp.asarray(version, jnp.int32))
+
+    def param_state(self, params: EngineParams):
+        """The ``nnx.State`` of ``params`` (inverse of :meth:`load_params`' flattening)."""
+        return jax.tree_util.tree_unflatten(self._state_treedef, params.leaves)
+
+    def _model(self, params: EngineParams):
+        return nnx.merge(self.graphdef, self.param_state(params))
 
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, params: EngineParams, padded_tokens, true_length, temperature,
                       top_k, top_p, seed, sample_index, max_tokens, stop_ids) -> Prefix:
-        model = nnx.merge(self.graphdef, params.state)
-        p = padded_tokens.shape[0]
-        n = true_length - 1
-        idx = jnp.arange(p, dtype=jnp.int32)
-        mask = (idx < n)[None]
-        cache = init_cache(self.cfg, 1, p)
-        _, cache = model.forward_cached(padded_tokens[None], idx[None], mask, cache,
-                                        jnp.zeros((1,), jnp.int32))
-        return Prefix(cache=cache, last_token=padded_tokens[n], length=n,
+        model = self._model(params)
+        n, p = padded_tokens.shape
+        lengths = true_length - 1                                         # [n]
+        idx = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+        mask = idx < lengths[:, None]
+        cache = init_cache(self.cfg, n, p)
+        _, cache = model.forward_cached(padded_tokens, idx, mask, cache,
+                                        jnp.zeros((n,), jnp.int32))
+        last = jnp.take_along_axis(padded_tokens, lengths[:, None], axis=1)[:, 0]
+        return Prefix(cache=cache, last_token=last, length=lengths,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                       sample_index=sample_index, version=params.version,
                       max_tokens=max_tokens, stop_ids=stop_ids)
@@ -272,10 +287,10 @@ class RlflowEngine(engine_api.Engine):
           true_length: prompt tokens before padding, ``1 <= true_length <= P``.
           sampling: the request's settings (default: the sampler config's); its
             ``max_tokens`` and stop ids (``None``: the engine's EOS ids) end the slot.
-          sample_index: which of the request's samples (selects its PRNG stream).
+          sample_index: which of the request's samples (selects its random stream).
 
         Returns:
-          :class:`Prefix`.
+          :class:`Prefix` with ``n = 1``.
 
         Raises:
           PromptError: empty prompt, ``true_length`` > ``P``, or ``P`` not a bucket.
@@ -285,6 +300,50 @@ class RlflowEngine(engine_api.Engine):
         """
         if existing_prefix is not None:
             raise NotImplementedError("rlflow's engine has no prefix cache (existing_prefix)")
+        return self.prefill_batch(params, [padded_tokens], [true_length], [sampling],
+                                  sample_indices=[sample_index])
+
+    def prefill_batch(self, params: EngineParams, padded_tokens: Sequence, true_lengths:
+                      Sequence[int], samplings: Sequence[Optional[SamplingParams]],
+                      sample_indices: Optional[Sequence[int]] = None) -> Prefix:
+        """Prefill ``n`` prompts of one bucket in one call.
+
+        Args:
+          params: :class:`EngineParams`.
+          padded_tokens: ``n`` int32 ``[P]`` prompts, each right-padded to the same
+            bucket ``P``; true_lengths: their lengths before padding.
+          samplings: each prompt's settings (``None``: the sampler config's).
+          sample_indices: each row's sample index (default 0; ``insert_batch`` overrides).
+
+        Returns:
+          :class:`Prefix` whose first ``n`` rows are the prompts (the batch is padded to
+          a power of two with copies of row 0).
+
+        Raises:
+          PromptError / SamplingError: as :meth:`prefill`, naming the row.
+          ValueError: the lists differ in length, are empty, or mix buckets.
+        """
+        n = len(padded_tokens)
+        if not n or len(true_lengths) != n or len(samplings) != n:
+            raise ValueError(f"prefill_batch: {n} prompts, {len(true_lengths)} lengths, "
+                             f"{len(samplings)} samplings (need as many, at least one)")
+        rows = [self._prefill_row(t, ln, sp) for t, ln, sp in
+                zip(padded_tokens, true_lengths, samplings)]
+        widths = {r[0].shape[0] for r in rows}
+        if len(widths) != 1:
+            raise ValueError(f"prefill_batch: prompts padded to different buckets {widths}")
+        size = 1 << (n - 1).bit_length()
+        rows += [rows[0]] * (size - n)
+        cols = [np.stack(c) for c in zip(*rows)]
+        index = np.zeros((size,), np.int32)
+        index[:n] = sample_indices if sample_indices is not None else 0
+        tokens, length, temp, top_k, top_p, seed, max_tokens, stop_ids = cols
+        return self._prefill(params, tokens, length, temp, top_k, top_p, seed, index,
+                             max_tokens, stop_ids)
+
+    def _prefill_row(self, padded_tokens, true_length: int,
+                     sampling: Optional[SamplingParams]) -> tuple:
+        """Check one prompt; its numpy columns for :meth:`_prefill_impl`."""
         p = int(np.shape(padded_tokens)[0])
         if p not in self.buckets:
             raise PromptError(f"padded length {p} is not a prefill bucket {self.buckets}")
@@ -300,11 +359,9 @@ class RlflowEngine(engine_api.Engine):
                                 f"sampler.max_tokens={self.sampler_cfg.max_tokens}")
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop_ids[:len(stop)] = stop
-        return self._prefill(params, np.asarray(padded_tokens, np.int32),
-                             np.int32(true_length), np.float32(sp.temperature),
-                             np.int32(sp.top_k), np.float32(sp.top_p),
-                             np.uint32(sp.seed), np.int32(sample_index),
-                             np.int32(sp.max_tokens), stop_ids)
+        return (np.asarray(padded_tokens, np.int32), np.int32(true_length),
+                np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p),
+                np.uint32(sp.seed), np.int32(sp.max_tokens), stop_ids)
 
     def pad_prompt(self, tokens) -> tuple[np.ndarray, int]:
         """Right-pad a prompt to its bucket: returns (int32 ``[P]``, true length).
@@ -331,44 +388,81 @@ class RlflowEngine(engine_api.Engine):
             tokens=jnp.zeros((b,), jnp.int32), index=jnp.zeros((b,), jnp.int32),
             gen_len=jnp.zeros((b,), jnp.int32), temperature=jnp.ones((b,), jnp.float32),
             top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32),
-            keys=jax.random.key_data(jax.random.split(jax.random.key(0), b)),
+            uniforms=jnp.zeros((b, self.sampler_cfg.max_tokens), jnp.float32),
             active=jnp.zeros((b,), bool), max_len=jnp.zeros((b,), jnp.int32),
             stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32))
 
     def init_decode_state(self) -> DecodeState:
-        """A fresh decode state: empty cache ``[L, slots, S, K, D]``, all slots inactive."""
+        """A fresh decode state: empty cache (per layer ``[slots, K, S, D]``), all slots inactive."""
         return self._init_state()
 
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, rows, slots,
+                     sample_index) -> DecodeState:
         c, pc = state.cache, prefix.cache
-        p = pc.k.shape[2]
-        keep = pc.mask[0][None, None, :, None, None]
-        # Zero the unused bucket entries, then write the slot's first P cache entries.
-        k = jax.lax.dynamic_update_slice(c.k, jnp.where(keep, pc.k, 0).astype(c.k.dtype),
-                                         (0, slot, 0, 0, 0))
-        v = jax.lax.dynamic_update_slice(c.v, jnp.where(keep, pc.v, 0).astype(c.v.dtype),
-                                         (0, slot, 0, 0, 0))
-        row = jnp.zeros((1, self.cache_len), bool).at[:, :p].set(pc.mask)
-        mask = jax.lax.dynamic_update_slice(c.mask, row, (slot, 0))
-        key = request_key(prefix.seed, prefix.sample_index)
+        p = pc.max_len
+        keep = pc.mask[rows]                                               # [m, P]
+        # Zero the unused bucket entries, then write each slot's first P cache entries;
+        # padding entries carry slot = num_slots and are dropped.
+        def write(caches, news):
+            return tuple(
+                cache.at[slots, :, :p, :].set(
+                    jnp.where(keep[:, None, :, None], new[rows], 0).astype(cache.dtype),
+                    mode="drop")
+                for cache, new in zip(caches, news))
+        row_mask = jnp.zeros((rows.shape[0], self.cache_len), bool).at[:, :p].set(keep)
+        uniforms = jax.vmap(lambda s, i: request_uniforms(s, i, self.sampler_cfg.max_tokens))(
+            prefix.seed[rows], sample_index)
+
+        def put(dst, src):
+            return dst.at[slots].set(src, mode="drop")
         return DecodeState(
-            cache=KVCache(k=k, v=v, mask=mask),
-            tokens=state.tokens.at[slot].set(prefix.last_token),
-            index=state.index.at[slot].set(prefix.length),
-            gen_len=state.gen_len.at[slot].set(0),
-            temperature=state.temperature.at[slot].set(prefix.temperature),
-            top_k=state.top_k.at[slot].set(prefix.top_k),
-            top_p=state.top_p.at[slot].set(prefix.top_p),
-            keys=state.keys.at[slot].set(jax.random.key_data(key)),
-            active=state.active.at[slot].set(True),
-            max_len=state.max_len.at[slot].set(prefix.max_tokens),
-            stop_ids=state.stop_ids.at[slot].set(prefix.stop_ids))
+            cache=KVCache(k=write(c.k, pc.k), v=write(c.v, pc.v), mask=put(c.mask, row_mask)),
+            tokens=put(state.tokens, prefix.last_token[rows]),
+            index=put(state.index, prefix.length[rows]),
+            gen_len=put(state.gen_len, jnp.zeros_like(rows)),
+            temperature=put(state.temperature, prefix.temperature[rows]),
+            top_k=put(state.top_k, prefix.top_k[rows]),
+            top_p=put(state.top_p, prefix.top_p[rows]),
+            uniforms=put(state.uniforms, uniforms),
+            active=put(state.active, jnp.ones(rows.shape, bool)),
+            max_len=put(state.max_len, prefix.max_tokens[rows]),
+            stop_ids=put(state.stop_ids, prefix.stop_ids[rows]))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Put ``prefix`` into slot ``slot`` (``decode_state`` is donated: use the result)."""
+        """Put row 0 of ``prefix`` into slot ``slot`` with the prefix's sample index
+        (JetStream API; ``decode_state`` is donated: use the result).
+
+        Raises:
+          ValueError: ``slot`` outside ``[0, slots)``.
+        """
         if not 0 <= int(slot) < self.num_slots:
             raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
-        return self._insert(prefix, decode_state, np.int32(slot))
+        return self.insert_batch(prefix, decode_state, [0], [slot],
+                                 [int(np.asarray(prefix.sample_index)[0])])
+
+    def insert_batch(self, prefix: Prefix, decode_state: DecodeState, rows: Sequence[int],
+                     slots: Sequence[int], sample_indices: Sequence[int]) -> DecodeState:
+        """Insert ``m`` samples in one call: prefix row ``rows[j]`` into slot ``slots[j]``
+        as sample ``sample_indices[j]`` of its request (``decode_state`` donated).
+
+        Raises:
+          ValueError: a slot outside ``[0, slots)`` or repeated, or lists of different
+            lengths.
+        """
+        m = len(slots)
+        if not m or len(rows) != m or len(sample_indices) != m:
+            raise ValueError(f"insert_batch: {len(rows)} rows, {m} slots, "
+                             f"{len(sample_indices)} sample indices (need as many, >= 1)")
+        bad = [s for s in slots if not 0 <= int(s) < self.num_slots]
+        if bad or len(set(slots)) != m:
+            raise ValueError(f"insert_batch: slots {list(slots)} must be distinct and in "
+                             f"[0, {self.num_slots}); bad: {bad or 'repeated'}")
+        size = 1 << (m - 1).bit_length()
+        pad = size - m
+        return self._insert(prefix, decode_state,
+                            np.asarray(list(rows) + [0] * pad, np.int32),
+                            np.asarray(list(slots) + [self.num_slots] * pad, np.int32),
+                            np.asarray(list(sample_indices) + [0] * pad, np.int32))
 
     def _release_impl(self, state: DecodeState, slot) -> DecodeState:
         return state.replace(active=state.active.at[slot].set(False))
@@ -384,8 +478,9 @@ class RlflowEngine(engine_api.Engine):
         logits, cache = model.forward_cached(
             state.tokens[:, None], state.index[:, None], jnp.ones((b, 1), bool), state.cache,
             state.index)
-        keys = token_keys(jax.random.wrap_key_data(state.keys), state.gen_len)
-        tokens, logprobs = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k,
+        t = jnp.minimum(state.gen_len, state.uniforms.shape[1] - 1)
+        u = jnp.take_along_axis(state.uniforms, t[:, None], axis=1)[:, 0]
+        tokens, logprobs = sample_tokens(logits[:, 0], u, state.temperature, state.top_k,
                                          state.top_p)
         active = state.active
         gen_len = state.gen_len + active.astype(jnp.int32)
@@ -402,7 +497,7 @@ class RlflowEngine(engine_api.Engine):
         return new_state, packed
 
     def _generate_impl(self, params: EngineParams, state: DecodeState):
-        model = nnx.merge(self.graphdef, params.state)
+        model = self._model(params)
         new_state, packed = self._step(model, params.version, state)
         result = SampledTokens(data=packed[:, :3], tokens_idx=(0, 1), valid_idx=(1, 2),
                                length_idx=(2, 3), samples_per_slot=1,
@@ -416,7 +511,7 @@ class RlflowEngine(engine_api.Engine):
         return self._generate(params, decode_state)
 
     def _generate_packed_impl(self, params: EngineParams, state: DecodeState):
-        model = nnx.merge(self.graphdef, params.state)
+        model = self._model(params)
         return jax.lax.scan(lambda st, _: self._step(model, params.version, st), state,
                             None, length=self.decode_steps_per_call)
 
@@ -435,12 +530,12 @@ class RlflowEngine(engine_api.Engine):
     def get_prefix_destination_sharding(self) -> Any:
         """Shardings of a :class:`Prefix` (KV heads over ``tensor``, the rest replicated)."""
         rep = self._mesh_lib.replicated(self._mesh)
-        kv = self._mesh_lib.logical_sharding(
+        kv = (self._mesh_lib.logical_sharding(
             self._mesh, self._mesh_lib.CACHE_AXES,
-            (self.cfg.num_layers, 1, self.buckets[-1], self.cfg.num_kv_heads, self.cfg.head_dim))
+            (1, self.cfg.num_kv_heads, self.buckets[-1], self.cfg.head_dim)),) * self.cfg.num_layers
         return Prefix(cache=KVCache(k=kv, v=kv, mask=rep), last_token=rep, length=rep,
                       temperature=rep, top_k=rep, top_p=rep, seed=rep, sample_index=rep,
-                      version=rep)
+                      version=rep, max_tokens=rep, stop_ids=rep)
 
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
         """The HF tokenizer folder as JetStream's ``TokenizerParameters.path``."""

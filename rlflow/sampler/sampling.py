@@ -48,7 +48,8 @@ class SamplingParams:
       top_p: nucleus mass in (0, 1] (1: off).
       max_tokens: most new tokens per completion, > 0.
       seed: per-request PRNG seed; sample ``i`` of the request draws token ``t`` with
-        ``fold_in(fold_in(key(seed), i), t)``, so results do not depend on slot or batch.
+        the uniform ``request_uniforms(seed, i, n)[t]`` (``n`` = the engine's
+        ``sampler.max_tokens``), so results do not depend on slot, batch or k.
       stop_token_ids: token ids that end a completion (kept in it). ``None``: the model's
         EOS ids (every id of ``generation_config.eos_token_id``).
 
@@ -127,13 +128,14 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jax.lax.cond(needed, truncate, lambda x: x, x)
 
 
-def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
+def sample_tokens(logits: jax.Array, uniforms: jax.Array, temperature: jax.Array,
                   top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row and return it with the logprob it was sampled with.
 
     Args:
       logits: float ``[B, V]`` next-token logits.
-      keys: typed PRNG keys ``[B]`` (one per row, already specific to this token).
+      uniforms: float32 ``[B]`` in ``[0, 1)``, one per row, specific to this token (see
+        :func:`request_uniforms`).
       temperature: float32 ``[B]``, >= 0; 0 = greedy (argmax, ties to the lowest id).
       top_k: int32 ``[B]`` (0 = off); top_p: float32 ``[B]`` (1 = off).
 
@@ -145,33 +147,43 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
     greedy = temperature <= 0.0
     t_eff = jnp.where(greedy, 1.0, temperature)
     masked = filter_logits(logits, t_eff, top_k.astype(jnp.int32), top_p.astype(jnp.float32))
-    drawn = inverse_cdf_draw(keys, masked)
-    argmax = jnp.argmax(logits, axis=-1)
+    drawn = inverse_cdf_draw(uniforms, masked)
+    # The argmax is skipped when no row is greedy (XLA CPU's arg-reduce is slow).
+    argmax = jax.lax.cond(jnp.any(greedy), lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+                          lambda x: jnp.zeros(x.shape[:1], jnp.int32), logits)
     tokens = jnp.where(greedy, argmax, drawn).astype(jnp.int32)
     return tokens, token_logprobs(logits, tokens, t_eff)
 
 
-def inverse_cdf_draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
+def inverse_cdf_draw(uniforms: jax.Array, logits: jax.Array) -> jax.Array:
     """One draw per row from ``softmax(logits)`` by inverse-transform sampling.
 
     Args:
-      keys: typed PRNG keys ``[B]``; logits: float32 ``[B, V]`` (``-inf`` = excluded).
+      uniforms: float32 ``[B]`` in ``[0, 1)``; logits: float32 ``[B, V]`` (``-inf`` =
+        excluded).
 
     Returns:
-      int32 ``[B]``: the first token whose cumulative probability exceeds ``u * total``,
-      ``u ~ U[0, 1)`` from the row's key (``total`` = the cdf's last entry, so float32
-      rounding of the sum never selects past the last kept token).
+      int32 ``[B]``: the first token whose cumulative probability exceeds ``u * total``
+      (``total`` = the cdf's last entry, so float32 rounding of the sum never selects
+      past the last kept token).
     """
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)       # [B]
+    u = uniforms.astype(jnp.float32)
     cdf = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)                 # [B, V]
     x = u * cdf[:, -1]
     idx = jnp.sum(cdf <= x[:, None], axis=-1)
     return jnp.minimum(idx, logits.shape[-1] - 1).astype(jnp.int32)
 
 
-def token_keys(request_keys: jax.Array, step: jax.Array) -> jax.Array:
-    """Per-token keys ``fold_in(request_key, step)``: ``[B]`` keys, ``[B]`` int32 steps."""
-    return jax.vmap(jax.random.fold_in)(request_keys, step)
+def request_uniforms(seed: jax.Array | int, sample_index: jax.Array | int,
+                     num_tokens: int) -> jax.Array:
+    """The uniforms of one sample's tokens: float32 ``[num_tokens]`` in ``[0, 1)``,
+    ``uniform(request_key(seed, sample_index))``; token ``t`` is drawn with entry ``t``.
+
+    Drawn once when a sample enters a slot, so a decode step only reads its entry
+    (threefry on CPU runs as a rolled loop: two per step were a fifth of a small model's
+    decode step).
+    """
+    return jax.random.uniform(request_key(seed, sample_index), (num_tokens,), jnp.float32)
 
 
 def request_key(seed: jax.Array | int, sample_index: jax.Array | int) -> jax.Array:
