@@ -226,6 +226,8 @@ def test_bad_input_errors(setup):
         b.submit(Request(9, [1, 2], 1, SamplingParams(max_tokens=17)))
     with pytest.raises(SamplingError, match="num_samples"):
         b.submit(Request(10, [1, 2], 0))
+    with pytest.raises(PromptError, match="prompt_id 13: prompt token ids must be integers"):
+        b.submit(Request(13, [1.7, 2.2], 1))
     with pytest.raises(SamplingError, match="prompt_id 12: 9 stop ids"):
         b.submit(Request(12, [1, 2], 1, SamplingParams(stop_token_ids=tuple(range(9)))))
     for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -2}, "max_tokens"),
@@ -248,3 +250,36 @@ def test_long_prompt_truncate_is_counted(setup):
     g = b.run([Request(11, long, 1, SamplingParams(max_tokens=2, stop_token_ids=()))])[0]
     assert g.prompt_tokens.tolist() == long[-16:]
     assert b.counters.prompts_truncated == 1
+
+
+def test_swap_to_other_weights_with_the_same_version_number_recomputes_the_prefix(setup):
+    """Staleness follows the weights, not the version number: re-sending version 0 with
+    other weights (every layer changed, so the KV differs) still drops the prefix computed
+    under the old ones; the sample admitted after the swap equals a W1-only run."""
+    _, engine, w0, _ = setup
+    w1 = jax.tree_util.tree_map(lambda x: x * 0.7, w0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=())
+    batcher = ContinuousBatcher(engine, params=w0, version=0)
+    batcher.submit(Request(0, PROMPT, 5, greedy))
+    batcher.step()                                  # 4 of 5 samples admitted under w0
+    batcher.update_params(w1, version=0)
+    late = batcher.run()[0].completions[4]
+    assert batcher.counters.stale_prefixes_dropped == 1
+    ref = ContinuousBatcher(engine, params=w1).run([Request(0, PROMPT, 1, greedy)])
+    ref = ref[0].completions[0]
+    assert late.tokens.tolist() == ref.tokens.tolist()
+    np.testing.assert_allclose(late.logprobs, ref.logprobs, atol=1e-5)
+
+
+def test_load_params_names_a_wrong_shape_and_casts_dtypes(setup):
+    _, engine, state, _ = setup
+    pure = state.to_pure_dict()
+    pure["embed"] = jnp.zeros((VOCAB // 2, pure["embed"].shape[1]))
+    bad = jax.tree_util.tree_map(lambda x: x, state)
+    nnx.replace_by_pure_dict(bad, pure)
+    with pytest.raises(ValueError, match=r"parameter .*embed.* has shape \(64, \d+\), the "
+                                         r"model's is \(128, \d+\)"):
+        engine.load_params(bad)
+    half = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), state)
+    params = engine.load_params(half)
+    assert {x.dtype for x in params.leaves} == {jnp.dtype(jnp.float32)}

@@ -242,6 +242,8 @@ def test_batched_prefill_and_insert_equal_one_at_a_time():
     assert (batched[:, :, 1] == 1).all()
     # Sample 1 of the request in slot 1 draws its own tokens, not sample 0's (slot 0).
     assert batched[:, 1, 0].tolist() != batched[:, 0, 0].tolist()
+    with pytest.raises(ValueError, match=r"rows \[0, 9\] must be in \[0, 4\)"):
+        engine.insert_batch(prefix, engine.init_decode_state(), [0, 9], [0, 1], [0, 0])
     with pytest.raises(ValueError, match="distinct"):
         engine.insert_batch(prefix, engine.init_decode_state(), [0, 1], [2, 2], [0, 0])
     with pytest.raises(ValueError, match="different buckets"):

@@ -160,7 +160,7 @@ class _Live:
     stop_ids: frozenset
     completions: dict = field(default_factory=dict)
     prefix: object = None
-    prefix_version: int = -1
+    prefix_weights: int = -1
 
 
 @dataclass
@@ -195,6 +195,7 @@ class ContinuousBatcher:
         self.counters = BatchCounters()
         self._params = engine.load_params(params, version)
         self.version = int(version)
+        self._weights_id = 0          # +1 per swap: a prefix is reused only under its weights
         self._pending_params = None
         self._lock = threading.Lock()
         self._queue: collections.deque = collections.deque()
@@ -213,13 +214,18 @@ class ContinuousBatcher:
         """Queue a request's G samples.
 
         Raises:
-          PromptError: empty prompt, an id outside the vocabulary, or a prompt longer than
-            ``max_prefill_length`` when ``on_long_prompt="error"`` (names the prompt_id).
+          PromptError: empty prompt, non-integer ids, an id outside the vocabulary, or a
+            prompt longer than ``max_prefill_length`` when ``on_long_prompt="error"``
+            (names the prompt_id).
           SamplingError: ``num_samples`` < 1, ``max_tokens`` above the engine's, or a stop
             id outside the vocabulary.
         """
         pid = request.prompt_id
-        tokens = np.asarray(request.prompt_tokens, np.int64).reshape(-1)
+        tokens = np.asarray(request.prompt_tokens).reshape(-1)
+        if tokens.size and tokens.dtype.kind not in "iu":
+            raise PromptError(f"prompt_id {pid}: prompt token ids must be integers, got "
+                              f"dtype {tokens.dtype} (first value {tokens[0]!r})")
+        tokens = tokens.astype(np.int64)
         truncated = False
         try:
             if tokens.size > self.cfg.max_prefill_length:
@@ -294,6 +300,7 @@ class ContinuousBatcher:
             pending, self._pending_params = self._pending_params, None
         if pending is not None:
             self._params, self.version = pending
+            self._weights_id += 1
             self.counters.weight_swaps += 1
 
     def _prefill(self, lives: list) -> None:
@@ -308,7 +315,7 @@ class ContinuousBatcher:
                                                [g[2] for g in group],
                                                [g[0].sampling for g in group])
             for row, (live, _, _) in enumerate(group):
-                live.prefix, live.prefix_version = (prefix, row), self.version
+                live.prefix, live.prefix_weights = (prefix, row), self._weights_id
             self.counters.prefills += len(group)
             self.counters.prefill_calls += 1
 
@@ -331,7 +338,7 @@ class ContinuousBatcher:
             return
         need = {}                                         # id -> live, in admission order
         for _, live, _ in admitted:
-            if live.prefix is not None and live.prefix_version != self.version:
+            if live.prefix is not None and live.prefix_weights != self._weights_id:
                 live.prefix = None                        # computed under older weights
                 self.counters.stale_prefixes_dropped += 1
             if live.prefix is None:

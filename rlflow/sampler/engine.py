@@ -119,8 +119,12 @@ class RlflowEngine(engine_api.Engine):
             new learner version; ``None``: the weights of the model given at construction.
           version: policy version (int >= 0).
 
+        Each array is cast to the dtype of the model's own parameter (e.g. fp32 learner
+        weights into a bf16 sampler).
+
         Raises:
-          ValueError: the params' tree does not match the model's.
+          ValueError: the params' tree does not match the model's, or a parameter's shape
+            differs (names the parameter and both shapes).
         """
         state = self._default_state if params is None else params
         ref = jax.tree_util.tree_structure(self._default_state)
@@ -128,6 +132,14 @@ class RlflowEngine(engine_api.Engine):
         if ref != got:
             raise ValueError(f"load_params: params do not match the model's tree "
                              f"(expected {ref}, got {got})")
+        refs = jax.tree_util.tree_leaves(self._default_state)
+        for (path, x), r in zip(jax.tree_util.tree_flatten_with_path(state)[0], refs):
+            if tuple(np.shape(x)) != tuple(r.shape):
+                raise ValueError(f"load_params: parameter {jax.tree_util.keystr(path)} has "
+                                 f"shape {tuple(np.shape(x))}, the model's is {tuple(r.shape)}")
+        state = jax.tree_util.tree_map(
+            lambda x, r: x if x.dtype == r.dtype else x.astype(r.dtype), state,
+            self._default_state)
         state = self._mesh_lib.shard_params(state, self._mesh)
         return EngineParams(leaves=tuple(jax.tree_util.tree_leaves(state)),
                             version=jnp.asarray(version, jnp.int32))
@@ -328,19 +340,27 @@ class RlflowEngine(engine_api.Engine):
         """Insert ``m`` samples in one call: prefix row ``rows[j]`` into slot ``slots[j]``
         as sample ``sample_indices[j]`` of its request (``decode_state`` donated).
 
+        The call compiles once per (bucket, prefix rows, inserts) with the inserts padded
+        to a power of two and to at least the prefix's rows (which bounds the variants:
+        a refill usually inserts at least as many samples as it prefilled prompts).
+
         Raises:
-          ValueError: a slot outside ``[0, slots)`` or repeated, or lists of different
-            lengths.
+          ValueError: a slot outside ``[0, slots)`` or repeated, a row outside the
+            prefix, or lists of different lengths.
         """
         m = len(slots)
         if not m or len(rows) != m or len(sample_indices) != m:
             raise ValueError(f"insert_batch: {len(rows)} rows, {m} slots, "
                              f"{len(sample_indices)} sample indices (need as many, >= 1)")
+        n = int(prefix.length.shape[0])
+        if any(not 0 <= int(r) < n for r in rows):
+            raise ValueError(f"insert_batch: rows {list(rows)} must be in [0, {n}) (the "
+                             f"prefix's rows; rows past the prompts given repeat row 0)")
         bad = [s for s in slots if not 0 <= int(s) < self.num_slots]
         if bad or len(set(slots)) != m:
             raise ValueError(f"insert_batch: slots {list(slots)} must be distinct and in "
                              f"[0, {self.num_slots}); bad: {bad or 'repeated'}")
-        size = 1 << (m - 1).bit_length()
+        size = max(1 << (m - 1).bit_length(), n)
         pad = size - m
         return self._insert(prefix, decode_state,
                             np.asarray(list(rows) + [0] * pad, np.int32),
