@@ -85,7 +85,7 @@ def main() -> int:
     for steps in ks:
         scfg = SamplerConfig(num_slots=BATCH, max_prefill_length=PROMPT,
                              prefill_buckets=(PROMPT,), max_tokens=NEW, temperature=1.0,
-                             decode_steps_per_call=steps)
+                             group_size=1, decode_steps_per_call=steps)
         engines[steps] = RlflowEngine(model, scfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
     sampling = SamplingParams(temperature=1.0, max_tokens=NEW, stop_token_ids=())
 

@@ -202,6 +202,10 @@ class SamplerConfig:
         that finishes mid-call idles for the rest of it. Default 1: every free slot is
         refilled before every step; benchmarks/sampler_throughput.py reports k = 4 too
         (more tokens/s on a small model, some slot steps idle).
+      max_prefill_batch: most prompts prefilled in one call (C >= 1). A refill prefills
+        its new prompts in calls of up to C rows, padded to a power of two, so prefill and
+        insert compile at most log2(C) + 1 times per bucket (each compile stalls every
+        slot); 1 is JetStream's one prompt per prefill.
     """
 
     num_slots: int = 16
@@ -217,10 +221,11 @@ class SamplerConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     seed: int = 0
     decode_steps_per_call: int = 1
+    max_prefill_batch: int = 4
 
     def __post_init__(self):
         for name in ("num_slots", "max_prefill_length", "max_tokens", "group_size", "num_devices",
-                     "decode_steps_per_call"):
+                     "decode_steps_per_call", "max_prefill_batch"):
             _positive(getattr(self, name), f"sampler.{name}")
         _check(len(self.prefill_buckets) > 0, "sampler.prefill_buckets", "must not be empty")
         _check(list(self.prefill_buckets) == sorted(self.prefill_buckets),

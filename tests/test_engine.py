@@ -266,3 +266,38 @@ def test_batching_loop_prefills_each_bucket_once_per_refill():
     groups = batcher.run()
     assert sorted(g.prompt_id for g in groups) == [0, 1, 2]
     assert [len(g.completions) for g in sorted(groups, key=lambda g: g.prompt_id)] == [2, 1, 1]
+
+
+def test_prefill_and_insert_shapes_stay_bounded():
+    """Every compiled variant stalls all slots: over a ragged stream (prompt lengths 1-16,
+    G 1-5, 4 slots) prefill and insert see at most log2(max_prefill_batch) + 1 = 3 row
+    counts per bucket (1, 2, 4: never 3), and insert one width per row count."""
+    engine = RlflowEngine(random_model(), sampler_cfg(num_slots=4, max_prefill_batch=4,
+                                                      group_size=2, temperature=1.0),
+                          mesh=one_device_mesh())
+    seen = {"prefill": set(), "insert": set()}
+    prefill, insert = engine._prefill, engine._insert
+
+    def spy_prefill(params, tokens, *rest):
+        seen["prefill"].add(tokens.shape)
+        return prefill(params, tokens, *rest)
+
+    def spy_insert(prefix, state, rows, slots, index):
+        seen["insert"].add((prefix.cache.k[0].shape, rows.shape))
+        return insert(prefix, state, rows, slots, index)
+    engine._prefill, engine._insert = spy_prefill, spy_insert
+    rng = np.random.default_rng(0)
+    reqs = [Request(i, rng.integers(1, 128, int(rng.integers(1, 17))).tolist(),
+                    int(rng.integers(1, 6)) if i % 4 else 1, SamplingParams(max_tokens=int(rng.integers(1, 5)),
+                                                            seed=i, stop_token_ids=()))
+            for i in range(40)]
+    # First refill: three bucket-8 prompts and one bucket-16 prompt (3 rows -> 4).
+    for i, n in enumerate((3, 5, 7, 12)):
+        reqs[i] = Request(i, list(range(1, n + 1)), 1, reqs[i].sampling)
+    groups = ContinuousBatcher(engine).run(reqs)
+    assert sorted(g.prompt_id for g in groups) == list(range(40))
+    allowed = {(n, p) for n in (1, 2, 4) for p in (8, 16)}
+    assert seen["prefill"] <= allowed
+    assert {(k[0], k[2]) for k, _ in seen["insert"]} <= allowed
+    assert all(rows == (k[0] * 2,) for k, rows in seen["insert"])   # width = rows x G (2)
+    assert len(seen["prefill"]) >= 3                   # the stream did exercise the variants

@@ -6,9 +6,11 @@ slots whose completion ended (a stop id, or ``max_tokens``) are freed as soon as
 that ended them returns. A prompt's ``G`` samples share one prefill (while the policy
 version does not change) and come back together as one group.
 
-Refill: the prompts admitted in one refill that need a prefix are prefilled together, one
-:meth:`RlflowEngine.prefill_batch` call per bucket, and all admitted samples are inserted
-with one :meth:`RlflowEngine.insert_batch` call per prefix batch.
+Refill: the prompts admitted in one refill that need a prefix are prefilled together
+(:meth:`RlflowEngine.prefill_batch`, per bucket, calls of up to
+``sampler.max_prefill_batch`` prompts), and the admitted samples are inserted with one
+:meth:`RlflowEngine.insert_batch` per prefix batch. Both compile at most
+``log2(max_prefill_batch) + 1`` times per bucket.
 
 Decode calls: each :meth:`ContinuousBatcher.step` runs ``sampler.decode_steps_per_call``
 (k) decode steps in one jitted call (:meth:`RlflowEngine.generate_packed`) and copies one
@@ -126,8 +128,8 @@ class BatchCounters:
     prefill calls and inserts that reused a group's prefix; stale_prefixes_dropped:
     prefixes recomputed because the policy version changed; prompts_truncated: prompts
     cut to ``max_prefill_length`` (``on_long_prompt="truncate"``); weight_swaps;
-    completions_stopped / completions_truncated; prefill_calls / insert_calls: engine
-    calls (several prompts / samples each).
+    completions_stopped / completions_truncated; prefill_calls / insert_calls:
+    ``prefill_batch`` / ``insert_batch`` calls (several prompts / samples each).
     """
 
     decode_steps: int = 0
@@ -304,13 +306,15 @@ class ContinuousBatcher:
             self.counters.weight_swaps += 1
 
     def _prefill(self, lives: list) -> None:
-        """Prefill the prompts of ``lives`` (no valid prefix), one call per bucket; each
-        live's ``prefix`` becomes ``(Prefix, row)``."""
+        """Prefill the prompts of ``lives`` (no valid prefix): per bucket, calls of up to
+        ``sampler.max_prefill_batch`` prompts; each live's ``prefix`` becomes
+        ``(Prefix, row)``."""
         by_bucket: dict = {}
         for live in lives:
             padded, n = self.engine.pad_prompt(live.tokens)
             by_bucket.setdefault(padded.shape[0], []).append((live, padded, n))
-        for group in by_bucket.values():
+        c = self.cfg.max_prefill_batch
+        for group in (g[i:i + c] for g in by_bucket.values() for i in range(0, len(g), c)):
             prefix = self.engine.prefill_batch(self._params, [g[1] for g in group],
                                                [g[2] for g in group],
                                                [g[0].sampling for g in group])
@@ -321,9 +325,10 @@ class ContinuousBatcher:
 
     def _refill(self) -> None:
         """Admit queued samples into every free slot: prefill the prompts that have no
-        prefix under the current policy version (one call per bucket), then insert all
-        admitted samples (one call per prefix batch). Free slots with nothing queued are
-        released on the device."""
+        prefix under the current weights (per bucket, calls of up to
+        ``sampler.max_prefill_batch`` prompts), then insert the admitted samples, one
+        ``insert_batch`` per prefix batch. Free slots with nothing queued are released on
+        the device."""
         admitted = []                                     # (slot, live, sample index)
         for slot, s in enumerate(self._slots):
             if s is not None:

@@ -8,15 +8,16 @@ four jitted functions (the MaxText ``MaxEngine`` pattern):
   here: it becomes the slot's first decode input, so every completion token (the first
   included) comes out of :meth:`generate`, under the weights current at that step and
   tagged with their version. (The 0.2.2 API's ``prefill`` returns only the prefix, no
-  first token.) :meth:`RlflowEngine.prefill_batch` does ``n`` prompts of one bucket in
-  one call (the batching loop's path; ``n`` padded to a power of two, so one compile per
-  bucket and size).
+  first token.) :meth:`RlflowEngine.prefill_batch` does up to ``sampler.max_prefill_batch``
+  prompts of one bucket in one call (the batching loop's path; rows padded to a power of
+  two, so at most ``log2(max_prefill_batch) + 1`` compiles per bucket).
 * ``insert(prefix, decode_state, slot)``: copies a prefix into row ``slot`` of the decode
   state (donated). :meth:`RlflowEngine.insert_batch` inserts ``m`` (prefix row, slot,
-  sample index) triples in one call (``m`` padded to a power of two).
+  sample index) triples in calls of a fixed width per prefix size (as many compiles as
+  prefill).
 * ``generate(params, decode_state)``: one decode step for all slots (one compile):
   forward of each slot's current token, then sampling with the slot's own temperature /
-  top-k / top-p / key (:mod:`rlflow.sampler.sampling`). A slot whose token is one of its
+  top-k / top-p / uniform (:mod:`rlflow.sampler.sampling`). A slot whose token is one of its
   stop ids, or whose completion reaches its ``max_tokens``, is marked inactive on device
   in the same step (its later tokens come back ``valid = 0``).
 * ``generate_packed(params, decode_state)``: the batching loop's fast path:
@@ -216,7 +217,8 @@ class RlflowEngine(engine_api.Engine):
 
         Raises:
           PromptError / SamplingError: as :meth:`prefill`, naming the row.
-          ValueError: the lists differ in length, are empty, or mix buckets.
+          ValueError: the lists differ in length, are empty, mix buckets, or hold more
+            than ``sampler.max_prefill_batch`` prompts.
         """
         n = len(padded_tokens)
         if not n or len(true_lengths) != n or len(samplings) != n:
@@ -227,6 +229,9 @@ class RlflowEngine(engine_api.Engine):
         widths = {r[0].shape[0] for r in rows}
         if len(widths) != 1:
             raise ValueError(f"prefill_batch: prompts padded to different buckets {widths}")
+        if n > self.sampler_cfg.max_prefill_batch:
+            raise ValueError(f"prefill_batch: {n} prompts; at most sampler.max_prefill_batch="
+                             f"{self.sampler_cfg.max_prefill_batch} per call")
         size = 1 << (n - 1).bit_length()
         rows += [rows[0]] * (size - n)
         cols = [np.stack(c) for c in zip(*rows)]
@@ -340,9 +345,10 @@ class RlflowEngine(engine_api.Engine):
         """Insert ``m`` samples in one call: prefix row ``rows[j]`` into slot ``slots[j]``
         as sample ``sample_indices[j]`` of its request (``decode_state`` donated).
 
-        The call compiles once per (bucket, prefix rows, inserts) with the inserts padded
-        to a power of two and to at least the prefix's rows (which bounds the variants:
-        a refill usually inserts at least as many samples as it prefilled prompts).
+        Inserts go in jitted calls of a fixed width per prefix size: ``rows x W``
+        entries, ``W`` = ``sampler.group_size`` rounded up to a power of two (the samples
+        a prefix row usually serves), padding entries dropped; more inserts take more
+        calls. So the call compiles once per (bucket, prefix rows), as prefill does.
 
         Raises:
           ValueError: a slot outside ``[0, slots)`` or repeated, a row outside the
@@ -360,12 +366,15 @@ class RlflowEngine(engine_api.Engine):
         if bad or len(set(slots)) != m:
             raise ValueError(f"insert_batch: slots {list(slots)} must be distinct and in "
                              f"[0, {self.num_slots}); bad: {bad or 'repeated'}")
-        size = max(1 << (m - 1).bit_length(), n)
-        pad = size - m
-        return self._insert(prefix, decode_state,
-                            np.asarray(list(rows) + [0] * pad, np.int32),
-                            np.asarray(list(slots) + [self.num_slots] * pad, np.int32),
-                            np.asarray(list(sample_indices) + [0] * pad, np.int32))
+        width = n * (1 << (max(self.sampler_cfg.group_size, 1) - 1).bit_length())
+        for i in range(0, m, width):
+            r, s, x = rows[i:i + width], slots[i:i + width], sample_indices[i:i + width]
+            pad = width - len(s)
+            decode_state = self._insert(
+                prefix, decode_state, np.asarray(list(r) + [0] * pad, np.int32),
+                np.asarray(list(s) + [self.num_slots] * pad, np.int32),
+                np.asarray(list(x) + [0] * pad, np.int32))
+        return decode_state
 
     def _release_impl(self, state: DecodeState, slot) -> DecodeState:
         return state.replace(active=state.active.at[slot].set(False))
