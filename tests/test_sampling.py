@@ -7,7 +7,7 @@ import pytest
 
 from rlflow.config import SamplerConfig
 from rlflow.sampler.sampling import (SamplingError, SamplingParams, filter_logits,
-                                     request_uniforms, sample_tokens)
+                                     derive_seed, request_uniforms, sample_tokens)
 
 
 def np_log_softmax(x):
@@ -146,3 +146,12 @@ def test_params_from_config():
     cfg = SamplerConfig(temperature=0.7, top_k=5, top_p=0.9, max_tokens=12, seed=3)
     sp = SamplingParams.from_config(cfg, seed=11)
     assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens, sp.seed) == (0.7, 5, 0.9, 12, 11)
+
+
+def test_derive_seed_is_deterministic_32_bit_and_separates_keys():
+    seeds = [derive_seed(0, 0, i) for i in range(200)] + [derive_seed(0, 1, i) for i in range(200)]
+    assert all(0 <= s < 2**32 for s in seeds) and len(set(seeds)) == 400
+    assert derive_seed(0, 0, 5) == derive_seed(0, 0, 5) != derive_seed(1, 0, 5)
+    # Unrelated streams: first uniforms of consecutive positions are not close to each other.
+    u = np.array([float(request_uniforms(s, 0, 1)[0]) for s in seeds[:200]])
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.2

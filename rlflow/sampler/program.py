@@ -42,6 +42,7 @@ from rlflow.models.hf import build_model
 from rlflow.runtime_control import ControlClient, decode_state, encode_state, groups_to_admit
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
+from rlflow.sampler.sampling import SamplingParams, derive_seed
 
 log = logging.getLogger("rlflow.sampler")
 
@@ -253,9 +254,14 @@ class SamplerProgram:
         return admitted
 
     def _submit(self, element) -> None:
+        # The seed follows the request's place in this sampler's prompt stream (and the
+        # restart count), not the prompt_id: a prompt met again in a later epoch gets new
+        # random draws.
+        seed = derive_seed(self.cfg.sampler.seed, self.control.instance, self.prompts_started)
         request = Request(prompt_id=int(element["prompt_id"]),
                           prompt_tokens=element["prompt_tokens"],
-                          num_samples=self.cfg.sampler.group_size)
+                          num_samples=self.cfg.sampler.group_size,
+                          sampling=SamplingParams.from_config(self.cfg.sampler, seed=seed))
         for attempt in range(MAX_PROMPT_RETRIES + 1):
             try:
                 self.batcher.submit(request)
