@@ -196,8 +196,8 @@ class SamplerConfig:
       on_long_prompt: "error" or "truncate" (keep the last max_prefill_length tokens, counted).
       num_devices: devices of the sampler program (fake CPU devices on a laptop).
       mesh: the sampler's mesh (tensor parallel axis at least).
-      seed: base PRNG seed; the sampler program derives each request's seed from it, its
-        restart count and the request's position in the prompt stream (sampling.derive_seed).
+      seed: base PRNG seed; the sampler program derives each request's seed from it and
+        the request's position in the prompt stream (sampling.derive_seed).
       decode_steps_per_call: decode steps per jitted decode call (k >= 1, one host copy per
         call); weight swaps and slot refills happen between calls, so with k > 1 a slot
         that finishes mid-call idles for the rest of it. Default 1: every free slot is

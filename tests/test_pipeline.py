@@ -132,8 +132,9 @@ def test_order_is_deterministic_given_the_seeds(path, tok):
 def test_restored_iterator_yields_what_an_uninterrupted_one_would(path, tok, stop_at):
     data_cfg = cfg(path, num_epochs=3)
     full, _ = build_prompt_pipeline(data_cfg, tok, seed=5)
-    reference = [(e["prompt_id"], e["prompt_tokens"].tolist()) for e in full]
+    reference = [(e["prompt_id"], e["prompt_tokens"].tolist(), e["stream_index"]) for e in full]
     assert len(reference) == 3 * N
+    assert [r[2] for r in reference] == list(range(3 * N))     # position in the stream
 
     first, _ = build_prompt_pipeline(data_cfg, tok, seed=5)
     head = [next(first)["prompt_id"] for _ in range(stop_at)]
@@ -142,7 +143,7 @@ def test_restored_iterator_yields_what_an_uninterrupted_one_would(path, tok, sto
 
     resumed, _ = build_prompt_pipeline(data_cfg, tok, seed=5)
     resumed.set_state(state)
-    tail = [(e["prompt_id"], e["prompt_tokens"].tolist()) for e in resumed]
+    tail = [(e["prompt_id"], e["prompt_tokens"].tolist(), e["stream_index"]) for e in resumed]
     assert head == [r[0] for r in reference[:stop_at]]
     assert tail == reference[stop_at:]
 

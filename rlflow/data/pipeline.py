@@ -6,7 +6,9 @@
     {"prompt_id": int,                 # record index in the source: stable across epochs
      "prompt_tokens": int32 [P],       # 1 <= P <= data.max_prompt_tokens, no padding
      "prompt_text": str,               # the text that was tokenized (template applied)
-     "answer": str}                    # reference answer ("" when data.answer_field is "")
+     "answer": str,                    # reference answer ("" when data.answer_field is "")
+     "stream_index": int}              # position in the (shuffled, repeated) prompt stream:
+                                       # unique per element, restored with the iterator state
 
 Steps (``grain.MapDataset``): the kept record indices -> ``shuffle`` (a new order each epoch,
 seeded by ``(seed, data.shuffle_seed)``) -> ``repeat(data.num_epochs or forever)`` -> ``map``
@@ -277,8 +279,13 @@ def prompt_dataset(data_cfg, tokenizer, *, seed: int,
     ds = (grain.MapDataset.source(kept.tolist())
           .shuffle(seed=shuffle_seed(seed, data_cfg.shuffle_seed))
           .repeat(data_cfg.num_epochs if data_cfg.num_epochs > 0 else None)
-          .map(formatter))
+          .map(formatter)
+          .map_with_index(_with_stream_index))
     return ds, stats
+
+
+def _with_stream_index(index: int, element: dict) -> dict:
+    return {**element, "stream_index": int(index)}
 
 
 def build_prompt_pipeline(data_cfg, tokenizer, *, seed: int,

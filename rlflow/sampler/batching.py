@@ -3,8 +3,8 @@
 The pattern of MaxText's offline engine (not JetStream's orchestrator/Driver): a queue of
 samples to run; before every decode call each free slot is refilled from the queue, and
 slots whose completion ended (a stop id, or ``max_tokens``) are freed as soon as the call
-that ended them returns. A prompt's ``G`` samples share one prefill (while the policy
-version does not change) and come back together as one group.
+that ended them returns. A prompt's ``G`` samples share one prefill (while no weight
+swap happens) and come back together as one group.
 
 Refill: the prompts admitted in one refill that need a prefix are prefilled together
 (:meth:`RlflowEngine.prefill_batch`, per bucket, calls of up to
@@ -125,8 +125,8 @@ class BatchCounters:
     slot_steps_available: decode_steps x slots; slot_steps_used: slot steps whose token
     was kept; idle_slot_steps_while_queued: free slots during a step while samples waited
     (0 with k = 1; with k > 1 the steps after a slot finished mid-call); prefills / prefix_reuses:
-    prefill calls and inserts that reused a group's prefix; stale_prefixes_dropped:
-    prefixes recomputed because the policy version changed; prompts_truncated: prompts
+    prompts prefilled and inserts that reused a group's prefix; stale_prefixes_dropped:
+    prefixes recomputed because a weight swap came between two samples' admissions; prompts_truncated: prompts
     cut to ``max_prefill_length`` (``on_long_prompt="truncate"``); weight_swaps;
     completions_stopped / completions_truncated; prefill_calls / insert_calls:
     ``prefill_batch`` / ``insert_batch`` calls (several prompts / samples each).

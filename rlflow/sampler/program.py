@@ -254,10 +254,10 @@ class SamplerProgram:
         return admitted
 
     def _submit(self, element) -> None:
-        # The seed follows the request's place in this sampler's prompt stream (and the
-        # restart count), not the prompt_id: a prompt met again in a later epoch gets new
-        # random draws.
-        seed = derive_seed(self.cfg.sampler.seed, self.control.instance, self.prompts_started)
+        # The seed follows the element's position in the prompt stream, not its prompt_id:
+        # a prompt met again in a later epoch gets new random draws, and a resumed run
+        # draws what the uninterrupted one would have.
+        seed = derive_seed(self.cfg.sampler.seed, int(element["stream_index"]))
         request = Request(prompt_id=int(element["prompt_id"]),
                           prompt_tokens=element["prompt_tokens"],
                           num_samples=self.cfg.sampler.group_size,

@@ -176,8 +176,8 @@ def inverse_cdf_draw(uniforms: jax.Array, logits: jax.Array) -> jax.Array:
 
 
 def derive_seed(base_seed: int, *keys: int) -> int:
-    """A 32-bit request seed from a base seed and non-negative integer keys (e.g. sampler
-    restart count and position in the prompt stream), by ``numpy.random.SeedSequence``:
+    """A 32-bit request seed from a base seed and non-negative integer keys (e.g. the
+    request's position in the prompt stream), by ``numpy.random.SeedSequence``:
     distinct keys give unrelated streams, so a prompt seen again in a later epoch is not
     drawn with the same uniforms."""
     return int(np.random.SeedSequence([int(base_seed), *map(int, keys)]).generate_state(1)[0])
