@@ -59,6 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from rlflow.config import ConfigError
         try:
             cfg = parse_train_args(rest)
+            from rlflow.config_checks import check_runnable
+            check_runnable(cfg)         # files, plugins, reward names: before any program
         except (ConfigError, FileNotFoundError) as e:
             print(f"rlflow train: {e}", file=sys.stderr)
             return 2

@@ -161,24 +161,39 @@ class DataConfig:
 class RewardConfig:
     """Reward functions (names from the registry in ``rlflow.data.rewards``) and weights.
 
-    A function that raises or runs longer than ``timeout_s`` seconds gives reward 0 for
-    that sample; the failure is counted and logged with the sample id.
+    Each call runs in a reward worker process; one that raises, runs longer than
+    ``timeout_s`` seconds (its worker is killed and replaced) or past ``memory_limit_mb``
+    gives reward 0 for that sample; the failure is counted and logged with the sample id.
 
     Attributes:
-      functions: reward function names (registry in ``rlflow.data.rewards``).
+      functions: reward function names: registered names (``rlflow.data.rewards``, or
+        registered by a module in ``plugins``) or ``"package.module:function"`` /
+        ``"path/file.py:function"`` references; unknown names are refused when the config
+        is resolved.
       weights: one weight per function; the reward is the weighted sum.
       timeout_s: seconds one reward call may take before it scores 0 (counted).
+      num_workers: reward worker processes of the sampler (scoring overlaps decoding).
+        0 calls the functions in the sampler process on a thread: for debugging only
+        (a call that holds the GIL or allocates without bound is then not stopped).
+      memory_limit_mb: address-space limit (RLIMIT_AS) of each reward worker, MiB; an
+        allocation past it scores 0 (counted as an error). 0: no limit.
     """
 
     functions: Tuple[str, ...] = ("digits_match",)
     weights: Tuple[float, ...] = (1.0,)
     timeout_s: float = 5.0
+    num_workers: int = 2
+    memory_limit_mb: int = 4096
 
     def __post_init__(self):
         _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
         _check(len(self.functions) == len(self.weights), "reward.weights",
                f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")
         _positive(self.timeout_s, "reward.timeout_s")
+        _check(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
+        _check(self.memory_limit_mb == 0 or self.memory_limit_mb >= 256, "reward.memory_limit_mb",
+               f"must be 0 (no limit) or >= 256 (a worker imports numpy and the reward "
+               f"functions), got {self.memory_limit_mb}")
 
 
 @dataclass(frozen=True)
@@ -536,11 +551,14 @@ class ExperimentConfig:
       name: run name; the run folder is ``{run_dir}/{name}``.
       run_dir: parent folder of run folders.
       seed: global seed (data order, sampling, init).
+      plugins: modules every program imports first (dotted names or ``.py`` paths), e.g.
+        to register reward functions (``rlflow.plugins``).
     """
 
     name: str = "demo"
     run_dir: str = "runs"
     seed: int = 0
+    plugins: Tuple[str, ...] = ()
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -562,6 +580,9 @@ class ExperimentConfig:
             _check(self.learner.is_cap > 0, "learner.is_cap",
                    "must be > 0 when runtime.stale_policy='correct'")
         lr, sp = self.learner, self.sampler
+        _check(lr.advantage == "gae" or sp.group_size >= 2, "sampler.group_size",
+               f"must be >= 2 with learner.advantage={lr.advantage!r} (group-relative "
+               f"advantages compare the G samples of a prompt), got {sp.group_size}")
         rows = lr.groups_per_step * sp.group_size
         split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
         _check(rows % split == 0, "learner.micro_batches",

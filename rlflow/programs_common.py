@@ -84,9 +84,14 @@ def save_config(cfg, path: str) -> None:
 
 
 def load_config(path: str):
-    """Read a resolved config JSON written by :func:`save_config`."""
+    """Read a resolved config JSON written by :func:`save_config` and import its ``plugins``
+    (so this program's registries hold the user's functions, :mod:`rlflow.plugins`)."""
+    from rlflow.plugins import import_plugins
+
     with open(path) as f:
-        return config_from_dict(config_mod.ExperimentConfig, json.load(f))
+        cfg = config_from_dict(config_mod.ExperimentConfig, json.load(f))
+    import_plugins(cfg.plugins)
+    return cfg
 
 
 @dataclass(frozen=True)
