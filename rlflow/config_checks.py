@@ -3,8 +3,8 @@
 :class:`rlflow.config.ExperimentConfig` validates values and cross-field constraints in
 ``__post_init__`` (pure checks, run wherever a config is built). :func:`check_runnable` adds
 what needs the machine: the plugins import, every reward function resolves (and can be
-loaded by the other programs), the data files and the model folder exist, the built-in task
-is known. ``rlflow train`` runs it before it starts any program, so a mistake is refused in
+loaded by the other programs), the data files and the model folder (config.json, safetensors,
+tokenizer files; required for non-built-in data) exist, the built-in task is known. ``rlflow train`` runs it before it starts any program, so a mistake is refused in
 seconds with the field named instead of after the programs have started.
 """
 
@@ -72,9 +72,16 @@ def _check_data(cfg) -> None:
                           f"current folder {os.getcwd()})")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _check_model(cfg) -> None:
     path = cfg.model.path
     if not path:
+        if cfg.data.source != "builtin":
+            raise ConfigError(f"model.path: required with data.source={cfg.data.source!r} (the "
+                              f"prompts are tokenized with the model folder's tokenizer; only "
+                              f"built-in tasks bring their own)")
         return
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.path: {path!r} has no config.json (expected a Hugging Face "
@@ -82,3 +89,6 @@ def _check_model(cfg) -> None:
     if not glob.glob(os.path.join(path, "*.safetensors")):
         raise ConfigError(f"model.path: {path!r} has no *.safetensors weights (expected a "
                           f"Hugging Face model folder saved with safetensors)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ConfigError(f"model.path: {path!r} has no tokenizer files (one of "
+                          f"{', '.join(TOKENIZER_FILES)}); both programs tokenize with it")

@@ -61,12 +61,22 @@ def test_train_refuses_before_starting_anything(no_programs, capsys, args, field
     assert not os.path.exists(no_programs / "runs")
 
 
-def test_model_folder_without_weights_is_refused(no_programs, capsys):
+def test_model_folder_without_weights_or_tokenizer_is_refused(no_programs, capsys):
     folder = no_programs / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     code, text = _train(["--model.path", str(folder)], capsys)
     assert code == 2 and "model.path:" in text and "no *.safetensors" in text, text
+    (folder / "model.safetensors").write_bytes(b"")
+    code, text = _train(["--model.path", str(folder)], capsys)
+    assert code == 2 and "model.path:" in text and "no tokenizer files" in text, text
+
+
+def test_file_data_without_a_model_folder_is_refused(no_programs, capsys):
+    (no_programs / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    code, text = _train(["--data.source", "jsonl", "--data.path", "train.jsonl",
+                         "--model.path", ""], capsys)
+    assert code == 2 and "model.path: required with data.source='jsonl'" in text, text
 
 
 def test_reward_registered_in_the_config_file_is_refused(no_programs, capsys):
