@@ -175,8 +175,9 @@ class RewardConfig:
       num_workers: reward worker processes of the sampler (scoring overlaps decoding).
         0 calls the functions in the sampler process on a thread: for debugging only
         (a call that holds the GIL or allocates without bound is then not stopped).
-      memory_limit_mb: address-space limit (RLIMIT_AS) of each reward worker, MiB; an
-        allocation past it scores 0 (counted as an error). 0: no limit.
+      memory_limit_mb: memory one reward call may allocate, MiB: each reward worker's
+        address space (RLIMIT_AS) is capped at what it maps after loading the functions plus
+        this; a call past it scores 0 (counted as an error). 0: no limit.
     """
 
     functions: Tuple[str, ...] = ("digits_match",)
@@ -191,9 +192,8 @@ class RewardConfig:
                f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")
         _positive(self.timeout_s, "reward.timeout_s")
         _check(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
-        _check(self.memory_limit_mb == 0 or self.memory_limit_mb >= 256, "reward.memory_limit_mb",
-               f"must be 0 (no limit) or >= 256 (a worker imports numpy and the reward "
-               f"functions), got {self.memory_limit_mb}")
+        _check(self.memory_limit_mb >= 0, "reward.memory_limit_mb",
+               f"must be >= 0 (0: no limit), got {self.memory_limit_mb}")
 
 
 @dataclass(frozen=True)

@@ -143,3 +143,22 @@ def test_check_runnable_accepts_the_shipped_demo_config():
     check_runnable(ExperimentConfig())
     with pytest.raises(ConfigError, match=r"^reward.functions: unknown reward function"):
         check_runnable(ExperimentConfig(reward=RewardConfig(functions=("x",))))
+
+
+def test_group_relative_advantages_need_two_samples_per_group_gae_does_not():
+    from rlflow.config import LearnerConfig, SamplerConfig
+
+    for adv in ("grpo", "drgrpo", "rloo"):
+        with pytest.raises(ConfigError, match=rf"^sampler.group_size: must be >= 2 with "
+                                              rf"learner.advantage='{adv}'"):
+            ExperimentConfig(sampler=SamplerConfig(group_size=1),
+                             learner=LearnerConfig(advantage=adv, groups_per_step=2))
+    cfg = ExperimentConfig(sampler=SamplerConfig(group_size=1),
+                           learner=LearnerConfig(advantage="gae", groups_per_step=2))
+    assert cfg.sampler.group_size == 1
+
+
+@pytest.mark.parametrize("field, value", [("num_workers", -1), ("memory_limit_mb", -5)])
+def test_reward_worker_fields_are_checked(field, value):
+    with pytest.raises(ConfigError, match=rf"^reward.{field}: must be >= 0"):
+        RewardConfig(**{field: value})

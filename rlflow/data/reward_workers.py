@@ -6,10 +6,11 @@ allocate without bound. Math graders therefore run each check in a process that 
 killed; so does rlflow. :class:`RewardWorkerPool` keeps ``reward.num_workers`` processes
 (``spawn`` context: never a fork of a process whose JAX runtime is running), each of which
 
-  * sets ``RLIMIT_AS`` to ``reward.memory_limit_mb`` (an allocation past it raises
-    ``MemoryError`` in the worker: scored 0 and counted as an error),
   * imports ``plugins`` and the reward functions and warms them up (math-verify's imports
     and first parse) before it reports ready: start-up never counts against a timeout,
+  * then limits its address space (``RLIMIT_AS``) to what it maps at that point plus
+    ``reward.memory_limit_mb``: a call allocating more gets ``MemoryError``, scored 0 and
+    counted as an error,
   * then scores one sample at a time.
 
 A call still running ``reward.timeout_s`` seconds after it was handed to a worker is
@@ -44,12 +45,26 @@ STARTUP_TIMEOUT_S = 300.0
 Result = Tuple[int, str, object]
 
 
+def _address_space_bytes() -> int:
+    """This process's virtual memory size (``VmSize`` of /proc/self/status), 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _set_memory_limit(memory_limit_mb: int) -> None:
+    """RLIMIT_AS = what the worker maps now (interpreter, plugins, reward functions) plus
+    ``memory_limit_mb``: a reward call may allocate that much, whatever its imports mapped."""
     if memory_limit_mb <= 0:
         return
     import resource
 
-    limit = int(memory_limit_mb) * 1024 * 1024
+    limit = _address_space_bytes() + int(memory_limit_mb) * 1024 * 1024
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
