@@ -4,8 +4,9 @@
 ``__post_init__`` (pure checks, run wherever a config is built). :func:`check_runnable` adds
 what needs the machine: the plugins import, every reward function resolves (and can be
 loaded by the other programs), the data files and the model folder (config.json, safetensors,
-tokenizer files; required for non-built-in data) exist, the built-in task is known. ``rlflow train`` runs it before it starts any program, so a mistake is refused in
-seconds with the field named instead of after the programs have started.
+tokenizer files; required for non-built-in data) exist, the built-in task is known.
+``rlflow train`` runs it before it starts any program, so a mistake is refused in seconds
+with the field named instead of after the programs have started.
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ One process (one host of the sampler slice on a pod), its own JAX runtime and me
 
 A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it (logged
 with the function and sample, counted as ``sampler/dropped_bad_reward_groups``), "error"
-stops the run with that message. A prompt that fails at every retry
-(``MAX_PROMPT_RETRIES``) or a prompt dataset that runs out while the learner still needs groups is reported to the
-learner through the buffer (its next ``get_groups`` raises the message) and stops this
-program with the error.
+stops the run with that message. That error, a prompt that fails at every retry
+(``MAX_PROMPT_RETRIES``) or a prompt dataset that runs out while the learner still needs
+groups is reported to the learner through the buffer (its next ``get_groups`` raises the
+message) and stops this program with the error.
 """
 
 from __future__ import annotations
@@ -158,7 +158,9 @@ class SamplerProgram:
         self.buffer = BufferClient.from_config(cfg.buffer, _endpoint(endpoints.buffer),
                                                name=self.name)
         self.rewarder = Rewarder(cfg.reward, plugins=cfg.plugins)
-        self.scoring: dict[int, dict] = {}       # id(Request) -> record awaiting its rewards
+        # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
+        # that its id is not reused while the group is scored)
+        self.scoring: dict[int, tuple] = {}
         self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
         self.prompts, stats = build_prompt_pipeline(cfg.data, self.tokenizer, seed=cfg.seed)
         log.info("%s", stats.summary())
@@ -299,7 +301,7 @@ class SamplerProgram:
             element = self.in_flight[key]
             texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
                      for c in group.completions]
-            self.scoring[key] = group.to_record()
+            self.scoring[key] = (group.request, group.to_record())
             self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"])
 
     def _collect(self, timeout: float = 0.0) -> None:
@@ -312,7 +314,7 @@ class SamplerProgram:
         """
         records = []
         for key, batch in self.rewarder.collect(timeout):
-            record = self.scoring.pop(key)
+            _, record = self.scoring.pop(key)
             self.in_flight.pop(key)
             if batch.nonfinite:
                 if self.cfg.learner.on_bad_reward == "error":
