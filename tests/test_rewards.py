@@ -113,6 +113,8 @@ def test_math_verify_unparseable_reference_is_an_error():
 @pytest.mark.parametrize("completion, want", [
     ("so \\boxed{42}", 1.0), ("work\n#### 42", 1.0), ("the answer is 42", 0.0),
     ("\\boxed{}", 0.0), ("####", 0.0),
+    ("#### Step 1\nadd them\n#### Step 2\nsum is 5", 0.0),     # headings, not answers
+    ("#### Step 1\nadd\n#### **5**", 1.0), ("$\\boxed{\\frac{1}{2}}$", 1.0),
 ])
 def test_math_format(completion, want):
     assert math_format_reward(completion, "42") == want

@@ -17,8 +17,8 @@ Built in:
     math-verify (Kydlicek et al., HF Math-Verify), else 0.0. The reference may be a GSM8K
     answer (text ending ``#### <number>``: the number is taken) or a bare expression. The
     completion's final answer is found by :func:`completion_answer_text` (rule below).
-  * ``math_format``: 1.0 when the completion states a final answer as ``\\boxed{...}`` or
-    ``#### <answer>``, else 0.0.
+  * ``math_format``: 1.0 when the completion states a final answer by rule 1 or 2 below
+    (``\\boxed{...}`` or a value-like ``#### <answer>``), else 0.0.
   * ``exact_match``: 1.0 when completion and answer are equal after stripping whitespace.
   * ``digits_match``: the built-in demo task's reward (``rlflow.data.tasks``).
 
@@ -129,8 +129,6 @@ def warm_up(names: Sequence[str]) -> None:
 # ---------------------------------------------------------------- math answers
 
 _GSM8K_MARK = "####"
-_BOXED = re.compile(r"\\boxed\s*\{\s*[^{}\s]")
-_MARKED = re.compile(r"####\s*\S")
 _BOXED_START = re.compile(r"\\boxed\s*\{")
 _VALUE_START = re.compile(r"[-+\d.(\\]")
 
@@ -165,6 +163,19 @@ def _clean_marked(line: str) -> str:
     return s[:-1].strip() if s.endswith(".") else s
 
 
+def marked_answer(completion: str):
+    """The last value-like ``#### <answer>`` of a completion (cleaned as in the module
+    docstring, rule 2), or None; markdown headings such as ``#### Step 2`` are skipped."""
+    if _GSM8K_MARK not in completion:
+        return None
+    for part in reversed(completion.split(_GSM8K_MARK)[1:]):
+        lines = part.strip().splitlines()
+        candidate = _clean_marked(lines[0]) if lines else ""
+        if candidate and _VALUE_START.match(candidate):
+            return candidate
+    return None
+
+
 def completion_answer_text(completion: str) -> str:
     """The final-answer text of a completion, by the rule in the module docstring
     (last ``\\boxed{}``, else last value-like ``####`` line, else the completion without
@@ -172,12 +183,9 @@ def completion_answer_text(completion: str) -> str:
     boxed = last_boxed(completion)
     if boxed is not None:
         return f"${boxed}$"
-    if _GSM8K_MARK in completion:
-        for part in reversed(completion.split(_GSM8K_MARK)[1:]):
-            lines = part.strip().splitlines()
-            candidate = _clean_marked(lines[0]) if lines else ""
-            if candidate and _VALUE_START.match(candidate):
-                return candidate
+    marked = marked_answer(completion)
+    if marked is not None:
+        return marked
     return "\n".join(line for line in completion.splitlines()
                      if not line.lstrip().startswith("#"))
 
@@ -223,8 +231,10 @@ def math_verify_reward(completion: str, answer: str) -> float:
 
 @register_reward("math_format")
 def math_format_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion gives a final answer as ``\\boxed{...}`` or ``#### ...``."""
-    return float(bool(_BOXED.search(completion) or _MARKED.search(completion)))
+    """1.0 if the completion states a final answer as a non-empty ``\\boxed{...}`` or a
+    value-like ``#### <answer>`` line (rules 1 and 2 of the module docstring; a markdown
+    heading such as ``#### Step 2`` is not an answer), else 0.0."""
+    return float(last_boxed(completion) is not None or marked_answer(completion) is not None)
 
 
 @register_reward("exact_match")
