@@ -1,0 +1,44 @@
+"""Functions run in every process of a tests/multiproc.py group (``fn(ctx) -> result``)."""
+
+import jax
+import numpy as np
+
+from rlflow.config import MeshConfig, ModelConfig
+from learner_fixtures import make_group_records, tiny_experiment
+
+VOCAB, G, T = 64, 4, 6
+MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+LR, STEPS = 1e-4, 3
+
+
+def experiment():
+    """fsdp=2 x tensor=2 over 4 devices, 2 micro-batches, KL to the reference."""
+    return tiny_experiment(MODEL, G, T, num_devices=4, mesh=MeshConfig(fsdp=2, tensor=2),
+                           micro_batches=2, kl_coef=0.5, lr=LR)
+
+
+def step_records(step):
+    return make_group_records(100 + step, 2, vocab=VOCAB, group_size=G, max_tokens=T)
+
+
+def train_multihost(ctx):
+    """Train STEPS steps with host 0 building each batch; every host returns the gathered
+    parameters, metrics and batch-distribution info."""
+    from flax import nnx
+
+    from rlflow.learner import multihost
+    from rlflow.learner.trainer import Learner
+
+    cfg = experiment()
+    learner = Learner(cfg, mesh=multihost.global_mesh(cfg.learner.mesh))
+    metrics, infos = [], []
+    for step in range(STEPS):
+        batch = learner.build_batch(step_records(step))[0] if jax.process_index() == 0 else None
+        m, info = multihost.train_step(learner, batch)
+        metrics.append(m)
+        infos.append(info)
+    params = {k: v for k, v in nnx.to_flat_state(multihost.gather_to_host(learner.params))}
+    params = {k: np.asarray(v[...]) for k, v in params.items()}
+    return dict(params=params, metrics=metrics, infos=infos, version=learner.version,
+                process_count=jax.process_count())
