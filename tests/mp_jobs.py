@@ -12,21 +12,45 @@ MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_
 LR, STEPS = 1e-4, 3
 
 
-def experiment():
+def experiment(**learner):
     """fsdp=2 x tensor=2 over 4 devices, 2 micro-batches, KL to the reference."""
-    return tiny_experiment(MODEL, G, T, num_devices=4, mesh=MeshConfig(fsdp=2, tensor=2),
-                           micro_batches=2, kl_coef=0.5, lr=LR)
+    base = dict(num_devices=4, mesh=MeshConfig(fsdp=2, tensor=2), micro_batches=2,
+                kl_coef=0.5, lr=LR)
+    return tiny_experiment(MODEL, G, T, **{**base, **learner})
 
 
 def step_records(step):
     return make_group_records(100 + step, 2, vocab=VOCAB, group_size=G, max_tokens=T)
 
 
-def train_multihost(ctx):
-    """Train STEPS steps with host 0 building each batch; every host returns the gathered
-    parameters, metrics and batch-distribution info."""
+LOGIT_TOKENS = np.random.default_rng(5).integers(1, VOCAB, size=(4, 12)).astype(np.int32)
+
+
+def logits(learner):
+    """Logits of LOGIT_TOKENS (float32 [4, 12, VOCAB]) as numpy on every host; the tokens are
+    constants of the jitted function, so no host input crosses processes."""
     from flax import nnx
 
+    from rlflow.mesh import replicated
+
+    tokens = LOGIT_TOKENS
+    pos = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    mask = np.ones(tokens.shape, bool)
+
+    def fn(params):
+        return nnx.merge(learner.graphdef, params)(tokens, pos, mask)
+
+    return np.asarray(jax.jit(fn, out_shardings=replicated(learner.mesh))(learner.params))
+
+
+def train_multihost(ctx):
+    """Train STEPS steps with host 0 building each batch; every host returns the gathered
+    parameters, metrics and batch-distribution info. Then (every host) save a checkpoint to
+    ``args["ckpt_out"]`` and return its logits, and restore ``args["restore_from"]`` (written by
+    one host) onto this 2-host mesh and return those logits."""
+    from flax import nnx
+
+    from rlflow.checkpoint import Checkpointer
     from rlflow.learner import multihost
     from rlflow.learner.trainer import Learner
 
@@ -40,5 +64,13 @@ def train_multihost(ctx):
         infos.append(info)
     params = {k: v for k, v in nnx.to_flat_state(multihost.gather_to_host(learner.params))}
     params = {k: np.asarray(v[...]) for k, v in params.items()}
-    return dict(params=params, metrics=metrics, infos=infos, version=learner.version,
-                process_count=jax.process_count())
+    out = dict(params=params, metrics=metrics, infos=infos, version=learner.version,
+               process_count=jax.process_count(), logits=logits(learner))
+    with Checkpointer(ctx.args["ckpt_out"], async_save=False) as ck:
+        ck.save(learner.checkpoint(), force=True)
+    other = Learner(cfg, mesh=multihost.global_mesh(cfg.learner.mesh))
+    with Checkpointer(ctx.args["restore_from"], read_only=True) as ck:
+        restored = other.resume(ck)
+    out.update(restored_step=restored.step, restored_version=other.version,
+               restored_logits=logits(other))
+    return out

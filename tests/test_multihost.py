@@ -28,12 +28,33 @@ def test_distributed_config_names_bad_fields():
         multihost.DistributedConfig("127.0.0.1:1234", 2, 2)
 
 
+def one_host_two_devices():
+    """A learner on 1 host x 2 devices (fsdp=2) of this process."""
+    import jax
+
+    from rlflow.config import MeshConfig
+    from rlflow.learner.trainer import Learner
+
+    return Learner(mp_jobs.experiment(num_devices=2, mesh=MeshConfig(fsdp=2)),
+                   devices=jax.devices()[:2])
+
+
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
-    """2 processes x 2 fake devices: 3 train steps (one run shared by the tests below)."""
+    """2 processes x 2 fake devices: 3 train steps, save, and restore a checkpoint that one
+    host x 2 devices wrote after 1 step (one run shared by the tests below)."""
+    from rlflow.checkpoint import Checkpointer
+
     work = tmp_path_factory.mktemp("two_hosts")
-    return run_processes("mp_jobs:train_multihost", num_processes=2, devices_per_process=2,
-                         work_dir=work, timeout_s=900)
+    one = one_host_two_devices()
+    one.train_on(mp_jobs.step_records(7))
+    with Checkpointer(str(work / "ckpt_1h"), async_save=False) as ck:
+        ck.save(one.checkpoint(), force=True)
+    results = run_processes("mp_jobs:train_multihost", num_processes=2, devices_per_process=2,
+                            work_dir=work / "procs", timeout_s=900,
+                            args=dict(ckpt_out=str(work / "ckpt_2h"),
+                                      restore_from=str(work / "ckpt_1h")))
+    return dict(results=results, one_logits=mp_jobs.logits(one), ckpt_2h=str(work / "ckpt_2h"))
 
 
 @pytest.mark.slow
@@ -56,7 +77,7 @@ def test_two_hosts_train_like_one_host(two_hosts):
     init = flat(ref.params)
     want_metrics = [ref.train_on(mp_jobs.step_records(s)) for s in range(mp_jobs.STEPS)]
     want = flat(ref.params)
-    for r in two_hosts:
+    for r in two_hosts["results"]:
         assert r["process_count"] == 2 and r["version"] == ref.version == mp_jobs.STEPS
         for m, w in zip(r["metrics"], want_metrics):
             for key in ("learner/loss", "learner/grad_norm", "policy/kl"):
@@ -68,8 +89,40 @@ def test_two_hosts_train_like_one_host(two_hosts):
             assert (err <= tol).all(), (k, float(err.max()))
             moved = np.abs(want[k] - init[k]).max()
             assert moved > 100 * tol.max(), (k, moved)       # the check has resolution
-    info = two_hosts[0]["infos"][0]
+    info = two_hosts["results"][0]["infos"][0]
     rows, seq = 2 * mp_jobs.G, 16
     assert info["batch/broadcast_bytes"] == 8 * rows * seq * 4
     # each host keeps its half of the rows: 3 int32 + 3 float32 fields (4 B) + 2 bool (1 B)
     assert info["batch/local_bytes"] == rows // 2 * seq * (6 * 4 + 2 * 1)
+
+
+def logit_tol(logits):
+    """Same parameters on another mesh: only the order of the dot-product sums changes. Each
+    logit goes through 2 layers of contractions of length <= 64 (MLP width): relative error
+    <= 2 * 64 eps of the logits' scale."""
+    return 2 * 64 * EPS32 * max(1.0, float(np.abs(logits).max()))
+
+
+@pytest.mark.slow
+def test_checkpoint_of_two_hosts_restores_on_one_host_and_back(two_hosts):
+    """A checkpoint written by 2 hosts x 2 devices (fsdp=2 x tensor=2) restores on 1 host x 2
+    devices (fsdp=2) with equal logits and step; one written there restores on the 2 hosts."""
+    from rlflow.checkpoint import Checkpointer
+
+    r0, r1 = two_hosts["results"]
+    one = one_host_two_devices()
+    before = mp_jobs.logits(one)
+    with Checkpointer(two_hosts["ckpt_2h"], read_only=True) as ck:
+        assert ck.all_steps() == [mp_jobs.STEPS]
+        restored = one.resume(ck)
+    assert restored.step == one.version == mp_jobs.STEPS
+    got = mp_jobs.logits(one)
+    assert np.abs(got - before).max() > 100 * logit_tol(got)      # restore changed something
+    np.testing.assert_allclose(got, r0["logits"], rtol=0, atol=logit_tol(got))
+    np.testing.assert_allclose(r0["logits"], r1["logits"], rtol=0, atol=0)   # replicated
+    # and back: written by 1 host x 2 devices after 1 step, restored on 2 hosts x 2 devices
+    for r in (r0, r1):
+        assert r["restored_step"] == r["restored_version"] == 1
+        np.testing.assert_allclose(r["restored_logits"], two_hosts["one_logits"], rtol=0,
+                                   atol=logit_tol(r["restored_logits"]))
+    assert np.abs(r0["restored_logits"] - r0["logits"]).max() > 100 * logit_tol(got)
