@@ -74,3 +74,41 @@ def train_multihost(ctx):
     out.update(restored_step=restored.step, restored_version=other.version,
                restored_logits=logits(other))
     return out
+
+
+def serve_host_shards(ctx):
+    """Each learner host serves its own shards of the (fsdp=2 x tensor=2) learner's params
+    after one step: a WeightPublisher + coordinator per host, address written to
+    ``coordinator_<i>.txt``; waits for ``done`` (the sampler pulled), returns the gathered
+    parameters."""
+    import os
+    import time
+
+    from flax import nnx
+
+    from rlflow.exchange.coordinator import Coordinator
+    from rlflow.exchange.host_shards import host_units
+    from rlflow.exchange.transfer import WeightPublisher
+    from rlflow.learner import multihost
+    from rlflow.learner.trainer import Learner
+
+    cfg = experiment()
+    learner = Learner(cfg, mesh=multihost.global_mesh(cfg.learner.mesh))
+    batch = learner.build_batch(step_records(0))[0] if jax.process_index() == 0 else None
+    multihost.train_step(learner, batch)
+    units = host_units(learner.params)
+    pub = WeightPublisher(pull_timeout_s=600)
+    coord = Coordinator(pub).start()
+    pub.publish(learner.version, units)
+    path = os.path.join(ctx.work_dir, f"coordinator_{ctx.process_id}.txt")
+    with open(path + ".tmp", "w") as f:
+        f.write(coord.address)
+    os.replace(path + ".tmp", path)
+    params = multihost.gather_to_host(learner.params)
+    done = os.path.join(ctx.work_dir, "done")
+    deadline = time.monotonic() + 600
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    coord.close()
+    return dict(params={k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)},
+                units=sorted(units), version=learner.version)
