@@ -1,4 +1,4 @@
-"""Functions run in every process of a tests/multiproc.py group (``fn(ctx) -> result``)."""
+"""Functions run in every process of a rlflow.learner.local_hosts group (``fn(ctx) -> result``)."""
 
 import jax
 import numpy as np
@@ -112,3 +112,19 @@ def serve_host_shards(ctx):
     coord.close()
     return dict(params={k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)},
                 units=sorted(units), version=learner.version)
+
+
+def collectives_until_killed(ctx):
+    """Every host: a broadcast every 0.2 s for up to 10 minutes; ``ready_<i>`` after the
+    first one (the test then kills a host)."""
+    import os
+    import time
+
+    from jax.experimental import multihost_utils
+
+    for n in range(3000):
+        multihost_utils.broadcast_one_to_all(np.arange(4, dtype=np.int32) + n)
+        if n == 0:
+            open(os.path.join(ctx.work_dir, f"ready_{ctx.process_id}"), "w").close()
+        time.sleep(0.2)
+    return "not killed"

@@ -1,5 +1,6 @@
 """Weights out of a multi-host learner: per-host transfer units, assembled by a sampler."""
 
+import os
 import time
 
 import jax
@@ -10,6 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rlflow.exchange.host_shards import (HostShardPuller, assemble, host_units,
                                          parse_unit_key, unit_key)
 from rlflow.exchange.layout import LayoutError
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def mesh(shape, axes):
@@ -113,11 +116,11 @@ def test_sampler_pulls_from_two_learner_hosts(tmp_path):
     from rlflow.exchange.transfer import WeightSubscriber
     from rlflow.mesh import make_mesh
     from rlflow.models.hf import build_model
-    from multiproc import start_processes, wait_processes
+    from rlflow.learner.local_hosts import start_processes, wait_processes
     import mp_jobs
 
     procs = start_processes("mp_jobs:serve_host_shards", num_processes=2,
-                            devices_per_process=2, work_dir=tmp_path)
+                            devices_per_process=2, work_dir=tmp_path, extra_paths=[TESTS])
     try:
         addrs = []
         for i in range(2):

@@ -1,12 +1,15 @@
 """A learner over several hosts (real processes, jax.distributed on 127.0.0.1, gloo)."""
 
+import os
+
 import numpy as np
 import pytest
 
 from rlflow.learner import multihost
-from multiproc import free_port, run_processes
+from rlflow.learner.local_hosts import free_port, run_processes
 import mp_jobs
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
 EPS32 = np.finfo(np.float32).eps
 
 
@@ -52,6 +55,7 @@ def two_hosts(tmp_path_factory):
         ck.save(one.checkpoint(), force=True)
     results = run_processes("mp_jobs:train_multihost", num_processes=2, devices_per_process=2,
                             work_dir=work / "procs", timeout_s=900,
+                            extra_paths=[TESTS],
                             args=dict(ckpt_out=str(work / "ckpt_2h"),
                                       restore_from=str(work / "ckpt_1h")))
     return dict(results=results, one_logits=mp_jobs.logits(one), ckpt_2h=str(work / "ckpt_2h"))
@@ -126,3 +130,31 @@ def test_checkpoint_of_two_hosts_restores_on_one_host_and_back(two_hosts):
         np.testing.assert_allclose(r["restored_logits"], two_hosts["one_logits"], rtol=0,
                                    atol=logit_tol(r["restored_logits"]))
     assert np.abs(r0["restored_logits"] - r0["logits"]).max() > 100 * logit_tol(got)
+
+
+@pytest.mark.slow
+def test_a_killed_learner_host_stops_the_others_naming_it(tmp_path):
+    """kill -9 of learner host 1 while both run collectives: host 0 does not hang; it exits
+    by itself (not killed by the harness) within the heartbeat timeout, and its log names
+    task 1."""
+    import signal
+    import time
+
+    from rlflow.learner.local_hosts import start_processes, wait_processes
+
+    procs = start_processes("mp_jobs:collectives_until_killed", num_processes=2,
+                            devices_per_process=1, work_dir=tmp_path, extra_paths=[TESTS],
+                            heartbeat_timeout_s=10)
+    try:
+        deadline = time.monotonic() + 600
+        while not all((tmp_path / f"ready_{i}").exists() for i in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.poll() for p in procs]
+            time.sleep(0.5)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+    finally:
+        codes = wait_processes(procs, tmp_path, timeout_s=400, grace_s=400, expect_failure=True)
+    assert codes[1] == -signal.SIGKILL
+    assert codes[0] not in (0, -signal.SIGKILL), codes     # -9 would mean the harness killed it
+    log = (tmp_path / "log_0.txt").read_text(errors="replace")
+    assert "Task 1 heartbeat timeout" in log, log[-2000:]

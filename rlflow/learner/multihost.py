@@ -55,11 +55,16 @@ class DistributedConfig:
       num_processes: learner hosts (one process per host).
       process_id: this host's index in ``[0, num_processes)``; 0 runs the coordinator.
       init_timeout_s: seconds to wait for the coordinator / all hosts to join.
+      heartbeat_timeout_s: seconds without a heartbeat after which the coordination service
+        declares a host dead and terminates every other host (their logs name it: "Task N
+        heartbeat timeout"). On CPU a collective with a dead host fails at once (gloo:
+        "Connection closed by peer"); the other hosts then exit after this timeout.
     """
     coordinator_address: str
     num_processes: int
     process_id: int
     init_timeout_s: float = 300.0
+    heartbeat_timeout_s: float = 100.0
 
     def __post_init__(self):
         host, _, port = self.coordinator_address.rpartition(":")
@@ -73,6 +78,9 @@ class DistributedConfig:
                              f"{self.num_processes}, got {self.process_id}")
         if not self.init_timeout_s > 0:
             raise ValueError(f"init_timeout_s: expected > 0, got {self.init_timeout_s}")
+        if not self.heartbeat_timeout_s >= 1:
+            raise ValueError(f"heartbeat_timeout_s: expected >= 1, got "
+                             f"{self.heartbeat_timeout_s}")
 
 
 def use_gloo_collectives() -> None:
@@ -126,7 +134,8 @@ def initialize(cfg: DistributedConfig) -> None:
     use_gloo_collectives()
     jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
                                num_processes=cfg.num_processes, process_id=cfg.process_id,
-                               initialization_timeout=int(math.ceil(cfg.init_timeout_s)))
+                               initialization_timeout=int(math.ceil(cfg.init_timeout_s)),
+                               heartbeat_timeout_seconds=int(math.ceil(cfg.heartbeat_timeout_s)))
     if jax.process_count() != cfg.num_processes:
         raise DistributedError(f"learner host {cfg.process_id}: joined {jax.process_count()} "
                                f"processes, expected num_processes = {cfg.num_processes}")

@@ -1,4 +1,4 @@
-"""Multi-process CPU harness: K real JAX processes x D fake devices joined by ``jax.distributed``.
+"""Local stand-in for a multi-host slice: K JAX processes x D fake CPU devices on this machine.
 
 What a multi-host TPU slice is, on one machine: each process sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=D`` before importing jax, selects gloo CPU
@@ -7,11 +7,12 @@ coordinator on ``127.0.0.1:<free port>``); then it runs ``fn(ctx)`` and pickles 
 ``<work_dir>/result_<i>.pkl``. The parent waits for all, kills every process group on timeout
 (never hangs) and raises :class:`ProcessesFailed` naming the failed process with its log tail.
 
-Usage (``fn`` must be importable: a module on ``sys.path`` of the child, i.e. ``tests/`` or
-the repo root)::
+Used by the multi-host tests and ``benchmarks/learner_multihost.py``. Usage (``fn`` must be
+importable in the child: a module of the repository, or on ``extra_paths``)::
 
-    results = run_processes("mp_jobs:train_three_steps", num_processes=2,
-                            devices_per_process=2, work_dir=tmp_path, args={...})
+    results = run_processes("mp_jobs:train_multihost", num_processes=2,
+                            devices_per_process=2, work_dir=tmp_path, args={...},
+                            extra_paths=["tests"])
     results[0]   # what process 0's fn returned
 """
 
@@ -27,9 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_DIR = TESTS_DIR.parent
-CHILD = TESTS_DIR / "_multiproc_child.py"
+REPO_DIR = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).resolve().parent / "_local_host_child.py"
 
 
 class ProcessesFailed(RuntimeError):
@@ -67,12 +67,14 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 def start_processes(target: str, *, num_processes: int, devices_per_process: int, work_dir,
                     args: dict | None = None, distributed: bool | None = None,
-                    init_timeout_s: float = 300.0, port: int | None = None,
-                    ) -> list[subprocess.Popen]:
+                    init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0,
+                    port: int | None = None,
+                    extra_paths=(), env: dict | None = None) -> list[subprocess.Popen]:
     """Start the K children (each in its own process group) and return their ``Popen``s.
 
     ``distributed`` (default: ``num_processes > 1``) joins them by ``jax.distributed``;
-    ``port``: the coordinator port (default: a free one).
+    ``port``: the coordinator port (default: a free one); ``extra_paths``: folders put on
+    the children's ``PYTHONPATH`` (after the repository); ``env``: more environment variables.
     """
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -81,15 +83,15 @@ def start_processes(target: str, *, num_processes: int, devices_per_process: int
     spec = dict(target=target, num_processes=num_processes,
                 devices_per_process=devices_per_process, work_dir=str(work), args=args or {},
                 distributed=distributed, coordinator=f"127.0.0.1:{port}",
-                init_timeout_s=init_timeout_s)
+                init_timeout_s=init_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
     (work / "spec.pkl").write_bytes(pickle.dumps(spec))
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env["XLA_FLAGS"] = " ".join(
         [f for f in env.get("XLA_FLAGS", "").split()
          if "xla_force_host_platform_device_count" not in f]
         + [f"--xla_force_host_platform_device_count={devices_per_process}"])
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR), str(TESTS_DIR),
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR), *map(str, extra_paths),
                                          env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     procs = []

@@ -1,4 +1,4 @@
-"""One child of tests/multiproc.py: ``python _multiproc_child.py SPEC.pkl PROCESS_ID``.
+"""One child of rlflow/learner/local_hosts.py: ``python _local_host_child.py SPEC.pkl ID``.
 
 XLA_FLAGS (fake device count) and JAX_PLATFORMS come from the parent's environment and are
 read when jax is imported, below.
@@ -19,12 +19,12 @@ def main() -> None:
     if spec["distributed"]:
         multihost.initialize(multihost.DistributedConfig(
             coordinator_address=spec["coordinator"], num_processes=spec["num_processes"],
-            process_id=pid, init_timeout_s=spec["init_timeout_s"]))
+            process_id=pid, init_timeout_s=spec["init_timeout_s"],
+            heartbeat_timeout_s=spec["heartbeat_timeout_s"]))
     else:
         multihost.use_gloo_collectives()
     assert jax.local_device_count() == spec["devices_per_process"], jax.local_devices()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from multiproc import Context
+    from rlflow.learner.local_hosts import Context
     module, fn = spec["target"].split(":")
     ctx = Context(process_id=pid, num_processes=spec["num_processes"],
                   devices_per_process=spec["devices_per_process"], work_dir=spec["work_dir"],
