@@ -51,16 +51,20 @@ def test_finished_run_exits_at_once_without_touching_the_run(tmp_path, monkeypat
     assert launch.run_train(_cfg(tmp_path, num_steps=300)) == 0
     assert capsys.readouterr().out.splitlines() == [
         "rlflow train: run demo is already complete (step 300 of 300); "
-        "use --checkpoint.resume never or a new --name"]
+        "use a new --name, or --checkpoint.resume never --checkpoint.overwrite true to "
+        "start over"]
     assert (run / "summary.json").read_text() == '{"steps_completed": 300}'
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "summary.json"]
 
 
-def test_resume_never_on_a_finished_run_does_start_the_programs(tmp_path, monkeypatch):
+def test_resume_never_with_overwrite_on_a_finished_run_does_start_the_programs(tmp_path,
+                                                                               monkeypatch):
     (tmp_path / "demo" / "checkpoints" / "300").mkdir(parents=True)
     monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
+    cfg = _cfg(tmp_path, num_steps=300, resume="never")
+    cfg = C.replace(cfg, checkpoint=C.CheckpointConfig(resume="never", overwrite=True))
     with pytest.raises(AssertionError, match="started the learner"):
-        launch.run_train(_cfg(tmp_path, num_steps=300, resume="never"))
+        launch.run_train(cfg)
 
 
 LEARNER = """

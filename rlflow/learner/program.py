@@ -125,6 +125,15 @@ class LearnerProgram:
 
     # ------------------------------------------------------------------ set-up pieces
     def _resume(self):
+        if self.cfg.checkpoint.resume == "never" and self.checkpointer.latest_step() is not None:
+            # rlflow train moved an earlier run aside (or refused) before starting this
+            # program; here (e.g. started by the TPU scripts) a folder is never mixed.
+            from rlflow.run_identity import RunFolderConflict
+
+            raise RunFolderConflict(
+                f"run folder {self.cfg.run_path} holds an earlier run's checkpoints (steps "
+                f"{self.checkpointer.all_steps()}); checkpoint.resume='never' will not mix two "
+                "runs in one folder: pick a new --name / --run_dir or remove them")
         restored = self.learner.resume(self.checkpointer)   # PPO: with its value head
         if restored is None:
             return 0, None
@@ -172,6 +181,12 @@ class LearnerProgram:
         groups = self.take_groups()
         t_wait = time.monotonic() - t0
         batch, info = self.learner.build_batch(groups)
+        # A stop request (SIGTERM) waits until this version's metrics and samples are
+        # written: the exit checkpoint of a version always has its metrics record.
+        with pc.deferred_stop():
+            return self._step_and_record(groups, batch, info, t0, t_wait)
+
+    def _step_and_record(self, groups, batch, info, t0: float, t_wait: float) -> dict:
         t1 = time.monotonic()
         metrics = self.learner.step(batch)
         t_step = time.monotonic() - t1

@@ -156,6 +156,10 @@ class SamplerProgram:
         self.rewarder = Rewarder(cfg.reward)
         self.prompts, stats = build_prompt_pipeline(cfg.data, self.tokenizer, seed=cfg.seed)
         log.info("%s", stats.summary())
+        # Reach the learner's metrics and the launcher's console (not only this log).
+        self.prompt_counts = {"sampler/prompts_kept": float(stats.num_kept),
+                              "sampler/prompts_too_long": float(stats.num_too_long),
+                              "sampler/prompts_bad": float(stats.num_bad)}
         self.prompts_started = 0
         self.exhausted = False
         self.in_flight: dict[int, dict] = {}     # id(Request) -> prompt element
@@ -225,6 +229,7 @@ class SamplerProgram:
         metrics["sync/sampler_pause_s"] = self.pause_s
         metrics["sampler/instance"] = float(self.control.instance)
         metrics["sampler/rejected_groups"] = float(self.rejected)
+        metrics.update(self.prompt_counts)
         # reward functions that raised or timed out (scored 0): counted, never silent
         metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
         reply = self.control.status(
