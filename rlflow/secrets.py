@@ -176,9 +176,8 @@ def refuse_secret_flags(argv: Iterable[str]) -> None:
     """Raise :class:`SecretError` when ``argv`` passes a secret (``--buffer.token X`` or
     ``--buffer.token=X``): any user of the host can read a process's argv."""
     for word in argv:
-        for flag in SECRET_FLAGS:
-            if word == flag or word.startswith(flag + "=") or \
-                    word == flag.replace("_", "-") or word.startswith(flag.replace("_", "-") + "="):
+        for flag in SECRET_FLAGS + tuple(f.replace("_", "-") for f in SECRET_FLAGS):
+            if word == flag or word.startswith(flag + "="):
                 raise SecretError(
                     f"{flag} on the command line is visible to every user of this host (ps); "
                     f"set {ENV_BUFFER_TOKEN} in the environment or pass --buffer.token_file "

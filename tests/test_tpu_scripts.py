@@ -270,10 +270,12 @@ def _host_env(tmp_path, url, **extra):
 def test_host_env_comes_from_this_slice_metadata(tmp_path, metadata_server, endpoints):
     _Metadata.values = {"worker-network-endpoints": endpoints, "agent-worker-number": "2"}
     proc = subprocess.run(["bash", os.path.join(TPU, "host_run.sh"), "env", "sampler"],
-                          env=_host_env(tmp_path, metadata_server, RLFLOW_JAX_PORT="9000"),
+                          env=_host_env(tmp_path, metadata_server, RLFLOW_JAX_PORT="9000",
+                                        RLFLOW_BUFFER_TOKEN="tok-in-env"),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     env = dict(ln.split("=", 1) for ln in proc.stdout.splitlines())
+    assert env["RLFLOW_BUFFER_TOKEN"] == "<redacted>" and "tok-in-env" not in proc.stdout
     assert env["RLFLOW_JAX_COORDINATOR"] == "10.0.0.2:9000"
     assert env["RLFLOW_NUM_PROCESSES"] == "4" and env["RLFLOW_PROCESS_ID"] == "2"
     assert env["RLFLOW_BUFFER_ADDRESS"] == "10.0.0.2:5555"

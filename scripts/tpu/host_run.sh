@@ -59,7 +59,8 @@ case "$cmd" in
   env)
     check_role "$role"
     slice_env
-    env | grep '^RLFLOW_' | sort
+    # a token in the environment is shown redacted (rlflow/secrets.py)
+    env | grep '^RLFLOW_' | sed 's/^\(RLFLOW_BUFFER_TOKEN\)=.*/\1=<redacted>/' | sort
     ;;
   start)
     check_role "$role"
