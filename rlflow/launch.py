@@ -392,6 +392,7 @@ def run_train(cfg) -> int:
         sup.start("sampler")
         code = _supervise(cfg, sup, watcher)
     except KeyboardInterrupt:
+        watcher.progress.close()            # a live bar would redraw over the lines below
         print("\nrlflow train: interrupted; stopping both programs", file=sys.stderr, flush=True)
         code = 130
     finally:
@@ -420,6 +421,7 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
         sampler = sampler_child.proc.poll()
         if learner is not None:
             if learner != 0:
+                watcher.progress.close()    # the bar stops before the failure report
                 _report_failures(sup, "learner")
                 return 1
             if sampler is not None:
@@ -437,6 +439,7 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
                     f"restarting it ({n + 1}/{MAX_SAMPLER_RESTARTS})")
                 sup.start("sampler", instance=n + 1)
             else:
+                watcher.progress.close()
                 _report_failures(sup, "sampler")
                 return 1
         time.sleep(POLL_S)
