@@ -116,7 +116,9 @@ def deferred_stop():
     finally:
         signal.signal(signal.SIGTERM, previous)
     if pending:
+        _stop_requested.extend(pending)
         raise Stopped(f"received {signal.Signals(pending[0]).name}")
+    raise_if_stopped()
 
 
 @dataclass(frozen=True)
@@ -154,14 +156,30 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+_stop_requested: list[int] = []     # signal numbers received (see raise_if_stopped)
+
+
 def install_signal_handlers() -> None:
     """SIGTERM raises :class:`Stopped` in the main thread (clean shutdown on the launcher's
-    request); SIGINT is left to the launcher, which runs the programs in their own session."""
+    request); SIGINT is left to the launcher, which runs the programs in their own session.
+
+    The request is also remembered: Python runs the handler wherever the main thread is,
+    and an exception raised inside a finaliser (e.g. a ZeroMQ frame's ``__dealloc__``) is
+    printed and dropped. Program loops call :func:`raise_if_stopped` so such a request
+    still stops the program (with its exit checkpoint) instead of waiting for SIGKILL."""
 
     def _stop(signum, frame):
+        _stop_requested.append(signum)
         raise Stopped(f"received {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, _stop)
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`Stopped` when a stop request arrived (even one whose exception was
+    swallowed where the handler happened to run)."""
+    if _stop_requested:
+        raise Stopped(f"received {signal.Signals(_stop_requested[0]).name}")
 
 
 def setup_logging(role: str) -> logging.Logger:

@@ -162,7 +162,32 @@ def test_learner_refuses_resume_never_on_checkpoints_it_did_not_write(tmp_path):
 
 # ------------------------------------------------------------------ item 8: step accounting
 
-def test_deferred_stop_raises_after_the_block():
+@pytest.fixture
+def fresh_stop_state(monkeypatch):
+    """Stop requests recorded by these tests do not leak to others of this process."""
+    monkeypatch.setattr(pc, "_stop_requested", [])
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_swallowed_by_a_finaliser_still_stops_the_loop(fresh_stop_state):
+    class Frame:                                 # like a ZeroMQ frame freed by the GC
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))                     # the handler runs (and raises) in here
+
+    pc.install_signal_handlers()
+    try:
+        Frame()                                  # "Exception ignored in: ... __del__"
+    except pc.Stopped:
+        pass
+    with pytest.raises(pc.Stopped, match="SIGTERM"):
+        pc.raise_if_stopped()
+
+
+def test_deferred_stop_raises_after_the_block(fresh_stop_state):
     done = []
     with pytest.raises(pc.Stopped, match="SIGTERM"):
         with pc.deferred_stop():
@@ -209,7 +234,7 @@ class _Coordinator:
         return None
 
 
-def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path):
+def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fresh_stop_state):
     """SIGTERM between the optimiser step and the metrics write: the step's metrics and
     samples are written before Stopped, so the exit checkpoint (of version 13) has them."""
     from rlflow.learner.program import LearnerProgram

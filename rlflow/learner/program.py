@@ -171,6 +171,7 @@ class LearnerProgram:
     def take_groups(self) -> list:
         groups = []
         while len(groups) < self.gps:
+            pc.raise_if_stopped()              # a stop whose exception a finaliser dropped
             groups += self.buffer.get_groups(1, timeout=self.cfg.buffer.timeout_s,
                                              accept=self.accept)
         return groups
@@ -281,6 +282,7 @@ class LearnerProgram:
         metrics = None
         try:
             while self.version < n:
+                pc.raise_if_stopped()
                 metrics = self.step()
                 log.info("step %d/%d reward %.3f stale %.2f wait %.2fs step %.2fs", self.version,
                          n, metrics["reward/mean"], metrics["staleness/mean"],

@@ -317,6 +317,7 @@ class SamplerProgram:
         last_status = 0.0
         reply = None
         while True:
+            pc.raise_if_stopped()               # a stop whose exception a finaliser dropped
             now = time.monotonic()
             busy = self.batcher.has_work
             if reply is None or now - last_status >= (BUSY_POLL_S if busy else IDLE_POLL_S):
