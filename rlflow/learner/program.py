@@ -93,6 +93,12 @@ class LearnerProgram:
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
+        if "://" not in cfg.run_path:
+            # A run folder holds one run: what rlflow train checked, checked again for a
+            # learner started without it (scripts/tpu); idempotent after the launcher.
+            from rlflow.run_identity import prepare_run_folder
+
+            prepare_run_folder(cfg)
         self.gps = cfg.learner.groups_per_step
         self.learner = Learner(cfg)
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path),
