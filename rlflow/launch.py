@@ -18,7 +18,12 @@ checkpoint step first (:func:`rlflow.run_watch.latest_checkpoint_step`: folder n
 no JAX): at or past ``learner.num_steps`` it says the run is already complete and exits 0
 without starting anything or touching the run folder; below it, it prints ``resuming run
 <name> from step N`` and the summary counts the steps run by this invocation
-(``steps_this_run``, ``resumed_from_step`` in ``summary.json``).
+(``steps_this_run``, ``resumed_from_step`` in ``summary.json``). A run folder holds one run
+(:mod:`rlflow.run_identity`): ``resume="never"`` on an earlier run's folder is refused (exit 2,
+the folder named) unless ``checkpoint.overwrite`` moves it aside; ``resume="auto"`` on a
+folder of another model / data / reward is refused. The ring-buffer token reaches the
+programs in their environment (``RLFLOW_BUFFER_TOKEN``), never in argv; their
+``config.json`` holds it redacted (:mod:`rlflow.secrets`).
 
 Shutdown: when the learner finishes, the sampler is told to stop (the coordinator's "done"
 flag, then SIGTERM after a grace period) and the exit code is 0. When either child dies
