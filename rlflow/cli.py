@@ -120,7 +120,9 @@ def parse_train_args(argv: Sequence[str]):
 
     from rlflow.config import ExperimentConfig, load_config_file
 
-    from rlflow.secrets import refuse_secret_flags
+    import dataclasses
+
+    from rlflow.secrets import REDACTED, refuse_secret_flags
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
@@ -132,8 +134,18 @@ def parse_train_args(argv: Sequence[str]):
         print(train_help(default))
         raise SystemExit(0)
     rest = ["--help" if a == "--help-all" else a for a in normalize_bools(rest)]
-    return tyro.cli(ExperimentConfig, default=default, args=rest,
-                    prog="rlflow train", config=(tyro.conf.FlagConversionOff,))
+    # tyro prints defaults in --help-all and in its error messages: a token set in the
+    # config file goes in redacted and is put back after parsing (--buffer.token is refused
+    # above, so the parsed value is always the default).
+    token = default.buffer.token
+    if token:
+        default = dataclasses.replace(default, buffer=dataclasses.replace(
+            default.buffer, token=REDACTED))
+    cfg = tyro.cli(ExperimentConfig, default=default, args=rest,
+                   prog="rlflow train", config=(tyro.conf.FlagConversionOff,))
+    if token:
+        cfg = dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, token=token))
+    return cfg
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -98,3 +98,14 @@ def test_children_get_the_token_by_environment_not_argv(tmp_path, monkeypatch):
     sup.start("learner")
     assert seen["env"][ENV_BUFFER_TOKEN] == SECRET
     assert not any(SECRET in word for word in seen["argv"])
+
+
+def test_a_token_in_the_config_file_is_not_shown_by_help_all(tmp_path, capsys):
+    path = tmp_path / "with_token.py"
+    path.write_text("from rlflow.config import ExperimentConfig, BufferConfig\n"
+                    f"def config():\n    return ExperimentConfig(buffer=BufferConfig(token={SECRET!r}))\n")
+    assert cli.parse_train_args(["--config", str(path)]).buffer.token == SECRET
+    with pytest.raises(SystemExit):
+        cli.parse_train_args(["--config", str(path), "--help-all"])
+    out = capsys.readouterr().out
+    assert "--buffer.token" in out and SECRET not in out
