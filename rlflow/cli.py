@@ -5,7 +5,8 @@ file (default: the built-in demo, ``configs/demo.py``), applies command-line ove
 with tyro, and starts the run. ``rlflow train --help`` lists the common flags;
 ``--help-all`` every field (also in ``docs/config.md``). Booleans take
 ``true/false/1/0/yes/no/on/off`` (any case). ``--buffer.token`` is refused (argv is visible
-in ``ps``): the token comes from ``RLFLOW_BUFFER_TOKEN`` or ``--buffer.token_file``. The other sub-commands take their own tyro arguments.
+in ``ps``): the token comes from ``RLFLOW_BUFFER_TOKEN`` or ``--buffer.token_file``.
+The other sub-commands take their own tyro arguments.
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ def test_children_get_the_token_by_environment_not_argv(tmp_path, monkeypatch):
 def test_a_token_in_the_config_file_is_not_shown_by_help_all(tmp_path, capsys):
     path = tmp_path / "with_token.py"
     path.write_text("from rlflow.config import ExperimentConfig, BufferConfig\n"
-                    f"def config():\n    return ExperimentConfig(buffer=BufferConfig(token={SECRET!r}))\n")
+                    "def config():\n"
+                    f"    return ExperimentConfig(buffer=BufferConfig(token={SECRET!r}))\n")
     assert cli.parse_train_args(["--config", str(path)]).buffer.token == SECRET
     with pytest.raises(SystemExit):
         cli.parse_train_args(["--config", str(path), "--help-all"])

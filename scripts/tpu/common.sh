@@ -85,7 +85,8 @@ parse_flags() {
       --buffer-port) BUFFER_PORT="${2:?--buffer-port needs a value}"; shift 2 ;;
       --coordinator-port) COORDINATOR_PORT="${2:?--coordinator-port needs a value}"; shift 2 ;;
       --jax-port) JAX_PORT="${2:?--jax-port needs a value}"; shift 2 ;;
-      --token|--token=*) die "--token puts the secret in argv (visible in ps); export RLFLOW_BUFFER_TOKEN instead" ;;
+      --token|--token=*)
+        die "--token puts the secret in argv (visible in ps); export RLFLOW_BUFFER_TOKEN instead" ;;
       --learner-ip) LEARNER_IP="${2:?--learner-ip needs a value}"; shift 2 ;;
       --git-ref) GIT_REF="${2:?--git-ref needs a value}"; shift 2 ;;
       --python) PYTHON="${2:?--python needs a value}"; shift 2 ;;
