@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
+from rlflow.secrets import ENV_BUFFER_TOKEN, token_source_given
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the allowed values."""
@@ -405,9 +407,14 @@ class BufferConfig:
       capacity: most groups held.
       when_full: "block" the producer, or "drop_oldest" group (counted).
       timeout_s: seconds a producer or consumer waits before raising a named error.
-      bind_address: address the buffer server binds; non-loopback requires ``token``.
+      bind_address: address the buffer server binds; non-loopback requires a token.
       port: TCP port (0: pick a free one).
-      token: shared secret clients must present (required off loopback).
+      token: shared secret clients must present (required off loopback). Prefer the
+        ``RLFLOW_BUFFER_TOKEN`` environment variable or ``token_file``: ``rlflow train``
+        refuses ``--buffer.token`` on the command line (visible in ``ps``); run folders,
+        logs and checkpoints show it as ``<redacted>`` (``rlflow/secrets.py``).
+      token_file: file holding the token, readable by its owner only (mode 0600; another
+        mode is refused). Used when ``token`` and ``RLFLOW_BUFFER_TOKEN`` are unset.
     """
 
     capacity: int = 64
@@ -416,6 +423,7 @@ class BufferConfig:
     bind_address: str = "127.0.0.1"
     port: int = 0
     token: str = ""
+    token_file: str = ""
 
     def __post_init__(self):
         _positive(self.capacity, "buffer.capacity")
@@ -424,8 +432,9 @@ class BufferConfig:
         _check(0 <= self.port < 65536, "buffer.port", f"must be in [0, 65535], got {self.port}")
         loopback = self.bind_address in ("127.0.0.1", "localhost", "::1") or \
             self.bind_address.startswith("127.")
-        _check(loopback or bool(self.token), "buffer.token",
-               f"is required when buffer.bind_address={self.bind_address!r} is not loopback")
+        _check(loopback or token_source_given(self.token, self.token_file), "buffer.token",
+               f"is required when buffer.bind_address={self.bind_address!r} is not loopback "
+               f"(set {ENV_BUFFER_TOKEN} or buffer.token_file)")
 
 
 @dataclass(frozen=True)
@@ -503,7 +512,12 @@ class CheckpointConfig:
       keep_last: keep the newest K checkpoints.
       keep_best_metric: also keep the best checkpoint by this metric ("" off).
       keep_best_mode: "max" (higher is better, e.g. a reward) or "min" (e.g. a loss).
-      resume: "auto" resumes when the run folder has checkpoints; "never" starts fresh.
+      resume: "auto" resumes when the run folder has checkpoints (refused when the folder's
+        config.json differs in model, data or reward: another run); "never" starts fresh
+        and is refused on a folder holding an earlier run's checkpoints or records, unless
+        ``overwrite`` (a run folder belongs to one run: ``rlflow/run_identity.py``).
+      overwrite: with ``resume="never"``, move an earlier run's folder aside to
+        ``<run>.replaced-<UTC time>`` and start clean instead of refusing.
     """
 
     every_steps: int = 0
@@ -511,6 +525,7 @@ class CheckpointConfig:
     keep_best_metric: str = ""
     keep_best_mode: Literal["max", "min"] = "max"
     resume: Literal["auto", "never"] = "auto"
+    overwrite: bool = False
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
@@ -574,8 +589,9 @@ class ExperimentConfig:
                f"must be a non-empty folder name, got {self.name!r}")
         bind = self.runtime.bind_address
         _check(bind == "localhost" or bind.startswith("127.") or bind == "::1"
-               or bool(self.buffer.token), "buffer.token",
-               f"is required when runtime.bind_address={bind!r} is not loopback")
+               or token_source_given(self.buffer.token, self.buffer.token_file), "buffer.token",
+               f"is required when runtime.bind_address={bind!r} is not loopback "
+               f"(set {ENV_BUFFER_TOKEN} or buffer.token_file)")
         if self.runtime.stale_policy == "correct":
             _check(self.learner.is_cap > 0, "learner.is_cap",
                    "must be > 0 when runtime.stale_policy='correct'")

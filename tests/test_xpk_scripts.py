@@ -20,8 +20,9 @@ BASE = ["--cluster", "c7", "--zone", "us-east5-a", "--project", "my-proj", "--na
 HOST_LINE = re.compile(r"^# (learner|sampler) host (\d+) of (\d+) \(([-a-z0-9]+)\): (.*)$")
 
 
-def dry(path, *args, ok=True):
+def dry(path, *args, ok=True, token="s3cret-env"):
     env = {k: v for k, v in os.environ.items() if k != "RLFLOW_BUFFER_TOKEN"}
+    env["RLFLOW_BUFFER_TOKEN"] = token
     proc = subprocess.run(["bash", path, "--dry-run", *args], capture_output=True, text=True,
                           timeout=60, cwd=REPO, env=env)
     if ok:
@@ -63,7 +64,7 @@ def per_host(hosts, role):
 def test_xpk_start_creates_one_workload_per_program_with_per_host_lines():
     cmds, hosts, _ = dry(os.path.join(XPK, "start.sh"), *BASE, "--docker-image", "gcr.io/p/r:1",
                          "--learner-type", "v5p-16", "--sampler-type", "v6e-16",
-                         "--run-dir", "gs://bkt/runs", "--token", "s3cret", "--model-dir",
+                         "--run-dir", "gs://bkt/runs", "--model-dir",
                          "/models/q", "--", "--learner.lr", "1e-6")
     assert [c[:3] for c in cmds] == [["xpk", "workload", "create"]] * 2
     learner_addr = "exp7-learner-slice-job-0-0.exp7-learner"
@@ -80,7 +81,9 @@ def test_xpk_start_creates_one_workload_per_program_with_per_host_lines():
         rest = words[words.index("bash") + 1:]
         assert rest[:2] == ["scripts/xpk/pod_run.sh", role]
         assert rest[rest.index("--run_dir") + 1] == "gs://bkt/runs"
-        assert rest[-2:] == ["--learner.lr", "1e-6"] and "s3cret" in rest
+        assert rest[-2:] == ["--learner.lr", "1e-6"]
+        assert not any("s3cret" in w or "token" in w for w in cmd)   # the token: no argv
+        assert os.path.basename(flag(cmd, "--env-file")).startswith("tmp")
     # v5p-16 = 2 hosts x 4 chips, v6e-16 = 4 hosts x 4 chips: one line per host
     for role, n in (("learner", 2), ("sampler", 4)):
         lines = per_host(hosts, role)
@@ -108,8 +111,9 @@ def test_xpk_delete_and_named_errors():
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-def pod_env(tmp_path, worker_id, hostnames, *extra):
-    env = {"PATH": os.environ["PATH"], "RLFLOW_BUFFER_ADDRESS": "l0:5555",
+def pod_env(tmp_path, worker_id, hostnames, *extra, token=""):
+    env = {"PATH": os.environ["PATH"], "RLFLOW_BUFFER_ADDRESS": "l0:5555", "TMPDIR": str(tmp_path),
+           "RLFLOW_BUFFER_TOKEN": token,
            "RLFLOW_COORDINATOR_ADDRESS": "l0:5556", "TPU_WORKER_ID": worker_id,
            "TPU_WORKER_HOSTNAMES": hostnames, "RLFLOW_JAX_PORT": "9000"}
     return subprocess.run(["bash", os.path.join(XPK, "pod_run.sh"), *extra],
@@ -117,9 +121,16 @@ def pod_env(tmp_path, worker_id, hostnames, *extra):
 
 
 def test_pod_run_takes_its_slice_place_from_the_gke_tpu_environment(tmp_path):
-    proc = pod_env(tmp_path, "2", "h0.x,h1.x,h2.x,h3.x", "--print-env", "sampler")
+    proc = pod_env(tmp_path, "2", "h0.x,h1.x,h2.x,h3.x", "--print-env", "sampler", "--x", "1",
+                   token="tok-9f")
     assert proc.returncode == 0, proc.stderr
-    env = dict(ln.split("=", 1) for ln in proc.stdout.splitlines())
+    lines = proc.stdout.splitlines()
+    assert "tok-9f" not in proc.stdout                          # moved out of the environment
+    token_file = tmp_path / "rlflow-buffer.token"
+    assert token_file.read_text() == "tok-9f\n"
+    assert oct(token_file.stat().st_mode & 0o777) == oct(0o600)
+    assert lines[-1] == f"ARGS --x 1 --buffer.token_file {token_file}"
+    env = dict(ln.split("=", 1) for ln in lines[:-1])
     assert env["RLFLOW_PROCESS_ID"] == "2" and env["RLFLOW_NUM_PROCESSES"] == "4"
     assert env["RLFLOW_JAX_COORDINATOR"] == "h0.x:9000" and env["RLFLOW_ROLE"] == "sampler"
     proc = pod_env(tmp_path, "4", "h0,h1", "--print-env", "learner")
@@ -133,10 +144,11 @@ def test_pod_run_takes_its_slice_place_from_the_gke_tpu_environment(tmp_path):
                                        ("v5litepod-8", 1), ("v6e-8", 1)])
 def test_tpu_start_prints_each_host_of_a_multi_host_learner_slice(typ, hosts):
     cmds, lines, _ = dry(os.path.join(TPU, "start.sh"), "--zone", "z", "--name", "exp7",
-                         "--learner-ip", "10.0.0.7", "--token", "t", "--learner-type", typ,
+                         "--learner-ip", "10.0.0.7", "--learner-type", typ,
                          "--run-dir", "gs://b/runs")
-    assert [c[5] for c in cmds] == ["exp7-learner", "exp7-sampler"]
-    assert flag(cmds[0], "--worker") == "all"                 # one ssh reaches every host
+    ssh = [c for c in cmds if c[3:5] == ["tpu-vm", "ssh"]]
+    assert [c[5] for c in ssh] == ["exp7-learner", "exp7-sampler"]
+    assert flag(ssh[0], "--worker") == "all"                  # one ssh reaches every host
     learner = per_host(lines, "learner")
     assert sorted(learner) == list(range(hosts))
     assert all(e["RLFLOW_PROCESS_ID"] == str(i) and e["RLFLOW_NUM_PROCESSES"] == str(hosts)
@@ -146,7 +158,7 @@ def test_tpu_start_prints_each_host_of_a_multi_host_learner_slice(typ, hosts):
 
 def test_tpu_start_needs_a_shared_run_dir_for_a_multi_host_learner():
     _, _, proc = dry(os.path.join(TPU, "start.sh"), "--zone", "z", "--learner-ip", "1.2.3.4",
-                     "--token", "t", "--learner-type", "v6e-16", ok=False)
+                     "--learner-type", "v6e-16", ok=False)
     assert proc.returncode == 2
     assert "--run-dir must be shared storage (gs://...) when the learner slice (v6e-16) has " \
            "4 hosts" in proc.stderr

@@ -164,6 +164,10 @@ class SamplerProgram:
         self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
         self.prompts, stats = build_prompt_pipeline(cfg.data, self.tokenizer, seed=cfg.seed)
         log.info("%s", stats.summary())
+        # Reach the learner's metrics and the launcher's console (not only this log).
+        self.prompt_counts = {"sampler/prompts_kept": float(stats.num_kept),
+                              "sampler/prompts_too_long": float(stats.num_too_long),
+                              "sampler/prompts_bad": float(stats.num_bad)}
         self.prompts_started = 0
         self.exhausted = False
         self.in_flight: dict[int, dict] = {}     # id(Request) -> prompt element
@@ -234,6 +238,7 @@ class SamplerProgram:
         metrics["sampler/instance"] = float(self.control.instance)
         metrics["sampler/rejected_groups"] = float(self.rejected)
         metrics["sampler/dropped_bad_reward_groups"] = float(self.bad_reward_groups)
+        metrics.update(self.prompt_counts)
         # reward functions that raised or timed out (scored 0): counted, never silent
         metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
         reply = self.control.status(
@@ -348,6 +353,7 @@ class SamplerProgram:
         last_status = 0.0
         reply = None
         while True:
+            pc.raise_if_stopped()               # a stop whose exception a finaliser dropped
             now = time.monotonic()
             busy = self.batcher.has_work
             if reply is None or now - last_status >= (BUSY_POLL_S if busy else IDLE_POLL_S):

@@ -24,7 +24,8 @@ Flags (GKE with xpk; the cluster exists already, e.g. `xpk cluster create`):
   --model-dir DIR          model folder in the pods (RLFLOW_MODEL_PATH)
   --run-dir DIR            rlflow run_dir (gs://... : every learner host writes its shards)
   --buffer-port N / --coordinator-port N / --jax-port N   as scripts/tpu
-  --token TOKEN            ring-buffer shared secret (default $RLFLOW_BUFFER_TOKEN, else random)
+  (token)                  ring-buffer secret from $RLFLOW_BUFFER_TOKEN, else random; sent to the
+                           pods with xpk --env-file, never on a command line
   --learner-ip HOST        address of learner host 0 (default: its JobSet DNS name,
                            NAME-learner-slice-job-0-0.NAME-learner)
   --xpk EXE                the xpk command (default xpk)

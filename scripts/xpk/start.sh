@@ -19,8 +19,14 @@ if [ "$learner_hosts" -gt 1 ] && [[ "$RUN_DIR" != gs://* ]]; then
 fi
 if [ -z "$TOKEN" ]; then
   TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
-  note "generated the ring-buffer token $TOKEN (pass --token to choose it)"
+  note "generated a random ring-buffer token (export RLFLOW_BUFFER_TOKEN to choose it)"
 fi
+# The token reaches the pods through xpk's --env-file (mode 0600 here, removed at exit):
+# never on a command line; pod_run.sh moves it into a 0600 file for --buffer.token_file.
+env_file="$(mktemp)"
+trap 'rm -f "$env_file"' EXIT
+chmod 600 "$env_file"
+printf 'RLFLOW_BUFFER_TOKEN=%s\n' "$TOKEN" >"$env_file"
 # learner host 0 = pod 0 of job 0 of the learner JobSet (xpk names the replicated job slice-job)
 LEARNER_ADDR="${LEARNER_IP:-${LEARNER_NODE}-slice-job-0-0.${LEARNER_NODE}}"
 
@@ -28,8 +34,7 @@ env_words=("RLFLOW_BUFFER_ADDRESS=$LEARNER_ADDR:$BUFFER_PORT"
            "RLFLOW_COORDINATOR_ADDRESS=$LEARNER_ADDR:$COORDINATOR_PORT"
            "RLFLOW_JAX_PORT=$JAX_PORT")
 if [ -n "$MODEL_DIR" ]; then env_words+=("RLFLOW_MODEL_PATH=$MODEL_DIR"); fi
-train=(--config "$CONFIG" --buffer.bind_address 0.0.0.0 --buffer.port "$BUFFER_PORT"
-       --buffer.token "$TOKEN")
+train=(--config "$CONFIG" --buffer.bind_address 0.0.0.0 --buffer.port "$BUFFER_PORT")
 if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
 train+=("${TRAIN_ARGS[@]}")
 
@@ -39,7 +44,7 @@ for role in learner sampler; do
   pod_cmd="env $(command_line "${env_words[@]}") bash scripts/xpk/pod_run.sh $role"
   pod_cmd+=" $(command_line "${train[@]}")"
   run "$XPK" workload create "${XPK_COMMON[@]}" --workload="$workload" --tpu-type="$type" \
-    --num-slices=1 --docker-image="$DOCKER_IMAGE" --command="$pod_cmd"
+    --num-slices=1 --docker-image="$DOCKER_IMAGE" --env-file="$env_file" --command="$pod_cmd"
   if [ "$DRY_RUN" = 1 ]; then
     for ((i = 0; i < hosts; i++)); do
       note "$role host $i of $hosts ($type): TPU_WORKER_ID=$i ->" \
