@@ -16,8 +16,8 @@ What one chip of the learner mesh holds during a train step (bytes):
 
 ``N`` counts embeddings, ``L`` layers of (q, k, v, o projections, gate/up/down MLP, two RMSNorm
 scales), the final norm and (untied) the output projection, Qwen2's q/k/v biases included
-when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``. The activation term is an estimate of what XLA keeps (it may fuse some
-away); the state terms are exact.
+when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``. The activation term is an
+estimate of what XLA keeps (it may fuse some away); the state terms are exact.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ slice_shape "$SAMPLER_TYPE" >/dev/null
 learner_hosts="$(slice_hosts "$LEARNER_TYPE")"
 sampler_hosts="$(slice_hosts "$SAMPLER_TYPE")"
 if [ "$learner_hosts" -gt 1 ] && [[ "$RUN_DIR" != gs://* ]]; then
-  die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE) has $learner_hosts hosts: every host writes its checkpoint shards there"
+  die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE)" \
+    "has $learner_hosts hosts: every host writes its checkpoint shards there"
 fi
 
 if [ -z "$TOKEN" ]; then
@@ -52,7 +53,9 @@ train+=("${TRAIN_ARGS[@]}")
 
 for role in learner sampler; do
   node="$LEARNER_NODE"; hosts="$learner_hosts"; type="$LEARNER_TYPE"
-  if [ "$role" = sampler ]; then node="$SAMPLER_NODE"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"; fi
+  if [ "$role" = sampler ]; then
+    node="$SAMPLER_NODE"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"
+  fi
   # scp paths are relative to the remote home: host_run.sh reads $HOME/.rlflow-buffer.token
   run gcloud compute tpus tpu-vm scp "$token_file" "$node:.rlflow-buffer.token" \
     "${GCLOUD_COMMON[@]}" --worker=all

@@ -15,7 +15,8 @@ slice_shape "$SAMPLER_TYPE" >/dev/null
 learner_hosts="$(slice_hosts "$LEARNER_TYPE")"
 sampler_hosts="$(slice_hosts "$SAMPLER_TYPE")"
 if [ "$learner_hosts" -gt 1 ] && [[ "$RUN_DIR" != gs://* ]]; then
-  die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE) has $learner_hosts hosts: every host writes its checkpoint shards there"
+  die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE)" \
+    "has $learner_hosts hosts: every host writes its checkpoint shards there"
 fi
 if [ -z "$TOKEN" ]; then
   TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
@@ -40,7 +41,9 @@ train+=("${TRAIN_ARGS[@]}")
 
 for role in learner sampler; do
   workload="$LEARNER_NODE"; hosts="$learner_hosts"; type="$LEARNER_TYPE"
-  if [ "$role" = sampler ]; then workload="$SAMPLER_NODE"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"; fi
+  if [ "$role" = sampler ]; then
+    workload="$SAMPLER_NODE"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"
+  fi
   pod_cmd="env $(command_line "${env_words[@]}") bash scripts/xpk/pod_run.sh $role"
   pod_cmd+=" $(command_line "${train[@]}")"
   run "$XPK" workload create "${XPK_COMMON[@]}" --workload="$workload" --tpu-type="$type" \
