@@ -243,12 +243,27 @@ N_PROMPTS, BATCH, EPOCHS = 6, 2, 2
 STEPS = N_PROMPTS // BATCH * EPOCHS
 
 
+def _learner_config():
+    from rlflow.config import LearnerConfig
+    return LearnerConfig(lr=0.1, warmup_steps=2, num_steps=STEPS, schedule="cosine",
+                         max_grad_norm=1.0, weight_decay=0.01)
+
+
 def _schedule():
-    return optax.warmup_cosine_decay_schedule(0.0, 0.1, warmup_steps=2, decay_steps=STEPS)
+    from rlflow.learner.optimizer import lr_schedule
+    return lr_schedule(_learner_config())      # the learner's own schedule and optimiser
 
 
 def _optimizer():
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(_schedule(), weight_decay=0.01))
+    from rlflow.learner.optimizer import make_optimizer
+    return make_optimizer(_learner_config())[0]
+
+
+def _count(opt_state) -> int:
+    """The optimiser's update count (Adam's and the schedule's, which must agree)."""
+    counts = {int(c) for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "count")}
+    assert len(counts) == 1, counts
+    return counts.pop()
 
 
 def _prompt_iter():
@@ -288,11 +303,11 @@ def _run(folder, stop_after=None):
             params, opt_state, key = restored.params, restored.opt_state, restored.rngs["train"]
             it.set_state(restored.data_state)
             start = restored.step
-            log["count_after_restore"] = int(opt_state[1][0].count)
+            log["count_after_restore"] = _count(opt_state)
         for step in range(start + 1, STEPS + 1):
             batch = next(it)
             log["batches"].append((step, batch.tolist()))
-            log["lr"][step] = float(_schedule()(opt_state[1][0].count))
+            log["lr"][step] = float(_schedule()(_count(opt_state)))
             params, opt_state, key = _train_step(params, opt_state, key, jnp.asarray(batch))
             ckpt = LearnerCheckpoint(step=step, params=params, opt_state=opt_state,
                                      rngs={"train": key}, data_state=it.get_state())
@@ -312,7 +327,7 @@ def test_exact_resume(tmp_path, stop_after):
     assert first["batches"] + second["batches"] == ref_log["batches"]
     assert sorted(sum((b for _, b in ref_log["batches"][:3]), [])) == list(range(N_PROMPTS))
     assert second["count_after_restore"] == stop_after
-    assert int(opt_state[1][0].count) == STEPS == int(ref_opt[1][0].count)
+    assert _count(opt_state) == STEPS == _count(ref_opt)
     assert second["lr"][stop_after + 1] == ref_log["lr"][stop_after + 1]
     _leaves_equal(params, ref_params)        # bit-identical on CPU
     _leaves_equal(opt_state, ref_opt)
