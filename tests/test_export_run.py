@@ -24,7 +24,7 @@ import torch
 from flax import nnx
 from safetensors import safe_open
 
-from hf_fixtures import LLAMA3_ROPE, make_tiny_hf_model
+from hf_fixtures import LLAMA3_ROPE, add_generation_settings, make_tiny_hf_model
 from rlflow import checkpoint as ckpt_lib
 from rlflow import cli
 from rlflow.config import (CheckpointConfig, ExperimentConfig, LearnerConfig, MeshConfig,
@@ -78,6 +78,7 @@ def _train_and_checkpoint(root: str, family: str, tie: bool) -> dict:
     """Base folder + a run folder with checkpoints after step 1 and step 2."""
     base = make_tiny_hf_model(family, os.path.join(root, "base"), tie=tie)
     build_char_tokenizer("0123456789+=", base)            # tokenizer files of the base model
+    generation = add_generation_settings(base)             # sampling settings to carry through
     cfg = _experiment(os.path.join(root, "runs"), base)
     mesh = make_mesh(MESH, jax.devices()[:MESH.num_devices])
     model, _ = load_hf(base, mesh=mesh)
@@ -111,7 +112,7 @@ def _train_and_checkpoint(root: str, family: str, tie: bool) -> dict:
         assert ck.all_steps() == [1, 2]
     assert int(opt_state[1][0].count) == 2
     return {"base": base, "run": cfg.run_path, "graphdef": graphdef, "params": snapshots,
-            "cfg": cfg}
+            "cfg": cfg, "generation": generation}
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +168,9 @@ def test_export_of_trained_run_loads_in_transformers_with_equal_logits(trained, 
         assert raw["rope_scaling"] == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
     else:
         assert raw["rope_scaling"] is None
-    assert _json(os.path.join(out, "generation_config.json"))["eos_token_id"] == [2, 3]
+    # the base model's generation settings carry through unchanged (issue 14 item 11)
+    gen = _json(os.path.join(out, "generation_config.json"))
+    assert gen == t["generation"] and gen["eos_token_id"] == [2, 3] and gen["top_k"] == 20
     with safe_open(os.path.join(out, "model.safetensors"), framework="numpy") as f:
         assert ("lm_head.weight" in f.keys()) is (not tie)
     for name in ("tokenizer.json", "tokenizer_config.json"):
