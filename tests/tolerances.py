@@ -34,3 +34,34 @@ def chain_len(*, hidden: int, heads: int, head_dim: int, intermediate: int, laye
     (hidden); then the final norm, the LM head (hidden) and the log-softmax over the vocab."""
     per_layer = 3 * hidden + head_dim + seq + heads * head_dim + intermediate + hidden
     return layers * per_layer + 2 * hidden + vocab
+
+
+def model_chain_len(cfg, seq: int) -> int:
+    """:func:`chain_len` of a :class:`rlflow.config.ModelConfig` or
+    :class:`rlflow.models.config.DecoderConfig` at sequence length ``seq``."""
+    return chain_len(hidden=cfg.hidden_size, heads=cfg.num_heads, head_dim=cfg.head_dim,
+                     intermediate=cfg.intermediate_size, layers=cfg.num_layers,
+                     vocab=cfg.vocab_size, seq=seq)
+
+
+def forward_atol(cfg, seq: int, scale: float, eps: float = F32_EPS) -> float:
+    """Bound on ``|a - b|`` for logits / logprobs of one model computed by two different
+    float32 programs (cached decode vs full forward, sharded vs one device, padded vs
+    unpadded, rlflow vs transformers): each is within ``chain * eps * scale`` of the exact
+    value, so they are within twice that of each other. ``scale`` bounds the magnitude of the
+    values compared (e.g. ``max |logit|``)."""
+    return 2 * model_chain_len(cfg, seq) * eps * scale
+
+
+def reorder_rtol(chain: int, n: int, cancel: float = 1.0) -> float:
+    """Relative bound for a per-token quantity of forward chain length ``chain`` summed over
+    ``n`` positions, evaluated by two programs (micro-batches, shards): ``(2 chain + n) eps``
+    times ``cancel`` = (sum of the absolute terms) / |result| (1 for non-negative terms)."""
+    return (2 * chain + n) * F32_EPS * cancel
+
+
+# A mixed-sign sum (policy loss, its gradients: advantages are zero-mean per group) can be
+# much smaller than the sum of its absolute terms. Where that ratio is not computed, tests
+# allow it to be up to this factor (test_micro_batch_accumulation_equals_one_batch computes it
+# for the policy loss of its batch).
+MIXED_SIGN_CANCEL = 16.0
