@@ -34,6 +34,7 @@ from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import init_state, state_shardings
 from rlflow.mesh import make_mesh
 from rlflow.models import load_hf
+from tolerances import forward_atol
 
 TOKENS = np.array([[1, 17, 200, 31, 4, 99, 250, 8, 64, 128, 5, 77]], np.int32)   # [1, 12]
 MESH = MeshConfig(fsdp=2, tensor=2)
@@ -53,6 +54,13 @@ def _hf_logits(path: str) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(input_ids=torch.tensor(TOKENS, dtype=torch.long)).logits[0].numpy()
+
+
+def _atol(t, logits) -> float:
+    """rlflow vs transformers logits of the base architecture (tests/tolerances.py)."""
+    from rlflow.models.hf import read_decoder_config
+    return forward_atol(read_decoder_config(t["base"]), TOKENS.shape[1],
+                        float(np.abs(logits).max()))
 
 
 def _experiment(run_dir: str, base: str) -> ExperimentConfig:
@@ -151,10 +159,10 @@ def test_export_of_trained_run_loads_in_transformers_with_equal_logits(trained, 
 
     ours = _rlflow_logits(t["graphdef"], t["params"][2])       # latest step by default
     exported, base = _hf_logits(out), _hf_logits(t["base"])
-    np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(exported, ours, atol=_atol(t, ours), rtol=0)
     # the trained weights were exported, not the base model's
-    np.testing.assert_allclose(base, _rlflow_logits(t["graphdef"], t["params"][0]),
-                               atol=1e-4, rtol=0)
+    base_ours = _rlflow_logits(t["graphdef"], t["params"][0])
+    np.testing.assert_allclose(base, base_ours, atol=_atol(t, base_ours), rtol=0)
     assert np.abs(exported - base).max() > 1e-2
 
     cfg_out, cfg_base = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(t["base"])
@@ -184,8 +192,8 @@ def test_step_flag_picks_that_checkpoint(trained, tmp_path, capsys):
     rc, text = _export(["--run", t["run"], "--step", "1", "--out", out], capsys)
     assert rc == 0, text
     exported = _hf_logits(out)
-    np.testing.assert_allclose(exported, _rlflow_logits(t["graphdef"], t["params"][1]),
-                               atol=1e-4, rtol=0)
+    ours = _rlflow_logits(t["graphdef"], t["params"][1])
+    np.testing.assert_allclose(exported, ours, atol=_atol(t, ours), rtol=0)
     assert np.abs(exported - _rlflow_logits(t["graphdef"], t["params"][2])).max() > 1e-3
 
 
@@ -270,5 +278,5 @@ def test_missing_base_folder_asks_for_base_model(trained, tmp_path, capsys):
     # the override finds the architecture and tokenizer elsewhere
     rc, text = _export(["--run", cfg.run_path, "--base-model", t["base"], "--out", out], capsys)
     assert rc == 0, text
-    np.testing.assert_allclose(_hf_logits(out), _rlflow_logits(t["graphdef"], params),
-                               atol=1e-4, rtol=0)
+    ours = _rlflow_logits(t["graphdef"], params)
+    np.testing.assert_allclose(_hf_logits(out), ours, atol=_atol(t, ours), rtol=0)

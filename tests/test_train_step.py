@@ -17,7 +17,8 @@ from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
 from rlflow.models.hf import build_model
 from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
-from tolerances import F32_EPS, chain_len, sum_tol
+from tolerances import (F32_EPS, MIXED_SIGN_CANCEL, chain_len, model_chain_len, reorder_rtol,
+                        sum_tol)
 
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -43,16 +44,28 @@ def test_sharded_step_equals_single_device():
     emb = sharded.params["embed"][...]
     assert len(emb.sharding.device_set) == 4 and not emb.sharding.is_fully_replicated
     init = flat(single.params)
+    # sharded vs one device: other reduction orders in every matmul and token sum
+    # (tests/tolerances.py): 2 chain + n positions, times eps; the loss is a mixed-sign sum,
+    # the other figures sums of non-negative terms (a norm; KL k3 adds 2 eps per token).
+    rows, seq = G * 2, 16
+    chain, n = model_chain_len(MODEL, seq), rows * seq
     for step in range(2):
         recs = make_records(step, 2)
         m4, m1 = sharded.train_on(recs), single.train_on(recs)
         for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",
                     "policy/is_masked_frac"):
-            np.testing.assert_allclose(m4[key], m1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+            cancel = MIXED_SIGN_CANCEL if key == "learner/loss" else 1.0
+            np.testing.assert_allclose(m4[key], m1[key], rtol=reorder_rtol(chain, n, cancel),
+                                       atol=2 * F32_EPS if key == "policy/kl" else 0.0,
+                                       err_msg=key)
     assert m1["policy/kl"] > 0 and 0 < m1["policy/is_masked_frac"] < 1
     got, want = flat(sharded.params), flat(single.params)
+    # parameters after 2 Adam steps at lr 1e-4: each update is lr * m / sqrt(v), ~lr * sign(g)
+    # early on, so rounding moves it by lr * reorder_rtol (~1e-7 here), except for an element
+    # whose gradient is within rounding of 0, where m / sqrt(v) can take any value in
+    # [-1, 1]: atol = lr / 10 per run admits those without admitting a wrong update (lr).
     for k in want:
-        np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=str(k))
+        np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
         assert not np.array_equal(want[k], init[k]), k        # every parameter moved
     assert sharded.version == single.version == 2
 
