@@ -2,8 +2,9 @@
 
 ``runs/<name>/run.json`` (:data:`RUN_FILE`) holds the run's identity, written at its first
 start: ``{"run_id": hex, "created": ISO UTC time, "identity": {...}}`` where ``identity``
-is the part of the config that makes two runs different runs (:data:`IDENTITY_SECTIONS`:
-the model, the data and the reward). Its config.json, checkpoints, metrics, samples,
+is the part of the config that makes two runs different runs: the fields of
+:data:`IDENTITY_FIELDS` (an allow-list: what is trained on what, scored how -- the model,
+the data and its prompt format, the reward functions and weights). Its config.json, checkpoints, metrics, samples,
 TensorBoard events, summary and report never mix two runs:
 
 * ``checkpoint.resume="never"`` on a folder that holds an earlier run's records
@@ -12,9 +13,12 @@ TensorBoard events, summary and report never mix two runs:
   or with ``checkpoint.overwrite`` the folder is moved aside to ``<run>.replaced-<UTC>``
   and the run starts in a clean one.
 * ``checkpoint.resume="auto"`` continues the run in the folder; it is refused when the
-  folder's config differs from the new one in an :data:`IDENTITY_SECTIONS` field (another
-  run's folder). Other differences (``learner.num_steps`` to extend a run, a learning rate)
-  are allowed and listed in the warning returned.
+  folder's config differs from the new one in an :data:`IDENTITY_FIELDS` field (another
+  run's folder). Other differences are allowed and listed in the warning returned: the
+  operational settings (``reward.num_workers`` / ``timeout_s`` / ``memory_limit_mb``,
+  ``data.on_bad_record``, ``data.max_prompt_tokens``, ``data.num_epochs``, logging,
+  checkpoint cadence, meshes, ports) and the training settings a user tunes or extends
+  mid-run (``learner.num_steps``, a learning rate).
 
 No JAX here (the launcher calls it before starting anything).
 """
@@ -32,6 +36,14 @@ from typing import Any, Mapping, Optional
 
 RUN_FILE = "run.json"
 IDENTITY_SECTIONS: tuple[str, ...] = ("model", "data", "reward")
+# The fields that define a run (section -> field names; "*" = every field of the section).
+# A resume that changes one is another run's start; every other field may change on resume.
+IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
+    "model": ("*",),                      # path, or the random model's architecture and seed
+    "data": ("source", "path", "task", "prompt_field", "answer_field", "chat_template",
+             "plain_template", "shuffle_seed"),
+    "reward": ("functions", "weights"),
+}
 # Files / folders of a run folder that hold a run's results (config.json, run.json and
 # logs/ alone do not: a start that failed before its first step leaves only those).
 RESULT_ENTRIES: tuple[str, ...] = ("checkpoints", "metrics.jsonl", "samples.jsonl",
@@ -72,8 +84,24 @@ def earlier_run_records(run_path: str) -> list[str]:
 
 
 def identity_of(config: Mapping[str, Any]) -> dict:
-    """The :data:`IDENTITY_SECTIONS` of a config dict (``dataclasses.asdict`` form)."""
-    return {k: config.get(k) for k in IDENTITY_SECTIONS}
+    """The :data:`IDENTITY_FIELDS` of a config dict (``dataclasses.asdict`` form), as
+    ``{section: {field: value}}``."""
+    out = {}
+    for section, fields in IDENTITY_FIELDS.items():
+        values = config.get(section)
+        if not isinstance(values, Mapping):
+            out[section] = values
+        elif fields == ("*",):
+            out[section] = dict(values)
+        else:
+            out[section] = {f: values.get(f) for f in fields}
+    return out
+
+
+def _is_identity_field(dotted: str) -> bool:
+    section, _, field = dotted.partition(".")
+    fields = IDENTITY_FIELDS.get(section, ())
+    return fields == ("*",) or field.split(".")[0] in fields
 
 
 def config_differences(old: Mapping[str, Any], new: Mapping[str, Any],
@@ -118,7 +146,8 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
     Raises:
       RunFolderConflict: ``resume="never"`` without ``overwrite`` on a folder holding an
         earlier run's records, or ``resume="auto"`` on a folder of a run with another
-        model / data / reward (the message names the folder, the fields and the ways out).
+        model / data / reward (an :data:`IDENTITY_FIELDS` field; the message names the
+        folder, the fields and the ways out).
     """
     from rlflow.secrets import redact_config
 
@@ -145,7 +174,7 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
                     "--run_dir DIR), or start over with --checkpoint.resume never "
                     "--checkpoint.overwrite true")
             rest = [d for d in config_differences(old_config, new_config)
-                    if d.split(".")[0] not in IDENTITY_SECTIONS]
+                    if not _is_identity_field(d)]
             if rest:
                 warnings.append(f"run folder {run_path}: resuming with config changes in "
                                 f"{', '.join(rest)}")

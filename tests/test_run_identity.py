@@ -127,6 +127,31 @@ def test_resume_auto_refuses_another_model_or_data_and_warns_on_other_changes(tm
     assert len(warnings) == 1 and "learner.num_steps" in warnings[0]
 
 
+@pytest.mark.parametrize("changes", [
+    {"reward": C.RewardConfig(num_workers=1)},
+    {"reward": C.RewardConfig(timeout_s=30.0)},
+    {"reward": C.RewardConfig(memory_limit_mb=512)},
+    {"data": C.DataConfig(on_bad_record="skip")},
+    {"data": C.DataConfig(max_prompt_tokens=128, num_epochs=3)},
+])
+def test_resume_auto_allows_operational_changes_and_names_them(tmp_path, changes):
+    _earlier_run(tmp_path)
+    records, warnings = check_run_folder(_cfg(tmp_path, num_steps=20, **changes))
+    assert records == ["checkpoints/", "metrics.jsonl"]
+    section = next(iter(changes))
+    assert len(warnings) == 1 and f"resuming with config changes in {section}." in warnings[0]
+
+
+def test_resume_auto_refuses_another_reward_or_prompt_format(tmp_path):
+    _earlier_run(tmp_path)
+    for changes, field in [
+            ({"reward": C.RewardConfig(weights=(2.0,))}, "reward.weights"),
+            ({"data": C.DataConfig(prompt_field="q")}, "data.prompt_field"),
+            ({"data": C.DataConfig(plain_template="Q: {prompt}")}, "data.plain_template")]:
+        with pytest.raises(RunFolderConflict, match=rf"differs in {field}\b"):
+            check_run_folder(_cfg(tmp_path, num_steps=20, **changes))
+
+
 def test_a_folder_with_only_config_and_logs_is_not_an_earlier_run(tmp_path):
     run = tmp_path / "demo"
     (run / "logs").mkdir(parents=True)
