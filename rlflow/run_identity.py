@@ -44,8 +44,8 @@ IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
              "plain_template", "shuffle_seed"),
     "reward": ("functions", "weights"),
 }
-# Files / folders of a run folder that hold a run's results (config.json, run.json and
-# logs/ alone do not: a start that failed before its first step leaves only those).
+# Files / folders of a run folder that hold a run's results, listed when the folder holds a
+# trained step (:func:`has_trained`; a start that failed before its first step holds none).
 RESULT_ENTRIES: tuple[str, ...] = ("checkpoints", "metrics.jsonl", "samples.jsonl",
                                    "summary.json", "report", "weights")
 TB_GLOB = "events.out.tfevents.*"
@@ -70,8 +70,38 @@ class PreparedRun:
     warnings: tuple[str, ...] = ()
 
 
+def has_trained(run_path: str) -> bool:
+    """Whether ``run_path`` holds a trained step: a complete checkpoint, or a
+    ``metrics.jsonl`` record with an int ``step``."""
+    from rlflow.run_watch import latest_checkpoint_step
+
+    if latest_checkpoint_step(run_path) is not None:
+        return True
+    try:
+        with open(os.path.join(run_path, "metrics.jsonl"), "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
 def earlier_run_records(run_path: str) -> list[str]:
-    """Entries of ``run_path`` that hold a run's results (non-empty ones only), sorted."""
+    """Entries of ``run_path`` that hold a run's results (non-empty ones only), sorted.
+
+    Empty when the folder holds no trained step (:func:`has_trained`): what a start that
+    failed before its first step leaves (run.json, config.json, logs/, an empty
+    checkpoints/, TensorBoard event files with no step, a summary of 0 steps) holds nothing
+    two runs could mix, so a rerun proceeds there whatever its settings (a new ``run.json``
+    is written) and ``resume="never"`` needs no ``overwrite``.
+    """
+    if not has_trained(run_path):
+        return []
     found = []
     for name in RESULT_ENTRIES:
         path = os.path.join(run_path, name)

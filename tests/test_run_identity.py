@@ -162,6 +162,29 @@ def test_a_folder_with_only_config_and_logs_is_not_an_earlier_run(tmp_path):
     assert prepare_run_folder(_cfg(tmp_path, resume="never"), now=NOW).moved_to is None
 
 
+@pytest.mark.parametrize("resume", ["auto", "never"])
+def test_a_rerun_after_a_failed_start_proceeds_with_other_settings(tmp_path, resume):
+    """A start that failed before its first step (run.json, config.json, an empty
+    checkpoints/, TensorBoard events, an empty metrics.jsonl, a 0-step summary) holds nothing
+    to mix: a rerun with other model/data/reward settings proceeds and gets a new run.json."""
+    first = prepare_run_folder(_cfg(tmp_path, data=C.DataConfig(shuffle_seed=3)), now=NOW)
+    run = tmp_path / "demo"
+    pc.save_config(_cfg(tmp_path, data=C.DataConfig(shuffle_seed=3)), str(run / "config.json"))
+    (run / "checkpoints").mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (run / "events.out.tfevents.1.host").write_bytes(b"\x18\x00")
+    (run / "summary.json").write_text('{"steps_completed": 0}')
+    assert earlier_run_records(str(run)) == []
+    cfg = _cfg(tmp_path, resume=resume)
+    assert check_run_folder(cfg) == ([], [])
+    again = prepare_run_folder(cfg, now=NOW)
+    assert again.moved_to is None and again.run_id != first.run_id
+    assert json.loads((run / RUN_FILE).read_text())["identity"]["data"]["shuffle_seed"] == 0
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')          # one trained step: a run
+    assert earlier_run_records(str(run)) == ["metrics.jsonl", "summary.json",
+                                             "events.out.tfevents.1.host"]
+
+
 def test_resume_keeps_the_run_id(tmp_path):
     cfg = _cfg(tmp_path, num_steps=20)
     first = prepare_run_folder(cfg, now=NOW)
