@@ -46,6 +46,11 @@ def _inf(completion, answer):
     return -math.inf if completion == "bad" else 1.0
 
 
+@register_reward("test_huge")
+def _huge(completion, answer):
+    return 1e300 if completion == "bad" else 3e38     # 3e38: finite in float32 (max 3.4e38)
+
+
 @register_reward("test_not_a_number")
 def _word(completion, answer):
     return "high"
@@ -171,6 +176,25 @@ def test_nan_and_inf_rewards_are_rejected_with_the_sample_id(name):
     with pytest.raises(NonFiniteRewardError,
                        match=rf"{name!r} returned (nan|-inf) for sample prompt 9 sample 1"):
         r.score_group(9, ["ok", "bad"], "x")
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_a_value_past_the_float32_range_is_non_finite(num_workers):
+    r = rewarder("test_huge", num_workers=num_workers)
+    with pytest.raises(NonFiniteRewardError, match=r"'test_huge' returned 1e\+300 for sample "
+                                                   r"prompt 4 sample 1 \(not finite in float32"):
+        r.score_group(4, ["ok", "bad"], "x")
+    assert r.score_group(4, ["ok"], "x").tolist() == [np.float32(3e38)]
+    # each value finite in float32, their weighted sum (6e38) is not
+    r2 = rewarder("test_huge", "test_huge", weights=(1.0, 1.0), num_workers=num_workers)
+    r2.submit_group("k", 5, ["ok"], "x")
+    done = []
+    while not done:
+        done = r2.collect(timeout=0.1)
+    batch = done[0][1]
+    assert np.isinf(batch.total[0]) and len(batch.nonfinite) == 1
+    assert batch.nonfinite[0].startswith("weighted reward total 6e+38 of sample prompt 5 "
+                                         "sample 0")
 
 
 def test_mismatched_lengths_are_rejected():
