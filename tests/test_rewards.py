@@ -331,7 +331,25 @@ CHAT_COMPLETIONS = [
     ("#### 18\nOops, recheck: it is 17.\n#### 17", "#### 18", 0.0),
     ("I think 41 or 43, so \\boxed{43}", "#### 42", 0.0),
     ("#### Step 2\nno numbers here", "#### 2", 0.0),
+    # numbered headings are not answers; a lead-in before the value is dropped (issue 14 f.)
+    ("#### 1. First compute\n48/2 = 24\n#### 2. Then\n48+24=72\nFinal: 72", "72", 1.0),
+    ("#### The answer is 72", "72", 1.0),
+    ("#### Final answer: **72**.", "#### 72", 1.0),
+    ("#### 1) Halve\n48/2 = 24\n#### 2) Add\n48+24=72", "2", 0.0),
 ]
+
+
+@pytest.mark.parametrize("completion, answer, want", CHAT_COMPLETIONS)
+def test_math_format_agrees_with_the_answer_math_verify_checks(completion, answer, want):
+    """One rule: math_format is 1 exactly when rule 1 or 2 finds a stated answer, and then
+    math_verify scores that answer (a stand-alone completion of it scores the same)."""
+    from rlflow.data.rewards import stated_answer
+
+    stated = stated_answer(completion)
+    assert math_format_reward(completion, answer) == float(stated is not None)
+    if stated is not None:
+        assert math_verify_reward(completion, answer) == math_verify_reward(
+            stated if stated.startswith("$") else f"#### {stated}", answer)
 
 
 @pytest.mark.parametrize("completion, answer, want", CHAT_COMPLETIONS)
@@ -345,6 +363,10 @@ def test_math_verify_on_chat_model_completions(completion, answer, want):
     ("#### **1,250**.", "1250"),
     ("no marker", "no marker"),
     ("#### Step 2\nno numbers here", "no numbers here"),
+    ("#### 1. First compute\n48/2 = 24\n#### 2. Then\n48+24=72\nFinal: 72",
+     "48/2 = 24\n48+24=72\nFinal: 72"),
+    ("#### The answer is 72", "72"),
+    ("#### Answer\n5", "5"),
 ])
 def test_completion_answer_text_rule(completion, want):
     from rlflow.data.rewards import completion_answer_text
