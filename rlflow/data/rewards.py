@@ -259,6 +259,14 @@ def exact_match_reward(completion: str, answer: str) -> float:
     return float(completion.strip() == answer.strip())
 
 
-# The scorer lives in rlflow.data.rewarder; re-exported here (imported last: it imports this).
-from rlflow.data.rewarder import (RewardBatch, Rewarder, RewardTimeout,  # noqa: E402,F401
-                                  call_with_timeout)
+# The scorer lives in rlflow.data.rewarder (which imports this module); its names are
+# re-exported here on first use (PEP 562), so either module may be imported first.
+_FROM_REWARDER = ("RewardBatch", "Rewarder", "RewardTimeout", "call_with_timeout")
+
+
+def __getattr__(name: str):
+    if name in _FROM_REWARDER:
+        from rlflow.data import rewarder
+
+        return getattr(rewarder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
