@@ -100,6 +100,21 @@ def test_hf_chat_template_without_one_in_the_model_folder_is_refused(no_programs
     assert has_chat_template(str(folder))
 
 
+@pytest.mark.parametrize("body, shown", [
+    ("raise SystemExit(3)", "SystemExit(3)"),
+    ("import sys; sys.exit()", "SystemExit(None)"),
+    ("raise GeneratorExit('odd')", "GeneratorExit: odd"),
+])
+def test_a_plugin_that_exits_is_named_with_exit_code_2(no_programs, capsys, body, shown):
+    (no_programs / "plug_exit.py").write_text(body + "\n")
+    code, text = _train(["--plugins", "plug_exit.py"], capsys)
+    assert code == 2 and "plugins:" in text and "'plug_exit.py'" in text and shown in text, \
+        text
+    (no_programs / "plug_mod_exit.py").write_text(body + "\n")
+    code, text = _train(["--plugins", "plug_mod_exit"], capsys)
+    assert code == 2 and "plugins:" in text and "'plug_mod_exit'" in text, text
+
+
 def test_file_data_without_a_model_folder_is_refused(no_programs, capsys):
     (no_programs / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
     code, text = _train(["--data.source", "jsonl", "--data.path", "train.jsonl",

@@ -51,6 +51,11 @@ def _huge(completion, answer):
     return 1e300 if completion == "bad" else 3e38     # 3e38: finite in float32 (max 3.4e38)
 
 
+@register_reward("test_exits")
+def _exits(completion, answer):
+    raise SystemExit(3)
+
+
 @register_reward("test_not_a_number")
 def _word(completion, answer):
     return "high"
@@ -162,6 +167,13 @@ def test_timeout_gives_zero_and_is_counted(caplog):
     np.testing.assert_array_equal(out.total, [0.0])
     assert r.failures["test_hangs"] == {"errors": 0, "timeouts": 1}
     assert "ran past 0.2 s on sample prompt 3 sample 1" in caplog.text
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_a_reward_that_exits_is_a_counted_error(num_workers):
+    r = rewarder("test_exits", num_workers=num_workers)
+    assert r.score(["a"], ["a"], ["id"]).total.tolist() == [0.0]
+    assert r.failures["test_exits"]["errors"] == 1
 
 
 def test_non_number_is_a_counted_failure():

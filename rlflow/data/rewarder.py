@@ -260,7 +260,9 @@ class Rewarder:
             value = ("ok", float(call_with_timeout(fn, (completion, answer), self.timeout_s)))
         except RewardTimeout:
             value = ("timeout", f"ran past {self.timeout_s} s")
-        except Exception as e:  # noqa: BLE001 - a reward error scores 0, counted
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a reward error (SystemExit too) scores 0
             value = ("error", f"{type(e).__name__}: {e}")
         self._settle(job, k, i, *value)
 
