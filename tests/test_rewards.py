@@ -56,6 +56,21 @@ def _exits(completion, answer):
     raise SystemExit(3)
 
 
+@register_reward("test_starts_sleep")
+def _starts_sleep(completion, answer):
+    import subprocess
+    proc = subprocess.Popen(["sleep", "1000"])
+    with open(completion, "w") as f:            # the completion is the pid file's path
+        f.write(str(proc.pid))
+    _release.wait(60)
+    return 1.0
+
+
+@register_reward("test_os_exit")
+def _os_exit(completion, answer):
+    os._exit(3)
+
+
 @register_reward("test_not_a_number")
 def _word(completion, answer):
     return "high"
@@ -174,6 +189,40 @@ def test_a_reward_that_exits_is_a_counted_error(num_workers):
     r = rewarder("test_exits", num_workers=num_workers)
     assert r.score(["a"], ["a"], ["id"]).total.tolist() == [0.0]
     assert r.failures["test_exits"]["errors"] == 1
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timed_out_reward_leaves_no_process_it_started(tmp_path):
+    import time
+
+    pid_file = tmp_path / "sleep.pid"
+    r = rewarder("test_starts_sleep", timeout_s=2.0)
+    assert r.score([str(pid_file)], ["x"], ["id"]).total.tolist() == [0.0]
+    assert r.failures["test_starts_sleep"]["timeouts"] == 1
+    pid = int(pid_file.read_text())
+    for _ in range(300):                       # SIGKILL lands asynchronously; no timing assert
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, 9)
+    assert not alive, "the reward's `sleep 1000` outlived its killed worker"
+
+
+def test_a_worker_that_exits_reports_its_exit_code(caplog):
+    r = rewarder("test_os_exit")
+    with caplog.at_level(logging.WARNING, logger="rlflow.data.rewards"):
+        assert r.score(["a"], ["a"], ["id"]).total.tolist() == [0.0]
+    assert r.failures["test_os_exit"]["errors"] == 1
+    assert "reward worker died (exit code 3)" in caplog.text
 
 
 def test_non_number_is_a_counted_failure():
