@@ -83,6 +83,10 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     """
     with contextlib.suppress(OSError):
         os.setpgrp()         # its own process group: a kill reaches what a reward starts
+    with contextlib.suppress(OSError, AttributeError):   # outside the parent's group now:
+        import ctypes                                     # die with it (PR_SET_PDEATHSIG)
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     try:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a plugin importing JAX: no accelerator
         from rlflow.data import rewards
