@@ -231,6 +231,24 @@ def test_non_number_is_a_counted_failure():
     assert r.failures["test_not_a_number"]["errors"] == 1
 
 
+@register_reward("test_returns")
+def _returns(completion, answer):
+    import numpy
+    return {"str": "0.5", "none": None, "bool": True, "np": numpy.float32(0.25),
+            "np0d": numpy.array(0.75), "int": 2, "list": [1.0]}[completion]
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_only_numbers_are_rewards(num_workers):
+    """A string ("0.5"), None or a list scores 0 and is counted; bool and numpy numbers are
+    numbers."""
+    r = rewarder("test_returns", num_workers=num_workers)
+    kinds = ["str", "none", "list", "bool", "np", "np0d", "int"]
+    batch = r.score(kinds, ["x"] * len(kinds), kinds)
+    assert batch.total.tolist() == [0.0, 0.0, 0.0, 1.0, 0.25, 0.75, 2.0]
+    assert r.failures["test_returns"]["errors"] == 3
+
+
 @pytest.mark.parametrize("name", ["test_nan", "test_inf"])
 def test_nan_and_inf_rewards_are_rejected_with_the_sample_id(name):
     r = rewarder(name)

@@ -113,7 +113,7 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
             return
         task_id, index, completion, answer = msg
         try:
-            value = float(fns[index](completion, answer))
+            value = rewards.reward_value(fns[index](completion, answer))
             out = (task_id, "ok", value)
         except MemoryError:
             out = (task_id, "error", f"MemoryError: past reward.memory_limit_mb="

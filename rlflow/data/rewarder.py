@@ -30,7 +30,8 @@ import numpy as np
 
 from rlflow import plugins as plugins_lib
 from rlflow.data.reward_workers import RewardWorkerPool
-from rlflow.data.rewards import LOG_FIRST_FAILURES, NonFiniteRewardError, get_reward, warm_up
+from rlflow.data.rewards import (LOG_FIRST_FAILURES, NonFiniteRewardError, get_reward,
+                                 reward_value, warm_up)
 
 logger = logging.getLogger("rlflow.data.rewards")
 
@@ -257,7 +258,8 @@ class Rewarder:
 
     def _in_process(self, job: _Job, k: int, i: int, fn, completion, answer) -> None:
         try:
-            value = ("ok", float(call_with_timeout(fn, (completion, answer), self.timeout_s)))
+            value = ("ok", reward_value(call_with_timeout(fn, (completion, answer),
+                                                          self.timeout_s)))
         except RewardTimeout:
             value = ("timeout", f"ran past {self.timeout_s} s")
         except KeyboardInterrupt:

@@ -63,6 +63,28 @@ class NonFiniteRewardError(ValueError):
     """A reward function returned NaN or infinity; the message names it and the sample id."""
 
 
+def reward_value(value) -> float:
+    """A reward function's return value as a float: a real number (``int``, ``float``,
+    ``bool`` as 0/1, numpy scalars and 0-d numeric arrays). Anything else (a string such as
+    ``"0.5"``, None, a list) is not a number.
+
+    Raises:
+      TypeError: not a number (the Rewarder scores the sample 0 and counts an error).
+    """
+    import numbers
+
+    import numpy as np
+
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    if (isinstance(value, np.ndarray) and value.shape == ()
+            and (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_)
+            and not np.issubdtype(value.dtype, np.complexfloating)):
+        return float(value)
+    raise TypeError(f"returned {type(value).__name__} {str(value)[:40]!r}, expected a number "
+                    f"(int, float, bool)")
+
+
 def register_reward(name: str):
     """Decorator: register ``fn(completion, answer) -> float`` under ``name``.
 
