@@ -185,8 +185,10 @@ class RunWatcher:
                 self.last_step = step
                 self._note_counts(rec)
                 at = rec.get("time")
+                # run-wide counts (newest seen) too: not every record carries them
                 self.progress.update(min(step, self.cfg.learner.num_steps), {
-                    k: v for k, v in rec.items() if isinstance(v, (int, float))},
+                    **self.counts, **{k: v for k, v in rec.items()
+                                      if isinstance(v, (int, float))}},
                     at=at if isinstance(at, (int, float)) else None)
         return self.last_step
 
