@@ -252,6 +252,7 @@ class _Writer:
 
     def log(self, step, metrics):
         self.logged.append(step)
+        self.metrics = metrics
 
     def samples_due(self, step):
         return True
@@ -309,3 +310,36 @@ def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fres
         signal.signal(signal.SIGTERM, previous)
     assert program.version == 13
     assert program.writer.logged == [13] and program.writer.samples == [13]
+
+
+def test_the_learner_logs_no_always_zero_bad_reward_counter(tmp_path):
+    """Only the sampler's sampler/dropped_bad_reward_groups counts groups dropped for a
+    non-finite reward: the learner never receives one (records refuse them)."""
+    from rlflow.learner.program import LearnerProgram
+
+    class Learner(_Learner):
+        def build_batch(self, groups):
+            batch, info = super().build_batch(groups)
+            return batch, dict(info, **{"batch/dropped_bad_reward_groups": 0,
+                                        "batch/dropped_stale": 0})
+
+        def step(self, batch):
+            self.version += 1
+            return {}
+
+    program = LearnerProgram.__new__(LearnerProgram)
+    program.cfg = _cfg(tmp_path, num_steps=20)
+    program.gps, program.threshold = 1, 0.5
+    program.learner, program.writer = Learner(), _Writer()
+    program.coordinator, program.version = _Coordinator(), 12
+    program.counts = dict(accepted=12, stale_groups=0, zero_variance_groups=0)
+    program.skips = SkipCounter(program.cfg)
+    program.take_groups = lambda: [{"rewards": np.array([0.0, 1.0]), "policy_versions":
+                                    np.array([[12], [12]]), "completion_lengths": np.array([1, 1])}]
+    program._publish = lambda: None
+    program._buffer_metrics = lambda: {}
+    program._samples = lambda groups: []
+    program.step()
+    assert program.writer.logged == [13]
+    assert "batch/dropped_stale" in program.writer.metrics
+    assert "batch/dropped_bad_reward_groups" not in program.writer.metrics
