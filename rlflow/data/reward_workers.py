@@ -83,10 +83,9 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     """
     with contextlib.suppress(OSError):
         os.setpgrp()         # its own process group: a kill reaches what a reward starts
-    with contextlib.suppress(OSError, AttributeError):   # outside the parent's group now:
-        import ctypes                                     # die with it (PR_SET_PDEATHSIG)
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    # (No PR_SET_PDEATHSIG: it fires when the *thread* that started the worker ends, and a
+    # Rewarder may be driven from a short-lived thread. An idle worker exits on EOF when the
+    # sampler dies.)
     try:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a plugin importing JAX: no accelerator
         from rlflow.data import rewards
