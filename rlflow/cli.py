@@ -26,7 +26,7 @@ COMMON_FLAGS: tuple[tuple[str, str], ...] = (
     ("run_dir", "folder holding the run folders"),
     ("model.path", "Hugging Face model folder (weights + tokenizer)"),
     ("data.source", "builtin | jsonl | parquet | arrayrecord"),
-    ("data.path", "prompt data file or folder"),
+    ("data.path", "prompt data file, or a glob of files"),
     ("learner.num_steps", "learner steps of the run"),
     ("learner.lr", "learning rate"),
     ("sampler.group_size", "completions per prompt"),
@@ -99,11 +99,32 @@ def train_help(default) -> str:
         value = default
         for part in name.split("."):
             value = getattr(value, part)
-        lines.append(f"  --{name}".ljust(34) + f"{meaning} (now: {value!r})")
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        lines.append(f"  --{name.replace('_', '-')}".ljust(34) + f"{meaning} (now: {shown})")
     lines += ["", "Every field (about 100): rlflow train --help-all, or docs/config.md.",
               "The ring-buffer token comes from RLFLOW_BUFFER_TOKEN or --buffer.token_file,",
               "never from the command line."]
     return "\n".join(lines)
+
+
+def help_all(tyro, default, args: Sequence[str]) -> str:
+    """tyro's help of every field (flags with hyphens, as in the README), with booleans
+    written ``{true,false}`` / ``(default: true)`` as ``--help`` and the parser take them
+    (same-length replacements: tyro's boxes stay aligned)."""
+    import contextlib
+    import io
+    import re
+
+    from rlflow.config import ExperimentConfig
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        tyro.cli(ExperimentConfig, default=default, args=list(args), prog="rlflow train",
+                 config=(tyro.conf.FlagConversionOff,))
+    text = re.sub(r"\{(None,)?True,False\}", r"{\1true,false}", out.getvalue())
+    text = re.sub(r"\(default:(\s+)(True|False)\)",
+                  lambda m: f"(default:{m.group(1)}{m.group(2).lower()})", text)
+    return text.rstrip("\n")
 
 
 def parse_train_args(argv: Sequence[str]):
@@ -142,6 +163,9 @@ def parse_train_args(argv: Sequence[str]):
     if token:
         default = dataclasses.replace(default, buffer=dataclasses.replace(
             default.buffer, token=REDACTED))
+    if "--help" in rest:                 # --help-all: booleans as --help and the README
+        print(help_all(tyro, default, rest))
+        raise SystemExit(0)
     cfg = tyro.cli(ExperimentConfig, default=default, args=rest,
                    prog="rlflow train", config=(tyro.conf.FlagConversionOff,))
     if token:

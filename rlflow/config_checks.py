@@ -3,8 +3,9 @@
 :class:`rlflow.config.ExperimentConfig` validates values and cross-field constraints in
 ``__post_init__`` (pure checks, run wherever a config is built). :func:`check_runnable` adds
 what needs the machine: the plugins import, every reward function resolves (and can be
-loaded by the other programs), the data files and the model folder (config.json, safetensors,
-tokenizer files; required for non-built-in data) exist, the built-in task is known.
+loaded by the other programs), the data files (files, not folders) and the model folder
+(config.json, safetensors, tokenizer files, a chat template with ``data.chat_template='hf'``;
+required for non-built-in data) exist, the built-in task is known.
 ``rlflow train`` runs it before it starts any program, so a mistake is refused in seconds
 with the field named instead of after the programs have started.
 """
@@ -22,7 +23,8 @@ def check_runnable(cfg: ExperimentConfig) -> None:
 
     Raises:
       ConfigError: the message names the field (``plugins``, ``reward.functions``,
-        ``data.path``, ``data.task``, ``model.path``) and what was expected.
+        ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``) and what was
+        expected.
     """
     _check_plugins(cfg)
     _check_rewards(cfg)
@@ -68,9 +70,16 @@ def _check_data(cfg) -> None:
             raise ConfigError(f"data.task: unknown built-in task {d.task!r}; known: "
                               f"{sorted(TASKS)}")
         return
-    if not sorted(glob.glob(d.path)):
-        raise ConfigError(f"data.path: no file matches {d.path!r} (data.source={d.source!r}; "
-                          f"current folder {os.getcwd()})")
+    # The rule of rlflow.data.sources.open_source: a glob, or one path; files only.
+    matches = sorted(glob.glob(d.path)) if glob.has_magic(d.path) else [d.path]
+    matches = [p for p in matches if os.path.exists(p)]
+    folders = [p for p in matches if not os.path.isfile(p)]
+    if len(folders) == len(matches):
+        what = (f" ({', '.join(folders[:3])} {'is a folder' if len(folders) == 1 else 'are folders'}"
+                f"; give the file, or a glob such as {os.path.join(folders[0], '*.' + d.source)!r})"
+                if folders else "")
+        raise ConfigError(f"data.path: no file matches {d.path!r}{what} (data.source="
+                          f"{d.source!r}; current folder {os.getcwd()})")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -93,3 +102,28 @@ def _check_model(cfg) -> None:
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise ConfigError(f"model.path: {path!r} has no tokenizer files (one of "
                           f"{', '.join(TOKENIZER_FILES)}); both programs tokenize with it")
+    if cfg.data.chat_template == "hf" and not has_chat_template(path):
+        raise ConfigError(f"data.chat_template: 'hf' needs the model folder's chat template, "
+                          f"and model.path {path!r} has none (no 'chat_template' in "
+                          f"tokenizer_config.json, no {' / '.join(CHAT_TEMPLATE_FILES)}); use "
+                          f"--data.chat-template plain (with --data.plain-template) or none, "
+                          f"or a model folder with a chat template")
+
+
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def has_chat_template(path: str) -> bool:
+    """Whether the Hugging Face folder ``path`` has a chat template, read as transformers
+    does without loading it: a non-empty ``chat_template`` in ``tokenizer_config.json``, or
+    a ``chat_template.jinja`` / ``chat_template.json`` file."""
+    import json
+
+    if any(os.path.isfile(os.path.join(path, f)) for f in CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))

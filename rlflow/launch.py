@@ -351,7 +351,7 @@ def run_train(cfg) -> int:
       1 when a program died (the message on stderr names it and shows its log); 130 on Ctrl-C.
     """
     from rlflow.run_identity import RunFolderConflict, check_run_folder, prepare_run_folder
-    from rlflow.run_watch import RunWatcher, latest_checkpoint_step
+    from rlflow.run_watch import RunWatcher, discard_records_after, latest_checkpoint_step
     from rlflow.secrets import SecretError, resolve_secrets
 
     run_path = os.path.abspath(cfg.run_path)
@@ -380,6 +380,11 @@ def run_train(cfg) -> int:
               "(--checkpoint.overwrite)", flush=True)
     for warning in prepared.warnings:
         print(f"rlflow train: {warning}", flush=True)
+    # Before anything reads them: records of steps after the checkpoint this invocation
+    # starts from belong to an interrupted invocation (the learner recomputes those steps).
+    for name, n in discard_records_after(run_path, resumed_from).items():
+        print(f"rlflow train: {name}: removed {n} record(s) of steps after {resumed_from} "
+              "(written after the checkpoint this run resumes from)", flush=True)
     config_path = os.path.join(run_path, "config.json")
     pc.save_config(cfg, config_path)
     bhost, chost = cfg.buffer.bind_address, cfg.runtime.bind_address

@@ -42,15 +42,18 @@ def import_module(spec: str) -> ModuleType:
     """Import ``spec``: a dotted module name or a ``.py`` file path (loaded once per process).
 
     Raises:
-      PluginError: no such module or file, or importing it raised (the message has the cause).
+      PluginError: no such module or file, or importing it raised (the message has the cause;
+        any exception, ``SystemExit`` included, except ``KeyboardInterrupt``).
     """
     if not _is_file(spec):
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.append(os.getcwd())          # `python -m` semantics for user modules
         try:
             return importlib.import_module(spec)
-        except Exception as e:  # noqa: BLE001 - re-raised with the name
-            raise PluginError(f"cannot import module {spec!r}: {type(e).__name__}: {e}") from e
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - SystemExit too: re-raised with the name
+            raise PluginError(f"cannot import module {spec!r}: {_what(e)}") from e
     path = os.path.abspath(spec)
     if not os.path.isfile(path):
         raise PluginError(f"plugin file {spec!r} not found (resolved to {path})")
@@ -62,10 +65,20 @@ def import_module(spec: str) -> ModuleType:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001
+    except KeyboardInterrupt:
         del sys.modules[name]
-        raise PluginError(f"importing plugin file {spec!r} raised {type(e).__name__}: {e}") from e
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: re-raised with the name
+        del sys.modules[name]
+        raise PluginError(f"importing plugin file {spec!r} raised {_what(e)}") from e
     return module
+
+
+def _what(e: BaseException) -> str:
+    if isinstance(e, SystemExit):
+        return (f"SystemExit({e.code!r}) (a plugin module is imported by every program; it "
+                f"must not exit)")
+    return f"{type(e).__name__}: {e}"
 
 
 def import_plugins(specs: Sequence[str]) -> None:

@@ -60,14 +60,30 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+# (label, metric name or prefix summed over functions) of the reward failure counts shown
+# on the status line when non-zero (run-wide counts, newest record wins).
+REWARD_FAILURE_FIELDS: tuple[tuple[str, str], ...] = (
+    ("reward errors", "reward/errors/"),
+    ("reward timeouts", "reward/timeouts/"),
+    ("bad-reward groups dropped", "sampler/dropped_bad_reward_groups"),
+)
+
+
 def format_status(metrics: Mapping[str, float]) -> str:
     """Compact status of the fields in :data:`STATUS_FIELDS` present in ``metrics``
-    (a missing field is left out; a NaN shows as ``nan``)."""
+    (a missing field is left out; a NaN shows as ``nan``), then the non-zero reward failure
+    counts of :data:`REWARD_FAILURE_FIELDS` (errors and timeouts summed over functions)."""
     parts = []
     for label, name, fmt in STATUS_FIELDS:
         if name in metrics and metrics[name] is not None:
             value = float(metrics[name])
             parts.append(f"{label} {fmt.format(value) if math.isfinite(value) else value}")
+    for label, name in REWARD_FAILURE_FIELDS:
+        total = sum(float(v) for k, v in metrics.items()
+                    if (k.startswith(name) if name.endswith("/") else k == name)
+                    and isinstance(v, (int, float)) and math.isfinite(v))
+        if total:
+            parts.append(f"{label} {int(total)}")
     return " | ".join(parts)
 
 

@@ -2,8 +2,9 @@
 
 ``runs/<name>/run.json`` (:data:`RUN_FILE`) holds the run's identity, written at its first
 start: ``{"run_id": hex, "created": ISO UTC time, "identity": {...}}`` where ``identity``
-is the part of the config that makes two runs different runs (:data:`IDENTITY_SECTIONS`:
-the model, the data and the reward). Its config.json, checkpoints, metrics, samples,
+is the part of the config that makes two runs different runs: the fields of
+:data:`IDENTITY_FIELDS` (an allow-list: what is trained on what, scored how -- the model,
+the data and its prompt format, the reward functions and weights). Its config.json, checkpoints, metrics, samples,
 TensorBoard events, summary and report never mix two runs:
 
 * ``checkpoint.resume="never"`` on a folder that holds an earlier run's records
@@ -12,9 +13,12 @@ TensorBoard events, summary and report never mix two runs:
   or with ``checkpoint.overwrite`` the folder is moved aside to ``<run>.replaced-<UTC>``
   and the run starts in a clean one.
 * ``checkpoint.resume="auto"`` continues the run in the folder; it is refused when the
-  folder's config differs from the new one in an :data:`IDENTITY_SECTIONS` field (another
-  run's folder). Other differences (``learner.num_steps`` to extend a run, a learning rate)
-  are allowed and listed in the warning returned.
+  folder's config differs from the new one in an :data:`IDENTITY_FIELDS` field (another
+  run's folder). Other differences are allowed and listed in the warning returned: the
+  operational settings (``reward.num_workers`` / ``timeout_s`` / ``memory_limit_mb``,
+  ``data.on_bad_record``, ``data.max_prompt_tokens``, ``data.num_epochs``, logging,
+  checkpoint cadence, meshes, ports) and the training settings a user tunes or extends
+  mid-run (``learner.num_steps``, a learning rate).
 
 No JAX here (the launcher calls it before starting anything).
 """
@@ -32,8 +36,16 @@ from typing import Any, Mapping, Optional
 
 RUN_FILE = "run.json"
 IDENTITY_SECTIONS: tuple[str, ...] = ("model", "data", "reward")
-# Files / folders of a run folder that hold a run's results (config.json, run.json and
-# logs/ alone do not: a start that failed before its first step leaves only those).
+# The fields that define a run (section -> field names; "*" = every field of the section).
+# A resume that changes one is another run's start; every other field may change on resume.
+IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
+    "model": ("*",),                      # path, or the random model's architecture and seed
+    "data": ("source", "path", "task", "prompt_field", "answer_field", "chat_template",
+             "plain_template", "shuffle_seed"),
+    "reward": ("functions", "weights"),
+}
+# Files / folders of a run folder that hold a run's results, listed when the folder holds a
+# trained step (:func:`has_trained`; a start that failed before its first step holds none).
 RESULT_ENTRIES: tuple[str, ...] = ("checkpoints", "metrics.jsonl", "samples.jsonl",
                                    "summary.json", "report", "weights")
 TB_GLOB = "events.out.tfevents.*"
@@ -58,8 +70,38 @@ class PreparedRun:
     warnings: tuple[str, ...] = ()
 
 
+def has_trained(run_path: str) -> bool:
+    """Whether ``run_path`` holds a trained step: a complete checkpoint, or a
+    ``metrics.jsonl`` record with an int ``step``."""
+    from rlflow.run_watch import latest_checkpoint_step
+
+    if latest_checkpoint_step(run_path) is not None:
+        return True
+    try:
+        with open(os.path.join(run_path, "metrics.jsonl"), "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
 def earlier_run_records(run_path: str) -> list[str]:
-    """Entries of ``run_path`` that hold a run's results (non-empty ones only), sorted."""
+    """Entries of ``run_path`` that hold a run's results (non-empty ones only), sorted.
+
+    Empty when the folder holds no trained step (:func:`has_trained`): what a start that
+    failed before its first step leaves (run.json, config.json, logs/, an empty
+    checkpoints/, TensorBoard event files with no step, a summary of 0 steps) holds nothing
+    two runs could mix, so a rerun proceeds there whatever its settings (a new ``run.json``
+    is written) and ``resume="never"`` needs no ``overwrite``.
+    """
+    if not has_trained(run_path):
+        return []
     found = []
     for name in RESULT_ENTRIES:
         path = os.path.join(run_path, name)
@@ -72,8 +114,24 @@ def earlier_run_records(run_path: str) -> list[str]:
 
 
 def identity_of(config: Mapping[str, Any]) -> dict:
-    """The :data:`IDENTITY_SECTIONS` of a config dict (``dataclasses.asdict`` form)."""
-    return {k: config.get(k) for k in IDENTITY_SECTIONS}
+    """The :data:`IDENTITY_FIELDS` of a config dict (``dataclasses.asdict`` form), as
+    ``{section: {field: value}}``."""
+    out = {}
+    for section, fields in IDENTITY_FIELDS.items():
+        values = config.get(section)
+        if not isinstance(values, Mapping):
+            out[section] = values
+        elif fields == ("*",):
+            out[section] = dict(values)
+        else:
+            out[section] = {f: values.get(f) for f in fields}
+    return out
+
+
+def _is_identity_field(dotted: str) -> bool:
+    section, _, field = dotted.partition(".")
+    fields = IDENTITY_FIELDS.get(section, ())
+    return fields == ("*",) or field.split(".")[0] in fields
 
 
 def config_differences(old: Mapping[str, Any], new: Mapping[str, Any],
@@ -118,7 +176,8 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
     Raises:
       RunFolderConflict: ``resume="never"`` without ``overwrite`` on a folder holding an
         earlier run's records, or ``resume="auto"`` on a folder of a run with another
-        model / data / reward (the message names the folder, the fields and the ways out).
+        model / data / reward (an :data:`IDENTITY_FIELDS` field; the message names the
+        folder, the fields and the ways out).
     """
     from rlflow.secrets import redact_config
 
@@ -145,7 +204,7 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
                     "--run_dir DIR), or start over with --checkpoint.resume never "
                     "--checkpoint.overwrite true")
             rest = [d for d in config_differences(old_config, new_config)
-                    if d.split(".")[0] not in IDENTITY_SECTIONS]
+                    if not _is_identity_field(d)]
             if rest:
                 warnings.append(f"run folder {run_path}: resuming with config changes in "
                                 f"{', '.join(rest)}")

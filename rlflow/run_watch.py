@@ -43,6 +43,26 @@ def latest_checkpoint_step(run_path: str) -> Optional[int]:
     return max(steps) if steps else None
 
 
+def discard_records_after(run_path: str, step: int) -> dict[str, int]:
+    """Remove the records of steps > ``step`` from the run folder's ``metrics.jsonl`` and
+    ``samples.jsonl`` (:func:`rlflow.metrics.truncate_after`, an atomic rewrite).
+
+    The launcher calls it before it starts the programs of an invocation that resumes from
+    checkpoint ``step`` (0: no checkpoint): records an interrupted invocation wrote after
+    that checkpoint belong to steps the learner recomputes, so neither the console, the
+    summary nor the report may read them (the learner's own truncation at start-up stays as
+    a second guard). Returns ``{file name: records removed}`` for the files that had some.
+    """
+    from rlflow.metrics import SAMPLES_FILE, truncate_after
+
+    removed = {}
+    for name in (METRICS_FILE, SAMPLES_FILE):
+        n = truncate_after(os.path.join(run_path, name), step)
+        if n:
+            removed[name] = n
+    return removed
+
+
 def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict:
     """Mean reward of the first and last ``frac`` of steps (at least one step each).
 
@@ -165,8 +185,10 @@ class RunWatcher:
                 self.last_step = step
                 self._note_counts(rec)
                 at = rec.get("time")
+                # run-wide counts (newest seen) too: not every record carries them
                 self.progress.update(min(step, self.cfg.learner.num_steps), {
-                    k: v for k, v in rec.items() if isinstance(v, (int, float))},
+                    **self.counts, **{k: v for k, v in rec.items()
+                                      if isinstance(v, (int, float))}},
                     at=at if isinstance(at, (int, float)) else None)
         return self.last_step
 

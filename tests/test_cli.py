@@ -92,9 +92,20 @@ def test_train_help_is_short_and_starts_with_config(config_file, capsys):
     assert lines[0] == "usage: rlflow train [--config PATH] [--SECTION.FIELD VALUE ...]"
     flags = [ln.split()[0] for ln in lines if ln.startswith("  --")]
     assert flags[0] == "--config"
-    assert "--learner.num_steps" in flags and "--checkpoint.overwrite" in flags
-    assert any("(now: 3)" in ln for ln in lines if "--learner.num_steps" in ln)  # the file's
+    assert "--learner.num-steps" in flags and "--checkpoint.overwrite" in flags   # README's
+    assert all("_" not in f for f in flags), flags                                # hyphens
+    assert any("(now: 3)" in ln for ln in lines if "--learner.num-steps" in ln)  # the file's
+    assert any("(now: false)" in ln for ln in lines if "--checkpoint.overwrite" in ln)
     assert any("--help-all" in ln and "docs/config.md" in ln for ln in lines)
+
+
+def test_help_all_writes_booleans_as_help_does(config_file, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--config", config_file, "--help-all"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--checkpoint.overwrite {true,false}" in out and "--learner.num-steps" in out
+    assert "True" not in out and "False" not in out and "(default: false)" in out
 
 
 def test_common_flags_of_the_help_are_config_fields():

@@ -72,6 +72,49 @@ def test_model_folder_without_weights_or_tokenizer_is_refused(no_programs, capsy
     assert code == 2 and "model.path:" in text and "no tokenizer files" in text, text
 
 
+def test_a_folder_as_data_path_is_refused(no_programs, capsys):
+    (no_programs / "data").mkdir()
+    code, text = _train(["--data.source", "jsonl", "--data.path", "data"], capsys)
+    assert code == 2 and "data.path: no file matches 'data' (data is a folder" in text, text
+    code, text = _train(["--data.source", "jsonl", "--data.path", "d*"], capsys)
+    assert code == 2 and "data.path: no file matches 'd*' (data is a folder" in text, text
+
+
+def test_hf_chat_template_without_one_in_the_model_folder_is_refused(no_programs, capsys):
+    folder = no_programs / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 512}')
+    (no_programs / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    args = ["--model.path", str(folder), "--data.source", "jsonl", "--data.path",
+            "train.jsonl", "--data.chat-template", "hf"]
+    code, text = _train(args, capsys)
+    assert code == 2 and "data.chat_template: 'hf' needs the model folder's chat template" \
+        in text, text
+    from rlflow.config_checks import has_chat_template
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert has_chat_template(str(folder))
+    (folder / "tokenizer_config.json").write_text('{}')
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(str(folder))
+
+
+@pytest.mark.parametrize("body, shown", [
+    ("raise SystemExit(3)", "SystemExit(3)"),
+    ("import sys; sys.exit()", "SystemExit(None)"),
+    ("raise GeneratorExit('odd')", "GeneratorExit: odd"),
+])
+def test_a_plugin_that_exits_is_named_with_exit_code_2(no_programs, capsys, body, shown):
+    (no_programs / "plug_exit.py").write_text(body + "\n")
+    code, text = _train(["--plugins", "plug_exit.py"], capsys)
+    assert code == 2 and "plugins:" in text and "'plug_exit.py'" in text and shown in text, \
+        text
+    (no_programs / "plug_mod_exit.py").write_text(body + "\n")
+    code, text = _train(["--plugins", "plug_mod_exit"], capsys)
+    assert code == 2 and "plugins:" in text and "'plug_mod_exit'" in text, text
+
+
 def test_file_data_without_a_model_folder_is_refused(no_programs, capsys):
     (no_programs / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
     code, text = _train(["--data.source", "jsonl", "--data.path", "train.jsonl",

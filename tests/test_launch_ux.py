@@ -107,6 +107,53 @@ def test_resume_is_announced_and_summary_counts_this_invocation(tmp_path, monkey
     assert plain == ["3/5", "4/5", "5/5"]
 
 
+APPENDING_LEARNER = """
+import json, sys
+with open(sys.argv[1], "a") as f:          # appends without truncating (the launcher must)
+    for step in ARGS:
+        f.write(json.dumps({"step": step, "learner/step_time_s": 0.1,
+                            "reward/mean": 10 + step}) + "\\n")
+sys.exit(0 if ARGS else 1)                 # () = killed at start-up, before any step
+"""
+
+
+@pytest.mark.parametrize("new_steps", [(3, 4, 5), ()])
+def test_records_after_the_resumed_checkpoint_are_discarded_before_the_programs_start(
+        tmp_path, monkeypatch, capsys, new_steps):
+    run = tmp_path / "demo"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:      # 3 and 4 were written after checkpoint 2
+        for step in (1, 2, 3, 4):
+            f.write(json.dumps({"step": step, "learner/step_time_s": 0.1,
+                                "reward/mean": step}) + "\n")
+    (run / "samples.jsonl").write_text("".join(
+        json.dumps({"step": s, "completion": "x"}) + "\n" for s in (2, 4)))
+    code = APPENDING_LEARNER.replace("ARGS", repr(new_steps))
+
+    def fake_start(self, role, instance=0):
+        proc = subprocess.Popen([sys.executable, "-c", code if role == "learner" else "pass",
+                                 str(run / "metrics.jsonl")])
+        proc.wait()
+        self.children[role] = launch.Child(role, proc, str(run / f"{role}.log"))
+        return self.children[role]
+
+    monkeypatch.setattr(launch.Supervisor, "start", fake_start)
+    monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
+    launch.run_train(_cfg(tmp_path, num_steps=5))
+    out, err = capsys.readouterr()
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in records] == (
+        [(1, 1), (2, 2)] + [(s, 10 + s) for s in new_steps])
+    assert [json.loads(x)["step"] for x in (run / "samples.jsonl").read_text().splitlines()] \
+        == [2]
+    plain = [x.split()[1] for x in err.splitlines() if x.startswith("step ")]
+    assert plain == [f"{s}/5" for s in new_steps]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps_completed"], summary["steps_this_run"]) == (
+        2 + len(new_steps), len(new_steps))
+    assert "metrics.jsonl: removed 2 record(s) of steps after 2" in out
+
+
 FAILING_PROGRAM = """
 import json, logging, sys
 logging.basicConfig(stream=sys.stderr, level=logging.INFO,

@@ -151,6 +151,37 @@ def test_formatting_helpers():
     assert plain_text("a\x1b]0;title\x07b\x1b[2Kc\r\n") == "abc \n"
 
 
+def test_status_shows_non_zero_reward_failure_counts():
+    counts = {"reward/errors/math_verify": 2.0, "reward/errors/math_format": 1.0,
+              "reward/timeouts/math_verify": 0.0, "sampler/dropped_bad_reward_groups": 4.0,
+              "batch/dropped_bad_reward_groups": 9.0}
+    assert format_status({"reward/mean": 0.5, **counts}) == (
+        "reward 0.500 | reward errors 3 | bad-reward groups dropped 4")
+    assert format_status({"reward/errors/math_verify": 0.0}) == ""
+
+
+def test_watcher_keeps_showing_counts_from_earlier_records(tmp_path):
+    import json
+
+    from rlflow import config as C
+    from rlflow.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=2),
+                             metrics=C.MetricsConfig(progress="plain"))
+    os.makedirs(cfg.run_path)
+    with open(os.path.join(cfg.run_path, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 1, "learner/step_time_s": 1.0,
+                            "reward/timeouts/slow": 5}) + "\n")
+        f.write(json.dumps({"step": 2, "learner/step_time_s": 1.0}) + "\n")
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, cfg.run_path, stream=out)
+    watcher.progress.plain_every = 1
+    watcher.poll()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and all(x.endswith("| reward timeouts 5") for x in lines), lines
+
+
 @pytest.mark.parametrize("kwargs", [dict(total_steps=0), dict(total_steps=5, start_step=6),
                                     dict(total_steps=5, plain_every=0),
                                     dict(total_steps=5, mode="quiet")])

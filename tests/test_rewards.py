@@ -46,6 +46,31 @@ def _inf(completion, answer):
     return -math.inf if completion == "bad" else 1.0
 
 
+@register_reward("test_huge")
+def _huge(completion, answer):
+    return 1e300 if completion == "bad" else 3e38     # 3e38: finite in float32 (max 3.4e38)
+
+
+@register_reward("test_exits")
+def _exits(completion, answer):
+    raise SystemExit(3)
+
+
+@register_reward("test_starts_sleep")
+def _starts_sleep(completion, answer):
+    import subprocess
+    proc = subprocess.Popen(["sleep", "1000"])
+    with open(completion, "w") as f:            # the completion is the pid file's path
+        f.write(str(proc.pid))
+    _release.wait(60)
+    return 1.0
+
+
+@register_reward("test_os_exit")
+def _os_exit(completion, answer):
+    os._exit(3)
+
+
 @register_reward("test_not_a_number")
 def _word(completion, answer):
     return "high"
@@ -159,10 +184,69 @@ def test_timeout_gives_zero_and_is_counted(caplog):
     assert "ran past 0.2 s on sample prompt 3 sample 1" in caplog.text
 
 
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_a_reward_that_exits_is_a_counted_error(num_workers):
+    r = rewarder("test_exits", num_workers=num_workers)
+    assert r.score(["a"], ["a"], ["id"]).total.tolist() == [0.0]
+    assert r.failures["test_exits"]["errors"] == 1
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timed_out_reward_leaves_no_process_it_started(tmp_path):
+    import time
+
+    pid_file = tmp_path / "sleep.pid"
+    r = rewarder("test_starts_sleep", timeout_s=2.0)
+    assert r.score([str(pid_file)], ["x"], ["id"]).total.tolist() == [0.0]
+    assert r.failures["test_starts_sleep"]["timeouts"] == 1
+    pid = int(pid_file.read_text())
+    for _ in range(300):                       # SIGKILL lands asynchronously; no timing assert
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, 9)
+    assert not alive, "the reward's `sleep 1000` outlived its killed worker"
+
+
+def test_a_worker_that_exits_reports_its_exit_code(caplog):
+    r = rewarder("test_os_exit")
+    with caplog.at_level(logging.WARNING, logger="rlflow.data.rewards"):
+        assert r.score(["a"], ["a"], ["id"]).total.tolist() == [0.0]
+    assert r.failures["test_os_exit"]["errors"] == 1
+    assert "reward worker died (exit code 3)" in caplog.text
+
+
 def test_non_number_is_a_counted_failure():
     r = rewarder("test_not_a_number")
     assert r.score(["a"], ["a"], ["id"]).total.tolist() == [0.0]
     assert r.failures["test_not_a_number"]["errors"] == 1
+
+
+@register_reward("test_returns")
+def _returns(completion, answer):
+    import numpy
+    return {"str": "0.5", "none": None, "bool": True, "np": numpy.float32(0.25),
+            "np0d": numpy.array(0.75), "int": 2, "list": [1.0]}[completion]
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_only_numbers_are_rewards(num_workers):
+    """A string ("0.5"), None or a list scores 0 and is counted; bool and numpy numbers are
+    numbers."""
+    r = rewarder("test_returns", num_workers=num_workers)
+    kinds = ["str", "none", "list", "bool", "np", "np0d", "int"]
+    batch = r.score(kinds, ["x"] * len(kinds), kinds)
+    assert batch.total.tolist() == [0.0, 0.0, 0.0, 1.0, 0.25, 0.75, 2.0]
+    assert r.failures["test_returns"]["errors"] == 3
 
 
 @pytest.mark.parametrize("name", ["test_nan", "test_inf"])
@@ -171,6 +255,25 @@ def test_nan_and_inf_rewards_are_rejected_with_the_sample_id(name):
     with pytest.raises(NonFiniteRewardError,
                        match=rf"{name!r} returned (nan|-inf) for sample prompt 9 sample 1"):
         r.score_group(9, ["ok", "bad"], "x")
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_a_value_past_the_float32_range_is_non_finite(num_workers):
+    r = rewarder("test_huge", num_workers=num_workers)
+    with pytest.raises(NonFiniteRewardError, match=r"'test_huge' returned 1e\+300 for sample "
+                                                   r"prompt 4 sample 1 \(not finite in float32"):
+        r.score_group(4, ["ok", "bad"], "x")
+    assert r.score_group(4, ["ok"], "x").tolist() == [np.float32(3e38)]
+    # each value finite in float32, their weighted sum (6e38) is not
+    r2 = rewarder("test_huge", "test_huge", weights=(1.0, 1.0), num_workers=num_workers)
+    r2.submit_group("k", 5, ["ok"], "x")
+    done = []
+    while not done:
+        done = r2.collect(timeout=0.1)
+    batch = done[0][1]
+    assert np.isinf(batch.total[0]) and len(batch.nonfinite) == 1
+    assert batch.nonfinite[0].startswith("weighted reward total 6e+38 of sample prompt 5 "
+                                         "sample 0")
 
 
 def test_mismatched_lengths_are_rejected():
@@ -307,7 +410,25 @@ CHAT_COMPLETIONS = [
     ("#### 18\nOops, recheck: it is 17.\n#### 17", "#### 18", 0.0),
     ("I think 41 or 43, so \\boxed{43}", "#### 42", 0.0),
     ("#### Step 2\nno numbers here", "#### 2", 0.0),
+    # numbered headings are not answers; a lead-in before the value is dropped (issue 14 f.)
+    ("#### 1. First compute\n48/2 = 24\n#### 2. Then\n48+24=72\nFinal: 72", "72", 1.0),
+    ("#### The answer is 72", "72", 1.0),
+    ("#### Final answer: **72**.", "#### 72", 1.0),
+    ("#### 1) Halve\n48/2 = 24\n#### 2) Add\n48+24=72", "2", 0.0),
 ]
+
+
+@pytest.mark.parametrize("completion, answer, want", CHAT_COMPLETIONS)
+def test_math_format_agrees_with_the_answer_math_verify_checks(completion, answer, want):
+    """One rule: math_format is 1 exactly when rule 1 or 2 finds a stated answer, and then
+    math_verify scores that answer (a stand-alone completion of it scores the same)."""
+    from rlflow.data.rewards import stated_answer
+
+    stated = stated_answer(completion)
+    assert math_format_reward(completion, answer) == float(stated is not None)
+    if stated is not None:
+        assert math_verify_reward(completion, answer) == math_verify_reward(
+            stated if stated.startswith("$") else f"#### {stated}", answer)
 
 
 @pytest.mark.parametrize("completion, answer, want", CHAT_COMPLETIONS)
@@ -321,6 +442,10 @@ def test_math_verify_on_chat_model_completions(completion, answer, want):
     ("#### **1,250**.", "1250"),
     ("no marker", "no marker"),
     ("#### Step 2\nno numbers here", "no numbers here"),
+    ("#### 1. First compute\n48/2 = 24\n#### 2. Then\n48+24=72\nFinal: 72",
+     "48/2 = 24\n48+24=72\nFinal: 72"),
+    ("#### The answer is 72", "72"),
+    ("#### Answer\n5", "5"),
 ])
 def test_completion_answer_text_rule(completion, want):
     from rlflow.data.rewards import completion_answer_text

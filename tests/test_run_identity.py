@@ -127,6 +127,31 @@ def test_resume_auto_refuses_another_model_or_data_and_warns_on_other_changes(tm
     assert len(warnings) == 1 and "learner.num_steps" in warnings[0]
 
 
+@pytest.mark.parametrize("changes", [
+    {"reward": C.RewardConfig(num_workers=1)},
+    {"reward": C.RewardConfig(timeout_s=30.0)},
+    {"reward": C.RewardConfig(memory_limit_mb=512)},
+    {"data": C.DataConfig(on_bad_record="skip")},
+    {"data": C.DataConfig(max_prompt_tokens=128, num_epochs=3)},
+])
+def test_resume_auto_allows_operational_changes_and_names_them(tmp_path, changes):
+    _earlier_run(tmp_path)
+    records, warnings = check_run_folder(_cfg(tmp_path, num_steps=20, **changes))
+    assert records == ["checkpoints/", "metrics.jsonl"]
+    section = next(iter(changes))
+    assert len(warnings) == 1 and f"resuming with config changes in {section}." in warnings[0]
+
+
+def test_resume_auto_refuses_another_reward_or_prompt_format(tmp_path):
+    _earlier_run(tmp_path)
+    for changes, field in [
+            ({"reward": C.RewardConfig(weights=(2.0,))}, "reward.weights"),
+            ({"data": C.DataConfig(prompt_field="q")}, "data.prompt_field"),
+            ({"data": C.DataConfig(plain_template="Q: {prompt}")}, "data.plain_template")]:
+        with pytest.raises(RunFolderConflict, match=rf"differs in {field}\b"):
+            check_run_folder(_cfg(tmp_path, num_steps=20, **changes))
+
+
 def test_a_folder_with_only_config_and_logs_is_not_an_earlier_run(tmp_path):
     run = tmp_path / "demo"
     (run / "logs").mkdir(parents=True)
@@ -135,6 +160,29 @@ def test_a_folder_with_only_config_and_logs_is_not_an_earlier_run(tmp_path):
     pc.save_config(_cfg(tmp_path), str(run / "config.json"))
     assert earlier_run_records(str(run)) == []
     assert prepare_run_folder(_cfg(tmp_path, resume="never"), now=NOW).moved_to is None
+
+
+@pytest.mark.parametrize("resume", ["auto", "never"])
+def test_a_rerun_after_a_failed_start_proceeds_with_other_settings(tmp_path, resume):
+    """A start that failed before its first step (run.json, config.json, an empty
+    checkpoints/, TensorBoard events, an empty metrics.jsonl, a 0-step summary) holds nothing
+    to mix: a rerun with other model/data/reward settings proceeds and gets a new run.json."""
+    first = prepare_run_folder(_cfg(tmp_path, data=C.DataConfig(shuffle_seed=3)), now=NOW)
+    run = tmp_path / "demo"
+    pc.save_config(_cfg(tmp_path, data=C.DataConfig(shuffle_seed=3)), str(run / "config.json"))
+    (run / "checkpoints").mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (run / "events.out.tfevents.1.host").write_bytes(b"\x18\x00")
+    (run / "summary.json").write_text('{"steps_completed": 0}')
+    assert earlier_run_records(str(run)) == []
+    cfg = _cfg(tmp_path, resume=resume)
+    assert check_run_folder(cfg) == ([], [])
+    again = prepare_run_folder(cfg, now=NOW)
+    assert again.moved_to is None and again.run_id != first.run_id
+    assert json.loads((run / RUN_FILE).read_text())["identity"]["data"]["shuffle_seed"] == 0
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')          # one trained step: a run
+    assert earlier_run_records(str(run)) == ["metrics.jsonl", "summary.json",
+                                             "events.out.tfevents.1.host"]
 
 
 def test_resume_keeps_the_run_id(tmp_path):
@@ -204,6 +252,7 @@ class _Writer:
 
     def log(self, step, metrics):
         self.logged.append(step)
+        self.metrics = metrics
 
     def samples_due(self, step):
         return True
@@ -261,3 +310,36 @@ def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fres
         signal.signal(signal.SIGTERM, previous)
     assert program.version == 13
     assert program.writer.logged == [13] and program.writer.samples == [13]
+
+
+def test_the_learner_logs_no_always_zero_bad_reward_counter(tmp_path):
+    """Only the sampler's sampler/dropped_bad_reward_groups counts groups dropped for a
+    non-finite reward: the learner never receives one (records refuse them)."""
+    from rlflow.learner.program import LearnerProgram
+
+    class Learner(_Learner):
+        def build_batch(self, groups):
+            batch, info = super().build_batch(groups)
+            return batch, dict(info, **{"batch/dropped_bad_reward_groups": 0,
+                                        "batch/dropped_stale": 0})
+
+        def step(self, batch):
+            self.version += 1
+            return {}
+
+    program = LearnerProgram.__new__(LearnerProgram)
+    program.cfg = _cfg(tmp_path, num_steps=20)
+    program.gps, program.threshold = 1, 0.5
+    program.learner, program.writer = Learner(), _Writer()
+    program.coordinator, program.version = _Coordinator(), 12
+    program.counts = dict(accepted=12, stale_groups=0, zero_variance_groups=0)
+    program.skips = SkipCounter(program.cfg)
+    program.take_groups = lambda: [{"rewards": np.array([0.0, 1.0]), "policy_versions":
+                                    np.array([[12], [12]]), "completion_lengths": np.array([1, 1])}]
+    program._publish = lambda: None
+    program._buffer_metrics = lambda: {}
+    program._samples = lambda groups: []
+    program.step()
+    assert program.writer.logged == [13]
+    assert "batch/dropped_stale" in program.writer.metrics
+    assert "batch/dropped_bad_reward_groups" not in program.writer.metrics

@@ -71,6 +71,7 @@ def _program(plugin_file, on_bad_reward):
     p.window, p.rejected, p.delivered_since_status = _Window(), 0, 0
     p.control, p.prompts, p.prompts_started = _Control(), _Prompts(), 0
     p.swap, p.pause_s, p.version = {}, 0.0, 0
+    p.prompt_counts = {}
     return p
 
 

@@ -13,8 +13,9 @@ killed; so does rlflow. :class:`RewardWorkerPool` keeps ``reward.num_workers`` p
     counted as an error,
   * then scores one sample at a time.
 
-A call still running ``reward.timeout_s`` seconds after it was handed to a worker is
-abandoned: the worker is killed (SIGKILL), the sample scores 0 (counted as a timeout) and a
+Each worker runs in its own process group. A call still running ``reward.timeout_s``
+seconds after it was handed to a worker is abandoned: the worker's group is killed (SIGKILL:
+the worker and any process the call started), the sample scores 0 (counted as a timeout) and a
 new worker is started in the background. A worker that dies (e.g. killed by the OS) scores
 its sample 0 as an error and is replaced the same way.
 
@@ -31,6 +32,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from multiprocessing.connection import wait as wait_connections
@@ -79,6 +81,11 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     Messages in: ``(task_id, function index, completion, answer)`` or None (stop).
     Messages out: ``("ready", None)`` / ``("failed", message)`` once, then :data:`Result`.
     """
+    with contextlib.suppress(OSError):
+        os.setpgrp()         # its own process group: a kill reaches what a reward starts
+    # (No PR_SET_PDEATHSIG: it fires when the *thread* that started the worker ends, and a
+    # Rewarder may be driven from a short-lived thread. An idle worker exits on EOF when the
+    # sampler dies.)
     try:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a plugin importing JAX: no accelerator
         from rlflow.data import rewards
@@ -105,7 +112,7 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
             return
         task_id, index, completion, answer = msg
         try:
-            value = float(fns[index](completion, answer))
+            value = rewards.reward_value(fns[index](completion, answer))
             out = (task_id, "ok", value)
         except MemoryError:
             out = (task_id, "error", f"MemoryError: past reward.memory_limit_mb="
@@ -147,12 +154,27 @@ class _Worker:
         self.task: Optional[Tuple[int, float]] = None     # (task id, deadline)
 
     def kill(self) -> None:
+        """SIGKILL the worker's process group (the worker and any process a reward call
+        started, e.g. a ``sleep`` or a grader subprocess), then the worker itself (in case
+        it had not made its group yet)."""
+        with contextlib.suppress(OSError):     # no such group: the worker is not its leader yet
+            if self.process.pid is not None:
+                os.killpg(self.process.pid, signal.SIGKILL)
         try:
             self.process.kill()
             self.process.join(timeout=5.0)
         except Exception:  # noqa: BLE001
             pass
         self.conn.close()
+
+    def exit_text(self) -> str:
+        """``exit code N`` / ``killed by SIGNAME`` of a worker that died (waits for it)."""
+        self.process.join(timeout=5.0)
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
 
 
 class RewardWorkerError(RuntimeError):
@@ -241,7 +263,8 @@ class RewardWorkerPool:
                 return results
 
     def close(self) -> None:
-        """Stop the workers (idle ones exit; busy ones are killed)."""
+        """Stop the workers (idle ones exit; busy ones are killed), and what reward calls
+        left running in their process groups."""
         for w in self._workers:
             try:
                 if w.task is None and w.ready:
@@ -249,8 +272,7 @@ class RewardWorkerPool:
                     w.process.join(timeout=2.0)
             except Exception:  # noqa: BLE001
                 pass
-            if w.process.is_alive():
-                w.kill()
+            w.kill()        # busy ones, and what any reward call left running in the group
         self._workers = []
 
     # ------------------------------------------------------------------ internals
@@ -265,13 +287,12 @@ class RewardWorkerPool:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
-            code = w.process.exitcode
+            code = w.exit_text()
             out = []
             if w.task is not None:
-                out.append((w.task[0], "error", f"reward worker died (exit code {code})"))
+                out.append((w.task[0], "error", f"reward worker died ({code})"))
             elif not w.ready:
-                raise RewardWorkerError(f"a reward worker died while starting "
-                                        f"(exit code {code})")
+                raise RewardWorkerError(f"a reward worker died while starting ({code})")
             self._replace(i)
             return out
         if not w.ready:

@@ -30,7 +30,8 @@ import numpy as np
 
 from rlflow import plugins as plugins_lib
 from rlflow.data.reward_workers import RewardWorkerPool
-from rlflow.data.rewards import LOG_FIRST_FAILURES, NonFiniteRewardError, get_reward, warm_up
+from rlflow.data.rewards import (LOG_FIRST_FAILURES, NonFiniteRewardError, get_reward,
+                                 reward_value, warm_up)
 
 logger = logging.getLogger("rlflow.data.rewards")
 
@@ -72,10 +73,11 @@ class RewardBatch:
 
     Attributes:
       total: float32 ``[N]``: the weighted sum over functions (NaN/inf where a function
-        returned one).
+        returned one, or where a value or the sum is past the float32 range).
       components: function name -> float32 ``[N]`` (unweighted; 0 where it failed).
-      nonfinite: one message per (function, sample) that returned NaN or infinity, naming
-        both; empty when every reward is finite.
+      nonfinite: one message per (function, sample) that returned NaN, infinity or a value
+        not finite in float32 (e.g. 1e300), and per sample whose weighted total is not
+        finite in float32, naming both; empty when every reward is finite.
     """
 
     total: np.ndarray
@@ -89,6 +91,14 @@ class _Job:
         self.values = np.zeros((num_functions, len(sample_ids)), np.float64)
         self.remaining = num_functions * len(sample_ids)
         self.nonfinite: List[str] = []
+        self.bad: set = set()             # samples with a non-finite component or total
+
+
+def finite_float32(value: float) -> bool:
+    """Whether ``value`` stays finite as float32 (rewards travel as float32: a finite float64
+    past ``finfo(float32).max``, e.g. 1e300, would become inf)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.float32(value)))
 
 
 class Rewarder:
@@ -248,10 +258,13 @@ class Rewarder:
 
     def _in_process(self, job: _Job, k: int, i: int, fn, completion, answer) -> None:
         try:
-            value = ("ok", float(call_with_timeout(fn, (completion, answer), self.timeout_s)))
+            value = ("ok", reward_value(call_with_timeout(fn, (completion, answer),
+                                                          self.timeout_s)))
         except RewardTimeout:
             value = ("timeout", f"ran past {self.timeout_s} s")
-        except Exception as e:  # noqa: BLE001 - a reward error scores 0, counted
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a reward error (SystemExit too) scores 0
             value = ("error", f"{type(e).__name__}: {e}")
         self._settle(job, k, i, *value)
 
@@ -260,9 +273,11 @@ class Rewarder:
         job.remaining -= 1
         if status == "ok":
             job.values[k, i] = value
-            if not math.isfinite(value):
+            if not finite_float32(value):
+                job.bad.add(i)
                 job.nonfinite.append(f"reward function {name!r} returned {value} for sample "
-                                     f"{sample_id}")
+                                     f"{sample_id}" + (" (not finite in float32)"
+                                                       if math.isfinite(value) else ""))
         elif status == "timeout":
             self._failed(name, "timeouts", sample_id, str(value))
         else:
@@ -271,9 +286,17 @@ class Rewarder:
     def _batch(self, job: _Job) -> RewardBatch:
         total = np.asarray(self.weights, np.float64) @ job.values if len(self.names) else \
             np.zeros(job.values.shape[1])
-        return RewardBatch(total=np.asarray(total, np.float32),
-                           components={n: job.values[k].astype(np.float32)
-                                       for k, n in enumerate(self.names)},
+        with np.errstate(over="ignore", invalid="ignore"):
+            total32 = np.asarray(total, np.float32)
+            components = {n: job.values[k].astype(np.float32) for k, n in enumerate(self.names)}
+        for i in np.flatnonzero(~np.isfinite(total32)):
+            if int(i) not in job.bad:          # finite components, weighted sum overflows
+                job.bad.add(int(i))
+                job.nonfinite.append(
+                    f"weighted reward total {float(total[i])} of sample {job.sample_ids[i]} "
+                    f"(reward.weights {list(self.weights)}) is not finite in float32")
+        return RewardBatch(total=total32,
+                           components=components,
                            nonfinite=tuple(job.nonfinite))
 
     def _failed(self, name: str, kind: str, sample_id, what: str) -> None:

@@ -18,16 +18,18 @@ Built in:
     answer (text ending ``#### <number>``: the number is taken) or a bare expression. The
     completion's final answer is found by :func:`completion_answer_text` (rule below).
   * ``math_format``: 1.0 when the completion states a final answer by rule 1 or 2 below
-    (``\\boxed{...}`` or a value-like ``#### <answer>``), else 0.0.
+    (``\\boxed{...}`` or a value-like ``#### <answer>``; :func:`stated_answer`, the answer
+    ``math_verify`` then checks), else 0.0.
   * ``exact_match``: 1.0 when completion and answer are equal after stripping whitespace.
   * ``digits_match``: the built-in demo task's reward (``rlflow.data.tasks``).
 
 Final answer of a chat-model completion (``completion_answer_text``), first rule that applies:
   1. the content of the **last** ``\\boxed{...}`` (braces balanced; e.g. ``$\\boxed{42}$``);
   2. else the **last** ``#### <answer>`` line whose answer looks like a value: after removing
-     markdown emphasis (``**``, ``__``), ``$``/``\\$``, thousands commas and a trailing period
-     it starts with a digit, sign, ``.``, ``(`` or a LaTeX command. Markdown headings such as
-     ``#### Step 2`` are skipped;
+     markdown emphasis (``**``, ``__``), ``$``/``\\$``, thousands commas, a trailing period
+     and a lead-in ``The answer is`` / ``Final answer:`` / ``Answer =`` it starts with a
+     digit, sign, ``.``, ``(`` or a LaTeX command and is not a numbered heading (``1. First
+     compute``, ``2) Then``). Markdown headings such as ``#### Step 2`` are skipped;
   3. else the completion without its markdown heading lines (lines starting with ``#``),
      left to math-verify's own extraction ("final answer is ...", then the last expression).
 
@@ -59,6 +61,28 @@ LOG_FIRST_FAILURES = 50
 
 class NonFiniteRewardError(ValueError):
     """A reward function returned NaN or infinity; the message names it and the sample id."""
+
+
+def reward_value(value) -> float:
+    """A reward function's return value as a float: a real number (``int``, ``float``,
+    ``bool`` as 0/1, numpy scalars and 0-d numeric arrays). Anything else (a string such as
+    ``"0.5"``, None, a list) is not a number.
+
+    Raises:
+      TypeError: not a number (the Rewarder scores the sample 0 and counts an error).
+    """
+    import numbers
+
+    import numpy as np
+
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    if (isinstance(value, np.ndarray) and value.shape == ()
+            and (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_)
+            and not np.issubdtype(value.dtype, np.complexfloating)):
+        return float(value)
+    raise TypeError(f"returned {type(value).__name__} {str(value)[:40]!r}, expected a number "
+                    f"(int, float, bool)")
 
 
 def register_reward(name: str):
@@ -131,6 +155,11 @@ def warm_up(names: Sequence[str]) -> None:
 _GSM8K_MARK = "####"
 _BOXED_START = re.compile(r"\\boxed\s*\{")
 _VALUE_START = re.compile(r"[-+\d.(\\]")
+# "1. First compute", "2) Then", "(3) Check": a numbered heading, not a value
+_NUMBERED_HEADING = re.compile(r"\(?\d+[.)]\s+[^\W\d]")
+# "The answer is 72", "Final answer: 72", "Answer = 72": the value follows
+_ANSWER_LEAD_IN = re.compile(r"^(?:the\s+)?(?:final\s+)?answer\s*(?:is\b|[:=])?\s*",
+                             re.IGNORECASE)
 
 
 def final_answer_text(text: str) -> str:
@@ -165,27 +194,36 @@ def _clean_marked(line: str) -> str:
 
 def marked_answer(completion: str):
     """The last value-like ``#### <answer>`` of a completion (cleaned as in the module
-    docstring, rule 2), or None; markdown headings such as ``#### Step 2`` are skipped."""
+    docstring, rule 2), or None; markdown headings such as ``#### Step 2`` or
+    ``#### 2. Then`` are skipped, a lead-in such as ``The answer is`` is removed."""
     if _GSM8K_MARK not in completion:
         return None
     for part in reversed(completion.split(_GSM8K_MARK)[1:]):
         lines = part.strip().splitlines()
         candidate = _clean_marked(lines[0]) if lines else ""
-        if candidate and _VALUE_START.match(candidate):
+        candidate = _clean_marked(_ANSWER_LEAD_IN.sub("", candidate))
+        if (candidate and _VALUE_START.match(candidate)
+                and not _NUMBERED_HEADING.match(candidate)):
             return candidate
     return None
 
 
-def completion_answer_text(completion: str) -> str:
-    """The final-answer text of a completion, by the rule in the module docstring
-    (last ``\\boxed{}``, else last value-like ``####`` line, else the completion without
-    markdown headings)."""
+def stated_answer(completion: str):
+    """The answer a completion states (rules 1 and 2 of the module docstring): the last
+    ``\\boxed{...}`` as ``$...$``, else the last value-like ``#### <answer>``; None when it
+    states none. ``math_format`` scores whether there is one, ``math_verify`` checks it."""
     boxed = last_boxed(completion)
     if boxed is not None:
         return f"${boxed}$"
-    marked = marked_answer(completion)
-    if marked is not None:
-        return marked
+    return marked_answer(completion)
+
+
+def completion_answer_text(completion: str) -> str:
+    """The final-answer text of a completion, by the rule in the module docstring
+    (:func:`stated_answer`, else the completion without markdown headings)."""
+    stated = stated_answer(completion)
+    if stated is not None:
+        return stated
     return "\n".join(line for line in completion.splitlines()
                      if not line.lstrip().startswith("#"))
 
@@ -234,7 +272,7 @@ def math_format_reward(completion: str, answer: str) -> float:
     """1.0 if the completion states a final answer as a non-empty ``\\boxed{...}`` or a
     value-like ``#### <answer>`` line (rules 1 and 2 of the module docstring; a markdown
     heading such as ``#### Step 2`` is not an answer), else 0.0."""
-    return float(last_boxed(completion) is not None or marked_answer(completion) is not None)
+    return float(stated_answer(completion) is not None)
 
 
 @register_reward("exact_match")
@@ -243,6 +281,14 @@ def exact_match_reward(completion: str, answer: str) -> float:
     return float(completion.strip() == answer.strip())
 
 
-# The scorer lives in rlflow.data.rewarder; re-exported here (imported last: it imports this).
-from rlflow.data.rewarder import (RewardBatch, Rewarder, RewardTimeout,  # noqa: E402,F401
-                                  call_with_timeout)
+# The scorer lives in rlflow.data.rewarder (which imports this module); its names are
+# re-exported here on first use (PEP 562), so either module may be imported first.
+_FROM_REWARDER = ("RewardBatch", "Rewarder", "RewardTimeout", "call_with_timeout")
+
+
+def __getattr__(name: str):
+    if name in _FROM_REWARDER:
+        from rlflow.data import rewarder
+
+        return getattr(rewarder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,6 +46,8 @@ from rlflow.metrics import MetricsWriter
 from rlflow.runtime_control import RunCoordinator, decode_state, encode_state
 
 log = logging.getLogger("rlflow.learner")
+# build_batch info not written to metrics.jsonl (see LearnerProgram._step_and_record).
+UNLOGGED_BATCH_INFO = frozenset({"batch/dropped_bad_reward_groups"})
 
 DONE_GRACE_S = 10.0   # seconds the learner waits for the samplers to see "done"
 
@@ -236,7 +238,10 @@ class LearnerProgram:
         total = time.monotonic() - t0
         rewards = np.concatenate([g["rewards"] for g in groups])
         ranges = [policy_version_range(g) for g in groups]
-        metrics.update(info)
+        # batch/dropped_bad_reward_groups is always 0 here (records with a non-finite reward
+        # are refused on the wire, rlflow.exchange.records); the sampler counts the real ones
+        # (sampler/dropped_bad_reward_groups), so it is not logged.
+        metrics.update({k: v for k, v in info.items() if k not in UNLOGGED_BATCH_INFO})
         metrics.update({
             "reward/accuracy": float(np.mean(rewards >= self.threshold)),
             "learner/step_time_s": t_step,
