@@ -166,12 +166,23 @@ def tree_bytes(tree) -> int:
                    for x in jax.tree.leaves(tree)))
 
 
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+             "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "attention_bias")
+
+
+def base_config_hash(decoder_cfg) -> str:
+    """SHA-256 of the base's architecture: the :data:`ARCH_KEYS` of
+    ``DecoderConfig.to_hf_dict`` as sorted JSON (not dtypes or token ids)."""
+    d = decoder_cfg.to_hf_dict()
+    arch = json.dumps({k: d.get(k) for k in ARCH_KEYS}, sort_keys=True, default=str)
+    return hashlib.sha256(arch.encode()).hexdigest()
+
+
 def base_reference(model_cfg, decoder_cfg) -> dict:
     """What a LoRA checkpoint records of its frozen base: the HF folder (``model.path``; ""
-    for a random base), its ``init_seed`` when random, and the SHA-256 of the base's
-    architecture (``DecoderConfig.to_hf_dict`` as sorted JSON)."""
-    arch = json.dumps(decoder_cfg.to_hf_dict(), sort_keys=True, default=str)
-    ref = {"path": model_cfg.path, "config_sha256": hashlib.sha256(arch.encode()).hexdigest(),
+    for a random base), its ``init_seed`` when random, and :func:`base_config_hash`."""
+    ref = {"path": model_cfg.path, "config_sha256": base_config_hash(decoder_cfg),
            "param_dtype": model_cfg.param_dtype}
     if not model_cfg.path:
         ref["init_seed"] = int(model_cfg.init_seed)
