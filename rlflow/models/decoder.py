@@ -162,8 +162,8 @@ class Attention(nnx.Module):
                   "v": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
                   "o": ((h, d), (e,), ("q_heads", "head_dim"), ("embed",))}
         for name, (ins, outs, in_axes, out_axes) in shapes.items():
-            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora, pdt,
-                                                      self.dtype, rngs=rngs)
+            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora,
+                                                      jnp.float32, self.dtype, rngs=rngs)
                     if lora is not None and lora.targets(name) else None)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
@@ -226,8 +226,8 @@ class MLP(nnx.Module):
                   "up": ((e,), (f,), ("embed",), ("mlp",)),
                   "down": ((f,), (e,), ("mlp",), ("embed",))}
         for name, (ins, outs, in_axes, out_axes) in shapes.items():
-            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora, pdt,
-                                                      self.dtype, rngs=rngs)
+            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora,
+                                                      jnp.float32, self.dtype, rngs=rngs)
                     if lora is not None and lora.targets(name) else None)
 
     def _lin(self, x, name):

@@ -75,7 +75,8 @@ class LoraAdapter(nnx.Module):
     Args:
       in_shape / out_shape: the kernel's input / output dimensions (``(E,)`` and ``(H, D)``
         for ``q``). in_axes / out_axes: their logical axis names.
-      spec: :class:`LoraSpec`. param_dtype: storage dtype of A and B; dtype: compute dtype.
+      spec: :class:`LoraSpec`. param_dtype: storage dtype of A and B (the decoder uses
+        float32 whatever the base's dtype: they are trained); dtype: compute dtype.
     """
 
     def __init__(self, in_shape, out_shape, in_axes, out_axes, spec: LoraSpec, param_dtype,
