@@ -263,6 +263,10 @@ class LoraConfig:
         projection names ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``; each
         must match at least one.
       lr: learning rate of the adapters; None: ``learner.lr``.
+      train_final_norm: also train the final RMSNorm scale (``E`` floats; PEFT's
+        ``modules_to_save=["model.norm"]``): published, checkpointed and exported with the
+        adapters. Adapters alone cannot raise the logit range (the final RMSNorm fixes the
+        hidden state's norm and the embedding is frozen), which a random base needs.
       swap: how a sampler applies a new adapter version: "forward" (a low-rank term in
         every projection's forward; the base is held once) or "merged" (``W + delta``
         written into a working copy of the touched matrices at swap time, the unmerged base
@@ -274,6 +278,7 @@ class LoraConfig:
     dropout: float = 0.0
     targets: Tuple[str, ...] = LORA_PROJECTIONS
     lr: Optional[float] = None
+    train_final_norm: bool = False
     swap: Literal["forward", "merged"] = "forward"
 
     def __post_init__(self):

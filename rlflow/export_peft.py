@@ -43,6 +43,11 @@ def peft_tensors(adapters, dtype=np.float32) -> dict[str, np.ndarray]:
         prefix = f"base_model.model.model.layers.{path[1]}.{_MODULE[name]}.{name}"
         out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T.astype(dtype))
         out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T.astype(dtype))
+    norm = (adapters.to_pure_dict() if hasattr(adapters, "to_pure_dict") else adapters).get(
+        "final_norm")
+    if norm is not None:           # modules_to_save=["model.norm"]: saved under the module's name
+        out["base_model.model.model.norm.weight"] = np.asarray(
+            jax.device_get(norm["scale"]), np.float32).astype(dtype)
     return out
 
 
@@ -53,7 +58,8 @@ def adapter_config(spec: LoraSpec, base_model: str) -> dict:
             "target_modules": sorted(spec.projections), "bias": "none",
             "base_model_name_or_path": base_model, "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-            "inference_mode": True, "modules_to_save": None}
+            "inference_mode": True,
+            "modules_to_save": ["model.norm"] if spec.train_final_norm else None}
 
 
 def write_peft_adapter(adapters, spec: LoraSpec, out: str, *, base_model: str,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlflow.config import LoraConfig, ModelConfig, replace
+from rlflow.config import (ConfigError, ExperimentConfig, LearnerConfig, LoraConfig,
+                           ModelConfig, replace)
 from rlflow.learner.batch import BatchSpec, TrainBatch, build_batch
 from rlflow.learner.step import StepSettings, make_grad_fn
 from rlflow.learner.trainer import Learner
@@ -64,6 +65,36 @@ def _numpy_merged(base, adapters, scale):
         node[path[-1]] = (node[path[-1]].astype(np.float64) + scale * d).astype(np.float32)
         n += 1
     return pure, n
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rank=-1), r"learner\.lora\.rank"),
+    (dict(rank=4, alpha=0.0), r"learner\.lora\.alpha"),
+    (dict(rank=4, dropout=0.1), r"learner\.lora\.dropout: only 0\.0"),
+    (dict(rank=4, targets=("qkv",)), r"learner\.lora\.targets: 'qkv' matches none"),
+    (dict(rank=4, targets=("(",)), r"learner\.lora\.targets: '\(' is not a regular"),
+    (dict(rank=4, lr=-1.0), r"learner\.lora\.lr"),
+    (dict(rank=4, swap="both"), r"learner\.lora\.swap"),
+])
+def test_lora_config_errors_name_the_field(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        LoraConfig(**kw)
+
+
+def test_lora_config_selects_projections_and_refuses_a_value_head():
+    assert LoraConfig(rank=2, targets=("q_proj|v_proj", "down.*")).projections == (
+        "q_proj", "v_proj", "down_proj")
+    with pytest.raises(ConfigError, match=r"learner\.lora: LoRA with learner\.advantage='gae'"):
+        LearnerConfig(advantage="gae", lora=LoraConfig(rank=2))
+    assert ExperimentConfig(learner=LearnerConfig(lora=LoraConfig(rank=2))).learner.lora.enabled
+
+
+def test_trained_final_norm_moves_from_the_base_to_the_trained_tree():
+    spec = LoraSpec(rank=2, alpha=2.0, projections=("q_proj",), train_final_norm=True)
+    model, _, _, trained, base = _parts(spec)
+    assert "final_norm" not in base.to_pure_dict()
+    np.testing.assert_array_equal(np.asarray(trained["final_norm"]["scale"][...]),
+                                  np.asarray(model.final_norm.scale[...]))
 
 
 def test_adapters_on_every_projection_with_logical_axes():

@@ -28,8 +28,8 @@ G, T = 4, 6
 
 def _cfg(root, base):
     cfg = tiny_experiment(ModelConfig(path=base), G, T, lr=1e-3,
-                          lora=LoraConfig(rank=4, alpha=8.0, lr=1e-2,
-                                          targets=(".*_proj",)))
+                          lora=LoraConfig(rank=4, alpha=8.0, lr=1e-2, targets=(".*_proj",),
+                                          train_final_norm=True))
     return replace(cfg, name="run", run_dir=os.path.join(root, "runs"),
                    checkpoint=CheckpointConfig(every_steps=1))
 
@@ -96,6 +96,7 @@ def test_peft_export_loads_onto_the_base_and_gives_the_learners_logits(lora_run)
     with open(os.path.join(out, "adapter_config.json")) as f:
         conf = json.load(f)
     assert conf["peft_type"] == "LORA" and conf["r"] == 4 and conf["lora_alpha"] == 8.0
+    assert conf["modules_to_save"] == ["model.norm"]            # the trained final norm
     assert sorted(conf["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     base = AutoModelForCausalLM.from_pretrained(lora_run["base"], dtype=torch.float32).eval()

@@ -43,6 +43,7 @@ class LoraSpec:
     rank: int
     alpha: float
     projections: tuple[str, ...] = PROJECTIONS
+    train_final_norm: bool = False
 
     def __post_init__(self):
         if self.rank <= 0:
@@ -66,7 +67,15 @@ class LoraSpec:
         if not lora_cfg.enabled:
             return None
         return cls(rank=lora_cfg.rank, alpha=float(lora_cfg.alpha),
-                   projections=lora_cfg.projections)
+                   projections=lora_cfg.projections,
+                   train_final_norm=bool(getattr(lora_cfg, "train_final_norm", False)))
+
+    def trainable(self):
+        """The ``nnx`` filter of the trained parameters: the adapters (``nnx.LoRAParam``),
+        and with ``train_final_norm`` the final RMSNorm scale."""
+        if not self.train_final_norm:
+            return nnx.LoRAParam
+        return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("final_norm")))
 
 
 class LoraAdapter(nnx.Module):
@@ -99,9 +108,10 @@ class LoraAdapter(nnx.Module):
 
 
 # ------------------------------------------------------------------------------ trees
-def split_lora(model):
-    """``(graphdef, adapters, base)`` of a LoRA decoder (``nnx.LoRAParam`` / other params)."""
-    return nnx.split(model, nnx.LoRAParam, nnx.Param)
+def split_lora(model, spec: LoraSpec | None = None):
+    """``(graphdef, adapters, base)`` of a LoRA decoder: the trained parameters
+    (:meth:`LoraSpec.trainable`; default: the ``nnx.LoRAParam``) and the frozen rest."""
+    return nnx.split(model, (spec or model.lora).trainable(), nnx.Param)
 
 
 def _pure(tree):
@@ -144,9 +154,13 @@ def merged_params(base, adapters, scale: float):
       scale: ``alpha / rank``.
 
     Returns: a pure dict shaped like ``base`` (kernels in the base's dtypes; the sum is formed
-    in float32).
+    in float32). A trained final norm in ``adapters`` replaces the base's.
     """
     pure = jax.tree.map(lambda x: x, _pure(base))       # new containers, same leaves
+    norm = _pure(adapters).get("final_norm")
+    if norm is not None:
+        pure["final_norm"] = {"scale": jnp.asarray(norm["scale"]).astype(
+            pure["final_norm"]["scale"].dtype)}
     for path, _, a, b in adapter_pairs(adapters):
         node = pure
         for k in path[:-1]:
@@ -157,8 +171,12 @@ def merged_params(base, adapters, scale: float):
 
 
 def zeros_like_adapters(adapters):
-    """The adapters with every entry 0 (the adapter term switched off: the base model)."""
-    return jax.tree.map(jnp.zeros_like, adapters)
+    """The trained tree of the base model: every adapter entry 0 (the adapter term switched
+    off); a trained final norm keeps its (initial) values."""
+    def one(path, x):
+        in_adapter = any(str(getattr(k, "key", k)).endswith("_lora") for k in path)
+        return jnp.zeros_like(x) if in_adapter else x.copy()
+    return jax.tree_util.tree_map_with_path(one, adapters)
 
 
 def tree_bytes(tree) -> int:
@@ -213,8 +231,8 @@ def lora_model_parts(model, decoder_cfg, spec: LoraSpec, *, seed: int = 0, mesh=
     def init():
         return Decoder(decoder_cfg, rngs=nnx.Rngs(params=seed), lora=spec)
 
-    graphdef, abs_adapters, abs_base = split_lora(nnx.eval_shape(init))
-    base = nnx.state(model, nnx.Param)
+    graphdef, abs_adapters, abs_base = split_lora(nnx.eval_shape(init), spec)
+    _, norm, base = nnx.split(model, spec.trainable(), nnx.Param)
     if jax.tree.structure(base) != jax.tree.structure(abs_base):
         raise ValueError("lora_model_parts: the base model's parameters do not match the LoRA "
                          "decoder's base tree")
@@ -223,7 +241,12 @@ def lora_model_parts(model, decoder_cfg, spec: LoraSpec, *, seed: int = 0, mesh=
         adapters = jax.jit(make)()
     else:
         from rlflow.mesh import param_shardings
-        adapters = jax.jit(make, out_shardings=param_shardings(abs_adapters, mesh))()
+        lora_only = nnx.state(nnx.eval_shape(init), nnx.LoRAParam)
+        adapters = jax.jit(make, out_shardings=param_shardings(lora_only, mesh))()
+    if spec.train_final_norm:            # starts at the base's own scale
+        adapters = nnx.merge_state(adapters, jax.tree.map(lambda x: x.copy(), norm))
+    if jax.tree.structure(adapters) != jax.tree.structure(abs_adapters):
+        raise ValueError("lora_model_parts: the trained tree does not match the LoRA decoder's")
     return graphdef, adapters, base
 
 
@@ -233,4 +256,4 @@ def abstract_adapters(decoder_cfg, spec: LoraSpec):
     from rlflow.models.decoder import Decoder
 
     abstract = nnx.eval_shape(lambda: Decoder(decoder_cfg, rngs=nnx.Rngs(0), lora=spec))
-    return nnx.state(abstract, nnx.LoRAParam)
+    return nnx.state(abstract, spec.trainable())

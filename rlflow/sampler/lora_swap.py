@@ -53,8 +53,9 @@ class AdapterApplier:
             self.engine_model = nnx.merge(self.graphdef, self.target, self.base)
         else:
             self.engine_model = model
+            self._plain = nnx.state(model, nnx.Param)     # the unmerged base, whole
             self._paths = [p for p, _, _, _ in adapter_pairs(adapters)]
-            self._kernels = [self._get(self.base, p) for p in self._paths]
+            self._kernels = [self._get(self._plain, p) for p in self._paths]
             scale = spec.scale
             self._merge = jax.jit(lambda ws, pairs: [
                 (w.astype(jnp.float32) + delta(a, b, scale)).astype(w.dtype)
@@ -80,12 +81,15 @@ class AdapterApplier:
             return nnx.state(nnx.merge(self.graphdef, adapters, self.base), nnx.Param)
         pairs = [(a, b) for _, _, a, b in adapter_pairs(adapters)]
         merged = self._merge(self._kernels, [(jnp.asarray(a), jnp.asarray(b)) for a, b in pairs])
-        pure = jax.tree.map(lambda x: x, self.base.to_pure_dict())   # new containers
+        pure = jax.tree.map(lambda x: x, self._plain.to_pure_dict())   # new containers
         for path, w in zip(self._paths, merged):
             node = pure
             for k in path[:-1]:
                 node = node[k]
             node[path[-1]] = w
-        state = jax.tree.map(lambda x: x, self.base)
+        norm = adapters.get("final_norm") if hasattr(adapters, "get") else None
+        if norm is not None:                       # learner.lora.train_final_norm
+            pure["final_norm"]["scale"] = norm["scale"][...]
+        state = jax.tree.map(lambda x: x, self._plain)
         nnx.replace_by_pure_dict(state, pure)
         return state
