@@ -51,6 +51,14 @@ class AdapterApplier:
         self.target = adapters              # B = 0: the base model's function
         if mode == "forward":
             self.engine_model = nnx.merge(self.graphdef, self.target, self.base)
+            # a swap replaces the adapter leaves of the engine's flat parameter list
+            full = nnx.state(self.engine_model, nnx.Param)
+            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]]
+            index = {jax.tree_util.keystr(p): i for i, p in enumerate(paths)}
+            self._full_leaves = jax.tree.leaves(full)
+            self._full_treedef = jax.tree.structure(full)
+            self._slots = [index[jax.tree_util.keystr(p)] for p, _ in
+                           jax.tree_util.tree_flatten_with_path(adapters)[0]]
         else:
             self.engine_model = model
             self._plain = nnx.state(model, nnx.Param)     # the unmerged base, whole
@@ -78,7 +86,10 @@ class AdapterApplier:
                              f"{jax.tree.structure(self.target)}, got "
                              f"{jax.tree.structure(adapters)})")
         if self.mode == "forward":
-            return nnx.state(nnx.merge(self.graphdef, adapters, self.base), nnx.Param)
+            leaves = list(self._full_leaves)
+            for i, x in zip(self._slots, jax.tree.leaves(adapters)):
+                leaves[i] = x
+            return jax.tree.unflatten(self._full_treedef, leaves)
         pairs = [(a, b) for _, _, a, b in adapter_pairs(adapters)]
         merged = self._merge(self._kernels, [(jnp.asarray(a), jnp.asarray(b)) for a, b in pairs])
         pure = jax.tree.map(lambda x: x, self._plain.to_pure_dict())   # new containers
