@@ -4,8 +4,9 @@ The full-weight 7B config (``configs/gsm8k_qwen2_5_7b.py``: data, reward, algori
 LoRA (``learner.lora``): the base is frozen and stored in bfloat16, only the adapters
 (float32, 161.5 M parameters) are trained, checkpointed and sent to the sampler (646 MB per
 version instead of 15.2 GB). That halves the chips: learner on a v6e-4 (4 chips of 32 GB,
-mesh fsdp=2 x tensor=2), sampler on a v6e-4 (mesh tensor=4, 4 KV heads over tensor, the
-base held once, adapters applied in the forward: ``learner.lora.swap = "forward"``).
+mesh fsdp=2 x tensor=2), sampler on a v6e-4 (mesh tensor=4, 4 KV heads over tensor; the
+adapters merged into a working copy of the projections at each swap, the unmerged base kept:
+``learner.lora.swap = "merged"``, decode at the plain model's speed).
 
     scripts/tpu/up.sh --zone ZONE --learner-type v6e-4 --sampler-type v6e-4 \\
         --config configs/gsm8k_qwen2_5_7b_lora.py --model-gcs gs://BUCKET/Qwen2.5-7B-Instruct \\
@@ -52,13 +53,18 @@ def parameter_counts(arch=ARCH, rank=RANK) -> tuple[int, int]:
 
 def memory_per_chip(arch=ARCH, rank=RANK) -> dict[str, float]:
     """GB per chip: learner = bf16 base + fp32 adapters, their gradients and AdamW moments,
-    all sharded over the learner's 4 chips; sampler = bf16 base + fp32 adapters over its 4
-    chips (KV cache extra: num_slots x 2 x layers x kv_heads x head_dim x length x 2 bytes)."""
+    all sharded over the learner's 4 chips; sampler = bf16 base + the merged bf16 working
+    copy of every projection + fp32 adapters over its 4 chips (KV cache extra: num_slots x 2
+    x layers x kv_heads x head_dim x length x 2 bytes)."""
     base, adapters = parameter_counts(arch, rank)
+    e, f, h, k, d = (arch[n] for n in ("hidden", "intermediate", "heads", "kv_heads",
+                                       "head_dim"))
+    projections = arch["layers"] * (2 * e * h * d + 2 * e * k * d + 3 * e * f)
     gb = 1e9
     return {"learner_base": 2 * base / LEARNER_MESH.num_devices / gb,
             "learner_adapters_grads_adam": 16 * adapters / LEARNER_MESH.num_devices / gb,
-            "sampler_base_adapters": (2 * base + 4 * adapters) / SAMPLER_MESH.num_devices / gb,
+            "sampler_base_adapters": (2 * base + 2 * projections + 4 * adapters)
+            / SAMPLER_MESH.num_devices / gb,
             "bytes_per_version_gb": 4 * adapters / gb}
 
 
@@ -78,5 +84,5 @@ def config(model_path=None):
                         mesh=SAMPLER_MESH),
         learner=replace(cfg.learner, lr=2e-5, num_devices=LEARNER_MESH.num_devices,
                         mesh=LEARNER_MESH,
-                        lora=LoraConfig(rank=RANK, alpha=2.0 * RANK, swap="forward")),
+                        lora=LoraConfig(rank=RANK, alpha=2.0 * RANK, swap="merged")),
     )

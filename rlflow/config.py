@@ -267,10 +267,12 @@ class LoraConfig:
         ``modules_to_save=["model.norm"]``): published, checkpointed and exported with the
         adapters. Adapters alone cannot raise the logit range (the final RMSNorm fixes the
         hidden state's norm and the embedding is frozen), which a random base needs.
-      swap: how a sampler applies a new adapter version: "forward" (a low-rank term in
-        every projection's forward; the base is held once) or "merged" (``W + delta``
-        written into a working copy of the touched matrices at swap time, the unmerged base
-        kept beside it so that swaps never accumulate).
+      swap: how a sampler applies a new adapter version: "merged" (``W + delta`` written
+        into a working copy of the touched matrices at swap time, the unmerged base kept
+        beside it so that swaps never accumulate; decode runs at the plain model's speed) or
+        "forward" (a low-rank term in every projection's forward; the base is held once, no
+        second copy of the touched matrices, but every decode step pays for the term:
+        ``benchmarks/lora_sync.py``).
     """
 
     rank: int = 0
@@ -279,7 +281,7 @@ class LoraConfig:
     targets: Tuple[str, ...] = LORA_PROJECTIONS
     lr: Optional[float] = None
     train_final_norm: bool = False
-    swap: Literal["forward", "merged"] = "forward"
+    swap: Literal["forward", "merged"] = "merged"
 
     def __post_init__(self):
         _check(self.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 off), got {self.rank}")
