@@ -96,6 +96,12 @@ class LearnerProgram:
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
+        if "://" not in cfg.run_path:
+            # A run folder holds one run: what rlflow train checked, checked again for a
+            # learner started without it (scripts/tpu); idempotent after the launcher.
+            from rlflow.run_identity import prepare_run_folder
+
+            prepare_run_folder(cfg)
         self.gps = cfg.learner.groups_per_step
         self.learner = Learner(cfg)
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path),
@@ -128,6 +134,15 @@ class LearnerProgram:
 
     # ------------------------------------------------------------------ set-up pieces
     def _resume(self):
+        if self.cfg.checkpoint.resume == "never" and self.checkpointer.latest_step() is not None:
+            # rlflow train moved an earlier run aside (or refused) before starting this
+            # program; here (e.g. started by the TPU scripts) a folder is never mixed.
+            from rlflow.run_identity import RunFolderConflict
+
+            raise RunFolderConflict(
+                f"run folder {self.cfg.run_path} holds an earlier run's checkpoints (steps "
+                f"{self.checkpointer.all_steps()}); checkpoint.resume='never' will not mix two "
+                "runs in one folder: pick a new --name / --run_dir or remove them")
         restored = self.learner.resume(self.checkpointer)   # PPO: with its value head
         if restored is None:
             return 0, None
@@ -165,6 +180,7 @@ class LearnerProgram:
     def take_groups(self) -> list:
         groups = []
         while len(groups) < self.gps:
+            pc.raise_if_stopped()              # a stop whose exception a finaliser dropped
             groups += self.buffer.get_groups(1, timeout=self.cfg.buffer.timeout_s,
                                              accept=self.accept)
         return groups
@@ -175,6 +191,12 @@ class LearnerProgram:
         groups = self.take_groups()
         t_wait = time.monotonic() - t0
         batch, info = self.learner.build_batch(groups)
+        # A stop request (SIGTERM) waits until this version's metrics and samples are
+        # written: the exit checkpoint of a version always has its metrics record.
+        with pc.deferred_stop():
+            return self._step_and_record(groups, batch, info, t0, t_wait)
+
+    def _step_and_record(self, groups, batch, info, t0: float, t_wait: float) -> dict:
         t1 = time.monotonic()
         metrics = self.learner.step(batch)
         t_step = time.monotonic() - t1
@@ -270,6 +292,7 @@ class LearnerProgram:
         metrics = None
         try:
             while self.version < n:
+                pc.raise_if_stopped()
                 metrics = self.step()
                 log.info("step %d/%d reward %.3f stale %.2f wait %.2fs step %.2fs", self.version,
                          n, metrics["reward/mean"], metrics["staleness/mean"],

@@ -13,13 +13,17 @@ One process (one host of the sampler slice on a pod), its own JAX runtime and me
           its next decode step (sequences in flight continue under the new weights)
         admit new prompts within the staleness budget (groups_to_admit; in sync mode this
           is exactly learner.groups_per_step per version, then a wait for the next one)
-        one decode step; each finished group gets its rewards (rlflow.data.rewards, on this
-          host) and goes to the learner's ring buffer (rlflow.exchange.buffer)
+        one decode step; each finished group is handed to the reward workers
+          (rlflow.data.rewarder, on this host) and decoding goes on; groups whose rewards
+          are in go, whole and in the order they finished, to the learner's ring buffer
+          (rlflow.exchange.buffer)
 
-A prompt that fails at every retry (``MAX_PROMPT_RETRIES``), a reward that is not finite,
-or a prompt dataset that runs out while the learner still needs groups is reported to the
-learner through the buffer (its next ``get_groups`` raises the message) and stops this
-program with the error.
+A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it (logged
+with the function and sample, counted as ``sampler/dropped_bad_reward_groups``), "error"
+stops the run with that message. That error, a prompt that fails at every retry
+(``MAX_PROMPT_RETRIES``) or a prompt dataset that runs out while the learner still needs
+groups is reported to the learner through the buffer (its next ``get_groups`` raises the
+message) and stops this program with the error.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 
 from rlflow import programs_common as pc
 from rlflow.data.pipeline import build_prompt_pipeline
-from rlflow.data.rewards import Rewarder
+from rlflow.data.rewards import NonFiniteRewardError, Rewarder
 from rlflow.exchange.buffer import BufferClient
 from rlflow.exchange.ring import BufferClosedError
 from rlflow.exchange.wire import tcp_endpoint
@@ -161,9 +165,17 @@ class SamplerProgram:
         del model
         self.buffer = BufferClient.from_config(cfg.buffer, _endpoint(endpoints.buffer),
                                                name=self.name)
-        self.rewarder = Rewarder(cfg.reward)
+        self.rewarder = Rewarder(cfg.reward, plugins=cfg.plugins)
+        # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
+        # that its id is not reused while the group is scored)
+        self.scoring: dict[int, tuple] = {}
+        self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
         self.prompts, stats = build_prompt_pipeline(cfg.data, self.tokenizer, seed=cfg.seed)
         log.info("%s", stats.summary())
+        # Reach the learner's metrics and the launcher's console (not only this log).
+        self.prompt_counts = {"sampler/prompts_kept": float(stats.num_kept),
+                              "sampler/prompts_too_long": float(stats.num_too_long),
+                              "sampler/prompts_bad": float(stats.num_bad)}
         self.prompts_started = 0
         self.exhausted = False
         self.in_flight: dict[int, dict] = {}     # id(Request) -> prompt element
@@ -238,6 +250,8 @@ class SamplerProgram:
         metrics["sync/sampler_pause_s"] = self.pause_s
         metrics["sampler/instance"] = float(self.control.instance)
         metrics["sampler/rejected_groups"] = float(self.rejected)
+        metrics["sampler/dropped_bad_reward_groups"] = float(self.bad_reward_groups)
+        metrics.update(self.prompt_counts)
         # reward functions that raised or timed out (scored 0): counted, never silent
         metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
         reply = self.control.status(
@@ -297,19 +311,46 @@ class SamplerProgram:
         return not self.in_flight and coming < (reply.learner_version + 1) * gps
 
     # ------------------------------------------------------------------ groups out
-    def _record(self, group) -> dict:
-        """The group's record with its rewards (scored here, on the sampler host)."""
-        element = self.in_flight.pop(id(group.request))
-        record = group.to_record()
-        texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
-                 for c in group.completions]
-        record["rewards"] = np.asarray(
-            self.rewarder.score_group(group.prompt_id, texts, element["answer"]), np.float32)
-        return record
+    def _score(self, groups) -> None:
+        """Hand the groups a decode step finished to the reward workers (no wait); they stay
+        in ``in_flight`` (admission counts them) until delivered or dropped."""
+        for group in groups:
+            key = id(group.request)
+            element = self.in_flight[key]
+            texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
+                     for c in group.completions]
+            self.scoring[key] = (group.request, group.to_record())
+            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"])
 
-    def _deliver(self, groups) -> None:
-        """Send the groups one decode step finished, in one request to the buffer."""
-        records = [self._record(g) for g in groups]
+    def _collect(self, timeout: float = 0.0) -> None:
+        """Deliver the groups whose rewards are in; a group with a NaN/inf reward follows
+        ``learner.on_bad_reward``.
+
+        Raises:
+          NonFiniteRewardError: a NaN/inf reward with ``on_bad_reward="error"`` (names the
+            function and sample).
+        """
+        records = []
+        for key, batch in self.rewarder.collect(timeout):
+            _, record = self.scoring.pop(key)
+            self.in_flight.pop(key)
+            if batch.nonfinite:
+                if self.cfg.learner.on_bad_reward == "error":
+                    raise NonFiniteRewardError(
+                        f"{batch.nonfinite[0]}; rewards must be finite numbers "
+                        f"(learner.on_bad_reward='drop' drops such groups)")
+                self.bad_reward_groups += 1
+                log.warning("%s: group of prompt_id %d dropped (learner.on_bad_reward='drop'; "
+                            "%d dropped so far)", batch.nonfinite[0], int(record["prompt_id"]),
+                            self.bad_reward_groups)
+                continue
+            record["rewards"] = np.asarray(batch.total, np.float32)
+            records.append(record)
+        if records:
+            self._deliver(records)
+
+    def _deliver(self, records) -> None:
+        """Send scored groups in one request to the buffer."""
         t0 = time.monotonic()
         rejected = self.buffer.put_groups(records)
         self.window.add(idle=time.monotonic() - t0)
@@ -325,6 +366,7 @@ class SamplerProgram:
         last_status = 0.0
         reply = None
         while True:
+            pc.raise_if_stopped()               # a stop whose exception a finaliser dropped
             now = time.monotonic()
             busy = self.batcher.has_work
             if reply is None or now - last_status >= (BUSY_POLL_S if busy else IDLE_POLL_S):
@@ -336,6 +378,11 @@ class SamplerProgram:
                 if reply.published_version > self.version:
                     self.puller.request()
             self.puller.check()
+            try:
+                self._collect()
+            except BufferClosedError:
+                log.info("the learner closed the buffer: the run is ending; stopping")
+                return
             if not self.exhausted and self._admit(reply):
                 reply = self._status()          # the learner keeps the iterator state
                 last_status = time.monotonic()
@@ -345,6 +392,15 @@ class SamplerProgram:
                                    f"the learner at version {reply.learner_version} still "
                                    f"needs groups")
             if not self.batcher.has_work:
+                if self.scoring:                    # only rewards pending: wait for them
+                    t0 = time.monotonic()
+                    try:
+                        self._collect(IDLE_POLL_S)
+                    except BufferClosedError:
+                        log.info("the learner closed the buffer: the run is ending; stopping")
+                        return
+                    self.window.add(idle=time.monotonic() - t0)
+                    continue
                 if sync_sleep and not self.sleeping:
                     self.batcher.reset_cache()      # free the KV cache while waiting
                     self.sleeping = True
@@ -358,11 +414,7 @@ class SamplerProgram:
             groups = self.batcher.step()
             self._time_step(time.monotonic() - t0, swapped=c.weight_swaps > swaps)
             if groups:
-                try:
-                    self._deliver(groups)
-                except BufferClosedError:
-                    log.info("the learner closed the buffer: the run is ending; stopping")
-                    return
+                self._score(groups)
             self.window.add(tokens=c.slot_steps_used - used, slots_used=c.slot_steps_used - used,
                             slots_total=c.slot_steps_available - avail)
 
@@ -383,7 +435,8 @@ class SamplerProgram:
             log.warning("could not report the failure to the learner: %s", e)
 
     def close(self) -> None:
-        closers = [self.control.close, self.buffer.close, self.subscriber.close]
+        closers = [self.control.close, self.buffer.close, self.subscriber.close,
+                   self.rewarder.close]
         if hasattr(self, "puller"):
             closers.insert(0, self.puller.close)
         for closer in closers:
@@ -398,7 +451,8 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
 
     Raises:
       SamplerError: a prompt failed at every retry, or the prompts ran out too early.
-      rlflow.data.rewards.NonFiniteRewardError: a reward function returned NaN/inf.
+      rlflow.data.rewards.NonFiniteRewardError: a reward function returned NaN/inf and
+        ``learner.on_bad_reward="error"``.
       rlflow.exchange.ring.BufferTimeoutError / rlflow.exchange.wire.PeerTimeoutError: the
         learner stopped answering.
     """
