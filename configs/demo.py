@@ -21,9 +21,11 @@ steps (GRPO, lr 1e-3, no warm-start). Measured on 2 shared CPU cores: 30-60 s wa
 LoRA (``--learner.lora.rank 8``): adapters on every projection plus the final RMSNorm scale
 (``learner.lora.train_final_norm``; with a random base, adapters alone cannot widen the logit
 range: the final norm fixes the hidden state's norm and the tied embedding is frozen, which
-caps the reward near 0.2), adapter lr 3e-3. Measured on 2 shared CPU cores (one run each):
-reward rise +0.24 at lr 3e-3; +0.15 at 1e-3, +0.05 at 5e-3, +0.01 at 1e-2; without the
-final norm +0.12 (lr 1e-3) and +0.04 (lr 1e-2).
+caps the reward near 0.2), adapter lr 3e-3. Measured on 2 shared CPU cores: reward rise
++0.24 and +0.05 in two runs at lr 3e-3 (asynchronous runs vary); one run each: +0.15 at
+1e-3, +0.05 at 5e-3, +0.01 at 1e-2; without the final norm +0.12 (lr 1e-3) and +0.04
+(lr 1e-2). Short of the full-weight demo's rise (+0.8): the LoRA demo does not learn
+reliably yet.
 """
 
 import hashlib
