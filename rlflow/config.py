@@ -351,6 +351,12 @@ class LearnerConfig:
       is_cap: truncated importance-weight cap C for off-policy tokens (0 off).
       mask_truncated: drop completions cut by max_tokens from the loss (DAPO).
       dynamic_sampling: drop groups with zero reward variance (DAPO).
+      max_consecutive_skipped_steps: a step whose groups leave no sample for the loss (all
+        truncated and masked, all stale, all without reward variance, all with bad rewards)
+        is skipped: no update, no new version, not counted in ``num_steps``, its groups
+        given back to the admission budget. This many skips in a row (or this many steps'
+        worth of groups dropped in a row by ``dynamic_sampling``) stop the run with an error
+        naming the reason (``rlflow.learner.skips``); 0: never stop.
       num_devices / mesh: devices and mesh of the learner program.
       compute_dtype: activations dtype in the train step; params stay ``model.param_dtype``.
       seed: PRNG seed of the learner (dropout-free; used for any sampled quantity).
@@ -401,6 +407,7 @@ class LearnerConfig:
     is_cap: float = 2.0
     mask_truncated: bool = False
     dynamic_sampling: bool = False
+    max_consecutive_skipped_steps: int = 10
     num_devices: int = 1
     mesh: MeshConfig = field(default_factory=MeshConfig)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -427,6 +434,8 @@ class LearnerConfig:
         for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices"):
             _positive(getattr(self, name), f"learner.{name}")
         _check(self.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
+        _check(self.max_consecutive_skipped_steps >= 0, "learner.max_consecutive_skipped_steps",
+               f"must be >= 0 (0: never stop), got {self.max_consecutive_skipped_steps}")
         _one_of(self.schedule, ("constant", "cosine"), "learner.schedule")
         _one_of(self.advantage, ("grpo", "drgrpo", "rloo", "gae"), "learner.advantage")
         _one_of(self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),

@@ -19,6 +19,10 @@ with ``k = runtime.max_staleness``. So
   sampling) is counted neither as accepted nor as buffered, so its slot in the budget opens
   again and the sampler makes a replacement: the learner never waits forever for groups the
   sampler thinks it already delivered (the "staleness deadlock").
+* A step the learner skips (its groups leave no sample for the loss,
+  ``rlflow.learner.skips``) takes back its groups' count from ``accepted`` too: the version
+  does not advance, so without that the budget would shrink by a step's groups with every
+  skip and the run would deadlock.
 * After a sampler restart its in-flight groups are gone from the count as well, and it
   resumes with the newest published weights.
 """

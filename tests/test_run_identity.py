@@ -18,6 +18,7 @@ import pytest
 from rlflow import config as C
 from rlflow import launch
 from rlflow import programs_common as pc
+from rlflow.learner.skips import SkipCounter
 from rlflow.run_identity import (RUN_FILE, RunFolderConflict, check_run_folder,
                                  earlier_run_records, prepare_run_folder)
 
@@ -215,7 +216,8 @@ class _Learner:
     version = 12
 
     def build_batch(self, groups):
-        return "batch", {"reward/mean": 0.5, "staleness/mean": 0.0}
+        return "batch", {"reward/mean": 0.5, "staleness/mean": 0.0, "batch/samples": 2,
+                         "batch/groups": 1, "batch/loss_samples": 2}
 
     def step(self, batch):
         self.version += 1                  # the optimiser step is done ...
@@ -245,6 +247,7 @@ def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fres
     program.learner, program.writer = _Learner(), _Writer()
     program.coordinator, program.version = _Coordinator(), 12
     program.counts = dict(accepted=12, stale_groups=0, zero_variance_groups=0)
+    program.skips = SkipCounter(program.cfg)
     program.take_groups = lambda: [{"rewards": np.array([0.0, 1.0]), "policy_versions":
                                     np.array([[12], [12]]), "completion_lengths": np.array([1, 1])}]
     program._publish = lambda: None

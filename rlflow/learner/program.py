@@ -11,7 +11,10 @@ One process (one host of the learner slice on a pod), its own JAX runtime and me
           older than runtime.max_staleness versions (stale_policy "drop"), or that has no
           reward variance under learner.dynamic_sampling, is rejected and counted, and the
           sampler makes a replacement (see rlflow.runtime_control)
-        build the batch, run the jitted step          -> version v + 1 (= steps taken)
+        build the batch; when it has no loss sample (all masked / stale / filtered / bad
+          rewards) the step is skipped: counted, nothing trained or published, its groups
+          given back to the admission budget (rlflow.learner.skips)
+        run the jitted step                           -> version v + 1 (= steps taken)
         publish every runtime.publish_every steps; log one metrics record (rlflow.metrics);
         write sample completions; checkpoint every checkpoint.every_steps
     tell the samplers the run is done; save the exit checkpoint.
@@ -37,6 +40,7 @@ from rlflow.exchange.records import policy_version_range
 from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import sample_staleness
+from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner
 from rlflow.metrics import MetricsWriter
 from rlflow.models.lora import tree_bytes
@@ -110,8 +114,11 @@ class LearnerProgram:
         self.version = self.start_step
         # Every step accepts exactly groups_per_step groups, so the admission count of a
         # resumed run starts where the checkpointed one stopped.
+        # (A skipped step gives its groups back, so this holds with skips too.)
         self.counts = dict(accepted=self.start_step * self.gps, stale_groups=0,
                            zero_variance_groups=0)
+        self.skips = SkipCounter(cfg)
+        self.filter_streak = FilterStreak(cfg)
         self.tokenizer = pc.run_tokenizer(cfg)
         self.threshold = pc.accuracy_threshold(cfg.reward)
         self.writer = MetricsWriter.for_experiment(cfg, start_step=self.start_step)
@@ -173,7 +180,9 @@ class LearnerProgram:
         if self.cfg.learner.dynamic_sampling and \
                 not adv_lib.groups_with_signal(group["rewards"][None], xp=np)[0]:
             self.counts["zero_variance_groups"] += 1
+            self.filter_streak.rejected(self.version)   # raises after too many in a row
             return False
+        self.filter_streak.accepted()
         self.counts["accepted"] += 1
         return True
 
@@ -186,11 +195,24 @@ class LearnerProgram:
         return groups
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> dict:
+    def skip(self, groups, reason: str, info: dict) -> None:
+        """A step without loss samples: no update, no publish; its groups go back to the
+        admission budget (counted like rejected groups, so the samplers make replacements
+        and the budget does not shrink with each skip). Raises
+        :class:`rlflow.learner.skips.DegenerateStepsError` after too many in a row."""
+        self.counts["accepted"] -= len(groups)
+        self.skips.skipped(reason, self.version, info)
+
+    def step(self) -> dict | None:
+        """One step; returns its metrics, or None when it was skipped (see :meth:`skip`)."""
         t0 = time.monotonic()
         groups = self.take_groups()
         t_wait = time.monotonic() - t0
         batch, info = self.learner.build_batch(groups)
+        reason = skip_reason(info)
+        if reason is not None:
+            self.skip(groups, reason, info)
+            return None
         # A stop request (SIGTERM) waits until this version's metrics and samples are
         # written: the exit checkpoint of a version always has its metrics record.
         with pc.deferred_stop():
@@ -200,6 +222,10 @@ class LearnerProgram:
         t1 = time.monotonic()
         metrics = self.learner.step(batch)
         t_step = time.monotonic() - t1
+        if self.learner.version == self.version:  # the step's own guard: no loss token
+            self.skip(groups, "mixed", info)
+            return None
+        self.skips.trained()
         self.version = self.learner.version
         # The prompt-iterator state to checkpoint with this version: read before the new
         # version goes out, so in sync mode it is exactly after the prompts consumed so far
@@ -226,6 +252,7 @@ class LearnerProgram:
             "learner/zero_variance_groups_dropped": self.counts["zero_variance_groups"],
             "learner/published_version": self.coordinator.published_version,
             "sync/bytes_per_version": float(self.publisher.bytes),
+            **self.skips.metrics(),
         })
         metrics.update(self._buffer_metrics())
         metrics.update(self._sampler_metrics())
@@ -293,7 +320,10 @@ class LearnerProgram:
         try:
             while self.version < n:
                 pc.raise_if_stopped()
-                metrics = self.step()
+                step_metrics = self.step()
+                if step_metrics is None:          # skipped: counted, nothing to log or save
+                    continue
+                metrics = step_metrics
                 log.info("step %d/%d reward %.3f stale %.2f wait %.2fs step %.2fs", self.version,
                          n, metrics["reward/mean"], metrics["staleness/mean"],
                          metrics["buffer/consumer_wait_s"], metrics["learner/step_time_s"])
@@ -331,6 +361,8 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
       rlflow.exchange.ring.ProducerError: a sampler reported a failure.
       rlflow.exchange.ring.BufferTimeoutError: no groups for ``buffer.timeout_s`` seconds.
       rlflow.programs_common.Stopped: SIGTERM (the exit checkpoint is saved first).
+      rlflow.learner.skips.DegenerateStepsError: ``learner.max_consecutive_skipped_steps``
+        steps in a row had no sample to train on (the message names the reason and fields).
     """
     program = LearnerProgram(cfg, endpoints)
     try:
