@@ -63,8 +63,11 @@ def test_checkpoint_holds_adapters_and_resume_checks_the_base(lora_run):
     cfg, learner = lora_run["cfg"], lora_run["learner"]
     step, saved, meta = ckpt_lib.restore_params(ckpt_lib.checkpoint_dir(cfg.run_path))
     leaves = jax.tree_util.tree_flatten_with_path(saved)[0]
-    assert step == 1 and leaves            # adapters only: every saved array is in an *_lora
-    assert all(any(str(getattr(k, "key", k)).endswith("_lora") for k in p) for p, _ in leaves)
+    # adapters (+ the trained final norm) only: every saved array is in an *_lora or final_norm
+    names = [[str(getattr(k, "key", k)) for k in p] for p, _ in leaves]
+    assert step == 1 and leaves
+    assert all(any(n.endswith("_lora") for n in p) or "final_norm" in p for p in names), names
+    assert sum("final_norm" in p for p in names) == 1
     assert meta["lora_base"]["path"] == lora_run["base"]
     assert len(meta["lora_base"]["config_sha256"]) == 64
     again = Learner(cfg, mesh=one_device_mesh())
