@@ -450,7 +450,7 @@ class Checkpointer:
         if target is None:
             # No target: read onto the host CPU device (works whatever mesh saved it).
             saved = self._manager.item_metadata(step).get(item)
-            cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
             target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
                                   getattr(saved, "tree", saved))
         else:

@@ -161,7 +161,7 @@ def _params_target(cfg: DecoderConfig):
     from rlflow.models.decoder import Decoder
 
     params = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), params)
 
 

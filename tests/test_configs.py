@@ -16,7 +16,7 @@ from rlflow.programs_common import config_from_dict, config_to_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
-REFERENCE = ["gsm8k_qwen2_5_0_5b.py", "gsm8k_qwen2_5_7b.py"]
+REFERENCE = ["gsm8k_qwen2_5_0_5b.py", "gsm8k_qwen2_5_7b.py", "gsm8k_llama3_1_70b.py"]
 
 
 @pytest.fixture

@@ -127,6 +127,27 @@ runtime_for() {
   esac
 }
 
+# "HOSTS CHIPS_PER_HOST" of an accelerator type. v4-N / v5p-N count TensorCores (2 per chip,
+# 4 chips per host); v5litepod-N / v6e-N count chips (up to 8 on one host, 4 per host above).
+slice_shape() {
+  local type="$1" n="${1##*-}"
+  [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -gt 0 ] || die "accelerator type $type: expected NAME-SIZE"
+  case "$type" in
+    v4-*|v5p-*)
+      [ "$n" -ge 8 ] && [ $((n % 8)) = 0 ] || die "accelerator type $type: size must be a multiple of 8"
+      echo "$((n / 8)) 4" ;;
+    v5litepod-*|v6e-*)
+      if [ "$n" -le 8 ]; then echo "1 $n"
+      else
+        [ $((n % 4)) = 0 ] || die "accelerator type $type: size above 8 must be a multiple of 4"
+        echo "$((n / 4)) 4"
+      fi ;;
+    *) die "unknown accelerator type $type (v4-N, v5p-N, v5litepod-N or v6e-N)" ;;
+  esac
+}
+
+slice_hosts() { local shape; shape="$(slice_shape "$1")"; echo "${shape% *}"; }
+
 # Quote one word for a POSIX shell, leaving plain words as they are.
 shell_quote() {
   if [[ "$1" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then

@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # Start the learner program on every host of the learner slice, then the sampler program on
 # every host of the sampler slice. Both get the learner host 0 addresses (ring buffer and
-# weight coordinator); each slice runs jax.distributed for its own hosts only.
+# weight coordinator); each slice runs jax.distributed for its own hosts only. A multi-host
+# slice type (v5p-16, v5litepod-16, v6e-16, ...) gets the program on each of its hosts
+# (--dry-run prints what each host runs); a multi-host learner needs a gs:// --run-dir.
 #   scripts/tpu/start.sh --zone us-west4-a --config configs/gsm8k_qwen2_5_0_5b.py
 #       --model-dir /home/me/qwen [--run-dir gs://b/runs] [--dry-run] [-- --learner.lr 1e-6]
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-usage() { sed -n '2,6p' "${BASH_SOURCE[0]}"; usage_common; }
+usage() { sed -n '2,8p' "${BASH_SOURCE[0]}"; usage_common; }
 parse_flags "$@"
+slice_shape "$LEARNER_TYPE" >/dev/null   # dies here (not in a subshell) on a bad type
+slice_shape "$SAMPLER_TYPE" >/dev/null
+learner_hosts="$(slice_hosts "$LEARNER_TYPE")"
+sampler_hosts="$(slice_hosts "$SAMPLER_TYPE")"
+if [ "$learner_hosts" -gt 1 ] && [[ "$RUN_DIR" != gs://* ]]; then
+  die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE)" \
+    "has $learner_hosts hosts: every host writes its checkpoint shards there"
+fi
 
 if [ -z "$TOKEN" ]; then
   TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
@@ -42,12 +52,22 @@ if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
 train+=("${TRAIN_ARGS[@]}")
 
 for role in learner sampler; do
-  node="$LEARNER_NODE"; [ "$role" = sampler ] && node="$SAMPLER_NODE"
+  node="$LEARNER_NODE"; hosts="$learner_hosts"; type="$LEARNER_TYPE"
+  if [ "$role" = sampler ]; then
+    node="$SAMPLER_NODE"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"
+  fi
   # scp paths are relative to the remote home: host_run.sh reads $HOME/.rlflow-buffer.token
   run gcloud compute tpus tpu-vm scp "$token_file" "$node:.rlflow-buffer.token" \
     "${GCLOUD_COMMON[@]}" --worker=all
   remote="env $(command_line "${env_words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
   remote+=" start $role $(command_line "${train[@]}")"
   ssh_cmd "$node" all "$remote"
+  if [ "$DRY_RUN" = 1 ]; then
+    # what host_run.sh runs on each host (its slice position comes from the TPU metadata)
+    for ((i = 0; i < hosts; i++)); do
+      note "$role host $i of $hosts ($type): RLFLOW_JAX_COORDINATOR=${node}-HOST0_IP:$JAX_PORT" \
+        "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.launch --role $role"
+    done
+  fi
 done
 note "follow the logs with scripts/tpu/logs.sh --zone $ZONE --name $NAME"

@@ -1,0 +1,124 @@
+"""Learner memory per chip, computed from the architecture and the config (before any run).
+
+What one chip of the learner mesh holds during a train step (bytes):
+
+* parameters: ``N x param bytes / (fsdp x tensor)`` (replicated over ``data``);
+* AdamW moments ``mu``, ``nu``: ``2 x N x param bytes / (fsdp x tensor)`` (optax keeps them in
+  the parameters' dtype);
+* gradients: ``N x 4 / (fsdp x tensor)`` (the float32 micro-batch accumulator);
+* KL reference copy (``learner.kl_coef > 0``): ``N x param bytes / (fsdp x tensor)``;
+* activations of one micro-batch kept for the backward pass (the decoder does not
+  rematerialise): per layer and token ``a x (4 h + 4 i / t + 2 (q + 2 kv) d / t)`` bytes for
+  norms / residuals, MLP (gate, up, product, activation) and attention projections, plus
+  ``2 x 4 x (q / t) x L`` for the float32 attention scores and probabilities; and the float32
+  logits, log-softmax and their gradient ``3 x 4 x V / t`` per token. ``a`` = compute dtype
+  bytes, ``t`` = tensor axis, rows per chip = micro-batch rows / (data x fsdp).
+
+``N`` counts embeddings, ``L`` layers of (q, k, v, o projections, gate/up/down MLP, two RMSNorm
+scales), the final norm and (untied) the output projection, Qwen2's q/k/v biases included
+when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``. The activation term is an
+estimate of what XLA keeps (it may fuse some away); the state terms are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlflow.config import ConfigError
+
+GIB = 2 ** 30
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class LearnerDoesNotFit(ConfigError):
+    """The learner's state and activations exceed a chip's memory; the message names the
+    mesh, each term in GiB and the chip's capacity."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Sizes of a Llama / Qwen2 decoder (Hugging Face ``config.json`` names in comments)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int          # num_hidden_layers
+    num_heads: int           # num_attention_heads
+    num_kv_heads: int        # num_key_value_heads
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False   # Qwen2
+    qk_norm: bool = False    # Qwen3: per-head RMSNorm scales on q and k
+
+    @classmethod
+    def from_model_config(cls, m) -> "Architecture":
+        """From a :class:`rlflow.config.ModelConfig` (a random model's fields)."""
+        return cls(m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
+                   m.num_kv_heads, m.head_dim, m.tie_word_embeddings, m.model_type == "qwen2",
+                   m.model_type == "qwen3")
+
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_layers * layer + h
+
+
+@dataclass(frozen=True)
+class LearnerMemory:
+    """Bytes per chip of each term (module doc) and their total."""
+    params: float
+    optimizer: float
+    grads: float
+    reference: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + self.grads + self.reference + self.activations
+
+    def describe(self) -> str:
+        terms = ("params", "optimizer", "grads", "reference", "activations")
+        return ", ".join(f"{t} {getattr(self, t) / GIB:.1f}" for t in terms) + \
+            f" = {self.total / GIB:.1f} GiB"
+
+
+def learner_memory(arch: Architecture, cfg) -> LearnerMemory:
+    """Per-chip memory of the learner of ``cfg`` (an ``ExperimentConfig``) for ``arch``."""
+    lc, sc = cfg.learner, cfg.sampler
+    mesh = lc.mesh
+    n = arch.num_params()
+    shards = mesh.fsdp * mesh.tensor
+    pb = _BYTES[cfg.model.param_dtype]
+    a = _BYTES[lc.compute_dtype]
+    rows = lc.groups_per_step * sc.group_size / lc.micro_batches / (mesh.data * mesh.fsdp)
+    seq = max(lc.seq_buckets) if lc.seq_buckets else sc.max_prefill_length + sc.max_tokens
+    t = mesh.tensor
+    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_heads, arch.num_kv_heads
+    per_token_layer = a * (4 * h + 4 * i / t + 2 * (q + 2 * kv) * d / t) + 8 * (q / t) * seq
+    per_token_head = 12 * arch.vocab_size / t
+    act = rows * seq * (arch.num_layers * per_token_layer + per_token_head)
+    return LearnerMemory(params=n * pb / shards, optimizer=2 * n * pb / shards,
+                         grads=n * 4 / shards,
+                         reference=n * pb / shards if lc.kl_coef > 0 else 0.0,
+                         activations=act)
+
+
+def check_fits(arch: Architecture, cfg, chip_gib: float, *, headroom: float = 0.9
+               ) -> LearnerMemory:
+    """:func:`learner_memory`, raising when it exceeds ``headroom x chip_gib``.
+
+    Raises:
+      LearnerDoesNotFit: naming ``learner.mesh``, the per-chip terms and the capacity.
+    """
+    mem = learner_memory(arch, cfg)
+    if mem.total > headroom * chip_gib * GIB:
+        m = cfg.learner.mesh
+        raise LearnerDoesNotFit(
+            f"learner.mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor}: "
+            f"{arch.num_params() / 1e9:.1f}B parameters need per chip {mem.describe()}, more "
+            f"than {headroom:.0%} of a {chip_gib:.1f} GiB chip; use more chips (fsdp) or more "
+            "learner.micro_batches")
+    return mem

@@ -1,0 +1,308 @@
+"""A learner over several hosts: multi-controller JAX (one process per host of the slice).
+
+Every host of the learner slice runs the same program: :func:`initialize` joins it to the
+others (``jax.distributed``; on CPU with gloo collectives), :func:`global_mesh` builds the
+``(data, fsdp, tensor)`` mesh over all hosts' devices with the usual logical-axis rules, and
+the jitted train step of :class:`rlflow.learner.trainer.Learner` runs unchanged on it. Only
+host 0 (``jax.process_index() == 0``) holds the rollout records and builds each step's batch;
+:func:`distribute_batch` broadcasts it and every host then builds *its own rows* of the global
+batch arrays (``jax.make_array_from_process_local_data``) under
+:func:`rlflow.mesh.batch_sharding`::
+
+    multihost.initialize(DistributedConfig("10.0.0.2:8476", num_processes=2, process_id=i))
+    learner = Learner(cfg, mesh=multihost.global_mesh(cfg.learner.mesh))
+    batch = learner.build_batch(records)[0] if jax.process_index() == 0 else None
+    metrics, info = multihost.train_step(learner, batch)    # every host calls it
+
+Failure model: ``jax.distributed.initialize`` on a host that cannot reach the coordinator
+aborts the process (a C++ fatal error, no Python exception) after its timeout, so
+:func:`initialize` first waits for the coordinator's TCP port itself and raises
+:class:`CoordinatorUnreachable` naming the host and address. A host that dies later makes the
+coordination service terminate the others (their logs name the missing task).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from rlflow.learner.batch import BatchError, TrainBatch, validate_batch
+from rlflow.mesh import batch_sharding, make_mesh
+from rlflow.models.decoder import TokenRangeError, validate_tokens
+
+
+class DistributedError(RuntimeError):
+    """The learner hosts could not be joined; the message names the host and what failed."""
+
+
+class CoordinatorUnreachable(DistributedError):
+    """A learner host could not open a TCP connection to the coordinator within the timeout."""
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins the learner program.
+
+    Attributes:
+      coordinator_address: ``host:port`` of learner host 0's coordination service.
+      num_processes: learner hosts (one process per host).
+      process_id: this host's index in ``[0, num_processes)``; 0 runs the coordinator.
+      init_timeout_s: seconds to wait for the coordinator / all hosts to join.
+      heartbeat_timeout_s: seconds without a heartbeat after which the coordination service
+        declares a host dead and terminates every other host (their logs name it: "Task N
+        heartbeat timeout"). On CPU a collective with a dead host fails at once (gloo:
+        "Connection closed by peer"); the other hosts then exit after this timeout.
+    """
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    init_timeout_s: float = 300.0
+    heartbeat_timeout_s: float = 100.0
+
+    def __post_init__(self):
+        host, _, port = self.coordinator_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"coordinator_address: expected 'host:port', got "
+                             f"{self.coordinator_address!r}")
+        if self.num_processes < 1:
+            raise ValueError(f"num_processes: expected >= 1, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id: expected 0 <= process_id < num_processes = "
+                             f"{self.num_processes}, got {self.process_id}")
+        if not self.init_timeout_s > 0:
+            raise ValueError(f"init_timeout_s: expected > 0, got {self.init_timeout_s}")
+        if not self.heartbeat_timeout_s >= 1:
+            raise ValueError(f"heartbeat_timeout_s: expected >= 1, got "
+                             f"{self.heartbeat_timeout_s}")
+
+
+def use_gloo_collectives() -> None:
+    """Select gloo for cross-process collectives on CPU (call before the backend starts;
+    TPU/GPU backends ignore this setting)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def wait_for_coordinator(address: str, timeout_s: float, *, process_id: int,
+                         poll_s: float = 0.25) -> float:
+    """Retry a TCP connect to ``address`` until it succeeds or ``timeout_s`` passes.
+
+    Host 0 may start after the others, so a refused connection is retried.
+
+    Returns: seconds waited.
+
+    Raises:
+      CoordinatorUnreachable: naming ``learner host <process_id>``, the address, the timeout
+        and the last socket error.
+    """
+    host, _, port = address.rpartition(":")
+    t0 = time.monotonic()
+    last: Optional[OSError] = None
+    while True:
+        left = timeout_s - (time.monotonic() - t0)
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(left, 5.0))):
+                return time.monotonic() - t0
+        except OSError as e:
+            last = e
+        if time.monotonic() - t0 + poll_s > timeout_s:
+            raise CoordinatorUnreachable(
+                f"learner host {process_id}: coordinator {address} (learner host 0) not "
+                f"reachable within {timeout_s:g} s (last error: {last}); check that host 0 "
+                "started, and the address, port and firewall")
+        time.sleep(poll_s)
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """Join this host to the learner program (``jax.distributed.initialize``).
+
+    Hosts other than 0 first wait for the coordinator's port (:func:`wait_for_coordinator`).
+
+    Raises:
+      CoordinatorUnreachable: the coordinator did not accept a connection in time.
+      DistributedError: after joining, the process count differs from the config.
+    """
+    if cfg.process_id != 0:
+        wait_for_coordinator(cfg.coordinator_address, cfg.init_timeout_s,
+                             process_id=cfg.process_id)
+    use_gloo_collectives()
+    jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
+                               num_processes=cfg.num_processes, process_id=cfg.process_id,
+                               initialization_timeout=int(math.ceil(cfg.init_timeout_s)),
+                               heartbeat_timeout_seconds=int(math.ceil(cfg.heartbeat_timeout_s)))
+    if jax.process_count() != cfg.num_processes:
+        raise DistributedError(f"learner host {cfg.process_id}: joined {jax.process_count()} "
+                               f"processes, expected num_processes = {cfg.num_processes}")
+
+
+def global_mesh(mesh_cfg):
+    """The learner mesh over every host's devices (``jax.devices()`` is global after
+    :func:`initialize`); hosts' devices are contiguous, so each host holds a contiguous block
+    of batch rows.
+
+    Raises: ValueError: ``data * fsdp * tensor`` differs from the global device count (names
+    the hosts and devices per host).
+    """
+    devices = jax.devices()
+    if mesh_cfg.num_devices != len(devices):
+        raise ValueError(
+            f"learner.mesh data={mesh_cfg.data} x fsdp={mesh_cfg.fsdp} x tensor="
+            f"{mesh_cfg.tensor} = {mesh_cfg.num_devices} devices, but the learner slice has "
+            f"{jax.process_count()} hosts x {jax.local_device_count()} devices = {len(devices)}")
+    return make_mesh(mesh_cfg, devices)
+
+
+# -- batch distribution ------------------------------------------------------------------------
+
+_MSG = 480          # bytes of an error message carried in the header
+_FIELDS = TrainBatch._fields
+
+
+def _header(rows: int, seq: int, error: str = "") -> np.ndarray:
+    msg = np.frombuffer(error.encode()[:_MSG].ljust(_MSG, b"\0"), np.uint8).astype(np.int32)
+    return np.concatenate([np.array([rows, seq, 1 if error else 0], np.int32), msg])
+
+
+def _pack(batch: TrainBatch) -> np.ndarray:
+    """``[8, B, L]`` int32: int and bool fields as values, float32 fields as their bits (the
+    broadcast is a sum with zeros, exact on int32 bits; on floats it would turn -0.0 into 0.0)."""
+    out = []
+    for name in _FIELDS:
+        x = np.asarray(getattr(batch, name))
+        out.append(x.view(np.int32) if x.dtype == np.float32 else x.astype(np.int32))
+    return np.stack(out)
+
+
+_DTYPES = dict(tokens=np.int32, attention_mask=np.bool_, positions=np.int32, targets=np.int32,
+               loss_mask=np.bool_, behaviour_logprobs=np.float32, advantages=np.float32,
+               token_rewards=np.float32)
+
+
+def _unpack(packed: np.ndarray) -> TrainBatch:
+    fields = {}
+    for name, x in zip(_FIELDS, packed):
+        dt = _DTYPES[name]
+        fields[name] = x.view(np.float32) if dt == np.float32 else x.astype(dt)
+    return TrainBatch(**fields)
+
+
+def local_rows(sharding, global_shape) -> slice:
+    """The contiguous rows of a ``[B, L]`` array that this process's devices hold.
+
+    Raises: ValueError: they are not contiguous (a mesh whose device order interleaves hosts).
+    """
+    idx = sharding.addressable_devices_indices_map(tuple(global_shape)).values()
+    spans = sorted({(s[0].start or 0, global_shape[0] if s[0].stop is None else s[0].stop)
+                    for s in idx})
+    lo, hi = spans[0][0], max(stop for _, stop in spans)
+    covered = np.zeros(global_shape[0], bool)
+    for a, b in spans:
+        covered[a:b] = True
+    if not covered[lo:hi].all():
+        raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows {spans}")
+    return slice(lo, hi)
+
+
+def check_batch(batch: TrainBatch, learner) -> TrainBatch:
+    """The host checks :meth:`Learner.step` makes, on host 0 before distribution; fills
+    ``token_rewards`` with zeros for the group estimators.
+
+    Raises: BatchError / TokenRangeError as :meth:`rlflow.learner.trainer.Learner.step`.
+    """
+    validate_batch(batch)
+    if batch.token_rewards is None:
+        if learner.settings.gae:
+            raise BatchError("token_rewards is None, but learner.advantage='gae' needs each "
+                             "sample's reward on its last response token (build_batch)")
+        batch = batch._replace(token_rewards=np.zeros(np.shape(batch.advantages), np.float32))
+    validate_tokens(batch.tokens, learner.model_config.vocab_size, where="train batch tokens")
+    rows = np.shape(batch.tokens)[0]
+    split = learner.settings.micro_batches * learner.mesh.shape["data"] * learner.mesh.shape["fsdp"]
+    if rows % split:
+        raise BatchError(f"batch of {rows} rows does not divide into learner.micro_batches x "
+                         f"data x fsdp = {split} parts")
+    return batch
+
+
+def distribute_batch(batch: Optional[TrainBatch], mesh, *, source: int = 0,
+                     check=None) -> tuple[TrainBatch, dict]:
+    """Host ``source``'s host batch -> global batch arrays in ``batch_sharding(mesh)``.
+
+    Every process calls it; only ``source`` passes a batch (the others None). ``source``
+    first broadcasts a header (shape, or the error ``check(batch)`` raised there: then every
+    host raises it, none is left waiting in a collective), then the batch packed as one int32
+    ``[8, B, L]`` buffer; each host keeps its own rows (:func:`local_rows`) and assembles the
+    global arrays with ``jax.make_array_from_process_local_data``.
+
+    Returns:
+      ``(TrainBatch of jax.Array [B, L], info)``; info: ``batch/broadcast_bytes`` (bytes
+      of the broadcast batch buffer, = what each host receives), ``batch/local_bytes`` (bytes
+      this host keeps), ``batch/distribute_s`` (seconds).
+
+    Raises:
+      BatchError: ``check`` rejected the batch on host ``source`` (raised on every host, with
+        the source host's message).
+    """
+    t0 = time.perf_counter()
+    is_source = jax.process_index() == source
+    if is_source:
+        if batch is None:
+            raise ValueError(f"learner host {source} must pass the step's batch")
+        error = ""
+        try:
+            if check is not None:
+                batch = check(batch)
+            shape = np.shape(batch.tokens)
+        except (BatchError, TokenRangeError) as e:
+            error, shape = f"{type(e).__name__}: {e}", (0, 0)
+        header = _header(*shape, error=error)
+    else:
+        header = _header(0, 0)
+    header = np.asarray(multihost_utils.broadcast_one_to_all(header, is_source=is_source))
+    if header[2]:
+        msg = bytes(header[3:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+        raise BatchError(f"learner host {source} rejected the step's batch: {msg}")
+    rows, seq = int(header[0]), int(header[1])
+    packed = _pack(batch) if is_source else np.zeros((len(_FIELDS), rows, seq), np.int32)
+    packed = np.asarray(multihost_utils.broadcast_one_to_all(packed, is_source=is_source))
+    host = _unpack(packed)
+    sh = batch_sharding(mesh)
+    mine = local_rows(sh, (rows, seq))
+    out = TrainBatch(*(jax.make_array_from_process_local_data(sh, x[mine], (rows, seq))
+                       for x in host))
+    local = sum(x[mine].nbytes for x in host)
+    return out, {"batch/broadcast_bytes": float(packed.nbytes), "batch/local_bytes": float(local),
+                 "batch/distribute_s": time.perf_counter() - t0}
+
+
+def train_step(learner, batch: Optional[TrainBatch], *, source: int = 0
+               ) -> tuple[dict[str, float], dict]:
+    """One optimiser step of a multi-host :class:`rlflow.learner.trainer.Learner` (built on
+    :func:`global_mesh`); every host calls it, host ``source`` with the batch.
+
+    Returns: ``(step metrics as floats, distribution info)`` on every host.
+
+    Raises: BatchError on every host when host ``source`` rejects the batch (as
+    :meth:`Learner.step`).
+    """
+    dev, info = distribute_batch(batch, learner.mesh, source=source,
+                                 check=lambda b: check_batch(b, learner))
+    fn = learner.compiled_step(*dev.tokens.shape)
+    learner.state, metrics = fn(learner.state, dev, learner.ref_params)
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}, info
+
+
+def gather_to_host(tree):
+    """Every leaf of ``tree`` (global arrays, any sharding) as a full numpy array on every host
+    (a collective: every process must call it)."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+    return jax.tree.map(one, tree)

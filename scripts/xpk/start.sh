@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Start the learner and the sampler as two xpk workloads (JobSets) on a GKE cluster: one pod
+# per TPU host of each slice type, every pod running scripts/xpk/pod_run.sh with the same
+# config and environment as scripts/tpu/start.sh. --dry-run also prints what each host runs.
+#   scripts/xpk/start.sh --cluster c1 --zone us-east5-a --docker-image gcr.io/p/rlflow:1
+#       --learner-type v5p-16 --run-dir gs://b/runs [--dry-run] [-- --learner.lr 1e-6]
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+usage() { sed -n '2,6p' "${BASH_SOURCE[0]}"; usage_xpk; }
+parse_xpk_flags "$@"
+[ -n "$DOCKER_IMAGE" ] || die "--docker-image is required"
+slice_shape "$LEARNER_TYPE" >/dev/null   # dies here (not in a subshell) on a bad type
+slice_shape "$SAMPLER_TYPE" >/dev/null
+learner_hosts="$(slice_hosts "$LEARNER_TYPE")"
+sampler_hosts="$(slice_hosts "$SAMPLER_TYPE")"
+if [ "$learner_hosts" -gt 1 ] && [[ "$RUN_DIR" != gs://* ]]; then
+  die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE)" \
+    "has $learner_hosts hosts: every host writes its checkpoint shards there"
+fi
+if [ -z "$TOKEN" ]; then
+  TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
+  note "generated a random ring-buffer token (export RLFLOW_BUFFER_TOKEN to choose it)"
+fi
+# The token reaches the pods through xpk's --env-file (mode 0600 here, removed at exit):
+# never on a command line; pod_run.sh moves it into a 0600 file for --buffer.token_file.
+env_file="$(mktemp)"
+trap 'rm -f "$env_file"' EXIT
+chmod 600 "$env_file"
+printf 'RLFLOW_BUFFER_TOKEN=%s\n' "$TOKEN" >"$env_file"
+# learner host 0 = pod 0 of job 0 of the learner JobSet (xpk names the replicated job slice-job)
+LEARNER_ADDR="${LEARNER_IP:-${LEARNER_NODE}-slice-job-0-0.${LEARNER_NODE}}"
+
+env_words=("RLFLOW_BUFFER_ADDRESS=$LEARNER_ADDR:$BUFFER_PORT"
+           "RLFLOW_COORDINATOR_ADDRESS=$LEARNER_ADDR:$COORDINATOR_PORT"
+           "RLFLOW_JAX_PORT=$JAX_PORT")
+if [ -n "$MODEL_DIR" ]; then env_words+=("RLFLOW_MODEL_PATH=$MODEL_DIR"); fi
+train=(--config "$CONFIG" --buffer.bind_address 0.0.0.0 --buffer.port "$BUFFER_PORT")
+if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
+train+=("${TRAIN_ARGS[@]}")
+
+for role in learner sampler; do
+  workload="$LEARNER_NODE"; hosts="$learner_hosts"; type="$LEARNER_TYPE"
+  if [ "$role" = sampler ]; then
+    workload="$SAMPLER_NODE"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"
+  fi
+  pod_cmd="env $(command_line "${env_words[@]}") bash scripts/xpk/pod_run.sh $role"
+  pod_cmd+=" $(command_line "${train[@]}")"
+  run "$XPK" workload create "${XPK_COMMON[@]}" --workload="$workload" --tpu-type="$type" \
+    --num-slices=1 --docker-image="$DOCKER_IMAGE" --env-file="$env_file" --command="$pod_cmd"
+  if [ "$DRY_RUN" = 1 ]; then
+    for ((i = 0; i < hosts; i++)); do
+      note "$role host $i of $hosts ($type): TPU_WORKER_ID=$i ->" \
+        "RLFLOW_JAX_COORDINATOR=${workload}-slice-job-0-0.${workload}:$JAX_PORT" \
+        "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.launch --role $role"
+    done
+  fi
+done
+note "follow the logs with: $XPK workload list --cluster=$CLUSTER, kubectl logs"

@@ -1,0 +1,130 @@
+"""Functions run in every process of a rlflow.learner.local_hosts group (``fn(ctx) -> result``)."""
+
+import jax
+import numpy as np
+
+from rlflow.config import MeshConfig, ModelConfig
+from learner_fixtures import make_group_records, tiny_experiment
+
+VOCAB, G, T = 64, 4, 6
+MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+LR, STEPS = 1e-4, 3
+
+
+def experiment(**learner):
+    """fsdp=2 x tensor=2 over 4 devices, 2 micro-batches, KL to the reference."""
+    base = dict(num_devices=4, mesh=MeshConfig(fsdp=2, tensor=2), micro_batches=2,
+                kl_coef=0.5, lr=LR)
+    return tiny_experiment(MODEL, G, T, **{**base, **learner})
+
+
+def step_records(step):
+    return make_group_records(100 + step, 2, vocab=VOCAB, group_size=G, max_tokens=T)
+
+
+LOGIT_TOKENS = np.random.default_rng(5).integers(1, VOCAB, size=(4, 12)).astype(np.int32)
+
+
+def logits(learner):
+    """Logits of LOGIT_TOKENS (float32 [4, 12, VOCAB]) as numpy on every host; the tokens are
+    constants of the jitted function, so no host input crosses processes."""
+    from flax import nnx
+
+    from rlflow.mesh import replicated
+
+    tokens = LOGIT_TOKENS
+    pos = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    mask = np.ones(tokens.shape, bool)
+
+    def fn(params):
+        return nnx.merge(learner.graphdef, params)(tokens, pos, mask)
+
+    return np.asarray(jax.jit(fn, out_shardings=replicated(learner.mesh))(learner.params))
+
+
+def train_multihost(ctx):
+    """Train STEPS steps with host 0 building each batch; every host returns the gathered
+    parameters, metrics and batch-distribution info. Then (every host) save a checkpoint to
+    ``args["ckpt_out"]`` and return its logits, and restore ``args["restore_from"]`` (written by
+    one host) onto this 2-host mesh and return those logits."""
+    from flax import nnx
+
+    from rlflow.checkpoint import Checkpointer
+    from rlflow.learner import multihost
+    from rlflow.learner.trainer import Learner
+
+    cfg = experiment()
+    learner = Learner(cfg, mesh=multihost.global_mesh(cfg.learner.mesh))
+    metrics, infos = [], []
+    for step in range(STEPS):
+        batch = learner.build_batch(step_records(step))[0] if jax.process_index() == 0 else None
+        m, info = multihost.train_step(learner, batch)
+        metrics.append(m)
+        infos.append(info)
+    params = {k: v for k, v in nnx.to_flat_state(multihost.gather_to_host(learner.params))}
+    params = {k: np.asarray(v[...]) for k, v in params.items()}
+    out = dict(params=params, metrics=metrics, infos=infos, version=learner.version,
+               process_count=jax.process_count(), logits=logits(learner))
+    with Checkpointer(ctx.args["ckpt_out"], async_save=False) as ck:
+        ck.save(learner.checkpoint(), force=True)
+    other = Learner(cfg, mesh=multihost.global_mesh(cfg.learner.mesh))
+    with Checkpointer(ctx.args["restore_from"], read_only=True) as ck:
+        restored = other.resume(ck)
+    out.update(restored_step=restored.step, restored_version=other.version,
+               restored_logits=logits(other))
+    return out
+
+
+def serve_host_shards(ctx):
+    """Each learner host serves its own shards of the (fsdp=2 x tensor=2) learner's params
+    after one step: a WeightPublisher + coordinator per host, address written to
+    ``coordinator_<i>.txt``; waits for ``done`` (the sampler pulled), returns the gathered
+    parameters."""
+    import os
+    import time
+
+    from flax import nnx
+
+    from rlflow.exchange.coordinator import Coordinator
+    from rlflow.exchange.host_shards import host_units
+    from rlflow.exchange.transfer import WeightPublisher
+    from rlflow.learner import multihost
+    from rlflow.learner.trainer import Learner
+
+    cfg = experiment()
+    learner = Learner(cfg, mesh=multihost.global_mesh(cfg.learner.mesh))
+    batch = learner.build_batch(step_records(0))[0] if jax.process_index() == 0 else None
+    multihost.train_step(learner, batch)
+    units = host_units(learner.params)
+    pub = WeightPublisher(pull_timeout_s=600)
+    coord = Coordinator(pub).start()
+    pub.publish(learner.version, units)
+    path = os.path.join(ctx.work_dir, f"coordinator_{ctx.process_id}.txt")
+    with open(path + ".tmp", "w") as f:
+        f.write(coord.address)
+    os.replace(path + ".tmp", path)
+    params = multihost.gather_to_host(learner.params)
+    done = os.path.join(ctx.work_dir, "done")
+    deadline = time.monotonic() + 600
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    coord.close()
+    return dict(params={k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)},
+                units=sorted(units), version=learner.version)
+
+
+def collectives_until_killed(ctx):
+    """Every host: a broadcast every 0.2 s for up to 10 minutes; ``ready_<i>`` after the
+    first one (the test then kills a host)."""
+    import os
+    import time
+
+    from jax.experimental import multihost_utils
+
+    for n in range(3000):
+        multihost_utils.broadcast_one_to_all(np.arange(4, dtype=np.int32) + n)
+        if n == 0:
+            open(os.path.join(ctx.work_dir, f"ready_{ctx.process_id}"), "w").close()
+        time.sleep(0.2)
+    return "not killed"
