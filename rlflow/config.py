@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
@@ -259,6 +260,77 @@ class SamplerConfig:
                f"has {self.mesh.num_devices} devices but sampler.num_devices={self.num_devices}")
 
 
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on the decoder's projections (Hu et al. 2021, "LoRA", eq. 3):
+    ``W' = W + (alpha / rank) * A @ B`` with ``A [in, rank]``, ``B [rank, out]``; the base
+    weights ``W`` stay frozen (no gradient, no optimiser state), and only the adapters are
+    published to the samplers and checkpointed.
+
+    Attributes:
+      rank: adapter rank r (0: LoRA off, the whole policy is trained).
+      alpha: scale numerator; the adapter term is multiplied by ``alpha / rank``.
+      dropout: dropout on the adapter input; only 0 is supported (the sampler's behaviour
+        logprobs come from the deterministic policy, so dropout in the learner's forward
+        would bias the importance ratios).
+      targets: regular expressions matched (``re.fullmatch``) against the Hugging Face
+        projection names ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``; each
+        must match at least one.
+      lr: learning rate of the adapters; None: ``learner.lr``.
+      train_final_norm: also train the final RMSNorm scale (``E`` floats; PEFT's
+        ``modules_to_save=["model.norm"]``): published, checkpointed and exported with the
+        adapters. Adapters alone cannot raise the logit range (the final RMSNorm fixes the
+        hidden state's norm and the embedding is frozen), which a random base needs.
+      swap: how a sampler applies a new adapter version: "merged" (``W + delta`` written
+        into a working copy of the touched matrices at swap time, the unmerged base kept
+        beside it so that swaps never accumulate; decode runs at the plain model's speed) or
+        "forward" (a low-rank term in every projection's forward; the base is held once, no
+        second copy of the touched matrices, but every decode step pays for the term:
+        ``benchmarks/lora_sync.py``).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: Tuple[str, ...] = LORA_PROJECTIONS
+    lr: Optional[float] = None
+    train_final_norm: bool = False
+    swap: Literal["forward", "merged"] = "merged"
+
+    def __post_init__(self):
+        _check(self.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 off), got {self.rank}")
+        _check(math.isfinite(self.alpha) and self.alpha > 0, "learner.lora.alpha",
+               f"must be finite and > 0, got {self.alpha}")
+        _check(self.dropout == 0.0, "learner.lora.dropout",
+               f"only 0.0 is supported (dropout would make the learner's logprobs differ from "
+               f"the sampler's behaviour logprobs), got {self.dropout}")
+        _check(self.lr is None or (math.isfinite(self.lr) and self.lr > 0), "learner.lora.lr",
+               f"must be None (learner.lr) or finite and > 0, got {self.lr}")
+        _one_of(self.swap, ("forward", "merged"), "learner.lora.swap")
+        _check(len(self.targets) > 0, "learner.lora.targets", "must name at least one projection")
+        for pat in self.targets:
+            try:
+                rx = re.compile(pat)
+            except re.error as e:
+                raise ConfigError(f"learner.lora.targets: {pat!r} is not a regular expression "
+                                  f"({e})") from None
+            _check(any(rx.fullmatch(p) for p in LORA_PROJECTIONS), "learner.lora.targets",
+                   f"{pat!r} matches none of {', '.join(LORA_PROJECTIONS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def projections(self) -> Tuple[str, ...]:
+        """The projection names the targets select, in ``LORA_PROJECTIONS`` order."""
+        return tuple(p for p in LORA_PROJECTIONS
+                     if any(re.fullmatch(pat, p) for pat in self.targets))
+
+
 @dataclass(frozen=True)
 class LearnerConfig:
     """The learner program: losses, optimiser and the jitted train step.
@@ -310,6 +382,8 @@ class LearnerConfig:
       gae_kl_in_reward: move the KL penalty (``kl_coef``, k1 of the old policy against the
         reference) from the loss into the per-token rewards (``advantage="gae"``; needs
         ``kl_coef > 0``).
+      lora: LoRA adapters (:class:`LoraConfig`; ``rank`` 0: off). With LoRA the KL reference
+        is the base model (the adapter term switched off), never a second copy of it.
     """
 
     num_steps: int = 20
@@ -354,6 +428,7 @@ class LearnerConfig:
     value_clip: float = 0.2
     gae_whiten: bool = True
     gae_kl_in_reward: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices"):
@@ -406,6 +481,8 @@ class LearnerConfig:
         _check(not self.gae_kl_in_reward or (gae and self.kl_coef > 0),
                "learner.gae_kl_in_reward", f"needs learner.advantage='gae' and "
                f"learner.kl_coef > 0, got advantage={self.advantage!r}, kl_coef={self.kl_coef}")
+        _check(not (self.lora.enabled and gae), "learner.lora",
+               "LoRA with learner.advantage='gae' (a value head) is not supported")
 
 
 @dataclass(frozen=True)

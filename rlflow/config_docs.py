@@ -25,6 +25,7 @@ SECTIONS = (
     ("checkpoint", config_mod.CheckpointConfig),
     ("metrics", config_mod.MetricsConfig),
     ("sampler.mesh / learner.mesh", config_mod.MeshConfig),
+    ("learner.lora", config_mod.LoraConfig),
 )
 
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w ,/]*?):(?:\s+(.*))?$")

@@ -15,6 +15,10 @@ copies the tokenizer files. Both JSON files keep what the source folder (``--mod
 the run's base model) says beyond the architecture rlflow owns: its generation settings
 (sampling, penalties, EOS/pad ids) unchanged and its other config.json values
 (:mod:`rlflow.models.hf_settings`).
+
+A LoRA run (``learner.lora.rank > 0``; its checkpoints hold the adapters and a reference to
+the base) exports a PEFT adapter folder (:mod:`rlflow.export_peft`), or with ``--merge`` the
+merged full model through :func:`export_params`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class ExportArgs:
       tokenizer_dir: folder with tokenizer files to copy (default: the source folder's).
       dtype: stored dtype; default: the source's (config.json ``torch_dtype`` of
         ``model_path``; ``model.param_dtype`` of the run) or float32.
+      merge: with ``run`` of a LoRA run: write the full model with the adapters merged
+        (``W + alpha / r * A @ B``) instead of the PEFT adapter folder.
     """
 
     out: str
@@ -60,6 +66,7 @@ class ExportArgs:
     base_model: str = ""
     tokenizer_dir: str = ""
     dtype: Optional[Literal["float32", "bfloat16"]] = None
+    merge: bool = False
 
     def check(self) -> None:
         """Raises ModelFormatError on a bad combination (called by :func:`run_export`, so
@@ -70,6 +77,8 @@ class ExportArgs:
             raise ModelFormatError("--step needs --run")
         if self.base_model and not self.run:
             raise ModelFormatError("--base-model needs --run")
+        if self.merge and not self.run:
+            raise ModelFormatError("--merge needs --run (of a LoRA run)")
         if not self.out:
             raise ModelFormatError("--out must be a folder path")
 
@@ -162,6 +171,7 @@ class RunParams(NamedTuple):
     config: DecoderConfig        # architecture of the base folder, param_dtype of the run
     base_model: str              # the base Hugging Face folder (config.json, tokenizer files)
     step: int                    # the checkpoint step exported
+    lora: Any = None             # LoRA run: its LoraSpec (``params`` are then the adapters)
 
 
 def params_from_run(run: str, step: int | None = None, *, base_model: str = "") -> RunParams:
@@ -218,16 +228,73 @@ def params_from_run(run: str, step: int | None = None, *, base_model: str = "") 
                               f"available steps: {steps}")
         step = steps[-1] if step is None else step
         where = os.path.join(ckdir, str(step))
-        cfg, base = _base_config(ck.run_metadata(step), base_model, where)
+        meta = ck.run_metadata(step)
+        cfg, base = _base_config(meta, base_model, where)
+        lora = _lora_spec(meta, cfg, base, where)
+        target = _params_target(cfg) if lora is None else _adapters_target(cfg, lora)
         try:
-            restored = ck.restore(step, params_target=_params_target(cfg),
-                                  restore_opt_state=False)
+            restored = ck.restore(step, params_target=target, restore_opt_state=False)
         except CheckpointError as e:
             raise ExportError(f"{where}: the saved parameters do not match the base model "
                               f"{os.path.join(base, CONFIG_FILE)}: {e}") from None
     finally:
         ck.close()
-    return RunParams(jax.device_get(restored.params), cfg, base, step)
+    return RunParams(jax.device_get(restored.params), cfg, base, step, lora)
+
+
+def _lora_spec(meta: dict, cfg: DecoderConfig, base: str, where: str):
+    """The LoRA spec of a run's checkpoint (None: full weights); checks that ``base`` is the
+    architecture the adapters were trained on."""
+    from rlflow.config import LoraConfig
+    from rlflow.models.lora import LoraSpec, base_config_hash
+
+    lora = (((meta.get("config") or {}).get("learner") or {}).get("lora") or {})
+    if not lora.get("rank"):
+        return None
+    spec = LoraSpec.from_config(LoraConfig(
+        rank=int(lora["rank"]), alpha=float(lora["alpha"]), targets=tuple(lora["targets"]),
+        train_final_norm=bool(lora.get("train_final_norm", False))))
+    saved = (meta.get("lora_base") or {}).get("config_sha256")
+    if saved is not None and saved != base_config_hash(cfg):
+        raise ExportError(f"{where}: the LoRA adapters were trained on another base "
+                          f"architecture than {os.path.join(base, CONFIG_FILE)} (config hash "
+                          f"{saved[:12]} in the checkpoint, {base_config_hash(cfg)[:12]} here)")
+    return spec
+
+
+def _adapters_target(cfg: DecoderConfig, spec):
+    """The adapter tree of ``cfg`` + ``spec`` as ``ShapeDtypeStruct`` on the host CPU."""
+    import jax
+
+    from rlflow.models.lora import abstract_adapters
+
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
+                        abstract_adapters(cfg, spec))
+
+
+def export_lora_run(got: RunParams, out: str, *, merge: bool, tokenizer_dir: str | None,
+                    dtype: str | None) -> None:
+    """Write a LoRA run's adapters as a PEFT folder, or (``merge``) the merged full model.
+
+    The merged kernels are ``W + alpha / r * A @ B`` in float32 from the base folder's
+    weights (read in the run's ``model.param_dtype``).
+    """
+    from flax import nnx
+
+    from rlflow.export_peft import write_peft_adapter
+    from rlflow.models.hf import copy_tokenizer, load_hf
+    from rlflow.models.lora import merged_params
+
+    if merge:
+        model, _ = load_hf(got.base_model, param_dtype=got.config.param_dtype)
+        params = merged_params(nnx.state(model, nnx.Param), got.params, got.lora.scale)
+        export_params(params, got.config, out, tokenizer_dir, dtype, source_dir=got.base_model)
+        return
+    write_peft_adapter(got.params, got.lora, out, base_model=os.path.abspath(got.base_model),
+                       dtype=dtype or "float32")
+    if tokenizer_dir:
+        copy_tokenizer(tokenizer_dir, out)
 
 
 def run_export(args: ExportArgs) -> str:
@@ -242,6 +309,13 @@ def run_export(args: ExportArgs) -> str:
             raise ExportError(f"--out must differ from the run's base model folder ({args.out})")
         tokenizer_dir = args.tokenizer_dir or (got.base_model if _has_tokenizer(got.base_model)
                                                else None)
+        if got.lora is not None:
+            export_lora_run(got, args.out, merge=args.merge, tokenizer_dir=tokenizer_dir,
+                            dtype=args.dtype)
+            return args.out
+        if args.merge:
+            raise ExportError(f"--merge: {args.run} is not a LoRA run (learner.lora.rank is 0); "
+                              "its export is the full model already")
         export_params(got.params, got.config, args.out, tokenizer_dir, args.dtype,
                       source_dir=got.base_model)
     return args.out
@@ -259,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ModelFormatError, ExportError, CheckpointError, FileNotFoundError) as e:
         print(f"rlflow export: {e}", file=sys.stderr)
         return 2
+    if not os.path.isfile(os.path.join(out, CONFIG_FILE)):
+        print(f"rlflow export: wrote a PEFT LoRA adapter to {out}")
+        return 0
     with open(os.path.join(out, CONFIG_FILE)) as f:
         model_type = json.load(f)["model_type"]
     print(f"rlflow export: wrote {model_type} model to {out}")

@@ -34,6 +34,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    ("lora_rank", None),      # LoRA adapter rank: small, never sharded
     # KV cache, per layer [B, K, S, D]
     ("cache_batch", ("data", "fsdp")),
     ("cache_seq", None),

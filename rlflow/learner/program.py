@@ -43,6 +43,7 @@ from rlflow.learner.batch import sample_staleness
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner
 from rlflow.metrics import MetricsWriter
+from rlflow.models.lora import tree_bytes
 from rlflow.runtime_control import RunCoordinator, decode_state, encode_state
 
 log = logging.getLogger("rlflow.learner")
@@ -83,8 +84,10 @@ class _Publisher:
             self.impl = OrbaxWeightPublisher(cfg.run_path, keep_last=rt.weights_keep_last)
             self.offers = _NoOffers()
         self.publish_time: dict[int, float] = {}
+        self.bytes = 0             # bytes of the last published version (LoRA: adapters only)
 
     def publish(self, version: int, params) -> None:
+        self.bytes = tree_bytes(params)
         self.impl.publish(version, params)
         self.offers.version = version
         self.publish_time[version] = time.time()
@@ -253,6 +256,7 @@ class LearnerProgram:
             "learner/stale_groups_dropped": self.counts["stale_groups"],
             "learner/zero_variance_groups_dropped": self.counts["zero_variance_groups"],
             "learner/published_version": self.coordinator.published_version,
+            "sync/bytes_per_version": float(self.publisher.bytes),
             **self.skips.metrics(),
         })
         metrics.update(self._buffer_metrics())

@@ -145,17 +145,19 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 
 
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
-                  value_graphdef=None):
+                  value_graphdef=None, frozen=None):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
       params: the policy's ``nnx.State``, or ``(policy, value head)`` with ``value_graphdef``.
+      frozen: parameters merged into the model but not trained (LoRA: the base, with
+        ``params`` the adapters), or None.
 
     Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
     gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head.
     """
     policy, vparams = (params, None) if value_graphdef is None else params
-    model = nnx.merge(graphdef, policy)
+    model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     values = None
     if value_graphdef is None:
         logits = model(batch.tokens, batch.positions, batch.attention_mask)
@@ -168,12 +170,12 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
     return logp, ent, values
 
 
-def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0):
+def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None):
     """Tempered logprobs of ``batch.targets`` and the policy entropy at each position.
 
     Returns: ``(logprobs, entropy)``, both float32 ``[B, L]`` (entropy carries no gradient).
     """
-    return model_outputs(graphdef, params, batch, temperature)[:2]
+    return model_outputs(graphdef, params, batch, temperature, frozen=frozen)[:2]
 
 
 _SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
@@ -191,10 +193,11 @@ def _targets(mb: TrainBatch, v_old, logp, ref_logp, s: StepSettings):
 
 
 def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
-                value_graphdef=None, old=None):
+                value_graphdef=None, old=None, frozen=None):
     """Loss of one micro-batch. PPO: ``old = (advantages, returns, V_old)`` from the
     old-values pass, or None (computed here from this forward's detached values)."""
-    logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef)
+    logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
+                                      frozen)
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:
@@ -240,7 +243,10 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
 
 
 def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=None):
-    """``(params, batch, ref_params) -> (loss, grads, stats)`` accumulated over micro-batches.
+    """``(params, batch, ref_params, frozen=None) -> (loss, grads, stats)`` accumulated over
+    micro-batches. ``frozen``: parameters of the model that get no gradient (LoRA: the base,
+    ``params`` and ``ref_params`` then being adapter trees; zero adapters as ``ref_params``
+    make the KL reference the base model).
 
     ``params`` is the policy's ``nnx.State``, or with ``settings.gae`` the pair
     ``(policy, value head)`` (:func:`trainable`; ``value_graphdef`` is the head's graphdef).
@@ -264,17 +270,18 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
         spec = P(*((None,) * lead), ("data", "fsdp"), *((None,) * (x.ndim - lead - 1)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def ref_logprobs(ref_params, mb):
+    def ref_logprobs(ref_params, mb, frozen):
         return None if ref_params is None else jax.lax.stop_gradient(
-            policy_logprobs(graphdef, ref_params, mb, s.temperature)[0])
+            policy_logprobs(graphdef, ref_params, mb, s.temperature, frozen)[0])
 
-    def old_pass(params, micro: TrainBatch, ref_params):
+    def old_pass(params, micro: TrainBatch, ref_params, frozen):
         """Forward only, at the step-start params: GAE targets of every micro-batch, whitened
         over the whole batch. Returns ``(advantages, returns, V_old)``, each ``[k, B/k, L]``."""
         def body(_, mb):
             mb = jax.tree.map(lambda x: constrain(x, 0), mb)
-            logp, _, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef)
-            ref = ref_logprobs(ref_params, mb) if s.kl_in_reward else None
+            logp, _, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
+                                            frozen)
+            ref = ref_logprobs(ref_params, mb, frozen) if s.kl_in_reward else None
             v_old = jax.lax.stop_gradient(values)
             return None, (*_targets(mb, v_old, logp, ref, s), v_old)
 
@@ -282,7 +289,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
         adv = constrain(adv_lib.masked_whiten(adv, micro.loss_mask), 1)
         return jax.lax.stop_gradient((adv, ret, v_old))
 
-    def grad_fn(params, batch: TrainBatch, ref_params):
+    def grad_fn(params, batch: TrainBatch, ref_params, frozen=None):
         b = batch.tokens.shape[0]
         if b % k:
             raise ValueError(f"batch of {b} rows does not split into {k} micro-batches")
@@ -290,14 +297,14 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
             raise ValueError("PPO (settings.gae) needs batch.token_rewards")
         w = losses.loss_weights(batch.loss_mask, s.loss_agg, norm_len=s.norm_len)
         micro = jax.tree.map(lambda x: constrain(split_micro(x, k), 1), (batch, w))
-        old = old_pass(params, micro[0], ref_params) if old_values_pass else None
+        old = old_pass(params, micro[0], ref_params, frozen) if old_values_pass else None
         value_and_grad = jax.value_and_grad(_micro_loss, has_aux=True)
 
         def body(carry, xs):
             (mb, w_mb), old_mb = jax.tree.map(lambda x: constrain(x, 0), xs)
-            ref_logp = ref_logprobs(ref_params, mb)
+            ref_logp = ref_logprobs(ref_params, mb, frozen)
             (loss, (sums, hi, lo)), g = value_and_grad(params, graphdef, mb, w_mb, ref_logp, s,
-                                                       value_graphdef, old_mb)
+                                                       value_graphdef, old_mb, frozen)
             grads, acc = carry
             grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g)
             acc = {n: acc[n] + sums[n] for n in sums_names} | {
@@ -318,7 +325,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     settings: StepSettings, mesh=None, value_graphdef=None):
-    """The pure train step ``(state, batch, ref_params) -> (state, metrics)``.
+    """The pure train step ``(state, batch, ref_params, frozen=None) -> (state, metrics)``.
 
     Args:
       graphdef: the model's ``nnx.GraphDef`` (from ``nnx.split(model, nnx.Param)``).
@@ -330,7 +337,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     The step's ``batch`` is a :class:`TrainBatch` of ``[B, L]`` arrays with ``B`` divisible by
     ``settings.micro_batches``; ``ref_params`` are the frozen reference parameters (or None:
-    no KL term). Metrics (float32 scalars): ``learner/loss``, ``learner/pg_loss``,
+    no KL term). ``frozen``: parameters of the model outside the train state, never updated
+    (LoRA: the base model; ``state.params`` are then the adapters). Metrics (float32 scalars): ``learner/loss``, ``learner/pg_loss``,
     ``policy/kl``, ``policy/entropy`` (token means), ``policy/clip_frac_low|high|dual``
     (fractions of loss tokens), ``policy/is_weight_mean`` (applied weight over kept tokens),
     ``policy/is_weight_min|max`` (untruncated ratio over loss tokens),
@@ -345,9 +353,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     """
     grad_fn = make_grad_fn(graphdef, settings, mesh, value_graphdef)
 
-    def step(state: TrainState, batch: TrainBatch, ref_params):
+    def step(state: TrainState, batch: TrainBatch, ref_params, frozen=None):
         current = trainable(state.params, state.value)
-        loss, grads, acc = grad_fn(current, batch, ref_params)
+        loss, grads, acc = grad_fn(current, batch, ref_params, frozen)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, current)
         new = optax.apply_updates(current, updates)
@@ -400,12 +408,14 @@ def _value_metrics(acc, n_tok) -> dict:
                 has_var, 1.0 - var_res / jnp.where(has_var, var_ret, 1.0), 0.0)}
 
 
-def jit_train_step(step_fn, state_sh: TrainState, mesh, *, with_ref: bool):
-    """``jax.jit`` of ``step_fn`` with explicit shardings and the state donated."""
+def jit_train_step(step_fn, state_sh: TrainState, mesh, *, with_ref: bool, frozen_sh=None):
+    """``jax.jit`` of ``step_fn`` with explicit shardings and the state donated;
+    ``frozen_sh``: shardings of the ``frozen`` argument (LoRA base; never donated)."""
     bsh = batch_sharding(mesh)
     batch_sh = TrainBatch(*([bsh] * len(TrainBatch._fields)))
     return jax.jit(step_fn,
-                   in_shardings=(state_sh, batch_sh, state_sh.params if with_ref else None),
+                   in_shardings=(state_sh, batch_sh, state_sh.params if with_ref else None,
+                                 frozen_sh),
                    out_shardings=(state_sh, replicated(mesh)), donate_argnums=(0,))
 
 
@@ -419,7 +429,8 @@ def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
                          for f in TrainBatch._fields})
 
 
-def compile_train_step(jitted, state: TrainState, batch: TrainBatch, ref_params=None):
+def compile_train_step(jitted, state: TrainState, batch: TrainBatch, ref_params=None,
+                       frozen=None):
     """AOT ``lower().compile()`` for these (abstract or concrete) shapes; logs memory use.
 
     Returns: the compiled executable (call it like the step).
@@ -427,7 +438,7 @@ def compile_train_step(jitted, state: TrainState, batch: TrainBatch, ref_params=
     def abstract(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
-    args = jax.tree.map(abstract, (state, batch, ref_params))
+    args = jax.tree.map(abstract, (state, batch, ref_params, frozen))
     compiled = jitted.lower(*args).compile()
     mem = compiled.memory_analysis()
     if mem is not None:

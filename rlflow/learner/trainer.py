@@ -30,9 +30,11 @@ from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import (StepSettings, TrainState, abstract_batch, compile_train_step,
                                  init_state, jit_train_step, make_train_step, state_shardings)
 from rlflow.learner.value import init_value_head
-from rlflow.mesh import batch_sharding, make_mesh
+from rlflow.mesh import batch_sharding, make_mesh, param_shardings
 from rlflow.models.decoder import validate_tokens
 from rlflow.models.hf import build_model
+from rlflow.models.lora import (LoraSpec, base_reference, lora_model_parts,
+                                zeros_like_adapters)
 
 logger = logging.getLogger("rlflow.learner")
 
@@ -49,6 +51,12 @@ class Learner:
     ``learner.compute_dtype`` activations (bf16 compute with fp32 master weights when
     ``model.param_dtype = "float32"`` and ``learner.compute_dtype = "bfloat16"``). With
     ``learner.kl_coef > 0`` a frozen copy of the initial parameters is the KL reference.
+
+    LoRA (``learner.lora.rank > 0``, :mod:`rlflow.models.lora`): the model's parameters are
+    the frozen ``base`` (:attr:`base`, never donated, no gradient, no optimiser state) and
+    the adapters; ``state.params`` (what is published, checkpointed, and what AdamW updates
+    at ``learner.lora.lr``) are the adapters alone. The KL reference is the base itself,
+    reached with all-zero adapters (no second copy of the base).
     With ``learner.advantage = "gae"`` a zero-initialised float32 value head
     (``value_graphdef``, ``state.value``) is trained jointly with the policy.
     """
@@ -59,8 +67,19 @@ class Learner:
         self.mesh = mesh if mesh is not None else make_mesh(lc.mesh, devices)
         model_cfg = config_lib.replace(cfg.model, dtype=lc.compute_dtype)
         model, self.model_config = build_model(model_cfg, mesh=self.mesh)
-        self.graphdef, params = nnx.split(model, nnx.Param)
-        self.tx, self.schedule = make_optimizer(lc)
+        self.lora = LoraSpec.from_config(lc.lora)
+        self.base, self.base_ref, base_sh = None, None, None
+        if self.lora is None:
+            self.graphdef, params = nnx.split(model, nnx.Param)
+            self.tx, self.schedule = make_optimizer(lc)
+        else:
+            self.graphdef, params, self.base = lora_model_parts(
+                model, self.model_config, self.lora, seed=lc.seed, mesh=self.mesh)
+            self.base_ref = base_reference(cfg.model, self.model_config)
+            base_sh = param_shardings(self.base, self.mesh)
+            self.tx, self.schedule = make_optimizer(
+                config_lib.replace(lc, lr=lc.lora.lr or lc.lr))
+        del model
         self.settings = StepSettings.from_config(cfg)
         self.batch_spec = BatchSpec.from_config(cfg)
         self.value_graphdef, value = None, None
@@ -70,12 +89,14 @@ class Learner:
         self.state: TrainState = init_state(params, self.tx, self.mesh, value)
         self.ref_params = None
         if lc.kl_coef > 0:
-            self.ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.copy(), p),
-                                      out_shardings=self.shardings.params)(self.state.params)
+            # LoRA: zero adapters = the base model (the adapter term switched off)
+            fn = zeros_like_adapters if self.lora else (
+                lambda p: jax.tree.map(lambda x: x.copy(), p))
+            self.ref_params = jax.jit(fn, out_shardings=self.shardings.params)(self.state.params)
         step_fn = make_train_step(self.graphdef, self.tx, self.schedule, self.settings, self.mesh,
                                   self.value_graphdef)
         self._jitted = jit_train_step(step_fn, self.shardings, self.mesh,
-                                      with_ref=self.ref_params is not None)
+                                      with_ref=self.ref_params is not None, frozen_sh=base_sh)
         self._compiled: dict[tuple[int, int], object] = {}
 
     @property
@@ -85,8 +106,14 @@ class Learner:
 
     @property
     def params(self):
-        """The policy's parameters (``nnx.State``): never the value head."""
+        """The policy's parameters (``nnx.State``): never the value head. LoRA: the adapters
+        (the base is :attr:`base`)."""
         return self.state.params
+
+    def policy_params(self):
+        """What ``nnx.merge(self.graphdef, *self.policy_params())`` builds the policy from:
+        ``(params,)``, or ``(adapters, base)`` with LoRA."""
+        return (self.state.params,) if self.base is None else (self.state.params, self.base)
 
     @property
     def value_params(self):
@@ -98,6 +125,9 @@ class Learner:
         ``step = version``: policy ``params``, ``opt_state`` and (PPO) the value head as its
         own ``value`` item; ``fields``: the rest (``data_state``, ``extra``, ``metadata``)."""
         st = self.state
+        if self.base_ref is not None:     # LoRA: the adapters + a reference to their base
+            fields["metadata"] = {**(fields.get("metadata") or ckpt_lib.run_metadata(self.cfg)),
+                                  "lora_base": self.base_ref}
         return ckpt_lib.LearnerCheckpoint(step=self.version, params=st.params,
                                           opt_state=st.opt_state, value=st.value, **fields)
 
@@ -116,6 +146,9 @@ class Learner:
                                    opt_state_target=st.opt_state, value_target=st.value)
         if restored is None:
             return None
+        if self.base_ref is not None:
+            check_lora_base(restored.metadata, self.base_ref, checkpointer.directory,
+                            restored.step)
         step = jax.device_put(np.int32(restored.step), self.shardings.step)
         self.state = TrainState(step, restored.params, restored.opt_state, restored.value)
         return restored
@@ -126,7 +159,8 @@ class Learner:
         if key not in self._compiled:
             t0 = time.perf_counter()
             self._compiled[key] = compile_train_step(
-                self._jitted, self.state, abstract_batch(rows, seq, self.mesh), self.ref_params)
+                self._jitted, self.state, abstract_batch(rows, seq, self.mesh), self.ref_params,
+                self.base)
             logger.info("compiled train step for batch %dx%d in %.1f s", rows, seq,
                         time.perf_counter() - t0)
         return self._compiled[key]
@@ -164,7 +198,7 @@ class Learner:
         sh = batch_sharding(self.mesh)
         dev = TrainBatch(*jax.device_put([np.asarray(x) for x in batch], sh))  # one transfer call
         fn = self.compiled_step(*batch.tokens.shape)
-        self.state, metrics = fn(self.state, dev, self.ref_params)
+        self.state, metrics = fn(self.state, dev, self.ref_params, self.base)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def train_on(self, records: Sequence[Mapping]) -> dict[str, float]:
@@ -177,3 +211,23 @@ class Learner:
         metrics = self.step(batch)
         metrics["learner/step_time_s"] = time.perf_counter() - t0
         return {**info, **metrics}
+
+
+def check_lora_base(metadata, base_ref: dict, directory, step: int) -> None:
+    """A LoRA checkpoint must have been trained on this base (same ``model.path`` and
+    architecture hash, same ``init_seed`` for a random base).
+
+    Raises: :class:`rlflow.checkpoint.CheckpointError` naming the checkpoint, the field and
+    both values.
+    """
+    saved = (metadata or {}).get("lora_base")
+    where = f"{directory}/{step}"
+    if saved is None:
+        raise ckpt_lib.CheckpointError(f"{where}: the checkpoint records no LoRA base "
+                                       "(meta.lora_base); it was not saved by a LoRA learner")
+    for key in ("config_sha256", "path", "init_seed"):
+        if saved.get(key) != base_ref.get(key):
+            raise ckpt_lib.CheckpointError(
+                f"{where}: LoRA base mismatch in {key}: the checkpoint's adapters were trained "
+                f"on {saved.get(key)!r}, this run's base has {base_ref.get(key)!r} "
+                f"(model.path / architecture / init_seed must match to resume)")

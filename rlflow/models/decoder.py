@@ -28,6 +28,7 @@ from flax import nnx
 
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
+from rlflow.models.lora import LoraAdapter, LoraSpec
 
 MASK_VALUE = -1e30   # masked attention logit (finite: a fully masked row stays finite)
 INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
@@ -138,9 +139,10 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention; kernels ``q [E, H, D]``, ``k, v [E, K, D]``, ``o [H, D, E]``."""
+    """Grouped-query attention; kernels ``q [E, H, D]``, ``k, v [E, K, D]``, ``o [H, D, E]``;
+    with ``lora``, adapters ``{q,k,v,o}_lora`` on the targeted projections (else None)."""
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.num_kv_heads, self.head_dim = k, d
@@ -155,22 +157,32 @@ class Attention(nnx.Module):
         else:
             self.q_bias = self.k_bias = self.v_bias = None
         self.o_bias = _param(jnp.zeros((e,), pdt), ("embed",)) if cfg.o_bias else None
+        shapes = {"q": ((e,), (h, d), ("embed",), ("q_heads", "head_dim")),
+                  "k": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
+                  "v": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
+                  "o": ((h, d), (e,), ("q_heads", "head_dim"), ("embed",))}
+        for name, (ins, outs, in_axes, out_axes) in shapes.items():
+            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora,
+                                                      jnp.float32, self.dtype, rngs=rngs)
+                    if lora is not None and lora.targets(name) else None)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
         else:
             self.q_norm = self.k_norm = None
 
-    def _proj(self, x, kernel, bias):
+    def _proj(self, x, kernel, bias, lora):
         y = jnp.einsum("bte,end->btnd", x, kernel[...].astype(self.dtype))
+        if lora is not None:
+            y = y + lora(x)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def __call__(self, x, positions, inv_freq, attend_mask, kv_hook):
         """x ``[B, T, E]``; attend_mask ``[B, T, S]`` bool over the keys that ``kv_hook``
         returns: ``kv_hook(k [B, T, K, D], v) -> (keys [B, K, S, D], values)``."""
-        q = self._proj(x, self.q_kernel, self.q_bias)
-        k = self._proj(x, self.k_kernel, self.k_bias)
-        v = self._proj(x, self.v_kernel, self.v_bias)
+        q = self._proj(x, self.q_kernel, self.q_bias, self.q_lora)
+        k = self._proj(x, self.k_kernel, self.k_bias, self.k_lora)
+        v = self._proj(x, self.v_kernel, self.v_bias, self.v_lora)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -195,34 +207,48 @@ class Attention(nnx.Module):
         else:
             out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, d)
         y = jnp.einsum("bthd,hde->bte", out, self.o_kernel[...].astype(self.dtype))
+        if self.o_lora is not None:
+            y = y + self.o_lora(out)
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``; gate/up ``[E, F]``, down ``[F, E]``."""
+    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``; gate/up ``[E, F]``, down ``[F, E]``;
+    with ``lora``, adapters ``{gate,up,down}_lora`` on the targeted projections (else None)."""
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         e, f = cfg.hidden_size, cfg.intermediate_size
         pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.gate_kernel = _normal(rngs, (e, f), pdt, ("embed", "mlp"))
         self.up_kernel = _normal(rngs, (e, f), pdt, ("embed", "mlp"))
         self.down_kernel = _normal(rngs, (f, e), pdt, ("mlp", "embed"))
+        shapes = {"gate": ((e,), (f,), ("embed",), ("mlp",)),
+                  "up": ((e,), (f,), ("embed",), ("mlp",)),
+                  "down": ((f,), (e,), ("mlp",), ("embed",))}
+        for name, (ins, outs, in_axes, out_axes) in shapes.items():
+            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora,
+                                                      jnp.float32, self.dtype, rngs=rngs)
+                    if lora is not None and lora.targets(name) else None)
+
+    def _lin(self, x, name):
+        y = x @ getattr(self, f"{name}_kernel")[...].astype(self.dtype)
+        adapter = getattr(self, f"{name}_lora")
+        return y if adapter is None else y + adapter(x)
 
     def __call__(self, x):
-        dt = self.dtype
-        gate = jax.nn.silu(x @ self.gate_kernel[...].astype(dt))
-        return (gate * (x @ self.up_kernel[...].astype(dt))) @ self.down_kernel[...].astype(dt)
+        gate = jax.nn.silu(self._lin(x, "gate"))
+        return self._lin(gate * self._lin(x, "up"), "down")
 
 
 class Block(nnx.Module):
     """One pre-norm decoder layer."""
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs, lora=lora)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
     def __call__(self, x, positions, inv_freq, attend_mask, kv_hook):
         x = x + self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
@@ -231,13 +257,20 @@ class Block(nnx.Module):
 
 class Decoder(nnx.Module):
     """Causal LM: ``embed [V, E]``, ``layers`` (a list of :class:`Block`), ``final_norm``,
-    ``lm_head [E, V]`` (None when ``tie_word_embeddings``: logits use ``embed``)."""
+    ``lm_head [E, V]`` (None when ``tie_word_embeddings``: logits use ``embed``).
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    ``lora``: a :class:`rlflow.models.lora.LoraSpec` adds LoRA adapters (``nnx.LoRAParam``)
+    to the targeted projections of every layer. They draw from ``rngs`` too, so the base
+    weights of a random LoRA decoder differ from those of the plain one with the same seed:
+    build the base plainly and add adapters with :func:`rlflow.models.lora.lora_model_parts`.
+    """
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         self.cfg = cfg
+        self.lora = lora
         pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), pdt, ("vocab", "embed"))
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         _normal(rngs, (cfg.hidden_size, cfg.vocab_size), pdt, ("embed", "vocab")))

@@ -43,9 +43,11 @@ from rlflow.exchange.ring import BufferClosedError
 from rlflow.exchange.wire import tcp_endpoint
 from rlflow.mesh import make_mesh
 from rlflow.models.hf import build_model
+from rlflow.models.lora import LoraSpec
 from rlflow.runtime_control import ControlClient, decode_state, encode_state, groups_to_admit
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
+from rlflow.sampler.lora_swap import AdapterApplier
 from rlflow.sampler.sampling import SamplingParams, derive_seed
 
 log = logging.getLogger("rlflow.sampler")
@@ -144,11 +146,17 @@ class SamplerProgram:
         self.num_samplers = 1
         self.mesh = make_mesh(sc.mesh)
         model, dcfg = build_model(cfg.model, mesh=self.mesh)
+        # LoRA: the learner publishes adapters only; the base is held here once
+        self.adapters = None
+        spec = LoraSpec.from_config(cfg.learner.lora)
+        if spec is not None:
+            self.adapters = AdapterApplier(model, dcfg, spec, cfg.learner.lora.swap, self.mesh)
         self.tokenizer = pc.run_tokenizer(cfg)
         eos = set(dcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
-        self.engine = RlflowEngine(model, sc, mesh=self.mesh, tokenizer_path=cfg.model.path,
+        engine_model = model if self.adapters is None else self.adapters.engine_model
+        self.engine = RlflowEngine(engine_model, sc, mesh=self.mesh, tokenizer_path=cfg.model.path,
                                    eos_token_ids=sorted(eos))
         coord = _endpoint(endpoints.coordinator)
         self.control = ControlClient(coord, consumer_id=self.name, instance=endpoints.instance,
@@ -190,7 +198,7 @@ class SamplerProgram:
     def _subscriber(self, coord: str, model):
         from flax import nnx
 
-        target = nnx.state(model, nnx.Param)
+        target = nnx.state(model, nnx.Param) if self.adapters is None else self.adapters.target
         rt = self.cfg.runtime
         if rt.weight_transfer == "transfer":
             from rlflow.exchange.transfer import WeightSubscriber
@@ -211,6 +219,7 @@ class SamplerProgram:
             got = self.subscriber.poll() if reply.published_version >= 0 else None
             if got is not None:
                 version, params = got
+                params = self._engine_params(params)
                 log.info("loaded weights version %d from the learner", version)
                 self._note_swap(version, 0.0)
                 self.version = version
@@ -225,9 +234,13 @@ class SamplerProgram:
         self.swap = {"sync/swap_version": version, "sync/swap_time": time.time(),
                      "sync/pull_s": pull_s}        # one reference swap (read by the main thread)
 
+    def _engine_params(self, params):
+        """Pulled weights -> engine parameters (LoRA: adapters applied to the base)."""
+        return params if self.adapters is None else self.adapters.engine_params(params)
+
     def _on_weights(self, version: int, params, pull_s: float) -> None:
         """Puller thread: a new version arrived (laid out on this program's mesh)."""
-        self.batcher.update_params(params, version)   # used from the next decode step on
+        self.batcher.update_params(self._engine_params(params), version)   # used from the next decode step on
         self.version = version     # every group admitted from now on starts with it
         self._note_swap(version, pull_s)
 

@@ -1,0 +1,89 @@
+"""Export of a LoRA run: a Hugging Face PEFT adapter folder, or the merged full model.
+
+PEFT layout (``peft`` 0.21, ``PeftModel.from_pretrained(base, folder)``):
+
+* ``adapter_config.json``: ``peft_type "LORA"``, ``task_type "CAUSAL_LM"``, ``r``,
+  ``lora_alpha`` (PEFT scales by ``lora_alpha / r``, as rlflow does), ``target_modules``
+  (HF projection names), ``base_model_name_or_path``, ``bias "none"``, no dropout.
+* ``adapter_model.safetensors``: per adapted projection
+  ``base_model.model.model.layers.{i}.{self_attn|mlp}.{name}.lora_A.weight`` ``[r, in]`` and
+  ``...lora_B.weight`` ``[out, r]`` (``nn.Linear`` layout, so PEFT's delta ``B_hf @ A_hf *
+  alpha / r`` is the transpose of rlflow's ``A @ B * alpha / r`` on ``[in, out]`` kernels;
+  head axes are flattened like :mod:`rlflow.models.hf` flattens the kernels).
+
+The merged export writes ``W + (alpha / r) A @ B`` for every adapted kernel through
+:func:`rlflow.models.hf.write_hf` (the same files as a full-weight run's export).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from safetensors.numpy import save_file
+
+from rlflow.models.lora import LoraSpec, adapter_pairs
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def peft_tensors(adapters, dtype=np.float32) -> dict[str, np.ndarray]:
+    """PEFT tensor name -> array (``lora_A [r, in]``, ``lora_B [out, r]``) of an adapter tree
+    (``nnx.State`` or pure dict; rlflow ``A [in..., r]``, ``B [r, out...]``)."""
+    out = {}
+    for path, name, a, b in adapter_pairs(adapters):
+        a = np.asarray(jax.device_get(a[...] if hasattr(a, "get_value") else a), np.float32)
+        b = np.asarray(jax.device_get(b[...] if hasattr(b, "get_value") else b), np.float32)
+        r = a.shape[-1]
+        prefix = f"base_model.model.model.layers.{path[1]}.{_MODULE[name]}.{name}"
+        out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T.astype(dtype))
+        out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T.astype(dtype))
+    norm = (adapters.to_pure_dict() if hasattr(adapters, "to_pure_dict") else adapters).get(
+        "final_norm")
+    if norm is not None:           # modules_to_save=["model.norm"]: saved under the module's name
+        out["base_model.model.model.norm.weight"] = np.asarray(
+            jax.device_get(norm["scale"]), np.float32).astype(dtype)
+    return out
+
+
+def adapter_config(spec: LoraSpec, base_model: str) -> dict:
+    """The ``adapter_config.json`` fields of ``spec`` (PEFT ``LoraConfig``)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(spec.rank),
+            "lora_alpha": float(spec.alpha), "lora_dropout": 0.0,
+            "target_modules": sorted(spec.projections), "bias": "none",
+            "base_model_name_or_path": base_model, "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "inference_mode": True,
+            "modules_to_save": ["model.norm"] if spec.train_final_norm else None}
+
+
+def write_peft_adapter(adapters, spec: LoraSpec, out: str, *, base_model: str,
+                       dtype: str = "float32") -> None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into ``out`` (created).
+
+    Args:
+      adapters: the adapter tree (``nnx.State`` or nested dict of arrays).
+      spec: the run's :class:`LoraSpec`.
+      out: output folder.
+      base_model: recorded as ``base_model_name_or_path`` (the base HF folder).
+      dtype: "float32" or "bfloat16".
+
+    Raises: ValueError for another dtype or an adapter tree without adapters.
+    """
+    import ml_dtypes
+
+    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype: must be one of {sorted(dtypes)}, got {dtype!r}")
+    tensors = peft_tensors(adapters, dtypes[dtype])
+    if not tensors:
+        raise ValueError("the adapter tree holds no adapters")
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
+        json.dump(adapter_config(spec, base_model), f, indent=2, sort_keys=True)
