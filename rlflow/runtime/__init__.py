@@ -1,0 +1,1 @@
+"""The runtime: how the programs run together (prompt ledger, replica liveness, ...)."""
