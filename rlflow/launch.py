@@ -271,16 +271,27 @@ class Supervisor:
     endpoints: pc.Endpoints
     children: dict = field(default_factory=dict)
 
-    def start(self, role: str, instance: int = 0) -> Child:
+    def sampler_names(self) -> list[str]:
+        """Child names of the sampler replicas: ``["sampler"]`` for one replica (its log is
+        ``logs/sampler.log``), else ``sampler-0 .. sampler-<N-1>``."""
+        n = self.cfg.sampler.num_replicas
+        return ["sampler"] if n == 1 else [f"sampler-{i}" for i in range(n)]
+
+    def start(self, name: str, instance: int = 0) -> Child:
+        """Start child ``name`` ("learner", or a name of :meth:`sampler_names`); its
+        ``instance`` is its restart count."""
+        role = "learner" if name == "learner" else "sampler"
         num_devices = (self.cfg.learner.num_devices if role == "learner"
                        else self.cfg.sampler.num_devices)
         eps = pc.Endpoints(self.endpoints.buffer, self.endpoints.coordinator, instance)
         env = child_env(role, num_devices, eps, self.config_path)
+        if role == "sampler":
+            env[pc.ENV_REPLICA] = name.rsplit("-", 1)[1] if "-" in name else "0"
         if self.cfg.runtime.pin_cpus and hasattr(os, "sched_getaffinity"):
             cpus = split_cpus(os.sched_getaffinity(0)).get(role)
             if cpus:
                 env[pc.ENV_CPUS] = ",".join(map(str, cpus))
-        log_path = os.path.join(self.run_path, "logs", f"{role}.log")
+        log_path = os.path.join(self.run_path, "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
             log.write(f"--- rlflow {role} start #{instance} ---\n".encode())
@@ -290,8 +301,8 @@ class Supervisor:
                  "--config", self.config_path],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
-        child = Child(role, proc, log_path, restarts=instance)
-        self.children[role] = child
+        child = Child(name, proc, log_path, restarts=instance)
+        self.children[name] = child
         self._write_pids()
         return child
 
@@ -318,13 +329,15 @@ class Supervisor:
                 c.proc.wait()
 
     def failure(self, role: str) -> str:
-        """The failure report of ``role``: its last exception line first (when its log has a
-        traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its log."""
+        """The failure report of child ``role``: its last exception line first (when its log
+        has a traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its
+        log."""
         from rlflow.progress import plain_text     # no control characters in CI logs
 
         c = self.children[role]
         lines = tail(c.log_path, ERROR_SCAN_LINES).splitlines()
-        starts = [i for i, line in enumerate(lines) if line.startswith(f"--- rlflow {role} start")]
+        kind = "learner" if role == "learner" else "sampler"
+        starts = [i for i, line in enumerate(lines) if line.startswith(f"--- rlflow {kind} start")]
         error = last_exception_line(lines[starts[-1]:] if starts else lines)  # this start's only
         head = f"rlflow train: the {role} failed: {plain_text(error)}\n" if error else ""
         text = (f"rlflow train: the {role} process died ({_exit_text(c.proc.returncode)}); "
@@ -370,7 +383,8 @@ def run_train(cfg) -> int:
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         sup.start("learner")
-        sup.start("sampler")
+        for name in sup.sampler_names():
+            sup.start(name)
         code = _supervise(cfg, sup, watcher)
     except KeyboardInterrupt:
         print("\nrlflow train: interrupted; stopping both programs", file=sys.stderr, flush=True)
@@ -393,46 +407,72 @@ def _interrupt(signum, frame):
 
 
 def _supervise(cfg, sup: Supervisor, watcher) -> int:
+    """Watch the learner and the sampler replicas until the learner finishes.
+
+    A replica that dies is restarted with ``runtime.restart_sampler`` (up to
+    ``MAX_SAMPLER_RESTARTS`` times each); otherwise it stays dead and the run goes on with
+    the others (the learner gives its prompts to them after ``runtime.replica_timeout_s``).
+    The run fails when the learner dies or when every replica is dead for good.
+    """
     learner_done_at = None
+    dead: set[str] = set()              # replicas dead for good
+    names = sup.sampler_names()
     while True:
         watcher.poll()
         learner = sup.children["learner"].proc.poll()
-        sampler_child = sup.children["sampler"]
-        sampler = sampler_child.proc.poll()
+        codes = {n: sup.children[n].proc.poll() for n in names}
         if learner is not None:
             if learner != 0:
                 _report_failures(sup, "learner")
                 return 1
-            if sampler is not None:
+            if all(c is not None for c in codes.values()):
                 return 0
             learner_done_at = learner_done_at or time.monotonic()
             if time.monotonic() - learner_done_at > STOP_GRACE_S:
-                return 0      # finally: stop_all() ends the sampler
-        elif sampler == 0:
-            pass              # the sampler saw the coordinator's "done"; the learner ends next
-        elif sampler is not None:
-            n = sampler_child.restarts
+                return 0      # finally: stop_all() ends the samplers
+            time.sleep(POLL_S)
+            continue
+        for name, code in codes.items():
+            if code is None or code == 0 or name in dead:
+                continue      # 0: the replica saw the coordinator's "done"
+            child = sup.children[name]
+            n = child.restarts
             if cfg.runtime.restart_sampler and n < MAX_SAMPLER_RESTARTS:
-                print(f"rlflow train: the sampler process died ({_exit_text(sampler)}); "
+                print(f"rlflow train: the {name} process died ({_exit_text(code)}); "
                       f"restarting it ({n + 1}/{MAX_SAMPLER_RESTARTS})",
                       file=sys.stderr, flush=True)
-                sup.start("sampler", instance=n + 1)
+                sup.start(name, instance=n + 1)
             else:
-                _report_failures(sup, "sampler")
-                return 1
+                dead.add(name)
+                if len(dead) < len(names):
+                    print(f"rlflow train: the {name} process died ({_exit_text(code)}); "
+                          f"going on with {len(names) - len(dead)} sampler replica(s)",
+                          file=sys.stderr, flush=True)
+        if dead and len(dead) == len(names):
+            if len(names) > 1:
+                print(f"rlflow train: every sampler replica died ({len(names)}); stopping "
+                      f"the run", file=sys.stderr, flush=True)
+            _report_failures(sup, sorted(dead)[-1])
+            return 1
         time.sleep(POLL_S)
 
 
 def _report_failures(sup: Supervisor, first: str) -> None:
     """Print the failure of ``first``, and of the other program too when it dies within
     ``BOTH_DIED_WINDOW_S`` (a sampler error reported to the learner ends both)."""
-    other = "sampler" if first == "learner" else "learner"
-    try:
-        code = sup.children[other].proc.wait(timeout=BOTH_DIED_WINDOW_S)
-    except subprocess.TimeoutExpired:
-        code = None
-    roles = [first] + ([other] if code not in (None, 0, STOPPED_EXIT_CODE) else [])
-    for role in sorted(roles, key=lambda r: r != "sampler"):   # the producer's error first
+    if first == "learner":
+        others = [n for n in sup.children if n != "learner"][:1]
+    else:
+        others = ["learner"]
+    roles = [first]
+    for other in others:
+        try:
+            code = sup.children[other].proc.wait(timeout=BOTH_DIED_WINDOW_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code not in (None, 0, STOPPED_EXIT_CODE):
+            roles.append(other)
+    for role in sorted(roles, key=lambda r: r == "learner"):   # the producer's error first
         print(sup.failure(role), file=sys.stderr, flush=True)
 
 

@@ -32,6 +32,7 @@ ENV_INSTANCE = "RLFLOW_INSTANCE"              # restart count of this program (0
 ENV_DIST_COORDINATOR = "RLFLOW_JAX_COORDINATOR"  # jax.distributed coordinator of this slice
 ENV_NUM_PROCESSES = "RLFLOW_NUM_PROCESSES"    # hosts in this program's slice
 ENV_PROCESS_ID = "RLFLOW_PROCESS_ID"          # this host's index in its slice
+ENV_REPLICA = "RLFLOW_REPLICA"                # sampler replica index (0..num_replicas-1)
 ENV_PARENT_PID = "RLFLOW_LAUNCHER_PID"        # set by rlflow.launch: die with the launcher
 ENV_CPUS = "RLFLOW_CPUS"                      # comma-separated CPU ids this program runs on
 ENV_PROFILE = "RLFLOW_PROFILE"                # folder: each program writes <role>.prof (cProfile)

@@ -2,12 +2,16 @@
 
 The learner's weight coordinator (:class:`rlflow.exchange.coordinator.Coordinator`) also
 answers ``status`` requests here (:class:`RunCoordinator`, same socket and address, so a
-pod needs no extra port). A sampler sends its figures (tokens/s, slot occupancy, idle time,
-swap times, its prompt iterator state) and gets back what it needs to decide what to do
-next (:class:`ControlReply`): the learner's version, the newest published version, how
-many groups the learner has accepted and holds in its buffer, whether the run is done.
+pod needs no extra port). A sampler replica sends its figures (tokens/s, slot occupancy,
+idle time, swap times) and how many prompts it wants, and gets back what it needs
+(:class:`ControlReply`): prompts leased by the learner's prompt ledger
+(:mod:`rlflow.runtime.ledger`, which owns the prompt stream and applies the staleness
+budget below once for all replicas), the learner's version, the newest published version,
+whether the run is done. Replicas also send heartbeats from a background thread
+(:mod:`rlflow.runtime.replicas`).
 
-**Admission** (:func:`groups_to_admit`, the pure rule; AReaL's rollout control, Fu et al.
+**Admission** (:func:`groups_to_admit`, the pure rule, applied by the ledger to all
+replicas at once; AReaL's rollout control, Fu et al.
 2025, Sec. 5): a sampler generating with policy version ``v`` may have at most
 ``(v + 1 + k) * groups_per_step`` groups accepted by the learner, buffered, or in flight,
 with ``k = runtime.max_staleness``. So
@@ -26,6 +30,7 @@ with ``k = runtime.max_staleness``. So
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +40,8 @@ from rlflow.exchange import wire
 from rlflow.exchange.coordinator import Coordinator
 
 STATUS = b"status"
+HEARTBEAT = b"heartbeat"
+log = logging.getLogger(__name__)
 _BYTES_KEY = "__bytes_base64__"
 
 
@@ -80,17 +87,20 @@ def decode_state(state: Any) -> Any:
 
 @dataclass
 class ControlReply:
-    """What a sampler learns from one status request.
+    """What a sampler replica learns from one status request.
 
     Attributes:
-      done: the learner finished (or is stopping): the sampler exits.
+      done: the learner finished (or is stopping): the replica exits.
       learner_version: the learner's current policy version (= steps taken).
-      published_version: newest version the samplers can pull.
+      published_version: newest version the replicas can pull.
       accepted: groups the learner has accepted in total.
       buffered: groups in the learner's buffer now.
-      data_state: prompt iterator state to restore (only in the reply to a sampler's first
-        request: from the learner's checkpoint, or the last state a previous sampler
-        instance reported), else None.
+      prompts: prompts the ledger leased to this replica with this reply (up to the
+        request's ``want``, within the shared staleness budget): dicts with
+        ``stream_index``, ``lease_id``, ``seed`` (request seed), ``prompt_id``,
+        ``prompt_tokens`` (list of int), ``answer``.
+      budget: groups the shared staleness budget still allows at this replica's version
+        after this reply's leases (a replica with room asks again at once while > 0).
     """
 
     done: bool = False
@@ -98,43 +108,59 @@ class ControlReply:
     published_version: int = -1
     accepted: int = 0
     buffered: int = 0
-    data_state: Any = None
+    prompts: list = field(default_factory=list)
+    budget: int = 0
 
 
 @dataclass
 class SamplerStatus:
-    """Latest figures a sampler reported (``status`` request body), plus arrival time."""
+    """Latest figures a replica reported (``status`` request body), plus arrival time."""
 
     consumer: str = ""
     instance: int = 0
     version: int = -1
     prompts_started: int = 0
-    data_state: Any = None
     metrics: dict = field(default_factory=dict)
     received: float = 0.0
     saw_done: bool = False
 
 
+def _jsonable_prompt(element: dict) -> dict:
+    """A ledger element for the wire: plain ints, lists and strings."""
+    return {"stream_index": int(element["stream_index"]), "lease_id": int(element["lease_id"]),
+            "seed": int(element["seed"]), "prompt_id": int(element["prompt_id"]),
+            "prompt_tokens": [int(t) for t in element["prompt_tokens"]],
+            "answer": str(element.get("answer", ""))}
+
+
 class RunCoordinator(Coordinator):
-    """The learner's coordinator: weight offers (``latest``) and run control (``status``).
+    """The learner's coordinator: weight offers (``latest``), run control (``status``) and
+    replica heartbeats (``heartbeat``), on one socket.
 
     Args:
-      publisher: weight publisher (see :class:`Coordinator`).
+      publisher: weight offer source (see :class:`Coordinator`).
       buffer_counts: ``() -> (accepted, buffered)`` read on each status request.
+      ledger: the run's :class:`rlflow.runtime.ledger.PromptLedger` (None: no prompts are
+        leased, as in tests of the channel alone).
+      replicas: :class:`rlflow.runtime.replicas.ReplicaTable`; every request of a replica
+        counts as a heartbeat; replicas lost by timeout or restart get their leased
+        prompts taken back (``ledger.release_replica``), checked on the serving thread.
+      clock: monotonic clock (seconds) for the replica table.
       bind_address, port, token: where to listen (see ``rlflow.exchange.wire``).
     """
 
     def __init__(self, publisher, *, buffer_counts: Callable[[], tuple[int, int]],
+                 ledger=None, replicas=None, clock: Callable[[], float] = time.monotonic,
                  bind_address: str = "127.0.0.1", port: int = 0, token: str = ""):
         super().__init__(publisher, bind_address=bind_address, port=port, token=token)
         self._counts = buffer_counts
+        self.ledger, self.replicas, self.clock = ledger, replicas, clock
         self._lock = threading.Lock()
         self.done = False
         self.learner_version = 0
         self.published_version = -1
-        self.data_state: Any = None        # for a (re)starting sampler
         self.statuses: dict[str, SamplerStatus] = {}
-        self._seen: set[tuple[str, int]] = set()
+        self.released = 0          # leased prompts taken back from lost replicas
 
     def set_progress(self, *, learner_version: Optional[int] = None,
                      published_version: Optional[int] = None, done: Optional[bool] = None):
@@ -147,18 +173,65 @@ class RunCoordinator(Coordinator):
                 self.done = bool(done)
 
     def latest_status(self) -> Optional[SamplerStatus]:
-        """The most recent status of any sampler (None before the first)."""
+        """The most recent status of any replica (None before the first)."""
         with self._lock:
             if not self.statuses:
                 return None
             return max(self.statuses.values(), key=lambda s: s.received)
 
-    def acknowledged_done(self) -> bool:
-        """Every sampler that reported has received a ``done`` reply since it was set."""
+    def live_statuses(self) -> dict[str, SamplerStatus]:
+        """Latest status of each replica the replica table counts alive (all without one)."""
         with self._lock:
-            return all(s.saw_done for s in self.statuses.values())
+            alive = None if self.replicas is None else set(self.replicas.alive())
+            return {k: v for k, v in self.statuses.items() if alive is None or k in alive}
+
+    def check_replicas(self) -> None:
+        """Raise ``NoReplicaError`` when no replica has been alive for the table's timeout."""
+        if self.replicas is not None:
+            with self._lock:
+                self.replicas.check(self.clock())
+
+    def restarts(self) -> dict[str, int]:
+        """Replica name -> restarts the learner noticed."""
+        if self.replicas is None:
+            return {}
+        with self._lock:
+            return {n: r.restarts for n, r in self.replicas.replicas.items()}
+
+    def acknowledged_done(self) -> bool:
+        """Every live replica that reported has received a ``done`` reply since it was set."""
+        return all(s.saw_done for s in self.live_statuses().values())
+
+    def _beat(self, consumer: str, instance: int) -> None:
+        """Under ``self._lock``."""
+        if self.replicas is None:
+            return
+        for name in self.replicas.beat(consumer, instance, self.clock()):
+            self._release(name, "restarted")
+
+    def _release(self, name: str, why: str) -> None:
+        n = self.ledger.release_replica(name) if self.ledger is not None else 0
+        self.released += n
+        log.warning("replica %s %s: %d leased prompt(s) go back to the ledger", name, why, n)
+
+    def tick(self) -> None:
+        if self.replicas is None:
+            return
+        with self._lock:
+            for name in self.replicas.expire(self.clock()):
+                self._release(name, f"silent for over {self.replicas.timeout_s:g} s (lost)")
 
     def handle(self, identity, rid, kind, payload):
+        if kind == HEARTBEAT:
+            try:
+                req = wire.loads(payload[0])
+                consumer, instance = str(req["consumer"]), int(req.get("instance", 0))
+            except (wire.ProtocolError, KeyError, TypeError, ValueError, IndexError):
+                return wire.BAD_REQUEST, [b"expected a heartbeat {consumer, instance}"]
+            with self._lock:
+                self._beat(consumer, instance)
+                done = self.done
+            return wire.OK, [wire.dumps({"done": done})]
         if kind != STATUS:
             return super().handle(identity, rid, kind, payload)
         try:
@@ -167,33 +240,37 @@ class RunCoordinator(Coordinator):
                 consumer=str(req["consumer"]), instance=int(req.get("instance", 0)),
                 version=int(req.get("version", -1)),
                 prompts_started=int(req.get("prompts_started", 0)),
-                data_state=req.get("data_state"), metrics=dict(req.get("metrics", {})),
-                received=time.time())
+                metrics=dict(req.get("metrics", {})), received=time.time())
+            want = int(req.get("want", 0))
         except (wire.ProtocolError, KeyError, TypeError, ValueError, IndexError):
             return wire.BAD_REQUEST, [b"expected a status {consumer, version, ...}"]
         accepted, buffered = self._counts()
         with self._lock:
-            key = (status.consumer, status.instance)
-            first = key not in self._seen
-            self._seen.add(key)
-            if status.data_state is not None:
-                self.data_state = status.data_state
+            self._beat(status.consumer, status.instance)
+            current = self.replicas is None or status.consumer not in self.replicas.replicas or \
+                self.replicas.replicas[status.consumer].instance == status.instance
             status.saw_done = self.done
-            self.statuses[status.consumer] = status
+            if current:
+                self.statuses[status.consumer] = status
+            prompts, budget = [], 0
+            if self.ledger is not None and want > 0 and not self.done and current:
+                prompts = [_jsonable_prompt(e) for e in
+                           self.ledger.lease(status.consumer, status.version, want)]
+                budget = 0 if self.ledger.exhausted() else self.ledger.budget(status.version)
             reply = ControlReply(done=self.done, learner_version=self.learner_version,
                                  published_version=self.published_version,
-                                 accepted=accepted, buffered=buffered,
-                                 data_state=self.data_state if first else None)
+                                 accepted=accepted, buffered=buffered, prompts=prompts,
+                                 budget=budget)
         return wire.OK, [wire.dumps(asdict(reply))]
 
 
 class ControlClient:
-    """Sampler side of the run control (a second socket to the coordinator's address).
+    """Replica side of the run control (a second socket to the coordinator's address).
 
     Args:
       address: the coordinator's endpoint ``tcp://host:port``.
-      consumer_id: this sampler host's name.
-      instance: restart count of this sampler program.
+      consumer_id: this replica's name (``sampler-<i>``).
+      instance: restart count of this replica.
       token: the shared secret.
       timeout_s: seconds to wait for an answer before raising
         :class:`rlflow.exchange.wire.PeerTimeoutError` (the learner is gone).
@@ -204,15 +281,24 @@ class ControlClient:
         self.consumer_id, self.instance, self.timeout_s = consumer_id, instance, timeout_s
         self._req = wire.Requester(address, token=token, name="learner's run control")
 
-    def status(self, *, version: int, prompts_started: int, data_state: Any = None,
+    def status(self, *, version: int, prompts_started: int = 0, want: int = 0,
                metrics: Optional[dict] = None) -> ControlReply:
+        """Report figures, lease up to ``want`` prompts (see :class:`ControlReply`)."""
         body = {"consumer": self.consumer_id, "instance": self.instance, "version": version,
-                "prompts_started": prompts_started, "data_state": data_state,
+                "prompts_started": prompts_started, "want": int(want),
                 "metrics": metrics or {}}
         status, rest = self._req.request(STATUS, [wire.dumps(body)], timeout_s=self.timeout_s)
         if status != wire.OK:
             raise wire.ProtocolError(f"run control answered {status!r}")
         return ControlReply(**wire.loads(rest[0]))
+
+    def heartbeat(self) -> bool:
+        """One heartbeat; returns the learner's ``done`` flag."""
+        body = {"consumer": self.consumer_id, "instance": self.instance}
+        status, rest = self._req.request(HEARTBEAT, [wire.dumps(body)], timeout_s=self.timeout_s)
+        if status != wire.OK:
+            raise wire.ProtocolError(f"run control answered {status!r}")
+        return bool(wire.loads(rest[0]).get("done"))
 
     def close(self) -> None:
         self._req.close()

@@ -10,6 +10,7 @@ trained or dropped::
     admit (lease to a replica) -> LEASED --group stored in the ring--> BUFFERED
         --taken into a batch--> CONSUMED --step done--> trained (removed, counted)
     LEASED  --replica lost / restarted--------------------> returned (re-dispatched first)
+    BUFFERED --its put timed out before entering the ring--> returned
     CONSUMED --too stale for the learner (stale_policy drop)--> returned
     CONSUMED --no reward variance (dynamic sampling)---------> dropped (removed, counted)
 
@@ -40,6 +41,8 @@ leases, the buffer's thread stores, the learner's thread takes and trains).
 from __future__ import annotations
 
 import heapq
+import json
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -213,6 +216,14 @@ class PromptLedger:
             e.state = BUFFERED
             return True
 
+    def unstore(self, key: Key) -> None:
+        """The stored group of ``key`` never reached the learner (its put timed out): the
+        prompt goes back to the queue."""
+        with self._lock:
+            if self._current(key, BUFFERED) is not None:
+                del self._entries[int(key[0])]
+                heapq.heappush(self._returned, int(key[0]))
+
     def take(self, key: Key) -> bool:
         """The learner takes the group of ``key`` into its batch. False (counted as a
         duplicate) when it is not the current lease's stored group."""
@@ -311,3 +322,57 @@ def group_key(group) -> Optional[Key]:
     if "stream_index" not in group or "lease_id" not in group:
         return None
     return int(np.asarray(group["stream_index"])), int(np.asarray(group["lease_id"]))
+
+
+TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"
+
+
+class TrainedPromptsLog:
+    """``<run>/trained_prompts.jsonl``: one line per learner step,
+    ``{"step", "stream_index": [...], "prompt_id": [...], "epoch": [...]}`` (epoch =
+    stream_index // prompts per epoch), the run's record of what it trained. Opening it
+    for a run resumed from ``start_step`` drops the lines of later steps (they are trained
+    again), so over any number of resumes each step appears once.
+    """
+
+    def __init__(self, run_path: str, start_step: int):
+        self.path = os.path.join(run_path, TRAINED_PROMPTS_FILE)
+        os.makedirs(run_path, exist_ok=True)
+        kept = []
+        if os.path.isfile(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue                      # a line cut by a kill
+                    if isinstance(rec, dict) and isinstance(rec.get("step"), int) and \
+                            rec["step"] <= start_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+        self._f = open(self.path, "a")
+
+    def write(self, step: int, tracked, prompts_per_epoch: int) -> None:
+        """``tracked``: ``[((stream_index, lease_id), prompt_id), ...]`` of one step."""
+        idx = [int(k[0]) for k, _ in tracked]
+        self._f.write(json.dumps({"step": int(step), "stream_index": idx,
+                                  "prompt_id": [int(p) for _, p in tracked],
+                                  "epoch": [i // max(1, prompts_per_epoch) for i in idx]}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_trained_prompts(run_path: str) -> list[dict]:
+    """The records of ``<run>/trained_prompts.jsonl`` (complete lines only)."""
+    out = []
+    with open(os.path.join(run_path, TRAINED_PROMPTS_FILE)) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
