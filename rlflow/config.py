@@ -441,6 +441,11 @@ class RuntimeConfig:
       restart_sampler: restart a dead sampler replica (up to 3 times each); it pulls the
         newest weights before it generates a token. Without it a dead replica stays dead
         and the run goes on with the others (it stops when none is left).
+      relay_fanout: with several sampler replicas and ``weight_transfer="transfer"``, the
+        learner and every replica that holds a version serve it to this many replicas (a
+        relay tree, ``rlflow.exchange.relay``): the learner sends ~fanout x the model's
+        bytes per version whatever the replica count. 0: every replica pulls from the
+        learner (a star).
       replica_timeout_s: a sampler replica not heard from (heartbeats every second) for
         this many seconds is dropped: its leased prompts go to the other replicas. The
         learner stops with ``NoReplicaError`` when no replica has been alive for this long
@@ -465,6 +470,7 @@ class RuntimeConfig:
     coordinator_port: int = 0
     weights_keep_last: int = 2
     restart_sampler: bool = False
+    relay_fanout: int = 2
     replica_timeout_s: float = 60.0
     sampler_sleep: bool = False
     pin_cpus: bool = False
@@ -490,6 +496,8 @@ class RuntimeConfig:
                f"must be in [0, 65535], got {self.coordinator_port}")
         _positive(self.weights_keep_last, "runtime.weights_keep_last")
         _positive(self.replica_timeout_s, "runtime.replica_timeout_s")
+        _check(self.relay_fanout >= 0, "runtime.relay_fanout",
+               f"must be >= 0, got {self.relay_fanout}")
 
 
 @dataclass(frozen=True)

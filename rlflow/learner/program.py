@@ -79,6 +79,11 @@ class _Publisher:
                                         pull_timeout_s=rt.transfer_timeout_s, copy=True,
                                         layout=rt.transfer_layout)
             self.offers = self.impl
+            if cfg.sampler.num_replicas > 1 and rt.relay_fanout > 0:
+                from rlflow.exchange.relay import RelayOffers
+
+                self.offers = RelayOffers(self.impl, fanout=rt.relay_fanout,
+                                          assign_timeout_s=rt.transfer_timeout_s)
         else:
             from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, weights_dir
 
@@ -279,6 +284,8 @@ class LearnerProgram:
         metrics.update(self._buffer_metrics())
         metrics.update(self._sampler_metrics())
         metrics.update(self.ledger.metrics())
+        if hasattr(self.publisher.offers, "metrics"):
+            metrics.update(self.publisher.offers.metrics())
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
             self.writer.log_samples(self.version, self._samples(groups))

@@ -224,10 +224,12 @@ class SamplerProgram:
         if rt.weight_transfer == "transfer":
             from rlflow.exchange.transfer import WeightSubscriber
 
-            return WeightSubscriber(coord, consumer_id=f"{self.name}.{id(self)}",
+            relay = rt.relay_fanout if self.cfg.sampler.num_replicas > 1 else 0
+            return WeightSubscriber(coord, consumer_id=f"{self.name}#{self.control.instance}",
                                     token=self.cfg.buffer.token, target=target,
                                     timeout_s=rt.transfer_timeout_s, retries=rt.transfer_retries,
-                                    bind_address=rt.bind_address)
+                                    bind_address=rt.bind_address, relay_fanout=relay,
+                                    relay_timeout_s=rt.transfer_timeout_s)
         from rlflow.exchange.orbax_fallback import OrbaxWeightSubscriber
 
         return OrbaxWeightSubscriber(self.cfg.run_path, target=target)
