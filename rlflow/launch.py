@@ -1,4 +1,4 @@
-"""Start and supervise the two rlflow programs: the learner and the sampler.
+"""Start and supervise the rlflow programs: the learner and N sampler replicas.
 
 **One machine** (``rlflow train``): :func:`run_train` writes the resolved config to the run
 folder, picks two free loopback ports (ring buffer, weight coordinator), and starts
@@ -6,7 +6,9 @@ folder, picks two free loopback ports (ring buffer, weight coordinator), and sta
     python -m rlflow.launch --role learner     (XLA sees learner.num_devices devices)
     python -m rlflow.launch --role sampler     (XLA sees sampler.num_devices devices)
 
-as separate OS processes, each its own JAX runtime. On CPU each child gets its own fake
+as separate OS processes, each its own JAX runtime, the sampler ``sampler.num_replicas``
+times (replica ``i`` gets ``RLFLOW_REPLICA=i``; its log is ``logs/sampler-<i>.log``, or
+``logs/sampler.log`` for a single replica). On CPU each child gets its own fake
 device count through ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set in the
 child's environment before JAX is imported. The children run in their own session (so a
 terminal Ctrl-C reaches only the launcher) and die with it (``PR_SET_PDEATHSIG``). Their
@@ -22,16 +24,21 @@ without starting anything or touching the run folder; below it, it prints ``resu
 
 Shutdown: when the learner finishes, the sampler is told to stop (the coordinator's "done"
 flag, then SIGTERM after a grace period) and the exit code is 0. When either child dies
-first, or on Ctrl-C / SIGTERM, both are stopped (SIGTERM, which the learner answers with its
+first (with several replicas: when every replica died), or on Ctrl-C / SIGTERM, all are
+stopped (SIGTERM, which the learner answers with its
 exit checkpoint, then SIGKILL after ``STOP_GRACE_S``) and the exit code is not 0;
 the message names the side that died, puts its last exception line first (``rlflow train:
 the sampler failed: ValueError: .../bad.jsonl:7: ...``) and then shows the end of its log. With
-``runtime.restart_sampler`` a dead sampler is started again (it pulls the newest weights
-from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times.
+``runtime.restart_sampler`` a dead replica is started again (it pulls the newest weights
+from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times; without
+it a dead replica stays dead and the others carry the run (the learner hands its leased
+prompts to them, ``rlflow.runtime.ledger``).
 
-**TPU pod** (one slice per program, many hosts per slice): the Cloud TPU scripts start
-``python -m rlflow.launch --role learner|sampler --config <resolved config.json>`` on every
-host of the matching slice, with these environment variables:
+**TPU pod** (one learner slice, one or more sampler slices): the Cloud TPU scripts start
+``python -m rlflow.launch --role learner --config <resolved config.json>`` on every host of
+the learner slice and ``--role sampler`` on every host of every sampler slice (each sampler
+host is one replica, its own JAX program: ``RLFLOW_NUM_PROCESSES=1``,
+``RLFLOW_REPLICA=<index>``), with these environment variables:
 
     RLFLOW_BUFFER_ADDRESS       host:port of the learner's ring buffer (learner host 0 binds it)
     RLFLOW_COORDINATOR_ADDRESS  host:port of the learner's weight coordinator
@@ -42,9 +49,9 @@ host of the matching slice, with these environment variables:
 :func:`run_role` calls ``jax.distributed.initialize`` for the program's own slice when
 ``RLFLOW_NUM_PROCESSES > 1`` (so the learner's mesh spans only the learner slice and the
 sampler's only the sampler slice), then runs the program: the programs themselves are the
-same as on a laptop. Limitation: the program loops do not yet split work between the hosts
-of a slice, so a slice with more than one host stops with ``NotImplementedError``; one
-host per slice (e.g. v5litepod-8 / v6e-8 pairs) runs as on a laptop.
+same as on a laptop. Limitation: the learner's loop does not yet split work between the
+hosts of its slice, so a learner slice with more than one host stops with
+``NotImplementedError``; sampler slices of any host count work (one replica per host).
 
 Other knobs: ``runtime.pin_cpus`` gives each program its own CPUs (``RLFLOW_CPUS``);
 ``RLFLOW_PROFILE=<dir>`` writes a cProfile of each program to ``<dir>/<role>.prof``;

@@ -40,6 +40,24 @@ slice_env() {
   export RLFLOW_JAX_COORDINATOR RLFLOW_NUM_PROCESSES RLFLOW_PROCESS_ID
 }
 
+# A sampler host is one replica, its own JAX program on this host's chips only (no
+# jax.distributed over the slice): libtpu is told to use the local chips as a whole slice.
+replica_env() {
+  local devices
+  shopt -s nullglob
+  devices=(/dev/accel* /dev/vfio/[0-9]*)
+  shopt -u nullglob
+  RLFLOW_NUM_PROCESSES=1
+  RLFLOW_PROCESS_ID=0
+  RLFLOW_REPLICA="${RLFLOW_REPLICA:-$(metadata agent-worker-number)}"
+  export RLFLOW_NUM_PROCESSES RLFLOW_PROCESS_ID RLFLOW_REPLICA
+  if [ "$(metadata worker-network-endpoints | tr ',' '\n' | grep -c .)" -gt 1 ]; then
+    export TPU_PROCESS_BOUNDS="1,1,1" TPU_PROCESS_ADDRESSES="localhost:${RLFLOW_JAX_PORT:-8476}"
+    export TPU_PROCESS_PORT="${RLFLOW_JAX_PORT:-8476}" CLOUD_TPU_TASK_ID=0
+    if [ "${#devices[@]}" -eq 4 ]; then export TPU_CHIPS_PER_PROCESS_BOUNDS="2,2,1"; fi
+  fi
+}
+
 check_role() {
   case "${1:-}" in learner|sampler) ;; *) die "ROLE must be learner or sampler, got '${1:-}'" ;; esac
   : "${RLFLOW_BUFFER_ADDRESS:?RLFLOW_BUFFER_ADDRESS (host:port of the ring buffer) is required}"
@@ -55,12 +73,12 @@ pidfile="$LOGS/$role.pid"
 case "$cmd" in
   env)
     check_role "$role"
-    slice_env
+    if [ "$role" = sampler ]; then replica_env; else slice_env; fi
     env | grep '^RLFLOW_' | sort
     ;;
   start)
     check_role "$role"
-    slice_env
+    if [ "$role" = sampler ]; then replica_env; else slice_env; fi
     if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
       die "$role is already running (pid $(cat "$pidfile")); run stop.sh first"
     fi

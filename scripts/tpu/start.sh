@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Start the learner program on every host of the learner slice, then the sampler program on
-# every host of the sampler slice. Both get the learner host 0 addresses (ring buffer and
-# weight coordinator); each slice runs jax.distributed for its own hosts only.
+# Start the learner program on every host of the learner slice, then one sampler replica on
+# every host of every sampler slice (RLFLOW_REPLICA = its index). All get the learner host 0
+# addresses (ring buffer and weight coordinator); the learner slice runs jax.distributed.
 #   scripts/tpu/start.sh --zone us-west4-a --config configs/gsm8k_qwen2_5_0_5b.py
 #       --model-dir /home/me/qwen [--run-dir gs://b/runs] [--dry-run] [-- --learner.lr 1e-6]
 set -euo pipefail
@@ -36,10 +36,19 @@ train=(--config "$CONFIG" --buffer.bind_address "$LEARNER_IP" --buffer.port "$BU
 if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
 train+=("${TRAIN_ARGS[@]}")
 
-for role in learner sampler; do
-  node="$LEARNER_NODE"; [ "$role" = sampler ] && node="$SAMPLER_NODE"
-  remote="env $(command_line "${env_words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
-  remote+=" start $role $(command_line "${train[@]}")"
-  ssh_cmd "$node" all "$remote"
+# Every sampler host is one replica: replica = slice * hosts per slice + worker.
+hosts="$(hosts_for "$SAMPLER_TYPE")"
+replicas=$((SAMPLER_SLICES * hosts))
+train+=(--sampler.num_replicas "$replicas")
+note "$SAMPLER_SLICES sampler slice(s) of $SAMPLER_TYPE, $hosts host(s) each: $replicas replicas"
+
+remote="env $(command_line "${env_words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
+ssh_cmd "$LEARNER_NODE" all "$remote start learner $(command_line "${train[@]}")"
+for ((s = 0; s < SAMPLER_SLICES; s++)); do
+  for ((w = 0; w < hosts; w++)); do
+    words=("${env_words[@]}" "RLFLOW_REPLICA=$((s * hosts + w))")
+    remote="env $(command_line "${words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
+    ssh_cmd "${SAMPLER_NODES[$s]}" "$w" "$remote start sampler $(command_line "${train[@]}")"
+  done
 done
 note "follow the logs with scripts/tpu/logs.sh --zone $ZONE --name $NAME"
