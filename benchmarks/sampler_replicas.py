@@ -83,7 +83,8 @@ def measure(n: int, mb: float, relay: bool, versions: int, warmup: int) -> tuple
     from rlflow.exchange.transfer import WeightPublisher
 
     pub = WeightPublisher(pull_timeout_s=120, layout="single_device")
-    offers = RelayOffers(pub, fanout=2 if relay else 10**6, assign_timeout_s=120)
+    offers = RelayOffers(pub, fanout=2 if relay else 10**6, assign_timeout_s=120,
+                         num_consumers=n)
     coord = Coordinator(offers).start()
     env = dict(os.environ, PYTHONPATH=REPO)
     peers = [subprocess.Popen([sys.executable, __file__, "replica", f"r{i}", coord.address,

@@ -14,6 +14,13 @@ coordinator (``relay`` request). The coordinator's :class:`RelayOffers` then ans
    pulls older than ``assign_timeout_s``), the learner serves anyway, so nothing waits
    forever.
 
+**Demand-driven relays.** A relay keeps the arrays of each uuid it registers until that uuid
+is pulled or its timeout passes (``jax.experimental.transfer`` cannot cancel an
+``await_pull``), so unneeded registrations would hold old versions in device memory. With
+``num_consumers`` (the replica count) the coordinator tells each puller in its offer how many
+children to serve (``"relay": k``): no more than the replicas still lacking the version,
+less the slots already registered or promised. A relay registers exactly ``k`` uuids.
+
 A replica whose pull from a relay fails (the relay died mid-transfer: the pull never
 completes and the subscriber's watchdog fires, or the runtime reports an error) asks again
 naming the failed address; that relay is struck off for ``v`` and the replica gets another
@@ -46,20 +53,25 @@ class RelayOffers:
       fanout: pulls the learner and each relay serve per version (>= 1).
       assign_timeout_s: a pull handed out this long ago without the puller coming back is
         counted failed (the learner may then serve others directly).
+      num_consumers: replicas that pull every version (demand-driven relays, see the module
+        docstring); None: every puller relays ``fanout`` children.
       clock: monotonic clock, seconds.
     """
 
     def __init__(self, publisher, *, fanout: int = FANOUT, assign_timeout_s: float = 120.0,
+                 num_consumers: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic):
         if fanout < 1:
             raise ValueError(f"fanout must be >= 1, got {fanout}")
-        self.publisher, self.fanout = publisher, fanout
+        self.publisher, self.fanout, self.num_consumers = publisher, fanout, num_consumers
         self.assign_timeout_s, self.clock = assign_timeout_s, clock
         self._lock = threading.Lock()
         self._tree_version = None
         self._direct = 0
         self._relays: dict[str, dict] = {}
         self._pending: dict[str, tuple[str, float]] = {}   # consumer -> (source, handed out)
+        self._promised: dict[str, int] = {}     # puller -> children it was asked to serve
+        self._holders: set[str] = set()         # consumers known to hold the tree's version
         self.bytes_sent: collections.Counter = collections.Counter()
         self.learner_bytes_by_version: dict[int, int] = {}
         self.waits = 0
@@ -77,16 +89,38 @@ class RelayOffers:
             self._tree_version, self._direct = v, 0
             self._relays.clear()
             self._pending.clear()
+            self._promised.clear()
+            self._holders.clear()
+
+    def _relay_count(self, consumer: str) -> int:
+        """Children ``consumer`` (just handed a pull) should serve once it holds the version."""
+        if self.num_consumers is None:
+            return self.fanout
+        covered = len(self._holders | set(self._pending)) + \
+            sum(len(r["uuids"]) for r in self._relays.values()) + sum(self._promised.values())
+        return max(0, min(self.fanout, self.num_consumers - covered))
+
+    def _hand_out(self, consumer: str, source: str, now: float, offer: dict) -> dict:
+        self._pending[consumer] = (source, now)
+        self._promised.pop(consumer, None)
+        k = self._relay_count(consumer)
+        self._promised[consumer] = k
+        self.bytes_sent[source] += self.publisher.nbytes
+        return dict(offer, source=source, relay=k)
 
     def offer(self, consumer: str, have_version: int, failed: Optional[str] = None) -> dict:
         """Answer one "latest?" (see the module docstring). ``failed``: the address of a
         source whose pull just failed for this consumer."""
         with self._lock:
             v = self.publisher.version
+            if v >= 0:
+                self._new_tree(v)
             self._pending.pop(consumer, None)
+            self._promised.pop(consumer, None)
             if v < 0 or v <= have_version:
+                if v >= 0:
+                    self._holders.add(consumer)
                 return {"version": v}
-            self._new_tree(v)
             if failed:
                 for name in [n for n, r in self._relays.items() if r["address"] == failed]:
                     del self._relays[name]
@@ -94,32 +128,29 @@ class RelayOffers:
             for c in [c for c, (_, t) in self._pending.items()
                       if now - t > self.assign_timeout_s]:
                 del self._pending[c]
+                self._promised.pop(c, None)
             if self._direct < self.fanout:
                 return self._from_learner(consumer, have_version, now)
             for name, r in self._relays.items():
                 if r["uuids"] and name != consumer:
-                    uuid = r["uuids"].pop()
-                    self._pending[consumer] = (name, now)
-                    self.bytes_sent[name] += self.publisher.nbytes
-                    return {"version": v, "address": r["address"], "uuid": uuid,
-                            "layout": self.publisher.layout_desc,
-                            "transports": r["transports"], "source": name}
-            if not self._pending:           # no pull under way: nothing will free a slot
+                    offer = {"version": v, "address": r["address"], "uuid": r["uuids"].pop(),
+                             "layout": self.publisher.layout_desc,
+                             "transports": r["transports"]}
+                    return self._hand_out(consumer, name, now, offer)
+            if not any(self._promised.values()):   # no relay slot will come: the learner
                 return self._from_learner(consumer, have_version, now)
             self.waits += 1
             return {"version": v, "wait": True}
 
     def _from_learner(self, consumer: str, have_version: int, now: float) -> dict:
         out = self.publisher.offer(consumer, have_version)
-        if "uuid" in out:
-            self._direct += 1
-            self._pending[consumer] = ("learner", now)
-            self.bytes_sent["learner"] += self.publisher.nbytes
-            v = int(out["version"])
-            self.learner_bytes_by_version[v] = \
-                self.learner_bytes_by_version.get(v, 0) + self.publisher.nbytes
-            out["source"] = "learner"
-        return out
+        if "uuid" not in out:
+            return out
+        self._direct += 1
+        v = int(out["version"])
+        self.learner_bytes_by_version[v] = \
+            self.learner_bytes_by_version.get(v, 0) + self.publisher.nbytes
+        return self._hand_out(consumer, "learner", now, out)
 
     def register(self, consumer: str, version: int, address: str, transports: int,
                  uuids: list) -> bool:
@@ -127,9 +158,11 @@ class RelayOffers:
         False (ignored) when ``version`` is no longer the newest."""
         with self._lock:
             self._pending.pop(consumer, None)
+            self._promised.pop(consumer, None)
             if version != self.publisher.version:
                 return False
             self._new_tree(version)
+            self._holders.add(consumer)
             self._relays[consumer] = {"address": str(address), "transports": int(transports),
                                       "uuids": [int(u) for u in uuids]}
             return True

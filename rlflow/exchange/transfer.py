@@ -254,8 +254,11 @@ class WeightSubscriber:
         """Relay: register ``relay_fanout`` one-shot pulls of the arrays just pulled (in
         the publisher's layout) on this process's server and tell the coordinator. A failure
         here is logged, never fatal (the coordinator then uses other sources)."""
+        n = min(self.relay_fanout, int(offer.get("relay", self.relay_fanout)))
+        if n <= 0:
+            return                      # the coordinator needs no children served by us
         try:
-            uuids = [secrets.randbits(63) for _ in range(self.relay_fanout)]
+            uuids = [secrets.randbits(63) for _ in range(n)]
             deadline = datetime.datetime.now() + datetime.timedelta(
                 seconds=self.relay_timeout_s)
             for uuid in uuids:

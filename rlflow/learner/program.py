@@ -83,7 +83,8 @@ class _Publisher:
                 from rlflow.exchange.relay import RelayOffers
 
                 self.offers = RelayOffers(self.impl, fanout=rt.relay_fanout,
-                                          assign_timeout_s=rt.transfer_timeout_s)
+                                          assign_timeout_s=rt.transfer_timeout_s,
+                                          num_consumers=cfg.sampler.num_replicas)
         else:
             from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, weights_dir
 
