@@ -104,7 +104,8 @@ class PromptLedger:
         self._entries: dict[int, _Entry] = {}
         self._lease_ids = 0
         self.trained_groups = trained_groups
-        self.counts = dict(admitted=0, redispatched=0, trained=0, dropped=0, duplicates=0)
+        self.counts = dict(admitted=0, redispatched=0, trained=0, dropped=0, duplicates=0,
+                           released=0, stale_returned=0)
 
     # ------------------------------------------------------------------ checkpoint
     def state(self) -> dict:
@@ -223,6 +224,7 @@ class PromptLedger:
             if self._current(key, BUFFERED) is not None:
                 del self._entries[int(key[0])]
                 heapq.heappush(self._returned, int(key[0]))
+                self.counts["released"] += 1
 
     def take(self, key: Key) -> bool:
         """The learner takes the group of ``key`` into its batch. False (counted as a
@@ -266,6 +268,7 @@ class PromptLedger:
         with self._lock:
             if self._entries.pop(int(key[0]), None) is not None:
                 heapq.heappush(self._returned, int(key[0]))
+                self.counts["stale_returned"] += 1
 
     def release_replica(self, replica: str) -> int:
         """``replica`` is lost (dead, timed out or restarted): its leased prompts (not yet
@@ -276,6 +279,7 @@ class PromptLedger:
             for i in lost:
                 del self._entries[i]
                 heapq.heappush(self._returned, i)
+            self.counts["released"] += len(lost)
             return len(lost)
 
     # ------------------------------------------------------------------ queries
@@ -304,8 +308,10 @@ class PromptLedger:
                     f"flight, {needed_groups} needed")
 
     def metrics(self) -> dict:
-        """``ledger/*`` counts: admitted, redispatched, trained, dropped, duplicates (totals)
-        and in_flight (leased), buffered, consumed, returned (now), next_index."""
+        """``ledger/*`` counts: admitted, redispatched, trained, dropped, duplicates,
+        released (taken back from lost replicas or failed puts), stale_returned (too stale, generated
+        again) (totals) and in_flight (leased), buffered, consumed, returned (now),
+        next_index."""
         with self._lock:
             states = [e.state for e in self._entries.values()]
             out = {f"ledger/{k}": float(v) for k, v in self.counts.items()}

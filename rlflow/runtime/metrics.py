@@ -1,7 +1,7 @@
 """Sampler replica figures as learner metrics (pure: statuses in, metric dict out).
 
 Per replica ``i`` (``sampler-<i>``): ``replica/<i>/tokens_per_s``, ``slot_occupancy``,
-``groups_delivered`` (total), ``version`` (policy version of its weights), ``restarts``. Over the live replicas:
+``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version of its weights), ``restarts``. Over the live replicas:
 ``sampler/tokens_per_s`` (sum), ``sampler/slot_occupancy`` and ``sampler/idle_frac``
 (means), ``sampler/version`` (newest), ``sampler/replicas_alive``, and the ``sync/*`` swap
 figures of the replica that reported last, with ``sync/weight_sync_s`` = its swap time
@@ -43,7 +43,7 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
         out["sampler/version"] = float(max(versions))
     for name, st in statuses.items():
         i, f = _index(name), figures[name]
-        for key in ("tokens_per_s", "slot_occupancy", "groups_delivered"):
+        for key in ("tokens_per_s", "slot_occupancy", "groups_delivered", "in_flight"):
             if f"sampler/{key}" in f:
                 out[f"replica/{i}/{key}"] = f[f"sampler/{key}"]
         if st.version >= 0:
