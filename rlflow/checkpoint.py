@@ -143,7 +143,8 @@ def run_metadata(cfg=None, mesh=None, **extra) -> dict:
     """Run metadata saved with every checkpoint (JSON types only).
 
     Args:
-      cfg: the resolved ``ExperimentConfig`` (stored as ``dataclasses.asdict``), or None.
+      cfg: the resolved ``ExperimentConfig`` (stored as ``dataclasses.asdict``, secrets
+        redacted), or None.
       mesh: the learner's ``jax.sharding.Mesh`` (axis names and sizes are stored), or None.
       **extra: more JSON-able fields.
     """
@@ -157,7 +158,9 @@ def run_metadata(cfg=None, mesh=None, **extra) -> dict:
                      ("rlflow", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")},
     }
     if cfg is not None:
-        meta["config"] = dataclasses.asdict(cfg)
+        from rlflow.secrets import redact_config
+
+        meta["config"] = redact_config(dataclasses.asdict(cfg))   # secrets stay out
     if mesh is not None:
         meta["mesh"] = {str(k): int(v) for k, v in mesh.shape.items()}
     meta.update(extra)

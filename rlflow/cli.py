@@ -2,7 +2,11 @@
 
 ``rlflow train [--config configs/x.py] [--section.field value ...]`` loads the config
 file (default: the built-in demo, ``configs/demo.py``), applies command-line overrides
-with tyro, and starts the run. The other sub-commands take their own tyro arguments.
+with tyro, and starts the run. ``rlflow train --help`` lists the common flags;
+``--help-all`` every field (also in ``docs/config.md``). Booleans take
+``true/false/1/0/yes/no/on/off`` (any case). ``--buffer.token`` is refused (argv is visible
+in ``ps``): the token comes from ``RLFLOW_BUFFER_TOKEN`` or ``--buffer.token_file``.
+The other sub-commands take their own tyro arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +18,92 @@ from typing import Optional, Sequence
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "configs", "demo.py")
+
+# The flags most runs set, shown by `rlflow train --help` (every field: --help-all or
+# docs/config.md). tests/test_cli.py checks that each is a config field.
+COMMON_FLAGS: tuple[tuple[str, str], ...] = (
+    ("name", "run name: the run folder is <run_dir>/<name>"),
+    ("run_dir", "folder holding the run folders"),
+    ("model.path", "Hugging Face model folder (weights + tokenizer)"),
+    ("data.source", "builtin | jsonl | parquet | arrayrecord"),
+    ("data.path", "prompt data file or folder"),
+    ("learner.num_steps", "learner steps of the run"),
+    ("learner.lr", "learning rate"),
+    ("sampler.group_size", "completions per prompt"),
+    ("sampler.max_tokens", "longest completion, tokens"),
+    ("checkpoint.every_steps", "save every N steps (0: only at exit)"),
+    ("checkpoint.resume", "auto | never"),
+    ("checkpoint.overwrite", "with resume never: move an earlier run's folder aside"),
+    ("buffer.token_file", "ring-buffer token file, mode 0600 (or RLFLOW_BUFFER_TOKEN)"),
+    ("metrics.progress", "auto | bar | plain"),
+)
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def bool_flags(cls=None, prefix: str = "") -> set[str]:
+    """Dotted names of the bool fields of ``ExperimentConfig`` (nested sections included)."""
+    import dataclasses
+    import typing
+
+    from rlflow import config as config_mod
+
+    cls = cls or config_mod.ExperimentConfig
+    hints = typing.get_type_hints(cls, vars(config_mod))
+    out = set()
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out |= bool_flags(hint, f"{prefix}{f.name}.")
+        elif hint is bool:
+            out.add(prefix + f.name)
+    return out
+
+
+def normalize_bools(argv: Sequence[str]) -> list[str]:
+    """``--section.flag true|false|1|0|yes|no|on|off`` (any case, also ``--flag=value``)
+    as tyro's ``True`` / ``False``; a bool flag with no value (last, or before another
+    flag) means ``True``. Other words are left for tyro to judge."""
+    flags = bool_flags()
+    names = {"--" + n for n in flags} | {"--" + n.replace("_", "-") for n in flags}
+    out: list[str] = []
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        key, eq, value = word.partition("=")
+        if key in names:
+            if not eq:
+                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    value, i = argv[i + 1], i + 1
+                else:
+                    value = "true"
+            low = value.lower()
+            value = "True" if low in TRUE_WORDS else "False" if low in FALSE_WORDS else value
+            out += [key, value]
+        else:
+            out.append(word)
+        i += 1
+    return out
+
+
+def train_help(default) -> str:
+    """The short ``rlflow train --help``: usage, ``--config`` first, the common flags with
+    the config file's values, and where every other field is described."""
+    lines = ["usage: rlflow train [--config PATH] [--SECTION.FIELD VALUE ...]", "",
+             "Train with the config file PATH (default: configs/demo.py), overriding any field",
+             "on the command line (booleans take true/false). Examples:",
+             "  rlflow train --config configs/gsm8k_qwen2_5_0_5b.py --learner.lr 1e-6",
+             "  rlflow train --name try2 --checkpoint.resume never", "",
+             "  --config PATH".ljust(34) + "config file defining config() -> ExperimentConfig"]
+    for name, meaning in COMMON_FLAGS:
+        value = default
+        for part in name.split("."):
+            value = getattr(value, part)
+        lines.append(f"  --{name}".ljust(34) + f"{meaning} (now: {value!r})")
+    lines += ["", "Every field (about 100): rlflow train --help-all, or docs/config.md.",
+              "The ring-buffer token comes from RLFLOW_BUFFER_TOKEN or --buffer.token_file,",
+              "never from the command line."]
+    return "\n".join(lines)
 
 
 def parse_train_args(argv: Sequence[str]):
@@ -31,13 +121,32 @@ def parse_train_args(argv: Sequence[str]):
 
     from rlflow.config import ExperimentConfig, load_config_file
 
+    import dataclasses
+
+    from rlflow.secrets import REDACTED, refuse_secret_flags
+
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(list(argv))
+    refuse_secret_flags(rest)
     path = known.config or DEFAULT_CONFIG
     default = load_config_file(path)
-    return tyro.cli(ExperimentConfig, default=default, args=rest,
-                    prog="rlflow train", config=(tyro.conf.FlagConversionOff,))
+    if any(a in ("-h", "--help") for a in rest):
+        print(train_help(default))
+        raise SystemExit(0)
+    rest = ["--help" if a == "--help-all" else a for a in normalize_bools(rest)]
+    # tyro prints defaults in --help-all and in its error messages: a token set in the
+    # config file goes in redacted and is put back after parsing (--buffer.token is refused
+    # above, so the parsed value is always the default).
+    token = default.buffer.token
+    if token:
+        default = dataclasses.replace(default, buffer=dataclasses.replace(
+            default.buffer, token=REDACTED))
+    cfg = tyro.cli(ExperimentConfig, default=default, args=rest,
+                   prog="rlflow train", config=(tyro.conf.FlagConversionOff,))
+    if token:
+        cfg = dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, token=token))
+    return cfg
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -57,9 +166,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         from rlflow.config import ConfigError
+        from rlflow.secrets import SecretError
         try:
             cfg = parse_train_args(rest)
-        except (ConfigError, FileNotFoundError) as e:
+            from rlflow.config_checks import check_runnable
+            check_runnable(cfg)         # files, plugins, reward names: before any program
+        except (ConfigError, FileNotFoundError, SecretError) as e:
             print(f"rlflow train: {e}", file=sys.stderr)
             return 2
         from rlflow.launch import run_train

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
+from rlflow.secrets import ENV_BUFFER_TOKEN, token_source_given
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the allowed values."""
@@ -161,24 +163,39 @@ class DataConfig:
 class RewardConfig:
     """Reward functions (names from the registry in ``rlflow.data.rewards``) and weights.
 
-    A function that raises or runs longer than ``timeout_s`` seconds gives reward 0 for
-    that sample; the failure is counted and logged with the sample id.
+    Each call runs in a reward worker process; one that raises, runs longer than
+    ``timeout_s`` seconds (its worker is killed and replaced) or past ``memory_limit_mb``
+    gives reward 0 for that sample; the failure is counted and logged with the sample id.
 
     Attributes:
-      functions: reward function names (registry in ``rlflow.data.rewards``).
+      functions: reward function names: registered names (``rlflow.data.rewards``, or
+        registered by a module in ``plugins``) or ``"package.module:function"`` /
+        ``"path/file.py:function"`` references; unknown names are refused when the config
+        is resolved.
       weights: one weight per function; the reward is the weighted sum.
       timeout_s: seconds one reward call may take before it scores 0 (counted).
+      num_workers: reward worker processes of the sampler (scoring overlaps decoding).
+        0 calls the functions in the sampler process on a thread: for debugging only
+        (a call that holds the GIL or allocates without bound is then not stopped).
+      memory_limit_mb: memory one reward call may allocate, MiB: each reward worker's
+        address space (RLIMIT_AS) is capped at what it maps after loading the functions plus
+        this; a call past it scores 0 (counted as an error). 0: no limit.
     """
 
     functions: Tuple[str, ...] = ("digits_match",)
     weights: Tuple[float, ...] = (1.0,)
     timeout_s: float = 5.0
+    num_workers: int = 2
+    memory_limit_mb: int = 4096
 
     def __post_init__(self):
         _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
         _check(len(self.functions) == len(self.weights), "reward.weights",
                f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")
         _positive(self.timeout_s, "reward.timeout_s")
+        _check(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
+        _check(self.memory_limit_mb >= 0, "reward.memory_limit_mb",
+               f"must be >= 0 (0: no limit), got {self.memory_limit_mb}")
 
 
 @dataclass(frozen=True)
@@ -267,6 +284,12 @@ class LearnerConfig:
       is_cap: truncated importance-weight cap C for off-policy tokens (0 off).
       mask_truncated: drop completions cut by max_tokens from the loss (DAPO).
       dynamic_sampling: drop groups with zero reward variance (DAPO).
+      max_consecutive_skipped_steps: a step whose groups leave no sample for the loss (all
+        truncated and masked, all stale, all without reward variance, all with bad rewards)
+        is skipped: no update, no new version, not counted in ``num_steps``, its groups
+        given back to the admission budget. This many skips in a row (or this many steps'
+        worth of groups dropped in a row by ``dynamic_sampling``) stop the run with an error
+        naming the reason (``rlflow.learner.skips``); 0: never stop.
       num_devices / mesh: devices and mesh of the learner program.
       compute_dtype: activations dtype in the train step; params stay ``model.param_dtype``.
       seed: PRNG seed of the learner (dropout-free; used for any sampled quantity).
@@ -315,6 +338,7 @@ class LearnerConfig:
     is_cap: float = 2.0
     mask_truncated: bool = False
     dynamic_sampling: bool = False
+    max_consecutive_skipped_steps: int = 10
     num_devices: int = 1
     mesh: MeshConfig = field(default_factory=MeshConfig)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -340,6 +364,8 @@ class LearnerConfig:
         for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices"):
             _positive(getattr(self, name), f"learner.{name}")
         _check(self.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
+        _check(self.max_consecutive_skipped_steps >= 0, "learner.max_consecutive_skipped_steps",
+               f"must be >= 0 (0: never stop), got {self.max_consecutive_skipped_steps}")
         _one_of(self.schedule, ("constant", "cosine"), "learner.schedule")
         _one_of(self.advantage, ("grpo", "drgrpo", "rloo", "gae"), "learner.advantage")
         _one_of(self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
@@ -395,9 +421,14 @@ class BufferConfig:
       capacity: most groups held.
       when_full: "block" the producer, or "drop_oldest" group (counted).
       timeout_s: seconds a producer or consumer waits before raising a named error.
-      bind_address: address the buffer server binds; non-loopback requires ``token``.
+      bind_address: address the buffer server binds; non-loopback requires a token.
       port: TCP port (0: pick a free one).
-      token: shared secret clients must present (required off loopback).
+      token: shared secret clients must present (required off loopback). Prefer the
+        ``RLFLOW_BUFFER_TOKEN`` environment variable or ``token_file``: ``rlflow train``
+        refuses ``--buffer.token`` on the command line (visible in ``ps``); run folders,
+        logs and checkpoints show it as ``<redacted>`` (``rlflow/secrets.py``).
+      token_file: file holding the token, readable by its owner only (mode 0600; another
+        mode is refused). Used when ``token`` and ``RLFLOW_BUFFER_TOKEN`` are unset.
     """
 
     capacity: int = 64
@@ -406,6 +437,7 @@ class BufferConfig:
     bind_address: str = "127.0.0.1"
     port: int = 0
     token: str = ""
+    token_file: str = ""
 
     def __post_init__(self):
         _positive(self.capacity, "buffer.capacity")
@@ -414,8 +446,9 @@ class BufferConfig:
         _check(0 <= self.port < 65536, "buffer.port", f"must be in [0, 65535], got {self.port}")
         loopback = self.bind_address in ("127.0.0.1", "localhost", "::1") or \
             self.bind_address.startswith("127.")
-        _check(loopback or bool(self.token), "buffer.token",
-               f"is required when buffer.bind_address={self.bind_address!r} is not loopback")
+        _check(loopback or token_source_given(self.token, self.token_file), "buffer.token",
+               f"is required when buffer.bind_address={self.bind_address!r} is not loopback "
+               f"(set {ENV_BUFFER_TOKEN} or buffer.token_file)")
 
 
 @dataclass(frozen=True)
@@ -509,7 +542,12 @@ class CheckpointConfig:
       keep_last: keep the newest K checkpoints.
       keep_best_metric: also keep the best checkpoint by this metric ("" off).
       keep_best_mode: "max" (higher is better, e.g. a reward) or "min" (e.g. a loss).
-      resume: "auto" resumes when the run folder has checkpoints; "never" starts fresh.
+      resume: "auto" resumes when the run folder has checkpoints (refused when the folder's
+        config.json differs in model, data or reward: another run); "never" starts fresh
+        and is refused on a folder holding an earlier run's checkpoints or records, unless
+        ``overwrite`` (a run folder belongs to one run: ``rlflow/run_identity.py``).
+      overwrite: with ``resume="never"``, move an earlier run's folder aside to
+        ``<run>.replaced-<UTC time>`` and start clean instead of refusing.
     """
 
     every_steps: int = 0
@@ -517,6 +555,7 @@ class CheckpointConfig:
     keep_best_metric: str = ""
     keep_best_mode: Literal["max", "min"] = "max"
     resume: Literal["auto", "never"] = "auto"
+    overwrite: bool = False
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
@@ -557,11 +596,14 @@ class ExperimentConfig:
       name: run name; the run folder is ``{run_dir}/{name}``.
       run_dir: parent folder of run folders.
       seed: global seed (data order, sampling, init).
+      plugins: modules every program imports first (dotted names or ``.py`` paths), e.g.
+        to register reward functions (``rlflow.plugins``).
     """
 
     name: str = "demo"
     run_dir: str = "runs"
     seed: int = 0
+    plugins: Tuple[str, ...] = ()
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -577,12 +619,16 @@ class ExperimentConfig:
                f"must be a non-empty folder name, got {self.name!r}")
         bind = self.runtime.bind_address
         _check(bind == "localhost" or bind.startswith("127.") or bind == "::1"
-               or bool(self.buffer.token), "buffer.token",
-               f"is required when runtime.bind_address={bind!r} is not loopback")
+               or token_source_given(self.buffer.token, self.buffer.token_file), "buffer.token",
+               f"is required when runtime.bind_address={bind!r} is not loopback "
+               f"(set {ENV_BUFFER_TOKEN} or buffer.token_file)")
         if self.runtime.stale_policy == "correct":
             _check(self.learner.is_cap > 0, "learner.is_cap",
                    "must be > 0 when runtime.stale_policy='correct'")
         lr, sp = self.learner, self.sampler
+        _check(lr.advantage == "gae" or sp.group_size >= 2, "sampler.group_size",
+               f"must be >= 2 with learner.advantage={lr.advantage!r} (group-relative "
+               f"advantages compare the G samples of a prompt), got {sp.group_size}")
         rows = lr.groups_per_step * sp.group_size
         split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
         _check(rows % split == 0, "learner.micro_batches",

@@ -10,8 +10,11 @@ Sources:
   (``--base-model`` overrides it, e.g. when the run was trained on another machine).
 
 Every source ends in :func:`export_params`, which writes safetensors, config.json
-(``model_type``, RoPE fields and the tie flag at top level), generation_config.json (every
-EOS id) and copies the tokenizer files.
+(``model_type``, RoPE fields and the tie flag at top level) and generation_config.json, and
+copies the tokenizer files. Both JSON files keep what the source folder (``--model-path``, or
+the run's base model) says beyond the architecture rlflow owns: its generation settings
+(sampling, penalties, EOS/pad ids) unchanged and its other config.json values
+(:mod:`rlflow.models.hf_settings`).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class ExportArgs:
 
 
 def export_params(params, decoder_cfg: DecoderConfig, out: str, tokenizer_dir: str | None = None,
-                  dtype: str | None = None) -> None:
+                  dtype: str | None = None, source_dir: str | None = None) -> None:
     """Write decoder parameters as a HF folder (the seam every export source ends in).
 
     Args:
@@ -82,12 +85,15 @@ def export_params(params, decoder_cfg: DecoderConfig, out: str, tokenizer_dir: s
       out: output folder.
       tokenizer_dir: tokenizer files to copy (None: none).
       dtype: "float32" / "bfloat16" (None: ``decoder_cfg.param_dtype``).
+      source_dir: the HF folder the parameters came from (its generation_config.json and
+        the config.json values rlflow does not own are kept; None: none).
 
     Raises:
       ModelFormatError: a parameter is missing, the dtype is unknown, or the tokenizer
         folder has no tokenizer files.
     """
-    write_hf(params, decoder_cfg, out, tokenizer_dir=tokenizer_dir, dtype=dtype)
+    write_hf(params, decoder_cfg, out, tokenizer_dir=tokenizer_dir, dtype=dtype,
+             source_dir=source_dir)
 
 
 def _has_tokenizer(folder: str) -> bool:
@@ -113,7 +119,8 @@ def export_hf_folder(model_path: str, out: str, *, tokenizer_dir: str | None = N
     model, cfg = load_hf(model_path)
     if tokenizer_dir is None and _has_tokenizer(model_path):
         tokenizer_dir = model_path
-    export_params(nnx.state(model, nnx.Param), cfg, out, tokenizer_dir, dtype)
+    export_params(nnx.state(model, nnx.Param), cfg, out, tokenizer_dir, dtype,
+                  source_dir=model_path)
 
 
 def _base_config(meta: dict, base_model: str, where: str) -> tuple[DecoderConfig, str]:
@@ -235,7 +242,8 @@ def run_export(args: ExportArgs) -> str:
             raise ExportError(f"--out must differ from the run's base model folder ({args.out})")
         tokenizer_dir = args.tokenizer_dir or (got.base_model if _has_tokenizer(got.base_model)
                                                else None)
-        export_params(got.params, got.config, args.out, tokenizer_dir, args.dtype)
+        export_params(got.params, got.config, args.out, tokenizer_dir, args.dtype,
+                      source_dir=got.base_model)
     return args.out
 
 

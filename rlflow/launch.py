@@ -20,7 +20,12 @@ checkpoint step first (:func:`rlflow.run_watch.latest_checkpoint_step`: folder n
 no JAX): at or past ``learner.num_steps`` it says the run is already complete and exits 0
 without starting anything or touching the run folder; below it, it prints ``resuming run
 <name> from step N`` and the summary counts the steps run by this invocation
-(``steps_this_run``, ``resumed_from_step`` in ``summary.json``).
+(``steps_this_run``, ``resumed_from_step`` in ``summary.json``). A run folder holds one run
+(:mod:`rlflow.run_identity`): ``resume="never"`` on an earlier run's folder is refused (exit 2,
+the folder named) unless ``checkpoint.overwrite`` moves it aside; ``resume="auto"`` on a
+folder of another model / data / reward is refused. The ring-buffer token reaches the
+programs in their environment (``RLFLOW_BUFFER_TOKEN``), never in argv; their
+``config.json`` holds it redacted (:mod:`rlflow.secrets`).
 
 Shutdown: when the learner finishes, the sampler is told to stop (the coordinator's "done"
 flag, then SIGTERM after a grace period) and the exit code is 0. When either child dies
@@ -73,6 +78,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rlflow import programs_common as pc
+from rlflow.secrets import ENV_BUFFER_TOKEN, install_log_redaction, secret_values
 
 MAX_SAMPLER_RESTARTS = 3
 STOP_GRACE_S = 20.0       # seconds a child gets between the stop request and SIGKILL
@@ -139,6 +145,7 @@ def child_main(argv: Optional[Sequence[str]] = None) -> int:
     log = pc.setup_logging(args.role)
     pc.install_signal_handlers()
     cfg = pc.load_config(args.config)
+    install_log_redaction(secret_values(cfg))   # a token in an error message stays hidden
     profile = os.environ.get(pc.ENV_PROFILE)
     if profile:                             # RLFLOW_PROFILE=dir: cProfile stats per program
         import cProfile
@@ -294,6 +301,8 @@ class Supervisor:
         env = child_env(role, num_devices, eps, self.config_path)
         if role == "sampler":
             env[pc.ENV_REPLICA] = name.rsplit("-", 1)[1] if "-" in name else "0"
+        if self.cfg.buffer.token:     # by environment, never argv (config.json: redacted)
+            env[ENV_BUFFER_TOKEN] = self.cfg.buffer.token
         if self.cfg.runtime.pin_cpus and hasattr(os, "sched_getaffinity"):
             cpus = split_cpus(os.sched_getaffinity(0)).get(role)
             if cpus:
@@ -361,22 +370,36 @@ def run_train(cfg) -> int:
       checkpoint already had, with ``checkpoint.resume="auto"``: then nothing is started);
       1 when a program died (the message on stderr names it and shows its log); 130 on Ctrl-C.
     """
+    from rlflow.run_identity import RunFolderConflict, check_run_folder, prepare_run_folder
     from rlflow.run_watch import RunWatcher, latest_checkpoint_step
+    from rlflow.secrets import SecretError, resolve_secrets
 
     run_path = os.path.abspath(cfg.run_path)
+    try:
+        cfg = resolve_secrets(cfg)
+        check_run_folder(cfg)                 # another run's folder: refuse, touch nothing
+    except (SecretError, RunFolderConflict) as e:
+        print(f"rlflow train: {e}", file=sys.stderr, flush=True)
+        return 2
     resumed_from = 0
     if cfg.checkpoint.resume == "auto":
         step = latest_checkpoint_step(run_path)
         total = cfg.learner.num_steps
         if step is not None and step >= total:
             print(f"rlflow train: run {cfg.name} is already complete (step {step} of {total}); "
-                  f"use --checkpoint.resume never or a new --name", flush=True)
+                  f"use a new --name, or --checkpoint.resume never --checkpoint.overwrite true to "
+                  f"start over", flush=True)
             return 0
         if step is not None:
             print(f"rlflow train: resuming run {cfg.name} from step {step} (of {total})",
                   flush=True)
             resumed_from = step
-    os.makedirs(run_path, exist_ok=True)
+    prepared = prepare_run_folder(cfg)
+    if prepared.moved_to:
+        print(f"rlflow train: moved the earlier run in {run_path} to {prepared.moved_to} "
+              "(--checkpoint.overwrite)", flush=True)
+    for warning in prepared.warnings:
+        print(f"rlflow train: {warning}", flush=True)
     config_path = os.path.join(run_path, "config.json")
     pc.save_config(cfg, config_path)
     bhost, chost = cfg.buffer.bind_address, cfg.runtime.bind_address
@@ -384,8 +407,9 @@ def run_train(cfg) -> int:
         buffer=f"{bhost}:{cfg.buffer.port or free_port(bhost)}",
         coordinator=f"{chost}:{cfg.runtime.coordinator_port or free_port(chost)}")
     sup = Supervisor(cfg, run_path, config_path, endpoints)
-    watcher = RunWatcher(cfg, run_path, resumed_from=resumed_from)
+    # Before the progress display exists (a live bar would draw over it).
     print(f"rlflow train: run folder {run_path} (logs in {run_path}/logs)", flush=True)
+    watcher = RunWatcher(cfg, run_path, resumed_from=resumed_from)
     code = 1
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -394,6 +418,7 @@ def run_train(cfg) -> int:
             sup.start(name)
         code = _supervise(cfg, sup, watcher)
     except KeyboardInterrupt:
+        watcher.progress.close()            # a live bar would redraw over the lines below
         print("\nrlflow train: interrupted; stopping both programs", file=sys.stderr, flush=True)
         code = 130
     finally:
@@ -430,6 +455,7 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
         codes = {n: sup.children[n].proc.poll() for n in names}
         if learner is not None:
             if learner != 0:
+                watcher.progress.close()    # the bar stops before the failure report
                 _report_failures(sup, "learner")
                 return 1
             if all(c is not None for c in codes.values()):
@@ -445,17 +471,18 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
             child = sup.children[name]
             n = child.restarts
             if cfg.runtime.restart_sampler and n < MAX_SAMPLER_RESTARTS:
-                print(f"rlflow train: the {name} process died ({_exit_text(code)}); "
-                      f"restarting it ({n + 1}/{MAX_SAMPLER_RESTARTS})",
-                      file=sys.stderr, flush=True)
+                watcher.progress.message(    # above a live bar, never through it
+                    f"rlflow train: the {name} process died ({_exit_text(code)}); "
+                    f"restarting it ({n + 1}/{MAX_SAMPLER_RESTARTS})")
                 sup.start(name, instance=n + 1)
             else:
                 dead.add(name)
                 if len(dead) < len(names):
-                    print(f"rlflow train: the {name} process died ({_exit_text(code)}); "
-                          f"going on with {len(names) - len(dead)} sampler replica(s)",
-                          file=sys.stderr, flush=True)
+                    watcher.progress.message(
+                        f"rlflow train: the {name} process died ({_exit_text(code)}); "
+                        f"going on with {len(names) - len(dead)} sampler replica(s)")
         if dead and len(dead) == len(names):
+            watcher.progress.close()
             if len(names) > 1:
                 print(f"rlflow train: every sampler replica died ({len(names)}); stopping "
                       f"the run", file=sys.stderr, flush=True)

@@ -141,8 +141,11 @@ class MetricsWriter:
       num_samples: most completions written per sampled step.
       on_non_finite: "error" raises :class:`NonFiniteMetricError`; "flag" writes the value
         as null, lists it under the record's "non_finite" key and logs a warning.
-      start_step: first step this writer will log; > 0 on resume, so TensorBoard hides
-        events of steps >= start_step written by the interrupted run (``purge_step``).
+      start_step: the step the run (re)starts from: the checkpoint's step on resume, 0 on
+        a fresh start. Records of later steps, written by an interrupted invocation after
+        that checkpoint, are removed from ``metrics.jsonl`` and ``samples.jsonl`` (an
+        atomic rewrite, :func:`truncate_after`) and hidden in TensorBoard
+        (``purge_step=start_step + 1``), so each step is recorded once.
       tensorboard: also write TensorBoard event files.
     """
 
@@ -160,6 +163,11 @@ class MetricsWriter:
         self.non_finite_count = 0
         self._lock = threading.Lock()
         self._closed = False
+        for name in (METRICS_FILE, SAMPLES_FILE):
+            removed = truncate_after(os.path.join(self.run_dir, name), start_step)
+            if removed:
+                logger.info("%s: removed %d record(s) of steps after %d (written after the "
+                            "checkpoint this run resumes from)", name, removed, start_step)
         self._metrics = open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8")
         self._samples = open(os.path.join(self.run_dir, SAMPLES_FILE), "a", encoding="utf-8")
         self._tb = None
@@ -168,7 +176,7 @@ class MetricsWriter:
             # The suffix keeps two writers opened in the same second (a quick resume) from
             # sharing tensorboardX's per-second file name, which would truncate the first.
             self._tb = SummaryWriter(logdir=self.run_dir, flush_secs=10,
-                                     purge_step=start_step if start_step > 0 else None,
+                                     purge_step=start_step + 1,
                                      filename_suffix=f".{time.time_ns()}")
 
     @classmethod
@@ -182,11 +190,15 @@ class MetricsWriter:
 
     # -- config --------------------------------------------------------------------------
     def write_config(self, cfg: Any) -> str:
-        """Write the resolved config (a dataclass or a mapping) to ``config.json``.
+        """Write the resolved config (a dataclass or a mapping) to ``config.json``, secrets
+        redacted (:func:`rlflow.secrets.redact_config`).
 
         Replaces the file atomically; also shown as text in TensorBoard. Returns its path.
         """
+        from rlflow.secrets import redact_config
+
         data = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+        data = redact_config(data)                  # secrets never reach the run folder
         text = json.dumps(data, indent=2, default=_jsonable)
         path = os.path.join(self.run_dir, CONFIG_FILE)
         with self._lock:
@@ -357,6 +369,38 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def truncate_after(path: str, step: int) -> int:
+    """Remove the records of steps > ``step`` from a JSONL file (atomic rewrite).
+
+    Lines that are not a JSON object with an int ``step`` are kept, except a last line
+    without its newline (a write cut by a crash; appending after it would glue two
+    records). Returns the number of lines removed (0, and the file untouched, when none).
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    lines = data.split(b"\n")
+    tail = lines.pop()                      # b"" when the file ends with a newline
+    keep, removed = [], 1 if tail.strip() else 0
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            keep.append(line)
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+            removed += 1
+        else:
+            keep.append(line)
+    if removed:
+        with open(path + ".tmp", "wb") as f:
+            f.write(b"".join(line + b"\n" for line in keep))
+        os.replace(path + ".tmp", path)
+    return removed
 
 
 def _samples_markdown(lines: Sequence[str]) -> str:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlflow import config as config_mod
+from rlflow.secrets import redact_config, resolve_secrets
 
 ENV_ROLE = "RLFLOW_ROLE"                      # "learner" | "sampler"
 ENV_CONFIG = "RLFLOW_CONFIG"                  # path of the resolved config JSON
@@ -77,17 +79,52 @@ def config_from_dict(cls, data: dict):
 
 
 def save_config(cfg, path: str) -> None:
+    """Write ``cfg`` as JSON, secrets redacted (:func:`rlflow.secrets.redact_config`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(config_to_dict(cfg), f, indent=2, sort_keys=True)
+        json.dump(redact_config(config_to_dict(cfg)), f, indent=2, sort_keys=True)
     os.replace(tmp, path)
 
 
-def load_config(path: str):
-    """Read a resolved config JSON written by :func:`save_config`."""
+def load_config(path: str, env=None):
+    """Read a resolved config JSON written by :func:`save_config`; redacted secrets come
+    back from their source (``RLFLOW_BUFFER_TOKEN`` or ``buffer.token_file``,
+    :func:`rlflow.secrets.resolve_secrets`), and its ``plugins`` are imported (so this
+    program's registries hold the user's functions, :mod:`rlflow.plugins`)."""
+    from rlflow.plugins import import_plugins
+
     with open(path) as f:
-        return config_from_dict(config_mod.ExperimentConfig, json.load(f))
+        cfg = config_from_dict(config_mod.ExperimentConfig, json.load(f))
+    cfg = resolve_secrets(cfg, env)
+    import_plugins(cfg.plugins)
+    return cfg
+
+
+@contextlib.contextmanager
+def deferred_stop():
+    """Hold a SIGTERM stop request (:class:`Stopped`) until the block ends.
+
+    For work that must not be cut in half, e.g. a learner step and the metrics of the
+    version it made (a checkpoint of a version always has its metrics record). A SIGTERM
+    received inside the block raises :class:`Stopped` when the block exits; outside the main
+    thread (where Python runs no signal handlers) the block runs unchanged.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if pending:
+        _stop_requested.extend(pending)
+        raise Stopped(f"received {signal.Signals(pending[0]).name}")
+    raise_if_stopped()
 
 
 @dataclass(frozen=True)
@@ -125,14 +162,30 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+_stop_requested: list[int] = []     # signal numbers received (see raise_if_stopped)
+
+
 def install_signal_handlers() -> None:
     """SIGTERM raises :class:`Stopped` in the main thread (clean shutdown on the launcher's
-    request); SIGINT is left to the launcher, which runs the programs in their own session."""
+    request); SIGINT is left to the launcher, which runs the programs in their own session.
+
+    The request is also remembered: Python runs the handler wherever the main thread is,
+    and an exception raised inside a finaliser (e.g. a ZeroMQ frame's ``__dealloc__``) is
+    printed and dropped. Program loops call :func:`raise_if_stopped` so such a request
+    still stops the program (with its exit checkpoint) instead of waiting for SIGKILL."""
 
     def _stop(signum, frame):
+        _stop_requested.append(signum)
         raise Stopped(f"received {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, _stop)
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`Stopped` when a stop request arrived (even one whose exception was
+    swallowed where the handler happened to run)."""
+    if _stop_requested:
+        raise Stopped(f"received {signal.Signals(_stop_requested[0]).name}")
 
 
 def setup_logging(role: str) -> logging.Logger:

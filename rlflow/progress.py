@@ -1,7 +1,11 @@
 """Live progress of a run: a rich progress bar on a terminal, plain lines elsewhere.
 
 On a TTY (``metrics.progress`` "auto" or "bar") a :mod:`rich` bar shows steps done, elapsed
-time, ETA and a compact status (step, reward, KL, tokens/s, staleness, buffer fill). When
+time, ETA and a compact status (step, reward, KL, tokens/s, staleness, buffer fill,
+truncation rate). The bar appears at the first finished step (no "0/N" frame during
+start-up), and :meth:`ProgressReporter.message` prints lines above it. The ETA is the pace
+of the steps after the first one (which includes start-up and compilation) times the steps
+left, shown as ``-:--:--`` until :data:`ETA_MIN_TIMED_STEPS` steps are timed. When
 the stream is not a TTY (CI logs, pipes, files) or ``metrics.progress == "plain"``, each
 update is one plain line with no control characters (no ANSI escapes, no carriage
 returns), e.g.::
@@ -22,7 +26,7 @@ from typing import Callable, Mapping, Optional, TextIO
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+                           TimeElapsedColumn)
 from rich.text import Text
 
 # (label, metric name, format) of the status line, in order.
@@ -32,7 +36,11 @@ STATUS_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("tok/s", "sampler/tokens_per_s", "{:.0f}"),
     ("stale", "staleness/mean", "{:.2f}"),
     ("buf", "buffer/fill", "{:.0%}"),
+    ("trunc", "response/truncation_rate", "{:.0%}"),
 )
+# Steps timed before the ETA is shown: the first step (start-up, compilation) is never
+# timed, and the pace is the mean over the steps after it.
+ETA_MIN_TIMED_STEPS = 2
 
 _ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[@-Z\\-_])")
 _CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
@@ -126,34 +134,54 @@ class ProgressReporter:
         self._clock = clock
         self._t0 = clock()
         self._step = start_step
+        self._first: Optional[tuple[int, float]] = None   # (step, time) of the first update
+        self._last: Optional[tuple[int, float]] = None
         self._bar = None
-        if use_bar(mode, self.stream):
-            console = Console(file=self.stream, force_terminal=True)
-            self._bar = _BarWithStatus(TextColumn("step"), BarColumn(), MofNCompleteColumn(),
-                                       TimeElapsedColumn(), TextColumn("eta"),
-                                       TimeRemainingColumn(), console=console,
-                                       redirect_stdout=False, redirect_stderr=False)
-            self._task = self._bar.add_task("run", total=total_steps, completed=start_step)
-            self._bar.start()
+        self._use_bar = use_bar(mode, self.stream)
+        self._console = Console(file=self.stream, force_terminal=True) if self._use_bar else None
+
+    def _start_bar(self) -> None:
+        self._bar = _BarWithStatus(TextColumn("step"), BarColumn(), MofNCompleteColumn(),
+                                   TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
+                                   console=self._console, redirect_stdout=False,
+                                   redirect_stderr=False)
+        self._task = self._bar.add_task("run", total=self.total, completed=self._step,
+                                        eta=format_duration(self.eta_s()))
+        self._bar.start()
 
     @property
     def is_bar(self) -> bool:
-        return self._bar is not None
+        return self._use_bar
 
     def eta_s(self) -> float:
-        """Seconds left at the mean pace of the steps done so far (NaN before the first)."""
-        done = self._step - self.start_step
-        if done <= 0:
+        """Seconds left: the mean time per step of the steps after the first one reported
+        (the first includes start-up and compilation) times the steps left; NaN until
+        :data:`ETA_MIN_TIMED_STEPS` steps are timed."""
+        if self._first is None or self._last is None:
             return math.nan
-        return (self._clock() - self._t0) / done * (self.total - self._step)
+        timed = self._last[0] - self._first[0]
+        if timed < ETA_MIN_TIMED_STEPS:
+            return math.nan
+        return (self._last[1] - self._first[1]) / timed * (self.total - self._last[0])
 
-    def update(self, step: int, metrics: Optional[Mapping[str, float]] = None) -> None:
-        """Report that ``step`` (1-based count of finished steps) is done, with its metrics."""
+    def update(self, step: int, metrics: Optional[Mapping[str, float]] = None,
+               at: Optional[float] = None) -> None:
+        """Report that ``step`` (1-based count of finished steps) is done, with its metrics.
+
+        ``at``: when the step finished, in the clock's seconds (default: now). The launcher
+        reads steps from a file in bursts, so it passes each record's own time.
+        """
         metrics = metrics or {}
+        now = self._clock() if at is None else at
+        if self._first is None:
+            self._first = (step, now)
+        self._last = (step, now)
         self._step = step
-        if self._bar is not None:
+        if self._use_bar:
+            if self._bar is None:
+                self._start_bar()
             self._bar.status = format_status(metrics)
-            self._bar.update(self._task, completed=step)
+            self._bar.update(self._task, completed=step, eta=format_duration(self.eta_s()))
         elif step % self.plain_every == 0 or step >= self.total:
             line = plain_line(step, self.total, self._clock() - self._t0, self.eta_s(), metrics)
             self.stream.write(line + "\n")
@@ -162,8 +190,8 @@ class ProgressReporter:
     def message(self, text: str) -> None:
         """Print a line of text (above the bar; plain, with control characters removed,
         otherwise)."""
-        if self._bar is not None:
-            self._bar.console.print(Text(text))
+        if self._console is not None:       # above the bar when it is live
+            self._console.print(Text(text))
         else:
             self.stream.write(plain_text(text) + "\n")
             self.stream.flush()
@@ -173,6 +201,7 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+        self._use_bar = False
 
     def __enter__(self) -> "ProgressReporter":
         return self

@@ -67,6 +67,44 @@ def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict
             "reward_rise": last - first}
 
 
+# Run-wide counts a user needs on the console (cumulative in the records: newest wins).
+PROMPT_COUNTS = {"sampler/prompts_kept": "kept",
+                 "sampler/prompts_too_long": "longer than data.max_prompt_tokens (filtered)",
+                 "sampler/prompts_bad": "bad records (skipped)"}
+DROP_COUNTS = {"learner/stale_groups_dropped": "stale groups dropped",
+               "learner/zero_variance_groups_dropped": "zero-variance groups dropped",
+               "buffer/dropped_full": "groups dropped by a full buffer",
+               "sampler/dropped_bad_reward_groups": "groups dropped for a NaN/inf reward"}
+COUNT_PREFIXES = ("reward/errors/", "reward/timeouts/")
+
+
+def count_metrics(record: Mapping) -> dict[str, float]:
+    """The count metrics of one ``metrics.jsonl`` record (prompt filter counts, dropped
+    groups, reward function errors / timeouts)."""
+    return {k: float(v) for k, v in record.items()
+            if (k in PROMPT_COUNTS or k in DROP_COUNTS or k.startswith(COUNT_PREFIXES))
+            and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def prompt_counts_line(counts: Mapping[str, float], max_prompt_tokens: int) -> str:
+    """``prompts: 7473 kept, 12 longer than data.max_prompt_tokens=256 (filtered), ...``"""
+    parts = []
+    for key, label in PROMPT_COUNTS.items():
+        if key in counts:
+            label = label.replace("max_prompt_tokens", f"max_prompt_tokens={max_prompt_tokens}")
+            parts.append(f"{int(counts[key])} {label}")
+    return "prompts: " + ", ".join(parts)
+
+
+def counts_line(counts: Mapping[str, float]) -> str:
+    """The non-zero drop and failure counts of a run as one line ("" when all are zero)."""
+    parts = [f"{int(counts[k])} {label}" for k, label in DROP_COUNTS.items()
+             if counts.get(k)]
+    parts += [f"{int(v)} reward {k.split('/')[1][:-1]}s in {k.split('/', 2)[2]}"
+              for k, v in sorted(counts.items()) if k.startswith(COUNT_PREFIXES) and v]
+    return ("counts: " + ", ".join(parts)) if parts else ""
+
+
 class RunWatcher:
     """Tails ``<run>/metrics.jsonl`` and reports progress (a thin shell, no JAX).
 
@@ -87,7 +125,9 @@ class RunWatcher:
         self.run_path = run_path
         self.stream = stream if stream is not None else sys.stderr
         self.path = os.path.join(run_path, METRICS_FILE)
-        self._offset = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
+        # From the start: the learner may rewrite the file shorter on resume (records after
+        # its checkpoint removed); steps <= resumed_from are skipped below.
+        self._offset = 0
         self._partial = b""
         self._t0 = time.monotonic()
         if not 0 <= resumed_from <= cfg.learner.num_steps:
@@ -95,6 +135,8 @@ class RunWatcher:
                              f"{cfg.learner.num_steps}], got {resumed_from}")
         self.resumed_from = resumed_from
         self.last_step = resumed_from
+        self.counts: dict[str, float] = {}
+        self._prompts_shown = False
         self.progress = ProgressReporter(cfg.learner.num_steps, mode=cfg.metrics.progress,
                                          stream=self.stream, start_step=resumed_from)
 
@@ -102,6 +144,8 @@ class RunWatcher:
         """Read new complete records; one progress update per new step. Returns the newest
         step seen (``resumed_from`` before the first)."""
         try:
+            if os.path.getsize(self.path) < self._offset:    # rewritten (resume truncation)
+                self._offset, self._partial = 0, b""
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
                 chunk = f.read()
@@ -119,9 +163,22 @@ class RunWatcher:
             step = rec.get("step")
             if isinstance(step, int) and step > self.last_step and "learner/step_time_s" in rec:
                 self.last_step = step
+                self._note_counts(rec)
+                at = rec.get("time")
                 self.progress.update(min(step, self.cfg.learner.num_steps), {
-                    k: v for k, v in rec.items() if isinstance(v, (int, float))})
+                    k: v for k, v in rec.items() if isinstance(v, (int, float))},
+                    at=at if isinstance(at, (int, float)) else None)
         return self.last_step
+
+    def _note_counts(self, rec: Mapping) -> None:
+        """Keep the newest value of each count of :func:`count_metrics`; print the prompt
+        filter counts once, when they first arrive (they are fixed for the run)."""
+        new = count_metrics(rec)
+        self.counts.update(new)
+        if not self._prompts_shown and any(k in new for k in PROMPT_COUNTS):
+            self._prompts_shown = True
+            self.progress.message("rlflow train: " + prompt_counts_line(
+                self.counts, self.cfg.data.max_prompt_tokens))
 
     def summary(self, success: bool) -> dict:
         """Reward rise over the run's whole ``metrics.jsonl`` (``reward/mean`` per step), wall
@@ -134,6 +191,7 @@ class RunWatcher:
         by_step = metrics_by_step(records)
         rewards = {s: m["reward/mean"] for s, m in by_step.items() if "reward/mean" in m}
         out = reward_rise(rewards)
+        out.update(counts=dict(self.counts))
         out.update(success=bool(success), steps_completed=self.last_step,
                    resumed_from_step=self.resumed_from,
                    steps_this_run=self.last_step - self.resumed_from,
@@ -157,6 +215,9 @@ class RunWatcher:
                   f"{summary['window']} step(s) {summary['reward_first']:.3f} -> last "
                   f"{summary['window']} step(s) {summary['reward_last']:.3f} (rise "
                   f"{summary['reward_rise']:+.3f}); written to {path}", file=self.stream, flush=True)
+        counts = counts_line(summary["counts"])
+        if counts:
+            print(f"rlflow train: {counts}", file=self.stream, flush=True)
         if success and report:
             try:
                 from rlflow.report import make_report

@@ -23,6 +23,10 @@ with ``k = runtime.max_staleness``. So
   sampling) is counted neither as accepted nor as buffered, so its slot in the budget opens
   again and the sampler makes a replacement: the learner never waits forever for groups the
   sampler thinks it already delivered (the "staleness deadlock").
+* A step the learner skips (its groups leave no sample for the loss,
+  ``rlflow.learner.skips``) takes back its groups' count from ``accepted`` too: the version
+  does not advance, so without that the budget would shrink by a step's groups with every
+  skip and the run would deadlock.
 * After a sampler restart its in-flight groups are gone from the count as well, and it
   resumes with the newest published weights.
 """
@@ -242,9 +246,13 @@ class RunCoordinator(Coordinator):
                 prompts_started=int(req.get("prompts_started", 0)),
                 metrics=dict(req.get("metrics", {})), received=time.time())
             want = int(req.get("want", 0))
+            dropped = [(int(i), int(lid)) for i, lid in req.get("dropped", [])]
         except (wire.ProtocolError, KeyError, TypeError, ValueError, IndexError):
             return wire.BAD_REQUEST, [b"expected a status {consumer, version, ...}"]
         accepted, buffered = self._counts()
+        if self.ledger is not None:
+            for key in dropped:
+                self.ledger.drop(key)
         with self._lock:
             self._beat(status.consumer, status.instance)
             current = self.replicas is None or status.consumer not in self.replicas.replicas or \
@@ -282,11 +290,13 @@ class ControlClient:
         self._req = wire.Requester(address, token=token, name="learner's run control")
 
     def status(self, *, version: int, prompts_started: int = 0, want: int = 0,
-               metrics: Optional[dict] = None) -> ControlReply:
-        """Report figures, lease up to ``want`` prompts (see :class:`ControlReply`)."""
+               metrics: Optional[dict] = None, dropped=()) -> ControlReply:
+        """Report figures, lease up to ``want`` prompts (see :class:`ControlReply`);
+        ``dropped``: ``[stream_index, lease_id]`` of leased prompts whose groups this replica
+        dropped (a NaN/inf reward under ``learner.on_bad_reward="drop"``)."""
         body = {"consumer": self.consumer_id, "instance": self.instance, "version": version,
                 "prompts_started": prompts_started, "want": int(want),
-                "metrics": metrics or {}}
+                "metrics": metrics or {}, "dropped": [list(map(int, k)) for k in dropped]}
         status, rest = self._req.request(STATUS, [wire.dumps(body)], timeout_s=self.timeout_s)
         if status != wire.OK:
             raise wire.ProtocolError(f"run control answered {status!r}")

@@ -59,3 +59,24 @@ def make_tiny_hf_model(family: str, out_dir: str, *, tie: bool | None = None, se
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+# Generation settings of a released model's generation_config.json (issue 14 item 11).
+GENERATION_SETTINGS = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+                       "repetition_penalty": 1.05}
+
+
+def add_generation_settings(folder: str, **extra) -> dict:
+    """Merge :data:`GENERATION_SETTINGS` (and ``extra``) into ``folder``'s
+    generation_config.json; returns the file's new content."""
+    import json
+
+    path = os.path.join(folder, "generation_config.json")
+    gen = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            gen = json.load(f)
+    gen.update(GENERATION_SETTINGS, **extra)
+    with open(path, "w") as f:
+        json.dump(gen, f, indent=2)
+    return gen

@@ -16,6 +16,7 @@ from rlflow.models.logprobs import token_logprobs
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import PromptError, RlflowEngine
 from rlflow.sampler.sampling import SamplingError, SamplingParams
+from tolerances import forward_atol
 
 VOCAB = 128
 PROMPT = [1, 20, 33, 47]
@@ -33,6 +34,15 @@ def setup():
     graphdef, state = nnx.split(model, nnx.Param)
     forward = jax.jit(lambda st, t, p, m: nnx.merge(graphdef, st)(t, p, m))
     return model, engine, state, forward
+
+
+def _lp_atol(setup, ref) -> float:
+    """Logprobs of the setup model from two programs (engine decode vs full forward, other
+    batch shapes): the forward's reduction lengths x eps x the logprobs' scale, with the
+    engine's longest sequence (tests/tolerances.py)."""
+    engine = setup[1]
+    seq = engine.sampler_cfg.max_prefill_length + engine.sampler_cfg.max_tokens
+    return forward_atol(setup[0].cfg, seq, float(np.abs(np.asarray(ref)).max()))
 
 
 def logits_of(forward, state, seq):
@@ -107,7 +117,7 @@ def test_continuous_batching_keeps_slots_busy_and_maps_results_back(setup):
         ref = alone.run([reqs[i]])[0].completions[0]
         np.testing.assert_array_equal(by_id[100 + i].completions[0].tokens, ref.tokens)
         np.testing.assert_allclose(by_id[100 + i].completions[0].logprobs, ref.logprobs,
-                                   atol=1e-5)
+                                   atol=_lp_atol(setup, ref.logprobs))
 
 
 def test_group_record_schema_and_stop_reason(setup):
@@ -141,7 +151,7 @@ def test_k_steps_per_call_same_results_and_honest_counters(setup):
     for pid, g in got.items():
         c, r = g.completions[0], ref[pid].completions[0]
         np.testing.assert_array_equal(c.tokens, r.tokens)
-        np.testing.assert_allclose(c.logprobs, r.logprobs, atol=1e-6)
+        np.testing.assert_allclose(c.logprobs, r.logprobs, atol=_lp_atol(setup, r.logprobs))
     c = batcher.counters
     calls, idle = simulate_schedule(LENGTHS, 4, 3)
     assert (c.decode_calls, c.idle_slot_steps_while_queued) == (calls, idle)
@@ -172,7 +182,7 @@ def test_weight_swap_new_request_gets_new_weights_and_version(setup):
         c = batcher.run([Request(1, PROMPT, 1, greedy)])[0].completions[0]
         assert c.tokens.tolist() == [7], attempt
         assert c.versions.tolist() == [1], attempt
-        np.testing.assert_allclose(c.logprobs[0], logp_w1[7], atol=1e-5)
+        np.testing.assert_allclose(c.logprobs[0], logp_w1[7], atol=_lp_atol(setup, logp_w1[7]))
         batcher.reset_cache()
     assert batcher.counters.weight_swaps == 1
 
@@ -201,8 +211,8 @@ def test_weight_swap_in_flight_and_no_stale_prefix(setup):
         # Only the output head changed, so the mixed-version KV equals either recompute.
         lp0 = token_logprobs(logits_of(forward, w0, seq)[p - 1:-1], jnp.asarray(c.tokens))
         lp1 = token_logprobs(logits_of(forward, w1, seq)[p - 1:-1], jnp.asarray(c.tokens))
-        np.testing.assert_allclose(c.logprobs[:2], lp0[:2], rtol=2e-5, atol=1e-5)
-        np.testing.assert_allclose(c.logprobs[2:], lp1[2:], rtol=2e-5, atol=1e-5)
+        np.testing.assert_allclose(c.logprobs[:2], lp0[:2], rtol=0, atol=_lp_atol(setup, lp0))
+        np.testing.assert_allclose(c.logprobs[2:], lp1[2:], rtol=0, atol=_lp_atol(setup, lp1))
         assert c.tokens[0] == 5
         w1_greedy = jnp.argmax(logits_of(forward, w1, seq)[p + 1:-1], axis=-1)
         assert c.tokens[2:].tolist() == np.asarray(w1_greedy).tolist()
@@ -268,7 +278,7 @@ def test_swap_to_other_weights_with_the_same_version_number_recomputes_the_prefi
     ref = ContinuousBatcher(engine, params=w1).run([Request(0, PROMPT, 1, greedy)])
     ref = ref[0].completions[0]
     assert late.tokens.tolist() == ref.tokens.tolist()
-    np.testing.assert_allclose(late.logprobs, ref.logprobs, atol=1e-5)
+    np.testing.assert_allclose(late.logprobs, ref.logprobs, atol=_lp_atol(setup, ref.logprobs))
 
 
 def test_load_params_names_a_wrong_shape_and_casts_dtypes(setup):

@@ -81,3 +81,46 @@ def test_export_argument_errors(tmp_path, capsys):
     assert "exactly one of --model-path or --run" in capsys.readouterr().err
     assert cli.main(["export", "--model-path", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_train_help_is_short_and_starts_with_config(config_file, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--config", config_file, "--help"])
+    assert exit_.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 40                                       # was 382
+    assert lines[0] == "usage: rlflow train [--config PATH] [--SECTION.FIELD VALUE ...]"
+    flags = [ln.split()[0] for ln in lines if ln.startswith("  --")]
+    assert flags[0] == "--config"
+    assert "--learner.num_steps" in flags and "--checkpoint.overwrite" in flags
+    assert any("(now: 3)" in ln for ln in lines if "--learner.num_steps" in ln)  # the file's
+    assert any("--help-all" in ln and "docs/config.md" in ln for ln in lines)
+
+
+def test_common_flags_of_the_help_are_config_fields():
+    import dataclasses
+
+    for name, _ in cli.COMMON_FLAGS:
+        node = ExperimentConfig()
+        for part in name.split("."):
+            assert part in {f.name for f in dataclasses.fields(node)}, name
+            node = getattr(node, part)
+
+
+@pytest.mark.parametrize("word,value", [("true", True), ("True", True), ("1", True),
+                                        ("yes", True), ("ON", True), ("false", False),
+                                        ("False", False), ("0", False), ("off", False)])
+def test_bool_flags_accept_true_false_words(config_file, word, value):
+    cfg = cli.parse_train_args(["--config", config_file, "--runtime.restart_sampler", word])
+    assert cfg.runtime.restart_sampler is value
+    cfg = cli.parse_train_args(["--config", config_file, f"--runtime.restart-sampler={word}"])
+    assert cfg.runtime.restart_sampler is value
+
+
+def test_bool_flag_alone_means_true_and_a_bad_word_is_refused(config_file, capsys):
+    cfg = cli.parse_train_args(["--config", config_file, "--checkpoint.overwrite",
+                                "--learner.lr", "1e-6"])
+    assert cfg.checkpoint.overwrite is True and cfg.learner.lr == 1e-6
+    with pytest.raises(SystemExit):
+        cli.parse_train_args(["--config", config_file, "--runtime.restart_sampler", "maybe"])
+    assert "maybe" in capsys.readouterr().err

@@ -24,7 +24,7 @@ import torch
 from flax import nnx
 from safetensors import safe_open
 
-from hf_fixtures import LLAMA3_ROPE, make_tiny_hf_model
+from hf_fixtures import LLAMA3_ROPE, add_generation_settings, make_tiny_hf_model
 from rlflow import checkpoint as ckpt_lib
 from rlflow import cli
 from rlflow.config import (CheckpointConfig, ExperimentConfig, LearnerConfig, MeshConfig,
@@ -34,6 +34,7 @@ from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import init_state, state_shardings
 from rlflow.mesh import make_mesh
 from rlflow.models import load_hf
+from tolerances import forward_atol
 
 TOKENS = np.array([[1, 17, 200, 31, 4, 99, 250, 8, 64, 128, 5, 77]], np.int32)   # [1, 12]
 MESH = MeshConfig(fsdp=2, tensor=2)
@@ -53,6 +54,13 @@ def _hf_logits(path: str) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(input_ids=torch.tensor(TOKENS, dtype=torch.long)).logits[0].numpy()
+
+
+def _atol(t, logits) -> float:
+    """rlflow vs transformers logits of the base architecture (tests/tolerances.py)."""
+    from rlflow.models.hf import read_decoder_config
+    return forward_atol(read_decoder_config(t["base"]), TOKENS.shape[1],
+                        float(np.abs(logits).max()))
 
 
 def _experiment(run_dir: str, base: str) -> ExperimentConfig:
@@ -78,6 +86,7 @@ def _train_and_checkpoint(root: str, family: str, tie: bool) -> dict:
     """Base folder + a run folder with checkpoints after step 1 and step 2."""
     base = make_tiny_hf_model(family, os.path.join(root, "base"), tie=tie)
     build_char_tokenizer("0123456789+=", base)            # tokenizer files of the base model
+    generation = add_generation_settings(base)             # sampling settings to carry through
     cfg = _experiment(os.path.join(root, "runs"), base)
     mesh = make_mesh(MESH, jax.devices()[:MESH.num_devices])
     model, _ = load_hf(base, mesh=mesh)
@@ -111,7 +120,7 @@ def _train_and_checkpoint(root: str, family: str, tie: bool) -> dict:
         assert ck.all_steps() == [1, 2]
     assert int(opt_state[1][0].count) == 2
     return {"base": base, "run": cfg.run_path, "graphdef": graphdef, "params": snapshots,
-            "cfg": cfg}
+            "cfg": cfg, "generation": generation}
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +159,10 @@ def test_export_of_trained_run_loads_in_transformers_with_equal_logits(trained, 
 
     ours = _rlflow_logits(t["graphdef"], t["params"][2])       # latest step by default
     exported, base = _hf_logits(out), _hf_logits(t["base"])
-    np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(exported, ours, atol=_atol(t, ours), rtol=0)
     # the trained weights were exported, not the base model's
-    np.testing.assert_allclose(base, _rlflow_logits(t["graphdef"], t["params"][0]),
-                               atol=1e-4, rtol=0)
+    base_ours = _rlflow_logits(t["graphdef"], t["params"][0])
+    np.testing.assert_allclose(base, base_ours, atol=_atol(t, base_ours), rtol=0)
     assert np.abs(exported - base).max() > 1e-2
 
     cfg_out, cfg_base = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(t["base"])
@@ -167,7 +176,9 @@ def test_export_of_trained_run_loads_in_transformers_with_equal_logits(trained, 
         assert raw["rope_scaling"] == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
     else:
         assert raw["rope_scaling"] is None
-    assert _json(os.path.join(out, "generation_config.json"))["eos_token_id"] == [2, 3]
+    # the base model's generation settings carry through unchanged (issue 14 item 11)
+    gen = _json(os.path.join(out, "generation_config.json"))
+    assert gen == t["generation"] and gen["eos_token_id"] == [2, 3] and gen["top_k"] == 20
     with safe_open(os.path.join(out, "model.safetensors"), framework="numpy") as f:
         assert ("lm_head.weight" in f.keys()) is (not tie)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -181,8 +192,8 @@ def test_step_flag_picks_that_checkpoint(trained, tmp_path, capsys):
     rc, text = _export(["--run", t["run"], "--step", "1", "--out", out], capsys)
     assert rc == 0, text
     exported = _hf_logits(out)
-    np.testing.assert_allclose(exported, _rlflow_logits(t["graphdef"], t["params"][1]),
-                               atol=1e-4, rtol=0)
+    ours = _rlflow_logits(t["graphdef"], t["params"][1])
+    np.testing.assert_allclose(exported, ours, atol=_atol(t, ours), rtol=0)
     assert np.abs(exported - _rlflow_logits(t["graphdef"], t["params"][2])).max() > 1e-3
 
 
@@ -267,5 +278,5 @@ def test_missing_base_folder_asks_for_base_model(trained, tmp_path, capsys):
     # the override finds the architecture and tokenizer elsewhere
     rc, text = _export(["--run", cfg.run_path, "--base-model", t["base"], "--out", out], capsys)
     assert rc == 0, text
-    np.testing.assert_allclose(_hf_logits(out), _rlflow_logits(t["graphdef"], params),
-                               atol=1e-4, rtol=0)
+    ours = _rlflow_logits(t["graphdef"], params)
+    np.testing.assert_allclose(_hf_logits(out), ours, atol=_atol(t, ours), rtol=0)

@@ -1,5 +1,6 @@
 """Launcher pieces that need no JAX program: config round trip, child environment, addresses."""
 
+import io
 import json
 
 import pytest
@@ -115,3 +116,31 @@ def test_run_watcher_reads_only_complete_step_records(tmp_path):
     summary = watcher.close(success=True, report=False)
     assert summary["steps_completed"] == 2 and summary["reward_rise"] == 0.75
     assert json.load(open(run / "summary.json"))["reward_last"] == 1.0
+
+
+def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
+    from rlflow.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=3),
+                             data=C.DataConfig(max_prompt_tokens=64),
+                             metrics=C.MetricsConfig(progress="plain"))
+    (tmp_path / "demo").mkdir()
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, str(tmp_path / "demo"), stream=out)
+    records = [{"step": s, "learner/step_time_s": 0.1, "reward/mean": 0.5,
+                "sampler/prompts_kept": 90.0, "sampler/prompts_too_long": 7.0,
+                "sampler/prompts_bad": 3.0, "learner/stale_groups_dropped": float(s),
+                "reward/errors/math": 2.0, "reward/timeouts/math": 0.0} for s in (1, 2, 3)]
+    with open(tmp_path / "demo" / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    watcher.poll()
+    summary = watcher.close(success=False)
+    lines = out.getvalue().splitlines()
+    prompts = [ln for ln in lines if "prompts:" in ln]
+    assert prompts == ["rlflow train: prompts: 90 kept, 7 longer than "
+                       "data.max_prompt_tokens=64 (filtered), 3 bad records (skipped)"]
+    first_step = next(ln for ln in lines if ln.startswith("step 1/3"))
+    assert lines.index(prompts[0]) < lines.index(first_step)
+    assert "rlflow train: counts: 3 stale groups dropped, 2 reward errors in math" in lines
+    assert summary["counts"]["learner/stale_groups_dropped"] == 3.0

@@ -51,16 +51,20 @@ def test_finished_run_exits_at_once_without_touching_the_run(tmp_path, monkeypat
     assert launch.run_train(_cfg(tmp_path, num_steps=300)) == 0
     assert capsys.readouterr().out.splitlines() == [
         "rlflow train: run demo is already complete (step 300 of 300); "
-        "use --checkpoint.resume never or a new --name"]
+        "use a new --name, or --checkpoint.resume never --checkpoint.overwrite true to "
+        "start over"]
     assert (run / "summary.json").read_text() == '{"steps_completed": 300}'
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "summary.json"]
 
 
-def test_resume_never_on_a_finished_run_does_start_the_programs(tmp_path, monkeypatch):
+def test_resume_never_with_overwrite_on_a_finished_run_does_start_the_programs(tmp_path,
+                                                                               monkeypatch):
     (tmp_path / "demo" / "checkpoints" / "300").mkdir(parents=True)
     monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
+    cfg = _cfg(tmp_path, num_steps=300, resume="never")
+    cfg = C.replace(cfg, checkpoint=C.CheckpointConfig(resume="never", overwrite=True))
     with pytest.raises(AssertionError, match="started the learner"):
-        launch.run_train(_cfg(tmp_path, num_steps=300, resume="never"))
+        launch.run_train(cfg)
 
 
 LEARNER = """
@@ -182,3 +186,51 @@ def test_last_exception_line_takes_the_outermost_of_chained_tracebacks():
         """).splitlines()
     assert launch.last_exception_line(log) == "RuntimeError: buffer closed"
     assert launch.last_exception_line(log[:1]) is None
+
+
+class _SharedTTY:
+    """stdout and stderr of a terminal: one screen, both TTYs."""
+
+    def __init__(self):
+        import io
+
+        self.buf = io.StringIO()
+
+    def write(self, text):
+        return self.buf.write(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+def test_on_a_tty_the_run_folder_line_comes_before_the_bar_and_no_0_of_n_frame(
+        tmp_path, monkeypatch):
+    from rlflow.progress import plain_text
+
+    run = tmp_path / "demo"
+    run.mkdir()
+
+    def fake_start(self, role, instance=0):
+        code = LEARNER.replace("(3, 4, 5)", "(1, 2, 3, 4, 5)") if role == "learner" else "pass"
+        proc = subprocess.Popen([sys.executable, "-c", code, str(run / "metrics.jsonl")])
+        proc.wait()
+        self.children[role] = launch.Child(role, proc, str(run / f"{role}.log"))
+        return self.children[role]
+
+    screen = _SharedTTY()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.setattr(launch.Supervisor, "start", fake_start)
+    monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
+    cfg = C.replace(_cfg(tmp_path, num_steps=5), metrics=C.MetricsConfig(progress="bar"))
+    assert launch.run_train(cfg) == 0
+    text = screen.buf.getvalue()
+    line = f"rlflow train: run folder {run} (logs in {run}/logs)\n"
+    assert line in text and "\x1b" in text
+    assert text.index(line) < text.index("\x1b")     # printed before the live display began
+    visible = plain_text(text)
+    assert "5/5" in visible and "0/5" not in visible  # no start-up frame left behind

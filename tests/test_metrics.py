@@ -15,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlflow.metrics import (REQUIRED_METRICS, MetricsWriter, NonFiniteMetricError,
-                            staleness_histogram)
+                            staleness_histogram, truncate_after)
 from rlflow.run_folder import RunFolderError, metrics_by_step, read_jsonl, validate_run_folder
 
 from _synthetic_run import (GROUP, NUM_SAMPLES, NUM_STEPS, SAMPLES_EVERY, expected_metrics,
@@ -228,17 +228,36 @@ def test_validate_run_folder_lists_every_problem(tmp_path):
 
 
 def test_resume_purges_tensorboard_steps_of_the_interrupted_run(tmp_path):
-    with MetricsWriter(str(tmp_path)) as w:
+    with MetricsWriter(str(tmp_path), samples_every=1, num_samples=1) as w:
         for step in range(1, 6):
             w.log(step, {"reward/mean": float(step)})
-    with MetricsWriter(str(tmp_path), start_step=4) as w:
+            w.log_samples(step, [{"prompt": "p", "completion": f"c{step}", "reward": 0.0,
+                                  "version": step - 1}])
+    # The interrupted run wrote steps 1..5; its newest checkpoint is step 3, so the resumed
+    # run logs 4, 5, 6 again.
+    with MetricsWriter(str(tmp_path), start_step=3, samples_every=1, num_samples=1) as w:
         for step in range(4, 7):
             w.log(step, {"reward/mean": 10.0 * step})
+            w.log_samples(step, [{"prompt": "p", "completion": f"r{step}", "reward": 0.0,
+                                  "version": step - 1}])
     events = _tb(str(tmp_path)).Scalars("reward/mean")
     assert [(e.step, e.value) for e in events] == [
         (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
-    merged = metrics_by_step(_read(tmp_path / "metrics.jsonl"))
-    assert [merged[s]["reward/mean"] for s in range(1, 7)] == [1, 2, 3, 40, 50, 60]
+    records = _read(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["reward/mean"]) for r in records] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]   # each step once
+    samples = _read(tmp_path / "samples.jsonl")
+    assert [(r["step"], r["completion"]) for r in samples] == [
+        (1, "c1"), (2, "c2"), (3, "c3"), (4, "r4"), (5, "r5"), (6, "r6")]
+
+
+def test_truncate_after_drops_later_steps_and_a_cut_last_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n{"step": 2}\n{"step": 4, "x"')
+    assert truncate_after(str(path), 2) == 2          # step 3 and the cut line
+    assert path.read_text() == '{"step": 1}\nnot json\n{"step": 2}\n'
+    assert truncate_after(str(path), 2) == 0          # nothing more: file untouched
+    assert truncate_after(str(tmp_path / "missing.jsonl"), 0) == 0
 
 
 def test_importing_the_writer_and_progress_stays_light():

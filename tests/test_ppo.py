@@ -21,6 +21,7 @@ from rlflow.learner.value import ValueHead, init_value_head
 from rlflow.mesh import make_mesh, param_shardings
 from rlflow.models.hf import build_model
 from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
+from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol
 
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -235,14 +236,25 @@ def test_ppo_micro_batches_equal_one_batch(whiten, mode, kl):
         out[k] = jax.jit(make_grad_fn(graphdef, s, value_graphdef=vgraph))(
             (params, vparams), TrainBatch(*batch), ref)
     (l1, g1, s1), (l4, g4, s4) = out[1], out[4]
-    assert abs(float(l4) - float(l1)) <= 1e-6 * abs(float(l1)) and float(l1) != 0
+    # 4 micro-batches vs one batch (tests/tolerances.py): the forward chain twice, the
+    # batch's n positions summed; GAE adds a reduction over the sequence (T) and whitening
+    # one over the batch (n); mixed-sign sums (loss, gradients, advantages) get the
+    # cancellation allowance, the gradients the backward chain once more.
+    rows, seq = batch.tokens.shape
+    chain = model_chain_len(MODEL, seq) + T
+    n = 2 * rows * seq
+    rtol = reorder_rtol(chain, n, MIXED_SIGN_CANCEL)
+    assert abs(float(l4) - float(l1)) <= rtol * abs(float(l1)) and float(l1) != 0
     for part in (0, 1):                                  # policy, value head
         a, b = flat(g1[part]), flat(g4[part])
         for key in a:
             err = np.linalg.norm(b[key] - a[key]) / np.linalg.norm(a[key])
-            assert err <= 1e-6, (part, key, err)
+            assert err <= reorder_rtol(2 * chain, n, MIXED_SIGN_CANCEL), (part, key, err)
     for key in s1:
-        np.testing.assert_allclose(s4[key], s1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+        # value/return sums have terms of both signs (returns, residuals); KL k3 cancels
+        # (2 eps absolute per token)
+        np.testing.assert_allclose(s4[key], s1[key], rtol=rtol,
+                                   atol=2 * F32_EPS * float(batch.loss_mask.sum()), err_msg=key)
     assert float(s1["value_loss"]) > 0 and float(s1["kl"]) > 0
 
 
@@ -256,17 +268,22 @@ def test_ppo_sharded_step_equals_single_device():
     kernel = sharded.value_params["kernel"][...]
     assert len(kernel.sharding.device_set) == 4 and not kernel.sharding.is_fully_replicated
     init, vinit = flat(single.params), flat(single.value_params)
+    rows, seq = G * 2, 16
+    rtol = reorder_rtol(model_chain_len(MODEL, seq) + T, 2 * rows * seq, MIXED_SIGN_CANCEL)
     for step in range(2):
         recs = make_records(step, 2, reward_mean=0.5)
         m4, m1 = sharded.train_on(recs), single.train_on(recs)
         for key in ("learner/loss", "learner/grad_norm", "value/loss", "value/mean",
                     "value/explained_variance", "policy/kl"):
-            np.testing.assert_allclose(m4[key], m1[key], rtol=1e-5, atol=1e-6, err_msg=key)
+            # sharded vs one device: as in test_ppo_micro_batches_equal_one_batch
+            np.testing.assert_allclose(m4[key], m1[key], rtol=rtol, atol=2 * F32_EPS,
+                                       err_msg=key)
     assert m1["value/loss"] > 0 and m1["value/mean"] != 0 and m1["policy/kl"] > 0
     for got, want, before in ((flat(sharded.params), flat(single.params), init),
                               (flat(sharded.value_params), flat(single.value_params), vinit)):
         for k in want:
-            np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=str(k))
+            # Adam at lr 1e-4: atol = lr / 10 (see test_sharded_step_equals_single_device)
+            np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
             assert not np.array_equal(want[k], before[k]), k      # every parameter moved
     assert sharded.version == single.version == 2
 

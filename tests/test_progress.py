@@ -88,27 +88,48 @@ def test_plain_forced_on_a_tty_and_bar_on_a_tty():
     assert "reward 0.500 | kl 1.23e-03" in visible
 
 
-def test_eta_from_mean_step_time_with_resume():
+def test_eta_waits_for_two_timed_steps_and_excludes_the_first_one():
     clock = FakeClock()
     out = io.StringIO()
     p = ProgressReporter(100, mode="plain", stream=out, clock=clock)
-    clock.t += 20.0
-    p.update(10, {})
-    # 10 steps in 20 s -> 2 s/step, 90 steps left -> 180 s.
-    assert out.getvalue() == "step 10/100 (10%) elapsed 0:00:20 eta 0:03:00\n"
+    clock.t += 60.0                         # start-up + compilation: not the pace
+    p.update(1, {})
+    clock.t += 2.0
+    p.update(2, {})                         # one timed step: not enough for an estimate
+    assert out.getvalue().splitlines() == ["step 1/100 (1%) elapsed 0:01:00 eta -:--:--",
+                                           "step 2/100 (2%) elapsed 0:01:02 eta -:--:--"]
+    clock.t += 4.0
+    p.update(3, {})                         # (2 + 4) s over steps 2..3 -> 3 s/step, 97 left
+    assert out.getvalue().splitlines()[-1] == "step 3/100 (3%) elapsed 0:01:06 eta 0:04:51"
+    # the case: a long first step no longer gives "0:00:01" at step 3
+    assert p.eta_s() == 3.0 * 97
 
+
+def test_eta_with_resume_counts_only_this_process_and_record_times():
     clock = FakeClock()
     out = io.StringIO()
     p = ProgressReporter(100, mode="plain", stream=out, start_step=50, clock=clock,
                          plain_every=5)
     assert p.eta_s() != p.eta_s()  # NaN before the first step of this process
-    clock.t += 10.0
-    p.update(59, {})  # not a multiple of plain_every: quiet
-    assert out.getvalue() == ""
-    p.update(60, {})  # 10 steps in 10 s, 40 left -> 40 s; the 50 resumed steps don't count
-    assert out.getvalue() == "step 60/100 (60%) elapsed 0:00:10 eta 0:00:40\n"
-    p.update(100, {})
+    p.update(51, {}, at=1000.0)    # record times (the launcher reads records in bursts)
+    p.update(55, {}, at=1008.0)    # 4 steps in 8 s -> 2 s/step, 45 left -> 90 s
+    assert out.getvalue() == "step 55/100 (55%) elapsed 0:00:00 eta 0:01:30\n"
+    p.update(100, {}, at=1098.0)
     assert out.getvalue().splitlines()[-1].endswith("eta 0:00:00")
+
+
+def test_bar_appears_at_the_first_step_below_earlier_lines():
+    tty = FakeTTY()
+    p = ProgressReporter(5, mode="bar", stream=tty)
+    p.message("rlflow train: run folder /r/demo (logs in /r/demo/logs)")
+    assert "0/5" not in plain_text(tty.getvalue())       # no bar frame during start-up
+    p.update(1, METRICS)
+    p.update(2, METRICS)
+    p.close()
+    visible = plain_text(tty.getvalue())
+    assert visible.startswith("rlflow train: run folder /r/demo (logs in /r/demo/logs)\n")
+    assert "0/5" not in visible and "2/5" in visible
+    assert "eta -:--:--" in visible                      # one timed step only
 
 
 def test_use_bar_modes(monkeypatch):

@@ -56,15 +56,29 @@ def _length(completion, answer):
     return float(len(completion))
 
 
+@register_reward("test_allocates")
+def _allocates(completion, answer):
+    return float(len(bytearray(3 << 30)))      # 3 GiB: past a 512 MiB worker limit
+
+
+_made = []
+
+
 @pytest.fixture(scope="module", autouse=True)
 def release_hung_threads():
     yield
     _release.set()
+    for r in _made:
+        r.close()
 
 
-def rewarder(*names, weights=None, timeout_s=5.0):
-    return Rewarder(RewardConfig(functions=names, weights=weights or (1.0,) * len(names),
-                                 timeout_s=timeout_s))
+def rewarder(*names, weights=None, timeout_s=5.0, num_workers=1, memory_limit_mb=4096):
+    """A Rewarder whose workers import this module (its test functions register there)."""
+    r = Rewarder(RewardConfig(functions=names, weights=weights or (1.0,) * len(names),
+                              timeout_s=timeout_s, num_workers=num_workers,
+                              memory_limit_mb=memory_limit_mb))
+    _made.append(r)
+    return r
 
 
 def test_registry_lists_builtins_and_rejects_unknown_and_duplicate_names():
@@ -99,6 +113,8 @@ def test_math_verify_unparseable_reference_is_an_error():
 @pytest.mark.parametrize("completion, want", [
     ("so \\boxed{42}", 1.0), ("work\n#### 42", 1.0), ("the answer is 42", 0.0),
     ("\\boxed{}", 0.0), ("####", 0.0),
+    ("#### Step 1\nadd them\n#### Step 2\nsum is 5", 0.0),     # headings, not answers
+    ("#### Step 1\nadd\n#### **5**", 1.0), ("$\\boxed{\\frac{1}{2}}$", 1.0),
 ])
 def test_math_format(completion, want):
     assert math_format_reward(completion, "42") == want
@@ -183,6 +199,7 @@ def test_gsm8k_config_scores_correct_answers_1_and_wrong_answers_0(gsm8k_records
     assert stats.num_records == len(gsm8k_records)
     assert stats.num_kept + stats.num_too_long == len(gsm8k_records)
     r = Rewarder(cfg.reward)
+    _made.append(r)
     for _ in range(12):
         e = next(it)
         record = gsm8k_records[e["prompt_id"]]
@@ -196,3 +213,116 @@ def test_gsm8k_config_scores_correct_answers_1_and_wrong_answers_0(gsm8k_records
         rewards = r.score_group(e["prompt_id"], completions, e["answer"])
         assert rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0], (gold, rewards)
     assert r.failures["math_verify"] == {"errors": 0, "timeouts": 0}
+
+
+# ---------------------------------------------------------------- bounded calls (issue 14.1)
+
+def _finishes(fn, limit_s=300.0):
+    """Run ``fn`` on a thread; its result, or a failure if it has not returned in ``limit_s``
+    (a liveness bound far above the 2 s timeout under test, not a timing assertion)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", fn()), daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert "out" in box, f"no return after {limit_s} s"
+    return box["out"]
+
+
+def test_gil_holding_reward_is_killed_at_the_timeout_and_counted(caplog):
+    """``\\boxed{10^{10^{9}}}`` makes math-verify compute a 3e9-bit integer power, which holds
+    the GIL: a thread timeout never got control back. The worker is killed: reward 0, a
+    timeout with the sample id, and the replacement worker scores the next group."""
+    r = rewarder("math_verify", timeout_s=2.0)
+    with caplog.at_level(logging.WARNING, logger="rlflow.data.rewards"):
+        out = _finishes(lambda: r.score_group(4, ["\\boxed{10^{10^{9}}}", "\\boxed{5}"],
+                                              "#### 5"))
+    assert out.tolist() == [0.0, 1.0]
+    assert r.failures["math_verify"] == {"errors": 0, "timeouts": 1}
+    assert "ran past 2.0 s on sample prompt 4 sample 0" in caplog.text
+    assert r.score_group(5, ["#### 5"], "#### 5").tolist() == [1.0]
+
+
+def test_allocation_past_the_memory_limit_is_a_counted_error(caplog):
+    r = rewarder("test_allocates", "test_length", memory_limit_mb=512)
+    with caplog.at_level(logging.WARNING, logger="rlflow.data.rewards"):
+        out = r.score_group(2, ["abc"], "x")
+    assert out.tolist() == [3.0]                       # test_allocates scored 0
+    assert r.failures["test_allocates"] == {"errors": 1, "timeouts": 0}
+    assert "MemoryError" in caplog.text and "prompt 2 sample 0" in caplog.text
+
+
+def test_overlapped_scoring_returns_whole_groups_in_submission_order():
+    r = rewarder("test_length", num_workers=2)
+    groups = {f"g{i}": ["x" * (i + g) for g in range(3)] for i in range(5)}
+    for i, (key, texts) in enumerate(groups.items()):
+        r.submit_group(key, i, texts, "x")
+    assert r.pending == 5
+    done = []
+    while len(done) < 5:
+        done += r.collect(timeout=0.1)
+    assert [k for k, _ in done] == list(groups)
+    for key, batch in done:
+        np.testing.assert_array_equal(batch.total, [len(t) for t in groups[key]])
+        assert batch.nonfinite == ()
+    assert r.pending == 0 and r.collect() == []
+
+
+def test_nonfinite_reward_is_reported_with_function_and_sample_when_overlapped():
+    r = rewarder("test_nan")
+    r.submit_group("k", 6, ["ok", "bad"], "x")
+    done = []
+    while not done:
+        done = r.collect(timeout=0.1)
+    (key, batch), = done
+    assert batch.nonfinite == ("reward function 'test_nan' returned nan for sample "
+                               "prompt 6 sample 1",)
+    assert batch.total[0] == 0.5 and np.isnan(batch.total[1])
+
+
+def test_in_process_mode_scores_like_the_workers():
+    # math_verify + exact_match: both match, neither, only math_verify
+    comps, answers = ["#### 18", "\\boxed{3}", "#### 5"], ["#### 18", "#### 18", "5"]
+    ids = ["a", "b", "c"]
+    inproc = rewarder("math_verify", "exact_match", num_workers=0).score(comps, answers, ids)
+    pooled = rewarder("math_verify", "exact_match").score(comps, answers, ids)
+    np.testing.assert_array_equal(inproc.total, pooled.total)
+    np.testing.assert_array_equal(inproc.total, [2.0, 0.0, 1.0])
+
+
+# ---------------------------------------------------------------- final answers (issue 14.9)
+
+# Realistic chat-model completions; the expected reward is worked out by reading each one.
+CHAT_COMPLETIONS = [
+    ("#### Step 1 ... #### Step 2\nThe answer is $\\boxed{42}$.", "#### 42", 1.0),
+    ("#### Step 1: add\n3 + 4 = 7\n#### Step 2: double\n7 * 6 = 42\n\n**Final answer:** 42",
+     "#### 42", 1.0),
+    ("First $x = 7$, then $\\boxed{x = 7}$... wait, doubling: $\\boxed{14}$", "#### 14", 1.0),
+    ("First $x = 7$, then $\\boxed{x = 7}$... wait, doubling: $\\boxed{14}$", "#### 7", 0.0),
+    ("She pays 3 * $4 = $12.\n#### **12**", "#### 12", 1.0),
+    ("Total: 1,000 + 250 = 1,250 dollars.\n#### $1,250.", "#### 1250", 1.0),
+    ("## Solution\n#### Step 1\nHalf of 10 is 5.\n#### Answer\n5", "#### 5", 1.0),
+    ("The answer is **18**.", "#### 18", 1.0),
+    ("We get $\\boxed{\\frac{3}{4}}$ of the pie.", "0.75", 1.0),
+    ("#### 17\nOops, recheck: 18 apples.\n#### 18", "#### 18", 1.0),
+    ("#### 18\nOops, recheck: it is 17.\n#### 17", "#### 18", 0.0),
+    ("I think 41 or 43, so \\boxed{43}", "#### 42", 0.0),
+    ("#### Step 2\nno numbers here", "#### 2", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, answer, want", CHAT_COMPLETIONS)
+def test_math_verify_on_chat_model_completions(completion, answer, want):
+    assert math_verify_reward(completion, answer) == want
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("a \\boxed{1} b \\boxed{\\frac{1}{2}} c", "$\\frac{1}{2}$"),
+    ("#### Step 1\n#### 7 apples\n#### Summary", "7 apples"),
+    ("#### **1,250**.", "1250"),
+    ("no marker", "no marker"),
+    ("#### Step 2\nno numbers here", "no numbers here"),
+])
+def test_completion_answer_text_rule(completion, want):
+    from rlflow.data.rewards import completion_answer_text
+
+    assert completion_answer_text(completion) == want

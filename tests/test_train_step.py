@@ -11,11 +11,14 @@ import pytest
 from flax import nnx
 
 from rlflow.config import LearnerConfig, MeshConfig, ModelConfig, replace
+from rlflow.learner import losses
 from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
 from rlflow.models.hf import build_model
 from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
+from tolerances import (F32_EPS, MIXED_SIGN_CANCEL, chain_len, model_chain_len, reorder_rtol,
+                        sum_tol)
 
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -41,16 +44,28 @@ def test_sharded_step_equals_single_device():
     emb = sharded.params["embed"][...]
     assert len(emb.sharding.device_set) == 4 and not emb.sharding.is_fully_replicated
     init = flat(single.params)
+    # sharded vs one device: other reduction orders in every matmul and token sum
+    # (tests/tolerances.py): 2 chain + n positions, times eps; the loss is a mixed-sign sum,
+    # the other figures sums of non-negative terms (a norm; KL k3 adds 2 eps per token).
+    rows, seq = G * 2, 16
+    chain, n = model_chain_len(MODEL, seq), rows * seq
     for step in range(2):
         recs = make_records(step, 2)
         m4, m1 = sharded.train_on(recs), single.train_on(recs)
         for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",
                     "policy/is_masked_frac"):
-            np.testing.assert_allclose(m4[key], m1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+            cancel = MIXED_SIGN_CANCEL if key == "learner/loss" else 1.0
+            np.testing.assert_allclose(m4[key], m1[key], rtol=reorder_rtol(chain, n, cancel),
+                                       atol=2 * F32_EPS if key == "policy/kl" else 0.0,
+                                       err_msg=key)
     assert m1["policy/kl"] > 0 and 0 < m1["policy/is_masked_frac"] < 1
     got, want = flat(sharded.params), flat(single.params)
+    # parameters after 2 Adam steps at lr 1e-4: each update is lr * m / sqrt(v), ~lr * sign(g)
+    # early on, so rounding moves it by lr * reorder_rtol (~1e-7 here), except for an element
+    # whose gradient is within rounding of 0, where m / sqrt(v) can take any value in
+    # [-1, 1]: atol = lr / 10 per run admits those without admitting a wrong update (lr).
     for k in want:
-        np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=str(k))
+        np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
         assert not np.array_equal(want[k], init[k]), k        # every parameter moved
     assert sharded.version == single.version == 2
 
@@ -74,13 +89,47 @@ def test_micro_batch_accumulation_equals_one_batch(tiny_model, mode):
                          window_low=0.4, window_high=2.5, is_cap=1.5)
         out[k] = jax.jit(make_grad_fn(graphdef, s))(params, TrainBatch(*batch), ref)
     (l1, g1, s1), (l4, g4, s4) = out[1], out[4]
-    assert abs(float(l4) - float(l1)) <= 1e-6 * abs(float(l1)) and float(l1) != 0
+    # Tolerances from the arithmetic (tests/tolerances.py). 4 micro-batches of 2 rows vs one
+    # of 8: the per-token forward may run other kernels (another reduction order), and the
+    # token sums are split in 4 and added. A per-token logprob carries a relative error of
+    # at most rho = chain_len * eps (forward reductions, once per pass: x2 for the two
+    # passes compared); a sum over the batch's n positions adds n * eps relative to the sum
+    # of its absolute terms.
+    rows, seq = batch.tokens.shape
+    rho = 2 * chain_len(hidden=MODEL.hidden_size, heads=MODEL.num_heads,
+                        head_dim=MODEL.head_dim, intermediate=MODEL.intermediate_size,
+                        layers=1, vocab=VOCAB, seq=seq) * F32_EPS
+    n = rows * seq
+    mask = batch.loss_mask
+    w = np.asarray(losses.loss_weights(mask, mode, norm_len=T))
+    # |policy-loss term| <= w * |A| * ratio * is_weight <= w * |A| * window_high * is_cap
+    # (tokens outside the IS window are masked); the KL term is bounded by its sum below.
+    pg_abs = float(np.sum(w * np.abs(batch.advantages))) * 2.5 * 1.5
+    kl_sum = float(s1["kl"])
+    # k3 = exp(r) - r - 1 cancels for small r: each token's value carries an absolute error
+    # of ~(|exp(r)| + |r| + 1) u <= 2 eps (|r| << 1 here), beside rho relative to r.
+    kl_atol = 2 * F32_EPS * float(mask.sum())
+    loss_scale = pg_abs + 0.3 * float(np.sum(w * mask)) * (kl_sum / max(mask.sum(), 1) + 1.0)
+    loss_tol = (rho + sum_tol(n)) * loss_scale
+    assert abs(float(l4) - float(l1)) <= loss_tol and float(l1) != 0
+    assert abs(float(s4["pg_loss"]) - float(s1["pg_loss"])) <= (rho + sum_tol(n)) * pg_abs
+    # gradients: the backward pass runs the same chain again, and each weight's gradient is
+    # a sum over the n positions (relative to the norm of the per-position terms; the norm
+    # of the sum is a lower bound on it only without cancellation, so give it the loss's
+    # ratio of absolute scale to value)
+    cancel = loss_scale / abs(float(l1))
     g1, g4 = flat(g1), flat(g4)
     for key in g1:
         err = np.linalg.norm(g4[key] - g1[key]) / np.linalg.norm(g1[key])
-        assert err <= 1e-6, (key, err)
+        assert err <= (2 * rho + sum_tol(n)) * cancel, (key, err)
+    # the other statistics are sums of non-negative per-token values (counts are exact
+    # integers below 2**24; entropy, IS weights: rho relative per token)
     for key in s1:
-        np.testing.assert_allclose(s4[key], s1[key], rtol=1e-6, err_msg=key)
+        if key in ("pg_loss",):
+            continue
+        atol = kl_atol if key == "kl" else 0.0
+        np.testing.assert_allclose(s4[key], s1[key], rtol=rho + sum_tol(n), atol=atol,
+                                   err_msg=key)
     assert float(s1["kl"]) > 0 and float(s1["is_kept"]) < float(batch.loss_mask.sum())
 
 
@@ -166,25 +215,6 @@ def test_bad_batches_get_named_errors_and_empty_mask_is_a_no_op(learner):
     assert all(np.array_equal(after[k], before[k]) for k in before)
     assert learner.step(batch)["learner/skipped"] == 0.0 and learner.version == version + 1
     assert all(np.isfinite(v) for v in metrics.values())
-
-
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
-def test_lr_schedule_matches_oracle(schedule):
-    from rlflow.learner.optimizer import lr_schedule
-
-    cfg = LearnerConfig(lr=2e-3, warmup_steps=4, num_steps=20, schedule=schedule)
-
-    def oracle(t):
-        if t < 4:
-            return 2e-3 * t / 4
-        if schedule == "constant":
-            return 2e-3
-        return 2e-3 * 0.5 * (1 + np.cos(np.pi * min(t - 4, 16) / 16))
-
-    sched = lr_schedule(cfg)
-    for t in (0, 1, 3, 4, 5, 12, 19, 20, 25):
-        np.testing.assert_allclose(float(sched(t)), oracle(t), rtol=1e-5, atol=1e-9,
-                                   err_msg=f"step {t}")
 
 
 def test_adamw_clips_and_decays_matrices_only():

@@ -1,36 +1,52 @@
 """Reward functions: a registry, math answer checking with math-verify, and a guarded scorer.
 
 A reward function is ``fn(completion: str, answer: str) -> float``: the decoded completion
-(special tokens removed) and the record's reference answer. Register one with
-``@register_reward("name")`` and list it in ``reward.functions`` with a weight.
+(special tokens removed) and the record's reference answer. Two ways to use your own:
+
+  * name it ``"package.module:function"`` (or ``"path/to/file.py:function"``) in
+    ``reward.functions``; or
+  * decorate it with ``@register_reward("name")`` in a module listed in the top-level
+    ``plugins`` config field, and list ``"name"``.
+
+Every program (and every reward worker) imports these itself (:mod:`rlflow.plugins`); a
+function registered only inside a ``--config`` file is refused when the config is resolved,
+since the other programs never run that file.
 
 Built in:
   * ``math_verify``: 1.0 when the completion's final answer equals the reference under
     math-verify (Kydlicek et al., HF Math-Verify), else 0.0. The reference may be a GSM8K
     answer (text ending ``#### <number>``: the number is taken) or a bare expression. The
-    completion's answer is the text after its last ``####`` if it has one, else whatever
-    math-verify extracts (``\\boxed{}`` first, then the last expression).
-  * ``math_format``: 1.0 when the completion states a final answer as ``\\boxed{...}`` or
-    ``#### <answer>``, else 0.0.
+    completion's final answer is found by :func:`completion_answer_text` (rule below).
+  * ``math_format``: 1.0 when the completion states a final answer by rule 1 or 2 below
+    (``\\boxed{...}`` or a value-like ``#### <answer>``), else 0.0.
   * ``exact_match``: 1.0 when completion and answer are equal after stripping whitespace.
   * ``digits_match``: the built-in demo task's reward (``rlflow.data.tasks``).
 
-:class:`Rewarder` combines the configured functions with their weights and guards each
-call: a function that raises, returns a non-number or runs past ``reward.timeout_s`` gives
-0 for that sample; the failure is counted per function and logged with the sample id. A
-NaN or infinite reward raises :class:`NonFiniteRewardError` naming the function and sample.
+Final answer of a chat-model completion (``completion_answer_text``), first rule that applies:
+  1. the content of the **last** ``\\boxed{...}`` (braces balanced; e.g. ``$\\boxed{42}$``);
+  2. else the **last** ``#### <answer>`` line whose answer looks like a value: after removing
+     markdown emphasis (``**``, ``__``), ``$``/``\\$``, thousands commas and a trailing period
+     it starts with a digit, sign, ``.``, ``(`` or a LaTeX command. Markdown headings such as
+     ``#### Step 2`` are skipped;
+  3. else the completion without its markdown heading lines (lines starting with ``#``),
+     left to math-verify's own extraction ("final answer is ...", then the last expression).
+
+:class:`Rewarder` combines the configured functions with their weights and bounds each call
+in time and memory by running it in a reward worker process (:mod:`rlflow.data.reward_workers`):
+a function that raises, returns a non-number, runs past ``reward.timeout_s`` or past
+``reward.memory_limit_mb`` gives 0 for that sample; the failure is counted per function and
+logged with the sample id. A NaN or infinite reward is reported with the function and sample
+(:attr:`RewardBatch.nonfinite`); :meth:`Rewarder.score` raises :class:`NonFiniteRewardError`,
+the sampler follows ``learner.on_bad_reward``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
-import threading
-from dataclasses import dataclass
 from typing import Callable, Dict, Sequence
 
-import numpy as np
+from rlflow import plugins as plugins_lib
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +65,12 @@ def register_reward(name: str):
     """Decorator: register ``fn(completion, answer) -> float`` under ``name``.
 
     Raises:
-      ValueError: ``name`` is already registered to another function.
+      ValueError: ``name`` is already registered to another function, or contains ``:``
+        (reserved for ``module:function`` names).
     """
+    if ":" in name:
+        raise ValueError(f"reward name {name!r} must not contain ':' (module:function syntax)")
+
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward function {name!r} is already registered")
@@ -60,16 +80,33 @@ def register_reward(name: str):
 
 
 def get_reward(name: str) -> RewardFn:
-    """The registered function ``name``.
+    """The function ``name``: a registered name or a ``module:function`` reference.
 
     Raises:
-      KeyError: unknown name (the message lists the registered ones).
+      KeyError: unknown name (the message lists the registered ones and the other syntax),
+        or the reference cannot be imported / is not callable.
     """
     _load_builtin()
+    if plugins_lib.is_reference(name):
+        try:
+            fn = plugins_lib.resolve(name)
+        except plugins_lib.PluginError as e:
+            raise KeyError(f"reward.functions: {e}") from e
+        if not callable(fn):
+            raise KeyError(f"reward.functions: {name!r} is a {type(fn).__name__}, not a function")
+        return fn
     if name not in _REGISTRY:
         raise KeyError(f"reward.functions: unknown reward function {name!r}; "
-                       f"registered: {sorted(_REGISTRY)}")
+                       f"registered: {sorted(_REGISTRY)}; a function of your own: "
+                       f"'package.module:function', or register it in a module listed in "
+                       f"`plugins`")
     return _REGISTRY[name]
+
+
+def is_available(name: str) -> bool:
+    """Whether ``name`` is registered (``module:function`` names are always looked up)."""
+    _load_builtin()
+    return plugins_lib.is_reference(name) or name in _REGISTRY
 
 
 def available_rewards() -> list:
@@ -82,11 +119,18 @@ def _load_builtin() -> None:
     import rlflow.data.tasks  # noqa: F401  (registers the task rewards)
 
 
+def warm_up(names: Sequence[str]) -> None:
+    """Do the slow first-call work of the built-in functions among ``names`` (math-verify's
+    imports of sympy/latex2sympy and its first parse), outside any timed call."""
+    if "math_verify" in names:
+        math_verify_reward("\\boxed{1}", "#### 1")
+
+
 # ---------------------------------------------------------------- math answers
 
 _GSM8K_MARK = "####"
-_BOXED = re.compile(r"\\boxed\s*\{\s*[^{}\s]")
-_MARKED = re.compile(r"####\s*\S")
+_BOXED_START = re.compile(r"\\boxed\s*\{")
+_VALUE_START = re.compile(r"[-+\d.(\\]")
 
 
 def final_answer_text(text: str) -> str:
@@ -99,12 +143,59 @@ def final_answer_text(text: str) -> str:
     return re.sub(r"(?<=\d),(?=\d{3})", "", tail).strip()
 
 
+def last_boxed(text: str):
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    for m in reversed(list(_BOXED_START.finditer(text))):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            content = text[m.end():i - 1].strip()
+            if content:
+                return content
+    return None
+
+
+def _clean_marked(line: str) -> str:
+    s = line.strip().replace("**", "").replace("__", "").replace("\\$", "").replace("$", "")
+    s = re.sub(r"(?<=\d),(?=\d{3})", "", s).strip()
+    return s[:-1].strip() if s.endswith(".") else s
+
+
+def marked_answer(completion: str):
+    """The last value-like ``#### <answer>`` of a completion (cleaned as in the module
+    docstring, rule 2), or None; markdown headings such as ``#### Step 2`` are skipped."""
+    if _GSM8K_MARK not in completion:
+        return None
+    for part in reversed(completion.split(_GSM8K_MARK)[1:]):
+        lines = part.strip().splitlines()
+        candidate = _clean_marked(lines[0]) if lines else ""
+        if candidate and _VALUE_START.match(candidate):
+            return candidate
+    return None
+
+
+def completion_answer_text(completion: str) -> str:
+    """The final-answer text of a completion, by the rule in the module docstring
+    (last ``\\boxed{}``, else last value-like ``####`` line, else the completion without
+    markdown headings)."""
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return f"${boxed}$"
+    marked = marked_answer(completion)
+    if marked is not None:
+        return marked
+    return "\n".join(line for line in completion.splitlines()
+                     if not line.lstrip().startswith("#"))
+
+
 def _math_verify():
     """The math_verify module, its "timeout is disabled" warning silenced.
 
     math-verify's own timeouts use ``signal.alarm`` (main thread only); rlflow turns them off
-    and enforces ``reward.timeout_s`` itself (:class:`Rewarder`), so the warning that asks
-    the caller to handle timeouts is moot here.
+    and bounds each call itself (a reward worker process, :class:`Rewarder`), so the warning
+    that asks the caller to handle timeouts is moot here.
     """
     import math_verify
     import math_verify.grader
@@ -121,7 +212,8 @@ def _parse(text: str):
 
 @register_reward("math_verify")
 def math_verify_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion's final answer equals the reference (math-verify), else 0.0.
+    """1.0 if the completion's final answer (:func:`completion_answer_text`) equals the
+    reference (math-verify), else 0.0.
 
     Raises:
       ValueError: the reference answer cannot be parsed (a data problem; the Rewarder
@@ -131,8 +223,7 @@ def math_verify_reward(completion: str, answer: str) -> float:
     gold = _parse(ref) or _parse(f"${ref}$")
     if not gold:
         raise ValueError(f"cannot parse the reference answer {answer!r}")
-    pred = _parse(final_answer_text(completion)) if _GSM8K_MARK in completion \
-        else _parse(completion)
+    pred = _parse(completion_answer_text(completion))
     if not pred:
         return 0.0
     return float(_math_verify().verify(gold, pred, timeout_seconds=None))
@@ -140,8 +231,10 @@ def math_verify_reward(completion: str, answer: str) -> float:
 
 @register_reward("math_format")
 def math_format_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion gives a final answer as ``\\boxed{...}`` or ``#### ...``."""
-    return float(bool(_BOXED.search(completion) or _MARKED.search(completion)))
+    """1.0 if the completion states a final answer as a non-empty ``\\boxed{...}`` or a
+    value-like ``#### <answer>`` line (rules 1 and 2 of the module docstring; a markdown
+    heading such as ``#### Step 2`` is not an answer), else 0.0."""
+    return float(last_boxed(completion) is not None or marked_answer(completion) is not None)
 
 
 @register_reward("exact_match")
@@ -150,131 +243,6 @@ def exact_match_reward(completion: str, answer: str) -> float:
     return float(completion.strip() == answer.strip())
 
 
-# ---------------------------------------------------------------- guarded scorer
-
-class RewardTimeout(Exception):
-    """A reward function ran past ``reward.timeout_s`` (internal; counted, reward 0)."""
-
-
-def call_with_timeout(fn: Callable, args: tuple, timeout_s: float):
-    """Run ``fn(*args)`` on a daemon thread and wait at most ``timeout_s`` seconds.
-
-    Python cannot stop a thread: a call that times out keeps running in the background
-    (it does not block later calls or interpreter exit).
-
-    Raises:
-      RewardTimeout: the call did not return in time.
-      Exception: whatever ``fn`` raised.
-    """
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True, name="rlflow-reward")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise RewardTimeout(f"no result after {timeout_s} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-@dataclass(frozen=True)
-class RewardBatch:
-    """Rewards of N samples.
-
-    Attributes:
-      total: float32 ``[N]``: the weighted sum over functions.
-      components: function name -> float32 ``[N]`` (unweighted; 0 where it failed).
-    """
-
-    total: np.ndarray
-    components: Dict[str, np.ndarray]
-
-
-class Rewarder:
-    """The configured reward functions, weighted and guarded (``RewardConfig``).
-
-    Attributes:
-      names / weights: the functions and their weights, in config order.
-      failures: name -> {"errors": n, "timeouts": n}: samples that got 0 from that function.
-    """
-
-    def __init__(self, reward_cfg):
-        self.names = tuple(reward_cfg.functions)
-        self.weights = tuple(float(w) for w in reward_cfg.weights)
-        self.timeout_s = float(reward_cfg.timeout_s)
-        self._fns = [get_reward(n) for n in self.names]
-        self.failures = {n: {"errors": 0, "timeouts": 0} for n in self.names}
-
-    def score(self, completions: Sequence[str], answers: Sequence[str],
-              sample_ids: Sequence[str]) -> RewardBatch:
-        """Score N samples.
-
-        Args:
-          completions: N decoded completions.
-          answers: N reference answers.
-          sample_ids: N ids used in logs and errors (e.g. ``"prompt 17 sample 3"``).
-
-        Returns:
-          :class:`RewardBatch` (``total`` = sum_k weight_k * reward_k).
-
-        Raises:
-          ValueError: the three sequences differ in length.
-          NonFiniteRewardError: a function returned NaN or infinity (names it and the sample).
-        """
-        n = len(completions)
-        if len(answers) != n or len(sample_ids) != n:
-            raise ValueError(f"Rewarder.score: got {n} completions, {len(answers)} answers, "
-                             f"{len(sample_ids)} sample ids; expected equal lengths")
-        components = {}
-        total = np.zeros(n, np.float64)
-        for name, fn, weight in zip(self.names, self._fns, self.weights):
-            values = np.array([self._one(name, fn, c, a, sid)
-                               for c, a, sid in zip(completions, answers, sample_ids)], np.float64)
-            components[name] = values.astype(np.float32)
-            total += weight * values
-        return RewardBatch(total=total.astype(np.float32), components=components)
-
-    def score_group(self, prompt_id: int, completions: Sequence[str], answer: str) -> np.ndarray:
-        """Rewards of one group (G completions of one prompt): float32 ``[G]``.
-
-        Sample ids are ``"prompt <prompt_id> sample <g>"``. Raises as :meth:`score`.
-        """
-        ids = [f"prompt {prompt_id} sample {g}" for g in range(len(completions))]
-        return self.score(completions, [answer] * len(completions), ids).total
-
-    def metrics(self) -> Dict[str, int]:
-        """Failure counters, flat: ``{"reward/errors/<name>": n, "reward/timeouts/<name>": n}``."""
-        out = {}
-        for name, counts in self.failures.items():
-            for kind, value in counts.items():
-                out[f"reward/{kind}/{name}"] = value
-        return out
-
-    def _one(self, name: str, fn: RewardFn, completion: str, answer: str, sample_id) -> float:
-        try:
-            value = call_with_timeout(fn, (completion, answer), self.timeout_s)
-            value = float(value)
-        except RewardTimeout:
-            self._failed(name, "timeouts", sample_id, f"ran past {self.timeout_s} s")
-            return 0.0
-        except Exception as e:
-            self._failed(name, "errors", sample_id, f"raised {type(e).__name__}: {e}")
-            return 0.0
-        if not math.isfinite(value):
-            raise NonFiniteRewardError(f"reward function {name!r} returned {value} for sample "
-                                       f"{sample_id}; rewards must be finite numbers")
-        return value
-
-    def _failed(self, name: str, kind: str, sample_id, what: str) -> None:
-        self.failures[name][kind] += 1
-        count = self.failures[name]["errors"] + self.failures[name]["timeouts"]
-        if count <= LOG_FIRST_FAILURES or count % 1000 == 0:
-            logger.warning("reward function %r %s on sample %s: reward 0 (%d failures so far)",
-                           name, what, sample_id, count)
+# The scorer lives in rlflow.data.rewarder; re-exported here (imported last: it imports this).
+from rlflow.data.rewarder import (RewardBatch, Rewarder, RewardTimeout,  # noqa: E402,F401
+                                  call_with_timeout)

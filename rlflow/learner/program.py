@@ -13,7 +13,10 @@ One process (one host of the learner slice on a pod), its own JAX runtime and me
           older than runtime.max_staleness versions (stale_policy "drop"), or that has no
           reward variance under learner.dynamic_sampling, is rejected and counted, and the
           sampler makes a replacement (see rlflow.runtime_control)
-        build the batch, run the jitted step          -> version v + 1 (= steps taken)
+        build the batch; when it has no loss sample (all masked / stale / filtered / bad
+          rewards) the step is skipped: counted, nothing trained or published, its groups
+          given back to the admission budget (rlflow.learner.skips)
+        run the jitted step                           -> version v + 1 (= steps taken)
         publish every runtime.publish_every steps; log one metrics record (rlflow.metrics);
         write sample completions and the step's prompts (trained_prompts.jsonl);
         checkpoint every checkpoint.every_steps (with the ledger)
@@ -44,6 +47,7 @@ from rlflow.exchange.records import policy_version_range
 from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import sample_staleness
+from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner
 from rlflow.metrics import MetricsWriter
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
@@ -110,6 +114,12 @@ class LearnerProgram:
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
+        if "://" not in cfg.run_path:
+            # A run folder holds one run: what rlflow train checked, checked again for a
+            # learner started without it (scripts/tpu); idempotent after the launcher.
+            from rlflow.run_identity import prepare_run_folder
+
+            prepare_run_folder(cfg)
         self.gps = cfg.learner.groups_per_step
         self.learner = Learner(cfg)
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path),
@@ -118,8 +128,11 @@ class LearnerProgram:
         self.version = self.start_step
         # Every step accepts exactly groups_per_step groups, so the admission count of a
         # resumed run starts where the checkpointed one stopped.
+        # (A skipped step gives its groups back, so this holds with skips too.)
         self.counts = dict(accepted=self.start_step * self.gps, stale_groups=0,
                            zero_variance_groups=0)
+        self.skips = SkipCounter(cfg)
+        self.filter_streak = FilterStreak(cfg)
         self.tokenizer = pc.run_tokenizer(cfg)
         self.threshold = pc.accuracy_threshold(cfg.reward)
         self.ledger = self._ledger(data_state)
@@ -147,6 +160,15 @@ class LearnerProgram:
 
     # ------------------------------------------------------------------ set-up pieces
     def _resume(self):
+        if self.cfg.checkpoint.resume == "never" and self.checkpointer.latest_step() is not None:
+            # rlflow train moved an earlier run aside (or refused) before starting this
+            # program; here (e.g. started by the TPU scripts) a folder is never mixed.
+            from rlflow.run_identity import RunFolderConflict
+
+            raise RunFolderConflict(
+                f"run folder {self.cfg.run_path} holds an earlier run's checkpoints (steps "
+                f"{self.checkpointer.all_steps()}); checkpoint.resume='never' will not mix two "
+                "runs in one folder: pick a new --name / --run_dir or remove them")
         restored = self.learner.resume(self.checkpointer)   # PPO: with its value head
         if restored is None:
             return 0, None
@@ -160,6 +182,10 @@ class LearnerProgram:
         ds, stats = prompt_dataset(self.cfg.data, self.tokenizer, seed=self.cfg.seed)
         log.info("%s", stats.summary())
         self.prompts_per_epoch = stats.num_kept
+        # the pre-scan's counts, for the metrics and the launcher's console
+        self.prompt_counts = {"sampler/prompts_kept": float(stats.num_kept),
+                              "sampler/prompts_too_long": float(stats.num_too_long),
+                              "sampler/prompts_bad": float(stats.num_bad)}
         ledger = PromptLedger(
             ds.__getitem__, len(ds) if self.cfg.data.num_epochs > 0 else None,
             groups_per_step=self.gps, max_staleness=self.cfg.runtime.max_staleness,
@@ -218,7 +244,9 @@ class LearnerProgram:
             self.counts["zero_variance_groups"] += 1
             if key is not None:
                 self.ledger.drop(key)              # resolved: counted as dropped
+            self.filter_streak.rejected(self.version)   # raises after too many in a row
             return False
+        self.filter_streak.accepted()
         self.counts["accepted"] += 1
         self.batch_keys.append((key, int(group["prompt_id"])))
         return True
@@ -236,6 +264,7 @@ class LearnerProgram:
         groups = []
         waited_since = time.monotonic()
         while len(groups) < self.gps:
+            pc.raise_if_stopped()              # a stop whose exception a finaliser dropped
             self.ledger.check_enough((self.version + 1) * self.gps)
             self.coordinator.check_replicas()
             left = self.cfg.buffer.timeout_s - (time.monotonic() - waited_since)
@@ -251,14 +280,42 @@ class LearnerProgram:
         return groups
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> dict:
+    def skip(self, groups, reason: str, info: dict) -> None:
+        """A step without loss samples: no update, no publish; its groups go back to the
+        admission budget (counted like rejected groups, so the samplers make replacements
+        and the budget does not shrink with each skip; the prompt ledger counts them
+        dropped). Raises :class:`rlflow.learner.skips.DegenerateStepsError` after too many
+        in a row."""
+        self.counts["accepted"] -= len(groups)
+        for key, _ in self.batch_keys:
+            if key is not None:
+                self.ledger.drop(key)
+        self.batch_keys = []
+        self.skips.skipped(reason, self.version, info)
+
+    def step(self) -> dict | None:
+        """One step; returns its metrics, or None when it was skipped (see :meth:`skip`)."""
         t0 = time.monotonic()
         groups = self.take_groups()
         t_wait = time.monotonic() - t0
         batch, info = self.learner.build_batch(groups)
+        reason = skip_reason(info)
+        if reason is not None:
+            self.skip(groups, reason, info)
+            return None
+        # A stop request (SIGTERM) waits until this version's metrics and samples are
+        # written: the exit checkpoint of a version always has its metrics record.
+        with pc.deferred_stop():
+            return self._step_and_record(groups, batch, info, t0, t_wait)
+
+    def _step_and_record(self, groups, batch, info, t0: float, t_wait: float) -> dict:
         t1 = time.monotonic()
         metrics = self.learner.step(batch)
         t_step = time.monotonic() - t1
+        if self.learner.version == self.version:  # the step's own guard: no loss token
+            self.skip(groups, "mixed", info)
+            return None
+        self.skips.trained()
         self.version = self.learner.version
         self._mark_trained()
         if self.version % self.cfg.runtime.publish_every == 0 or \
@@ -281,12 +338,15 @@ class LearnerProgram:
             "learner/stale_groups_dropped": self.counts["stale_groups"],
             "learner/zero_variance_groups_dropped": self.counts["zero_variance_groups"],
             "learner/published_version": self.coordinator.published_version,
+            **self.skips.metrics(),
         })
         metrics.update(self._buffer_metrics())
         metrics.update(self._sampler_metrics())
         metrics.update(self.ledger.metrics())
-        if hasattr(self.publisher.offers, "metrics"):
-            metrics.update(self.publisher.offers.metrics())
+        metrics.update(self.prompt_counts)
+        offers = getattr(self.publisher, "offers", None)
+        if hasattr(offers, "metrics"):
+            metrics.update(offers.metrics())
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
             self.writer.log_samples(self.version, self._samples(groups))
@@ -343,7 +403,11 @@ class LearnerProgram:
         metrics = None
         try:
             while self.version < n:
-                metrics = self.step()
+                pc.raise_if_stopped()
+                step_metrics = self.step()
+                if step_metrics is None:          # skipped: counted, nothing to log or save
+                    continue
+                metrics = step_metrics
                 log.info("step %d/%d reward %.3f stale %.2f wait %.2fs step %.2fs", self.version,
                          n, metrics["reward/mean"], metrics["staleness/mean"],
                          metrics["buffer/consumer_wait_s"], metrics["learner/step_time_s"])
@@ -384,6 +448,8 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
       rlflow.runtime.replicas.NoReplicaError: no sampler replica alive for
         ``runtime.replica_timeout_s`` seconds.
       rlflow.programs_common.Stopped: SIGTERM (the exit checkpoint is saved first).
+      rlflow.learner.skips.DegenerateStepsError: ``learner.max_consecutive_skipped_steps``
+        steps in a row had no sample to train on (the message names the reason and fields).
     """
     program = LearnerProgram(cfg, endpoints)
     try:

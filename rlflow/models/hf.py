@@ -23,6 +23,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from rlflow.models import hf_settings
 from rlflow.models.config import DecoderConfig, ModelFormatError, eos_token_ids
 from rlflow.models.decoder import Decoder
 
@@ -259,7 +260,8 @@ def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = No
 
 # ------------------------------------------------------------------------------ writing
 def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | None = None,
-             dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+             dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+             source_dir: str | None = None) -> None:
     """Write parameters as a HF folder that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Args:
@@ -270,6 +272,9 @@ def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | N
       tokenizer_dir: folder whose tokenizer files are copied (``TOKENIZER_FILES``).
       dtype: stored dtype ("float32" / "bfloat16"); default ``cfg.param_dtype``.
       max_shard_bytes: above this total, weights are split into numbered files + index.
+      source_dir: the HF folder the parameters came from: its ``generation_config.json`` is
+        kept as it is and its ``config.json`` keys that rlflow does not own are kept
+        (:mod:`rlflow.models.hf_settings`). None: rlflow writes both files alone.
 
     Tied models write no ``lm_head.weight`` and keep ``tie_word_embeddings: true``.
 
@@ -292,17 +297,27 @@ def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | N
         tensors[name] = _to_hf(kind, arr)
     os.makedirs(out_dir, exist_ok=True)
     _write_safetensors(tensors, out_dir, max_shard_bytes)
+    source_cfg = source_gen = None
+    if source_dir:
+        source_cfg = hf_settings.read_json(os.path.join(source_dir, CONFIG_FILE))
+        source_gen = hf_settings.read_json(os.path.join(source_dir, GENERATION_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-        json.dump(cfg.to_hf_dict(torch_dtype=dtype), f, indent=2, sort_keys=True)
-    _write_generation_config(cfg, out_dir)
+        json.dump(hf_settings.merge_config(cfg.to_hf_dict(torch_dtype=dtype), source_cfg), f,
+                  indent=2, sort_keys=True)
+    if source_gen is not None:
+        with open(os.path.join(out_dir, GENERATION_FILE), "w") as f:
+            json.dump(source_gen, f, indent=2, sort_keys=True)
+    else:
+        _write_generation_config(cfg, out_dir)
     if tokenizer_dir:
         copy_tokenizer(tokenizer_dir, out_dir)
 
 
 def save_hf(model: Decoder, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | None = None,
-            dtype: str | None = None) -> None:
+            dtype: str | None = None, source_dir: str | None = None) -> None:
     """Export a :class:`Decoder` as a HF folder (see :func:`write_hf`)."""
-    write_hf(nnx.state(model, nnx.Param), cfg, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype)
+    write_hf(nnx.state(model, nnx.Param), cfg, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype,
+             source_dir=source_dir)
 
 
 def _write_safetensors(tensors: dict, out_dir: str, max_shard_bytes: int) -> None:

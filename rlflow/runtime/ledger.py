@@ -255,10 +255,13 @@ class PromptLedger:
             self.counts["trained"] += len(keys)
 
     def drop(self, key: Key) -> None:
-        """The learner dropped the consumed group of ``key`` for good (no reward variance
-        under dynamic sampling): the prompt is resolved, counted in ``dropped``."""
+        """The group of ``key`` was dropped for good (no reward variance under dynamic
+        sampling, a degenerate step, or a NaN/inf reward on its replica): the prompt is
+        resolved, counted in ``dropped``. A key whose lease is not current is ignored."""
         with self._lock:
-            if self._entries.pop(int(key[0]), None) is not None:
+            e = self._entries.get(int(key[0]))
+            if e is not None and e.lease_id == int(key[1]):
+                del self._entries[int(key[0])]
                 self._seeds.pop(int(key[0]), None)
                 self.counts["dropped"] += 1
 

@@ -16,15 +16,19 @@ processes on one machine), its own JAX runtime, mesh and engine::
         newer version published -> a background thread pulls it (rlflow.exchange.transfer
           or the orbax folder) while decoding goes on, and the batcher swaps it in before
           its next decode step (sequences in flight continue under the new weights)
-        one decode step; each finished group gets its rewards (rlflow.data.rewards, on this
-          host) and goes to the learner's ring buffer (rlflow.exchange.buffer), tagged with
-          its prompt's stream_index and lease_id
+        one decode step; each finished group is handed to the reward workers
+          (rlflow.data.rewarder, on this host) and decoding goes on; groups whose rewards
+          are in go, whole and in the order they finished, to the learner's ring buffer
+          (rlflow.exchange.buffer), tagged with their prompt's stream_index and lease_id
 
 Each request's seed comes with its lease (derived from the prompt's position in the prompt
 stream), so a prompt re-dispatched to another replica, or after a resume, is drawn with the
-same seed. A prompt that fails at every retry (``MAX_PROMPT_RETRIES``) or a reward that is
-not finite is reported to the learner through the buffer (its next ``get_groups`` raises the
-message) and stops this program with the error.
+same seed. A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it
+(logged with the function and sample, counted as ``sampler/dropped_bad_reward_groups``, and
+reported to the ledger as dropped), "error" stops the run with that message. That error or
+a prompt that fails at every retry (``MAX_PROMPT_RETRIES``) is reported to the learner
+through the buffer (its next ``get_groups`` raises the message) and stops this program with
+the error.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import time
 import numpy as np
 
 from rlflow import programs_common as pc
-from rlflow.data.rewards import Rewarder
+from rlflow.data.rewards import NonFiniteRewardError, Rewarder
 from rlflow.exchange.buffer import BufferClient
 from rlflow.exchange.ring import BufferClosedError
 from rlflow.exchange.wire import tcp_endpoint
@@ -199,9 +203,14 @@ class SamplerProgram:
         del model
         self.buffer = BufferClient.from_config(cfg.buffer, _endpoint(endpoints.buffer),
                                                name=self.name)
-        self.rewarder = Rewarder(cfg.reward)
+        self.rewarder = Rewarder(cfg.reward, plugins=cfg.plugins)
+        # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
+        # that its id is not reused while the group is scored)
+        self.scoring: dict[int, tuple] = {}
+        self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
         self.prompts_started = 0
         self.in_flight: dict[int, dict] = {}     # id(Request) -> leased prompt
+        self.dropped_leases: list = []   # [stream_index, lease_id] of groups dropped here
         self.delivered_since_status = 0
         self.groups_delivered = 0  # groups this replica put into the buffer, in total
         self.rejected = 0          # groups the buffer refused (a bug if ever > 0)
@@ -268,13 +277,15 @@ class SamplerProgram:
         metrics["sync/sampler_pause_s"] = self.pause_s
         metrics["sampler/instance"] = float(self.control.instance)
         metrics["sampler/rejected_groups"] = float(self.rejected)
+        metrics["sampler/dropped_bad_reward_groups"] = float(self.bad_reward_groups)
         # reward functions that raised or timed out (scored 0): counted, never silent
         metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
         metrics["sampler/in_flight"] = float(len(self.in_flight))
         metrics["sampler/groups_delivered"] = float(self.groups_delivered)
+        dropped, self.dropped_leases = self.dropped_leases, []
         reply = self.control.status(
             version=self.version, prompts_started=self.prompts_started,
-            want=want if self.version >= 0 else 0, metrics=metrics)
+            want=want if self.version >= 0 else 0, metrics=metrics, dropped=dropped)
         self.delivered_since_status = 0
         for element in reply.prompts:
             self._submit(element)
@@ -305,21 +316,50 @@ class SamplerProgram:
         self.prompts_started += 1
 
     # ------------------------------------------------------------------ groups out
-    def _record(self, group) -> dict:
-        """The group's record with its rewards (scored here, on the sampler host)."""
-        element = self.in_flight.pop(id(group.request))
-        record = group.to_record()
-        texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
-                 for c in group.completions]
-        record["rewards"] = np.asarray(
-            self.rewarder.score_group(group.prompt_id, texts, element["answer"]), np.float32)
-        record["stream_index"] = np.asarray(element["stream_index"], np.int64)
-        record["lease_id"] = np.asarray(element["lease_id"], np.int64)
-        return record
+    def _score(self, groups) -> None:
+        """Hand the groups a decode step finished to the reward workers (no wait); they stay
+        in ``in_flight`` (admission counts them) until delivered or dropped."""
+        for group in groups:
+            key = id(group.request)
+            element = self.in_flight[key]
+            texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
+                     for c in group.completions]
+            self.scoring[key] = (group.request, group.to_record())
+            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"])
 
-    def _deliver(self, groups) -> None:
-        """Send the groups one decode step finished, in one request to the buffer."""
-        records = [self._record(g) for g in groups]
+    def _collect(self, timeout: float = 0.0) -> None:
+        """Deliver the groups whose rewards are in; a group with a NaN/inf reward follows
+        ``learner.on_bad_reward``.
+
+        Raises:
+          NonFiniteRewardError: a NaN/inf reward with ``on_bad_reward="error"`` (names the
+            function and sample).
+        """
+        records = []
+        for key, batch in self.rewarder.collect(timeout):
+            _, record = self.scoring.pop(key)
+            element = self.in_flight.pop(key)
+            record["stream_index"] = np.asarray(element["stream_index"], np.int64)
+            record["lease_id"] = np.asarray(element["lease_id"], np.int64)
+            if batch.nonfinite:
+                if self.cfg.learner.on_bad_reward == "error":
+                    raise NonFiniteRewardError(
+                        f"{batch.nonfinite[0]}; rewards must be finite numbers "
+                        f"(learner.on_bad_reward='drop' drops such groups)")
+                self.bad_reward_groups += 1
+                self.dropped_leases.append([int(element["stream_index"]),
+                                            int(element["lease_id"])])
+                log.warning("%s: group of prompt_id %d dropped (learner.on_bad_reward='drop'; "
+                            "%d dropped so far)", batch.nonfinite[0], int(record["prompt_id"]),
+                            self.bad_reward_groups)
+                continue
+            record["rewards"] = np.asarray(batch.total, np.float32)
+            records.append(record)
+        if records:
+            self._deliver(records)
+
+    def _deliver(self, records) -> None:
+        """Send scored groups in one request to the buffer."""
         t0 = time.monotonic()
         rejected = self.buffer.put_groups(records)
         self.window.add(idle=time.monotonic() - t0)
@@ -337,6 +377,7 @@ class SamplerProgram:
         reply = None
         status_version = self.version
         while True:
+            pc.raise_if_stopped()               # a stop whose exception a finaliser dropped
             now = time.monotonic()
             busy = self.batcher.has_work
             want = self._want()
@@ -354,7 +395,21 @@ class SamplerProgram:
                 if reply.published_version > self.version:
                     self.puller.request()
             self.puller.check()
+            try:
+                self._collect()
+            except BufferClosedError:
+                log.info("the learner closed the buffer: the run is ending; stopping")
+                return
             if not self.batcher.has_work:
+                if self.scoring:                    # only rewards pending: wait for them
+                    t0 = time.monotonic()
+                    try:
+                        self._collect(IDLE_POLL_S)
+                    except BufferClosedError:
+                        log.info("the learner closed the buffer: the run is ending; stopping")
+                        return
+                    self.window.add(idle=time.monotonic() - t0)
+                    continue
                 if sync_sleep and not self.sleeping:
                     self.batcher.reset_cache()      # free the KV cache while waiting
                     self.sleeping = True
@@ -368,11 +423,7 @@ class SamplerProgram:
             groups = self.batcher.step()
             self._time_step(time.monotonic() - t0, swapped=c.weight_swaps > swaps)
             if groups:
-                try:
-                    self._deliver(groups)
-                except BufferClosedError:
-                    log.info("the learner closed the buffer: the run is ending; stopping")
-                    return
+                self._score(groups)
             self.window.add(tokens=c.slot_steps_used - used, slots_used=c.slot_steps_used - used,
                             slots_total=c.slot_steps_available - avail)
 
@@ -394,7 +445,7 @@ class SamplerProgram:
 
     def close(self) -> None:
         closers = [self.heartbeat.close, self.control.close, self.buffer.close,
-                   self.subscriber.close]
+                   self.subscriber.close, self.rewarder.close]
         if hasattr(self, "puller"):
             closers.insert(0, self.puller.close)
         for closer in closers:
@@ -409,7 +460,8 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
 
     Raises:
       SamplerError: a prompt failed at every retry.
-      rlflow.data.rewards.NonFiniteRewardError: a reward function returned NaN/inf.
+      rlflow.data.rewards.NonFiniteRewardError: a reward function returned NaN/inf and
+        ``learner.on_bad_reward="error"``.
       rlflow.exchange.ring.BufferTimeoutError / rlflow.exchange.wire.PeerTimeoutError: the
         learner stopped answering.
     """

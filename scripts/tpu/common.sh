@@ -53,7 +53,9 @@ Common flags (docs/tpu.md):
   --buffer-port N          ring-buffer port on learner host 0 (default 5555)
   --coordinator-port N     weight-coordinator port on learner host 0 (default 5556)
   --jax-port N             jax.distributed coordinator port inside each slice (default 8476)
-  --token TOKEN            ring-buffer shared secret (default $RLFLOW_BUFFER_TOKEN, else random)
+  (token)                  the ring-buffer shared secret comes from $RLFLOW_BUFFER_TOKEN, else
+                           a random one; it reaches the hosts as a mode-0600 file, never on a
+                           command line (--token is refused: argv is visible in ps)
   --learner-ip IP          internal IP of learner host 0 (default: asked from gcloud)
   --git-ref REF            git ref shipped to the hosts by install.sh (default HEAD)
   --python EXE             Python on the hosts (default python3.11)
@@ -87,7 +89,8 @@ parse_flags() {
       --buffer-port) BUFFER_PORT="${2:?--buffer-port needs a value}"; shift 2 ;;
       --coordinator-port) COORDINATOR_PORT="${2:?--coordinator-port needs a value}"; shift 2 ;;
       --jax-port) JAX_PORT="${2:?--jax-port needs a value}"; shift 2 ;;
-      --token) TOKEN="${2:?--token needs a value}"; shift 2 ;;
+      --token|--token=*)
+        die "--token puts the secret in argv (visible in ps); export RLFLOW_BUFFER_TOKEN instead" ;;
       --learner-ip) LEARNER_IP="${2:?--learner-ip needs a value}"; shift 2 ;;
       --git-ref) GIT_REF="${2:?--git-ref needs a value}"; shift 2 ;;
       --python) PYTHON="${2:?--python needs a value}"; shift 2 ;;

@@ -11,6 +11,9 @@
 #   RLFLOW_JAX_PORT       jax.distributed coordinator port in this slice (default 8476)
 #   RLFLOW_RUN_DIR        run_dir when TRAIN_ARGS has no --run_dir (default $HOME/rlflow-runs)
 #   RLFLOW_METADATA_URL   metadata server (default: the GCE one; tests point it elsewhere)
+#   RLFLOW_BUFFER_TOKEN_FILE  ring-buffer token file (default $HOME/.rlflow-buffer.token,
+#                         copied by start.sh; made mode 0600); passed as --buffer.token_file,
+#                         so the token is on no command line and in no config.json
 # This host's slice comes from the TPU metadata server: worker-network-endpoints (every host
 # of THIS slice; host 0 is the jax.distributed coordinator) and agent-worker-number.
 set -euo pipefail
@@ -74,7 +77,8 @@ case "$cmd" in
   env)
     check_role "$role"
     if [ "$role" = sampler ]; then replica_env; else slice_env; fi
-    env | grep '^RLFLOW_' | sort
+    # a token in the environment is shown redacted (rlflow/secrets.py)
+    env | grep '^RLFLOW_' | sed 's/^\(RLFLOW_BUFFER_TOKEN\)=.*/\1=<redacted>/' | sort
     ;;
   start)
     check_role "$role"
@@ -84,6 +88,11 @@ case "$cmd" in
     fi
     config_json="$LOGS/$role-config.json"
     args=("$@")
+    token_file="${RLFLOW_BUFFER_TOKEN_FILE:-$HOME/.rlflow-buffer.token}"
+    if [ -f "$token_file" ]; then
+      chmod 600 "$token_file"
+      args+=(--buffer.token_file "$token_file")
+    fi
     case " ${args[*]} " in
       *" --run_dir "*|*" --run-dir "*) ;;
       *) args=(--run_dir "${RLFLOW_RUN_DIR:-$HOME/rlflow-runs}" "${args[@]}") ;;

@@ -12,8 +12,14 @@ parse_flags "$@"
 
 if [ -z "$TOKEN" ]; then
   TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
-  note "generated the ring-buffer token $TOKEN (pass --token to choose it)"
+  note "generated a random ring-buffer token (pass --token or RLFLOW_BUFFER_TOKEN to choose it)"
 fi
+# The token travels as a file (mode 0600, copied by scp) and is read by --buffer.token_file:
+# never on a command line (ps) and never in a config.json (rlflow/secrets.py).
+token_file="$(mktemp)"
+trap 'rm -f "$token_file"' EXIT
+chmod 600 "$token_file"
+printf '%s\n' "$TOKEN" >"$token_file"
 if [ -z "$LEARNER_IP" ]; then
   if [ "$DRY_RUN" = 1 ]; then
     note "the internal IP of learner host 0 comes from (--learner-ip skips it):"
@@ -31,8 +37,7 @@ env_words=("RLFLOW_BUFFER_ADDRESS=$LEARNER_IP:$BUFFER_PORT"
            "RLFLOW_COORDINATOR_ADDRESS=$LEARNER_IP:$COORDINATOR_PORT"
            "RLFLOW_JAX_PORT=$JAX_PORT")
 if [ -n "$MODEL_DIR" ]; then env_words+=("RLFLOW_MODEL_PATH=$MODEL_DIR"); fi
-train=(--config "$CONFIG" --buffer.bind_address "$LEARNER_IP" --buffer.port "$BUFFER_PORT"
-       --buffer.token "$TOKEN")
+train=(--config "$CONFIG" --buffer.bind_address "$LEARNER_IP" --buffer.port "$BUFFER_PORT")
 if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
 train+=("${TRAIN_ARGS[@]}")
 
@@ -42,6 +47,11 @@ replicas=$((SAMPLER_SLICES * hosts))
 train+=(--sampler.num_replicas "$replicas")
 note "$SAMPLER_SLICES sampler slice(s) of $SAMPLER_TYPE, $hosts host(s) each: $replicas replicas"
 
+for node in "$LEARNER_NODE" "${SAMPLER_NODES[@]}"; do
+  # scp paths are relative to the remote home: host_run.sh reads $HOME/.rlflow-buffer.token
+  run gcloud compute tpus tpu-vm scp "$token_file" "$node:.rlflow-buffer.token" \
+    "${GCLOUD_COMMON[@]}" --worker=all
+done
 remote="env $(command_line "${env_words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
 ssh_cmd "$LEARNER_NODE" all "$remote start learner $(command_line "${train[@]}")"
 for ((s = 0; s < SAMPLER_SLICES; s++)); do

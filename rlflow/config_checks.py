@@ -1,0 +1,95 @@
+"""Checks of a resolved config that need the file system or the registries.
+
+:class:`rlflow.config.ExperimentConfig` validates values and cross-field constraints in
+``__post_init__`` (pure checks, run wherever a config is built). :func:`check_runnable` adds
+what needs the machine: the plugins import, every reward function resolves (and can be
+loaded by the other programs), the data files and the model folder (config.json, safetensors,
+tokenizer files; required for non-built-in data) exist, the built-in task is known.
+``rlflow train`` runs it before it starts any program, so a mistake is refused in seconds
+with the field named instead of after the programs have started.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from rlflow.config import ConfigError, ExperimentConfig
+
+
+def check_runnable(cfg: ExperimentConfig) -> None:
+    """Check what a run needs from this machine before anything starts.
+
+    Raises:
+      ConfigError: the message names the field (``plugins``, ``reward.functions``,
+        ``data.path``, ``data.task``, ``model.path``) and what was expected.
+    """
+    _check_plugins(cfg)
+    _check_rewards(cfg)
+    _check_data(cfg)
+    _check_model(cfg)
+
+
+def _check_plugins(cfg) -> None:
+    from rlflow.plugins import PluginError, import_plugins
+
+    try:
+        import_plugins(cfg.plugins)
+    except PluginError as e:
+        raise ConfigError(f"plugins: {e}") from None
+
+
+def _check_rewards(cfg) -> None:
+    from rlflow.data.rewards import get_reward
+    from rlflow.plugins import importable_elsewhere
+
+    for name in cfg.reward.functions:
+        try:
+            fn = get_reward(name)
+        except KeyError as e:
+            msg = str(e.args[0]) if e.args else str(e)
+            raise ConfigError(msg if msg.startswith("reward.functions") else
+                              f"reward.functions: {msg}") from None
+        module = getattr(fn, "__module__", "") or ""
+        if not importable_elsewhere(module):
+            raise ConfigError(
+                f"reward.functions: {name!r} is registered in {module!r} (the --config file "
+                f"or __main__), which the sampler program and the reward workers never "
+                f"import; move it into a module and list that module in `plugins`, or name "
+                f"it 'package.module:function'")
+
+
+def _check_data(cfg) -> None:
+    d = cfg.data
+    if d.source == "builtin":
+        from rlflow.data.tasks import TASKS
+
+        if d.task not in TASKS:
+            raise ConfigError(f"data.task: unknown built-in task {d.task!r}; known: "
+                              f"{sorted(TASKS)}")
+        return
+    if not sorted(glob.glob(d.path)):
+        raise ConfigError(f"data.path: no file matches {d.path!r} (data.source={d.source!r}; "
+                          f"current folder {os.getcwd()})")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_model(cfg) -> None:
+    path = cfg.model.path
+    if not path:
+        if cfg.data.source != "builtin":
+            raise ConfigError(f"model.path: required with data.source={cfg.data.source!r} (the "
+                              f"prompts are tokenized with the model folder's tokenizer; only "
+                              f"built-in tasks bring their own)")
+        return
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model.path: {path!r} has no config.json (expected a Hugging Face "
+                          f"model folder with config.json and *.safetensors)")
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        raise ConfigError(f"model.path: {path!r} has no *.safetensors weights (expected a "
+                          f"Hugging Face model folder saved with safetensors)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ConfigError(f"model.path: {path!r} has no tokenizer files (one of "
+                          f"{', '.join(TOKENIZER_FILES)}); both programs tokenize with it")

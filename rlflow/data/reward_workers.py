@@ -1,0 +1,289 @@
+"""Reward worker processes: every reward call bounded in time and memory.
+
+A reward function is user code: it may loop, hold the GIL (``10**10**9``: a big-integer
+power never releases it, so a thread-based timeout cannot even get control back) or
+allocate without bound. Math graders therefore run each check in a process that can be
+killed; so does rlflow. :class:`RewardWorkerPool` keeps ``reward.num_workers`` processes
+(``spawn`` context: never a fork of a process whose JAX runtime is running), each of which
+
+  * imports ``plugins`` and the reward functions and warms them up (math-verify's imports
+    and first parse) before it reports ready: start-up never counts against a timeout,
+  * then limits its address space (``RLIMIT_AS``) to what it maps at that point plus
+    ``reward.memory_limit_mb``: a call allocating more gets ``MemoryError``, scored 0 and
+    counted as an error,
+  * then scores one sample at a time.
+
+A call still running ``reward.timeout_s`` seconds after it was handed to a worker is
+abandoned: the worker is killed (SIGKILL), the sample scores 0 (counted as a timeout) and a
+new worker is started in the background. A worker that dies (e.g. killed by the OS) scores
+its sample 0 as an error and is replaced the same way.
+
+The pool is non-blocking: :meth:`RewardWorkerPool.submit` queues samples and
+:meth:`RewardWorkerPool.poll` dispatches queued samples to idle workers and returns the
+results that arrived (waiting at most its ``timeout``), so the sampler decodes while rewards
+are computed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from multiprocessing.connection import wait as wait_connections
+from typing import List, Optional, Sequence, Tuple
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a new worker may take to import and warm up before the pool gives up on it.
+STARTUP_TIMEOUT_S = 300.0
+
+# A result: (task id, "ok" | "error" | "timeout", value or message)
+Result = Tuple[int, str, object]
+
+
+def _address_space_bytes() -> int:
+    """This process's virtual memory size (``VmSize`` of /proc/self/status), 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _set_memory_limit(memory_limit_mb: int) -> None:
+    """RLIMIT_AS = what the worker maps now (interpreter, plugins, reward functions) plus
+    ``memory_limit_mb``: a reward call may allocate that much, whatever its imports mapped."""
+    if memory_limit_mb <= 0:
+        return
+    import resource
+
+    limit = _address_space_bytes() + int(memory_limit_mb) * 1024 * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, str]],
+                 memory_limit_mb: int) -> None:
+    """Worker process: set limits, load and warm up the functions, then score on request.
+
+    ``functions``: (registry name or ``module:attr``, module that registered it) pairs.
+    Messages in: ``(task_id, function index, completion, answer)`` or None (stop).
+    Messages out: ``("ready", None)`` / ``("failed", message)`` once, then :data:`Result`.
+    """
+    try:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a plugin importing JAX: no accelerator
+        from rlflow.data import rewards
+        from rlflow.plugins import import_module, import_plugins
+
+        import_plugins(plugins)
+        fns = []
+        for name, module in functions:
+            if not rewards.is_available(name) and module:
+                import_module(module)                    # its @register_reward runs here
+            fns.append(rewards.get_reward(name))
+        rewards.warm_up([name for name, _ in functions])
+        _set_memory_limit(memory_limit_mb)               # after the imports: they are not
+        conn.send(("ready", None))                       # what the limit is for
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if msg is None:
+            return
+        task_id, index, completion, answer = msg
+        try:
+            value = float(fns[index](completion, answer))
+            out = (task_id, "ok", value)
+        except MemoryError:
+            out = (task_id, "error", f"MemoryError: past reward.memory_limit_mb="
+                                     f"{memory_limit_mb}")
+        except BaseException as e:  # noqa: BLE001 - a reward error scores 0, counted
+            out = (task_id, "error", f"{type(e).__name__}: {e}")
+        conn.send(out)
+
+
+@contextlib.contextmanager
+def _main_not_rerun():
+    """Hide ``__main__``'s file and spec while a worker is spawned: ``spawn`` would run the
+    parent's main script again in the worker (a training script, ``python -m`` module or
+    notebook has no business running there; the worker needs only rlflow and plugins)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+class _Worker:
+    def __init__(self, ctx, args):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,) + args, daemon=True,
+                                   name="rlflow-reward-worker")
+        with _main_not_rerun():
+            self.process.start()
+        child.close()
+        self.started = time.monotonic()
+        self.ready = False
+        self.task: Optional[Tuple[int, float]] = None     # (task id, deadline)
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+            self.process.join(timeout=5.0)
+        except Exception:  # noqa: BLE001
+            pass
+        self.conn.close()
+
+
+class RewardWorkerError(RuntimeError):
+    """Reward workers cannot start (a plugin or function fails to load in them)."""
+
+
+class RewardWorkerPool:
+    """``num_workers`` reward processes; see the module docstring.
+
+    Args:
+      functions: (name, registering module) per reward function; calls name them by index.
+      plugins: modules each worker imports first (the ``plugins`` config field).
+      num_workers: processes (>= 1).
+      timeout_s: seconds a call may run before its worker is killed (reward 0, "timeout").
+      memory_limit_mb: address-space limit of each worker (0: none).
+    """
+
+    def __init__(self, functions: Sequence[Tuple[str, str]], plugins: Sequence[str] = (),
+                 num_workers: int = 2, timeout_s: float = 5.0, memory_limit_mb: int = 0):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.timeout_s = float(timeout_s)
+        self._ctx = mp.get_context("spawn")
+        self._args = (tuple(plugins), tuple(functions), int(memory_limit_mb))
+        self._workers: List[_Worker] = [_Worker(self._ctx, self._args)
+                                        for _ in range(num_workers)]
+        self._queue: collections.deque = collections.deque()
+        self._next_id = 0
+        self.restarts = 0
+
+    def submit(self, index: int, completion: str, answer: str) -> int:
+        """Queue one call of function ``index``; returns its task id (increasing)."""
+        task_id = self._next_id
+        self._next_id += 1
+        self._queue.append((task_id, index, completion, answer))
+        return task_id
+
+    @property
+    def pending(self) -> int:
+        """Calls queued or running."""
+        return len(self._queue) + sum(w.task is not None for w in self._workers)
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Block until every worker has loaded and warmed up its functions.
+
+        Raises:
+          RewardWorkerError: a worker failed to start (the message has its error).
+        """
+        deadline = time.monotonic() + timeout_s
+        while not all(w.ready for w in self._workers):
+            self.poll(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() > deadline:
+                raise RewardWorkerError(f"reward workers not ready after {timeout_s:.0f} s")
+
+    def poll(self, timeout: float = 0.0) -> List[Result]:
+        """Dispatch queued calls to idle workers; return the results that arrived, waiting
+        at most ``timeout`` seconds for the first one (0: do not wait).
+
+        Raises:
+          RewardWorkerError: a worker could not load the reward functions.
+        """
+        results: List[Result] = []
+        end = time.monotonic() + timeout
+        while True:
+            self._dispatch()
+            now = time.monotonic()
+            busy = [w for w in self._workers if w.task is not None or not w.ready]
+            deadlines = [w.task[1] for w in busy if w.task is not None]
+            wait_s = max(0.0, min([end - now] + [d - now for d in deadlines]))
+            ready = wait_connections([w.conn for w in busy], wait_s) if busy else []
+            if not busy and wait_s > 0 and not results:
+                time.sleep(min(wait_s, 0.01))
+            for i, w in enumerate(list(self._workers)):
+                if w.conn in ready:
+                    results.extend(self._receive(i, w))
+            now = time.monotonic()
+            for i, w in enumerate(list(self._workers)):
+                if w.task is not None and now >= w.task[1]:
+                    results.append((w.task[0], "timeout", f"ran past {self.timeout_s} s"))
+                    self._replace(i)
+                elif not w.ready and now - w.started > STARTUP_TIMEOUT_S:
+                    raise RewardWorkerError(f"a reward worker did not start within "
+                                            f"{STARTUP_TIMEOUT_S:.0f} s")
+            if results or time.monotonic() >= end:
+                self._dispatch()
+                return results
+
+    def close(self) -> None:
+        """Stop the workers (idle ones exit; busy ones are killed)."""
+        for w in self._workers:
+            try:
+                if w.task is None and w.ready:
+                    w.conn.send(None)
+                    w.process.join(timeout=2.0)
+            except Exception:  # noqa: BLE001
+                pass
+            if w.process.is_alive():
+                w.kill()
+        self._workers = []
+
+    # ------------------------------------------------------------------ internals
+    def _dispatch(self) -> None:
+        for w in self._workers:
+            if self._queue and w.ready and w.task is None:
+                task = self._queue.popleft()
+                w.conn.send(task)
+                w.task = (task[0], time.monotonic() + self.timeout_s)
+
+    def _receive(self, i: int, w: _Worker) -> List[Result]:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            code = w.process.exitcode
+            out = []
+            if w.task is not None:
+                out.append((w.task[0], "error", f"reward worker died (exit code {code})"))
+            elif not w.ready:
+                raise RewardWorkerError(f"a reward worker died while starting "
+                                        f"(exit code {code})")
+            self._replace(i)
+            return out
+        if not w.ready:
+            if msg[0] == "failed":
+                raise RewardWorkerError(f"a reward worker could not load the reward "
+                                        f"functions: {msg[1]}")
+            w.ready = True
+            return []
+        w.task = None
+        return [msg]
+
+    def _replace(self, i: int) -> None:
+        self._workers[i].kill()
+        self._workers[i] = _Worker(self._ctx, self._args)
+        self.restarts += 1

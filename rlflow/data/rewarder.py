@@ -1,0 +1,288 @@
+"""The Rewarder: the configured reward functions, weighted, each call bounded.
+
+``total = sum_k weight_k * reward_k`` per sample (``reward.functions`` / ``reward.weights``).
+Each call runs in a reward worker process (:mod:`rlflow.data.reward_workers`) that is killed
+past ``reward.timeout_s`` and limited to ``reward.memory_limit_mb``; a call that raises,
+returns a non-number, times out or runs out of memory scores 0 for that function and sample,
+counted per function (``reward/errors/<name>``, ``reward/timeouts/<name>``) and logged with
+the sample id. ``reward.num_workers = 0`` calls the functions in this process instead, on a
+thread joined with the timeout: for debugging only (a call that holds the GIL or allocates
+without bound is then not stopped).
+
+Two ways to use it:
+
+  * blocking: :meth:`Rewarder.score` / :meth:`Rewarder.score_group` (tests, offline scoring);
+  * overlapped (the sampler): :meth:`Rewarder.submit_group` a finished group, go on decoding,
+    and :meth:`Rewarder.collect` the scored groups on later loop iterations. Groups come back
+    whole and in submission order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from rlflow import plugins as plugins_lib
+from rlflow.data.reward_workers import RewardWorkerPool
+from rlflow.data.rewards import LOG_FIRST_FAILURES, NonFiniteRewardError, get_reward, warm_up
+
+logger = logging.getLogger("rlflow.data.rewards")
+
+
+class RewardTimeout(Exception):
+    """A reward function ran past ``reward.timeout_s`` (internal; counted, reward 0)."""
+
+
+def call_with_timeout(fn: Callable, args: tuple, timeout_s: float):
+    """Run ``fn(*args)`` on a daemon thread and wait at most ``timeout_s`` seconds
+    (``reward.num_workers = 0`` only: a thread cannot be stopped, and code that holds the
+    GIL delays even the wait).
+
+    Raises:
+      RewardTimeout: the call did not return in time.
+      Exception: whatever ``fn`` raised.
+    """
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True, name="rlflow-reward")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(f"no result after {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    """Rewards of N samples.
+
+    Attributes:
+      total: float32 ``[N]``: the weighted sum over functions (NaN/inf where a function
+        returned one).
+      components: function name -> float32 ``[N]`` (unweighted; 0 where it failed).
+      nonfinite: one message per (function, sample) that returned NaN or infinity, naming
+        both; empty when every reward is finite.
+    """
+
+    total: np.ndarray
+    components: Dict[str, np.ndarray]
+    nonfinite: Tuple[str, ...] = ()
+
+
+class _Job:
+    def __init__(self, sample_ids, num_functions):
+        self.sample_ids = list(sample_ids)
+        self.values = np.zeros((num_functions, len(sample_ids)), np.float64)
+        self.remaining = num_functions * len(sample_ids)
+        self.nonfinite: List[str] = []
+
+
+class Rewarder:
+    """The configured reward functions, weighted and bounded (``RewardConfig``).
+
+    Args:
+      reward_cfg: ``RewardConfig`` (functions, weights, timeout_s, num_workers,
+        memory_limit_mb).
+      plugins: modules to import first (the top-level ``plugins`` config field), here and in
+        every worker.
+
+    Attributes:
+      names / weights: the functions and their weights, in config order.
+      failures: name -> {"errors": n, "timeouts": n}: samples that got 0 from that function.
+
+    Raises:
+      KeyError: an unknown function name (lists the registered ones).
+      rlflow.plugins.PluginError: a plugin cannot be imported.
+    """
+
+    def __init__(self, reward_cfg, plugins: Sequence[str] = ()):
+        plugins_lib.import_plugins(plugins)
+        self.names = tuple(reward_cfg.functions)
+        self.weights = tuple(float(w) for w in reward_cfg.weights)
+        self.timeout_s = float(reward_cfg.timeout_s)
+        self._fns = [get_reward(n) for n in self.names]
+        self.failures = {n: {"errors": 0, "timeouts": 0} for n in self.names}
+        self._jobs: "collections.OrderedDict[Hashable, _Job]" = collections.OrderedDict()
+        self._tasks: Dict[int, Tuple[Hashable, int, int]] = {}
+        self._pool: Optional[RewardWorkerPool] = None
+        num_workers = int(getattr(reward_cfg, "num_workers", 0))
+        if num_workers > 0:
+            specs = [(n, fn.__module__ if plugins_lib.importable_elsewhere(fn.__module__)
+                      else "") for n, fn in zip(self.names, self._fns)]
+            self._pool = RewardWorkerPool(
+                specs, plugins=plugins, num_workers=num_workers, timeout_s=self.timeout_s,
+                memory_limit_mb=int(getattr(reward_cfg, "memory_limit_mb", 0)))
+        else:
+            warm_up(self.names)          # first-call imports outside the timed calls
+
+    # ------------------------------------------------------------------ overlapped use
+    def submit(self, key: Hashable, completions: Sequence[str], answers: Sequence[str],
+               sample_ids: Sequence[str]) -> None:
+        """Queue N samples under ``key`` (returned by :meth:`collect` once all are scored).
+
+        Raises:
+          ValueError: the three sequences differ in length, or ``key`` is already pending.
+        """
+        n = len(completions)
+        if len(answers) != n or len(sample_ids) != n:
+            raise ValueError(f"Rewarder.score: got {n} completions, {len(answers)} answers, "
+                             f"{len(sample_ids)} sample ids; expected equal lengths")
+        if key in self._jobs:
+            raise ValueError(f"Rewarder.submit: key {key!r} is already pending")
+        job = self._jobs[key] = _Job(sample_ids, len(self.names))
+        for k, fn in enumerate(self._fns):
+            for i, (c, a) in enumerate(zip(completions, answers)):
+                if self._pool is None:
+                    self._in_process(job, k, i, fn, c, a)
+                else:
+                    self._tasks[self._pool.submit(k, c, a)] = (key, k, i)
+
+    def submit_group(self, key: Hashable, prompt_id: int, completions: Sequence[str],
+                     answer: str) -> None:
+        """Queue one group (G completions of one prompt); ids ``"prompt <id> sample <g>"``."""
+        self.submit(key, completions, [answer] * len(completions), _group_ids(prompt_id,
+                                                                              len(completions)))
+
+    def collect(self, timeout: float = 0.0) -> List[Tuple[Hashable, RewardBatch]]:
+        """The submitted jobs that are fully scored, in submission order (a job waits for
+        every earlier one), each ``(key, RewardBatch)``; waits at most ``timeout`` seconds
+        for results to arrive.
+
+        Raises:
+          rlflow.data.reward_workers.RewardWorkerError: the workers cannot load the functions.
+        """
+        self._pump(timeout)
+        done = []
+        while self._jobs:
+            key, job = next(iter(self._jobs.items()))
+            if job.remaining:
+                break
+            del self._jobs[key]
+            done.append((key, self._batch(job)))
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet collected."""
+        return len(self._jobs)
+
+    # ------------------------------------------------------------------ blocking use
+    def score(self, completions: Sequence[str], answers: Sequence[str],
+              sample_ids: Sequence[str]) -> RewardBatch:
+        """Score N samples and wait for them.
+
+        Args:
+          completions: N decoded completions.
+          answers: N reference answers.
+          sample_ids: N ids used in logs and errors (e.g. ``"prompt 17 sample 3"``).
+
+        Returns:
+          :class:`RewardBatch` (``total`` = sum_k weight_k * reward_k).
+
+        Raises:
+          ValueError: the three sequences differ in length.
+          NonFiniteRewardError: a function returned NaN or infinity (names it and the sample).
+        """
+        key = ("rlflow.score", object())
+        self.submit(key, completions, answers, sample_ids)
+        job = self._jobs[key]
+        while job.remaining:
+            self._pump(0.05)
+        del self._jobs[key]
+        batch = self._batch(job)
+        if batch.nonfinite:
+            raise NonFiniteRewardError(f"{batch.nonfinite[0]}; rewards must be finite numbers")
+        return batch
+
+    def score_group(self, prompt_id: int, completions: Sequence[str], answer: str) -> np.ndarray:
+        """Rewards of one group (G completions of one prompt): float32 ``[G]``.
+
+        Sample ids are ``"prompt <prompt_id> sample <g>"``. Raises as :meth:`score`.
+        """
+        return self.score(completions, [answer] * len(completions),
+                          _group_ids(prompt_id, len(completions))).total
+
+    def metrics(self) -> Dict[str, int]:
+        """Failure counters, flat: ``{"reward/errors/<name>": n, "reward/timeouts/<name>": n}``."""
+        out = {}
+        for name, counts in self.failures.items():
+            for kind, value in counts.items():
+                out[f"reward/{kind}/{name}"] = value
+        return out
+
+    def close(self) -> None:
+        """Stop the reward workers."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _pump(self, timeout: float) -> None:
+        if self._pool is None or not self._tasks:
+            return
+        for task_id, status, value in self._pool.poll(timeout):
+            key, k, i = self._tasks.pop(task_id)
+            job = self._jobs.get(key)
+            if job is not None:
+                self._settle(job, k, i, status, value)
+
+    def _in_process(self, job: _Job, k: int, i: int, fn, completion, answer) -> None:
+        try:
+            value = ("ok", float(call_with_timeout(fn, (completion, answer), self.timeout_s)))
+        except RewardTimeout:
+            value = ("timeout", f"ran past {self.timeout_s} s")
+        except Exception as e:  # noqa: BLE001 - a reward error scores 0, counted
+            value = ("error", f"{type(e).__name__}: {e}")
+        self._settle(job, k, i, *value)
+
+    def _settle(self, job: _Job, k: int, i: int, status: str, value) -> None:
+        name, sample_id = self.names[k], job.sample_ids[i]
+        job.remaining -= 1
+        if status == "ok":
+            job.values[k, i] = value
+            if not math.isfinite(value):
+                job.nonfinite.append(f"reward function {name!r} returned {value} for sample "
+                                     f"{sample_id}")
+        elif status == "timeout":
+            self._failed(name, "timeouts", sample_id, str(value))
+        else:
+            self._failed(name, "errors", sample_id, f"raised {value}")
+
+    def _batch(self, job: _Job) -> RewardBatch:
+        total = np.asarray(self.weights, np.float64) @ job.values if len(self.names) else \
+            np.zeros(job.values.shape[1])
+        return RewardBatch(total=np.asarray(total, np.float32),
+                           components={n: job.values[k].astype(np.float32)
+                                       for k, n in enumerate(self.names)},
+                           nonfinite=tuple(job.nonfinite))
+
+    def _failed(self, name: str, kind: str, sample_id, what: str) -> None:
+        self.failures[name][kind] += 1
+        count = self.failures[name]["errors"] + self.failures[name]["timeouts"]
+        if count <= LOG_FIRST_FAILURES or count % 1000 == 0:
+            logger.warning("reward function %r %s on sample %s: reward 0 (%d failures so far)",
+                           name, what, sample_id, count)
+
+
+def _group_ids(prompt_id: int, g: int) -> List[str]:
+    return [f"prompt {prompt_id} sample {i}" for i in range(g)]

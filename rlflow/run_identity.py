@@ -1,0 +1,191 @@
+"""A run folder belongs to exactly one run.
+
+``runs/<name>/run.json`` (:data:`RUN_FILE`) holds the run's identity, written at its first
+start: ``{"run_id": hex, "created": ISO UTC time, "identity": {...}}`` where ``identity``
+is the part of the config that makes two runs different runs (:data:`IDENTITY_SECTIONS`:
+the model, the data and the reward). Its config.json, checkpoints, metrics, samples,
+TensorBoard events, summary and report never mix two runs:
+
+* ``checkpoint.resume="never"`` on a folder that holds an earlier run's records
+  (:func:`earlier_run_records`) is refused (:class:`RunFolderConflict`, naming the folder and
+  the two ways out: a new ``--name`` / ``--run_dir``, or ``--checkpoint.overwrite true``),
+  or with ``checkpoint.overwrite`` the folder is moved aside to ``<run>.replaced-<UTC>``
+  and the run starts in a clean one.
+* ``checkpoint.resume="auto"`` continues the run in the folder; it is refused when the
+  folder's config differs from the new one in an :data:`IDENTITY_SECTIONS` field (another
+  run's folder). Other differences (``learner.num_steps`` to extend a run, a learning rate)
+  are allowed and listed in the warning returned.
+
+No JAX here (the launcher calls it before starting anything).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+RUN_FILE = "run.json"
+IDENTITY_SECTIONS: tuple[str, ...] = ("model", "data", "reward")
+# Files / folders of a run folder that hold a run's results (config.json, run.json and
+# logs/ alone do not: a start that failed before its first step leaves only those).
+RESULT_ENTRIES: tuple[str, ...] = ("checkpoints", "metrics.jsonl", "samples.jsonl",
+                                   "summary.json", "report", "weights")
+TB_GLOB = "events.out.tfevents.*"
+
+
+class RunFolderConflict(RuntimeError):
+    """The run folder holds another run (message names the folder and the ways out)."""
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """Outcome of :func:`prepare_run_folder`.
+
+    Attributes:
+      run_id: the run's id (new, or read from ``run.json``).
+      moved_to: where an earlier run's folder was moved (``checkpoint.overwrite``), or None.
+      warnings: config differences of a resumed run that do not make it another run.
+    """
+
+    run_id: str
+    moved_to: Optional[str] = None
+    warnings: tuple[str, ...] = ()
+
+
+def earlier_run_records(run_path: str) -> list[str]:
+    """Entries of ``run_path`` that hold a run's results (non-empty ones only), sorted."""
+    found = []
+    for name in RESULT_ENTRIES:
+        path = os.path.join(run_path, name)
+        if os.path.isdir(path) and os.listdir(path):
+            found.append(name + "/")
+        elif os.path.isfile(path) and os.path.getsize(path) > 0:
+            found.append(name)
+    found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_path, TB_GLOB)))
+    return found
+
+
+def identity_of(config: Mapping[str, Any]) -> dict:
+    """The :data:`IDENTITY_SECTIONS` of a config dict (``dataclasses.asdict`` form)."""
+    return {k: config.get(k) for k in IDENTITY_SECTIONS}
+
+
+def config_differences(old: Mapping[str, Any], new: Mapping[str, Any],
+                       prefix: str = "") -> list[str]:
+    """Dotted names of the fields whose values differ between two config dicts, sorted."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_differences(a, b, name + ".")
+        elif (list(a) if isinstance(a, tuple) else a) != (list(b) if isinstance(b, tuple) else b):
+            out.append(name)
+    return out
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def _utc_stamp(now: datetime.datetime) -> str:
+    return now.strftime("%Y%m%dT%H%M%SZ")
+
+
+def check_run_folder(cfg) -> tuple[list[str], list[str]]:
+    """Check, without writing, that ``cfg`` may run in ``cfg.run_path``.
+
+    Returns:
+      (the earlier run's result entries found, warnings of a resumed run's config changes).
+
+    Raises:
+      RunFolderConflict: ``resume="never"`` without ``overwrite`` on a folder holding an
+        earlier run's records, or ``resume="auto"`` on a folder of a run with another
+        model / data / reward (the message names the folder, the fields and the ways out).
+    """
+    from rlflow.secrets import redact_config
+
+    run_path = os.path.abspath(cfg.run_path)
+    records = earlier_run_records(run_path)
+    warnings: list[str] = []
+    if records and cfg.checkpoint.resume == "never":
+        if not cfg.checkpoint.overwrite:
+            raise RunFolderConflict(
+                f"run folder {run_path} holds an earlier run ({', '.join(records)}); "
+                "--checkpoint.resume never will not mix two runs in one folder. Either pick "
+                "a new folder (--name NEW or --run_dir DIR), or add --checkpoint.overwrite "
+                f"true to move the earlier run aside to {run_path}.replaced-<time>")
+    elif records:                                  # resume "auto": the same run continues
+        old_config = _read_json(os.path.join(run_path, "config.json"))
+        if old_config is not None:
+            new_config = redact_config(dataclasses.asdict(cfg))
+            changed = config_differences(identity_of(old_config), identity_of(new_config))
+            if changed:
+                raise RunFolderConflict(
+                    f"run folder {run_path} holds a run with another "
+                    f"{'/'.join(IDENTITY_SECTIONS)} (differs in {', '.join(changed)}); "
+                    "resuming would mix two runs. Either pick a new folder (--name NEW or "
+                    "--run_dir DIR), or start over with --checkpoint.resume never "
+                    "--checkpoint.overwrite true")
+            rest = [d for d in config_differences(old_config, new_config)
+                    if d.split(".")[0] not in IDENTITY_SECTIONS]
+            if rest:
+                warnings.append(f"run folder {run_path}: resuming with config changes in "
+                                f"{', '.join(rest)}")
+    return records, warnings
+
+
+def prepare_run_folder(cfg, *, now: Optional[datetime.datetime] = None) -> PreparedRun:
+    """Make ``cfg.run_path`` this run's folder (:func:`check_run_folder`; with
+    ``resume="never"`` and ``overwrite`` an earlier run is moved aside) and write
+    ``run.json`` at a first start.
+
+    Args:
+      cfg: the resolved ``ExperimentConfig`` (``checkpoint.resume``/``overwrite`` decide).
+      now: current UTC time (tests pass a fixed one).
+
+    Raises:
+      RunFolderConflict: as :func:`check_run_folder`.
+    """
+    from rlflow.secrets import redact_config
+
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    run_path = os.path.abspath(cfg.run_path)
+    records, warnings = check_run_folder(cfg)
+    manifest = _read_json(os.path.join(run_path, RUN_FILE))
+    moved_to = None
+    if records and cfg.checkpoint.resume == "never":        # overwrite (checked above)
+        moved_to = f"{run_path}.replaced-{_utc_stamp(now)}"
+        n = 1
+        while os.path.exists(moved_to):
+            n += 1
+            moved_to = f"{run_path}.replaced-{_utc_stamp(now)}-{n}"
+        os.replace(run_path, moved_to)
+        records, manifest = [], None
+    identity = identity_of(redact_config(dataclasses.asdict(cfg)))
+    if manifest is None or not records:
+        manifest = {"run_id": uuid.uuid4().hex,
+                    "created": now.isoformat(timespec="seconds"), "identity": identity}
+    else:
+        manifest = dict(manifest, identity=identity)
+    os.makedirs(run_path, exist_ok=True)
+    _write_json(os.path.join(run_path, RUN_FILE), manifest)
+    return PreparedRun(run_id=str(manifest["run_id"]), moved_to=moved_to,
+                       warnings=tuple(warnings))

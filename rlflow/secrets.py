@@ -1,0 +1,184 @@
+"""Secrets of a run (the ring-buffer token, and any later credential): where they come from
+and how every writer hides them.
+
+One list, :data:`SECRET_FIELDS`, names the config fields that hold secrets (dotted paths of
+``ExperimentConfig``). Everything that writes a config or text a user may share goes
+through this module:
+
+* :func:`redact_config` replaces each non-empty secret field of a config dict with
+  :data:`REDACTED` (``config.json``, the TensorBoard config text, checkpoint metadata).
+* :func:`install_log_redaction` adds a ``logging`` filter that replaces each secret value
+  found in a log message with :data:`REDACTED` (the programs' logs).
+* :func:`redact_text` does the same for any other text (reports, error messages).
+
+Where the token comes from (:func:`resolve_secrets`, first match wins):
+
+1. ``buffer.token`` set in the config file (not on the command line: ``rlflow train``
+   refuses ``--buffer.token``, since every user of the host sees a process's argv in ``ps``);
+2. the environment variable ``RLFLOW_BUFFER_TOKEN`` (:data:`ENV_BUFFER_TOKEN`);
+3. ``buffer.token_file``: a file that only its owner may read (mode ``0600`` or stricter;
+   any other mode is refused, naming the file and its mode). Its content, stripped of
+   surrounding whitespace, is the token.
+
+The launcher hands the token to its two programs in their environment (never argv); the
+programs' ``config.json`` holds :data:`REDACTED` and :func:`resolve_secrets` puts the value
+back from the environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import stat
+from typing import Any, Iterable, Mapping, Optional
+
+ENV_BUFFER_TOKEN = "RLFLOW_BUFFER_TOKEN"
+REDACTED = "<redacted>"
+# Dotted paths of the ExperimentConfig fields that hold secrets.
+SECRET_FIELDS: tuple[str, ...] = ("buffer.token",)
+# Command-line flags that would put a secret in argv (refused by `rlflow train`).
+SECRET_FLAGS: tuple[str, ...] = tuple("--" + f for f in SECRET_FIELDS)
+
+
+class SecretError(ValueError):
+    """A secret is missing, passed in a visible place, or its file is readable by others."""
+
+
+def _get(data: Mapping[str, Any], path: str) -> Any:
+    node: Any = data
+    for key in path.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def redact_config(data: Mapping[str, Any]) -> dict:
+    """A deep copy of a config dict (``dataclasses.asdict`` of ``ExperimentConfig``) with
+    every non-empty :data:`SECRET_FIELDS` value replaced by :data:`REDACTED`."""
+    out = copy.deepcopy(dict(data))
+    for path in SECRET_FIELDS:
+        *parents, last = path.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if isinstance(node, dict) and node.get(last):
+            node[last] = REDACTED
+    return out
+
+
+def secret_values(cfg_or_dict: Any) -> list[str]:
+    """The non-empty, non-redacted secret values of a config (dataclass or dict)."""
+    data = dataclasses.asdict(cfg_or_dict) if dataclasses.is_dataclass(cfg_or_dict) \
+        else cfg_or_dict
+    values = [_get(data, p) for p in SECRET_FIELDS]
+    return [v for v in values if isinstance(v, str) and v and v != REDACTED]
+
+
+def redact_text(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every occurrence of each secret replaced by :data:`REDACTED`."""
+    for s in sorted({s for s in secrets if s}, key=len, reverse=True):
+        text = text.replace(s, REDACTED)
+    return text
+
+
+class _RedactingFilter(logging.Filter):
+    def __init__(self, secrets: Iterable[str]):
+        super().__init__()
+        self.secrets = [s for s in secrets if s]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secrets:
+            message = record.getMessage()
+            clean = redact_text(message, self.secrets)
+            if clean != message:
+                record.msg, record.args = clean, None
+        return True
+
+
+def install_log_redaction(secrets: Iterable[str],
+                          logger: Optional[logging.Logger] = None) -> None:
+    """Redact ``secrets`` in every record that reaches the handlers of ``logger`` (default:
+    the root logger, i.e. every ``rlflow`` log line; call after ``logging.basicConfig``)."""
+    logger = logger or logging.getLogger()
+    flt = _RedactingFilter(secrets)
+    for handler in logger.handlers:
+        handler.addFilter(flt)
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path`` (whitespace-stripped).
+
+    Raises:
+      SecretError: the file is missing, empty, or readable/writable by group or others
+        (the message names the file and its mode, and the fix ``chmod 600``).
+    """
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SecretError(f"buffer.token_file: cannot read {path} ({e.strerror})") from None
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise SecretError(f"buffer.token_file: {path} has mode {mode:04o}; a secret file must "
+                          f"be readable by its owner only (chmod 600 {path})")
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token:
+        raise SecretError(f"buffer.token_file: {path} is empty")
+    return token
+
+
+def token_source_given(token: str, token_file: str, env: Optional[Mapping[str, str]] = None
+                       ) -> bool:
+    """Whether some source of the buffer token is set (config value, file or environment);
+    used by config validation, which must not read the file itself."""
+    env = os.environ if env is None else env
+    return bool(token) or bool(token_file) or bool(env.get(ENV_BUFFER_TOKEN))
+
+
+def resolve_buffer_token(token: str, token_file: str,
+                         env: Optional[Mapping[str, str]] = None) -> str:
+    """The buffer token from the config value, ``RLFLOW_BUFFER_TOKEN`` or the token file
+    (in that order; a :data:`REDACTED` config value counts as unset). "" when none is set.
+
+    Raises:
+      SecretError: the config holds :data:`REDACTED` and no other source is set (a
+        ``config.json`` copied from a run folder), or the token file is refused.
+    """
+    env = os.environ if env is None else env
+    if token and token != REDACTED:
+        return token
+    if env.get(ENV_BUFFER_TOKEN):
+        return env[ENV_BUFFER_TOKEN]
+    if token_file:
+        return read_token_file(token_file)
+    if token == REDACTED:
+        raise SecretError(f"buffer.token: the config holds {REDACTED} (a config.json from a "
+                          f"run folder); set {ENV_BUFFER_TOKEN} or buffer.token_file")
+    return ""
+
+
+def resolve_secrets(cfg, env: Optional[Mapping[str, str]] = None):
+    """``cfg`` (an ``ExperimentConfig``) with ``buffer.token`` set from its source (see the
+    module docstring). Raises :class:`SecretError` as :func:`resolve_buffer_token`."""
+    b = cfg.buffer
+    token = resolve_buffer_token(b.token, b.token_file, env)
+    if token == b.token:
+        return cfg
+    return dataclasses.replace(cfg, buffer=dataclasses.replace(b, token=token))
+
+
+def refuse_secret_flags(argv: Iterable[str]) -> None:
+    """Raise :class:`SecretError` when ``argv`` passes a secret (``--buffer.token X`` or
+    ``--buffer.token=X``): any user of the host can read a process's argv."""
+    for word in argv:
+        for flag in SECRET_FLAGS + tuple(f.replace("_", "-") for f in SECRET_FLAGS):
+            if word == flag or word.startswith(flag + "="):
+                raise SecretError(
+                    f"{flag} on the command line is visible to every user of this host (ps); "
+                    f"set {ENV_BUFFER_TOKEN} in the environment or pass --buffer.token_file "
+                    "PATH (a file with mode 0600)")

@@ -1,0 +1,164 @@
+"""``rlflow train`` refuses a config it cannot run before any program starts (issue 14,
+items 5 and 6): cross-field constraints, unknown reward names, missing plugins, data files
+and model folders are named by field, with exit code 2 and no run folder."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlflow import cli
+from rlflow import programs_common as pc
+from rlflow.config import ConfigError, ExperimentConfig, RewardConfig
+from rlflow.config_checks import check_runnable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def no_programs(monkeypatch, tmp_path):
+    """rlflow train may not get as far as starting the programs."""
+    import rlflow.launch
+
+    def refuse(cfg):
+        raise AssertionError("rlflow train started the programs")
+
+    monkeypatch.setattr(rlflow.launch, "run_train", refuse)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _train(args, capsys):
+    try:
+        code = cli.main(["train", "--run-dir", "runs"] + args)
+    except SystemExit as e:          # tyro's report of a __post_init__ ConfigError
+        code = e.code
+    out = capsys.readouterr()
+    return code, " ".join((out.out + out.err).split()).replace("│", "")
+
+
+@pytest.mark.parametrize("args, field, detail", [
+    (["--sampler.group-size", "1"], "sampler.group_size", "must be >= 2 with learner.advantage"),
+    (["--sampler.group-size", "1", "--learner.advantage", "rloo"], "sampler.group_size",
+     "'rloo'"),
+    (["--reward.functions", "nope", "--reward.weights", "1.0"], "reward.functions",
+     "unknown reward function 'nope'; registered: ['digits_match'"),
+    (["--reward.functions", "no_such_module:fn", "--reward.weights", "1.0"],
+     "reward.functions", "cannot import module 'no_such_module'"),
+    (["--data.source", "jsonl", "--data.path", "missing/train.jsonl"], "data.path",
+     "no file matches 'missing/train.jsonl'"),
+    (["--data.task", "nope"], "data.task", "unknown built-in task 'nope'"),
+    (["--plugins", "no_such_plugin"], "plugins", "cannot import module 'no_such_plugin'"),
+    (["--model.path", "nowhere"], "model.path", "must be an existing Hugging Face folder"),
+])
+def test_train_refuses_before_starting_anything(no_programs, capsys, args, field, detail):
+    code, text = _train(args, capsys)
+    assert code == 2
+    assert f"{field}:" in text and " ".join(detail.split()) in text, text
+    assert not os.path.exists(no_programs / "runs")
+
+
+def test_model_folder_without_weights_or_tokenizer_is_refused(no_programs, capsys):
+    folder = no_programs / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    code, text = _train(["--model.path", str(folder)], capsys)
+    assert code == 2 and "model.path:" in text and "no *.safetensors" in text, text
+    (folder / "model.safetensors").write_bytes(b"")
+    code, text = _train(["--model.path", str(folder)], capsys)
+    assert code == 2 and "model.path:" in text and "no tokenizer files" in text, text
+
+
+def test_file_data_without_a_model_folder_is_refused(no_programs, capsys):
+    (no_programs / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    code, text = _train(["--data.source", "jsonl", "--data.path", "train.jsonl",
+                         "--model.path", ""], capsys)
+    assert code == 2 and "model.path: required with data.source='jsonl'" in text, text
+
+
+def test_reward_registered_in_the_config_file_is_refused(no_programs, capsys):
+    (no_programs / "cfg.py").write_text(textwrap.dedent("""
+        from rlflow.config import ExperimentConfig, RewardConfig
+        from rlflow.data.rewards import register_reward
+
+        @register_reward("only_in_config_file")
+        def f(completion, answer):
+            return 1.0
+
+        def config():
+            return ExperimentConfig(reward=RewardConfig(functions=("only_in_config_file",)))
+    """))
+    code, text = _train(["--config", "cfg.py"], capsys)
+    assert code == 2 and "reward.functions: 'only_in_config_file' is registered in" in text
+    assert "plugins" in text and "package.module:function" in text
+
+
+USER_MODULE = textwrap.dedent("""
+    from rlflow.data.rewards import register_reward
+
+    @register_reward("user_shout")
+    def shout(completion, answer):
+        return float(completion.isupper())
+
+    def length(completion, answer):
+        return float(len(completion))
+""")
+
+PROGRAM = textwrap.dedent("""
+    import sys
+    from rlflow import programs_common as pc
+    from rlflow.data.rewards import Rewarder
+    cfg = pc.load_config(sys.argv[1])            # what a sampler child does
+    with Rewarder(cfg.reward, plugins=cfg.plugins) as r:
+        print(r.score_group(0, ["AB", "abc"], "x").tolist())
+""")
+
+
+def test_user_reward_module_reaches_a_program_that_rebuilds_the_config_from_json(tmp_path):
+    """A module in the user's folder, listed in ``plugins`` (registered name) and named
+    ``module:function``: check_runnable accepts it, and a fresh interpreter that only reads
+    the resolved config.json (as the sampler does) scores with both, in its workers."""
+    (tmp_path / "user_rewards.py").write_text(USER_MODULE)
+    cfg = ExperimentConfig(plugins=("user_rewards",), reward=RewardConfig(
+        functions=("user_shout", "user_rewards:length"), weights=(10.0, 1.0)))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        check_runnable(cfg)
+    finally:
+        os.chdir(cwd)
+    pc.save_config(cfg, str(tmp_path / "config.json"))
+    assert json.load(open(tmp_path / "config.json"))["plugins"] == ["user_rewards"]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", PROGRAM, "config.json"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[12.0, 3.0]"   # 10*1 + 2, 10*0 + 3
+
+
+def test_check_runnable_accepts_the_shipped_demo_config():
+    check_runnable(ExperimentConfig())
+    with pytest.raises(ConfigError, match=r"^reward.functions: unknown reward function"):
+        check_runnable(ExperimentConfig(reward=RewardConfig(functions=("x",))))
+
+
+def test_group_relative_advantages_need_two_samples_per_group_gae_does_not():
+    from rlflow.config import LearnerConfig, SamplerConfig
+
+    for adv in ("grpo", "drgrpo", "rloo"):
+        with pytest.raises(ConfigError, match=rf"^sampler.group_size: must be >= 2 with "
+                                              rf"learner.advantage='{adv}'"):
+            ExperimentConfig(sampler=SamplerConfig(group_size=1),
+                             learner=LearnerConfig(advantage=adv, groups_per_step=2))
+    cfg = ExperimentConfig(sampler=SamplerConfig(group_size=1),
+                           learner=LearnerConfig(advantage="gae", groups_per_step=2))
+    assert cfg.sampler.group_size == 1
+
+
+@pytest.mark.parametrize("field, value", [("num_workers", -1), ("memory_limit_mb", -5)])
+def test_reward_worker_fields_are_checked(field, value):
+    with pytest.raises(ConfigError, match=rf"^reward.{field}: must be >= 0"):
+        RewardConfig(**{field: value})

@@ -1,0 +1,142 @@
+"""The sampler program's reward path (issue 14, items 1, 4, 5): finished groups are scored
+by reward workers while decoding goes on, delivered whole and in order; a NaN/inf reward
+follows ``learner.on_bad_reward``; a user's reward function named ``file.py:function``
+reaches the program and its workers.
+
+The program is driven through its own ``_score`` / ``_collect`` / ``_status`` methods with
+stand-ins for the engine-side objects (tokenizer, buffer, run control), so no JAX runtime
+is needed; the Rewarder and its worker processes are the real ones.
+"""
+
+import textwrap
+
+import numpy as np
+import pytest
+
+from rlflow.config import ExperimentConfig, LearnerConfig, RewardConfig
+from rlflow.data.rewards import NonFiniteRewardError, Rewarder
+from rlflow.sampler.batching import CompletedGroup, Completion, Request
+from rlflow.runtime_control import ControlReply
+from rlflow.sampler.program import SamplerProgram, _Window
+
+
+class _Tok:
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(chr(t) for t in tokens)
+
+
+class _Buffer:
+    def __init__(self):
+        self.records = []
+
+    def put_groups(self, records):
+        self.records += records
+        return {}
+
+
+class _Control:
+    instance = 0
+
+    def __init__(self):
+        self.metrics = None
+
+    def status(self, **kw):
+        self.metrics, self.dropped = kw["metrics"], kw.get("dropped")
+        return ControlReply()
+
+
+class _Prompts:
+    def get_state(self):
+        return {}
+
+
+@pytest.fixture
+def plugin_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(textwrap.dedent("""
+        def nan_on_bad(completion, answer):
+            return float("nan") if completion == "bad" else float(len(completion))
+    """))
+    return str(path)
+
+
+def _program(plugin_file, on_bad_reward):
+    cfg = ExperimentConfig(
+        reward=RewardConfig(functions=(f"{plugin_file}:nan_on_bad",), weights=(1.0,),
+                            num_workers=2),
+        learner=LearnerConfig(on_bad_reward=on_bad_reward))
+    p = object.__new__(SamplerProgram)
+    p.cfg, p.tokenizer, p.buffer = cfg, _Tok(), _Buffer()
+    p.rewarder = Rewarder(cfg.reward, plugins=cfg.plugins)
+    p.scoring, p.in_flight, p.bad_reward_groups = {}, {}, 0
+    p.dropped_leases, p.groups_delivered = [], 0
+    p.window, p.rejected, p.delivered_since_status = _Window(), 0, 0
+    p.control, p.prompts, p.prompts_started = _Control(), _Prompts(), 0
+    p.swap, p.pause_s, p.version = {}, 0.0, 0
+    return p
+
+
+def _group(prompt_id, texts):
+    req = Request(prompt_id=prompt_id, prompt_tokens=[1, 2], num_samples=len(texts))
+    comps = [Completion(prompt_id, g, np.array([ord(c) for c in t], np.int32),
+                        np.zeros(len(t), np.float32), np.zeros(len(t), np.int32), "stop")
+             for g, t in enumerate(texts)]
+    return CompletedGroup(request=req, prompt_tokens=np.array([1, 2], np.int32),
+                          max_tokens=8, completions=comps)
+
+
+def _admit(p, groups):
+    for g in groups:       # leased prompts (the ledger's keys travel with each group)
+        p.in_flight[id(g.request)] = {"answer": "x", "stream_index": 10 + g.request.prompt_id,
+                                      "lease_id": 100 + g.request.prompt_id}
+    p._score(groups)
+
+
+def _drain(p):
+    while p.scoring:
+        p._collect(0.1)
+
+
+def test_groups_are_scored_off_the_decode_loop_and_delivered_whole_in_order(plugin_file):
+    p = _program(plugin_file, "error")
+    try:
+        groups = [_group(i, ["a" * (i + 1), "b" * (i + 2)]) for i in range(4)]
+        _admit(p, groups)
+        assert len(p.in_flight) == 4            # scoring groups still count for admission
+        _drain(p)
+        assert [int(r["prompt_id"]) for r in p.buffer.records] == [0, 1, 2, 3]
+        for i, rec in enumerate(p.buffer.records):
+            np.testing.assert_array_equal(rec["rewards"], [i + 1, i + 2])
+            assert rec["rewards"].dtype == np.float32
+            assert (int(rec["stream_index"]), int(rec["lease_id"])) == (10 + i, 100 + i)
+        assert p.in_flight == {} and p.delivered_since_status == 4
+    finally:
+        p.rewarder.close()
+
+
+def test_nan_reward_with_drop_drops_the_group_and_counts_it_in_the_status(plugin_file):
+    p = _program(plugin_file, "drop")
+    try:
+        _admit(p, [_group(3, ["ok", "bad"]), _group(4, ["ok", "fine"])])
+        _drain(p)
+        assert [int(r["prompt_id"]) for r in p.buffer.records] == [4]
+        assert p.bad_reward_groups == 1 and p.in_flight == {}
+        p._status()
+        assert p.control.metrics["sampler/dropped_bad_reward_groups"] == 1.0
+        assert p.control.dropped == [[13, 103]]     # the ledger resolves the prompt
+        assert p.dropped_leases == []
+    finally:
+        p.rewarder.close()
+
+
+def test_nan_reward_with_error_stops_naming_function_and_sample(plugin_file):
+    p = _program(plugin_file, "error")
+    try:
+        _admit(p, [_group(3, ["ok", "bad"])])
+        with pytest.raises(NonFiniteRewardError,
+                           match=r"'.*my_rewards.py:nan_on_bad' returned nan for sample "
+                                 r"prompt 3 sample 1"):
+            _drain(p)
+        assert p.buffer.records == []
+    finally:
+        p.rewarder.close()

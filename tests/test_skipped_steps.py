@@ -1,0 +1,318 @@
+"""Issue 14 item 2: a step whose groups leave no sample for the loss is skipped and counted,
+nothing is re-published, the admission budget does not shrink, and too many skips in a row
+stop the run with an error naming the reason and the settings behind it."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+from rlflow.config import (ExperimentConfig, LearnerConfig, ModelConfig, RuntimeConfig,
+                           SamplerConfig)
+from rlflow.learner.batch import BatchSpec, build_batch
+from rlflow.learner.program import LearnerProgram
+from rlflow.learner.skips import (DegenerateStepsError, FilterStreak, SkipCounter,
+                                  skip_reason)
+from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
+from rlflow.runtime_control import groups_to_admit
+from learner_fixtures import make_group_records
+
+G, T, GPS = 4, 5, 2
+MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def config(*, learner=None, runtime=None, temperature=1.0):
+    lc = dict(groups_per_step=GPS, seq_buckets=(16,), num_steps=3,
+              max_consecutive_skipped_steps=3)
+    lc.update(learner or {})
+    return ExperimentConfig(
+        model=MODEL,
+        sampler=SamplerConfig(group_size=G, max_tokens=T, max_prefill_length=8,
+                              prefill_buckets=(8,), temperature=temperature),
+        learner=LearnerConfig(**lc), runtime=RuntimeConfig(**(runtime or {})))
+
+
+def records(seed=0, *, version=0, learner_version=0):
+    return make_group_records(seed, GPS, vocab=64, group_size=G, max_tokens=T,
+                              version=version)
+
+
+def info_of(cfg, recs, learner_version=0):
+    return build_batch(recs, BatchSpec.from_config(cfg), learner_version)[1]
+
+
+# ------------------------------------------------------------------ each degenerate kind
+
+def test_all_masked():
+    cfg = config(learner=dict(mask_truncated=True))
+    recs = records()
+    for r in recs:
+        r["truncated"][:] = True
+    assert skip_reason(info_of(cfg, recs)) == "all_masked"
+    recs[1]["truncated"][2] = False                  # one sample left: the step trains
+    assert skip_reason(info_of(cfg, recs)) is None
+
+
+def test_all_stale():
+    cfg = config(runtime=dict(max_staleness=1, stale_policy="drop"))
+    recs = records(version=0)
+    assert skip_reason(info_of(cfg, recs, learner_version=2)) == "all_stale"
+    assert skip_reason(info_of(cfg, recs, learner_version=1)) is None
+
+
+def test_all_filtered():
+    cfg = config(learner=dict(dynamic_sampling=True))
+    recs = records()
+    for r in recs:
+        r["rewards"][:] = 1.0
+    assert skip_reason(info_of(cfg, recs)) == "all_filtered"
+    recs[0]["rewards"][0] = 0.0
+    assert skip_reason(info_of(cfg, recs)) is None
+
+
+def test_all_bad_reward():
+    cfg = config(learner=dict(on_bad_reward="drop"))
+    recs = records()
+    for i, r in enumerate(recs):
+        r["rewards"][i] = np.nan
+    assert skip_reason(info_of(cfg, recs)) == "all_bad_reward"
+
+
+def test_mixed():
+    """Group 0 all stale, group 1 all truncated and masked: no filter alone covers the step."""
+    cfg = config(learner=dict(mask_truncated=True), runtime=dict(max_staleness=0))
+    recs = records()
+    recs[0]["policy_versions"][recs[0]["policy_versions"] >= 0] = 0
+    recs[1]["policy_versions"][recs[1]["policy_versions"] >= 0] = 1
+    recs[1]["truncated"][:] = True
+    recs[0]["truncated"][:] = False
+    assert skip_reason(info_of(cfg, recs, learner_version=1)) == "mixed"
+
+
+@pytest.mark.parametrize("reason,fields", [
+    ("all_masked", ["sampler.max_tokens=5", "learner.mask_truncated=True",
+                    "sampler.temperature=0"]),
+    ("all_stale", ["runtime.max_staleness=2", "runtime.stale_policy='drop'"]),
+    ("all_filtered", ["learner.dynamic_sampling=True", "sampler.temperature=0"]),
+    ("all_bad_reward", ["learner.on_bad_reward='drop'"]),
+    ("mixed", ["learner.mask_truncated"]),
+])
+def test_counter_stops_after_the_limit_naming_reason_and_fields(reason, fields):
+    counter = SkipCounter(config(temperature=0.0))
+    counter.skipped(reason, 4)
+    counter.trained()                                  # a trained step ends the streak
+    counter.skipped(reason, 5)
+    counter.skipped(reason, 5)
+    with pytest.raises(DegenerateStepsError) as e:
+        counter.skipped(reason, 5)
+    msg = str(e.value)
+    assert "3 steps in a row" in msg and reason in msg
+    assert "learner.max_consecutive_skipped_steps=3" in msg
+    for f in fields:
+        assert f in msg, (f, msg)
+    m = counter.metrics()
+    assert m["learner/skipped_steps"] == 4.0 and m[f"learner/skipped_steps/{reason}"] == 4.0
+
+
+def test_limit_zero_never_stops():
+    counter = SkipCounter(config(learner=dict(max_consecutive_skipped_steps=0)))
+    for _ in range(50):
+        counter.skipped("all_masked", 0)
+    assert counter.metrics()["learner/skipped_steps"] == 50.0
+
+
+def test_filter_streak_bounds_dynamic_sampling_rejections():
+    streak = FilterStreak(config(learner=dict(dynamic_sampling=True), temperature=0.0))
+    for _ in range(3 * GPS - 2):
+        streak.rejected(0)
+    streak.accepted()                                  # one group with signal resets it
+    for _ in range(3 * GPS - 1):
+        streak.rejected(0)
+    with pytest.raises(DegenerateStepsError, match="learner.dynamic_sampling=True"):
+        streak.rejected(0)
+
+
+# ------------------------------------------------------------------ the program's step
+
+class _Buffer:
+    def __init__(self, groups):
+        self.groups = list(groups)
+
+    def get_groups(self, n, *, timeout, accept):
+        out = []
+        while len(out) < n:
+            g = self.groups.pop(0)
+            if accept(g):
+                out.append(g)
+        return out
+
+    def metrics(self):
+        return dict(fill_fraction=0.0, producer_wait_s=0.0, consumer_wait_s=0.0,
+                    dropped_full=0, rejected=0)
+
+
+class _Learner:
+    """build_batch is the real one; step() takes an update (version + 1)."""
+
+    def __init__(self, cfg):
+        self.spec, self.version, self.updates = BatchSpec.from_config(cfg), 0, 0
+        self.params = None
+
+    def build_batch(self, recs):
+        return build_batch(recs, self.spec, self.version)
+
+    def step(self, batch):
+        self.version += 1
+        self.updates += 1
+        return {"learner/skipped": 0.0}
+
+
+class _Publisher:
+    def __init__(self):
+        self.published, self.publish_time = [], {}
+
+    def publish(self, version, params):
+        if self.published and version <= self.published[-1]:
+            raise AssertionError(f"publishing {version} after {self.published[-1]}")
+        self.published.append(version)
+
+
+class _Coordinator:
+    published_version, data_state = 0, None
+
+    def set_progress(self, **kw):
+        pass
+
+    def latest_status(self):
+        return None
+
+    def check_replicas(self):
+        pass
+
+    def live_statuses(self):
+        return {}
+
+    def restarts(self):
+        return {}
+
+
+class _Writer:
+    def __init__(self):
+        self.logged = []
+
+    def log(self, step, metrics):
+        self.logged.append((step, metrics))
+
+    def samples_due(self, step):
+        return False
+
+
+def program(cfg, groups):
+    p = object.__new__(LearnerProgram)
+    p.cfg, p.gps, p.version, p.start_step = cfg, GPS, 0, 0
+    p.learner, p.buffer = _Learner(cfg), _Buffer(groups)
+    p.publisher, p.coordinator, p.writer = _Publisher(), _Coordinator(), _Writer()
+    p.publisher.published.append(0)                  # version 0 went out at start-up
+    p.counts = dict(accepted=0, stale_groups=0, zero_variance_groups=0)
+    p.skips, p.filter_streak = SkipCounter(cfg), FilterStreak(cfg)
+    p.threshold, p._last_buffer = 1.0, p.buffer.metrics()
+    # the prompt ledger: every group is a leased, stored prompt
+    p.ledger = PromptLedger(lambda i: {}, None, groups_per_step=GPS, max_staleness=0,
+                            seed_of=lambda i: i)
+    for g in groups:
+        (e,) = p.ledger.lease("sampler-0", 10**6, 1)
+        g["stream_index"] = np.asarray(e["stream_index"], np.int64)
+        g["lease_id"] = np.asarray(e["lease_id"], np.int64)
+        assert p.ledger.stored((e["stream_index"], e["lease_id"]))
+    p.batch_keys, p.steps_marked, p.prompts_per_epoch, p.prompt_counts = [], 0, 1, {}
+    p.trained_log = TrainedPromptsLog(tempfile.mkdtemp(prefix="rlflow-skips-"), 0)
+    return p
+
+
+def budget(p, k):
+    return groups_to_admit(version=p.version, groups_per_step=GPS, max_staleness=k,
+                           accepted=p.counts["accepted"], buffered=0, in_flight=0)
+
+
+def test_skipped_step_keeps_version_and_budget_then_trains():
+    """The issue's case (every completion truncated, mask_truncated) twice, then a good step:
+    no update and no publish for the skips, the sync-mode budget is a full step's groups
+    again after each skip, and the next step trains and publishes version 1 with the skip
+    counts in its metrics."""
+    cfg = config(learner=dict(mask_truncated=True), runtime=dict(mode="sync",
+                                                                 max_staleness=0))
+    bad = records(1) + records(2)
+    for r in bad:
+        r["truncated"][:] = True
+    good = records(3)
+    p = program(cfg, bad + good)
+    assert budget(p, 0) == GPS
+    for _ in range(2):
+        assert p.step() is None
+        assert p.version == 0 and p.learner.updates == 0 and p.publisher.published == [0]
+        assert p.counts["accepted"] == 0 and budget(p, 0) == GPS      # did not shrink
+    assert p.ledger.metrics()["ledger/dropped"] == 2 * GPS   # the ledger resolved them
+    m = p.step()
+    assert m is not None and p.version == 1 and p.publisher.published == [0, 1]
+    assert m["learner/skipped_steps"] == 2.0 and m["learner/skipped_steps/all_masked"] == 2.0
+    assert p.counts["accepted"] == GPS and p.skips.in_a_row == 0
+    assert p.ledger.metrics()["ledger/trained"] == GPS
+    assert [s for s, _ in p.writer.logged] == [1]
+
+
+def test_run_of_skips_stops_the_program_with_the_reason():
+    cfg = config(learner=dict(mask_truncated=True), temperature=0.0)
+    bad = [r for s in range(5) for r in records(s)]
+    for r in bad:
+        r["truncated"][:] = True
+    p = program(cfg, bad)
+    with pytest.raises(DegenerateStepsError, match=r"3 steps in a row .*all_masked.*"
+                       r"learner\.mask_truncated=True"):
+        p.run()
+    assert p.version == 0 and p.learner.updates == 0 and p.publisher.published == [0]
+
+
+def test_dynamic_sampling_rejections_stop_the_program():
+    cfg = config(learner=dict(dynamic_sampling=True), temperature=0.0)
+    flat = [r for s in range(5) for r in records(s)]
+    for r in flat:
+        r["rewards"][:] = 0.0
+    p = program(cfg, flat)
+    with pytest.raises(DegenerateStepsError, match="no reward variance"):
+        p.step()
+    assert p.counts["zero_variance_groups"] == 3 * GPS and p.counts["accepted"] == 0
+
+
+# ------------------------------------------------------------------ end to end
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_issue_flags_stop_the_run_with_the_reason(tmp_path):
+    """The issue's flags on the demo config, sync budget (max_staleness 0): three skipped
+    steps need three steps' worth of groups while the version stays 0, which the sampler
+    can only make when each skip gives its groups back to the budget."""
+    env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))
+    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
+    base = [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
+    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+                  "--run_dir", str(tmp_path), "--name", "skip", "--metrics.progress", "plain",
+                  "--checkpoint.every_steps", "0", "--buffer.timeout_s", "120",
+                  "--sampler.temperature", "0", "--sampler.max-tokens", "1",
+                  "--learner.mask-truncated", "True", "--learner.num_steps", "4",
+                  "--runtime.max_staleness", "0",
+                  "--learner.max_consecutive_skipped_steps", "3"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "weight versions never go backwards" not in proc.stderr
+    assert "DegenerateStepsError: 3 steps in a row left no sample to train on (all_masked)" \
+        in proc.stderr
+    assert "learner.mask_truncated=True" in proc.stderr
+    log = open(os.path.join(str(tmp_path), "skip", "logs", "learner.log")).read()
+    assert log.count("skipped a step at version 0 (all_masked)") == 3
