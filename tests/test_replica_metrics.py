@@ -4,7 +4,7 @@ import os
 
 from rlflow.report import PLOTS, plot, replica_plots
 from rlflow.runtime.metrics import replica_metrics
-from rlflow.runtime_control import SamplerStatus
+from rlflow.runtime.control import SamplerStatus
 
 
 def _status(name, version, received, **metrics):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rlflow import config as C
-from rlflow import launch
+from rlflow.runtime import launch
 from rlflow import programs_common as pc
 from rlflow.learner.skips import SkipCounter
 from rlflow.run_identity import (RUN_FILE, RunFolderConflict, check_run_folder,

@@ -7,7 +7,7 @@ from rlflow.exchange.records import synthetic_group
 from rlflow.learner.batch import sample_staleness
 from rlflow.runtime.ledger import PromptLedger
 from rlflow.runtime.replicas import ReplicaTable
-from rlflow.runtime_control import ControlClient, RunCoordinator, groups_to_admit
+from rlflow.runtime.control import ControlClient, RunCoordinator, groups_to_admit
 
 
 def oracle_admit(version, gps, k, accepted, buffered, in_flight, n=1):

@@ -16,7 +16,7 @@ import pytest
 from rlflow.config import ExperimentConfig, LearnerConfig, RewardConfig
 from rlflow.data.rewards import NonFiniteRewardError, Rewarder
 from rlflow.sampler.batching import CompletedGroup, Completion, Request
-from rlflow.runtime_control import ControlReply
+from rlflow.runtime.control import ControlReply
 from rlflow.sampler.program import SamplerProgram, _Window
 
 

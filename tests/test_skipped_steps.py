@@ -18,7 +18,7 @@ from rlflow.learner.program import LearnerProgram
 from rlflow.learner.skips import (DegenerateStepsError, FilterStreak, SkipCounter,
                                   skip_reason)
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
-from rlflow.runtime_control import groups_to_admit
+from rlflow.runtime.control import groups_to_admit
 from learner_fixtures import make_group_records
 
 G, T, GPS = 4, 5, 2

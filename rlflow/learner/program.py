@@ -7,12 +7,12 @@ One process (one host of the learner slice on a pod), its own JAX runtime and me
     the prompt ledger (rlflow.runtime.ledger): the prompt stream (rlflow.data.pipeline),
       restored from the checkpoint with the prompts admitted but not yet trained
     serve the ring buffer (rlflow.exchange.buffer) and the coordinator (run control,
-      prompt leases, replica heartbeats, weight offers: rlflow.runtime_control); publish v0
+      prompt leases, replica heartbeats, weight offers: rlflow.runtime.control); publish v0
     for each step:
         take learner.groups_per_step groups from the buffer; a group whose every sample is
           older than runtime.max_staleness versions (stale_policy "drop"), or that has no
           reward variance under learner.dynamic_sampling, is rejected and counted, and the
-          sampler makes a replacement (see rlflow.runtime_control)
+          sampler makes a replacement (see rlflow.runtime.control)
         build the batch; when it has no loss sample (all masked / stale / filtered / bad
           rewards) the step is skipped: counted, nothing trained or published, its groups
           given back to the admission budget (rlflow.learner.skips)
@@ -52,7 +52,7 @@ from rlflow.learner.trainer import Learner
 from rlflow.metrics import MetricsWriter
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
 from rlflow.runtime.replicas import ReplicaTable
-from rlflow.runtime_control import RunCoordinator
+from rlflow.runtime.control import RunCoordinator
 from rlflow.sampler.sampling import derive_seed
 
 log = logging.getLogger("rlflow.learner")
@@ -214,7 +214,7 @@ class LearnerProgram:
             self.batch_keys = []
 
     def _buffer_counts(self) -> tuple[int, int]:
-        buffered = len(self.buffer.ring)          # read before accepted (see runtime_control)
+        buffered = len(self.buffer.ring)          # read before accepted (see rlflow.runtime.control)
         return self.counts["accepted"], buffered
 
     def _publish(self) -> None:

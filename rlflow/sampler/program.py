@@ -8,7 +8,7 @@ processes on one machine), its own JAX runtime, mesh and engine::
     heartbeats to the learner from a background thread (rlflow.runtime.replicas)
     wait for the learner's first published version, load it
     loop:
-        status to the learner's run control (rlflow.runtime_control): figures and the
+        status to the learner's run control (rlflow.runtime.control): figures and the
           number of prompts wanted out; version / done / prompts leased by the learner's
           prompt ledger in (rlflow.runtime.ledger owns the prompt stream and applies one
           staleness budget to all replicas; in sync mode exactly learner.groups_per_step
@@ -48,7 +48,7 @@ from rlflow.exchange.wire import tcp_endpoint
 from rlflow.mesh import make_mesh
 from rlflow.models.hf import build_model
 from rlflow.runtime.replicas import HEARTBEAT_S
-from rlflow.runtime_control import ControlClient
+from rlflow.runtime.control import ControlClient
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.sampling import SamplingParams

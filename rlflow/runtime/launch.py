@@ -3,8 +3,8 @@
 **One machine** (``rlflow train``): :func:`run_train` writes the resolved config to the run
 folder, picks two free loopback ports (ring buffer, weight coordinator), and starts
 
-    python -m rlflow.launch --role learner     (XLA sees learner.num_devices devices)
-    python -m rlflow.launch --role sampler     (XLA sees sampler.num_devices devices)
+    python -m rlflow.runtime.launch --role learner     (XLA sees learner.num_devices devices)
+    python -m rlflow.runtime.launch --role sampler     (XLA sees sampler.num_devices devices)
 
 as separate OS processes, each its own JAX runtime, the sampler ``sampler.num_replicas``
 times (replica ``i`` gets ``RLFLOW_REPLICA=i``; its log is ``logs/sampler-<i>.log``, or
@@ -16,7 +16,7 @@ output goes to ``<run>/logs/<role>.log``; the launcher prints one progress line 
 step (read from the run folder's metrics JSONL).
 
 Re-runs: with ``checkpoint.resume="auto"`` the launcher reads the run folder's newest
-checkpoint step first (:func:`rlflow.run_watch.latest_checkpoint_step`: folder names only,
+checkpoint step first (:func:`rlflow.runtime.run_watch.latest_checkpoint_step`: folder names only,
 no JAX): at or past ``learner.num_steps`` it says the run is already complete and exits 0
 without starting anything or touching the run folder; below it, it prints ``resuming run
 <name> from step N`` and the summary counts the steps run by this invocation
@@ -40,7 +40,7 @@ it a dead replica stays dead and the others carry the run (the learner hands its
 prompts to them, ``rlflow.runtime.ledger``).
 
 **TPU pod** (one learner slice, one or more sampler slices): the Cloud TPU scripts start
-``python -m rlflow.launch --role learner --config <resolved config.json>`` on every host of
+``python -m rlflow.runtime.launch --role learner --config <resolved config.json>`` on every host of
 the learner slice and ``--role sampler`` on every host of every sampler slice (each sampler
 host is one replica, its own JAX program: ``RLFLOW_NUM_PROCESSES=1``,
 ``RLFLOW_REPLICA=<index>``), with these environment variables:
@@ -131,8 +131,8 @@ def run_role(role: str, cfg, endpoints: pc.Endpoints) -> int:
 
 
 def child_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry of ``python -m rlflow.launch --role R --config C``: one program, one process."""
-    ap = argparse.ArgumentParser(prog="python -m rlflow.launch")
+    """Entry of ``python -m rlflow.runtime.launch --role R --config C``: one program, one process."""
+    ap = argparse.ArgumentParser(prog="python -m rlflow.runtime.launch")
     ap.add_argument("--role", choices=pc.ROLES, default=os.environ.get(pc.ENV_ROLE))
     ap.add_argument("--config", default=os.environ.get(pc.ENV_CONFIG),
                     help="resolved config JSON (written by rlflow train)")
@@ -313,7 +313,7 @@ class Supervisor:
             log.write(f"--- rlflow {role} start #{instance} ---\n".encode())
             log.flush()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "rlflow.launch", "--role", role,
+                [sys.executable, "-m", "rlflow.runtime.launch", "--role", role,
                  "--config", self.config_path],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
@@ -371,7 +371,7 @@ def run_train(cfg) -> int:
       1 when a program died (the message on stderr names it and shows its log); 130 on Ctrl-C.
     """
     from rlflow.run_identity import RunFolderConflict, check_run_folder, prepare_run_folder
-    from rlflow.run_watch import RunWatcher, latest_checkpoint_step
+    from rlflow.runtime.run_watch import RunWatcher, latest_checkpoint_step
     from rlflow.secrets import SecretError, resolve_secrets
 
     run_path = os.path.abspath(cfg.run_path)
