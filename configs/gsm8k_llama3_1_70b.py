@@ -17,7 +17,7 @@ activations of one micro-batch (64 prompts x G=8 = 512 rows in 32 micro-batches:
 ``LearnerDoesNotFit`` (a ``ConfigError`` naming ``learner.mesh``) here, before any host
 starts. No reference model (kl_coef 0).
 
-Status: ``rlflow.launch`` does not run multi-host slices yet (docs/tpu.md); the learner's
+Status: ``rlflow.runtime.launch`` does not run multi-host slices yet (docs/tpu.md); the learner's
 multi-host pieces are in :mod:`rlflow.learner.multihost`.
 
 ``model.path``: ``config(model_path=...)``, else ``$RLFLOW_MODEL_PATH``, else

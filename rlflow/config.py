@@ -225,6 +225,10 @@ class SamplerConfig:
         its new prompts in calls of up to C rows, padded to a power of two, so prefill and
         insert compile at most log2(C) + 1 times per bucket (each compile stalls every
         slot); 1 is JetStream's one prompt per prefill.
+      num_replicas: sampler replicas (N >= 1), each an independent sampler program with
+        its own process, devices and engine, all leasing prompts from the learner's prompt
+        ledger. ``rlflow train`` starts N processes of ``num_devices`` devices each; on
+        Cloud TPU each sampler host is one replica (``scripts/tpu --sampler-slices``).
     """
 
     num_slots: int = 16
@@ -241,10 +245,11 @@ class SamplerConfig:
     seed: int = 0
     decode_steps_per_call: int = 1
     max_prefill_batch: int = 4
+    num_replicas: int = 1
 
     def __post_init__(self):
         for name in ("num_slots", "max_prefill_length", "max_tokens", "group_size", "num_devices",
-                     "decode_steps_per_call", "max_prefill_batch"):
+                     "decode_steps_per_call", "max_prefill_batch", "num_replicas"):
             _positive(getattr(self, name), f"sampler.{name}")
         _check(len(self.prefill_buckets) > 0, "sampler.prefill_buckets", "must not be empty")
         _check(list(self.prefill_buckets) == sorted(self.prefill_buckets),
@@ -543,7 +548,18 @@ class RuntimeConfig:
         requires ``buffer.token`` (the run's shared secret).
       coordinator_port: TCP port of the weight coordinator (0: pick a free one).
       weights_keep_last: versions kept in ``<run>/weights`` by the orbax fallback.
-      restart_sampler: restart a dead sampler process instead of stopping the run.
+      restart_sampler: restart a dead sampler replica (up to 3 times each); it pulls the
+        newest weights before it generates a token. Without it a dead replica stays dead
+        and the run goes on with the others (it stops when none is left).
+      relay_fanout: with several sampler replicas and ``weight_transfer="transfer"``, the
+        learner and every replica that holds a version serve it to this many replicas (a
+        relay tree, ``rlflow.exchange.relay``): the learner sends ~fanout x the model's
+        bytes per version whatever the replica count. 0: every replica pulls from the
+        learner (a star).
+      replica_timeout_s: a sampler replica not heard from (heartbeats every second) for
+        this many seconds is dropped: its leased prompts go to the other replicas. The
+        learner stops with ``NoReplicaError`` when no replica has been alive for this long
+        (the first heartbeat of a run may take up to 600 s).
       sampler_sleep: the sampler frees its KV cache whenever it waits (for a new version or
         for admission budget) and allocates a fresh one when it resumes; it keeps generating
         with the last synced weights.
@@ -564,6 +580,8 @@ class RuntimeConfig:
     coordinator_port: int = 0
     weights_keep_last: int = 2
     restart_sampler: bool = False
+    relay_fanout: int = 2
+    replica_timeout_s: float = 60.0
     sampler_sleep: bool = False
     pin_cpus: bool = False
 
@@ -587,6 +605,9 @@ class RuntimeConfig:
         _check(0 <= self.coordinator_port < 65536, "runtime.coordinator_port",
                f"must be in [0, 65535], got {self.coordinator_port}")
         _positive(self.weights_keep_last, "runtime.weights_keep_last")
+        _positive(self.replica_timeout_s, "runtime.replica_timeout_s")
+        _check(self.relay_fanout >= 0, "runtime.relay_fanout",
+               f"must be >= 0, got {self.relay_fanout}")
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@
   file (``config_to_dict`` / ``config_from_dict``: plain types, no pickle).
 * :class:`Endpoints` are the addresses one program needs to reach the other: the learner
   serves the rollout ring buffer and the weight coordinator, the samplers connect to both.
-  They come from environment variables (set by ``rlflow.launch`` on one machine, or by the
-  Cloud TPU scripts on a pod: see ``rlflow/launch.py``).
+  They come from environment variables (set by ``rlflow.runtime.launch`` on one machine, or by the
+  Cloud TPU scripts on a pod: see ``rlflow/runtime/launch.py``).
 * ``install_signal_handlers`` turns SIGTERM (the launcher's stop request) into
   :class:`Stopped`, so a program's ``finally`` blocks close sockets and servers.
 """
@@ -34,7 +34,8 @@ ENV_INSTANCE = "RLFLOW_INSTANCE"              # restart count of this program (0
 ENV_DIST_COORDINATOR = "RLFLOW_JAX_COORDINATOR"  # jax.distributed coordinator of this slice
 ENV_NUM_PROCESSES = "RLFLOW_NUM_PROCESSES"    # hosts in this program's slice
 ENV_PROCESS_ID = "RLFLOW_PROCESS_ID"          # this host's index in its slice
-ENV_PARENT_PID = "RLFLOW_LAUNCHER_PID"        # set by rlflow.launch: die with the launcher
+ENV_REPLICA = "RLFLOW_REPLICA"                # sampler replica index (0..num_replicas-1)
+ENV_PARENT_PID = "RLFLOW_LAUNCHER_PID"        # set by rlflow.runtime.launch: die with the launcher
 ENV_CPUS = "RLFLOW_CPUS"                      # comma-separated CPU ids this program runs on
 ENV_PROFILE = "RLFLOW_PROFILE"                # folder: each program writes <role>.prof (cProfile)
 
@@ -145,7 +146,7 @@ class Endpoints:
         missing = [k for k in (ENV_BUFFER, ENV_COORDINATOR) if not env.get(k)]
         if missing:
             raise KeyError(f"environment variable(s) {missing} must hold host:port addresses "
-                           "(set by rlflow.launch or scripts/tpu)")
+                           "(set by rlflow.runtime.launch or scripts/tpu)")
         return cls(env[ENV_BUFFER], env[ENV_COORDINATOR], int(env.get(ENV_INSTANCE, "0")))
 
     def to_env(self) -> dict[str, str]:

@@ -82,6 +82,25 @@ PLOTS: tuple[PlotSpec, ...] = (
 )
 
 
+def replica_plots(by_step: dict[int, dict[str, float]]) -> tuple[PlotSpec, ...]:
+    """The per-replica plot (tokens/s and policy version of each sampler replica) and the
+    prompt ledger's counts, for runs that logged them (``replica/<i>/*``, ``ledger/*``)."""
+    names = {k for m in by_step.values() for k in m}
+    replicas = sorted({k.split("/")[1] for k in names if k.startswith("replica/")},
+                      key=lambda i: int(i) if i.isdigit() else 0)
+    if not replicas:
+        return ()
+    return (
+        PlotSpec("replicas", "Sampler replicas", (
+            Panel("tokens/s", tuple(f"replica/{i}/tokens_per_s" for i in replicas)),
+            Panel("policy version", tuple(f"replica/{i}/version" for i in replicas)))),
+        PlotSpec("ledger", "Prompt ledger", (
+            Panel("prompts (total)", ("ledger/admitted", "ledger/trained", "ledger/redispatched",
+                                      "ledger/dropped", "ledger/duplicates")),
+            Panel("prompts (now)", ("ledger/in_flight", "ledger/buffered", "ledger/returned")))),
+    )
+
+
 @dataclass(frozen=True)
 class ReportArgs:
     """Render plots and a page for a run folder.
@@ -279,7 +298,7 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
     img_dir = os.path.join(out_dir, "plots")
     os.makedirs(img_dir, exist_ok=True)
     drawn, missing = [], []
-    for spec in PLOTS:
+    for spec in PLOTS + replica_plots(by_step):
         (drawn if plot(spec, by_step, os.path.join(img_dir, f"{spec.name}.png"))
          else missing).append(spec)
     name = (config or {}).get("name") or os.path.basename(os.path.abspath(run_dir))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rlflow import config as C
-from rlflow import launch
+from rlflow.runtime import launch
 from rlflow import programs_common as pc
 
 
@@ -78,7 +78,7 @@ def test_reward_rise_first_and_last_tenth_against_numpy():
 
     import numpy as np
 
-    from rlflow.run_watch import reward_rise
+    from rlflow.runtime.run_watch import reward_rise
 
     rng = np.random.default_rng(0)
     r = rng.random(37)
@@ -95,7 +95,7 @@ def test_reward_rise_first_and_last_tenth_against_numpy():
 def test_run_watcher_reads_only_complete_step_records(tmp_path):
     import io
 
-    from rlflow.run_watch import RunWatcher
+    from rlflow.runtime.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=3),
@@ -119,7 +119,7 @@ def test_run_watcher_reads_only_complete_step_records(tmp_path):
 
 
 def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
-    from rlflow.run_watch import RunWatcher
+    from rlflow.runtime.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=3),

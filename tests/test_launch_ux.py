@@ -10,9 +10,9 @@ import textwrap
 import pytest
 
 from rlflow import config as C
-from rlflow import launch
+from rlflow.runtime import launch
 from rlflow import programs_common as pc
-from rlflow.run_watch import latest_checkpoint_step
+from rlflow.runtime.run_watch import latest_checkpoint_step
 
 
 def _cfg(tmp_path, num_steps, resume="auto"):

@@ -164,7 +164,7 @@ def test_watcher_keeps_showing_counts_from_earlier_records(tmp_path):
     import json
 
     from rlflow import config as C
-    from rlflow.run_watch import RunWatcher
+    from rlflow.runtime.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=2),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rlflow import config as C
-from rlflow import launch
+from rlflow.runtime import launch
 from rlflow import programs_common as pc
 from rlflow.learner.skips import SkipCounter
 from rlflow.run_identity import (RUN_FILE, RunFolderConflict, check_run_folder,
@@ -302,6 +302,17 @@ def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fres
     program._publish = lambda: None
     program._buffer_metrics = lambda: {}
     program._samples = lambda groups: []
+    # the prompt ledger's side (groups without ledger keys: nothing to mark)
+    from types import SimpleNamespace
+
+    from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
+
+    program.ledger = PromptLedger(lambda i: {}, None, groups_per_step=1, max_staleness=0,
+                                  seed_of=lambda i: i, trained_groups=12)
+    program.batch_keys, program.steps_marked, program.prompts_per_epoch = [], 12, 1
+    program.trained_log = TrainedPromptsLog(str(tmp_path), 12)
+    program.prompt_counts, program._sampler_metrics = {}, lambda: {}
+    program.publisher = SimpleNamespace(offers=None)
     previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(pc.Stopped()))
     try:
         with pytest.raises(pc.Stopped):

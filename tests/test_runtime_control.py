@@ -5,8 +5,9 @@ import pytest
 
 from rlflow.exchange.records import synthetic_group
 from rlflow.learner.batch import sample_staleness
-from rlflow.runtime_control import (ControlClient, RunCoordinator, decode_state, encode_state,
-                                    groups_to_admit)
+from rlflow.runtime.ledger import PromptLedger
+from rlflow.runtime.replicas import ReplicaTable
+from rlflow.runtime.control import ControlClient, RunCoordinator, groups_to_admit
 
 
 def oracle_admit(version, gps, k, accepted, buffered, in_flight, n=1):
@@ -89,30 +90,66 @@ def test_status_round_trip_over_loopback():
     coord = RunCoordinator(_Offers(), buffer_counts=lambda: (counts["accepted"],
                                                              counts["buffered"])).start()
     try:
-        coord.data_state = encode_state(b"\x00\x01state")
         coord.set_progress(learner_version=3, published_version=3)
         client = ControlClient(coord.address, consumer_id="s0", instance=0, timeout_s=5)
-        r1 = client.status(version=3, prompts_started=9,
+        r1 = client.status(version=3, prompts_started=9, want=4,
                            metrics={"sampler/tokens_per_s": 12.5})
         assert (r1.learner_version, r1.published_version, r1.accepted, r1.buffered) == \
             (3, 3, 5, 2)
-        assert decode_state(r1.data_state) == b"\x00\x01state"   # first reply carries it
+        assert r1.prompts == []                                   # no ledger: no leases
         assert not r1.done
         st = coord.latest_status()
         assert st.consumer == "s0" and st.prompts_started == 9
         assert st.metrics["sampler/tokens_per_s"] == 12.5
-        r2 = client.status(version=3, prompts_started=10, data_state={"pos": 10})
-        assert r2.data_state is None                              # only on the first request
-        assert coord.data_state == {"pos": 10}                    # the newest reported
         assert not coord.acknowledged_done()
         coord.set_progress(done=True)
         assert not coord.acknowledged_done()
         assert client.status(version=3, prompts_started=10).done
         assert coord.acknowledged_done()
-        # a restarted instance gets the last reported state back
-        again = ControlClient(coord.address, consumer_id="s0", instance=1, timeout_s=5)
-        assert again.status(version=-1, prompts_started=0).data_state == {"pos": 10}
+        assert client.heartbeat()                                 # heartbeats carry "done"
         client.close()
-        again.close()
     finally:
+        coord.close()
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_leases_over_loopback_and_lost_replica_prompts_go_to_another():
+    """Two replicas lease from one ledger under one budget; the first goes silent, the
+    coordinator's watchdog takes its prompts back and the second replica gets them."""
+    clock = _Clock()
+    ledger = PromptLedger(lambda i: {"prompt_id": i, "prompt_tokens": [1, i], "answer": "a"},
+                          None, groups_per_step=2, max_staleness=1, seed_of=lambda i: 100 + i)
+    coord = RunCoordinator(_Offers(), buffer_counts=lambda: (0, 0), ledger=ledger,
+                           replicas=ReplicaTable(5.0, clock()), clock=clock).start()
+    a = ControlClient(coord.address, consumer_id="sampler-0", timeout_s=5)
+    b = ControlClient(coord.address, consumer_id="sampler-1", timeout_s=5)
+    try:
+        ra = a.status(version=0, want=3)
+        assert [p["stream_index"] for p in ra.prompts] == [0, 1, 2]
+        assert ra.prompts[1] == {"stream_index": 1, "lease_id": 2, "seed": 101, "prompt_id": 1,
+                                 "prompt_tokens": [1, 1], "answer": "a"}
+        assert ra.budget == 1                                  # (0 + 1 + 1) * 2 - 3
+        rb = b.status(version=0, want=3)
+        assert [p["stream_index"] for p in rb.prompts] == [3]  # the shared budget
+        clock.t = 4.0
+        b.heartbeat()
+        clock.t = 6.0                                          # sampler-0 silent for 6 s
+        deadline = __import__("time").monotonic() + 10
+        while ledger.metrics()["ledger/returned"] < 3:
+            assert __import__("time").monotonic() < deadline, "the watchdog never ran"
+            __import__("time").sleep(0.05)
+        assert coord.released == 3
+        rb = b.status(version=0, want=5)
+        assert [p["stream_index"] for p in rb.prompts] == [0, 1, 2]   # re-dispatched first
+        assert ledger.metrics()["ledger/redispatched"] == 3
+    finally:
+        a.close()
+        b.close()
         coord.close()

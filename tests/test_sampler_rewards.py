@@ -16,6 +16,7 @@ import pytest
 from rlflow.config import ExperimentConfig, LearnerConfig, RewardConfig
 from rlflow.data.rewards import NonFiniteRewardError, Rewarder
 from rlflow.sampler.batching import CompletedGroup, Completion, Request
+from rlflow.runtime.control import ControlReply
 from rlflow.sampler.program import SamplerProgram, _Window
 
 
@@ -40,8 +41,8 @@ class _Control:
         self.metrics = None
 
     def status(self, **kw):
-        self.metrics = kw["metrics"]
-        return None
+        self.metrics, self.dropped = kw["metrics"], kw.get("dropped")
+        return ControlReply()
 
 
 class _Prompts:
@@ -68,6 +69,7 @@ def _program(plugin_file, on_bad_reward):
     p.cfg, p.tokenizer, p.buffer = cfg, _Tok(), _Buffer()
     p.rewarder = Rewarder(cfg.reward, plugins=cfg.plugins)
     p.scoring, p.in_flight, p.bad_reward_groups = {}, {}, 0
+    p.dropped_leases, p.groups_delivered = [], 0
     p.window, p.rejected, p.delivered_since_status = _Window(), 0, 0
     p.control, p.prompts, p.prompts_started = _Control(), _Prompts(), 0
     p.swap, p.pause_s, p.version = {}, 0.0, 0
@@ -85,8 +87,9 @@ def _group(prompt_id, texts):
 
 
 def _admit(p, groups):
-    for g in groups:
-        p.in_flight[id(g.request)] = {"answer": "x"}
+    for g in groups:       # leased prompts (the ledger's keys travel with each group)
+        p.in_flight[id(g.request)] = {"answer": "x", "stream_index": 10 + g.request.prompt_id,
+                                      "lease_id": 100 + g.request.prompt_id}
     p._score(groups)
 
 
@@ -106,6 +109,7 @@ def test_groups_are_scored_off_the_decode_loop_and_delivered_whole_in_order(plug
         for i, rec in enumerate(p.buffer.records):
             np.testing.assert_array_equal(rec["rewards"], [i + 1, i + 2])
             assert rec["rewards"].dtype == np.float32
+            assert (int(rec["stream_index"]), int(rec["lease_id"])) == (10 + i, 100 + i)
         assert p.in_flight == {} and p.delivered_since_status == 4
     finally:
         p.rewarder.close()
@@ -120,6 +124,8 @@ def test_nan_reward_with_drop_drops_the_group_and_counts_it_in_the_status(plugin
         assert p.bad_reward_groups == 1 and p.in_flight == {}
         p._status()
         assert p.control.metrics["sampler/dropped_bad_reward_groups"] == 1.0
+        assert p.control.dropped == [[13, 103]]     # the ledger resolves the prompt
+        assert p.dropped_leases == []
     finally:
         p.rewarder.close()
 

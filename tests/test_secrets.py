@@ -12,7 +12,7 @@ import pytest
 
 from rlflow import cli
 from rlflow import config as C
-from rlflow import launch
+from rlflow.runtime import launch
 from rlflow import programs_common as pc
 from rlflow.metrics import MetricsWriter
 from rlflow.secrets import (ENV_BUFFER_TOKEN, REDACTED, SecretError, install_log_redaction,

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from rlflow.learner.batch import BatchSpec, build_batch
 from rlflow.learner.program import LearnerProgram
 from rlflow.learner.skips import (DegenerateStepsError, FilterStreak, SkipCounter,
                                   skip_reason)
-from rlflow.runtime_control import groups_to_admit
+from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
+from rlflow.runtime.control import groups_to_admit
 from learner_fixtures import make_group_records
 
 G, T, GPS = 4, 5, 2
@@ -189,6 +191,15 @@ class _Coordinator:
     def latest_status(self):
         return None
 
+    def check_replicas(self):
+        pass
+
+    def live_statuses(self):
+        return {}
+
+    def restarts(self):
+        return {}
+
 
 class _Writer:
     def __init__(self):
@@ -210,6 +221,16 @@ def program(cfg, groups):
     p.counts = dict(accepted=0, stale_groups=0, zero_variance_groups=0)
     p.skips, p.filter_streak = SkipCounter(cfg), FilterStreak(cfg)
     p.threshold, p._last_buffer = 1.0, p.buffer.metrics()
+    # the prompt ledger: every group is a leased, stored prompt
+    p.ledger = PromptLedger(lambda i: {}, None, groups_per_step=GPS, max_staleness=0,
+                            seed_of=lambda i: i)
+    for g in groups:
+        (e,) = p.ledger.lease("sampler-0", 10**6, 1)
+        g["stream_index"] = np.asarray(e["stream_index"], np.int64)
+        g["lease_id"] = np.asarray(e["lease_id"], np.int64)
+        assert p.ledger.stored((e["stream_index"], e["lease_id"]))
+    p.batch_keys, p.steps_marked, p.prompts_per_epoch, p.prompt_counts = [], 0, 1, {}
+    p.trained_log = TrainedPromptsLog(tempfile.mkdtemp(prefix="rlflow-skips-"), 0)
     return p
 
 
@@ -235,10 +256,12 @@ def test_skipped_step_keeps_version_and_budget_then_trains():
         assert p.step() is None
         assert p.version == 0 and p.learner.updates == 0 and p.publisher.published == [0]
         assert p.counts["accepted"] == 0 and budget(p, 0) == GPS      # did not shrink
+    assert p.ledger.metrics()["ledger/dropped"] == 2 * GPS   # the ledger resolved them
     m = p.step()
     assert m is not None and p.version == 1 and p.publisher.published == [0, 1]
     assert m["learner/skipped_steps"] == 2.0 and m["learner/skipped_steps/all_masked"] == 2.0
     assert p.counts["accepted"] == GPS and p.skips.in_a_row == 0
+    assert p.ledger.metrics()["ledger/trained"] == GPS
     assert [s for s, _ in p.writer.logged] == [1]
 
 

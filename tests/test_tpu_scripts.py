@@ -130,20 +130,58 @@ def test_start_runs_each_program_on_every_host_of_its_slice():
     assert [c[5] for c in cmds] == ["exp7-learner", "exp7-sampler"]   # learner first
     for cmd, role in zip(cmds, ("learner", "sampler")):
         assert cmd[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
-        assert flag(cmd, "--worker") == "all" and flag(cmd, "--project") == "my-proj"
+        # the learner slice as one program; each sampler host as one replica
+        assert flag(cmd, "--worker") == ("all" if role == "learner" else "0")
+        assert flag(cmd, "--project") == "my-proj"
         words = _remote_words(cmd)
         assert words[0] == "env"
         env = dict(w.split("=", 1) for w in words[1:words.index("bash")])
-        assert env == {"RLFLOW_BUFFER_ADDRESS": "10.0.0.7:6000",
-                       "RLFLOW_COORDINATOR_ADDRESS": "10.0.0.7:6001",
-                       "RLFLOW_JAX_PORT": "9000", "RLFLOW_MODEL_PATH": "/mnt/qwen"}
+        want = {"RLFLOW_BUFFER_ADDRESS": "10.0.0.7:6000",
+                "RLFLOW_COORDINATOR_ADDRESS": "10.0.0.7:6001",
+                "RLFLOW_JAX_PORT": "9000", "RLFLOW_MODEL_PATH": "/mnt/qwen"}
+        if role == "sampler":
+            want["RLFLOW_REPLICA"] = "0"
+        assert env == want
         rest = words[words.index("bash") + 1:]
         assert rest[0] == "$HOME/rlflow/scripts/tpu/host_run.sh" and rest[1:3] == ["start", role]
         train = rest[3:]
         assert train == ["--config", "configs/gsm8k_qwen2_5_7b.py",
                          "--buffer.bind_address", "10.0.0.7", "--buffer.port", "6000",
                          "--run_dir", "gs://bkt/runs",
-                         "--learner.lr", "1e-6", "--name", "a b"]
+                         "--learner.lr", "1e-6", "--name", "a b",
+                         "--sampler.num_replicas", "1"]
+
+
+@pytest.mark.parametrize("typ,hosts", [("v5litepod-16", 4), ("v6e-16", 4), ("v5litepod-8", 1),
+                                       ("v5p-16", 2)])
+def test_sampler_slices_one_replica_per_host(typ, hosts):
+    """--sampler-slices 2 of a multi-host type: one queued resource per slice, one start
+    command per sampler host with its replica index, num_replicas = slices x hosts."""
+    cmds, _, _ = dry("create.sh", *BASE, "--no-wait", "--sampler-slices", "2",
+                     "--sampler-type", typ)
+    assert [c[5] for c in cmds] == ["exp7-learner-qr", "exp7-sampler-0-qr", "exp7-sampler-1-qr"]
+    assert [flag(c, "--accelerator-type") for c in cmds[1:]] == [typ, typ]
+    cmds, notes, _ = dry("start.sh", *BASE, "--learner-ip", "10.0.0.7",
+                         "--sampler-slices", "2", "--sampler-type", typ)
+    scps, cmds = [c for c in cmds if c[4] == "scp"], [c for c in cmds if c[4] == "ssh"]
+    assert [c[6].split(":")[0] for c in scps] == ["exp7-learner", "exp7-sampler-0",
+                                                  "exp7-sampler-1"]
+    assert flag(cmds[0], "--worker") == "all" and cmds[0][5] == "exp7-learner"
+    samplers = cmds[1:]
+    assert len(samplers) == 2 * hosts
+    seen = []
+    for cmd in samplers:
+        words = _remote_words(cmd)
+        env = dict(w.split("=", 1) for w in words[1:words.index("bash")])
+        seen.append((cmd[5], flag(cmd, "--worker"), env["RLFLOW_REPLICA"]))
+        rest = words[words.index("bash") + 1:]
+        assert rest[1:3] == ["start", "sampler"]
+        assert rest[-2:] == ["--sampler.num_replicas", str(2 * hosts)]
+    assert seen == [(f"exp7-sampler-{s}", str(w), str(s * hosts + w))
+                    for s in range(2) for w in range(hosts)]
+    assert any(f"{2 * hosts} replicas" in n for n in notes)
+    cmds, _, _ = dry("stop.sh", *BASE, "--sampler-slices", "2")
+    assert [c[5] for c in cmds] == ["exp7-sampler-0", "exp7-sampler-1", "exp7-learner"]
 
 
 def test_start_without_learner_ip_prints_the_lookup_and_a_token():
@@ -184,7 +222,8 @@ def test_up_prints_create_install_start_in_order():
     cmds, _, _ = dry("up.sh", *BASE, "--learner-ip", "10.1.1.1", token="t")
     kinds = [" ".join(c[2:5]) if c[0] == "gcloud" else c[0] for c in cmds]
     assert kinds == ["tpus queued-resources create"] * 2 + ["tpus queued-resources describe"] * 2 \
-        + ["git"] + ["tpus tpu-vm scp", "tpus tpu-vm ssh"] * 4
+        + ["git"] + ["tpus tpu-vm scp", "tpus tpu-vm ssh"] * 2 \
+        + ["tpus tpu-vm scp"] * 2 + ["tpus tpu-vm ssh"] * 2    # start: token files, programs
 
 
 @pytest.mark.parametrize("args,message", [
@@ -269,7 +308,7 @@ def _host_env(tmp_path, url, **extra):
 ])
 def test_host_env_comes_from_this_slice_metadata(tmp_path, metadata_server, endpoints):
     _Metadata.values = {"worker-network-endpoints": endpoints, "agent-worker-number": "2"}
-    proc = subprocess.run(["bash", os.path.join(TPU, "host_run.sh"), "env", "sampler"],
+    proc = subprocess.run(["bash", os.path.join(TPU, "host_run.sh"), "env", "learner"],
                           env=_host_env(tmp_path, metadata_server, RLFLOW_JAX_PORT="9000",
                                         RLFLOW_BUFFER_TOKEN="tok-in-env"),
                           capture_output=True, text=True, timeout=60)
@@ -279,6 +318,14 @@ def test_host_env_comes_from_this_slice_metadata(tmp_path, metadata_server, endp
     assert env["RLFLOW_JAX_COORDINATOR"] == "10.0.0.2:9000"
     assert env["RLFLOW_NUM_PROCESSES"] == "4" and env["RLFLOW_PROCESS_ID"] == "2"
     assert env["RLFLOW_BUFFER_ADDRESS"] == "10.0.0.2:5555"
+    # a sampler host of the same multi-host slice is one replica: its own JAX program
+    proc = subprocess.run(["bash", os.path.join(TPU, "host_run.sh"), "env", "sampler"],
+                          env=_host_env(tmp_path, metadata_server, RLFLOW_REPLICA="6"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    env = dict(ln.split("=", 1) for ln in proc.stdout.splitlines())
+    assert env["RLFLOW_NUM_PROCESSES"] == "1" and env["RLFLOW_PROCESS_ID"] == "0"
+    assert env["RLFLOW_REPLICA"] == "6" and "RLFLOW_JAX_COORDINATOR" not in env
 
 
 def test_host_run_refuses_missing_addresses_and_bad_roles(tmp_path, metadata_server):
@@ -333,10 +380,10 @@ def test_host_run_start_then_stop(tmp_path, metadata_server):
     # the token is read from its file (made owner-only), never passed on a command line
     assert oct(token_file.stat().st_mode & 0o777) == oct(0o600)
     assert "tok-3b1f-secret" not in resolve.read_text()
-    # 2) the program: python -m rlflow.launch with its role, config and this slice's env
+    # 2) the program: python -m rlflow.runtime.launch with its role, config and this slice's env
     launch_env = launch.read_text()
     assert "tok-3b1f-secret" not in launch_env
-    assert f"ARGS -m rlflow.launch --role learner --config {config_json}" in launch_env
+    assert f"ARGS -m rlflow.runtime.launch --role learner --config {config_json}" in launch_env
     for line in ("RLFLOW_ROLE=learner", f"RLFLOW_CONFIG={config_json}",
                  "RLFLOW_JAX_COORDINATOR=10.0.0.2:8476", "RLFLOW_NUM_PROCESSES=2",
                  "RLFLOW_PROCESS_ID=1", "RLFLOW_BUFFER_ADDRESS=10.0.0.2:5555"):

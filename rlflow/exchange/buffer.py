@@ -68,16 +68,25 @@ class BufferServer(wire.RouterService):
         :class:`rlflow.exchange.wire.RouterService`).
       group_size: the ``G`` every record must have (None: any).
       max_tokens: upper bound on a record's ``T`` (None: any).
+      on_arrival: ``group -> bool`` called on the serving thread for each valid group before
+        it is queued; False discards it (counted in ``duplicates``, answered as accepted:
+        the prompt ledger's way to refuse a lost replica's late group).
+      on_discard: ``group -> None`` for a queued group that never entered the ring (its put
+        timed out or the buffer closed).
 
     Raises:
       ValueError: a non-loopback ``bind_address`` without a token.
     """
 
     def __init__(self, ring: RingBuffer, *, bind_address: str = "127.0.0.1", port: int = 0,
-                 token: str = "", group_size: int | None = None, max_tokens: int | None = None):
+                 token: str = "", group_size: int | None = None, max_tokens: int | None = None,
+                 on_arrival: Callable[[Group], bool] | None = None,
+                 on_discard: Callable[[Group], None] | None = None):
         super().__init__(bind_address=bind_address, port=port, token=token, name="buffer server")
         self.ring, self.group_size, self.max_tokens = ring, group_size, max_tokens
+        self.on_arrival, self.on_discard = on_arrival, on_discard
         self._pending: collections.deque[_Pending] = collections.deque()
+        self.duplicates = 0
         self.rejected = 0
         self.last_rejection = ""
 
@@ -100,7 +109,7 @@ class BufferServer(wire.RouterService):
 
     def metrics(self) -> dict:
         out = self.ring.metrics()
-        out.update(rejected=self.rejected, refused=self.refused,
+        out.update(rejected=self.rejected, refused=self.refused, duplicates=self.duplicates,
                    last_rejection=self.last_rejection, pending_puts=len(self._pending))
         return out
 
@@ -141,6 +150,19 @@ class BufferServer(wire.RouterService):
         records.validate_group(group, group_size=self.group_size, max_tokens=self.max_tokens)
         return group, records.group_nbytes(group)
 
+    def _arrived(self, items) -> collections.deque:
+        """``items`` less the groups ``on_arrival`` refuses (counted)."""
+        if self.on_arrival is None:
+            return items
+        kept = collections.deque(it for it in items if self.on_arrival(it[0]))
+        self.duplicates += len(items) - len(kept)
+        return kept
+
+    def _discard(self, items) -> None:
+        if self.on_discard is not None:
+            for group, _ in items:
+                self.on_discard(group)
+
     def _put(self, identity, rid, payload):
         meta = None
         try:
@@ -148,7 +170,8 @@ class BufferServer(wire.RouterService):
             item = self._decode(payload[1:])
         except (records.RecordError, records.FrameError, wire.ProtocolError) as e:
             return REJECTED, [wire.dumps(self._reject(meta, e).to_dict())]
-        return self._enqueue(identity, rid, collections.deque([item]), timeout, None)
+        return self._enqueue(identity, rid, self._arrived(collections.deque([item])), timeout,
+                             None)
 
     def _put_many(self, identity, rid, payload):
         meta = None
@@ -170,7 +193,7 @@ class BufferServer(wire.RouterService):
                 rejected.append(dict(index=index, **self._reject(meta, e, index).to_dict()))
             start += count
         report = {"accepted": len(items), "rejected": rejected}
-        return self._enqueue(identity, rid, items, timeout, report)
+        return self._enqueue(identity, rid, self._arrived(items), timeout, report)
 
     def _enqueue(self, identity, rid, items, timeout, report):
         """Put ``items`` into the ring in order; reply now when all fit, else hold the rest."""
@@ -178,6 +201,7 @@ class BufferServer(wire.RouterService):
             while not self._pending and items and self.ring.try_put(*items[0]):
                 items.popleft()
         except BufferClosedError:
+            self._discard(items)
             return CLOSED, [b"the buffer is closed"]
         if not items:
             return wire.OK, [] if report is None else [wire.dumps(report)]
@@ -210,11 +234,13 @@ class BufferServer(wire.RouterService):
                            [] if p.report is None else [wire.dumps(p.report)])
         except BufferClosedError:
             for p in self._pending:
+                self._discard(p.groups)
                 self.reply(p.identity, p.rid, CLOSED, [b"the buffer is closed"])
             self._pending.clear()
         keep = collections.deque()
         for p in self._pending:
             if p.deadline <= now:
+                self._discard(p.groups)
                 self.ring.add_producer_wait(now - p.arrived)
                 err = self.ring.producer_timeout(now - p.arrived)
                 extra = [] if p.report is None else [

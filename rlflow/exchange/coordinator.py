@@ -20,6 +20,7 @@ from typing import Protocol
 from rlflow.exchange import wire
 
 LATEST = b"latest"
+RELAY = b"relay"
 
 
 class OfferSource(Protocol):
@@ -44,14 +45,26 @@ class Coordinator(wire.RouterService):
         self.requests = 0
 
     def handle(self, identity, rid, kind, payload):
+        if kind == RELAY and payload and hasattr(self.publisher, "register"):
+            try:
+                req = wire.loads(payload[0])
+                ok = self.publisher.register(
+                    str(req["consumer"]), int(req["version"]), str(req["address"]),
+                    int(req["transports"]), [int(u) for u in req["uuids"]])
+            except (wire.ProtocolError, KeyError, TypeError, ValueError):
+                return wire.BAD_REQUEST, [b"expected {consumer, version, address, ...}"]
+            return wire.OK, [wire.dumps({"registered": bool(ok)})]
         if kind != LATEST or not payload:
             return wire.BAD_REQUEST, [b"expected a 'latest' request"]
         try:
             req = wire.loads(payload[0])
             consumer, have = str(req["consumer"]), int(req["have_version"])
+            failed = req.get("failed")
         except (wire.ProtocolError, KeyError, TypeError, ValueError):
             return wire.BAD_REQUEST, [b"expected {consumer, have_version}"]
         self.requests += 1
+        if failed and hasattr(self.publisher, "register"):   # a relay-aware offer source
+            return wire.OK, [wire.dumps(self.publisher.offer(consumer, have, failed=str(failed)))]
         return wire.OK, [wire.dumps(self.publisher.offer(consumer, have))]
 
 
@@ -70,17 +83,26 @@ class CoordinatorClient:
         self.consumer_id, self.timeout_s = consumer_id, timeout_s
         self._req = wire.Requester(address, token=token, name="weight coordinator")
 
-    def latest(self, have_version: int) -> dict:
+    def latest(self, have_version: int, failed: str | None = None) -> dict:
         """The coordinator's answer: ``{"version": v}`` or an offer (see module doc).
+        ``failed``: the address of a source whose pull just failed (relay trees).
 
         Raises:
           wire.PeerTimeoutError: the coordinator (learner process) did not answer in time.
           wire.PeerRefusedError: wrong or missing token.
         """
-        _, rest = self._req.request(
-            LATEST, [wire.dumps({"consumer": self.consumer_id, "have_version": have_version})],
-            timeout_s=self.timeout_s)
+        body = {"consumer": self.consumer_id, "have_version": have_version}
+        if failed:
+            body["failed"] = failed
+        _, rest = self._req.request(LATEST, [wire.dumps(body)], timeout_s=self.timeout_s)
         return wire.loads(rest[0])
+
+    def register(self, *, version: int, address: str, transports: int, uuids: list) -> bool:
+        """Relay: this consumer awaits one pull per uuid of ``version`` on ``address``."""
+        body = {"consumer": self.consumer_id, "version": version, "address": address,
+                "transports": transports, "uuids": uuids}
+        _, rest = self._req.request(RELAY, [wire.dumps(body)], timeout_s=self.timeout_s)
+        return bool(wire.loads(rest[0]).get("registered"))
 
     def close(self) -> None:
         self._req.close()

@@ -14,7 +14,13 @@ behaviour_logprobs    float32  [G, T]    logprob each token was sampled with (0 
 policy_versions       int32    [G, T]    version that produced each token (-1 on padding)
 rewards               float32  [G]       scalar reward per completion
 truncated             bool     [G]       cut by ``max_tokens`` (no EOS)
+stream_index          int64    []        optional: the prompt's position in the prompt stream
+lease_id              int64    []        optional (with stream_index): the prompt ledger's lease
 ====================  =======  ========  ===============================================
+
+``stream_index`` and ``lease_id`` (:data:`OPTIONAL_SCHEMA`) come with every group of the
+runtime's samplers: the learner's prompt ledger (``rlflow.runtime.ledger``) follows each
+leased prompt by them.
 
 Framing (any dict of named arrays, not only groups). As ZeroMQ frames
 (:func:`encode_frames`): frame 0 is a UTF-8 JSON header
@@ -55,6 +61,12 @@ GROUP_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
     "policy_versions": ("int32", ("G", "T")),
     "rewards": ("float32", ("G",)),
     "truncated": ("bool", ("G",)),
+}
+
+# optional fields: checked like the others when present
+OPTIONAL_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
+    "stream_index": ("int64", ()),
+    "lease_id": ("int64", ()),
 }
 
 
@@ -108,16 +120,17 @@ def validate_group(group: Mapping[str, np.ndarray], *, group_size: int | None = 
     if not isinstance(group, Mapping):
         raise RecordError("", "a mapping of field name -> numpy array", type(group).__name__)
     missing = [k for k in GROUP_SCHEMA if k not in group]
-    extra = [k for k in group if k not in GROUP_SCHEMA]
+    extra = [k for k in group if k not in GROUP_SCHEMA and k not in OPTIONAL_SCHEMA]
     if missing:
         raise RecordError(missing[0], "field present", f"missing (all missing: {missing})")
     if extra:
-        raise RecordError(str(extra[0]), f"only the fields {list(GROUP_SCHEMA)}",
-                          f"unknown field(s) {extra}")
+        raise RecordError(str(extra[0]), f"only the fields {list(GROUP_SCHEMA)} (and "
+                          f"optionally {list(OPTIONAL_SCHEMA)})", f"unknown field(s) {extra}")
     dims: dict[str, int] = {}
     if group_size is not None:
         dims["G"] = int(group_size)
-    for name, (dtype, symbols) in GROUP_SCHEMA.items():
+    schema = dict(GROUP_SCHEMA, **{k: v for k, v in OPTIONAL_SCHEMA.items() if k in group})
+    for name, (dtype, symbols) in schema.items():
         arr = group[name]
         if not isinstance(arr, np.ndarray):
             raise RecordError(name, f"numpy array of {dtype}",

@@ -110,6 +110,8 @@ class WeightPublisher:
         self._current: tuple[int, list, dict] | None = None
         self.version = -1
         self.offers = 0
+        self.nbytes = 0             # bytes of the newest version (one pull sends them)
+        self.layout_desc: dict | None = None
 
     def publish(self, version: int, params) -> None:
         """Make ``params`` (pytree of ``jax.Array``) the newest version.
@@ -132,6 +134,8 @@ class WeightPublisher:
         with self._lock:
             self._current = (version, leaves, desc)
             self.version = version
+            self.nbytes = int(sum(x.nbytes for x in leaves))
+            self.layout_desc = desc
 
     def offer(self, consumer: str, have_version: int) -> dict:
         """Register one pull of the newest version for ``consumer`` (called by the
@@ -163,15 +167,23 @@ class WeightSubscriber:
       retries: extra attempts (each with a fresh offer/uuid) after a failed pull.
       bind_address: host of this process's own transfer server (used to connect).
       devices: local devices to pull onto (default ``jax.local_devices()``).
+      relay_fanout: after each pull, serve the pulled version to this many other
+        replicas (``rlflow.exchange.relay``); 0: no relaying.
+      relay_timeout_s: seconds the relay keeps a version for its children's pulls.
     """
 
     def __init__(self, coordinator_address: str, *, consumer_id: str, token: str = "",
                  target=None, timeout_s: float = 120.0, retries: int = 2,
                  bind_address: str = "127.0.0.1", devices: Sequence[jax.Device] | None = None,
-                 request_timeout_s: float = 30.0):
+                 request_timeout_s: float = 30.0, relay_fanout: int = 0,
+                 relay_timeout_s: float = 120.0):
         self.target, self.timeout_s, self.retries = target, timeout_s, retries
+        self.relay_fanout, self.relay_timeout_s = relay_fanout, relay_timeout_s
         self._devices = list(jax.local_devices() if devices is None else devices)
         self._bind_address = bind_address
+        wildcard = bind_address in ("0.0.0.0", "::", "[::]", "*")
+        self._advertise = socket.gethostbyname(socket.gethostname()) if wildcard else \
+            bind_address
         self._server, self.transports = None, 0  # started at the first pull (_connect)
         self._coord = CoordinatorClient(coordinator_address, consumer_id=consumer_id,
                                         token=token, timeout_s=request_timeout_s)
@@ -195,8 +207,9 @@ class WeightSubscriber:
           wire.PeerTimeoutError / wire.PeerRefusedError: from the coordinator.
         """
         last: BaseException | None = None
+        failed = None
         for attempt in range(self.retries + 1):
-            offer = self._coord.latest(self.version)
+            offer = self._coord.latest(self.version, failed=failed)
             if "uuid" not in offer or offer["version"] <= self.version:
                 return None
             try:
@@ -216,6 +229,7 @@ class WeightSubscriber:
                 break
             except (WeightTransferTimeout, jax.errors.JaxRuntimeError) as e:
                 last = e
+                failed = offer["address"]      # the coordinator strikes that source off
                 self.metrics["failed_pulls"] += 1
                 self._connections.pop(offer["address"], None)
                 log.warning("weights: pull attempt %d/%d failed: %s", attempt + 1,
@@ -232,7 +246,29 @@ class WeightSubscriber:
         # the re-layout left after the last byte arrived (the rest overlapped the transfer)
         self.metrics["last_relayout_s"] = time.perf_counter() - t0
         self.version = offer["version"]
+        if self.relay_fanout > 0:
+            self._serve(offer, arrays)
         return self.version, out
+
+    def _serve(self, offer: dict, arrays: list) -> None:
+        """Relay: register ``relay_fanout`` one-shot pulls of the arrays just pulled (in
+        the publisher's layout) on this process's server and tell the coordinator. A failure
+        here is logged, never fatal (the coordinator then uses other sources)."""
+        n = min(self.relay_fanout, int(offer.get("relay", self.relay_fanout)))
+        if n <= 0:
+            return                      # the coordinator needs no children served by us
+        try:
+            uuids = [secrets.randbits(63) for _ in range(n)]
+            deadline = datetime.datetime.now() + datetime.timedelta(
+                seconds=self.relay_timeout_s)
+            for uuid in uuids:
+                self._server.await_pull(uuid, arrays, timeout=deadline)
+            port = self._server.address().rsplit(":", 1)[1]
+            self._coord.register(version=offer["version"], address=f"{self._advertise}:{port}",
+                                 transports=self.transports, uuids=uuids)
+            self.metrics["relay_offers"] = self.metrics.get("relay_offers", 0) + len(uuids)
+        except Exception as e:  # noqa: BLE001 - relaying is an optimisation
+            log.warning("weights: cannot relay version %s: %s", offer["version"], e)
 
     def pull(self, offer: dict, timeout_s: float | None = None) -> list[jax.Array]:
         """Pull one offer in the publisher's layout, waiting at most ``timeout_s``.

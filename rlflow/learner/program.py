@@ -4,20 +4,27 @@ One process (one host of the learner slice on a pod), its own JAX runtime and me
 
     build model + train state on the mesh (rlflow.learner.trainer.Learner)
     resume from <run>/checkpoints when there is one (rlflow.checkpoint)
-    serve the ring buffer (rlflow.exchange.buffer) and the coordinator (run control +
-      weight offers, rlflow.runtime_control) ; publish version v0
+    the prompt ledger (rlflow.runtime.ledger): the prompt stream (rlflow.data.pipeline),
+      restored from the checkpoint with the prompts admitted but not yet trained
+    serve the ring buffer (rlflow.exchange.buffer) and the coordinator (run control,
+      prompt leases, replica heartbeats, weight offers: rlflow.runtime.control); publish v0
     for each step:
         take learner.groups_per_step groups from the buffer; a group whose every sample is
           older than runtime.max_staleness versions (stale_policy "drop"), or that has no
           reward variance under learner.dynamic_sampling, is rejected and counted, and the
-          sampler makes a replacement (see rlflow.runtime_control)
+          sampler makes a replacement (see rlflow.runtime.control)
         build the batch; when it has no loss sample (all masked / stale / filtered / bad
           rewards) the step is skipped: counted, nothing trained or published, its groups
           given back to the admission budget (rlflow.learner.skips)
         run the jitted step                           -> version v + 1 (= steps taken)
         publish every runtime.publish_every steps; log one metrics record (rlflow.metrics);
-        write sample completions; checkpoint every checkpoint.every_steps
+        write sample completions and the step's prompts (trained_prompts.jsonl);
+        checkpoint every checkpoint.every_steps (with the ledger)
     tell the samplers the run is done; save the exit checkpoint.
+
+While it waits for groups the learner checks that they can still come: the prompt stream
+must hold enough prompts (``PromptsExhaustedError``) and some sampler replica must be alive
+(``NoReplicaError`` after ``runtime.replica_timeout_s``).
 
 Metrics of one step come from the batch (rewards, lengths, staleness of every consumed
 sample), the step (loss, KL, entropy, clipping, importance weights), the buffer (fill,
@@ -44,13 +51,17 @@ from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner
 from rlflow.metrics import MetricsWriter
 from rlflow.models.lora import tree_bytes
-from rlflow.runtime_control import RunCoordinator, decode_state, encode_state
+from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
+from rlflow.runtime.replicas import ReplicaTable
+from rlflow.runtime.control import RunCoordinator
+from rlflow.sampler.sampling import derive_seed
 
 log = logging.getLogger("rlflow.learner")
 # build_batch info not written to metrics.jsonl (see LearnerProgram._step_and_record).
 UNLOGGED_BATCH_INFO = frozenset({"batch/dropped_bad_reward_groups"})
 
 DONE_GRACE_S = 10.0   # seconds the learner waits for the samplers to see "done"
+WAIT_SLICE_S = 1.0    # the wait for groups is cut in slices to check the ledger and replicas
 
 
 class _NoOffers:
@@ -75,6 +86,12 @@ class _Publisher:
                                         pull_timeout_s=rt.transfer_timeout_s, copy=True,
                                         layout=rt.transfer_layout)
             self.offers = self.impl
+            if cfg.sampler.num_replicas > 1 and rt.relay_fanout > 0:
+                from rlflow.exchange.relay import RelayOffers
+
+                self.offers = RelayOffers(self.impl, fanout=rt.relay_fanout,
+                                          assign_timeout_s=rt.transfer_timeout_s,
+                                          num_consumers=cfg.sampler.num_replicas)
         else:
             from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, weights_dir
 
@@ -123,19 +140,24 @@ class LearnerProgram:
         self.filter_streak = FilterStreak(cfg)
         self.tokenizer = pc.run_tokenizer(cfg)
         self.threshold = pc.accuracy_threshold(cfg.reward)
+        self.ledger = self._ledger(data_state)
+        self.batch_keys: list = []           # ledger keys of the groups of the current batch
+        self.steps_marked = self.start_step  # steps whose groups the ledger counts trained
+        self.trained_log = TrainedPromptsLog(cfg.run_path, self.start_step)
         self.writer = MetricsWriter.for_experiment(cfg, start_step=self.start_step)
         bhost, bport = pc.split_address(endpoints.buffer)
         self.buffer = BufferServer(RingBuffer.from_config(cfg.buffer), bind_address=bhost,
                                    port=bport, token=cfg.buffer.token,
                                    group_size=cfg.sampler.group_size,
-                                   max_tokens=cfg.sampler.max_tokens).start()
+                                   max_tokens=cfg.sampler.max_tokens,
+                                   on_arrival=self._arrived, on_discard=self._discarded).start()
         chost, cport = pc.split_address(endpoints.coordinator)
         self.publisher = _Publisher(cfg, chost)
         self.coordinator = RunCoordinator(
-            self.publisher.offers, buffer_counts=self._buffer_counts, bind_address=chost,
-            port=cport, token=cfg.buffer.token)
-        self.coordinator.data_state = self.data_snapshot = encode_state(data_state)
-        self.coordinator.start()                 # a sampler's first status gets the state
+            self.publisher.offers, buffer_counts=self._buffer_counts, ledger=self.ledger,
+            replicas=ReplicaTable(cfg.runtime.replica_timeout_s, time.monotonic()),
+            bind_address=chost, port=cport, token=cfg.buffer.token)
+        self.coordinator.start()
         self._publish()
         self._last_buffer = self.buffer.metrics()
         log.info("learner ready at version %d: buffer %s, coordinator %s", self.version,
@@ -158,8 +180,46 @@ class LearnerProgram:
         log.info("resumed from checkpoint step %d", restored.step)
         return restored.step, restored.data_state
 
+    def _ledger(self, data_state) -> PromptLedger:
+        """The prompt ledger over the run's prompt stream, restored from the checkpoint."""
+        from rlflow.data.pipeline import prompt_dataset
+
+        ds, stats = prompt_dataset(self.cfg.data, self.tokenizer, seed=self.cfg.seed)
+        log.info("%s", stats.summary())
+        self.prompts_per_epoch = stats.num_kept
+        # the pre-scan's counts, for the metrics and the launcher's console
+        self.prompt_counts = {"sampler/prompts_kept": float(stats.num_kept),
+                              "sampler/prompts_too_long": float(stats.num_too_long),
+                              "sampler/prompts_bad": float(stats.num_bad)}
+        ledger = PromptLedger(
+            ds.__getitem__, len(ds) if self.cfg.data.num_epochs > 0 else None,
+            groups_per_step=self.gps, max_staleness=self.cfg.runtime.max_staleness,
+            seed_of=lambda i: derive_seed(self.cfg.sampler.seed, i),
+            trained_groups=self.start_step * self.gps)
+        ledger.restore(data_state)
+        return ledger
+
+    def _arrived(self, group) -> bool:
+        key = group_key(group)
+        return key is None or self.ledger.stored(key)
+
+    def _discarded(self, group) -> None:
+        key = group_key(group)
+        if key is not None:
+            self.ledger.unstore(key)
+
+    def _mark_trained(self) -> None:
+        """The ledger counts the current batch trained (once the step that used it is done);
+        also called before a checkpoint, should a stop request fall in between."""
+        if self.learner.version > self.steps_marked:
+            tracked = [(k, pid) for k, pid in self.batch_keys if k is not None]
+            self.ledger.trained([k for k, _ in tracked])
+            self.trained_log.write(self.learner.version, tracked, self.prompts_per_epoch)
+            self.steps_marked = self.learner.version
+            self.batch_keys = []
+
     def _buffer_counts(self) -> tuple[int, int]:
-        buffered = len(self.buffer.ring)          # read before accepted (see runtime_control)
+        buffered = len(self.buffer.ring)          # read before accepted (see rlflow.runtime.control)
         return self.counts["accepted"], buffered
 
     def _publish(self) -> None:
@@ -173,36 +233,69 @@ class LearnerProgram:
         buffer's fill): reject a group whose every sample is too stale ("drop" policy) or
         that has no reward variance (dynamic sampling)."""
         rt = self.cfg.runtime
+        key = group_key(group)
+        if key is not None and not self.ledger.take(key):
+            return False                   # a lost replica's late group (counted there)
         if rt.stale_policy == "drop":
             stale = sample_staleness(group["policy_versions"], group["completion_lengths"],
                                      self.version)
             if (stale > rt.max_staleness).all():
                 self.counts["stale_groups"] += 1
+                if key is not None:
+                    self.ledger.give_back(key)     # generated again, never lost
                 return False
         if self.cfg.learner.dynamic_sampling and \
                 not adv_lib.groups_with_signal(group["rewards"][None], xp=np)[0]:
             self.counts["zero_variance_groups"] += 1
+            if key is not None:
+                self.ledger.drop(key)              # resolved: counted as dropped
             self.filter_streak.rejected(self.version)   # raises after too many in a row
             return False
         self.filter_streak.accepted()
         self.counts["accepted"] += 1
+        self.batch_keys.append((key, int(group["prompt_id"])))
         return True
 
     def take_groups(self) -> list:
+        """``groups_per_step`` accepted groups; waits in slices of ``WAIT_SLICE_S``, checking
+        that groups can still come (prompts left, a replica alive).
+
+        Raises:
+          BufferTimeoutError: no group for ``buffer.timeout_s`` seconds.
+          PromptsExhaustedError / NoReplicaError: see the module docstring.
+        """
+        from rlflow.exchange.ring import BufferTimeoutError
+
         groups = []
+        waited_since = time.monotonic()
         while len(groups) < self.gps:
             pc.raise_if_stopped()              # a stop whose exception a finaliser dropped
-            groups += self.buffer.get_groups(1, timeout=self.cfg.buffer.timeout_s,
+            self.ledger.check_enough((self.version + 1) * self.gps)
+            self.coordinator.check_replicas()
+            left = self.cfg.buffer.timeout_s - (time.monotonic() - waited_since)
+            try:
+                got = self.buffer.get_groups(1, timeout=max(0.01, min(WAIT_SLICE_S, left)),
                                              accept=self.accept)
+            except BufferTimeoutError:
+                if left <= WAIT_SLICE_S:
+                    raise
+                continue
+            groups += got
+            waited_since = time.monotonic()
         return groups
 
     # ------------------------------------------------------------------ one step
     def skip(self, groups, reason: str, info: dict) -> None:
         """A step without loss samples: no update, no publish; its groups go back to the
         admission budget (counted like rejected groups, so the samplers make replacements
-        and the budget does not shrink with each skip). Raises
-        :class:`rlflow.learner.skips.DegenerateStepsError` after too many in a row."""
+        and the budget does not shrink with each skip; the prompt ledger counts them
+        dropped). Raises :class:`rlflow.learner.skips.DegenerateStepsError` after too many
+        in a row."""
         self.counts["accepted"] -= len(groups)
+        for key, _ in self.batch_keys:
+            if key is not None:
+                self.ledger.drop(key)
+        self.batch_keys = []
         self.skips.skipped(reason, self.version, info)
 
     def step(self) -> dict | None:
@@ -229,10 +322,7 @@ class LearnerProgram:
             return None
         self.skips.trained()
         self.version = self.learner.version
-        # The prompt-iterator state to checkpoint with this version: read before the new
-        # version goes out, so in sync mode it is exactly after the prompts consumed so far
-        # (the sampler admits no new prompt before it sees the new version).
-        self.data_snapshot = self.coordinator.data_state
+        self._mark_trained()
         if self.version % self.cfg.runtime.publish_every == 0 or \
                 self.version == self.cfg.learner.num_steps:
             self._publish()
@@ -261,6 +351,11 @@ class LearnerProgram:
         })
         metrics.update(self._buffer_metrics())
         metrics.update(self._sampler_metrics())
+        metrics.update(self.ledger.metrics())
+        metrics.update(self.prompt_counts)
+        offers = getattr(self.publisher, "offers", None)
+        if hasattr(offers, "metrics"):
+            metrics.update(offers.metrics())
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
             self.writer.log_samples(self.version, self._samples(groups))
@@ -275,18 +370,10 @@ class LearnerProgram:
                 "buffer/dropped_full": m["dropped_full"], "buffer/rejected": m["rejected"]}
 
     def _sampler_metrics(self) -> dict:
-        status = self.coordinator.latest_status()
-        if status is None:
-            return {}
-        out = {k: float(v) for k, v in status.metrics.items()
-               if k.startswith(("sampler/", "sync/", "reward/errors/", "reward/timeouts/"))
-               and isinstance(v, (int, float))}
-        swap_v, swap_t = out.get("sync/swap_version"), out.pop("sync/swap_time", None)
-        if swap_v is not None and int(swap_v) in self.publisher.publish_time:
-            out["sync/weight_sync_s"] = max(0.0, swap_t - self.publisher.publish_time[int(swap_v)])
-        if status.version >= 0:              # -1: a (re)started sampler before its first pull
-            out["sampler/version"] = float(status.version)
-        return out
+        from rlflow.runtime.metrics import replica_metrics
+
+        return replica_metrics(self.coordinator.live_statuses(), self.coordinator.restarts(),
+                               self.publisher.publish_time)
 
     def _samples(self, groups) -> list:
         out = []
@@ -305,8 +392,9 @@ class LearnerProgram:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, metrics=None, *, final: bool = False) -> None:
+        self._mark_trained()
         ck = self.learner.checkpoint(
-            data_state=decode_state(self.data_snapshot),
+            data_state=self.ledger.state(),
             extra={"accepted_groups": self.counts["accepted"]},
             metadata=ckpt_lib.run_metadata(self.cfg, self.learner.mesh))
         finite = None
@@ -352,7 +440,7 @@ class LearnerProgram:
 
     def close(self) -> None:
         for closer in (self.coordinator.close, self.buffer.close, self.publisher.close,
-                       self.writer.close, self.checkpointer.close):
+                       self.writer.close, self.checkpointer.close, self.trained_log.close):
             try:
                 closer()
             except Exception as e:  # noqa: BLE001 - keep closing the rest
@@ -365,6 +453,9 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
     Raises:
       rlflow.exchange.ring.ProducerError: a sampler reported a failure.
       rlflow.exchange.ring.BufferTimeoutError: no groups for ``buffer.timeout_s`` seconds.
+      rlflow.runtime.ledger.PromptsExhaustedError: the prompts ran out before num_steps.
+      rlflow.runtime.replicas.NoReplicaError: no sampler replica alive for
+        ``runtime.replica_timeout_s`` seconds.
       rlflow.programs_common.Stopped: SIGTERM (the exit checkpoint is saved first).
       rlflow.learner.skips.DegenerateStepsError: ``learner.max_consecutive_skipped_steps``
         steps in a row had no sample to train on (the message names the reason and fields).

@@ -1,29 +1,34 @@
-"""The sampler program: prompts -> continuous batching (G samples each) -> rewards -> buffer.
+"""The sampler program (one replica): leased prompts -> continuous batching (G samples
+each) -> rewards -> buffer.
 
-One process (one host of the sampler slice on a pod), its own JAX runtime and mesh::
+One process per replica (one host of a sampler slice on a pod; ``sampler.num_replicas``
+processes on one machine), its own JAX runtime, mesh and engine::
 
-    prompt pipeline (rlflow.data.pipeline, grain; its state restored from the learner)
     JetStream engine + continuous batching (rlflow.sampler.engine / batching)
+    heartbeats to the learner from a background thread (rlflow.runtime.replicas)
     wait for the learner's first published version, load it
     loop:
-        status to the learner's run control (rlflow.runtime_control): figures out,
-          version / admission counts / done in
+        status to the learner's run control (rlflow.runtime.control): figures and the
+          number of prompts wanted out; version / done / prompts leased by the learner's
+          prompt ledger in (rlflow.runtime.ledger owns the prompt stream and applies one
+          staleness budget to all replicas; in sync mode exactly learner.groups_per_step
+          per version)
         newer version published -> a background thread pulls it (rlflow.exchange.transfer
           or the orbax folder) while decoding goes on, and the batcher swaps it in before
           its next decode step (sequences in flight continue under the new weights)
-        admit new prompts within the staleness budget (groups_to_admit; in sync mode this
-          is exactly learner.groups_per_step per version, then a wait for the next one)
         one decode step; each finished group is handed to the reward workers
           (rlflow.data.rewarder, on this host) and decoding goes on; groups whose rewards
           are in go, whole and in the order they finished, to the learner's ring buffer
-          (rlflow.exchange.buffer)
+          (rlflow.exchange.buffer), tagged with their prompt's stream_index and lease_id
 
-A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it (logged
-with the function and sample, counted as ``sampler/dropped_bad_reward_groups``), "error"
-stops the run with that message. That error, a prompt that fails at every retry
-(``MAX_PROMPT_RETRIES``) or a prompt dataset that runs out while the learner still needs
-groups is reported to the learner through the buffer (its next ``get_groups`` raises the
-message) and stops this program with the error.
+Each request's seed comes with its lease (derived from the prompt's position in the prompt
+stream), so a prompt re-dispatched to another replica, or after a resume, is drawn with the
+same seed. A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it
+(logged with the function and sample, counted as ``sampler/dropped_bad_reward_groups``, and
+reported to the ledger as dropped), "error" stops the run with that message. That error or
+a prompt that fails at every retry (``MAX_PROMPT_RETRIES``) is reported to the learner
+through the buffer (its next ``get_groups`` raises the message) and stops this program with
+the error.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import time
 import numpy as np
 
 from rlflow import programs_common as pc
-from rlflow.data.pipeline import build_prompt_pipeline
 from rlflow.data.rewards import NonFiniteRewardError, Rewarder
 from rlflow.exchange.buffer import BufferClient
 from rlflow.exchange.ring import BufferClosedError
@@ -44,11 +48,12 @@ from rlflow.exchange.wire import tcp_endpoint
 from rlflow.mesh import make_mesh
 from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec
-from rlflow.runtime_control import ControlClient, decode_state, encode_state, groups_to_admit
+from rlflow.runtime.replicas import HEARTBEAT_S
+from rlflow.runtime.control import ControlClient
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
-from rlflow.sampler.sampling import SamplingParams, derive_seed
+from rlflow.sampler.sampling import SamplingParams
 
 log = logging.getLogger("rlflow.sampler")
 
@@ -136,14 +141,52 @@ class _Puller:
         self._thread.join(timeout=10.0)
 
 
+class _Heartbeat:
+    """Sends a heartbeat every ``HEARTBEAT_S`` seconds on its own socket and thread, so a
+    replica busy compiling or decoding still counts as alive; errors are logged (the main
+    loop's status requests find a learner that is gone)."""
+
+    def __init__(self, client: ControlClient):
+        self.client = client
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlflow-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.client.heartbeat()
+            except Exception as e:  # noqa: BLE001 - the main loop decides
+                log.warning("heartbeat: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self.client.close()
+
+
+def replica_name(env=None) -> str:
+    """``sampler-<i>``: ``RLFLOW_REPLICA`` (set by the launcher and the TPU scripts), else
+    the host index in the slice."""
+    env = os.environ if env is None else env
+    return f"sampler-{env.get(pc.ENV_REPLICA, env.get(pc.ENV_PROCESS_ID, '0'))}"
+
+
+def lease_cap(sampler_cfg, groups_per_step: int, num_replicas: int) -> int:
+    """Most groups one replica holds leased at once: enough to keep its slots full twice
+    over, and at least its share of one learner step."""
+    per_fill = -(-sampler_cfg.num_slots // sampler_cfg.group_size)
+    return max(2 * per_fill, -(-groups_per_step // max(1, num_replicas)))
+
+
 class SamplerProgram:
     """State of one sampler program (a thin shell over engine, batcher and clients)."""
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
         sc = cfg.sampler
-        self.name = f"sampler-{os.environ.get(pc.ENV_PROCESS_ID, '0')}"
-        self.num_samplers = 1
+        self.name = replica_name()
+        self.cap = lease_cap(sc, cfg.learner.groups_per_step, sc.num_replicas)
         self.mesh = make_mesh(sc.mesh)
         model, dcfg = build_model(cfg.model, mesh=self.mesh)
         # LoRA: the learner publishes adapters only; the base is held here once
@@ -161,6 +204,9 @@ class SamplerProgram:
         coord = _endpoint(endpoints.coordinator)
         self.control = ControlClient(coord, consumer_id=self.name, instance=endpoints.instance,
                                      token=cfg.buffer.token, timeout_s=cfg.buffer.timeout_s)
+        self.heartbeat = _Heartbeat(ControlClient(
+            coord, consumer_id=self.name, instance=endpoints.instance, token=cfg.buffer.token,
+            timeout_s=cfg.buffer.timeout_s))
         self.subscriber = self._subscriber(coord, model)
         del model
         self.buffer = BufferClient.from_config(cfg.buffer, _endpoint(endpoints.buffer),
@@ -170,16 +216,11 @@ class SamplerProgram:
         # that its id is not reused while the group is scored)
         self.scoring: dict[int, tuple] = {}
         self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
-        self.prompts, stats = build_prompt_pipeline(cfg.data, self.tokenizer, seed=cfg.seed)
-        log.info("%s", stats.summary())
-        # Reach the learner's metrics and the launcher's console (not only this log).
-        self.prompt_counts = {"sampler/prompts_kept": float(stats.num_kept),
-                              "sampler/prompts_too_long": float(stats.num_too_long),
-                              "sampler/prompts_bad": float(stats.num_bad)}
         self.prompts_started = 0
-        self.exhausted = False
-        self.in_flight: dict[int, dict] = {}     # id(Request) -> prompt element
+        self.in_flight: dict[int, dict] = {}     # id(Request) -> leased prompt
+        self.dropped_leases: list = []   # [stream_index, lease_id] of groups dropped here
         self.delivered_since_status = 0
+        self.groups_delivered = 0  # groups this replica put into the buffer, in total
         self.rejected = 0          # groups the buffer refused (a bug if ever > 0)
         self.window = _Window()
         self.swap = {"sync/pull_s": 0.0}
@@ -188,9 +229,6 @@ class SamplerProgram:
         self.sleeping = False
         self.version = -1          # version of the weights new groups start with
         reply = self._status()
-        if reply.data_state is not None:
-            self.prompts.set_state(decode_state(reply.data_state))
-            log.info("prompt iterator restored from the learner's state")
         self.batcher = self._first_weights(reply)
         self.puller = _Puller(self.subscriber, self._on_weights)
 
@@ -203,10 +241,12 @@ class SamplerProgram:
         if rt.weight_transfer == "transfer":
             from rlflow.exchange.transfer import WeightSubscriber
 
-            return WeightSubscriber(coord, consumer_id=f"{self.name}.{id(self)}",
+            relay = rt.relay_fanout if self.cfg.sampler.num_replicas > 1 else 0
+            return WeightSubscriber(coord, consumer_id=f"{self.name}#{self.control.instance}",
                                     token=self.cfg.buffer.token, target=target,
                                     timeout_s=rt.transfer_timeout_s, retries=rt.transfer_retries,
-                                    bind_address=rt.bind_address)
+                                    bind_address=rt.bind_address, relay_fanout=relay,
+                                    relay_timeout_s=rt.transfer_timeout_s)
         from rlflow.exchange.orbax_fallback import OrbaxWeightSubscriber
 
         return OrbaxWeightSubscriber(self.cfg.run_path, target=target)
@@ -245,48 +285,35 @@ class SamplerProgram:
         self._note_swap(version, pull_s)
 
     # ------------------------------------------------------------------ control
-    def _status(self):
+    def _status(self, want: int = 0):
         metrics = dict(self.window.figures(), **self.swap)
         metrics["sync/sampler_pause_s"] = self.pause_s
         metrics["sampler/instance"] = float(self.control.instance)
         metrics["sampler/rejected_groups"] = float(self.rejected)
         metrics["sampler/dropped_bad_reward_groups"] = float(self.bad_reward_groups)
-        metrics.update(self.prompt_counts)
         # reward functions that raised or timed out (scored 0): counted, never silent
         metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
+        metrics["sampler/in_flight"] = float(len(self.in_flight))
+        metrics["sampler/groups_delivered"] = float(self.groups_delivered)
+        dropped, self.dropped_leases = self.dropped_leases, []
         reply = self.control.status(
-            version=self.version,
-            prompts_started=self.prompts_started,
-            data_state=encode_state(self.prompts.get_state()) if self.prompts_started else None,
-            metrics=metrics)
+            version=self.version, prompts_started=self.prompts_started,
+            want=want if self.version >= 0 else 0, metrics=metrics, dropped=dropped)
         self.delivered_since_status = 0
+        for element in reply.prompts:
+            self._submit(element)
         return reply
 
-    def _admit(self, reply) -> int:
-        n = groups_to_admit(version=self.version,
-                            groups_per_step=self.cfg.learner.groups_per_step,
-                            max_staleness=self.cfg.runtime.max_staleness,
-                            accepted=reply.accepted,
-                            buffered=reply.buffered + self.delivered_since_status,
-                            in_flight=len(self.in_flight), num_samplers=self.num_samplers)
-        admitted = 0
-        for _ in range(n):
-            try:
-                element = next(self.prompts)
-            except StopIteration:
-                self.exhausted = True
-                break
-            self._submit(element)
-            admitted += 1
-        return admitted
+    def _want(self) -> int:
+        return max(0, self.cap - len(self.in_flight))
 
     def _submit(self, element) -> None:
-        # The seed follows the element's position in the prompt stream, not its prompt_id:
-        # a prompt met again in a later epoch gets new random draws, and a resumed run
-        # draws what the uninterrupted one would have.
-        seed = derive_seed(self.cfg.sampler.seed, int(element["stream_index"]))
+        # The seed comes with the lease: derived by the ledger from the element's position
+        # in the prompt stream, not its prompt_id, so a prompt met again in a later epoch
+        # gets new random draws, and a re-dispatched or resumed one the same draws.
+        seed = int(element["seed"])
         request = Request(prompt_id=int(element["prompt_id"]),
-                          prompt_tokens=element["prompt_tokens"],
+                          prompt_tokens=np.asarray(element["prompt_tokens"], np.int32),
                           num_samples=self.cfg.sampler.group_size,
                           sampling=SamplingParams.from_config(self.cfg.sampler, seed=seed))
         for attempt in range(MAX_PROMPT_RETRIES + 1):
@@ -300,15 +327,6 @@ class SamplerProgram:
                 log.warning("prompt_id %d: %s (retrying)", request.prompt_id, e)
         self.in_flight[id(request)] = element
         self.prompts_started += 1
-
-    def _starving(self, reply) -> bool:
-        """No prompts left while the learner still needs groups that will never come."""
-        gps = self.cfg.learner.groups_per_step
-        if reply.done or reply.learner_version >= self.cfg.learner.num_steps:
-            return False
-        coming = reply.accepted + reply.buffered + self.delivered_since_status + \
-            len(self.in_flight)
-        return not self.in_flight and coming < (reply.learner_version + 1) * gps
 
     # ------------------------------------------------------------------ groups out
     def _score(self, groups) -> None:
@@ -333,13 +351,17 @@ class SamplerProgram:
         records = []
         for key, batch in self.rewarder.collect(timeout):
             _, record = self.scoring.pop(key)
-            self.in_flight.pop(key)
+            element = self.in_flight.pop(key)
+            record["stream_index"] = np.asarray(element["stream_index"], np.int64)
+            record["lease_id"] = np.asarray(element["lease_id"], np.int64)
             if batch.nonfinite:
                 if self.cfg.learner.on_bad_reward == "error":
                     raise NonFiniteRewardError(
                         f"{batch.nonfinite[0]}; rewards must be finite numbers "
                         f"(learner.on_bad_reward='drop' drops such groups)")
                 self.bad_reward_groups += 1
+                self.dropped_leases.append([int(element["stream_index"]),
+                                            int(element["lease_id"])])
                 log.warning("%s: group of prompt_id %d dropped (learner.on_bad_reward='drop'; "
                             "%d dropped so far)", batch.nonfinite[0], int(record["prompt_id"]),
                             self.bad_reward_groups)
@@ -359,18 +381,26 @@ class SamplerProgram:
             log.error("the buffer rejected the group of prompt_id %d: %s",
                       int(records[i]["prompt_id"]), err)
         self.delivered_since_status += len(records) - len(rejected)
+        self.groups_delivered += len(records) - len(rejected)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         sync_sleep = self.cfg.runtime.sampler_sleep
         last_status = 0.0
         reply = None
+        status_version = self.version
         while True:
             pc.raise_if_stopped()               # a stop whose exception a finaliser dropped
             now = time.monotonic()
             busy = self.batcher.has_work
-            if reply is None or now - last_status >= (BUSY_POLL_S if busy else IDLE_POLL_S):
-                reply = self._status()
+            want = self._want()
+            # more prompts may be leased now: budget left at the last reply, or new weights
+            leasable = want > 0 and reply is not None and (
+                reply.budget > 0 or self.version != status_version)
+            if reply is None or leasable or \
+                    now - last_status >= (BUSY_POLL_S if busy else IDLE_POLL_S):
+                status_version = self.version
+                reply = self._status(want)      # also leases up to `want` prompts
                 last_status = time.monotonic()
                 if reply.done:
                     log.info("the learner is done (version %d); stopping", reply.learner_version)
@@ -383,14 +413,6 @@ class SamplerProgram:
             except BufferClosedError:
                 log.info("the learner closed the buffer: the run is ending; stopping")
                 return
-            if not self.exhausted and self._admit(reply):
-                reply = self._status()          # the learner keeps the iterator state
-                last_status = time.monotonic()
-            if self.exhausted and self._starving(reply):
-                raise SamplerError(f"the prompt dataset ran out after {self.prompts_started} "
-                                   f"prompts (data.num_epochs={self.cfg.data.num_epochs}) while "
-                                   f"the learner at version {reply.learner_version} still "
-                                   f"needs groups")
             if not self.batcher.has_work:
                 if self.scoring:                    # only rewards pending: wait for them
                     t0 = time.monotonic()
@@ -435,8 +457,8 @@ class SamplerProgram:
             log.warning("could not report the failure to the learner: %s", e)
 
     def close(self) -> None:
-        closers = [self.control.close, self.buffer.close, self.subscriber.close,
-                   self.rewarder.close]
+        closers = [self.heartbeat.close, self.control.close, self.buffer.close,
+                   self.subscriber.close, self.rewarder.close]
         if hasattr(self, "puller"):
             closers.insert(0, self.puller.close)
         for closer in closers:
@@ -450,7 +472,7 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
     """Run the sampler program until the learner says the run is done.
 
     Raises:
-      SamplerError: a prompt failed at every retry, or the prompts ran out too early.
+      SamplerError: a prompt failed at every retry.
       rlflow.data.rewards.NonFiniteRewardError: a reward function returned NaN/inf and
         ``learner.on_bad_reward="error"``.
       rlflow.exchange.ring.BufferTimeoutError / rlflow.exchange.wire.PeerTimeoutError: the

@@ -9,6 +9,7 @@ PROJECT=""
 ZONE=""
 LEARNER_TYPE="v5litepod-8"
 SAMPLER_TYPE="v5litepod-8"
+SAMPLER_SLICES=1           # sampler slices; every sampler host is one replica
 RUNTIME_VERSION=""
 PROVISIONING=""            # "", "spot" or "reserved"
 CONFIG="configs/gsm8k_qwen2_5_0_5b.py"
@@ -38,7 +39,9 @@ Common flags (docs/tpu.md):
   --project PROJECT        Google Cloud project (default: gcloud's core/project)
   --zone ZONE              zone of both slices (required)
   --learner-type TYPE      learner slice accelerator type (default v5litepod-8)
-  --sampler-type TYPE      sampler slice accelerator type (default v5litepod-8)
+  --sampler-type TYPE      sampler slice accelerator type (default v5litepod-8); multi-host
+                           types (v5litepod-16, v6e-16, ...) run one sampler replica per host
+  --sampler-slices K       sampler slices NAME-sampler-0..K-1 (default 1: NAME-sampler)
   --runtime-version V      TPU VM image (default from the type: v5litepod -> v2-alpha-tpuv5-lite,
                            v6e -> v2-alpha-tpuv6e, v5p -> v2-alpha-tpuv5, v4 -> tpu-ubuntu2204-base)
   --spot | --reserved      provisioning model of the queued resources (default on-demand)
@@ -75,6 +78,7 @@ parse_flags() {
       --zone) ZONE="${2:?--zone needs a value}"; shift 2 ;;
       --learner-type) LEARNER_TYPE="${2:?--learner-type needs a value}"; shift 2 ;;
       --sampler-type) SAMPLER_TYPE="${2:?--sampler-type needs a value}"; shift 2 ;;
+      --sampler-slices) SAMPLER_SLICES="${2:?--sampler-slices needs a value}"; shift 2 ;;
       --runtime-version) RUNTIME_VERSION="${2:?--runtime-version needs a value}"; shift 2 ;;
       --spot) PROVISIONING="spot"; shift ;;
       --reserved) PROVISIONING="reserved"; shift ;;
@@ -107,10 +111,16 @@ parse_flags() {
       || die "ports must be integers in [1, 65535], got $port"
   done
   [[ "$NAME" =~ ^[a-z][-a-z0-9]*$ ]] || die "--name must be lowercase letters, digits and -, got $NAME"
+  [[ "$SAMPLER_SLICES" =~ ^[0-9]+$ ]] && [ "$SAMPLER_SLICES" -ge 1 ] \
+    || die "--sampler-slices must be an integer >= 1, got $SAMPLER_SLICES"
   LEARNER_NODE="${NAME}-learner"
-  SAMPLER_NODE="${NAME}-sampler"
   LEARNER_QR="${NAME}-learner-qr"
-  SAMPLER_QR="${NAME}-sampler-qr"
+  SAMPLER_NODES=()
+  if [ "$SAMPLER_SLICES" = 1 ]; then
+    SAMPLER_NODES=("${NAME}-sampler")
+  else
+    for ((i = 0; i < SAMPLER_SLICES; i++)); do SAMPLER_NODES+=("${NAME}-sampler-$i"); done
+  fi
   GCLOUD_COMMON=(--zone="$ZONE")
   if [ -n "$PROJECT" ]; then GCLOUD_COMMON+=(--project="$PROJECT"); fi
 }
@@ -187,7 +197,7 @@ ssh_cmd() {
 selected_nodes() {
   case "$ROLE" in
     learner) echo "$LEARNER_NODE" ;;
-    sampler) echo "$SAMPLER_NODE" ;;
-    both) echo "$SAMPLER_NODE $LEARNER_NODE" ;;
+    sampler) echo "${SAMPLER_NODES[*]}" ;;
+    both) echo "${SAMPLER_NODES[*]} $LEARNER_NODE" ;;
   esac
 }

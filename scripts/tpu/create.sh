@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create the two Cloud TPU slices as queued resources, one for the learner program and one
-# for the sampler program, and wait until both are ACTIVE.
+# Create the Cloud TPU slices as queued resources, one for the learner program and
+# --sampler-slices K for the sampler replicas, and wait until all are ACTIVE.
 #   scripts/tpu/create.sh --zone us-west4-a [--learner-type v5litepod-16]
 #       [--sampler-type v5litepod-8] [--spot] [--dry-run] ...
 set -euo pipefail
@@ -41,8 +41,10 @@ wait_active() {
 }
 
 create_qr "$LEARNER_QR" "$LEARNER_NODE" "$LEARNER_TYPE"
-create_qr "$SAMPLER_QR" "$SAMPLER_NODE" "$SAMPLER_TYPE"
+for node in "${SAMPLER_NODES[@]}"; do
+  create_qr "$node-qr" "$node" "$SAMPLER_TYPE"
+done
 if [ "$NO_WAIT" = 0 ]; then
   wait_active "$LEARNER_QR"
-  wait_active "$SAMPLER_QR"
+  for node in "${SAMPLER_NODES[@]}"; do wait_active "$node-qr"; done
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON a TPU host (start.sh / stop.sh / logs.sh call it over `gcloud ... ssh --worker=all`).
 #   host_run.sh env ROLE                 print the environment the program gets on this host
-#   host_run.sh start ROLE [TRAIN_ARGS]  resolve the config, start `python -m rlflow.launch`
+#   host_run.sh start ROLE [TRAIN_ARGS]  resolve the config, start `python -m rlflow.runtime.launch`
 #   host_run.sh stop ROLE                SIGTERM (the learner saves its exit checkpoint), then
 #                                        SIGKILL after RLFLOW_STOP_GRACE_S seconds (default 120)
 #   host_run.sh logs ROLE                follow this host's log of ROLE
@@ -43,6 +43,24 @@ slice_env() {
   export RLFLOW_JAX_COORDINATOR RLFLOW_NUM_PROCESSES RLFLOW_PROCESS_ID
 }
 
+# A sampler host is one replica, its own JAX program on this host's chips only (no
+# jax.distributed over the slice): libtpu is told to use the local chips as a whole slice.
+replica_env() {
+  local devices
+  shopt -s nullglob
+  devices=(/dev/accel* /dev/vfio/[0-9]*)
+  shopt -u nullglob
+  RLFLOW_NUM_PROCESSES=1
+  RLFLOW_PROCESS_ID=0
+  RLFLOW_REPLICA="${RLFLOW_REPLICA:-$(metadata agent-worker-number)}"
+  export RLFLOW_NUM_PROCESSES RLFLOW_PROCESS_ID RLFLOW_REPLICA
+  if [ "$(metadata worker-network-endpoints | tr ',' '\n' | grep -c .)" -gt 1 ]; then
+    export TPU_PROCESS_BOUNDS="1,1,1" TPU_PROCESS_ADDRESSES="localhost:${RLFLOW_JAX_PORT:-8476}"
+    export TPU_PROCESS_PORT="${RLFLOW_JAX_PORT:-8476}" CLOUD_TPU_TASK_ID=0
+    if [ "${#devices[@]}" -eq 4 ]; then export TPU_CHIPS_PER_PROCESS_BOUNDS="2,2,1"; fi
+  fi
+}
+
 check_role() {
   case "${1:-}" in learner|sampler) ;; *) die "ROLE must be learner or sampler, got '${1:-}'" ;; esac
   : "${RLFLOW_BUFFER_ADDRESS:?RLFLOW_BUFFER_ADDRESS (host:port of the ring buffer) is required}"
@@ -58,13 +76,13 @@ pidfile="$LOGS/$role.pid"
 case "$cmd" in
   env)
     check_role "$role"
-    slice_env
+    if [ "$role" = sampler ]; then replica_env; else slice_env; fi
     # a token in the environment is shown redacted (rlflow/secrets.py)
     env | grep '^RLFLOW_' | sed 's/^\(RLFLOW_BUFFER_TOKEN\)=.*/\1=<redacted>/' | sort
     ;;
   start)
     check_role "$role"
-    slice_env
+    if [ "$role" = sampler ]; then replica_env; else slice_env; fi
     if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
       die "$role is already running (pid $(cat "$pidfile")); run stop.sh first"
     fi
@@ -88,7 +106,7 @@ save_config(parse_train_args(sys.argv[2:]), sys.argv[1])
 ' "$config_json" "${args[@]}")
     export RLFLOW_ROLE="$role" RLFLOW_CONFIG="$config_json" PYTHONUNBUFFERED=1
     cd "$ROOT"
-    nohup setsid "$PY" -m rlflow.launch --role "$role" --config "$config_json" \
+    nohup setsid "$PY" -m rlflow.runtime.launch --role "$role" --config "$config_json" \
       >"$LOGS/$role.log" 2>&1 </dev/null &
     echo $! >"$pidfile"
     echo "$(hostname): started $role (pid $!, process $RLFLOW_PROCESS_ID of $RLFLOW_NUM_PROCESSES), log $LOGS/$role.log"

@@ -27,7 +27,7 @@ if [ -n "$MODEL_GCS" ]; then
   remote+=" && gcloud storage rsync --recursive $(shell_quote "$MODEL_GCS") $(shell_quote "$MODEL_DIR")"
 fi
 
-for node in "$LEARNER_NODE" "$SAMPLER_NODE"; do
+for node in "$LEARNER_NODE" "${SAMPLER_NODES[@]}"; do
   run gcloud compute tpus tpu-vm scp "$archive" "$node:${NAME}-src.tar.gz" "${GCLOUD_COMMON[@]}" \
     --worker=all
   ssh_cmd "$node" all "$remote"

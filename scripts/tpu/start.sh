@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Start the learner program on every host of the learner slice, then the sampler program on
-# every host of the sampler slice. Both get the learner host 0 addresses (ring buffer and
-# weight coordinator); each slice runs jax.distributed for its own hosts only. A multi-host
-# slice type (v5p-16, v5litepod-16, v6e-16, ...) gets the program on each of its hosts
-# (--dry-run prints what each host runs); a multi-host learner needs a gs:// --run-dir.
+# Start the learner program on every host of the learner slice, then one sampler replica on
+# every host of every sampler slice (RLFLOW_REPLICA = its index). All get the learner host 0
+# addresses (ring buffer and weight coordinator); each slice runs jax.distributed for its own
+# hosts only. Multi-host types (v5p-16, v5litepod-16, v6e-16, ...) are accepted (--dry-run
+# prints what each host runs); a multi-host learner needs a gs:// --run-dir.
 #   scripts/tpu/start.sh --zone us-west4-a --config configs/gsm8k_qwen2_5_0_5b.py
 #       --model-dir /home/me/qwen [--run-dir gs://b/runs] [--dry-run] [-- --learner.lr 1e-6]
 set -euo pipefail
@@ -51,23 +51,31 @@ train=(--config "$CONFIG" --buffer.bind_address "$LEARNER_IP" --buffer.port "$BU
 if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
 train+=("${TRAIN_ARGS[@]}")
 
-for role in learner sampler; do
-  node="$LEARNER_NODE"; hosts="$learner_hosts"; type="$LEARNER_TYPE"
-  if [ "$role" = sampler ]; then
-    node="$SAMPLER_NODE"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"
-  fi
+# Every sampler host is one replica: replica = slice * hosts per slice + worker.
+replicas=$((SAMPLER_SLICES * sampler_hosts))
+train+=(--sampler.num_replicas "$replicas")
+note "$SAMPLER_SLICES sampler slice(s) of $SAMPLER_TYPE, $sampler_hosts host(s) each: $replicas replicas"
+
+for node in "$LEARNER_NODE" "${SAMPLER_NODES[@]}"; do
   # scp paths are relative to the remote home: host_run.sh reads $HOME/.rlflow-buffer.token
   run gcloud compute tpus tpu-vm scp "$token_file" "$node:.rlflow-buffer.token" \
     "${GCLOUD_COMMON[@]}" --worker=all
-  remote="env $(command_line "${env_words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
-  remote+=" start $role $(command_line "${train[@]}")"
-  ssh_cmd "$node" all "$remote"
-  if [ "$DRY_RUN" = 1 ]; then
-    # what host_run.sh runs on each host (its slice position comes from the TPU metadata)
-    for ((i = 0; i < hosts; i++)); do
-      note "$role host $i of $hosts ($type): RLFLOW_JAX_COORDINATOR=${node}-HOST0_IP:$JAX_PORT" \
-        "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.launch --role $role"
-    done
-  fi
+done
+remote="env $(command_line "${env_words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
+ssh_cmd "$LEARNER_NODE" all "$remote start learner $(command_line "${train[@]}")"
+if [ "$DRY_RUN" = 1 ]; then
+  # what host_run.sh runs on each learner host (its slice position comes from the TPU metadata)
+  for ((i = 0; i < learner_hosts; i++)); do
+    note "learner host $i of $learner_hosts ($LEARNER_TYPE):" \
+      "RLFLOW_JAX_COORDINATOR=${LEARNER_NODE}-HOST0_IP:$JAX_PORT" \
+      "RLFLOW_NUM_PROCESSES=$learner_hosts RLFLOW_PROCESS_ID=$i python -m rlflow.runtime.launch --role learner"
+  done
+fi
+for ((s = 0; s < SAMPLER_SLICES; s++)); do
+  for ((w = 0; w < sampler_hosts; w++)); do
+    words=("${env_words[@]}" "RLFLOW_REPLICA=$((s * sampler_hosts + w))")
+    remote="env $(command_line "${words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
+    ssh_cmd "${SAMPLER_NODES[$s]}" "$w" "$remote start sampler $(command_line "${train[@]}")"
+  done
 done
 note "follow the logs with scripts/tpu/logs.sh --zone $ZONE --name $NAME"

@@ -52,7 +52,7 @@ for role in learner sampler; do
     for ((i = 0; i < hosts; i++)); do
       note "$role host $i of $hosts ($type): TPU_WORKER_ID=$i ->" \
         "RLFLOW_JAX_COORDINATOR=${workload}-slice-job-0-0.${workload}:$JAX_PORT" \
-        "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.launch --role $role"
+        "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.runtime.launch --role $role"
     done
   fi
 done

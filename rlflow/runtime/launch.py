@@ -1,12 +1,14 @@
-"""Start and supervise the two rlflow programs: the learner and the sampler.
+"""Start and supervise the rlflow programs: the learner and N sampler replicas.
 
 **One machine** (``rlflow train``): :func:`run_train` writes the resolved config to the run
 folder, picks two free loopback ports (ring buffer, weight coordinator), and starts
 
-    python -m rlflow.launch --role learner     (XLA sees learner.num_devices devices)
-    python -m rlflow.launch --role sampler     (XLA sees sampler.num_devices devices)
+    python -m rlflow.runtime.launch --role learner     (XLA sees learner.num_devices devices)
+    python -m rlflow.runtime.launch --role sampler     (XLA sees sampler.num_devices devices)
 
-as separate OS processes, each its own JAX runtime. On CPU each child gets its own fake
+as separate OS processes, each its own JAX runtime, the sampler ``sampler.num_replicas``
+times (replica ``i`` gets ``RLFLOW_REPLICA=i``; its log is ``logs/sampler-<i>.log``, or
+``logs/sampler.log`` for a single replica). On CPU each child gets its own fake
 device count through ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set in the
 child's environment before JAX is imported. The children run in their own session (so a
 terminal Ctrl-C reaches only the launcher) and die with it (``PR_SET_PDEATHSIG``). Their
@@ -14,7 +16,7 @@ output goes to ``<run>/logs/<role>.log``; the launcher prints one progress line 
 step (read from the run folder's metrics JSONL).
 
 Re-runs: with ``checkpoint.resume="auto"`` the launcher reads the run folder's newest
-checkpoint step first (:func:`rlflow.run_watch.latest_checkpoint_step`: folder names only,
+checkpoint step first (:func:`rlflow.runtime.run_watch.latest_checkpoint_step`: folder names only,
 no JAX): at or past ``learner.num_steps`` it says the run is already complete and exits 0
 without starting anything or touching the run folder; below it, it prints ``resuming run
 <name> from step N`` and the summary counts the steps run by this invocation
@@ -27,16 +29,21 @@ programs in their environment (``RLFLOW_BUFFER_TOKEN``), never in argv; their
 
 Shutdown: when the learner finishes, the sampler is told to stop (the coordinator's "done"
 flag, then SIGTERM after a grace period) and the exit code is 0. When either child dies
-first, or on Ctrl-C / SIGTERM, both are stopped (SIGTERM, which the learner answers with its
+first (with several replicas: when every replica died), or on Ctrl-C / SIGTERM, all are
+stopped (SIGTERM, which the learner answers with its
 exit checkpoint, then SIGKILL after ``STOP_GRACE_S``) and the exit code is not 0;
 the message names the side that died, puts its last exception line first (``rlflow train:
 the sampler failed: ValueError: .../bad.jsonl:7: ...``) and then shows the end of its log. With
-``runtime.restart_sampler`` a dead sampler is started again (it pulls the newest weights
-from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times.
+``runtime.restart_sampler`` a dead replica is started again (it pulls the newest weights
+from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times; without
+it a dead replica stays dead and the others carry the run (the learner hands its leased
+prompts to them, ``rlflow.runtime.ledger``).
 
-**TPU pod** (one slice per program, many hosts per slice): the Cloud TPU scripts start
-``python -m rlflow.launch --role learner|sampler --config <resolved config.json>`` on every
-host of the matching slice, with these environment variables:
+**TPU pod** (one learner slice, one or more sampler slices): the Cloud TPU scripts start
+``python -m rlflow.runtime.launch --role learner --config <resolved config.json>`` on every host of
+the learner slice and ``--role sampler`` on every host of every sampler slice (each sampler
+host is one replica, its own JAX program: ``RLFLOW_NUM_PROCESSES=1``,
+``RLFLOW_REPLICA=<index>``), with these environment variables:
 
     RLFLOW_BUFFER_ADDRESS       host:port of the learner's ring buffer (learner host 0 binds it)
     RLFLOW_COORDINATOR_ADDRESS  host:port of the learner's weight coordinator
@@ -47,9 +54,9 @@ host of the matching slice, with these environment variables:
 :func:`run_role` calls ``jax.distributed.initialize`` for the program's own slice when
 ``RLFLOW_NUM_PROCESSES > 1`` (so the learner's mesh spans only the learner slice and the
 sampler's only the sampler slice), then runs the program: the programs themselves are the
-same as on a laptop. Limitation: the program loops do not yet split work between the hosts
-of a slice, so a slice with more than one host stops with ``NotImplementedError``; one
-host per slice (e.g. v5litepod-8 / v6e-8 pairs) runs as on a laptop.
+same as on a laptop. Limitation: the learner's loop does not yet split work between the
+hosts of its slice, so a learner slice with more than one host stops with
+``NotImplementedError``; sampler slices of any host count work (one replica per host).
 
 Other knobs: ``runtime.pin_cpus`` gives each program its own CPUs (``RLFLOW_CPUS``);
 ``RLFLOW_PROFILE=<dir>`` writes a cProfile of each program to ``<dir>/<role>.prof``;
@@ -124,8 +131,8 @@ def run_role(role: str, cfg, endpoints: pc.Endpoints) -> int:
 
 
 def child_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry of ``python -m rlflow.launch --role R --config C``: one program, one process."""
-    ap = argparse.ArgumentParser(prog="python -m rlflow.launch")
+    """Entry of ``python -m rlflow.runtime.launch --role R --config C``: one program, one process."""
+    ap = argparse.ArgumentParser(prog="python -m rlflow.runtime.launch")
     ap.add_argument("--role", choices=pc.ROLES, default=os.environ.get(pc.ENV_ROLE))
     ap.add_argument("--config", default=os.environ.get(pc.ENV_CONFIG),
                     help="resolved config JSON (written by rlflow train)")
@@ -278,29 +285,40 @@ class Supervisor:
     endpoints: pc.Endpoints
     children: dict = field(default_factory=dict)
 
-    def start(self, role: str, instance: int = 0) -> Child:
+    def sampler_names(self) -> list[str]:
+        """Child names of the sampler replicas: ``["sampler"]`` for one replica (its log is
+        ``logs/sampler.log``), else ``sampler-0 .. sampler-<N-1>``."""
+        n = self.cfg.sampler.num_replicas
+        return ["sampler"] if n == 1 else [f"sampler-{i}" for i in range(n)]
+
+    def start(self, name: str, instance: int = 0) -> Child:
+        """Start child ``name`` ("learner", or a name of :meth:`sampler_names`); its
+        ``instance`` is its restart count."""
+        role = "learner" if name == "learner" else "sampler"
         num_devices = (self.cfg.learner.num_devices if role == "learner"
                        else self.cfg.sampler.num_devices)
         eps = pc.Endpoints(self.endpoints.buffer, self.endpoints.coordinator, instance)
         env = child_env(role, num_devices, eps, self.config_path)
+        if role == "sampler":
+            env[pc.ENV_REPLICA] = name.rsplit("-", 1)[1] if "-" in name else "0"
         if self.cfg.buffer.token:     # by environment, never argv (config.json: redacted)
             env[ENV_BUFFER_TOKEN] = self.cfg.buffer.token
         if self.cfg.runtime.pin_cpus and hasattr(os, "sched_getaffinity"):
             cpus = split_cpus(os.sched_getaffinity(0)).get(role)
             if cpus:
                 env[pc.ENV_CPUS] = ",".join(map(str, cpus))
-        log_path = os.path.join(self.run_path, "logs", f"{role}.log")
+        log_path = os.path.join(self.run_path, "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
             log.write(f"--- rlflow {role} start #{instance} ---\n".encode())
             log.flush()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "rlflow.launch", "--role", role,
+                [sys.executable, "-m", "rlflow.runtime.launch", "--role", role,
                  "--config", self.config_path],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
-        child = Child(role, proc, log_path, restarts=instance)
-        self.children[role] = child
+        child = Child(name, proc, log_path, restarts=instance)
+        self.children[name] = child
         self._write_pids()
         return child
 
@@ -327,13 +345,15 @@ class Supervisor:
                 c.proc.wait()
 
     def failure(self, role: str) -> str:
-        """The failure report of ``role``: its last exception line first (when its log has a
-        traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its log."""
+        """The failure report of child ``role``: its last exception line first (when its log
+        has a traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its
+        log."""
         from rlflow.progress import plain_text     # no control characters in CI logs
 
         c = self.children[role]
         lines = tail(c.log_path, ERROR_SCAN_LINES).splitlines()
-        starts = [i for i, line in enumerate(lines) if line.startswith(f"--- rlflow {role} start")]
+        kind = "learner" if role == "learner" else "sampler"
+        starts = [i for i, line in enumerate(lines) if line.startswith(f"--- rlflow {kind} start")]
         error = last_exception_line(lines[starts[-1]:] if starts else lines)  # this start's only
         head = f"rlflow train: the {role} failed: {plain_text(error)}\n" if error else ""
         text = (f"rlflow train: the {role} process died ({_exit_text(c.proc.returncode)}); "
@@ -351,7 +371,7 @@ def run_train(cfg) -> int:
       1 when a program died (the message on stderr names it and shows its log); 130 on Ctrl-C.
     """
     from rlflow.run_identity import RunFolderConflict, check_run_folder, prepare_run_folder
-    from rlflow.run_watch import RunWatcher, discard_records_after, latest_checkpoint_step
+    from rlflow.runtime.run_watch import RunWatcher, discard_records_after, latest_checkpoint_step
     from rlflow.secrets import SecretError, resolve_secrets
 
     run_path = os.path.abspath(cfg.run_path)
@@ -399,7 +419,8 @@ def run_train(cfg) -> int:
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         sup.start("learner")
-        sup.start("sampler")
+        for name in sup.sampler_names():
+            sup.start(name)
         code = _supervise(cfg, sup, watcher)
     except KeyboardInterrupt:
         watcher.progress.close()            # a live bar would redraw over the lines below
@@ -423,48 +444,74 @@ def _interrupt(signum, frame):
 
 
 def _supervise(cfg, sup: Supervisor, watcher) -> int:
+    """Watch the learner and the sampler replicas until the learner finishes.
+
+    A replica that dies is restarted with ``runtime.restart_sampler`` (up to
+    ``MAX_SAMPLER_RESTARTS`` times each); otherwise it stays dead and the run goes on with
+    the others (the learner gives its prompts to them after ``runtime.replica_timeout_s``).
+    The run fails when the learner dies or when every replica is dead for good.
+    """
     learner_done_at = None
+    dead: set[str] = set()              # replicas dead for good
+    names = sup.sampler_names()
     while True:
         watcher.poll()
         learner = sup.children["learner"].proc.poll()
-        sampler_child = sup.children["sampler"]
-        sampler = sampler_child.proc.poll()
+        codes = {n: sup.children[n].proc.poll() for n in names}
         if learner is not None:
             if learner != 0:
                 watcher.progress.close()    # the bar stops before the failure report
                 _report_failures(sup, "learner")
                 return 1
-            if sampler is not None:
+            if all(c is not None for c in codes.values()):
                 return 0
             learner_done_at = learner_done_at or time.monotonic()
             if time.monotonic() - learner_done_at > STOP_GRACE_S:
-                return 0      # finally: stop_all() ends the sampler
-        elif sampler == 0:
-            pass              # the sampler saw the coordinator's "done"; the learner ends next
-        elif sampler is not None:
-            n = sampler_child.restarts
+                return 0      # finally: stop_all() ends the samplers
+            time.sleep(POLL_S)
+            continue
+        for name, code in codes.items():
+            if code is None or code == 0 or name in dead:
+                continue      # 0: the replica saw the coordinator's "done"
+            child = sup.children[name]
+            n = child.restarts
             if cfg.runtime.restart_sampler and n < MAX_SAMPLER_RESTARTS:
                 watcher.progress.message(    # above a live bar, never through it
-                    f"rlflow train: the sampler process died ({_exit_text(sampler)}); "
+                    f"rlflow train: the {name} process died ({_exit_text(code)}); "
                     f"restarting it ({n + 1}/{MAX_SAMPLER_RESTARTS})")
-                sup.start("sampler", instance=n + 1)
+                sup.start(name, instance=n + 1)
             else:
-                watcher.progress.close()
-                _report_failures(sup, "sampler")
-                return 1
+                dead.add(name)
+                if len(dead) < len(names):
+                    watcher.progress.message(
+                        f"rlflow train: the {name} process died ({_exit_text(code)}); "
+                        f"going on with {len(names) - len(dead)} sampler replica(s)")
+        if dead and len(dead) == len(names):
+            watcher.progress.close()
+            if len(names) > 1:
+                print(f"rlflow train: every sampler replica died ({len(names)}); stopping "
+                      f"the run", file=sys.stderr, flush=True)
+            _report_failures(sup, sorted(dead)[-1])
+            return 1
         time.sleep(POLL_S)
 
 
 def _report_failures(sup: Supervisor, first: str) -> None:
     """Print the failure of ``first``, and of the other program too when it dies within
     ``BOTH_DIED_WINDOW_S`` (a sampler error reported to the learner ends both)."""
-    other = "sampler" if first == "learner" else "learner"
-    try:
-        code = sup.children[other].proc.wait(timeout=BOTH_DIED_WINDOW_S)
-    except subprocess.TimeoutExpired:
-        code = None
-    roles = [first] + ([other] if code not in (None, 0, STOPPED_EXIT_CODE) else [])
-    for role in sorted(roles, key=lambda r: r != "sampler"):   # the producer's error first
+    if first == "learner":
+        others = [n for n in sup.children if n != "learner"][:1]
+    else:
+        others = ["learner"]
+    roles = [first]
+    for other in others:
+        try:
+            code = sup.children[other].proc.wait(timeout=BOTH_DIED_WINDOW_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code not in (None, 0, STOPPED_EXIT_CODE):
+            roles.append(other)
+    for role in sorted(roles, key=lambda r: r == "learner"):   # the producer's error first
         print(sup.failure(role), file=sys.stderr, flush=True)
 
 

@@ -1,0 +1,60 @@
+"""Sampler replica figures as learner metrics (pure: statuses in, metric dict out).
+
+Per replica ``i`` (``sampler-<i>``): ``replica/<i>/tokens_per_s``, ``slot_occupancy``,
+``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version of its weights), ``restarts``. Over the live replicas:
+``sampler/tokens_per_s`` (sum), ``sampler/slot_occupancy`` and ``sampler/idle_frac``
+(means), ``sampler/version`` (newest), ``sampler/replicas_alive``, and the ``sync/*`` swap
+figures of the replica that reported last, with ``sync/weight_sync_s`` = its swap time
+minus the publish time of the version it swapped in.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+_MEAN = ("sampler/slot_occupancy", "sampler/idle_frac")
+_SUM = ("sampler/tokens_per_s", "sampler/rejected_groups", "sampler/in_flight",
+        "sampler/groups_delivered")
+
+
+def _index(name: str) -> str:
+    return name.rsplit("-", 1)[-1]
+
+
+def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
+                    publish_time: Mapping[int, float]) -> dict:
+    """Metrics of the live replicas' latest statuses (``SamplerStatus`` by name)."""
+    if not statuses:
+        return {"sampler/replicas_alive": 0.0}
+    out: dict = {"sampler/replicas_alive": float(len(statuses))}
+    figures = {name: {k: float(v) for k, v in st.metrics.items()
+                      if isinstance(v, (int, float)) and not isinstance(v, bool)}
+               for name, st in statuses.items()}
+    for key in _SUM:
+        vals = [f[key] for f in figures.values() if key in f]
+        if vals:
+            out[key] = float(sum(vals))
+    for key in _MEAN:
+        vals = [f[key] for f in figures.values() if key in f]
+        if vals:
+            out[key] = float(sum(vals) / len(vals))
+    versions = [st.version for st in statuses.values() if st.version >= 0]
+    if versions:                   # -1: a (re)started replica before its first pull
+        out["sampler/version"] = float(max(versions))
+    for name, st in statuses.items():
+        i, f = _index(name), figures[name]
+        for key in ("tokens_per_s", "slot_occupancy", "groups_delivered", "in_flight"):
+            if f"sampler/{key}" in f:
+                out[f"replica/{i}/{key}"] = f[f"sampler/{key}"]
+        if st.version >= 0:
+            out[f"replica/{i}/version"] = float(st.version)
+        out[f"replica/{i}/restarts"] = float(restarts.get(name, 0))
+    last = max(statuses.values(), key=lambda s: s.received)
+    lf = figures[last.consumer]
+    out.update({k: v for k, v in lf.items()
+                if k.startswith(("sync/", "reward/errors/", "reward/timeouts/"))
+                or k == "sampler/instance"})
+    swap_v, swap_t = out.get("sync/swap_version"), out.pop("sync/swap_time", None)
+    if swap_v is not None and swap_t is not None and int(swap_v) in publish_time:
+        out["sync/weight_sync_s"] = max(0.0, swap_t - publish_time[int(swap_v)])
+    return out

@@ -1,0 +1,174 @@
+"""Weight fan-out over a relay tree (rlflow.exchange.relay): the offer rules against a fake
+publisher, and real pulls by 4 replica processes through jax.experimental.transfer."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def expected(version):
+    """Numpy oracle of the params published at ``version``."""
+    rng = np.random.default_rng(version)
+    return {"embed": rng.standard_normal((64, 32)).astype(np.float32),
+            "w": [rng.standard_normal((32, 32)).astype(np.float32) for _ in range(3)]}
+
+
+def replica_peer(name, address, out_dir):
+    """A replica process (1 device): on "pull", poll until it holds a newer version (a
+    relay may make it wait), save it to OUT_DIR/<name>-v<version>.npz, print PULLED."""
+    import time
+
+    from rlflow.exchange.transfer import WeightSubscriber
+
+    sub = WeightSubscriber(address, consumer_id=name, timeout_s=5, retries=3,
+                           relay_fanout=2, relay_timeout_s=60)
+    for line in sys.stdin:
+        if line.strip() == "pull":
+            have = sub.version
+            while True:
+                got = sub.poll()
+                if got is not None and got[0] > have:
+                    break
+                time.sleep(0.02)
+            v, params = got
+            flat = {k: np.asarray(x) for k, x in params.items()}   # {path: array}
+            np.savez(os.path.join(out_dir, f"{name}-v{v}.npz"), **flat)
+            print("PULLED", v, sub.metrics["failed_pulls"], flush=True)
+        elif line.strip() == "quit":
+            break
+    sub.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["replica"]:
+    replica_peer(*sys.argv[2:])
+    sys.exit(0)
+
+from rlflow.exchange.relay import RelayOffers  # noqa: E402
+
+
+class _FakePublisher:
+    nbytes = 100
+    layout_desc = {"leaves": []}
+
+    def __init__(self):
+        self.version, self.offers = -1, 0
+
+    def offer(self, consumer, have_version):
+        if self.version <= have_version:
+            return {"version": self.version}
+        self.offers += 1
+        return {"version": self.version, "address": "learner:1", "uuid": self.offers,
+                "transports": 1, "layout": self.layout_desc}
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_offer_rules_learner_fanout_then_relays_then_fallback():
+    pub, clock = _FakePublisher(), _Clock()
+    relay = RelayOffers(pub, fanout=2, assign_timeout_s=10, clock=clock)
+    assert relay.offer("a", -1) == {"version": -1}
+    pub.version = 0
+    assert relay.offer("a", -1)["source"] == "learner"
+    assert relay.offer("b", -1)["source"] == "learner"
+    assert relay.offer("c", -1) == {"version": 0, "wait": True}   # a and b still pulling
+    assert relay.register("a", 0, "a:7", 2, [11, 12])
+    got = [relay.offer(c, -1) for c in ("c", "d")]
+    assert [(o["address"], o["uuid"], o["transports"]) for o in got] == [("a:7", 12, 2),
+                                                                      ("a:7", 11, 2)]
+    assert relay.offer("e", -1) == {"version": 0, "wait": True}   # b, c, d pulling
+    # c's pull from a failed (a died): a is struck off; b and d still pull: wait
+    assert relay.offer("c", -1, failed="a:7") == {"version": 0, "wait": True}
+    clock.t = 11.0                                    # every pull handed out is now too old
+    assert relay.offer("c", -1)["source"] == "learner"  # nothing under way: the learner serves
+    assert relay.learner_bytes_by_version == {0: 300}
+    assert relay.bytes_sent == {"learner": 300, "a": 200}
+    assert relay.offer("a", 0) == {"version": 0}      # current: nothing to pull
+    assert not relay.register("b", -1, "b:1", 1, [1])  # an old version is not registered
+    pub.version = 1                                   # a new version starts a new tree
+    assert relay.offer("e", 0)["source"] == "learner"
+    assert relay.metrics()["transfer/learner_bytes_last_version"] == 100
+
+
+def test_demand_driven_relays_register_only_needed_slots():
+    pub, clock = _FakePublisher(), _Clock()
+    relay = RelayOffers(pub, fanout=2, assign_timeout_s=10, num_consumers=4, clock=clock)
+    pub.version = 0
+    a, b = relay.offer("a", -1), relay.offer("b", -1)
+    assert (a["source"], a["relay"], b["source"], b["relay"]) == ("learner", 2, "learner", 0)
+    assert relay.offer("c", -1) == {"version": 0, "wait": True}    # a will serve 2
+    assert relay.register("a", 0, "a:7", 1, [11, 12])
+    c, d = relay.offer("c", -1), relay.offer("d", -1)
+    assert (c["source"], c["relay"], d["source"], d["relay"]) == ("a", 0, "a", 0)
+    assert relay.learner_bytes_by_version == {0: 200}               # 2x the model for 4
+
+
+def _replica(name, address, out_dir):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return subprocess.Popen([sys.executable, __file__, "replica", name, address, str(out_dir)],
+                            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.slow
+def test_four_replicas_learner_egress_and_bitwise_equal_with_a_dead_relay(tmp_path):
+    """4 replica processes pull versions 1 and 2 through the relay tree: the learner sends
+    at most 2x the model's bytes per version, and every replica holds the learner's arrays
+    bit for bit. For version 2 a relay that never serves (a dead one: its uuids are never
+    pulled) is registered first: the replicas sent to it time out, retry naming it, and
+    get another source."""
+    import jax
+
+    from rlflow.exchange.coordinator import Coordinator, CoordinatorClient
+    from rlflow.exchange.transfer import WeightPublisher
+
+    pub = WeightPublisher(pull_timeout_s=60, layout="single_device")
+    relay = RelayOffers(pub, fanout=2, assign_timeout_s=60, num_consumers=4)
+    coord = Coordinator(relay).start()
+    names = [f"sampler-{i}" for i in range(4)]
+    peers = [_replica(n, coord.address, tmp_path) for n in names]
+    try:
+        for version in (1, 2):
+            pub.publish(version, jax.tree.map(jax.numpy.asarray, expected(version)))
+            if version == 2:
+                ghost = CoordinatorClient(coord.address, consumer_id="ghost")
+                assert ghost.register(version=2, address=pub.address, transports=1,
+                                      uuids=[1234567, 7654321])
+                ghost.close()
+            for p in peers:
+                p.stdin.write("pull\n")
+                p.stdin.flush()
+            lines = [p.stdout.readline().split() for p in peers]
+            assert all(line[:2] == ["PULLED", str(version)] for line in lines), lines
+            if version == 1:
+                assert relay.learner_bytes_by_version[version] <= 2 * pub.nbytes
+                relayed = sum(v for k, v in relay.bytes_sent.items() if k != "learner")
+                assert relayed == 2 * pub.nbytes          # the other 2 from replicas
+            for n in names:
+                got = np.load(os.path.join(tmp_path, f"{n}-v{version}.npz"))
+                want = expected(version)
+                flat = {"['embed']": want["embed"],
+                        **{f"['w'][{i}]": w for i, w in enumerate(want["w"])}}
+                assert sorted(got.files) == sorted(flat)
+                for k, w in flat.items():
+                    np.testing.assert_array_equal(got[k], w)      # bit for bit
+        assert sum(int(line[2]) for line in lines) >= 1          # the ghost's children failed
+    finally:
+        for p in peers:
+            try:
+                p.stdin.write("quit\n")
+                p.stdin.flush()
+                p.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                p.kill()
+        coord.close()

@@ -1,0 +1,50 @@
+"""Per-replica metrics (rlflow.runtime.metrics) and the report's replica plots."""
+
+import os
+
+from rlflow.report import PLOTS, plot, replica_plots
+from rlflow.runtime.metrics import replica_metrics
+from rlflow.runtime.control import SamplerStatus
+
+
+def _status(name, version, received, **metrics):
+    return SamplerStatus(consumer=name, version=version, received=received, metrics=metrics)
+
+
+def test_replica_metrics_sum_mean_newest_and_per_replica():
+    statuses = {
+        "sampler-0": _status("sampler-0", 3, 10.0, **{"sampler/tokens_per_s": 100.0,
+                                                     "sampler/slot_occupancy": 0.5,
+                                                     "sampler/groups_delivered": 7.0,
+                                                     "sync/swap_version": 3.0,
+                                                     "sync/swap_time": 50.0}),
+        "sampler-2": _status("sampler-2", -1, 11.0, **{"sampler/tokens_per_s": 20.0,
+                                                      "sampler/slot_occupancy": 0.25,
+                                                      "sync/swap_version": 2.0,
+                                                      "sync/swap_time": 40.5}),
+    }
+    m = replica_metrics(statuses, {"sampler-0": 0, "sampler-2": 2}, {2: 40.0, 3: 49.0})
+    assert m["sampler/replicas_alive"] == 2.0
+    assert m["sampler/tokens_per_s"] == 120.0
+    assert m["sampler/slot_occupancy"] == 0.375
+    assert m["sampler/version"] == 3.0                 # newest; -1 (no weights yet) skipped
+    assert m["replica/0/tokens_per_s"] == 100.0 and m["replica/2/tokens_per_s"] == 20.0
+    assert m["replica/0/version"] == 3.0 and "replica/2/version" not in m
+    assert m["replica/2/restarts"] == 2.0 and m["replica/0/groups_delivered"] == 7.0
+    # the swap figures are the last reporter's (sampler-2): swapped v2 0.5 s after publish
+    assert m["sync/swap_version"] == 2.0 and m["sync/weight_sync_s"] == 0.5
+    assert replica_metrics({}, {}, {}) == {"sampler/replicas_alive": 0.0}
+
+
+def test_replica_plots_only_for_runs_with_replicas(tmp_path):
+    assert replica_plots({1: {"reward/mean": 0.1}}) == ()
+    by_step = {s: {"replica/0/tokens_per_s": 10.0 * s, "replica/1/tokens_per_s": 5.0,
+                   "replica/0/version": s - 1.0, "replica/1/version": s - 2.0,
+                   "ledger/admitted": 8.0 * s, "ledger/trained": 8.0 * (s - 1),
+                   "ledger/in_flight": 4.0} for s in (1, 2, 3)}
+    specs = replica_plots(by_step)
+    assert [s.name for s in specs] == ["replicas", "ledger"]
+    assert specs[0].panels[0].series == ("replica/0/tokens_per_s", "replica/1/tokens_per_s")
+    assert not {s.name for s in specs} & {s.name for s in PLOTS}
+    path = os.path.join(tmp_path, "replicas.png")
+    assert plot(specs[0], by_step, path) and os.path.getsize(path) > 0
