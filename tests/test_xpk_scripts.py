@@ -84,14 +84,20 @@ def test_xpk_start_creates_one_workload_per_program_with_per_host_lines():
         assert rest[-2:] == ["--learner.lr", "1e-6"]
         assert not any("s3cret" in w or "token" in w for w in cmd)   # the token: no argv
         assert os.path.basename(flag(cmd, "--env-file")).startswith("tmp")
-    # v5p-16 = 2 hosts x 4 chips, v6e-16 = 4 hosts x 4 chips: one line per host
-    for role, n in (("learner", 2), ("sampler", 4)):
-        lines = per_host(hosts, role)
-        assert sorted(lines) == list(range(n))
-        for i, env in lines.items():
-            assert env["RLFLOW_PROCESS_ID"] == str(i) and env["RLFLOW_NUM_PROCESSES"] == str(n)
-            assert env["RLFLOW_JAX_COORDINATOR"] == \
-                f"exp7-{role}-slice-job-0-0.exp7-{role}:8476" and env["_of"] == n
+    # v5p-16 = 2 hosts x 4 chips: one multi-controller learner program over both hosts
+    lines = per_host(hosts, "learner")
+    assert sorted(lines) == [0, 1]
+    for i, env in lines.items():
+        assert env["RLFLOW_PROCESS_ID"] == str(i) and env["RLFLOW_NUM_PROCESSES"] == "2"
+        assert env["RLFLOW_JAX_COORDINATOR"] == \
+            "exp7-learner-slice-job-0-0.exp7-learner:8476" and env["_of"] == 2
+    # v6e-16 = 4 hosts x 4 chips: each sampler host is one replica, its own JAX program
+    lines = per_host(hosts, "sampler")
+    assert sorted(lines) == [0, 1, 2, 3]
+    for i, env in lines.items():
+        assert env["RLFLOW_REPLICA"] == str(i) and env["_of"] == 4
+        assert env["RLFLOW_PROCESS_ID"] == "0" and env["RLFLOW_NUM_PROCESSES"] == "1"
+        assert "RLFLOW_JAX_COORDINATOR" not in env
 
 
 def test_xpk_delete_and_named_errors():
@@ -131,8 +137,14 @@ def test_pod_run_takes_its_slice_place_from_the_gke_tpu_environment(tmp_path):
     assert oct(token_file.stat().st_mode & 0o777) == oct(0o600)
     assert lines[-1] == f"ARGS --x 1 --buffer.token_file {token_file}"
     env = dict(ln.split("=", 1) for ln in lines[:-1])
-    assert env["RLFLOW_PROCESS_ID"] == "2" and env["RLFLOW_NUM_PROCESSES"] == "4"
-    assert env["RLFLOW_JAX_COORDINATOR"] == "h0.x:9000" and env["RLFLOW_ROLE"] == "sampler"
+    # a sampler host is one replica (worker 2 of slice 0), not a part of a slice-wide program
+    assert env["RLFLOW_REPLICA"] == "2" and env["RLFLOW_ROLE"] == "sampler"
+    assert env["RLFLOW_PROCESS_ID"] == "0" and env["RLFLOW_NUM_PROCESSES"] == "1"
+    assert "RLFLOW_JAX_COORDINATOR" not in env
+    proc = pod_env(tmp_path, "1", "h0.x,h1.x", "--print-env", "learner")
+    env = dict(ln.split("=", 1) for ln in proc.stdout.splitlines()[:-1])
+    assert env["RLFLOW_PROCESS_ID"] == "1" and env["RLFLOW_NUM_PROCESSES"] == "2"
+    assert env["RLFLOW_JAX_COORDINATOR"] == "h0.x:9000" and "RLFLOW_REPLICA" not in env
     proc = pod_env(tmp_path, "4", "h0,h1", "--print-env", "learner")
     assert proc.returncode == 2 and "TPU_WORKER_ID=4 is not an index" in proc.stderr
     proc = pod_env(tmp_path, "0", "h0", "--print-env", "trainer")

@@ -76,6 +76,11 @@ for ((s = 0; s < SAMPLER_SLICES; s++)); do
     words=("${env_words[@]}" "RLFLOW_REPLICA=$((s * sampler_hosts + w))")
     remote="env $(command_line "${words[@]}") bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\""
     ssh_cmd "${SAMPLER_NODES[$s]}" "$w" "$remote start sampler $(command_line "${train[@]}")"
+    if [ "$DRY_RUN" = 1 ]; then
+      note "sampler host $((s * sampler_hosts + w)) of $replicas ($SAMPLER_TYPE):" \
+        "RLFLOW_REPLICA=$((s * sampler_hosts + w)) RLFLOW_NUM_PROCESSES=1 RLFLOW_PROCESS_ID=0" \
+        "python -m rlflow.runtime.launch --role sampler"
+    fi
   done
 done
 note "follow the logs with scripts/tpu/logs.sh --zone $ZONE --name $NAME"

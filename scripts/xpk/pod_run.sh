@@ -24,11 +24,26 @@ shift
 IFS=',' read -r -a hosts <<<"$TPU_WORKER_HOSTNAMES"
 [[ "$TPU_WORKER_ID" =~ ^[0-9]+$ ]] && [ "$TPU_WORKER_ID" -lt "${#hosts[@]}" ] \
   || die "TPU_WORKER_ID=$TPU_WORKER_ID is not an index into TPU_WORKER_HOSTNAMES (${#hosts[@]} hosts)"
-RLFLOW_NUM_PROCESSES="${#hosts[@]}"
-RLFLOW_PROCESS_ID="$TPU_WORKER_ID"
-RLFLOW_JAX_COORDINATOR="${hosts[0]}:${RLFLOW_JAX_PORT:-8476}"
 RLFLOW_ROLE="$role"
-export RLFLOW_NUM_PROCESSES RLFLOW_PROCESS_ID RLFLOW_JAX_COORDINATOR RLFLOW_ROLE
+if [ "$role" = learner ]; then
+  # the learner slice is one multi-controller JAX program over all its hosts
+  RLFLOW_NUM_PROCESSES="${#hosts[@]}"
+  RLFLOW_PROCESS_ID="$TPU_WORKER_ID"
+  RLFLOW_JAX_COORDINATOR="${hosts[0]}:${RLFLOW_JAX_PORT:-8476}"
+  export RLFLOW_JAX_COORDINATOR
+else
+  # a sampler host is one replica, its own JAX program on this host's chips only:
+  # replica = slice (MEGASCALE_SLICE_ID with --num-slices) * hosts per slice + worker
+  RLFLOW_NUM_PROCESSES=1
+  RLFLOW_PROCESS_ID=0
+  RLFLOW_REPLICA=$(( ${MEGASCALE_SLICE_ID:-0} * ${#hosts[@]} + TPU_WORKER_ID ))
+  export RLFLOW_REPLICA
+  if [ "${#hosts[@]}" -gt 1 ]; then
+    export TPU_PROCESS_BOUNDS="1,1,1" TPU_PROCESS_ADDRESSES="localhost:${RLFLOW_JAX_PORT:-8476}"
+    export TPU_PROCESS_PORT="${RLFLOW_JAX_PORT:-8476}" CLOUD_TPU_TASK_ID=0
+  fi
+fi
+export RLFLOW_NUM_PROCESSES RLFLOW_PROCESS_ID RLFLOW_ROLE
 args=("$@")
 if [ -n "${RLFLOW_BUFFER_TOKEN:-}" ]; then
   token_file="${RLFLOW_BUFFER_TOKEN_FILE:-${TMPDIR:-/tmp}/rlflow-buffer.token}"

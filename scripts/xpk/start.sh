@@ -37,22 +37,36 @@ env_words=("RLFLOW_BUFFER_ADDRESS=$LEARNER_ADDR:$BUFFER_PORT"
 if [ -n "$MODEL_DIR" ]; then env_words+=("RLFLOW_MODEL_PATH=$MODEL_DIR"); fi
 train=(--config "$CONFIG" --buffer.bind_address 0.0.0.0 --buffer.port "$BUFFER_PORT")
 if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
-train+=("${TRAIN_ARGS[@]}")
+
+# Every sampler host is one replica (its own JAX program): K slices x hosts per slice.
+replicas=$((SAMPLER_SLICES * sampler_hosts))
+train+=(--sampler.num_replicas "$replicas" "${TRAIN_ARGS[@]}")   # user flags last: they win
+note "$SAMPLER_SLICES sampler slice(s) of $SAMPLER_TYPE, $sampler_hosts host(s) each: $replicas replicas"
 
 for role in learner sampler; do
-  workload="$LEARNER_NODE"; hosts="$learner_hosts"; type="$LEARNER_TYPE"
+  workload="$LEARNER_NODE"; hosts="$learner_hosts"; type="$LEARNER_TYPE"; slices=1
   if [ "$role" = sampler ]; then
-    workload="$SAMPLER_NODE"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"
+    workload="${NAME}-sampler"; hosts="$sampler_hosts"; type="$SAMPLER_TYPE"
+    slices="$SAMPLER_SLICES"
   fi
   pod_cmd="env $(command_line "${env_words[@]}") bash scripts/xpk/pod_run.sh $role"
   pod_cmd+=" $(command_line "${train[@]}")"
   run "$XPK" workload create "${XPK_COMMON[@]}" --workload="$workload" --tpu-type="$type" \
-    --num-slices=1 --docker-image="$DOCKER_IMAGE" --env-file="$env_file" --command="$pod_cmd"
+    --num-slices="$slices" --docker-image="$DOCKER_IMAGE" --env-file="$env_file" --command="$pod_cmd"
   if [ "$DRY_RUN" = 1 ]; then
-    for ((i = 0; i < hosts; i++)); do
-      note "$role host $i of $hosts ($type): TPU_WORKER_ID=$i ->" \
-        "RLFLOW_JAX_COORDINATOR=${workload}-slice-job-0-0.${workload}:$JAX_PORT" \
-        "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.runtime.launch --role $role"
+    for ((s = 0; s < slices; s++)); do
+      for ((i = 0; i < hosts; i++)); do
+        if [ "$role" = learner ]; then
+          note "learner host $i of $hosts ($type): TPU_WORKER_ID=$i ->" \
+            "RLFLOW_JAX_COORDINATOR=${workload}-slice-job-0-0.${workload}:$JAX_PORT" \
+            "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.runtime.launch --role learner"
+        else
+          note "sampler host $((s * hosts + i)) of $((slices * hosts)) ($type):" \
+            "MEGASCALE_SLICE_ID=$s TPU_WORKER_ID=$i ->" \
+            "RLFLOW_REPLICA=$((s * hosts + i)) RLFLOW_NUM_PROCESSES=1 RLFLOW_PROCESS_ID=0" \
+            "python -m rlflow.runtime.launch --role sampler"
+        fi
+      done
     done
   fi
 done
