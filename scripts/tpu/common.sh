@@ -158,6 +158,27 @@ slice_shape() {
 
 slice_hosts() { local shape; shape="$(slice_shape "$1")"; echo "${shape% *}"; }
 
+# Check both slice types and set learner_hosts / sampler_hosts; a multi-host learner writes
+# its checkpoint shards from every host, so its run folder must be shared storage.
+check_slices() {
+  slice_shape "$LEARNER_TYPE" >/dev/null   # dies here (not in a subshell) on a bad type
+  slice_shape "$SAMPLER_TYPE" >/dev/null
+  learner_hosts="$(slice_hosts "$LEARNER_TYPE")"
+  sampler_hosts="$(slice_hosts "$SAMPLER_TYPE")"
+  if [ "$learner_hosts" -gt 1 ] && [[ "$RUN_DIR" != gs://* ]]; then
+    die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE)" \
+      "has $learner_hosts hosts: every host writes its checkpoint shards there"
+  fi
+}
+
+# The run's ring-buffer token: RLFLOW_BUFFER_TOKEN, else a random one (never printed).
+ensure_token() {
+  if [ -z "$TOKEN" ]; then
+    TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
+    note "generated a random ring-buffer token (export RLFLOW_BUFFER_TOKEN to choose it)"
+  fi
+}
+
 # Quote one word for a POSIX shell, leaving plain words as they are.
 shell_quote() {
   if [[ "$1" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then

@@ -11,19 +11,9 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 usage() { sed -n '2,8p' "${BASH_SOURCE[0]}"; usage_common; }
 parse_flags "$@"
-slice_shape "$LEARNER_TYPE" >/dev/null   # dies here (not in a subshell) on a bad type
-slice_shape "$SAMPLER_TYPE" >/dev/null
-learner_hosts="$(slice_hosts "$LEARNER_TYPE")"
-sampler_hosts="$(slice_hosts "$SAMPLER_TYPE")"
-if [ "$learner_hosts" -gt 1 ] && [[ "$RUN_DIR" != gs://* ]]; then
-  die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE)" \
-    "has $learner_hosts hosts: every host writes its checkpoint shards there"
-fi
+check_slices
 
-if [ -z "$TOKEN" ]; then
-  TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
-  note "generated a random ring-buffer token (pass --token or RLFLOW_BUFFER_TOKEN to choose it)"
-fi
+ensure_token
 # The token travels as a file (mode 0600, copied by scp) and is read by --buffer.token_file:
 # never on a command line (ps) and never in a config.json (rlflow/secrets.py).
 token_file="$(mktemp)"

@@ -10,18 +10,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 usage() { sed -n '2,6p' "${BASH_SOURCE[0]}"; usage_xpk; }
 parse_xpk_flags "$@"
 [ -n "$DOCKER_IMAGE" ] || die "--docker-image is required"
-slice_shape "$LEARNER_TYPE" >/dev/null   # dies here (not in a subshell) on a bad type
-slice_shape "$SAMPLER_TYPE" >/dev/null
-learner_hosts="$(slice_hosts "$LEARNER_TYPE")"
-sampler_hosts="$(slice_hosts "$SAMPLER_TYPE")"
-if [ "$learner_hosts" -gt 1 ] && [[ "$RUN_DIR" != gs://* ]]; then
-  die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE)" \
-    "has $learner_hosts hosts: every host writes its checkpoint shards there"
-fi
-if [ -z "$TOKEN" ]; then
-  TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
-  note "generated a random ring-buffer token (export RLFLOW_BUFFER_TOKEN to choose it)"
-fi
+check_slices
+ensure_token
 # The token reaches the pods through xpk's --env-file (mode 0600 here, removed at exit):
 # never on a command line; pod_run.sh moves it into a 0600 file for --buffer.token_file.
 env_file="$(mktemp)"
