@@ -194,3 +194,51 @@ def test_async_resume_trains_each_prompt_once_per_epoch(env, tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert _by_epoch(recs) == {0: list(range(6)), 1: list(range(6))}
     assert "ran out" not in third.stderr
+
+
+def _wait_all_delivered(run, replicas, proc, limit_s=HANG_GUARD_S):
+    """Until the metrics say every replica has delivered at least one group."""
+    path = os.path.join(run, "metrics.jsonl")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        lines = [json.loads(x) for x in open(path) if x.strip().endswith("}")] \
+            if os.path.isfile(path) else []
+        if lines and all(lines[-1].get(f"replica/{i}/groups_delivered", 0) > 0
+                         for i in range(replicas)):
+            return lines[-1]["step"]
+        time.sleep(0.05)
+    raise AssertionError(f"not every replica delivered within {limit_s} s")
+
+
+def test_three_replicas_complete_and_train_each_prompt_once_per_epoch_after_a_kill(env, tmp_path):
+    """Demo model, 3 replicas, async, to the end: all 3 generate; one is killed (-9, no
+    restart) mid-run and the other two finish the run; from the run's own record each epoch
+    trains each prompt exactly once (what an uninterrupted run trains)."""
+    prompts = [f"{d}>" for d in range(1, 10)]                 # 9 prompts x 3 epochs
+    data = tmp_path / "nine.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": str(int(p[0]) + 1)}) + "\n"
+                            for p in prompts))
+    args = ["--learner.num_steps", "9", "--data.source", "jsonl", "--data.path", str(data),
+            "--data.prompt_field", "prompt", "--data.answer_field", "answer",
+            "--data.num_epochs", "3", "--learner.groups_per_step", "3",
+            "--sampler.group_size", "4", "--sampler.num_replicas", "3",
+            "--runtime.replica_timeout_s", "5"]
+    run = os.path.join(str(tmp_path), "nine")
+    proc = _start(env, tmp_path, "nine", *args)
+    try:
+        _wait_all_delivered(run, 3, proc)
+        os.kill(json.load(open(os.path.join(run, "processes.json")))["sampler-2"],
+                signal.SIGKILL)
+        out, err = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "the sampler-2 process died (killed by SIGKILL); going on with 2 sampler replica(s)" in err
+    recs = _trained(run)
+    assert [r["step"] for r in recs] == list(range(1, 10))
+    assert _by_epoch(recs) == {e: list(range(9)) for e in range(3)}
+    by_step = _steps(run)
+    for i in range(3):                                  # every replica delivered groups
+        assert max(m.get(f"replica/{i}/groups_delivered", 0) for m in by_step.values()) > 0
