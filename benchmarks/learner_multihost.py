@@ -88,7 +88,7 @@ def bench_job(ctx):
         jax.block_until_ready(dev)
         t1 = time.perf_counter()
         fn = learner.compiled_step(*dev.tokens.shape)
-        learner.state, metrics = fn(learner.state, dev, learner.ref_params)
+        learner.state, metrics = fn(learner.state, dev, learner.ref_params, learner.base)
         jax.block_until_ready((learner.state, metrics))
         t2 = time.perf_counter()
         if r:

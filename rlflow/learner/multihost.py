@@ -294,7 +294,7 @@ def train_step(learner, batch: Optional[TrainBatch], *, source: int = 0
     dev, info = distribute_batch(batch, learner.mesh, source=source,
                                  check=lambda b: check_batch(b, learner))
     fn = learner.compiled_step(*dev.tokens.shape)
-    learner.state, metrics = fn(learner.state, dev, learner.ref_params)
+    learner.state, metrics = fn(learner.state, dev, learner.ref_params, learner.base)
     return {k: float(v) for k, v in jax.device_get(metrics).items()}, info
 
 

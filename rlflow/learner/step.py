@@ -1,4 +1,4 @@
-"""The jitted, sharded train step: ``(state, batch, ref_params) -> (state, metrics)``.
+"""The jitted, sharded train step: ``(state, batch, ref_params, frozen) -> (state, metrics)``.
 
 One optimiser step per batch. The batch ``[B, L]`` (:class:`rlflow.learner.batch.TrainBatch`)
 is split into ``k`` micro-batches (micro-batch ``j`` holds rows ``j, j + k, j + 2k, ...``, so
