@@ -285,15 +285,18 @@ class _Coordinator:
         return None
 
 
-def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fresh_stop_state):
-    """SIGTERM between the optimiser step and the metrics write: the step's metrics and
-    samples are written before Stopped, so the exit checkpoint (of version 13) has them."""
+def _stand_in_program(tmp_path, learner):
+    """A LearnerProgram at version 12 whose buffer, coordinator, writer, publisher and prompt
+    ledger are stand-ins: one group of 2 samples per step, without ledger keys."""
+    from types import SimpleNamespace
+
     from rlflow.learner.program import LearnerProgram
+    from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
 
     program = LearnerProgram.__new__(LearnerProgram)
     program.cfg = _cfg(tmp_path, num_steps=20)
     program.gps, program.threshold = 1, 0.5
-    program.learner, program.writer = _Learner(), _Writer()
+    program.learner, program.writer = learner, _Writer()
     program.coordinator, program.version = _Coordinator(), 12
     program.counts = dict(accepted=12, stale_groups=0, zero_variance_groups=0)
     program.skips = SkipCounter(program.cfg)
@@ -302,17 +305,19 @@ def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fres
     program._publish = lambda: None
     program._buffer_metrics = lambda: {}
     program._samples = lambda groups: []
-    # the prompt ledger's side (groups without ledger keys: nothing to mark)
-    from types import SimpleNamespace
-
-    from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
-
     program.ledger = PromptLedger(lambda i: {}, None, groups_per_step=1, max_staleness=0,
                                   seed_of=lambda i: i, trained_groups=12)
     program.batch_keys, program.steps_marked, program.prompts_per_epoch = [], 12, 1
     program.trained_log = TrainedPromptsLog(str(tmp_path), 12)
     program.prompt_counts, program._sampler_metrics = {}, lambda: {}
-    program.publisher = SimpleNamespace(offers=None)
+    program.publisher = SimpleNamespace(offers=None, bytes=0)
+    return program
+
+
+def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fresh_stop_state):
+    """SIGTERM between the optimiser step and the metrics write: the step's metrics and
+    samples are written before Stopped, so the exit checkpoint (of version 13) has them."""
+    program = _stand_in_program(tmp_path, _Learner())
     previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(pc.Stopped()))
     try:
         with pytest.raises(pc.Stopped):
@@ -326,7 +331,6 @@ def test_sigterm_after_the_optimiser_step_still_records_that_step(tmp_path, fres
 def test_the_learner_logs_no_always_zero_bad_reward_counter(tmp_path):
     """Only the sampler's sampler/dropped_bad_reward_groups counts groups dropped for a
     non-finite reward: the learner never receives one (records refuse them)."""
-    from rlflow.learner.program import LearnerProgram
 
     class Learner(_Learner):
         def build_batch(self, groups):
@@ -338,18 +342,7 @@ def test_the_learner_logs_no_always_zero_bad_reward_counter(tmp_path):
             self.version += 1
             return {}
 
-    program = LearnerProgram.__new__(LearnerProgram)
-    program.cfg = _cfg(tmp_path, num_steps=20)
-    program.gps, program.threshold = 1, 0.5
-    program.learner, program.writer = Learner(), _Writer()
-    program.coordinator, program.version = _Coordinator(), 12
-    program.counts = dict(accepted=12, stale_groups=0, zero_variance_groups=0)
-    program.skips = SkipCounter(program.cfg)
-    program.take_groups = lambda: [{"rewards": np.array([0.0, 1.0]), "policy_versions":
-                                    np.array([[12], [12]]), "completion_lengths": np.array([1, 1])}]
-    program._publish = lambda: None
-    program._buffer_metrics = lambda: {}
-    program._samples = lambda groups: []
+    program = _stand_in_program(tmp_path, Learner())
     program.step()
     assert program.writer.logged == [13]
     assert "batch/dropped_stale" in program.writer.metrics
