@@ -175,6 +175,7 @@ class _Learner:
 class _Publisher:
     def __init__(self):
         self.published, self.publish_time = [], {}
+        self.bytes = 0                 # bytes of the last published version (as the program's)
 
     def publish(self, version, params):
         if self.published and version <= self.published[-1]:
