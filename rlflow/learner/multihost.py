@@ -33,9 +33,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rlflow.learner.batch import BatchError, TrainBatch, validate_batch
+from rlflow.learner.batch import BatchError, TrainBatch
 from rlflow.mesh import batch_sharding, make_mesh
-from rlflow.models.decoder import TokenRangeError, validate_tokens
+from rlflow.models.decoder import TokenRangeError
 
 
 class DistributedError(RuntimeError):
@@ -209,27 +209,6 @@ def local_rows(sharding, global_shape) -> slice:
     return slice(lo, hi)
 
 
-def check_batch(batch: TrainBatch, learner) -> TrainBatch:
-    """The host checks :meth:`Learner.step` makes, on host 0 before distribution; fills
-    ``token_rewards`` with zeros for the group estimators.
-
-    Raises: BatchError / TokenRangeError as :meth:`rlflow.learner.trainer.Learner.step`.
-    """
-    validate_batch(batch)
-    if batch.token_rewards is None:
-        if learner.settings.gae:
-            raise BatchError("token_rewards is None, but learner.advantage='gae' needs each "
-                             "sample's reward on its last response token (build_batch)")
-        batch = batch._replace(token_rewards=np.zeros(np.shape(batch.advantages), np.float32))
-    validate_tokens(batch.tokens, learner.model_config.vocab_size, where="train batch tokens")
-    rows = np.shape(batch.tokens)[0]
-    split = learner.settings.micro_batches * learner.mesh.shape["data"] * learner.mesh.shape["fsdp"]
-    if rows % split:
-        raise BatchError(f"batch of {rows} rows does not divide into learner.micro_batches x "
-                         f"data x fsdp = {split} parts")
-    return batch
-
-
 def distribute_batch(batch: Optional[TrainBatch], mesh, *, source: int = 0,
                      check=None) -> tuple[TrainBatch, dict]:
     """Host ``source``'s host batch -> global batch arrays in ``batch_sharding(mesh)``.
@@ -259,7 +238,7 @@ def distribute_batch(batch: Optional[TrainBatch], mesh, *, source: int = 0,
             if check is not None:
                 batch = check(batch)
             shape = np.shape(batch.tokens)
-        except (BatchError, TokenRangeError) as e:
+        except (BatchError, TokenRangeError, RuntimeError) as e:
             error, shape = f"{type(e).__name__}: {e}", (0, 0)
         header = _header(*shape, error=error)
     else:
@@ -292,10 +271,8 @@ def train_step(learner, batch: Optional[TrainBatch], *, source: int = 0
     :meth:`Learner.step`).
     """
     dev, info = distribute_batch(batch, learner.mesh, source=source,
-                                 check=lambda b: check_batch(b, learner))
-    fn = learner.compiled_step(*dev.tokens.shape)
-    learner.state, metrics = fn(learner.state, dev, learner.ref_params, learner.base)
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}, info
+                                 check=learner.check_batch)
+    return learner.step_on_device(dev), info
 
 
 def gather_to_host(tree):

@@ -172,6 +172,18 @@ class Learner:
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step on a host batch; returns the step metrics as floats.
 
+        Raises: as :meth:`check_batch`.
+        """
+        batch = self.check_batch(batch)
+        sh = batch_sharding(self.mesh)
+        dev = TrainBatch(*jax.device_put([np.asarray(x) for x in batch], sh))  # one transfer call
+        return self.step_on_device(dev)
+
+    def check_batch(self, batch: TrainBatch) -> TrainBatch:
+        """The host-side checks of a step's batch; fills ``token_rewards`` with zeros
+        ``[B, L]`` float32 for the group estimators. (A multi-host learner runs them on host 0
+        before distributing the batch, :mod:`rlflow.learner.multihost`.)
+
         Raises: :class:`rlflow.learner.batch.BatchError` for mismatched shapes or dtypes, or a
         row count that the micro-batches and batch-sharded devices do not divide;
         :class:`rlflow.models.decoder.TokenRangeError` for a token id outside the vocabulary
@@ -184,20 +196,23 @@ class Learner:
             if self.settings.gae:
                 raise BatchError("token_rewards is None, but learner.advantage='gae' needs each "
                                  "sample's reward on its last response token (build_batch)")
-            batch = batch._replace(token_rewards=np.zeros(batch.advantages.shape, np.float32))
+            batch = batch._replace(token_rewards=np.zeros(np.shape(batch.advantages), np.float32))
         if self.settings.gae and self.state.value is None:
             raise RuntimeError("learner.advantage='gae' but the train state has no value head "
                                "(TrainState.value is None): a state restored from a checkpoint "
                                "must carry the value head too")
         validate_tokens(batch.tokens, self.model_config.vocab_size, where="train batch tokens")
-        rows = batch.tokens.shape[0]
+        rows = np.shape(batch.tokens)[0]
         split = self.settings.micro_batches * self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         if rows % split:
             raise BatchError(f"batch of {rows} rows does not divide into learner.micro_batches x "
                              f"data x fsdp = {split} parts")
-        sh = batch_sharding(self.mesh)
-        dev = TrainBatch(*jax.device_put([np.asarray(x) for x in batch], sh))  # one transfer call
-        fn = self.compiled_step(*batch.tokens.shape)
+        return batch
+
+    def step_on_device(self, dev: TrainBatch) -> dict[str, float]:
+        """One optimiser step on a checked batch already in ``batch_sharding(self.mesh)``
+        (global arrays ``[B, L]``); returns the step metrics as floats."""
+        fn = self.compiled_step(*dev.tokens.shape)
         self.state, metrics = fn(self.state, dev, self.ref_params, self.base)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 

@@ -206,16 +206,21 @@ class PromptLedger:
             return None
         return e
 
-    def stored(self, key: Key) -> bool:
-        """The group of ``key`` entered the ring buffer. False (counted as a duplicate)
-        when its lease is not current: a lost replica's late group."""
+    def _advance(self, key: Key, state: str, to: str) -> bool:
+        """Move the current lease of ``key`` from ``state`` to ``to``; False (counted as a
+        duplicate) when ``key`` is not the current lease in ``state``."""
         with self._lock:
-            e = self._current(key, LEASED)
+            e = self._current(key, state)
             if e is None:
                 self.counts["duplicates"] += 1
                 return False
-            e.state = BUFFERED
+            e.state = to
             return True
+
+    def stored(self, key: Key) -> bool:
+        """The group of ``key`` entered the ring buffer. False (counted as a duplicate)
+        when its lease is not current: a lost replica's late group."""
+        return self._advance(key, LEASED, BUFFERED)
 
     def unstore(self, key: Key) -> None:
         """The stored group of ``key`` never reached the learner (its put timed out): the
@@ -229,13 +234,7 @@ class PromptLedger:
     def take(self, key: Key) -> bool:
         """The learner takes the group of ``key`` into its batch. False (counted as a
         duplicate) when it is not the current lease's stored group."""
-        with self._lock:
-            e = self._current(key, BUFFERED)
-            if e is None:
-                self.counts["duplicates"] += 1
-                return False
-            e.state = CONSUMED
-            return True
+        return self._advance(key, BUFFERED, CONSUMED)
 
     def trained(self, keys: Iterable[Key]) -> None:
         """The learner finished the step that consumed ``keys``.
