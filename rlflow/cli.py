@@ -48,7 +48,7 @@ def bool_flags(cls=None, prefix: str = "") -> set[str]:
     from rlflow import config as config_mod
 
     cls = cls or config_mod.ExperimentConfig
-    hints = typing.get_type_hints(cls, vars(config_mod))
+    hints = typing.get_type_hints(cls)
     out = set()
     for f in dataclasses.fields(cls):
         hint = hints[f.name]

@@ -62,7 +62,7 @@ def config_from_dict(cls, data: dict):
     Raises:
       rlflow.config.ConfigError: an unknown field (named) or an invalid value.
     """
-    hints = typing.get_type_hints(cls, vars(config_mod))
+    hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:

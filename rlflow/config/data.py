@@ -1,0 +1,89 @@
+"""Prompt data and reward sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Tuple
+
+from rlflow.config.validation import _check, _positive, _one_of
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompt dataset (a grain pipeline).
+
+    Attributes:
+      source: "builtin" for a procedural task, or "jsonl" / "parquet" / "arrayrecord".
+      path: file (or glob) for non-builtin sources.
+      task: name of the built-in task when ``source == "builtin"``.
+      prompt_field / answer_field: record fields holding the prompt and the reference answer.
+      chat_template: "hf" (the tokenizer's chat template), "plain" (``plain_template``) or "none".
+      plain_template: Python format string with ``{prompt}``: the whole prompt text for
+        "plain", the user message inside the chat template for "hf"; unused for "none".
+      max_prompt_tokens: prompts longer than this (in tokens) are filtered out and counted.
+      shuffle_seed: seed of the deterministic shuffle.
+      num_epochs: passes over the dataset (0: unlimited).
+      on_bad_record: "error" stops with file and line; "skip" skips and counts.
+    """
+
+    source: Literal["builtin", "jsonl", "parquet", "arrayrecord"] = "builtin"
+    path: str = ""
+    task: str = "digits"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    chat_template: Literal["hf", "plain", "none"] = "none"
+    plain_template: str = "{prompt}"
+    max_prompt_tokens: int = 256
+    shuffle_seed: int = 0
+    num_epochs: int = 0
+    on_bad_record: Literal["error", "skip"] = "error"
+
+    def __post_init__(self):
+        _one_of(self.source, ("builtin", "jsonl", "parquet", "arrayrecord"), "data.source")
+        _one_of(self.chat_template, ("hf", "plain", "none"), "data.chat_template")
+        _one_of(self.on_bad_record, ("error", "skip"), "data.on_bad_record")
+        if self.source != "builtin":
+            _check(bool(self.path), "data.path", f"is required when data.source={self.source!r}")
+        _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
+        _check(self.num_epochs >= 0, "data.num_epochs", f"must be >= 0, got {self.num_epochs}")
+        _check("{prompt}" in self.plain_template, "data.plain_template",
+               "must contain '{prompt}'")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward functions (names from the registry in ``rlflow.data.rewards``) and weights.
+
+    Each call runs in a reward worker process; one that raises, runs longer than
+    ``timeout_s`` seconds (its worker is killed and replaced) or past ``memory_limit_mb``
+    gives reward 0 for that sample; the failure is counted and logged with the sample id.
+
+    Attributes:
+      functions: reward function names: registered names (``rlflow.data.rewards``, or
+        registered by a module in ``plugins``) or ``"package.module:function"`` /
+        ``"path/file.py:function"`` references; unknown names are refused when the config
+        is resolved.
+      weights: one weight per function; the reward is the weighted sum.
+      timeout_s: seconds one reward call may take before it scores 0 (counted).
+      num_workers: reward worker processes of the sampler (scoring overlaps decoding).
+        0 calls the functions in the sampler process on a thread: for debugging only
+        (a call that holds the GIL or allocates without bound is then not stopped).
+      memory_limit_mb: memory one reward call may allocate, MiB: each reward worker's
+        address space (RLIMIT_AS) is capped at what it maps after loading the functions plus
+        this; a call past it scores 0 (counted as an error). 0: no limit.
+    """
+
+    functions: Tuple[str, ...] = ("digits_match",)
+    weights: Tuple[float, ...] = (1.0,)
+    timeout_s: float = 5.0
+    num_workers: int = 2
+    memory_limit_mb: int = 4096
+
+    def __post_init__(self):
+        _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
+        _check(len(self.functions) == len(self.weights), "reward.weights",
+               f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")
+        _positive(self.timeout_s, "reward.timeout_s")
+        _check(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
+        _check(self.memory_limit_mb >= 0, "reward.memory_limit_mb",
+               f"must be >= 0 (0: no limit), got {self.memory_limit_mb}")

@@ -1,0 +1,100 @@
+"""The whole-run config, the run-level cross-section checks, and config-file loading."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Tuple
+
+from rlflow.secrets import ENV_BUFFER_TOKEN, token_source_given
+from rlflow.config.validation import ConfigError, _check
+from rlflow.config.runtime import BufferConfig
+from rlflow.config.runtime import CheckpointConfig
+from rlflow.config.data import DataConfig
+from rlflow.config.learner import LearnerConfig
+from rlflow.config.runtime import MetricsConfig
+from rlflow.config.model import ModelConfig
+from rlflow.config.data import RewardConfig
+from rlflow.config.runtime import RuntimeConfig
+from rlflow.config.sampler import SamplerConfig
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole rlflow run.
+
+    Attributes:
+      name: run name; the run folder is ``{run_dir}/{name}``.
+      run_dir: parent folder of run folders.
+      seed: global seed (data order, sampling, init).
+      plugins: modules every program imports first (dotted names or ``.py`` paths), e.g.
+        to register reward functions (``rlflow.plugins``).
+    """
+
+    name: str = "demo"
+    run_dir: str = "runs"
+    seed: int = 0
+    plugins: Tuple[str, ...] = ()
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self):
+        _check(bool(self.name) and "/" not in self.name, "name",
+               f"must be a non-empty folder name, got {self.name!r}")
+        bind = self.runtime.bind_address
+        _check(bind == "localhost" or bind.startswith("127.") or bind == "::1"
+               or token_source_given(self.buffer.token, self.buffer.token_file), "buffer.token",
+               f"is required when runtime.bind_address={bind!r} is not loopback "
+               f"(set {ENV_BUFFER_TOKEN} or buffer.token_file)")
+        if self.runtime.stale_policy == "correct":
+            _check(self.learner.is_cap > 0, "learner.is_cap",
+                   "must be > 0 when runtime.stale_policy='correct'")
+        lr, sp = self.learner, self.sampler
+        _check(lr.advantage == "gae" or sp.group_size >= 2, "sampler.group_size",
+               f"must be >= 2 with learner.advantage={lr.advantage!r} (group-relative "
+               f"advantages compare the G samples of a prompt), got {sp.group_size}")
+        rows = lr.groups_per_step * sp.group_size
+        split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
+        _check(rows % split == 0, "learner.micro_batches",
+               f"learner.groups_per_step * sampler.group_size = {rows} samples must divide into "
+               f"learner.micro_batches * learner.mesh.data * learner.mesh.fsdp = {split} parts")
+        _check(lr.overlong_buffer <= sp.max_tokens, "learner.overlong_buffer",
+               f"must be <= sampler.max_tokens={sp.max_tokens}, got {lr.overlong_buffer}")
+
+    @property
+    def run_path(self) -> str:
+        return os.path.join(self.run_dir, self.name)
+
+
+def replace(cfg, **changes):
+    """``dataclasses.replace`` that re-runs validation (frozen dataclasses)."""
+    return dataclasses.replace(cfg, **changes)
+
+
+def load_config_file(path: str) -> ExperimentConfig:
+    """Load ``configs/<name>.py``, which defines ``config() -> ExperimentConfig``.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ConfigError: the file has no ``config`` function or it returns something else.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"rlflow_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, "config", None)
+    _check(callable(fn), path, "must define a function `config() -> ExperimentConfig`")
+    cfg = fn()
+    _check(isinstance(cfg, ExperimentConfig), path,
+           f"config() must return ExperimentConfig, got {type(cfg).__name__}")
+    return cfg

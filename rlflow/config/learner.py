@@ -1,0 +1,236 @@
+"""The learner program's sections: optimisation, losses and LoRA adapters."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Tuple
+
+from rlflow.config.validation import ConfigError, _check, _positive, _one_of, DTYPES
+from rlflow.config.model import MeshConfig
+
+
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on the decoder's projections (Hu et al. 2021, "LoRA", eq. 3):
+    ``W' = W + (alpha / rank) * A @ B`` with ``A [in, rank]``, ``B [rank, out]``; the base
+    weights ``W`` stay frozen (no gradient, no optimiser state), and only the adapters are
+    published to the samplers and checkpointed.
+
+    Attributes:
+      rank: adapter rank r (0: LoRA off, the whole policy is trained).
+      alpha: scale numerator; the adapter term is multiplied by ``alpha / rank``.
+      dropout: dropout on the adapter input; only 0 is supported (the sampler's behaviour
+        logprobs come from the deterministic policy, so dropout in the learner's forward
+        would bias the importance ratios).
+      targets: regular expressions matched (``re.fullmatch``) against the Hugging Face
+        projection names ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``; each
+        must match at least one.
+      lr: learning rate of the adapters; None: ``learner.lr``.
+      train_final_norm: also train the final RMSNorm scale (``E`` floats; PEFT's
+        ``modules_to_save=["model.norm"]``): published, checkpointed and exported with the
+        adapters. Adapters alone cannot raise the logit range (the final RMSNorm fixes the
+        hidden state's norm and the embedding is frozen), which a random base needs.
+      swap: how a sampler applies a new adapter version: "merged" (``W + delta`` written
+        into a working copy of the touched matrices at swap time, the unmerged base kept
+        beside it so that swaps never accumulate; decode runs at the plain model's speed) or
+        "forward" (a low-rank term in every projection's forward; the base is held once, no
+        second copy of the touched matrices, but every decode step pays for the term:
+        ``benchmarks/lora_sync.py``).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: Tuple[str, ...] = LORA_PROJECTIONS
+    lr: Optional[float] = None
+    train_final_norm: bool = False
+    swap: Literal["forward", "merged"] = "merged"
+
+    def __post_init__(self):
+        _check(self.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 off), got {self.rank}")
+        _check(math.isfinite(self.alpha) and self.alpha > 0, "learner.lora.alpha",
+               f"must be finite and > 0, got {self.alpha}")
+        _check(self.dropout == 0.0, "learner.lora.dropout",
+               f"only 0.0 is supported (dropout would make the learner's logprobs differ from "
+               f"the sampler's behaviour logprobs), got {self.dropout}")
+        _check(self.lr is None or (math.isfinite(self.lr) and self.lr > 0), "learner.lora.lr",
+               f"must be None (learner.lr) or finite and > 0, got {self.lr}")
+        _one_of(self.swap, ("forward", "merged"), "learner.lora.swap")
+        _check(len(self.targets) > 0, "learner.lora.targets", "must name at least one projection")
+        for pat in self.targets:
+            try:
+                rx = re.compile(pat)
+            except re.error as e:
+                raise ConfigError(f"learner.lora.targets: {pat!r} is not a regular expression "
+                                  f"({e})") from None
+            _check(any(rx.fullmatch(p) for p in LORA_PROJECTIONS), "learner.lora.targets",
+                   f"{pat!r} matches none of {', '.join(LORA_PROJECTIONS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def projections(self) -> Tuple[str, ...]:
+        """The projection names the targets select, in ``LORA_PROJECTIONS`` order."""
+        return tuple(p for p in LORA_PROJECTIONS
+                     if any(re.fullmatch(pat, p) for pat in self.targets))
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """The learner program: losses, optimiser and the jitted train step.
+
+    Attributes:
+      num_steps: optimiser steps (= policy versions published) in the run.
+      groups_per_step: prompt groups (each ``sampler.group_size`` samples) per step.
+      micro_batches: gradient-accumulation micro-batches per step.
+      lr, warmup_steps, schedule, weight_decay, max_grad_norm, b1, b2: optax AdamW.
+      advantage: "grpo" (z-score, Shao et al. 2024), "drgrpo" (no std, Liu et al. 2025),
+        "rloo" (leave-one-out, Ahmadian et al. 2024), "gae" (PPO with a value head on the
+        policy's final hidden states and GAE, Schulman et al. 2016 / 2017).
+      std_floor: floor added to the group std in GRPO.
+      loss_agg: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm" (Dr. GRPO).
+      clip_low / clip_high: PPO ratio clip range [1-clip_low, 1+clip_high] (DAPO clip-higher).
+      dual_clip: dual-clip constant c > 1 for negative advantages (Ye et al. 2020), or 0 off.
+      kl_coef / kl_estimator: KL penalty to the frozen reference policy (k1, k2, k3).
+      is_cap: truncated importance-weight cap C for off-policy tokens (0 off).
+      mask_truncated: drop completions cut by max_tokens from the loss (DAPO).
+      dynamic_sampling: drop groups with zero reward variance (DAPO).
+      max_consecutive_skipped_steps: a step whose groups leave no sample for the loss (all
+        truncated and masked, all stale, all without reward variance, all with bad rewards)
+        is skipped: no update, no new version, not counted in ``num_steps``, its groups
+        given back to the admission budget. This many skips in a row (or this many steps'
+        worth of groups dropped in a row by ``dynamic_sampling``) stop the run with an error
+        naming the reason (``rlflow.learner.skips``); 0: never stop.
+      num_devices / mesh: devices and mesh of the learner program.
+      compute_dtype: activations dtype in the train step; params stay ``model.param_dtype``.
+      seed: PRNG seed of the learner (dropout-free; used for any sampled quantity).
+      scale_by_std: divide advantages by the group std (None: only "grpo" does).
+      off_policy: "decoupled" (AReaL decoupled PPO: ratio against the old policy times a
+        detached truncated weight pi_old / pi_behaviour) or "behaviour" (ratio directly
+        against the sampler's behaviour logprobs).
+      is_floor: lower clamp of the truncated importance weight (0 off).
+      is_window_low / is_window_high: tokens whose importance ratio lies outside this window
+        are masked out of the loss (0 turns a side off).
+      overlong_buffer / overlong_penalty: DAPO soft overlong punishment over the last
+        ``overlong_buffer`` tokens of ``sampler.max_tokens`` (0 off), scaled by the penalty.
+      zero_truncated_rewards: reward 0 for completions cut by ``max_tokens``.
+      on_bad_reward: a NaN/inf reward "error"s (naming the sample) or is "drop"ped (counted).
+      seq_buckets: padded training lengths (prompt + completion); the step compiles once per
+        bucket used. Empty: one bucket of ``sampler.max_prefill_length + sampler.max_tokens``.
+      gae_lambda / gae_gamma: GAE lambda and discount over response tokens, in [0, 1]
+        (``advantage="gae"`` only).
+      value_coef: weight of the value loss in the total loss (``advantage="gae"``).
+      value_clip: PPO2 value clip range around the old values (0 off; ``advantage="gae"``).
+      gae_whiten: whiten GAE advantages over the batch's response tokens (zero mean, unit
+        variance).
+      gae_kl_in_reward: move the KL penalty (``kl_coef``, k1 of the old policy against the
+        reference) from the loss into the per-token rewards (``advantage="gae"``; needs
+        ``kl_coef > 0``).
+      lora: LoRA adapters (:class:`LoraConfig`; ``rank`` 0: off). With LoRA the KL reference
+        is the base model (the adapter term switched off), never a second copy of it.
+    """
+
+    num_steps: int = 20
+    groups_per_step: int = 4
+    micro_batches: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.99
+    advantage: Literal["grpo", "drgrpo", "rloo", "gae"] = "grpo"
+    std_floor: float = 1e-6
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    is_cap: float = 2.0
+    mask_truncated: bool = False
+    dynamic_sampling: bool = False
+    max_consecutive_skipped_steps: int = 10
+    num_devices: int = 1
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0
+    scale_by_std: Optional[bool] = None
+    off_policy: Literal["decoupled", "behaviour"] = "decoupled"
+    is_floor: float = 0.0
+    is_window_low: float = 0.0
+    is_window_high: float = 0.0
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    zero_truncated_rewards: bool = False
+    on_bad_reward: Literal["error", "drop"] = "error"
+    seq_buckets: Tuple[int, ...] = ()
+    gae_lambda: float = 0.95
+    gae_gamma: float = 1.0
+    value_coef: float = 0.1
+    value_clip: float = 0.2
+    gae_whiten: bool = True
+    gae_kl_in_reward: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self):
+        for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices"):
+            _positive(getattr(self, name), f"learner.{name}")
+        _check(self.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
+        _check(self.max_consecutive_skipped_steps >= 0, "learner.max_consecutive_skipped_steps",
+               f"must be >= 0 (0: never stop), got {self.max_consecutive_skipped_steps}")
+        _one_of(self.schedule, ("constant", "cosine"), "learner.schedule")
+        _one_of(self.advantage, ("grpo", "drgrpo", "rloo", "gae"), "learner.advantage")
+        _one_of(self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+                "learner.loss_agg")
+        _one_of(self.kl_estimator, ("k1", "k2", "k3"), "learner.kl_estimator")
+        _one_of(self.compute_dtype, DTYPES, "learner.compute_dtype")
+        _check(0 <= self.clip_low < 1, "learner.clip_low", f"must be in [0, 1), got {self.clip_low}")
+        _check(self.clip_high >= 0, "learner.clip_high", f"must be >= 0, got {self.clip_high}")
+        _check(self.dual_clip == 0 or self.dual_clip > 1, "learner.dual_clip",
+               f"must be 0 (off) or > 1, got {self.dual_clip}")
+        _check(self.kl_coef >= 0, "learner.kl_coef", "must be >= 0")
+        _check(self.is_cap >= 0, "learner.is_cap", "must be >= 0 (0 turns it off)")
+        _check(self.max_grad_norm >= 0, "learner.max_grad_norm", "must be >= 0 (0 turns it off)")
+        _check(math.isfinite(self.lr), "learner.lr", "must be finite")
+        _check(self.mesh.num_devices == self.num_devices, "learner.mesh",
+               f"has {self.mesh.num_devices} devices but learner.num_devices={self.num_devices}")
+        _check(not (self.advantage == "drgrpo" and self.scale_by_std), "learner.scale_by_std",
+               "must not be True with learner.advantage='drgrpo' (Dr. GRPO has no std scaling)")
+        _one_of(self.off_policy, ("decoupled", "behaviour"), "learner.off_policy")
+        _one_of(self.on_bad_reward, ("error", "drop"), "learner.on_bad_reward")
+        _check(self.is_floor >= 0 and (self.is_cap == 0 or self.is_floor <= self.is_cap),
+               "learner.is_floor", f"must be in [0, learner.is_cap], got {self.is_floor}")
+        _check(0 <= self.is_window_low <= 1, "learner.is_window_low",
+               f"must be in [0, 1] (0 off), got {self.is_window_low}")
+        _check(self.is_window_high == 0 or self.is_window_high >= 1, "learner.is_window_high",
+               f"must be 0 (off) or >= 1, got {self.is_window_high}")
+        _check(self.overlong_buffer >= 0, "learner.overlong_buffer", "must be >= 0 (0 off)")
+        _check(self.overlong_penalty >= 0, "learner.overlong_penalty", "must be >= 0")
+        _check(all(b > 0 for b in self.seq_buckets) and
+               list(self.seq_buckets) == sorted(set(self.seq_buckets)), "learner.seq_buckets",
+               f"must be positive and strictly increasing, got {self.seq_buckets}")
+        for name in ("gae_lambda", "gae_gamma"):
+            v = getattr(self, name)
+            _check(0 <= v <= 1, f"learner.{name}", f"must be in [0, 1], got {v}")
+        _check(self.value_coef > 0 and math.isfinite(self.value_coef), "learner.value_coef",
+               f"must be finite and > 0, got {self.value_coef}")
+        _check(self.value_clip >= 0, "learner.value_clip",
+               f"must be >= 0 (0 off), got {self.value_clip}")
+        gae = self.advantage == "gae"
+        _check(not gae or self.scale_by_std is None, "learner.scale_by_std",
+               "must be None with learner.advantage='gae' (GAE has no group std; see "
+               "learner.gae_whiten)")
+        _check(not self.gae_kl_in_reward or (gae and self.kl_coef > 0),
+               "learner.gae_kl_in_reward", f"needs learner.advantage='gae' and "
+               f"learner.kl_coef > 0, got advantage={self.advantage!r}, kl_coef={self.kl_coef}")
+        _check(not (self.lora.enabled and gae), "learner.lora",
+               "LoRA with learner.advantage='gae' (a value head) is not supported")

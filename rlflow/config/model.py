@@ -1,0 +1,84 @@
+"""Model architecture and device-mesh sections."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from rlflow.config.validation import _check, _positive, _one_of, DTYPES
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy model.
+
+    Attributes:
+      path: local Hugging Face folder (config.json + safetensors). Empty: build a random
+        model from the architecture fields below (used by the built-in demo and tests).
+      model_type: architecture family when ``path`` is empty: "llama", "qwen2" or "qwen3".
+      vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim:
+        architecture of the random model (ignored when ``path`` is set).
+      rope_theta: RoPE base frequency of the random model.
+      tie_word_embeddings: share input embedding and output projection (random model).
+      dtype: activation/compute dtype.
+      param_dtype: dtype of stored (master) parameters.
+      init_seed: PRNG seed for a random model's initial parameters.
+    """
+
+    path: str = ""
+    model_type: Literal["llama", "qwen2", "qwen3"] = "llama"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    init_seed: int = 0
+
+    def __post_init__(self):
+        _one_of(self.model_type, ("llama", "qwen2", "qwen3"), "model.model_type")
+        _one_of(self.dtype, DTYPES, "model.dtype")
+        _one_of(self.param_dtype, DTYPES, "model.param_dtype")
+        if self.path:
+            _check(os.path.isdir(self.path), "model.path",
+                   f"must be an existing Hugging Face folder, got {self.path!r}")
+            _check(os.path.isfile(os.path.join(self.path, "config.json")), "model.path",
+                   f"{self.path!r} has no config.json (expected a Hugging Face model folder "
+                   "with config.json and *.safetensors)")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            _positive(getattr(self, name), f"model.{name}")
+        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+               f"must divide model.num_heads={self.num_heads}, got {self.num_kv_heads}")
+        _positive(self.rope_theta, "model.rope_theta")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh of one program: sizes of the ``data``, ``fsdp`` and ``tensor`` axes.
+
+    The product must equal the number of devices the program sees.
+
+    Attributes:
+      data: data-parallel axis size (batch split, parameters replicated).
+      fsdp: fully-sharded data-parallel axis size (batch and parameters split).
+      tensor: tensor-parallel axis size (heads and MLP columns split).
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name in ("data", "fsdp", "tensor"):
+            _positive(getattr(self, name), f"mesh.{name}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.fsdp * self.tensor

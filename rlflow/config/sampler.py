@@ -1,0 +1,75 @@
+"""The sampler program's section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Tuple
+
+from rlflow.config.validation import _check, _positive, _one_of
+from rlflow.config.model import MeshConfig
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """The sampler program: JetStream engine, continuous batching, sampling settings.
+
+    Attributes:
+      num_slots: decode slots (the decode batch size).
+      max_prefill_length: longest prompt, in tokens.
+      prefill_buckets: padded prefill lengths, increasing; the largest equals
+        max_prefill_length (one compiled prefill per bucket).
+      max_tokens: most new tokens per completion.
+      group_size: completions per prompt (G).
+      temperature / top_k / top_p: sampling settings (temperature 0 is greedy; top_k 0 off).
+      on_long_prompt: "error" or "truncate" (keep the last max_prefill_length tokens, counted).
+      num_devices: devices of the sampler program (fake CPU devices on a laptop).
+      mesh: the sampler's mesh (tensor parallel axis at least).
+      seed: base PRNG seed; the sampler program derives each request's seed from it and
+        the request's position in the prompt stream (sampling.derive_seed).
+      decode_steps_per_call: decode steps per jitted decode call (k >= 1, one host copy per
+        call); weight swaps and slot refills happen between calls, so with k > 1 a slot
+        that finishes mid-call idles for the rest of it. Default 1: every free slot is
+        refilled before every step; benchmarks/sampler_throughput.py reports k = 4 too
+        (more tokens/s on a small model, some slot steps idle).
+      max_prefill_batch: most prompts prefilled in one call (C >= 1). A refill prefills
+        its new prompts in calls of up to C rows, padded to a power of two, so prefill and
+        insert compile at most log2(C) + 1 times per bucket (each compile stalls every
+        slot); 1 is JetStream's one prompt per prefill.
+      num_replicas: sampler replicas (N >= 1), each an independent sampler program with
+        its own process, devices and engine, all leasing prompts from the learner's prompt
+        ledger. ``rlflow train`` starts N processes of ``num_devices`` devices each; on
+        Cloud TPU each sampler host is one replica (``scripts/tpu --sampler-slices``).
+    """
+
+    num_slots: int = 16
+    max_prefill_length: int = 64
+    prefill_buckets: Tuple[int, ...] = (16, 32, 64)
+    max_tokens: int = 16
+    group_size: int = 4
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    on_long_prompt: Literal["error", "truncate"] = "error"
+    num_devices: int = 1
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    seed: int = 0
+    decode_steps_per_call: int = 1
+    max_prefill_batch: int = 4
+    num_replicas: int = 1
+
+    def __post_init__(self):
+        for name in ("num_slots", "max_prefill_length", "max_tokens", "group_size", "num_devices",
+                     "decode_steps_per_call", "max_prefill_batch", "num_replicas"):
+            _positive(getattr(self, name), f"sampler.{name}")
+        _check(len(self.prefill_buckets) > 0, "sampler.prefill_buckets", "must not be empty")
+        _check(list(self.prefill_buckets) == sorted(self.prefill_buckets),
+               "sampler.prefill_buckets", f"must be increasing, got {self.prefill_buckets}")
+        _check(max(self.prefill_buckets) == self.max_prefill_length, "sampler.prefill_buckets",
+               f"largest bucket must equal sampler.max_prefill_length={self.max_prefill_length}")
+        _check(self.temperature >= 0, "sampler.temperature",
+               f"must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, "sampler.top_k", f"must be >= 0, got {self.top_k}")
+        _check(0 < self.top_p <= 1, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
+        _one_of(self.on_long_prompt, ("error", "truncate"), "sampler.on_long_prompt")
+        _check(self.mesh.num_devices == self.num_devices, "sampler.mesh",
+               f"has {self.mesh.num_devices} devices but sampler.num_devices={self.num_devices}")
