@@ -1,7 +1,7 @@
 """Time the sampler's decode loop is blocked by scoring: blocking vs overlapped rewards.
 
 GSM8K-like groups (G = 8 chat-model completions each, ``math_verify``) are scored two ways
-by the real :class:`rlflow.data.rewards.Rewarder`:
+by the real :class:`rlflow.data.rewarder.Rewarder`:
 
   * ``blocking``: ``score_group`` per finished group (the loop waits for the rewards);
   * ``overlapped``: ``submit_group`` per finished group (what the sampler program does; the
@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlflow.config import RewardConfig  # noqa: E402
-from rlflow.data.rewards import Rewarder  # noqa: E402
+from rlflow.data.rewarder import Rewarder  # noqa: E402
 
 
 def completions(i: int) -> list:

@@ -153,7 +153,7 @@ USER_MODULE = textwrap.dedent("""
 PROGRAM = textwrap.dedent("""
     import sys
     from rlflow import programs_common as pc
-    from rlflow.data.rewards import Rewarder
+    from rlflow.data.rewarder import Rewarder
     cfg = pc.load_config(sys.argv[1])            # what a sampler child does
     with Rewarder(cfg.reward, plugins=cfg.plugins) as r:
         print(r.score_group(0, ["AB", "abc"], "x").tolist())

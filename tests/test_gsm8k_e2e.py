@@ -108,7 +108,8 @@ def test_rewards_go_through_math_verify(gsm8k_run):
     config.json) gives that completion against the GSM8K answer of its prompt; the same
     Rewarder scores the reference number 1 and a wrong number 0."""
     from rlflow.config import RewardConfig
-    from rlflow.data.rewards import Rewarder, final_answer_text
+    from rlflow.data.rewarder import Rewarder
+    from rlflow.data.rewards import final_answer_text
 
     proc, run, _, _ = gsm8k_run
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from rlflow.config import RewardConfig, load_config_file, replace
-from rlflow.data.rewards import (NonFiniteRewardError, Rewarder, available_rewards,
+from rlflow.data.rewarder import Rewarder
+from rlflow.data.rewards import (NonFiniteRewardError, available_rewards,
                                  exact_match_reward, get_reward, math_format_reward,
                                  math_verify_reward, register_reward)
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from rlflow.config import ExperimentConfig, LearnerConfig, RewardConfig
-from rlflow.data.rewards import NonFiniteRewardError, Rewarder
+from rlflow.data.rewarder import Rewarder
+from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.sampler.batching import CompletedGroup, Completion, Request
 from rlflow.runtime.control import ControlReply
 from rlflow.sampler.program import SamplerProgram, _Window

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from rlflow.config import DataConfig, RewardConfig
-from rlflow.data.rewards import Rewarder, get_reward
+from rlflow.data.rewarder import Rewarder
+from rlflow.data.rewards import get_reward
 from rlflow.data.tasks import TASKS, DigitsSource, digits_match, get_task
 from rlflow.data.tokenizer import (DEFAULT_CHAT_TEMPLATE, build_bpe_tokenizer,
                                    build_char_tokenizer, load_tokenizer)

@@ -33,7 +33,7 @@ Final answer of a chat-model completion (``completion_answer_text``), first rule
   3. else the completion without its markdown heading lines (lines starting with ``#``),
      left to math-verify's own extraction ("final answer is ...", then the last expression).
 
-:class:`Rewarder` combines the configured functions with their weights and bounds each call
+:class:`rlflow.data.rewarder.Rewarder` combines the configured functions with their weights and bounds each call
 in time and memory by running it in a reward worker process (:mod:`rlflow.data.reward_workers`):
 a function that raises, returns a non-number, runs past ``reward.timeout_s`` or past
 ``reward.memory_limit_mb`` gives 0 for that sample; the failure is counted per function and
@@ -49,6 +49,7 @@ import re
 from typing import Callable, Dict, Sequence
 
 from rlflow import plugins as plugins_lib
+from rlflow.data.tasks import digits_match
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,6 @@ def get_reward(name: str) -> RewardFn:
       KeyError: unknown name (the message lists the registered ones and the other syntax),
         or the reference cannot be imported / is not callable.
     """
-    _load_builtin()
     if plugins_lib.is_reference(name):
         try:
             fn = plugins_lib.resolve(name)
@@ -129,18 +129,12 @@ def get_reward(name: str) -> RewardFn:
 
 def is_available(name: str) -> bool:
     """Whether ``name`` is registered (``module:function`` names are always looked up)."""
-    _load_builtin()
     return plugins_lib.is_reference(name) or name in _REGISTRY
 
 
 def available_rewards() -> list:
     """Names of the registered reward functions, sorted."""
-    _load_builtin()
     return sorted(_REGISTRY)
-
-
-def _load_builtin() -> None:
-    import rlflow.data.tasks  # noqa: F401  (registers the task rewards)
 
 
 def warm_up(names: Sequence[str]) -> None:
@@ -281,14 +275,5 @@ def exact_match_reward(completion: str, answer: str) -> float:
     return float(completion.strip() == answer.strip())
 
 
-# The scorer lives in rlflow.data.rewarder (which imports this module); its names are
-# re-exported here on first use (PEP 562), so either module may be imported first.
-_FROM_REWARDER = ("RewardBatch", "Rewarder", "RewardTimeout", "call_with_timeout")
 
-
-def __getattr__(name: str):
-    if name in _FROM_REWARDER:
-        from rlflow.data import rewarder
-
-        return getattr(rewarder, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+register_reward("digits_match")(digits_match)

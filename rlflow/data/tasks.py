@@ -27,7 +27,6 @@ from typing import Callable
 
 import numpy as np
 
-from rlflow.data.rewards import register_reward
 from rlflow.data.tokenizer import build_char_tokenizer
 
 
@@ -57,7 +56,6 @@ class DigitsSource:
         return {"prompt": f"{d}>", "answer": str((d + 1) % 10)}
 
 
-@register_reward("digits_match")
 def digits_match(completion: str, answer: str) -> float:
     """Reward of the ``digits`` task: 0.9 for a correct first character, 0.1 for stopping.
 

@@ -41,7 +41,8 @@ import time
 import numpy as np
 
 from rlflow import programs_common as pc
-from rlflow.data.rewards import NonFiniteRewardError, Rewarder
+from rlflow.data.rewarder import Rewarder
+from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.exchange.buffer import BufferClient
 from rlflow.exchange.ring import BufferClosedError
 from rlflow.exchange.wire import tcp_endpoint
