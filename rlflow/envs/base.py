@@ -103,6 +103,7 @@ def get_environment(name: str) -> EnvFactory:
       EnvError: unknown name (the message lists the registered ones) or an import
         reference that does not resolve.
     """
+    _load_builtin()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
@@ -115,5 +116,17 @@ def get_environment(name: str) -> EnvFactory:
 
 
 def registered_environments() -> List[str]:
-    """Names of the registered environments, sorted."""
+    """Names of the registered environments (built-in ones included), sorted."""
+    _load_builtin()
     return sorted(_REGISTRY)
+
+
+#: Modules of the built-in environments, imported on the first registry lookup.
+BUILTIN_MODULES = ("rlflow.envs.guess_digit",)
+
+
+def _load_builtin() -> None:
+    import importlib
+
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
