@@ -150,12 +150,13 @@ def test_guess_digit_replies_and_rewards():
     assert [s.messages for s in steps[1:3]] == [[{"role": "user", "content": "+"}],
                                                 [{"role": "user", "content": "-"}]]
     assert steps[3].done and steps[3].reward == pytest.approx(1.0 - 0.1 * 2)
-    assert steps[3].info == {"turns": 3.0, "found": 1.0, "invalid": 0.0}
+    assert steps[3].info == {"found": 1.0, "invalid": 0.0}
     # not found within max_turns: reward 0; a non-digit is an invalid turn
     env = make({"answer": "0"}, max_turns=2)
     steps = play(env, ["x", "9"])
     assert steps[1].messages == [{"role": "user", "content": "?"}] and not steps[1].done
-    assert steps[2].done and steps[2].reward == 0.0 and steps[2].info["invalid"] == 1.0
+    assert steps[1].info == {"invalid": 1.0}
+    assert steps[2].done and steps[2].reward == 0.0 and steps[2].info == {"invalid": 0.0}
     # found at the first turn: 1.0; reset starts over
     assert play(env, ["0"])[1].reward == 1.0
 

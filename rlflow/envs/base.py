@@ -50,6 +50,7 @@ class EnvStep:
       done: the episode ends after this step.
       reward: the episode's outcome reward, read when ``done`` (float; ``None`` means 0.0).
       info: free-form counters for metrics (e.g. ``{"tool_errors": 1}``); numbers only.
+        Counts of this step: an episode's counters are their sums over its steps.
     """
 
     messages: List[Message] = field(default_factory=list)
@@ -66,6 +67,10 @@ class Environment(Protocol):
     chat template and the generation prompt as the episode's prompt.
     ``step(assistant: str) -> EnvStep``: the policy's last assistant message (decoded text,
     end-of-turn token removed) -> the environment's answer.
+
+    Optional attribute ``tools``: a list of JSON-schema tool descriptions passed to the chat
+    template as ``tools=`` for the whole episode (Qwen-style templates render them in the
+    system turn); absent or None: no ``tools=``.
     """
 
     def reset(self) -> List[Message]: ...
@@ -122,7 +127,7 @@ def registered_environments() -> List[str]:
 
 
 #: Modules of the built-in environments, imported on the first registry lookup.
-BUILTIN_MODULES = ("rlflow.envs.guess_digit",)
+BUILTIN_MODULES = ("rlflow.envs.guess_digit", "rlflow.envs.gsm8k_calculator")
 
 
 def _load_builtin() -> None:

@@ -34,7 +34,7 @@ the start of a continuation it could only if the scaffold began with mergeable t
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from rlflow.envs.base import EnvError, Message
 

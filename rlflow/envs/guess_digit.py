@@ -21,8 +21,8 @@ halving by the replies) finds every digit within 4 turns and scores
 non-digits scores less than the former. So a mean reward rising by 0.3 or more from the start
 needs the policy to read the replies.
 
-Info counters (``EnvStep.info``, on the last step): ``turns``, ``found`` (0/1),
-``invalid`` (messages that did not start with a digit).
+Info counters (``EnvStep.info``, per step, summed per episode): ``invalid`` (1 when the
+message did not start with a digit), ``found`` (1 on the step of the right guess).
 """
 
 from __future__ import annotations
@@ -49,12 +49,10 @@ class GuessDigitEnv:
         self.max_turns = int(max_turns)
         self.turn_penalty = float(turn_penalty)
         self.turns = 0
-        self.invalid = 0
 
     def reset(self) -> List[Message]:
         """The first message: ``[{"role": "user", "content": "?"}]``."""
         self.turns = 0
-        self.invalid = 0
         return [{"role": "user", "content": QUESTION}]
 
     def step(self, assistant: str) -> EnvStep:
@@ -62,18 +60,14 @@ class GuessDigitEnv:
         self.turns += 1
         text = assistant.strip()
         guess = int(text[0]) if text[:1].isdigit() else None
-        if guess is None:
-            self.invalid += 1
+        info = {"invalid": float(guess is None)}
         if guess == self.hidden:
             return EnvStep(done=True, reward=1.0 - self.turn_penalty * (self.turns - 1),
-                           info=self._info(found=1))
+                           info={**info, "found": 1.0})
         if self.turns >= self.max_turns:
-            return EnvStep(done=True, reward=0.0, info=self._info(found=0))
+            return EnvStep(done=True, reward=0.0, info=info)
         reply = INVALID if guess is None else (HIGHER if self.hidden > guess else LOWER)
-        return EnvStep(messages=[{"role": "user", "content": reply}])
-
-    def _info(self, found: int) -> dict:
-        return {"turns": float(self.turns), "found": float(found), "invalid": float(self.invalid)}
+        return EnvStep(messages=[{"role": "user", "content": reply}], info=info)
 
 
 @register_environment("guess_digit")
