@@ -192,3 +192,26 @@ def test_guess_digit_episode_renders_in_the_demo_tokenizer(digit_tokenizer):
     assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
     # <bos><|user|>?<eos><|assistant|> d<eos> <|user|>±<eos><|assistant|> d<eos>
     assert len(ids) == 5 + 2 + 4 + 2 and sum(mask) == 4
+
+
+def test_docs_example_environment_runs():
+    import os
+    import re
+
+    from rlflow.envs import base
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "environments.md")
+    with open(path) as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.DOTALL).group(1)
+    assert 25 <= len(code.strip().splitlines()) <= 35
+    try:
+        exec(compile(code, "docs/environments.md", "exec"), {"__name__": "my_envs"})
+        env = get_environment("countdown")({"start": "2"})
+        assert env.reset() == [{"role": "user", "content": "Count down from 2."}]
+        assert env.step("1").messages == [{"role": "user", "content": "next"}]
+        last = env.step("0")
+        assert last.done and last.reward == 1.0
+        with pytest.raises(EnvError, match="'start'"):
+            get_environment("countdown")({"start": "x"})
+    finally:
+        base._REGISTRY.pop("countdown", None)
