@@ -37,7 +37,8 @@ def simulate(renderer, tokenizer, first, turns, tools=None):
     for text, new in turns:
         sampled = tokenizer.encode(text, add_special_tokens=False) + [renderer.turn_end_id]
         segments.append((sampled, True))
-        messages.append({"role": "assistant", "content": text})
+        assert renderer.assistant_text(sampled) == text
+        messages.append({"role": "assistant", "content": renderer.assistant_text(sampled)})
         if new is not None:
             segments.append((renderer.continuation_ids(messages, new, tools=tools), False))
             messages.extend(new)

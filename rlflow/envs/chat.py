@@ -148,6 +148,15 @@ class ChatRenderer:
         """Ids of ``text`` without added special tokens (the template renders BOS itself)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def assistant_text(self, sampled_ids: Sequence[int]) -> str:
+        """The assistant message's content for ``Environment.step`` and the conversation:
+        ``sampled_ids`` without a final id of :attr:`end_of_turn_ids`, decoded with special
+        tokens skipped (added non-special tokens such as Qwen's ``<tool_call>`` are kept)."""
+        ids = [int(t) for t in sampled_ids]
+        if ids and ids[-1] in self.end_of_turn_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def prompt_ids(self, messages: Sequence[Message], tools=None) -> List[int]:
         """Ids of the episode's first prompt: ``messages`` rendered with the generation
         prompt (``ids(A_1)`` in the module docstring). ``tools``: JSON-schema tool list
