@@ -150,12 +150,12 @@ class ChatRenderer:
 
     def assistant_text(self, sampled_ids: Sequence[int]) -> str:
         """The assistant message's content for ``Environment.step`` and the conversation:
-        ``sampled_ids`` without a final id of :attr:`end_of_turn_ids`, decoded with special
-        tokens skipped (added non-special tokens such as Qwen's ``<tool_call>`` are kept)."""
+        ``sampled_ids`` without its trailing ids of :attr:`end_of_turn_ids`, decoded with
+        special tokens kept (so that the template renders exactly the sampled text)."""
         ids = [int(t) for t in sampled_ids]
-        if ids and ids[-1] in self.end_of_turn_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        while ids and ids[-1] in self.end_of_turn_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def prompt_ids(self, messages: Sequence[Message], tools=None) -> List[int]:
         """Ids of the episode's first prompt: ``messages`` rendered with the generation
