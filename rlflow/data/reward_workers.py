@@ -38,11 +38,12 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import signal
 import sys
 import time
 from multiprocessing.connection import wait as wait_connections
 from typing import List, Optional, Sequence, Tuple
+
+from rlflow.process_limits import exit_text, kill_process_group, set_memory_limit
 
 logger = logging.getLogger(__name__)
 
@@ -51,32 +52,6 @@ STARTUP_TIMEOUT_S = 300.0
 
 # A result: (task id, "ok" | "error" | "timeout", value or message)
 Result = Tuple[int, str, object]
-
-
-def _address_space_bytes() -> int:
-    """This process's virtual memory size (``VmSize`` of /proc/self/status), 0 if unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _set_memory_limit(memory_limit_mb: int) -> None:
-    """RLIMIT_AS = what the worker maps now (interpreter, plugins, reward functions) plus
-    ``memory_limit_mb``: a reward call may allocate that much, whatever its imports mapped."""
-    if memory_limit_mb <= 0:
-        return
-    import resource
-
-    limit = _address_space_bytes() + int(memory_limit_mb) * 1024 * 1024
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
 def serve(conn, handle, memory_limit_mb: int = 0, what: str = "reward") -> None:
@@ -131,7 +106,7 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
                 import_module(module)                    # its @register_reward runs here
             fns.append(rewards.get_reward(name))
         rewards.warm_up([name for name, _ in functions])
-        _set_memory_limit(memory_limit_mb)               # after the imports: they are not
+        set_memory_limit(memory_limit_mb)                # after the imports: they are not
         conn.send(("ready", None))                       # what the limit is for
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("failed", f"{type(e).__name__}: {e}"))
@@ -175,9 +150,7 @@ class _Worker:
         """SIGKILL the worker's process group (the worker and any process a reward call
         started, e.g. a ``sleep`` or a grader subprocess), then the worker itself (in case
         it had not made its group yet)."""
-        with contextlib.suppress(OSError):     # no such group: the worker is not its leader yet
-            if self.process.pid is not None:
-                os.killpg(self.process.pid, signal.SIGKILL)
+        kill_process_group(self.process.pid)   # no such group yet: the worker kill below
         try:
             self.process.kill()
             self.process.join(timeout=5.0)
@@ -188,11 +161,7 @@ class _Worker:
     def exit_text(self) -> str:
         """``exit code N`` / ``killed by SIGNAME`` of a worker that died (waits for it)."""
         self.process.join(timeout=5.0)
-        code = self.process.exitcode
-        if code is not None and code < 0:
-            with contextlib.suppress(ValueError):
-                return f"killed by {signal.Signals(-code).name}"
-        return f"exit code {code}"
+        return exit_text(self.process.exitcode)
 
 
 class RewardWorkerError(RuntimeError):

@@ -16,19 +16,27 @@ the mean reward rose from 0.07-0.09 to 0.97-0.99 between the first and last 10% 
 so the demo should use about 64 samples per step. No supervised warm-start is needed (a
 format-only warm-start did not speed it up).
 
+The multi-turn demo task, ``guess_digit``: the record's ``answer`` is a hidden digit; the
+environment ``guess_digit`` (:mod:`rlflow.envs.guess_digit`) asks ``"?"``, the policy answers
+a digit, the environment replies ``"+"`` (higher) or ``"-"`` (lower) until the digit is found
+or ``max_turns`` turns are used; the reward comes from the environment. Its tokenizer has the
+chat template :data:`rlflow.data.tokenizer.DEFAULT_CHAT_TEMPLATE` (role tokens, each turn
+ended by ``<eos>``), 20 tokens.
+
 A task is a :class:`Task`: its record source (``{"prompt", "answer"}`` dicts, record ``i``
-a pure function of ``(seed, i)``), its alphabet and the name of its reward function.
+a pure function of ``(seed, i)``), its alphabet and the name of its reward function or of
+its environment.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 from rlflow.data.rewards import register_reward
-from rlflow.data.tokenizer import build_char_tokenizer
+from rlflow.data.tokenizer import DEFAULT_CHAT_TEMPLATE, build_char_tokenizer
 
 
 class DigitsSource:
@@ -37,9 +45,11 @@ class DigitsSource:
     ``__getitem__(i) -> {"prompt": "7>", "answer": "8"}`` (grain ``RandomAccessDataSource``).
     """
 
+    task = "digits"
+
     def __init__(self, seed: int, num_records: int = 1024):
         if num_records <= 0:
-            raise ValueError(f"DigitsSource: num_records must be > 0, got {num_records}")
+            raise ValueError(f"{type(self).__name__}: num_records must be > 0, got {num_records}")
         self.seed = int(seed)
         self.num_records = int(num_records)
 
@@ -47,14 +57,28 @@ class DigitsSource:
         return self.num_records
 
     def location(self, index: int) -> str:
-        return f"builtin task 'digits' (seed {self.seed}): record {index}"
+        return f"builtin task {self.task!r} (seed {self.seed}): record {index}"
 
-    def __getitem__(self, index: int) -> dict:
+    def _digit(self, index: int) -> int:
         index = int(index)
         if not 0 <= index < self.num_records:
             raise IndexError(f"record {index} out of range [0, {self.num_records})")
-        d = int(np.random.default_rng([self.seed, index]).integers(10))
+        return int(np.random.default_rng([self.seed, index]).integers(10))
+
+    def __getitem__(self, index: int) -> dict:
+        d = self._digit(index)
         return {"prompt": f"{d}>", "answer": str((d + 1) % 10)}
+
+
+class GuessDigitSource(DigitsSource):
+    """``num_records`` "guess the digit" records: ``{"prompt": "?", "answer": "7"}``, the
+    answer (the hidden digit) uniform in 0-9, a pure function of ``(seed, i)``. The
+    environment ``guess_digit`` plays the episode; ``prompt`` is its first user message."""
+
+    task = "guess_digit"
+
+    def __getitem__(self, index: int) -> dict:
+        return {"prompt": "?", "answer": str(self._digit(index))}
 
 
 @register_reward("digits_match")
@@ -79,23 +103,32 @@ class Task:
     Attributes:
       name: ``data.task`` value.
       alphabet: characters of its character tokenizer.
-      reward: registry name of its reward function (``reward.functions``).
+      reward: registry name of its reward function (``reward.functions``); "" for a
+        multi-turn task, whose environment gives the reward.
       make_source: ``seed -> source`` of ``{"prompt", "answer"}`` records.
+      chat_template: the tokenizer's chat template (None: none; multi-turn tasks need one).
+      environment: registry name of its environment (``rlflow.envs``); "" for single-turn.
     """
 
     name: str
     alphabet: str
     reward: str
     make_source: Callable[[int], object]
+    chat_template: Optional[str] = None
+    environment: str = ""
 
     def build_tokenizer(self, out_dir: str):
-        """Write the task's character tokenizer to ``out_dir`` and return it (no chat template)."""
-        return build_char_tokenizer(self.alphabet, out_dir)
+        """Write the task's character tokenizer (with its chat template, if any) to
+        ``out_dir`` and return it."""
+        return build_char_tokenizer(self.alphabet, out_dir, chat_template=self.chat_template)
 
 
 TASKS = {
     "digits": Task(name="digits", alphabet="0123456789>", reward="digits_match",
                    make_source=DigitsSource),
+    "guess_digit": Task(name="guess_digit", alphabet="0123456789+-?", reward="",
+                        make_source=GuessDigitSource, chat_template=DEFAULT_CHAT_TEMPLATE,
+                        environment="guess_digit"),
 }
 
 

@@ -50,6 +50,7 @@ class EnvStep:
       done: the episode ends after this step.
       reward: the episode's outcome reward, read when ``done`` (float; ``None`` means 0.0).
       info: free-form counters for metrics (e.g. ``{"tool_errors": 1}``); numbers only.
+        Counts of this step: an episode's counters are their sums over its steps.
     """
 
     messages: List[Message] = field(default_factory=list)
@@ -66,6 +67,10 @@ class Environment(Protocol):
     chat template and the generation prompt as the episode's prompt.
     ``step(assistant: str) -> EnvStep``: the policy's last assistant message (decoded text,
     end-of-turn token removed) -> the environment's answer.
+
+    Optional attribute ``tools``: a list of JSON-schema tool descriptions passed to the chat
+    template as ``tools=`` for the whole episode (Qwen-style templates render them in the
+    system turn); absent or None: no ``tools=``.
     """
 
     def reset(self) -> List[Message]: ...
@@ -103,6 +108,7 @@ def get_environment(name: str) -> EnvFactory:
       EnvError: unknown name (the message lists the registered ones) or an import
         reference that does not resolve.
     """
+    _load_builtin()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
@@ -115,5 +121,17 @@ def get_environment(name: str) -> EnvFactory:
 
 
 def registered_environments() -> List[str]:
-    """Names of the registered environments, sorted."""
+    """Names of the registered environments (built-in ones included), sorted."""
+    _load_builtin()
     return sorted(_REGISTRY)
+
+
+#: Modules of the built-in environments, imported on the first registry lookup.
+BUILTIN_MODULES = ("rlflow.envs.guess_digit", "rlflow.envs.gsm8k_calculator")
+
+
+def _load_builtin() -> None:
+    import importlib
+
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)

@@ -78,6 +78,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rlflow import programs_common as pc
+from rlflow.process_limits import exit_text
 from rlflow.secrets import ENV_BUFFER_TOKEN, install_log_redaction, secret_values
 
 MAX_SAMPLER_RESTARTS = 3
@@ -227,15 +228,6 @@ def split_cpus(cpus: Sequence[int]) -> dict[str, list[int]]:
     return {"learner": cpus[:half], "sampler": cpus[half:]}
 
 
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
     try:
         with open(path, "rb") as f:
@@ -356,7 +348,7 @@ class Supervisor:
         starts = [i for i, line in enumerate(lines) if line.startswith(f"--- rlflow {kind} start")]
         error = last_exception_line(lines[starts[-1]:] if starts else lines)  # this start's only
         head = f"rlflow train: the {role} failed: {plain_text(error)}\n" if error else ""
-        text = (f"rlflow train: the {role} process died ({_exit_text(c.proc.returncode)}); "
+        text = (f"rlflow train: the {role} process died ({exit_text(c.proc.returncode)}); "
                 f"stopping the run. Last lines of {c.log_path}:\n")
         return head + text + "\n".join(f"  [{role}] {plain_text(line)}"
                                        for line in lines[-LOG_TAIL_LINES:])
@@ -477,14 +469,14 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
             n = child.restarts
             if cfg.runtime.restart_sampler and n < MAX_SAMPLER_RESTARTS:
                 watcher.progress.message(    # above a live bar, never through it
-                    f"rlflow train: the {name} process died ({_exit_text(code)}); "
+                    f"rlflow train: the {name} process died ({exit_text(code)}); "
                     f"restarting it ({n + 1}/{MAX_SAMPLER_RESTARTS})")
                 sup.start(name, instance=n + 1)
             else:
                 dead.add(name)
                 if len(dead) < len(names):
                     watcher.progress.message(
-                        f"rlflow train: the {name} process died ({_exit_text(code)}); "
+                        f"rlflow train: the {name} process died ({exit_text(code)}); "
                         f"going on with {len(names) - len(dead)} sampler replica(s)")
         if dead and len(dead) == len(names):
             watcher.progress.close()
