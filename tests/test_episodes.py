@@ -55,12 +55,18 @@ class FakeRenderer:
 
     def continuation_ids(self, messages, new_messages, tools=None):
         assert messages[-1]["role"] == "assistant" and new_messages[0]["content"] == "again"
+        assert messages[-2]["role"] in ("user", "system")
         return list(CONT)
 
 
 class FakeTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return " ".join(map(str, ids))
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(map(chr, ids))
 
 
 def with_lm_head_swapped(state, a, b):
@@ -150,3 +156,31 @@ def test_episode_logprobs_equal_recompute_across_a_swap_and_masks(setup):
         assert got.tolist() == record["loss_mask"][i, :n].tolist()
         assert batch.loss_mask[i].sum() == record["loss_mask"][i].sum()
     assert info["batch/loss_tokens"] == int(record["loss_mask"].sum())
+
+
+def test_env_step_errors_and_timeouts_end_the_episode_counted():
+    """Steps in a real worker process: one answers, one raises, one hangs past
+    env.step_timeout_s (its worker is killed); the two failures end their episodes with
+    reward 0, counted, and the driver goes on."""
+    import time
+
+    from rlflow.sampler.env_workers import env_pool
+
+    cfg = EnvConfig(name="episode_envs:make_flaky", step_timeout_s=2.0, num_workers=2)
+    driver = EpisodeDriver(cfg, CharTokenizer(), FakeRenderer([0]), pool=env_pool(cfg))
+    try:
+        _, group = driver.new_group({"prompt_id": 7}, 3)
+        texts = {0: "ok", 1: "raise", 2: "hang"}
+        for i, text in texts.items():
+            driver.turn_ended(group, i, np.asarray([ord(c) for c in text] + [0]), 0)
+        got, deadline = {}, time.monotonic() + 120
+        while len(got) < 3 and time.monotonic() < deadline:
+            got.update({i: out for _, i, out in driver.poll(0.5)})
+        assert sorted(got) == [0, 1, 2]
+        assert got[0].continuation.tolist() == CONT
+        assert got[1].continuation is None and got[1].reward == 0.0
+        assert got[2].continuation is None and got[2].reward == 0.0
+        m = driver.metrics()
+        assert m["sampler/env_errors"] == 1 and m["sampler/env_timeouts"] == 1
+    finally:
+        driver.close()
