@@ -2,26 +2,21 @@
 appended to its KV cache, every sampled token keeps its logprob and version (across a weight
 swap inside a turn), and the group record's loss_mask is 1 exactly on sampled tokens."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from flax import nnx
 
-from rlflow.config import EnvConfig, MeshConfig, ModelConfig, SamplerConfig
+from rlflow.config import EnvConfig
 from rlflow.envs import EnvStep, register_environment
 from rlflow.exchange.records import validate_group
 from rlflow.learner.batch import BatchSpec, build_batch
-from rlflow.mesh import make_mesh
-from rlflow.models import build_model
 from rlflow.models.logprobs import token_logprobs
 from rlflow.sampler.batching import ContinuousBatcher, Request
-from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.episodes import EpisodeDriver
 from rlflow.sampler.sampling import SamplingParams
 from tolerances import forward_atol
 
-VOCAB = 128
+from test_batching import setup, with_lm_head_swapped  # noqa: F401 - the module fixture
+
 PROMPT = [1, 20, 33, 47]
 CONT = [3, 4, 9]                      # the (fake) rendered environment answer
 G = 4
@@ -69,34 +64,10 @@ class CharTokenizer:
         return "".join(map(chr, ids))
 
 
-def with_lm_head_swapped(state, a, b):
-    """Params whose output columns of tokens a and b are exchanged (KV unaffected)."""
-    pure = jax.tree_util.tree_map(lambda x: x, state.to_pure_dict())
-    head = np.array(pure["lm_head"])
-    head[:, [a, b]] = head[:, [b, a]]
-    pure["lm_head"] = jnp.asarray(head)
-    new = jax.tree_util.tree_map(lambda x: x, state)
-    nnx.replace_by_pure_dict(new, pure)
-    return new
-
-
-@pytest.fixture(scope="module")
-def setup():
-    model = build_model(ModelConfig(vocab_size=VOCAB, tie_word_embeddings=False,
-                                    init_seed=1))[0]
-    nnx.update(model, jax.tree_util.tree_map(lambda x: x * 3.0, nnx.state(model, nnx.Param)))
-    cfg = SamplerConfig(num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16),
-                        max_tokens=24, temperature=1.0, decode_steps_per_call=1)
-    engine = RlflowEngine(model, cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
-    graphdef, state = nnx.split(model, nnx.Param)
-    forward = jax.jit(lambda st, t, p, m: nnx.merge(graphdef, st)(t, p, m))
-    return model, engine, state, forward
-
-
 def test_episode_logprobs_equal_recompute_across_a_swap_and_masks(setup):
     model, engine, w0, forward = setup
     w1 = with_lm_head_swapped(w0, 5, 7)
-    sampling = SamplingParams(temperature=1.0, max_tokens=24, seed=3, stop_token_ids=())
+    sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=3, stop_token_ids=())
     # Stop ids that end every episode's first turn by its second token: the tokens the same
     # samples (same uniforms, same weights) draw there in a single-turn run.
     single = ContinuousBatcher(engine, params=w0).run([Request(0, PROMPT, G, sampling)])[0]
@@ -107,7 +78,7 @@ def test_episode_logprobs_equal_recompute_across_a_swap_and_masks(setup):
     assert prompt.tolist() == PROMPT
     batcher = ContinuousBatcher(engine, params=w0, version=0, episodes=driver)
     batcher.submit(Request(0, prompt, G, SamplingParams(
-        temperature=1.0, max_tokens=24, seed=3, stop_token_ids=tuple(eot)), episode=group))
+        temperature=1.0, max_tokens=16, seed=3, stop_token_ids=tuple(eot)), episode=group))
     out, swapped = [], False
     while batcher.has_work:
         out += batcher.step()
@@ -116,7 +87,7 @@ def test_episode_logprobs_equal_recompute_across_a_swap_and_masks(setup):
             swapped = True
     assert len(out) == 1 and batcher.counters.env_extends == G
     record = out[0].to_record()
-    validate_group(record, group_size=G, max_tokens=24)
+    validate_group(record, group_size=G, max_tokens=16)
     spans = 0
     for i, c in enumerate(out[0].completions):
         n = len(c.tokens)
@@ -147,7 +118,7 @@ def test_episode_logprobs_equal_recompute_across_a_swap_and_masks(setup):
 
     # The learner: the loss mask is the record's loss_mask (shifted onto targets), staleness
     # counts sampled tokens only (the -1 of environment tokens are not versions).
-    spec = BatchSpec(group_size=G, num_rows=G, seq_buckets=(64,), max_tokens=24,
+    spec = BatchSpec(group_size=G, num_rows=G, seq_buckets=(64,), max_tokens=16,
                      max_staleness=1)
     batch, info = build_batch([record], spec, learner_version=1)
     for i in range(G):
