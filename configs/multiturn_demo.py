@@ -53,7 +53,7 @@ def model_path() -> str:
 
 
 def config() -> ExperimentConfig:
-    group_size, groups, episode_tokens = 8, 8, 32
+    group_size, groups, episode_tokens = 16, 4, 24
     return ExperimentConfig(
         name="multiturn_demo",
         run_dir="runs",
@@ -65,9 +65,9 @@ def config() -> ExperimentConfig:
         sampler=SamplerConfig(num_slots=32, max_prefill_length=8, prefill_buckets=(8,),
                               max_tokens=episode_tokens, group_size=group_size,
                               temperature=1.0),
-        learner=LearnerConfig(num_steps=400, groups_per_step=groups, lr=3e-3,
+        learner=LearnerConfig(num_steps=400, groups_per_step=groups, lr=2e-3,
                               advantage="grpo", loss_agg="token-mean", max_grad_norm=1.0,
-                              seq_buckets=(40,)),
+                              seq_buckets=(32,)),
         buffer=BufferConfig(capacity=64, timeout_s=300.0),
         runtime=RuntimeConfig(mode="async", max_staleness=2, stale_policy="drop"),
         checkpoint=CheckpointConfig(every_steps=100, keep_last=1),

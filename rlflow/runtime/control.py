@@ -135,7 +135,9 @@ def _jsonable_prompt(element: dict) -> dict:
             "seed": int(element["seed"]), "prompt_id": int(element["prompt_id"]),
             "prompt_tokens": [int(t) for t in element["prompt_tokens"]],
             "answer": str(element.get("answer", "")),
-            "prompt_text": str(element.get("prompt_text", ""))}
+            # the record's text, for the environments of multi-turn episodes
+            **({"prompt_text": str(element["prompt_text"])} if "prompt_text" in element
+               else {})}
 
 
 class RunCoordinator(Coordinator):
