@@ -33,8 +33,8 @@ def test_gsm8k_calculator_three_steps(tmp_path):
                   "--sampler.group-size", "2", "--sampler.num-slots", "4",
                   "--sampler.max-tokens", "48", "--env.max-episode-tokens", "48",
                   "--env.num-workers", "1", "--env.max-turns", "2",
-                  "--data.max-prompt-tokens", "256", "--sampler.max-prefill-length", "256",
-                  "--sampler.prefill-buckets", "256", "--learner.seq-buckets", "320",
+                  "--data.max-prompt-tokens", "192", "--sampler.max-prefill-length", "384",
+                  "--sampler.prefill-buckets", "384", "--learner.seq-buckets", "448",
                   "--metrics.progress", "plain", "--buffer.timeout-s", "120",
                   "--run-dir", str(tmp_path / "runs")]
     env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))

@@ -26,7 +26,8 @@ becomes ``G`` environments (reset here; the prompt ids are their first messages 
 the chat template), the batcher runs them as episodes (a slot parks while its environment
 step runs in an environment worker), and a finished group goes to the buffer with the
 environments' rewards and its ``loss_mask`` (no reward workers). A prompt whose environment
-cannot be created or reset is dropped (logged, counted as ``sampler/env_reset_errors``,
+cannot be created or reset, or whose first messages render longer than
+``sampler.max_prefill_length``, is dropped (logged, counted as ``sampler/env_reset_errors``,
 reported to the ledger as dropped); environment step errors and timeouts end their episode
 with reward 0 (counted) and never stop the run.
 
@@ -369,9 +370,13 @@ class SamplerProgram:
         environments cannot be created (the prompt is dropped, logged and counted)."""
         from rlflow.sampler.episodes import episode_record, sampling_for_episodes
 
+        limit = self.cfg.sampler.max_prefill_length
         try:
             prompt, group = self.episodes.new_group(episode_record(element),
                                                     self.cfg.sampler.group_size)
+            if prompt.size > limit:      # never cut: the system turn comes first
+                raise ValueError(f"the rendered first messages are {prompt.size} tokens, "
+                                 f"longer than sampler.max_prefill_length={limit}")
         except Exception as e:  # noqa: BLE001 - a bad record never stops the run
             self.env_reset_errors += 1
             self.dropped_leases.append([int(element["stream_index"]), int(element["lease_id"])])
