@@ -192,6 +192,9 @@ def lease_cap(sampler_cfg, groups_per_step: int, num_replicas: int) -> int:
 class SamplerProgram:
     """State of one sampler program (a thin shell over engine, batcher and clients)."""
 
+    episodes = None          # the episode driver (env.name set), else None
+    env_reset_errors = 0     # prompts dropped because their environments could not start
+
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
         sc = cfg.sampler
