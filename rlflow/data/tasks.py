@@ -16,7 +16,7 @@ the mean reward rose from 0.07-0.09 to 0.97-0.99 between the first and last 10% 
 so the demo should use about 64 samples per step. No supervised warm-start is needed (a
 format-only warm-start did not speed it up).
 
-The multi-turn demo task, ``guess_digit``: the record's ``answer`` is a hidden digit; the
+The multi-turn demo task, ``guess_digit``: the record's ``answer`` is a hidden digit (0-4); the
 environment ``guess_digit`` (:mod:`rlflow.envs.guess_digit`) asks ``"?"``, the policy answers
 a digit, the environment replies ``"+"`` (higher) or ``"-"`` (lower) until the digit is found
 or ``max_turns`` turns are used; the reward comes from the environment. Its tokenizer has the
@@ -59,11 +59,11 @@ class DigitsSource:
     def location(self, index: int) -> str:
         return f"builtin task {self.task!r} (seed {self.seed}): record {index}"
 
-    def _digit(self, index: int) -> int:
+    def _digit(self, index: int, high: int = 10) -> int:
         index = int(index)
         if not 0 <= index < self.num_records:
             raise IndexError(f"record {index} out of range [0, {self.num_records})")
-        return int(np.random.default_rng([self.seed, index]).integers(10))
+        return int(np.random.default_rng([self.seed, index]).integers(high))
 
     def __getitem__(self, index: int) -> dict:
         d = self._digit(index)
@@ -71,14 +71,21 @@ class DigitsSource:
 
 
 class GuessDigitSource(DigitsSource):
-    """``num_records`` "guess the digit" records: ``{"prompt": "?", "answer": "7"}``, the
-    answer (the hidden digit) uniform in 0-9, a pure function of ``(seed, i)``. The
-    environment ``guess_digit`` plays the episode; ``prompt`` is its first user message."""
+    """``num_records`` "guess the digit" records: ``{"prompt": "?", "answer": "3"}``, the
+    answer (the hidden digit) uniform in ``0 .. num_values - 1`` (default 0-4; the policy may
+    answer any digit 0-9), a pure function of ``(seed, i)``. The environment ``guess_digit``
+    plays the episode; ``prompt`` is its first user message."""
 
     task = "guess_digit"
 
+    def __init__(self, seed: int, num_records: int = 1024, num_values: int = 5):
+        super().__init__(seed, num_records)
+        if not 1 <= num_values <= 10:
+            raise ValueError(f"GuessDigitSource: num_values must be in 1..10, got {num_values}")
+        self.num_values = int(num_values)
+
     def __getitem__(self, index: int) -> dict:
-        return {"prompt": "?", "answer": str(self._digit(index))}
+        return {"prompt": "?", "answer": str(self._digit(index, self.num_values))}
 
 
 @register_reward("digits_match")

@@ -10,13 +10,16 @@ assistant text and ``<eot>`` the template's end-of-turn token::
     sampled_t   = the policy's ids of turn t, ending with <eot>           (loss mask 1)
     continuation_t = ids(scaffold after <eot> + new messages + generation prompt)  (mask 0)
 
-``prompt_ids`` gives ``ids(A_1)``; ``continuation_ids`` gives ``continuation_t`` and checks,
-as text, that the template's rendering of the longer conversation extends the shorter one
-(``A_t`` is a prefix of the rendering through the assistant message, which is a prefix of
-``A_{t+1}``); a template that rewrites earlier turns (e.g. one that drops past reasoning, or
-whose generation prompt differs from the assistant header it renders in history) raises
-:class:`ChatTemplateError`. The assistant header comes only from the generation prompt, so it
-is never rendered twice.
+``prompt_ids`` gives ``ids(A_1)``; ``continuation_ids`` gives ``continuation_t``: the text of
+``A_{t+1}`` after the end-of-turn token that closes assistant turn ``t``. It checks, as text,
+that the template's rendering of the longer conversation extends the shorter one (``A_t`` is a
+prefix of ``A_{t+1}``); a template that rewrites earlier turns (e.g. one that drops past
+reasoning once a new user turn comes, or whose generation prompt differs from the assistant
+header it renders in history) raises :class:`ChatTemplateError`. Since ``A_{t+1}`` is rendered
+from the same messages as the next call's ``A_t``, the checks chain over the whole episode.
+A template that decorates only the *last* assistant message (Qwen3's empty think block) is
+fine: the last-message rendering is never used. The assistant header comes only from the
+generation prompt, so it is never rendered twice.
 
 Final-text semantics: when every assistant message's content is rendered verbatim (the
 template does not trim or rewrite it), the episode ids decode (special tokens kept) to
@@ -97,6 +100,9 @@ class ChatRenderer:
     Args:
       tokenizer: a ``transformers`` tokenizer with ``chat_template`` set (e.g. a
         ``PreTrainedTokenizerFast`` loaded from a model folder).
+      strict: raise :class:`ChatTemplateError` when the template renders a sampled
+        assistant message's content differently (trimmed, dropped); default: count it in
+        ``content_mismatches`` and go on (the episode keeps the sampled ids).
 
     Attributes:
       turn_end_id: the template's end-of-turn token id (``<|im_end|>``, ``<|eot_id|>``, the
@@ -105,17 +111,22 @@ class ChatRenderer:
         different). A turn that ends on EOS but not on ``turn_end_id`` ends the episode.
       scaffold: the text the template renders after an assistant message's end-of-turn
         token (ChatML ``"\\n"``, Llama-3 ``""``).
+      content_mismatches: continuations whose template rendering of the sampled content
+        differed from it (``strict=False``); the episode text then differs from the
+        template's rendering of the final conversation there.
 
     Raises:
       ChatTemplateError: no chat template, or the template's rendering of an assistant
         message does not end with a single special token (the end of turn).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, *, strict: bool = False):
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError("the tokenizer has no chat_template; multi-turn episodes "
                                     "need one (set tokenizer.chat_template)")
         self.tokenizer = tokenizer
+        self.strict = bool(strict)
+        self.content_mismatches = 0
         self.turn_end_id, self.scaffold = self._probe_end_of_turn()
         eos = getattr(tokenizer, "eos_token_id", None)
         ids = [self.turn_end_id] + ([int(eos)] if eos is not None else [])
@@ -137,10 +148,24 @@ class ChatRenderer:
         """Ids of ``text`` without added special tokens (the template renders BOS itself)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def assistant_text(self, sampled_ids: Sequence[int]) -> str:
+        """The assistant message's content for ``Environment.step`` and the conversation:
+        ``sampled_ids`` without its trailing ids of :attr:`end_of_turn_ids`, decoded with
+        special tokens kept (so that the template renders exactly the sampled text)."""
+        ids = [int(t) for t in sampled_ids]
+        while ids and ids[-1] in self.end_of_turn_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def prompt_ids(self, messages: Sequence[Message], tools=None) -> List[int]:
         """Ids of the episode's first prompt: ``messages`` rendered with the generation
         prompt (``ids(A_1)`` in the module docstring). ``tools``: JSON-schema tool list
-        passed to the template (Qwen's ``tools=``), or None."""
+        passed to the template (Qwen's ``tools=``), or None.
+
+        Raises:
+          EnvError: ``messages`` is not a list of ``{"role": str, "content": str}`` dicts.
+        """
+        check_messages(messages, "reset() messages")
         return self.encode(self.render(messages, tools=tools, add_generation_prompt=True))
 
     def continuation_ids(self, messages: Sequence[Message], new_messages: Sequence[Message],
@@ -160,28 +185,34 @@ class ChatRenderer:
         Raises:
           ChatTemplateError: the last message is not an assistant message, no new message,
             or a longer conversation's rendering does not extend the shorter one's.
+          EnvError: ``new_messages`` is not a list of ``{"role": str, "content": str}``.
         """
+        check_messages(new_messages, "step() messages")
         if not messages or messages[-1].get("role") != "assistant":
             raise ChatTemplateError("continuation_ids: the conversation must end with the "
                                     "assistant message just sampled")
         if not new_messages:
             raise ChatTemplateError("continuation_ids: no new messages to render")
         before = self.render(messages[:-1], tools=tools, add_generation_prompt=True)
-        through = self.render(messages, tools=tools, add_generation_prompt=False)
         after = self.render(list(messages) + list(new_messages), tools=tools,
                             add_generation_prompt=True)
-        _check_extends(before, through, "the conversation before the assistant turn (with the "
-                       "generation prompt)", "the conversation through the assistant turn")
-        _check_extends(through, after, "the conversation through the assistant turn",
-                       "the conversation with the new messages (with the generation prompt)")
-        turn = through[len(before):]
+        _check_extends(before, after, "the conversation before the assistant turn",
+                       "the conversation with the assistant turn and the new messages")
+        rest = after[len(before):]
         eot = self.tokenizer.convert_ids_to_tokens(self.turn_end_id)
-        end = turn.rfind(eot)
+        content = messages[-1].get("content") or ""
+        if rest.startswith(content + eot):
+            end = len(content)            # the assistant content as sampled (the usual case)
+        else:                             # the template changed it (e.g. Llama-3's trim)
+            if self.strict:
+                raise ChatTemplateError(f"the template renders the sampled assistant content "
+                                        f"{content[:60]!r} differently: {rest[:80]!r}")
+            self.content_mismatches += 1
+            end = rest.find(eot)
         if end < 0:
             raise ChatTemplateError(f"the template's rendering of the assistant turn has no "
-                                    f"end-of-turn token {eot!r}: {turn[-80:]!r}")
-        scaffold = turn[end + len(eot):]
-        return self.encode(scaffold + after[len(through):])
+                                    f"end-of-turn token {eot!r}: {rest[:80]!r}")
+        return self.encode(rest[end + len(eot):])
 
     # ------------------------------------------------------------------ internals
     def _probe_end_of_turn(self) -> Tuple[int, str]:

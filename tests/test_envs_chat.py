@@ -37,7 +37,8 @@ def simulate(renderer, tokenizer, first, turns, tools=None):
     for text, new in turns:
         sampled = tokenizer.encode(text, add_special_tokens=False) + [renderer.turn_end_id]
         segments.append((sampled, True))
-        messages.append({"role": "assistant", "content": text})
+        assert renderer.assistant_text(sampled) == text
+        messages.append({"role": "assistant", "content": renderer.assistant_text(sampled)})
         if new is not None:
             segments.append((renderer.continuation_ids(messages, new, tools=tools), False))
             messages.extend(new)
@@ -99,20 +100,46 @@ def test_end_of_turn_ids(chat):
     assert tok.eos_token_id in renderer.end_of_turn_ids
 
 
-def test_template_that_rewrites_history_is_refused():
-    # a template that renders only the last assistant message's content (drops history,
-    # as a template dropping past reasoning would)
-    tok2 = tiny_tokenizer("chatml")
-    tok2.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}"
-        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    renderer = ChatRenderer(tok2)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "12"}]
+CHATML_HISTORY = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ CONTENT }}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{{ GEN }}"
+                  "{% endif %}")
+
+
+def chatml_variant(content: str, gen: str = ""):
+    tok = tiny_tokenizer("chatml")
+    tok.chat_template = CHATML_HISTORY.replace("{{ CONTENT }}", content).replace("{{ GEN }}", gen)
+    return tok
+
+
+def test_templates_that_rewrite_history():
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "12"}]
+    new = [{"role": "user", "content": "lower"}]
+    # generation prompt != the assistant header in history (Qwen3 with thinking off)
     with pytest.raises(ChatTemplateError, match="does not extend"):
-        renderer.continuation_ids(messages, [{"role": "user", "content": "lower"}])
+        ChatRenderer(chatml_variant("{{ m['content'] }}", gen="<think>\n\n</think>\n\n"))
+    # an earlier turn rendered differently once later messages come
+    renderer = ChatRenderer(chatml_variant(
+        "{{ m['content'] }}{% if messages|length > 2 and loop.first %} (first){% endif %}"))
+    with pytest.raises(ChatTemplateError, match="does not extend"):
+        renderer.continuation_ids(convo, new)
     with pytest.raises(ChatTemplateError, match="assistant message just sampled"):
-        renderer.continuation_ids(messages[:1], [{"role": "user", "content": "x"}])
+        renderer.continuation_ids(convo[:1], new)
+    # assistant content dropped from history: counted, or refused when strict
+    dropping = "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}"
+    renderer = ChatRenderer(chatml_variant(dropping))
+    tok = renderer.tokenizer
+    cont = renderer.continuation_ids(convo, new)
+    assert tok.decode(cont) == "\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n"
+    assert renderer.content_mismatches == 1
+    with pytest.raises(ChatTemplateError, match="differently"):
+        ChatRenderer(tok, strict=True).continuation_ids(convo, new)
+    # only the last assistant message decorated (Qwen3's empty think block): continued as is
+    last = ("{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+            "{{ m['content'] }}")
+    renderer = ChatRenderer(chatml_variant(last), strict=True)
+    assert renderer.turn_end_id == tok.convert_tokens_to_ids("<|im_end|>")
+    cont = renderer.continuation_ids(convo, new)
+    assert tok.decode(cont) == "\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_no_chat_template_is_refused():
@@ -178,7 +205,9 @@ def test_guess_digit_episode_renders_in_the_demo_tokenizer(digit_tokenizer):
     assert len(tok) == 20
     renderer = ChatRenderer(tok)
     assert renderer.turn_end_id == tok.eos_token_id and renderer.scaffold == ""
-    record = get_task("guess_digit").make_source(0)[3]
+    source = get_task("guess_digit").make_source(0)
+    assert {source[i]["answer"] for i in range(100)} == set("01234")
+    record = source[3]
     env = get_environment("guess_digit")(record)
     first = env.reset()
     turns, hidden = [], int(record["answer"])
@@ -215,3 +244,12 @@ def test_docs_example_environment_runs():
             get_environment("countdown")({"start": "x"})
     finally:
         base._REGISTRY.pop("countdown", None)
+
+
+def test_environment_messages_are_checked(chat):
+    _, _, renderer = chat
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "12"}]
+    with pytest.raises(EnvError, match="message 0 field 'content' must be a str"):
+        renderer.continuation_ids(convo, [{"role": "user", "content": 3}])
+    with pytest.raises(EnvError, match="expected a list of messages"):
+        renderer.prompt_ids("hi")

@@ -141,3 +141,18 @@ def test_gsm8k_calculator_episode_rules():
         make({"question": "q"})
     with pytest.raises(EnvError, match="timeout_s"):
         make(record, timeout_s=0)
+
+
+def test_sandbox_sees_no_caller_environment(monkeypatch):
+    monkeypatch.setenv("RLFLOW_TEST_SECRET", "s3cret")
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("PYTHONPATH", repo)
+    r = run_python("import os, sys\nprint(sorted(os.environ))\nprint(os.getcwd())\n"
+                   f"print({repo!r} in sys.path)")
+    names, cwd, repo_on_path = r.output.splitlines()
+    assert r.ok and "RLFLOW_TEST_SECRET" not in names and "s3cret" not in r.output
+    assert set(eval(names)) <= {"PATH", "HOME", "LANG", "PYTHONIOENCODING", "OMP_NUM_THREADS",
+                                "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "LC_CTYPE"}
+    assert "rlflow-python-tool-" in cwd and repo_on_path == "False"
