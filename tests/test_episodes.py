@@ -42,8 +42,15 @@ register_environment("test_two_turns")(lambda record, **kw: TwoTurns(record))
 
 
 class FakeRenderer:
-    def __init__(self, eot):
+    def __init__(self, eot, tokenizer=None):
         self.end_of_turn_ids = tuple(eot)
+        self.tokenizer = tokenizer or FakeTokenizer()
+
+    def assistant_text(self, ids):
+        ids = [int(i) for i in ids]
+        while ids and ids[-1] in self.end_of_turn_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids)
 
     def prompt_ids(self, messages, tools=None):
         return list(PROMPT)
@@ -138,7 +145,8 @@ def test_env_step_errors_and_timeouts_end_the_episode_counted():
     from rlflow.sampler.env_workers import env_pool
 
     cfg = EnvConfig(name="episode_envs:make_flaky", step_timeout_s=2.0, num_workers=2)
-    driver = EpisodeDriver(cfg, CharTokenizer(), FakeRenderer([0]), pool=env_pool(cfg))
+    driver = EpisodeDriver(cfg, CharTokenizer(), FakeRenderer([0], CharTokenizer()),
+                           pool=env_pool(cfg))
     try:
         _, group = driver.new_group({"prompt_id": 7}, 3)
         texts = {0: "ok", 1: "raise", 2: "hang"}

@@ -7,8 +7,8 @@ from the prompt's record (the factory of ``env.name`` with ``env.options``), res
 the same messages, since the group shares one prompt), and renders the first messages with
 the model's chat template as the group's prompt ids. Then, per episode:
 
-* ``turn_ended``: the turn's sampled ids (end-of-turn id stripped) are decoded to the
-  assistant message and ``env.step`` is queued to an environment worker
+* ``turn_ended``: the turn's sampled ids (end-of-turn ids stripped) are decoded to the
+  assistant message (``renderer.assistant_text``) and ``env.step`` is queued to an environment worker
   (:mod:`rlflow.sampler.env_workers`); decoding of the other slots goes on.
 * ``poll``: answers that arrived become :class:`EpisodeOutcome`: ``done`` -> the
   environment's reward; not done and the turn limit (``env.max_turns``) reached -> cut,
@@ -21,7 +21,8 @@ the model's chat template as the group's prompt ids. Then, per episode:
   goes on.
 
 The renderer is :class:`rlflow.envs.chat.ChatRenderer` (``prompt_ids(messages, tools)``,
-``continuation_ids(messages, new_messages, tools)``, ``end_of_turn_ids``); an environment
+``continuation_ids(messages, new_messages, tools)``, ``assistant_text(ids)``,
+``end_of_turn_ids``); an environment
 may expose ``tools`` (a list of JSON tool schemas) for the template.
 """
 
@@ -56,7 +57,7 @@ class EpisodeDriver:
 
     Args:
       env_cfg: :class:`rlflow.config.EnvConfig`.
-      tokenizer: the model's tokenizer (decodes the assistant turns).
+      tokenizer: the model's tokenizer.
       renderer: a chat renderer (``rlflow.envs.chat.ChatRenderer(tokenizer)``).
       pool: a worker pool (``rlflow.sampler.env_workers.env_pool``); ``None``: steps run
         in this process (tests and debugging only: a hanging step is not stopped).
@@ -108,10 +109,7 @@ class EpisodeDriver:
     # ------------------------------------------------------------------ batcher hooks
     def turn_ended(self, group: EpisodeGroup, index: int, ids: np.ndarray, used: int) -> None:
         """An episode's turn ended on a stop id: queue its environment step."""
-        ids = [int(i) for i in ids]
-        while ids and ids[-1] in self.stop_ids:
-            ids.pop()
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = self.renderer.assistant_text(ids)
         group.messages[index].append({"role": "assistant", "content": text})
         group.turns[index] += 1
         env = group.envs[index]
