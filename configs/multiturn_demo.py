@@ -15,13 +15,14 @@ and the task's 20-token character tokenizer with its chat template, written once
 Hugging Face folder into ``$RLFLOW_CACHE_DIR/multiturn-demo-model-<hash>``.
 
 Run: learner and sampler as two processes (one CPU device each), asynchronous with
-``max_staleness`` 2; 8 prompts x 8 episodes per step, 300 steps, lr 2e-3. The mean reward of the first and last 10% of steps is printed at the end and
-kept in ``runs/multiturn_demo/summary.json``. Measured on 2 shared CPU cores (load average
-about 20 from other jobs): 555 s wall clock (about 4 min of it start-up and compilation);
-mean reward of the first 10% of steps 0.095, of the last 10% 0.441 (rise +0.35; one run).
-Earlier settings (hidden digits 0-9, 4 turns, 24-32 episode tokens) rose only +0.13 to
-+0.17: the policy learned to answer one digit and stop, which random guessing over 10
-values rewards little.
+``max_staleness`` 2; 8 prompts x 8 episodes per step, 300 steps, lr 2e-3. The mean reward of
+the first and last 10% of steps is printed at the end and kept in
+``runs/multiturn_demo/summary.json``. Measured on 2 shared CPU cores (load average about 20
+from other jobs): 555 s wall clock (about 4 min of it start-up and compilation); mean reward
+of the first 10% of steps 0.095, of the last 10% 0.441 (rise +0.35; one run). Earlier
+settings (hidden digits 0-9, 4 turns, 24-32 episode tokens) rose only +0.13 to +0.17: the
+policy learned to answer one digit and stop, which random guessing over 10 values rewards
+little.
 """
 
 import hashlib

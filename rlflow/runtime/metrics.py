@@ -1,12 +1,13 @@
 """Sampler replica figures as learner metrics (pure: statuses in, metric dict out).
 
 Per replica ``i`` (``sampler-<i>``): ``replica/<i>/tokens_per_s``, ``slot_occupancy``,
-``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version of its weights), ``restarts``. Over the live replicas:
-``sampler/tokens_per_s`` (sum), ``sampler/slot_occupancy`` and ``sampler/idle_frac``
-(means), the multi-turn episode counters ``sampler/env_*``, ``sampler/episodes*`` and the
-environments' ``env/*`` info sums (sums), ``sampler/version`` (newest), ``sampler/replicas_alive``, and the ``sync/*`` swap
-figures of the replica that reported last, with ``sync/weight_sync_s`` = its swap time
-minus the publish time of the version it swapped in.
+``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version
+of its weights), ``restarts``. Over the live replicas: ``sampler/tokens_per_s`` (sum),
+``sampler/slot_occupancy`` and ``sampler/idle_frac`` (means), the multi-turn episode
+counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
+(sums), ``sampler/version`` (newest), ``sampler/replicas_alive``, and the ``sync/*`` swap
+figures of the replica that reported last, with ``sync/weight_sync_s`` = its swap time minus
+the publish time of the version it swapped in.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ the same messages, since the group shares one prompt), and renders the first mes
 the model's chat template as the group's prompt ids. Then, per episode:
 
 * ``turn_ended``: the turn's sampled ids (end-of-turn ids stripped) are decoded to the
-  assistant message (``renderer.assistant_text``) and ``env.step`` is queued to an environment worker
-  (:mod:`rlflow.sampler.env_workers`); decoding of the other slots goes on.
+  assistant message (``renderer.assistant_text``) and ``env.step`` is queued to an
+  environment worker (:mod:`rlflow.sampler.env_workers`); decoding of the other slots goes
+  on.
 * ``poll``: answers that arrived become :class:`EpisodeOutcome`: ``done`` -> the
   environment's reward; not done and the turn limit (``env.max_turns``) reached -> cut,
   truncated, reward 0 (or the environment's reward if it gave one); otherwise the new

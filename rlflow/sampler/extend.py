@@ -3,13 +3,14 @@
 A slot whose turn ended on an end-of-turn id is inactive at cache position ``index[slot]``:
 its last sampled id (the end-of-turn id) is not in the KV cache yet. (While the slot is
 inactive the decode steps of the other slots still overwrite its ``tokens`` entry and the
-cache entry at ``index``, so the host passes the end-of-turn id back.) The environment's answer is rendered to continuation ids ``c_0 .. c_{n-1}``
-(``rlflow.envs.chat``). :class:`SlotExtender` runs ``[eot, c_0 .. c_{n-2}]`` at positions
-``index .. index + n - 1`` against the slot's own cache (a prefill of the new tokens only,
-JetStream's ``prefill(existing_prefix=...)`` semantics), so ``c_{n-1}`` becomes the slot's
-next decode input at ``index + n``, exactly as a prompt's last token does after a prefill;
-the slot is then active again and decoding goes on from there. Past turns are never
-recomputed; the entries written keep the weights current at the extend (as a prefill's do).
+cache entry at ``index``, so the host passes the end-of-turn id back.) The environment's
+answer is rendered to continuation ids ``c_0 .. c_{n-1}`` (``rlflow.envs.chat``).
+:class:`SlotExtender` runs ``[eot, c_0 .. c_{n-2}]`` at positions ``index .. index + n - 1``
+against the slot's own cache (a prefill of the new tokens only, JetStream's
+``prefill(existing_prefix=...)`` semantics), so ``c_{n-1}`` becomes the slot's next decode
+input at ``index + n``, exactly as a prompt's last token does after a prefill; the slot is
+then active again and decoding goes on from there. Past turns are never recomputed; the
+entries written keep the weights current at the extend (as a prefill's do).
 
 ``gen_len`` (tokens after the prompt) grows by ``n``, so the completion positions of the
 host's arrays stay aligned with the episode (environment tokens included), the slot's
