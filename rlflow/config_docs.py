@@ -19,6 +19,7 @@ SECTIONS = (
     ("data", config_mod.DataConfig),
     ("reward", config_mod.RewardConfig),
     ("sampler", config_mod.SamplerConfig),
+    ("env", config_mod.EnvConfig),
     ("learner", config_mod.LearnerConfig),
     ("buffer", config_mod.BufferConfig),
     ("runtime", config_mod.RuntimeConfig),

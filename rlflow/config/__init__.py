@@ -14,6 +14,7 @@ from rlflow.config.validation import DTYPES, ConfigError
 from rlflow.config.model import ModelConfig, MeshConfig
 from rlflow.config.data import DataConfig, RewardConfig
 from rlflow.config.sampler import SamplerConfig
+from rlflow.config.envs import EnvConfig
 from rlflow.config.learner import LORA_PROJECTIONS, LoraConfig, LearnerConfig
 from rlflow.config.runtime import BufferConfig, RuntimeConfig, CheckpointConfig, MetricsConfig
 from rlflow.config.experiment import ExperimentConfig, replace, load_config_file
@@ -26,6 +27,7 @@ __all__ = [
     "DataConfig",
     "RewardConfig",
     "SamplerConfig",
+    "EnvConfig",
     "LORA_PROJECTIONS",
     "LoraConfig",
     "LearnerConfig",

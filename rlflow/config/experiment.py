@@ -19,6 +19,7 @@ from rlflow.config.model import ModelConfig
 from rlflow.config.data import RewardConfig
 from rlflow.config.runtime import RuntimeConfig
 from rlflow.config.sampler import SamplerConfig
+from rlflow.config.envs import EnvConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -69,6 +71,9 @@ class ExperimentConfig:
                f"learner.micro_batches * learner.mesh.data * learner.mesh.fsdp = {split} parts")
         _check(lr.overlong_buffer <= sp.max_tokens, "learner.overlong_buffer",
                f"must be <= sampler.max_tokens={sp.max_tokens}, got {lr.overlong_buffer}")
+        _check(self.env.max_episode_tokens <= sp.max_tokens, "env.max_episode_tokens",
+               f"must be <= sampler.max_tokens={sp.max_tokens} (the KV cache holds the prompt "
+               f"and that many tokens), got {self.env.max_episode_tokens}")
 
     @property
     def run_path(self) -> str:

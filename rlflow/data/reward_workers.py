@@ -23,6 +23,12 @@ The pool is non-blocking: :meth:`RewardWorkerPool.submit` queues samples and
 :meth:`RewardWorkerPool.poll` dispatches queued samples to idle workers and returns the
 results that arrived (waiting at most its ``timeout``), so the sampler decodes while rewards
 are computed.
+
+The machinery (spawned workers in their own process groups, per-call deadlines, kill and
+replace) is :class:`WorkerPool`, parametrised by the worker's entry point; the sampler's
+environment workers (:mod:`rlflow.sampler.env_workers`) use it too. A worker entry point
+loads what it needs, reports ``("ready", None)`` or ``("failed", message)`` on its pipe,
+then calls :func:`serve` with its per-call handler.
 """
 
 from __future__ import annotations
@@ -48,6 +54,37 @@ STARTUP_TIMEOUT_S = 300.0
 Result = Tuple[int, str, object]
 
 
+def serve(conn, handle, memory_limit_mb: int = 0, what: str = "reward") -> None:
+    """A worker's call loop: ``(task_id, *args)`` in -> :data:`Result` out, until ``None``
+    or EOF. ``handle(*args)`` gives the value; an exception (``MemoryError`` past the limit
+    included) is sent as ``"error"`` with its text."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if msg is None:
+            return
+        task_id, args = msg[0], msg[1:]
+        try:
+            out = (task_id, "ok", handle(*args))
+        except MemoryError:
+            out = (task_id, "error", f"MemoryError: past {what}.memory_limit_mb="
+                                     f"{memory_limit_mb}")
+        except BaseException as e:  # noqa: BLE001 - a failed call is reported, counted
+            out = (task_id, "error", f"{type(e).__name__}: {e}")
+        conn.send(out)
+
+
+def new_process_group() -> None:
+    """Make the calling worker the leader of its own process group (a kill reaches what a
+    call starts). No PR_SET_PDEATHSIG: it fires when the *thread* that started the worker
+    ends, and a pool may be driven from a short-lived thread; an idle worker exits on EOF
+    when its parent dies."""
+    with contextlib.suppress(OSError):
+        os.setpgrp()
+
+
 def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, str]],
                  memory_limit_mb: int) -> None:
     """Worker process: set limits, load and warm up the functions, then score on request.
@@ -56,11 +93,7 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     Messages in: ``(task_id, function index, completion, answer)`` or None (stop).
     Messages out: ``("ready", None)`` / ``("failed", message)`` once, then :data:`Result`.
     """
-    with contextlib.suppress(OSError):
-        os.setpgrp()         # its own process group: a kill reaches what a reward starts
-    # (No PR_SET_PDEATHSIG: it fires when the *thread* that started the worker ends, and a
-    # Rewarder may be driven from a short-lived thread. An idle worker exits on EOF when the
-    # sampler dies.)
+    new_process_group()
     try:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a plugin importing JAX: no accelerator
         from rlflow.data import rewards
@@ -78,23 +111,8 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, KeyboardInterrupt):
-            return
-        if msg is None:
-            return
-        task_id, index, completion, answer = msg
-        try:
-            value = rewards.reward_value(fns[index](completion, answer))
-            out = (task_id, "ok", value)
-        except MemoryError:
-            out = (task_id, "error", f"MemoryError: past reward.memory_limit_mb="
-                                     f"{memory_limit_mb}")
-        except BaseException as e:  # noqa: BLE001 - a reward error scores 0, counted
-            out = (task_id, "error", f"{type(e).__name__}: {e}")
-        conn.send(out)
+    serve(conn, lambda index, completion, answer: rewards.reward_value(
+        fns[index](completion, answer)), memory_limit_mb, "reward")
 
 
 @contextlib.contextmanager
@@ -117,10 +135,10 @@ def _main_not_rerun():
 
 
 class _Worker:
-    def __init__(self, ctx, args):
+    def __init__(self, ctx, target, args, name):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,) + args, daemon=True,
-                                   name="rlflow-reward-worker")
+        self.process = ctx.Process(target=target, args=(child,) + args, daemon=True,
+                                   name=name)
         with _main_not_rerun():
             self.process.start()
         child.close()
@@ -150,35 +168,40 @@ class RewardWorkerError(RuntimeError):
     """Reward workers cannot start (a plugin or function fails to load in them)."""
 
 
-class RewardWorkerPool:
-    """``num_workers`` reward processes; see the module docstring.
+class WorkerPool:
+    """``num_workers`` worker processes running ``target(conn, *args)``; see the module
+    docstring.
 
     Args:
-      functions: (name, registering module) per reward function; calls name them by index.
-      plugins: modules each worker imports first (the ``plugins`` config field).
+      target: the worker entry point (module level, importable in a spawned process).
+      args: its arguments after the pipe (picklable).
       num_workers: processes (>= 1).
-      timeout_s: seconds a call may run before its worker is killed (reward 0, "timeout").
-      memory_limit_mb: address-space limit of each worker (0: none).
+      timeout_s: seconds a call may run before its worker is killed ("timeout").
+      what: the workers' kind in messages and process names ("reward", "env").
+      error: the exception raised when workers cannot start.
     """
 
-    def __init__(self, functions: Sequence[Tuple[str, str]], plugins: Sequence[str] = (),
-                 num_workers: int = 2, timeout_s: float = 5.0, memory_limit_mb: int = 0):
+    def __init__(self, target, args: tuple, num_workers: int = 2, timeout_s: float = 5.0,
+                 what: str = "worker", error=RuntimeError):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.timeout_s = float(timeout_s)
+        self.what, self._error = what, error
         self._ctx = mp.get_context("spawn")
-        self._args = (tuple(plugins), tuple(functions), int(memory_limit_mb))
-        self._workers: List[_Worker] = [_Worker(self._ctx, self._args)
-                                        for _ in range(num_workers)]
+        self._target, self._args = target, tuple(args)
+        self._workers: List[_Worker] = [self._new_worker() for _ in range(num_workers)]
         self._queue: collections.deque = collections.deque()
         self._next_id = 0
         self.restarts = 0
 
-    def submit(self, index: int, completion: str, answer: str) -> int:
-        """Queue one call of function ``index``; returns its task id (increasing)."""
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self._target, self._args, f"rlflow-{self.what}-worker")
+
+    def submit_call(self, *args) -> int:
+        """Queue one call ``handle(*args)`` in a worker; returns its task id (increasing)."""
         task_id = self._next_id
         self._next_id += 1
-        self._queue.append((task_id, index, completion, answer))
+        self._queue.append((task_id,) + args)
         return task_id
 
     @property
@@ -190,20 +213,20 @@ class RewardWorkerPool:
         """Block until every worker has loaded and warmed up its functions.
 
         Raises:
-          RewardWorkerError: a worker failed to start (the message has its error).
+          the pool's ``error``: a worker failed to start (the message has its error).
         """
         deadline = time.monotonic() + timeout_s
         while not all(w.ready for w in self._workers):
             self.poll(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
             if time.monotonic() > deadline:
-                raise RewardWorkerError(f"reward workers not ready after {timeout_s:.0f} s")
+                raise self._error(f"{self.what} workers not ready after {timeout_s:.0f} s")
 
     def poll(self, timeout: float = 0.0) -> List[Result]:
         """Dispatch queued calls to idle workers; return the results that arrived, waiting
         at most ``timeout`` seconds for the first one (0: do not wait).
 
         Raises:
-          RewardWorkerError: a worker could not load the reward functions.
+          the pool's ``error``: a worker could not start (load its functions).
         """
         results: List[Result] = []
         end = time.monotonic() + timeout
@@ -225,14 +248,14 @@ class RewardWorkerPool:
                     results.append((w.task[0], "timeout", f"ran past {self.timeout_s} s"))
                     self._replace(i)
                 elif not w.ready and now - w.started > STARTUP_TIMEOUT_S:
-                    raise RewardWorkerError(f"a reward worker did not start within "
-                                            f"{STARTUP_TIMEOUT_S:.0f} s")
+                    raise self._error(f"a {self.what} worker did not start within "
+                                      f"{STARTUP_TIMEOUT_S:.0f} s")
             if results or time.monotonic() >= end:
                 self._dispatch()
                 return results
 
     def close(self) -> None:
-        """Stop the workers (idle ones exit; busy ones are killed), and what reward calls
+        """Stop the workers (idle ones exit; busy ones are killed), and what their calls
         left running in their process groups."""
         for w in self._workers:
             try:
@@ -259,15 +282,14 @@ class RewardWorkerPool:
             code = w.exit_text()
             out = []
             if w.task is not None:
-                out.append((w.task[0], "error", f"reward worker died ({code})"))
+                out.append((w.task[0], "error", f"{self.what} worker died ({code})"))
             elif not w.ready:
-                raise RewardWorkerError(f"a reward worker died while starting ({code})")
+                raise self._error(f"a {self.what} worker died while starting ({code})")
             self._replace(i)
             return out
         if not w.ready:
             if msg[0] == "failed":
-                raise RewardWorkerError(f"a reward worker could not load the reward "
-                                        f"functions: {msg[1]}")
+                raise self._error(f"a {self.what} worker could not start: {msg[1]}")
             w.ready = True
             return []
         w.task = None
@@ -275,5 +297,27 @@ class RewardWorkerPool:
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
-        self._workers[i] = _Worker(self._ctx, self._args)
+        self._workers[i] = self._new_worker()
         self.restarts += 1
+
+
+class RewardWorkerPool(WorkerPool):
+    """``num_workers`` reward processes; see the module docstring.
+
+    Args:
+      functions: (name, registering module) per reward function; calls name them by index.
+      plugins: modules each worker imports first (the ``plugins`` config field).
+      num_workers: processes (>= 1).
+      timeout_s: seconds a call may run before its worker is killed (reward 0, "timeout").
+      memory_limit_mb: address-space limit of each worker (0: none).
+    """
+
+    def __init__(self, functions: Sequence[Tuple[str, str]], plugins: Sequence[str] = (),
+                 num_workers: int = 2, timeout_s: float = 5.0, memory_limit_mb: int = 0):
+        super().__init__(_worker_main, (tuple(plugins), tuple(functions), int(memory_limit_mb)),
+                         num_workers=num_workers, timeout_s=timeout_s, what="reward",
+                         error=RewardWorkerError)
+
+    def submit(self, index: int, completion: str, answer: str) -> int:
+        """Queue one call of function ``index``; returns its task id (increasing)."""
+        return self.submit_call(index, completion, answer)

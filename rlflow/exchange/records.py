@@ -16,7 +16,15 @@ rewards               float32  [G]       scalar reward per completion
 truncated             bool     [G]       cut by ``max_tokens`` (no EOS)
 stream_index          int64    []        optional: the prompt's position in the prompt stream
 lease_id              int64    []        optional (with stream_index): the prompt ledger's lease
+loss_mask             bool     [G, T]    optional (multi-turn episodes): 1 exactly on the tokens
+                                         the policy sampled; 0 on environment tokens (tool
+                                         results, user turns, template scaffolding), which carry
+                                         behaviour logprob 0 and policy version -1
 ====================  =======  ========  ===============================================
+
+A multi-turn episode is one completion row: the sampled turns and the environment's tokens
+between them, in order, right after the prompt; ``completion_lengths`` counts both kinds.
+Without ``loss_mask`` every real token was sampled (single-turn).
 
 ``stream_index`` and ``lease_id`` (:data:`OPTIONAL_SCHEMA`) come with every group of the
 runtime's samplers: the learner's prompt ledger (``rlflow.runtime.ledger``) follows each
@@ -67,6 +75,7 @@ GROUP_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
 OPTIONAL_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
     "stream_index": ("int64", ()),
     "lease_id": ("int64", ()),
+    "loss_mask": ("bool", ("G", "T")),
 }
 
 
@@ -114,8 +123,9 @@ def validate_group(group: Mapping[str, np.ndarray], *, group_size: int | None = 
     Raises:
       RecordError: naming the field, what was expected and what the record has, for a
         missing or extra field, a non-array, a wrong dtype or rank, sizes that disagree
-        between fields, a length outside ``[0, T]``, a non-finite reward or logprob, or a real
-        token tagged with a policy version < 0.
+        between fields, a length outside ``[0, T]``, a non-finite reward or logprob, a sampled
+        token tagged with a policy version < 0, or (with ``loss_mask``) an environment token
+        with a version other than -1 or a logprob other than 0.
     """
     if not isinstance(group, Mapping):
         raise RecordError("", "a mapping of field name -> numpy array", type(group).__name__)
@@ -156,22 +166,40 @@ def validate_group(group: Mapping[str, np.ndarray], *, group_size: int | None = 
     for name in ("rewards", "behaviour_logprobs"):
         if not np.isfinite(group[name]).all():
             raise RecordError(name, "finite values", "NaN or inf")
-    real = np.arange(dims["T"])[None, :] < lengths[:, None]
-    if (group["policy_versions"][real] < 0).any():
-        raise RecordError("policy_versions", "a version >= 0 on every real token",
-                          "a negative version within completion_lengths")
+    sampled = sampled_mask(group)
+    if (group["policy_versions"][sampled] < 0).any():
+        raise RecordError("policy_versions", "a version >= 0 on every sampled token",
+                          "a negative version on a sampled token within completion_lengths")
+    if "loss_mask" in group:
+        real = np.arange(dims["T"])[None, :] < lengths[:, None]
+        env = real & ~group["loss_mask"]
+        if (group["policy_versions"][env] != -1).any() or \
+                (group["behaviour_logprobs"][env] != 0).any():
+            raise RecordError("loss_mask", "policy version -1 and behaviour logprob 0 on every "
+                              "environment token (loss_mask 0)", "other values")
     return dims
 
 
-def policy_version_range(group: Mapping[str, np.ndarray]) -> tuple[int, int]:
-    """Oldest and newest policy version over the real tokens of a (valid) group.
+def sampled_mask(group: Mapping[str, np.ndarray]) -> np.ndarray:
+    """bool ``[G, T]``: the tokens the policy sampled (within ``completion_lengths`` and, when
+    the record has one, where ``loss_mask`` is 1)."""
+    lengths = np.asarray(group["completion_lengths"])
+    t = np.shape(group["policy_versions"])[1]
+    real = np.arange(t)[None, :] < lengths[:, None]
+    if "loss_mask" in group:
+        real = real & np.asarray(group["loss_mask"], bool)
+    return real
 
-    Returns ``(-1, -1)`` when the group has no real token. The oldest one is what a
+
+def policy_version_range(group: Mapping[str, np.ndarray]) -> tuple[int, int]:
+    """Oldest and newest policy version over the sampled tokens of a (valid) group
+    (:func:`sampled_mask`: environment tokens of multi-turn episodes carry -1).
+
+    Returns ``(-1, -1)`` when the group has no sampled token. The oldest one is what a
     staleness bound compares against the learner's version.
     """
-    lengths = group["completion_lengths"]
     versions = group["policy_versions"]
-    real = np.arange(versions.shape[1])[None, :] < lengths[:, None]
+    real = sampled_mask(group)
     if not real.any():
         return -1, -1
     v = versions[real]

@@ -5,7 +5,9 @@ Layout of a row (``P`` = longest prompt in the batch, ``L`` = the sequence bucke
     tokens          [pad pad p0 p1 p2 | c0 c1 c2 c3 | pad ...]   prompt left-padded to P,
                                                                  completion right-padded to L
     targets[t]      = tokens[t + 1]   (last column: pad)
-    loss_mask[t]    = target t is a completion token (EOS included) that counts
+    loss_mask[t]    = target t is a completion token (EOS included) that counts and that the
+                      policy sampled (a record's optional ``loss_mask``, multi-turn episodes:
+                      environment tokens between turns are attended but never in the loss)
 
 All per-token arrays are aligned with ``targets``: ``behaviour_logprobs[t]`` is the
 sampler's logprob of ``targets[t]``. The prompt ``[Hello]`` with completion
@@ -139,13 +141,19 @@ def host_positions(attention_mask: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------------ staleness (pure)
 
-def sample_staleness(policy_versions, lengths, learner_version: int) -> np.ndarray:
-    """Per-sample staleness ``learner_version - min_t policy_versions[g, t]`` over real tokens.
+def sample_staleness(policy_versions, lengths, learner_version: int,
+                     sampled=None) -> np.ndarray:
+    """Per-sample staleness ``learner_version - min_t policy_versions[g, t]`` over the sampled
+    tokens.
 
     Args:
-      policy_versions: ``[G, T]`` int versions that produced each token (-1 on padding).
+      policy_versions: ``[G, T]`` int versions that produced each token (-1 on padding and on
+        the environment tokens of multi-turn episodes).
       lengths: ``[G]`` real tokens per completion (>= 1).
       learner_version: the learner's current policy version.
+      sampled: optional bool ``[G, T]``, the record's ``loss_mask`` (1 on sampled tokens);
+        ``None``: every real token was sampled. A sample without any sampled token has
+        staleness 0.
 
     Returns: ``[G]`` int64 staleness (>= 0).
 
@@ -155,10 +163,14 @@ def sample_staleness(policy_versions, lengths, learner_version: int) -> np.ndarr
     v = np.asarray(policy_versions).astype(np.int64)
     n = np.asarray(lengths)
     real = np.arange(v.shape[1])[None, :] < n[:, None]
+    if sampled is not None:
+        real = real & np.asarray(sampled, bool)
     if np.any(real & (v < 0)):
         g = int(np.argwhere(real & (v < 0))[0, 0])
-        raise ValueError(f"sample {g}: policy_versions has -1 on a real token (length {n[g]})")
+        raise ValueError(f"sample {g}: policy_versions has -1 on a sampled token "
+                         f"(length {n[g]})")
     oldest = np.where(real, v, np.iinfo(np.int64).max).min(axis=1)
+    oldest = np.where(real.any(axis=1), oldest, learner_version)
     stale = learner_version - oldest.astype(np.int64)
     if np.any(stale < 0):
         g = int(np.argmin(stale))
@@ -196,7 +208,7 @@ def _check_record(i: int, rec: Mapping, g_expected: int) -> None:
     if ct.shape[0] != g_expected:
         raise BatchError(f"{where}: completion_tokens has {ct.shape[0]} samples, expected "
                          f"group_size {g_expected}")
-    for name in FIELDS_2D[1:]:
+    for name in FIELDS_2D[1:] + (("loss_mask",) if "loss_mask" in rec else ()):
         if np.shape(rec[name]) != ct.shape:
             raise BatchError(f"{where}: {name} has shape {np.shape(rec[name])}, expected "
                              f"{ct.shape} like completion_tokens")
@@ -270,7 +282,8 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
             std_floor=spec.std_floor, xp=np)
 
     staleness = np.stack([sample_staleness(r["policy_versions"], r["completion_lengths"],
-                                           learner_version) for r in records])
+                                           learner_version, r.get("loss_mask"))
+                          for r in records])
     keep_stale = stale_keep(staleness, spec.max_staleness, spec.stale_policy)
     signal = adv_lib.groups_with_signal(shaped, xp=np) if spec.dynamic_sampling else \
         np.ones(len(records), bool)
@@ -302,17 +315,20 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
     rows, t_max = len(records) * g, int(lengths.max())
     comp = np.zeros((rows, t_max), np.int32)
     mu = np.zeros((rows, t_max), np.float32)
+    sampled = np.ones((rows, t_max), bool)             # the records' loss_mask (multi-turn)
     for i, rec in enumerate(records):
         t = min(t_max, np.shape(rec["completion_tokens"])[1])
         comp[i * g:(i + 1) * g, :t] = np.asarray(rec["completion_tokens"])[:, :t]
         mu[i * g:(i + 1) * g, :t] = np.asarray(rec["behaviour_logprobs"])[:, :t]
+        if "loss_mask" in rec:
+            sampled[i * g:(i + 1) * g, :t] = np.asarray(rec["loss_mask"], bool)[:, :t]
     n_flat, keep_flat = lengths.reshape(-1), keep.reshape(-1)
     real_tok = np.arange(t_max)[None, :] < n_flat[:, None]                 # [R, t_max]
     tokens[:rows, p_max:p_max + t_max] = np.where(real_tok, comp, spec.pad_id)
     attn[:rows, p_max:p_max + t_max] = real_tok
     # target t predicts token t+1: completion tokens sit at p_max .. p_max+n-1
     tgt = slice(p_max - 1, p_max - 1 + t_max)
-    loss_mask[:rows, tgt] = real_tok & keep_flat[:, None]
+    loss_mask[:rows, tgt] = real_tok & sampled & keep_flat[:, None]
     behaviour[:rows, tgt] = np.where(real_tok, mu, np.float32(0.0))
     adv_tok[:rows, tgt] = np.where(loss_mask[:rows, tgt], advantages.reshape(-1)[:, None],
                                    np.float32(0.0))

@@ -238,7 +238,7 @@ class LearnerProgram:
             return False                   # a lost replica's late group (counted there)
         if rt.stale_policy == "drop":
             stale = sample_staleness(group["policy_versions"], group["completion_lengths"],
-                                     self.version)
+                                     self.version, group.get("loss_mask"))
             if (stale > rt.max_staleness).all():
                 self.counts["stale_groups"] += 1
                 if key is not None:
@@ -383,9 +383,11 @@ class LearnerProgram:
                 n = int(g["completion_lengths"][i])
                 toks = g["completion_tokens"][i, :n].tolist()
                 versions = g["policy_versions"][i, :n]
+                versions = versions[versions >= 0]          # env tokens of episodes: -1
                 out.append({"prompt": prompt,
                             "completion": self.tokenizer.decode(toks, skip_special_tokens=True),
-                            "reward": float(g["rewards"][i]), "version": int(versions.min()),
+                            "reward": float(g["rewards"][i]),
+                            "version": int(versions.min()) if versions.size else -1,
                             "prompt_id": int(g["prompt_id"]),
                             "truncated": bool(g["truncated"][i])})
         return out

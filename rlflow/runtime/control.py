@@ -134,7 +134,10 @@ def _jsonable_prompt(element: dict) -> dict:
     return {"stream_index": int(element["stream_index"]), "lease_id": int(element["lease_id"]),
             "seed": int(element["seed"]), "prompt_id": int(element["prompt_id"]),
             "prompt_tokens": [int(t) for t in element["prompt_tokens"]],
-            "answer": str(element.get("answer", ""))}
+            "answer": str(element.get("answer", "")),
+            # the record's text, for the environments of multi-turn episodes
+            **({"prompt_text": str(element["prompt_text"])} if "prompt_text" in element
+               else {})}
 
 
 class RunCoordinator(Coordinator):

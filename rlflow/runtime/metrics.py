@@ -1,11 +1,13 @@
 """Sampler replica figures as learner metrics (pure: statuses in, metric dict out).
 
 Per replica ``i`` (``sampler-<i>``): ``replica/<i>/tokens_per_s``, ``slot_occupancy``,
-``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version of its weights), ``restarts``. Over the live replicas:
-``sampler/tokens_per_s`` (sum), ``sampler/slot_occupancy`` and ``sampler/idle_frac``
-(means), ``sampler/version`` (newest), ``sampler/replicas_alive``, and the ``sync/*`` swap
-figures of the replica that reported last, with ``sync/weight_sync_s`` = its swap time
-minus the publish time of the version it swapped in.
+``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version
+of its weights), ``restarts``. Over the live replicas: ``sampler/tokens_per_s`` (sum),
+``sampler/slot_occupancy`` and ``sampler/idle_frac`` (means), the multi-turn episode
+counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
+(sums), ``sampler/version`` (newest), ``sampler/replicas_alive``, and the ``sync/*`` swap
+figures of the replica that reported last, with ``sync/weight_sync_s`` = its swap time minus
+the publish time of the version it swapped in.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from typing import Mapping
 
 _MEAN = ("sampler/slot_occupancy", "sampler/idle_frac")
 _SUM = ("sampler/tokens_per_s", "sampler/rejected_groups", "sampler/in_flight",
-        "sampler/groups_delivered")
+        "sampler/groups_delivered",
+        # multi-turn episodes (totals per replica instance): environment steps, failures
+        # (reward 0, counted), episodes started and cut by a limit
+        "sampler/env_steps", "sampler/env_errors", "sampler/env_timeouts",
+        "sampler/env_reset_errors", "sampler/episodes", "sampler/episodes_cut_turns",
+        "sampler/episodes_cut_tokens")
 
 
 def _index(name: str) -> str:
@@ -34,6 +41,8 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
         vals = [f[key] for f in figures.values() if key in f]
         if vals:
             out[key] = float(sum(vals))
+    for key in sorted({k for f in figures.values() for k in f if k.startswith("env/")}):
+        out[key] = float(sum(f.get(key, 0.0) for f in figures.values()))  # environments' info
     for key in _MEAN:
         vals = [f[key] for f in figures.values() if key in f]
         if vals:

@@ -26,6 +26,10 @@ them (their earlier KV entries stay), every token is tagged with the version tha
 produced it, and a prefix computed under an older version is never inserted again
 (it is recomputed).
 
+Multi-turn episodes (a request with ``episode`` set): a slot parks between turns, keeps its
+KV cache, and the environment's tokens are appended by a prefill of those tokens only
+(:mod:`rlflow.sampler.episode_slots`).
+
 Counters (:class:`BatchCounters`) make the scheduling checkable without timing:
 ``idle_slot_steps_while_queued`` counts free slots during a decode step while samples
 were waiting; it must stay 0.
@@ -41,6 +45,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from rlflow.sampler.engine import MAX_STOP_IDS, PromptError
+from rlflow.sampler.episode_slots import EpisodeSlots
 from rlflow.sampler.sampling import SamplingError, SamplingParams
 
 
@@ -54,19 +59,27 @@ class Request:
       num_samples: completions to draw (G >= 1).
       sampling: settings (incl. seed and max_tokens); ``None``: the sampler config's
         with ``seed = sampler.seed + prompt_id``.
+      episode: ``None`` (single-turn), or the episode driver's handle of this group's
+        environments: each sample is a multi-turn episode (``max_tokens`` then bounds the
+        whole episode after the prompt; :mod:`rlflow.sampler.episode_slots`).
     """
 
     prompt_id: int
     prompt_tokens: Sequence[int]
     num_samples: int = 1
     sampling: Optional[SamplingParams] = None
+    episode: object = None
 
 
 @dataclass
 class Completion:
     """One finished sample: ``tokens`` int32 ``[T]`` (stop id included), ``logprobs``
     float32 ``[T]`` (tempered, as sampled), ``versions`` int32 ``[T]`` (policy version
-    per token), ``finish_reason`` "stop" (a stop id) or "length" (``max_tokens``)."""
+    per token), ``finish_reason`` "stop" (a stop id) or "length" (``max_tokens``).
+
+    Episodes (multi-turn) also have ``reward`` (the environment's outcome reward) and
+    ``loss_mask`` bool ``[T]`` (1 on sampled tokens; environment tokens have logprob 0 and
+    version -1); "length" then means cut by a limit (turns, tokens)."""
 
     prompt_id: int
     sample_index: int
@@ -74,6 +87,8 @@ class Completion:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: str
+    reward: Optional[float] = None
+    loss_mask: Optional[np.ndarray] = None
 
     @property
     def truncated(self) -> bool:
@@ -95,7 +110,8 @@ class CompletedGroup:
 
     def to_record(self) -> dict:
         """The "rollout group record" of ``docs/interfaces.md`` (rewards 0: the runtime
-        fills them). ``T`` = the request's ``max_tokens``."""
+        fills them, except for episodes: their rewards and ``loss_mask`` are filled here).
+        ``T`` = the request's ``max_tokens``."""
         g, t = len(self.completions), self.max_tokens
         tokens = np.zeros((g, t), np.int32)
         logprobs = np.zeros((g, t), np.float32)
@@ -105,6 +121,12 @@ class CompletedGroup:
             n = len(c.tokens)
             tokens[i, :n], logprobs[i, :n], versions[i, :n], lengths[i] = (
                 c.tokens, c.logprobs, c.versions, n)
+        episode = {}
+        if self.request.episode is not None:
+            episode["loss_mask"] = np.zeros((g, t), bool)
+            for i, c in enumerate(self.completions):
+                episode["loss_mask"][i, :len(c.tokens)] = c.loss_mask
+        rewards = np.array([c.reward or 0.0 for c in self.completions], np.float32)
         return {
             "prompt_id": np.asarray(self.prompt_id, np.int64),
             "prompt_tokens": self.prompt_tokens.astype(np.int32),
@@ -112,8 +134,9 @@ class CompletedGroup:
             "completion_lengths": lengths,
             "behaviour_logprobs": logprobs,
             "policy_versions": versions,
-            "rewards": np.zeros((g,), np.float32),
+            "rewards": rewards,
             "truncated": np.array([c.truncated for c in self.completions], bool),
+            **episode,
         }
 
 
@@ -129,7 +152,9 @@ class BatchCounters:
     prefixes recomputed because a weight swap came between two samples' admissions; prompts_truncated: prompts
     cut to ``max_prefill_length`` (``on_long_prompt="truncate"``); weight_swaps;
     completions_stopped / completions_truncated; prefill_calls / insert_calls:
-    ``prefill_batch`` / ``insert_batch`` calls (several prompts / samples each).
+    ``prefill_batch`` / ``insert_batch`` calls (several prompts / samples each); env_extends:
+    episode slots that got environment tokens appended; episodes_cut_tokens: episodes ended
+    (truncated) because the environment's answer would pass the token limit.
     """
 
     decode_steps: int = 0
@@ -146,6 +171,8 @@ class BatchCounters:
     completions_truncated: int = 0
     prefill_calls: int = 0
     insert_calls: int = 0
+    env_extends: int = 0
+    episodes_cut_tokens: int = 0
 
     @property
     def occupancy(self) -> float:
@@ -169,9 +196,13 @@ class _Live:
 class _Slot:
     live: _Live
     sample_index: int
+    parked: bool = False          # episode between turns (waiting for its environment)
+    turn_start: int = 0           # episode: first completion position of the current turn
+    turns: int = 0                # episode: turns ended so far
+    length: int = 0               # episode: completion tokens when it parked
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(EpisodeSlots):
     """Drives an :class:`rlflow.sampler.engine.RlflowEngine` with continuous batching.
 
     Args:
@@ -181,13 +212,15 @@ class ContinuousBatcher:
       version: their policy version.
       on_long_prompt: "error" or "truncate" (keep the last ``max_prefill_length``
         tokens, counted); ``None``: ``sampler_cfg.on_long_prompt``.
+      episodes: the episode driver for requests with ``episode`` set
+        (:mod:`rlflow.sampler.episode_slots`); ``None``: single-turn only.
 
     Raises:
       ValueError: ``on_long_prompt`` is not one of the two.
     """
 
     def __init__(self, engine, params=None, version: int = 0,
-                 on_long_prompt: Optional[str] = None):
+                 on_long_prompt: Optional[str] = None, episodes=None):
         self.engine = engine
         self.cfg = engine.sampler_cfg
         self.on_long_prompt = on_long_prompt or self.cfg.on_long_prompt
@@ -210,6 +243,7 @@ class ContinuousBatcher:
         self._tokens = np.zeros(shape, np.int32)
         self._logprobs = np.zeros(shape, np.float32)
         self._versions = np.zeros(shape, np.int32)
+        self._init_episodes(episodes)
 
     # ------------------------------------------------------------------ input
     def submit(self, request: Request) -> None:
@@ -257,6 +291,9 @@ class ContinuousBatcher:
         if len(stop) > MAX_STOP_IDS:
             raise SamplingError(f"prompt_id {pid}: {len(stop)} stop ids {tuple(stop)}; at most "
                                 f"{MAX_STOP_IDS} are supported")
+        if request.episode is not None and self.episodes is None:
+            raise SamplingError(f"prompt_id {pid}: an episode request needs a batcher "
+                                f"with an episode driver (episodes=)")
         self.counters.prompts_truncated += int(truncated)
         live = _Live(request=request, tokens=tokens.astype(np.int32), sampling=sp,
                      stop_ids=frozenset(stop))
@@ -284,7 +321,8 @@ class ContinuousBatcher:
     @property
     def has_work(self) -> bool:
         """Samples queued or decoding, or results not yet returned by :meth:`step`."""
-        return bool(self._queue) or self.num_active > 0 or self._unfiled is not None
+        return bool(self._queue) or self.num_active > 0 or self._unfiled is not None \
+            or bool(self._ready)
 
     def reset_cache(self) -> None:
         """Free the decode state (KV cache); the next step allocates a fresh one.
@@ -383,8 +421,9 @@ class ContinuousBatcher:
         self._apply_pending_params()
         if self._state is None:
             self._state = self.engine.init_decode_state()
+        self._resume_episodes()
         self._refill()
-        busy = [s is not None for s in self._slots]
+        busy = [s is not None and not s.parked for s in self._slots]
         in_flight = None
         if any(busy):
             queued = bool(self._queue)
@@ -394,7 +433,7 @@ class ContinuousBatcher:
         if in_flight is not None:
             packed = np.asarray(in_flight)                # the one device->host copy
             self._unfiled = (packed, self._collect(packed, busy, queued))
-        return done
+        return self._take_ready() + done
 
     def _collect(self, packed: np.ndarray, busy: list, queued: bool) -> list:
         """Check a decode call's ``[k, B, 6]`` result, count it, free the slots it
@@ -415,7 +454,8 @@ class ContinuousBatcher:
         finished = []
         for j, slot in zip(*np.nonzero(packed[:, :, 3])):
             finished.append((j, slot, self._slots[slot]))
-            self._slots[slot] = None
+            if not self._parks(self._slots[slot], packed[j, slot, 3]):
+                self._slots[slot] = None                  # (an episode's turn keeps it)
             self._device_active[slot] = False             # the engine deactivated it
         return finished
 
@@ -434,16 +474,26 @@ class ContinuousBatcher:
                 done.append(group)
         return done
 
-    def _finish(self, s: _Slot, slot: int, n: int, reason: str) -> Optional[CompletedGroup]:
+    def _finish(self, s: _Slot, slot: int, n: int, reason: str,
+                reward: Optional[float] = None) -> Optional[CompletedGroup]:
+        if s.parked:                                      # an episode's turn, not its end
+            self._turn_ended(s, slot, n)
+            return None
         live = s.live
         if reason == "stop":
             self.counters.completions_stopped += 1
         else:
             self.counters.completions_truncated += 1
+        versions = self._versions[slot, :n].copy()
+        episode = live.request.episode
+        if episode is not None:
+            self.episodes.ended(episode, s.sample_index)
         live.completions[s.sample_index] = Completion(
             prompt_id=live.request.prompt_id, sample_index=s.sample_index,
             tokens=self._tokens[slot, :n].copy(), logprobs=self._logprobs[slot, :n].copy(),
-            versions=self._versions[slot, :n].copy(), finish_reason=reason)
+            versions=versions, finish_reason=reason,
+            reward=None if episode is None else float(reward or 0.0),
+            loss_mask=None if episode is None else versions >= 0)
         if len(live.completions) < live.request.num_samples:
             return None
         return CompletedGroup(request=live.request, prompt_tokens=live.tokens,

@@ -21,6 +21,16 @@ processes on one machine), its own JAX runtime, mesh and engine::
           are in go, whole and in the order they finished, to the learner's ring buffer
           (rlflow.exchange.buffer), tagged with their prompt's stream_index and lease_id
 
+Multi-turn episodes (``env.name`` set, :mod:`rlflow.sampler.episodes`): each leased prompt
+becomes ``G`` environments (reset here; the prompt ids are their first messages rendered by
+the chat template), the batcher runs them as episodes (a slot parks while its environment
+step runs in an environment worker), and a finished group goes to the buffer with the
+environments' rewards and its ``loss_mask`` (no reward workers). A prompt whose environment
+cannot be created or reset, or whose first messages render longer than
+``sampler.max_prefill_length``, is dropped (logged, counted as ``sampler/env_reset_errors``,
+reported to the ledger as dropped); environment step errors and timeouts end their episode
+with reward 0 (counted) and never stop the run.
+
 Each request's seed comes with its lease (derived from the prompt's position in the prompt
 stream), so a prompt re-dispatched to another replica, or after a resume, is drawn with the
 same seed. A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it
@@ -183,6 +193,9 @@ def lease_cap(sampler_cfg, groups_per_step: int, num_replicas: int) -> int:
 class SamplerProgram:
     """State of one sampler program (a thin shell over engine, batcher and clients)."""
 
+    episodes = None          # the episode driver (env.name set), else None
+    env_reset_errors = 0     # prompts dropped because their environments could not start
+
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
         sc = cfg.sampler
@@ -199,6 +212,11 @@ class SamplerProgram:
         eos = set(dcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
+        if cfg.env.enabled:         # every turn stops on the chat template's end-of-turn ids
+            from rlflow.envs.chat import ChatRenderer
+
+            self.renderer = ChatRenderer(self.tokenizer)
+            eos.update(self.renderer.end_of_turn_ids)
         engine_model = model if self.adapters is None else self.adapters.engine_model
         self.engine = RlflowEngine(engine_model, sc, mesh=self.mesh, tokenizer_path=cfg.model.path,
                                    eos_token_ids=sorted(eos))
@@ -212,7 +230,10 @@ class SamplerProgram:
         del model
         self.buffer = BufferClient.from_config(cfg.buffer, _endpoint(endpoints.buffer),
                                                name=self.name)
-        self.rewarder = Rewarder(cfg.reward, plugins=cfg.plugins)
+        self.episodes = self._episode_driver() if cfg.env.enabled else None
+        self.env_reset_errors = 0
+        self.rewarder = None if self.episodes is not None else \
+            Rewarder(cfg.reward, plugins=cfg.plugins)
         # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
         # that its id is not reused while the group is scored)
         self.scoring: dict[int, tuple] = {}
@@ -232,6 +253,13 @@ class SamplerProgram:
         reply = self._status()
         self.batcher = self._first_weights(reply)
         self.puller = _Puller(self.subscriber, self._on_weights)
+
+    def _episode_driver(self):
+        from rlflow.sampler.env_workers import env_pool
+        from rlflow.sampler.episodes import EpisodeDriver
+
+        return EpisodeDriver(self.cfg.env, self.tokenizer, self.renderer,
+                             pool=env_pool(self.cfg.env, self.cfg.plugins))
 
     # ------------------------------------------------------------------ weights
     def _subscriber(self, coord: str, model):
@@ -264,7 +292,7 @@ class SamplerProgram:
                 log.info("loaded weights version %d from the learner", version)
                 self._note_swap(version, 0.0)
                 self.version = version
-                return ContinuousBatcher(self.engine, params, version)
+                return ContinuousBatcher(self.engine, params, version, episodes=self.episodes)
             if time.monotonic() > deadline:
                 raise SamplerError(f"no weights published by the learner within "
                                    f"{FIRST_WEIGHTS_TIMEOUT_S:.0f} s")
@@ -292,8 +320,14 @@ class SamplerProgram:
         metrics["sampler/instance"] = float(self.control.instance)
         metrics["sampler/rejected_groups"] = float(self.rejected)
         metrics["sampler/dropped_bad_reward_groups"] = float(self.bad_reward_groups)
-        # reward functions that raised or timed out (scored 0): counted, never silent
-        metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
+        # reward functions / environments that raised or timed out (scored 0): counted
+        if self.rewarder is not None:
+            metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
+        if self.episodes is not None:
+            metrics.update(self.episodes.metrics())
+            metrics["sampler/env_reset_errors"] = float(self.env_reset_errors)
+            c = self.batcher.counters if hasattr(self, "batcher") else None
+            metrics["sampler/episodes_cut_tokens"] = float(c.episodes_cut_tokens if c else 0)
         metrics["sampler/in_flight"] = float(len(self.in_flight))
         metrics["sampler/groups_delivered"] = float(self.groups_delivered)
         dropped, self.dropped_leases = self.dropped_leases, []
@@ -313,10 +347,16 @@ class SamplerProgram:
         # in the prompt stream, not its prompt_id, so a prompt met again in a later epoch
         # gets new random draws, and a re-dispatched or resumed one the same draws.
         seed = int(element["seed"])
-        request = Request(prompt_id=int(element["prompt_id"]),
-                          prompt_tokens=np.asarray(element["prompt_tokens"], np.int32),
-                          num_samples=self.cfg.sampler.group_size,
-                          sampling=SamplingParams.from_config(self.cfg.sampler, seed=seed))
+        sampling = SamplingParams.from_config(self.cfg.sampler, seed=seed)
+        prompt, episode = np.asarray(element["prompt_tokens"], np.int32), None
+        if self.episodes is not None:
+            got = self._new_episodes(element, sampling)
+            if got is None:
+                return
+            prompt, episode, sampling = got
+        request = Request(prompt_id=int(element["prompt_id"]), prompt_tokens=prompt,
+                          num_samples=self.cfg.sampler.group_size, sampling=sampling,
+                          episode=episode)
         for attempt in range(MAX_PROMPT_RETRIES + 1):
             try:
                 self.batcher.submit(request)
@@ -329,10 +369,43 @@ class SamplerProgram:
         self.in_flight[id(request)] = element
         self.prompts_started += 1
 
+    def _new_episodes(self, element, sampling):
+        """``(prompt ids, episode group, sampling)`` for a leased prompt, or None when its
+        environments cannot be created (the prompt is dropped, logged and counted)."""
+        from rlflow.sampler.episodes import episode_record, sampling_for_episodes
+
+        limit = self.cfg.sampler.max_prefill_length
+        try:
+            prompt, group = self.episodes.new_group(episode_record(element),
+                                                    self.cfg.sampler.group_size)
+            if prompt.size > limit:      # never cut: the system turn comes first
+                raise ValueError(f"the rendered first messages are {prompt.size} tokens, "
+                                 f"longer than sampler.max_prefill_length={limit}")
+        except Exception as e:  # noqa: BLE001 - a bad record never stops the run
+            self.env_reset_errors += 1
+            self.dropped_leases.append([int(element["stream_index"]), int(element["lease_id"])])
+            log.warning("prompt_id %d: environment %r could not start (%s: %s); the prompt "
+                        "is dropped (%d so far)", int(element["prompt_id"]), self.cfg.env.name,
+                        type(e).__name__, e, self.env_reset_errors)
+            return None
+        return prompt, group, sampling_for_episodes(sampling, self.cfg.env,
+                                                    self.cfg.sampler.max_tokens,
+                                                    self.renderer.end_of_turn_ids)
+
     # ------------------------------------------------------------------ groups out
     def _score(self, groups) -> None:
         """Hand the groups a decode step finished to the reward workers (no wait); they stay
         in ``in_flight`` (admission counts them) until delivered or dropped."""
+        if self.episodes is not None:        # rewards from the environments: deliver
+            records = []
+            for group in groups:
+                element = self.in_flight.pop(id(group.request))
+                record = group.to_record()
+                record["stream_index"] = np.asarray(element["stream_index"], np.int64)
+                record["lease_id"] = np.asarray(element["lease_id"], np.int64)
+                records.append(record)
+            self._deliver(records)
+            return
         for group in groups:
             key = id(group.request)
             element = self.in_flight[key]
@@ -350,6 +423,8 @@ class SamplerProgram:
             function and sample).
         """
         records = []
+        if self.rewarder is None:
+            return
         for key, batch in self.rewarder.collect(timeout):
             _, record = self.scoring.pop(key)
             element = self.in_flight.pop(key)
@@ -459,7 +534,8 @@ class SamplerProgram:
 
     def close(self) -> None:
         closers = [self.heartbeat.close, self.control.close, self.buffer.close,
-                   self.subscriber.close, self.rewarder.close]
+                   self.subscriber.close]
+        closers += [x.close for x in (self.rewarder, self.episodes) if x is not None]
         if hasattr(self, "puller"):
             closers.insert(0, self.puller.close)
         for closer in closers:

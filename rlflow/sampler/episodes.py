@@ -1,0 +1,219 @@
+"""The sampler's episode driver: environments, chat rendering and worker calls of the
+multi-turn episodes the batcher runs (:mod:`rlflow.sampler.episode_slots`).
+
+Per group (one leased prompt), :meth:`EpisodeDriver.new_group` creates ``G`` environments
+from the prompt's record (the factory of ``env.name`` with ``env.options``), resets them
+(in this process: a reset must be quick and side-effect free; the ``G`` resets must give
+the same messages, since the group shares one prompt), and renders the first messages with
+the model's chat template as the group's prompt ids. Then, per episode:
+
+* ``turn_ended``: the turn's sampled ids (end-of-turn ids stripped) are decoded to the
+  assistant message (``renderer.assistant_text``) and ``env.step`` is queued to an
+  environment worker (:mod:`rlflow.sampler.env_workers`); decoding of the other slots goes
+  on.
+* ``poll``: answers that arrived become :class:`EpisodeOutcome`: ``done`` -> the
+  environment's reward; not done and the turn limit (``env.max_turns``) reached -> cut,
+  truncated, reward 0 (or the environment's reward if it gave one); otherwise the new
+  messages rendered as continuation ids (``renderer.continuation_ids``: the suffix after
+  the sampled ids, the next assistant header included; past turns are never
+  re-tokenized). An environment that raises, times out (``env.step_timeout_s``), dies or
+  returns something other than an :class:`rlflow.envs.EnvStep` ends its episode with
+  reward 0, counted (``sampler/env_errors``, ``sampler/env_timeouts``) and logged; the run
+  goes on.
+
+The renderer is :class:`rlflow.envs.chat.ChatRenderer` (``prompt_ids(messages, tools)``,
+``continuation_ids(messages, new_messages, tools)``, ``assistant_text(ids)``,
+``end_of_turn_ids``); an environment
+may expose ``tools`` (a list of JSON tool schemas) for the template.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from rlflow.envs.base import EnvStep, get_environment
+from rlflow.sampler.episode_slots import EpisodeOutcome
+
+log = logging.getLogger("rlflow.sampler.episodes")
+LOG_FIRST = 10
+
+
+@dataclass
+class EpisodeGroup:
+    """One prompt's ``G`` episodes: environments, conversations and turns so far."""
+
+    record: dict
+    envs: list
+    messages: List[list]
+    tools: Any = None
+    turns: List[int] = field(default_factory=list)
+
+
+class EpisodeDriver:
+    """Environments of the episodes in flight (see the module docstring).
+
+    Args:
+      env_cfg: :class:`rlflow.config.EnvConfig`.
+      tokenizer: the model's tokenizer.
+      renderer: a chat renderer (``rlflow.envs.chat.ChatRenderer(tokenizer)``).
+      pool: a worker pool (``rlflow.sampler.env_workers.env_pool``); ``None``: steps run
+        in this process (tests and debugging only: a hanging step is not stopped).
+
+    Raises:
+      rlflow.envs.EnvError: ``env.name`` is not registered or cannot be imported.
+    """
+
+    def __init__(self, env_cfg, tokenizer, renderer, pool=None):
+        self.cfg = env_cfg
+        self.factory = get_environment(env_cfg.name)
+        self.options = env_cfg.option_dict()
+        self.tokenizer, self.renderer, self.pool = tokenizer, renderer, pool
+        self.stop_ids = tuple(int(i) for i in renderer.end_of_turn_ids)
+        self._tasks: Dict[int, tuple] = {}
+        self._answers: list = []          # (group, index, status, value) answered in-process
+        self.counts = {"env_steps": 0, "env_errors": 0, "env_timeouts": 0,
+                       "episodes": 0, "episodes_cut_turns": 0}
+        self.info: Dict[str, float] = {}
+
+    # ------------------------------------------------------------------ groups
+    def new_group(self, record: dict, group_size: int) -> tuple:
+        """``G`` environments for ``record``: returns ``(prompt ids int32 [P], group)``.
+
+        Raises:
+          rlflow.envs.EnvError: the resets differ or return something other than a
+            non-empty list of messages (names the environment and the prompt).
+        """
+        from rlflow.envs.base import EnvError
+
+        envs = [self.factory(record, **self.options) for _ in range(group_size)]
+        first = [env.reset() for env in envs]
+        where = f"environment {self.cfg.name!r}, prompt_id {record.get('prompt_id', '?')}"
+        if not isinstance(first[0], list) or not first[0] or \
+                not all(isinstance(m, dict) and "role" in m for m in first[0]):
+            raise EnvError(f"{where}: reset() must return a non-empty list of message dicts "
+                           f"with 'role' and 'content', got {first[0]!r:.200}")
+        if any(m != first[0] for m in first[1:]):
+            raise EnvError(f"{where}: the {group_size} resets of one prompt gave different "
+                           f"messages (a group shares one prompt: make reset deterministic "
+                           f"per record)")
+        tools = getattr(envs[0], "tools", None)
+        prompt = np.asarray(self.renderer.prompt_ids(first[0], tools=tools), np.int32)
+        group = EpisodeGroup(record=record, envs=envs, messages=[list(m) for m in first],
+                             tools=tools, turns=[0] * group_size)
+        self.counts["episodes"] += group_size
+        return prompt, group
+
+    # ------------------------------------------------------------------ batcher hooks
+    def turn_ended(self, group: EpisodeGroup, index: int, ids: np.ndarray, used: int) -> None:
+        """An episode's turn ended on a stop id: queue its environment step."""
+        text = self.renderer.assistant_text(ids)
+        group.messages[index].append({"role": "assistant", "content": text})
+        group.turns[index] += 1
+        env = group.envs[index]
+        self.counts["env_steps"] += 1
+        if self.pool is None:
+            try:
+                self._answers.append((group, index, "ok", (env.step(text), env)))
+            except Exception as e:  # noqa: BLE001 - counted; the episode ends, reward 0
+                self._answers.append((group, index, "error", f"{type(e).__name__}: {e}"))
+            return
+        self._tasks[self.pool.submit_call(env, text)] = (group, index)
+
+    def poll(self, timeout: float = 0.0) -> list:
+        """Answers that arrived (waiting at most ``timeout`` s for the first):
+        ``[(group, index, EpisodeOutcome)]``."""
+        answers, self._answers = self._answers, []
+        if self.pool is not None and self._tasks:
+            for task_id, status, value in self.pool.poll(0.0 if answers else timeout):
+                group, index = self._tasks.pop(task_id)
+                answers.append((group, index, status, value))
+        return [(g, i, self._outcome(g, i, status, value)) for g, i, status, value in answers]
+
+    def ended(self, group: EpisodeGroup, index: int) -> None:
+        """The episode's completion is final: drop its environment."""
+        group.envs[index] = None
+
+    # ------------------------------------------------------------------ internals
+    def _outcome(self, group: EpisodeGroup, index: int, status: str, value) -> EpisodeOutcome:
+        where = f"prompt_id {group.record.get('prompt_id', '?')} episode {index}"
+        if status != "ok":
+            return self._failed("env_timeouts" if status == "timeout" else "env_errors",
+                                where, str(value))
+        step, env = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+        bad = _bad_step(step)
+        if bad:
+            return self._failed("env_errors", where, bad)
+        group.envs[index] = env
+        for k, v in step.info.items():
+            self.info[k] = self.info.get(k, 0.0) + float(v)
+        reward = float(step.reward or 0.0)
+        if step.done:
+            return EpisodeOutcome(None, reward, False)
+        if group.turns[index] >= self.cfg.max_turns:
+            self.counts["episodes_cut_turns"] += 1
+            return EpisodeOutcome(None, reward, True)
+        try:
+            cont = self.renderer.continuation_ids(group.messages[index], step.messages,
+                                                  tools=group.tools)
+        except Exception as e:  # noqa: BLE001 - a message the template cannot render
+            return self._failed("env_errors", where, f"rendering its messages: "
+                                f"{type(e).__name__}: {e}")
+        group.messages[index].extend(step.messages)
+        return EpisodeOutcome(np.asarray(cont, np.int32), reward, False)
+
+    def _failed(self, kind: str, where: str, what: str) -> EpisodeOutcome:
+        self.counts[kind] += 1
+        n = self.counts["env_errors"] + self.counts["env_timeouts"]
+        if n <= LOG_FIRST or n % 1000 == 0:
+            log.warning("environment %r, %s: %s; the episode ends with reward 0 (%d failures "
+                        "so far)", self.cfg.name, where, what, n)
+        return EpisodeOutcome(None, 0.0, False)
+
+    def metrics(self) -> Dict[str, float]:
+        """Counters for the sampler's status: ``sampler/env_*``, ``sampler/episodes*`` and
+        the environments' own ``info`` sums as ``env/<key>``."""
+        out = {f"sampler/{k}": float(v) for k, v in self.counts.items()}
+        out.update({f"env/{k}": v for k, v in self.info.items()})
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+def _bad_step(step) -> Optional[str]:
+    """Why ``step`` is not a valid :class:`EnvStep` (None when it is)."""
+    if not isinstance(step, EnvStep):
+        return f"step() returned {type(step).__name__}, expected EnvStep"
+    if not isinstance(step.messages, list) or not all(
+            isinstance(m, dict) and "role" in m for m in step.messages):
+        return f"EnvStep.messages must be a list of message dicts, got {step.messages!r:.200}"
+    if not step.done and not step.messages:
+        return "EnvStep has no messages and done=False (nothing for the policy to answer)"
+    if step.reward is not None and not np.isfinite(float(step.reward)):
+        return f"EnvStep.reward {step.reward} is not finite"
+    return None
+
+
+def episode_record(element: dict) -> dict:
+    """The record an environment factory gets from a leased prompt: ``prompt_id``,
+    ``prompt`` (the prompt text as the data pipeline rendered it; use
+    ``data.chat_template="plain"`` with ``plain_template="{prompt}"`` for the raw field) and
+    ``answer``."""
+    return {"prompt_id": int(element["prompt_id"]), "prompt": str(element.get("prompt_text", "")),
+            "answer": str(element.get("answer", ""))}
+
+
+def sampling_for_episodes(sampling, env_cfg, sampler_max_tokens: int, stop_ids: Sequence[int]):
+    """A request's sampling settings for episodes: ``max_tokens`` = the episode token limit,
+    stop ids = the end-of-turn ids plus the given ones."""
+    import dataclasses
+
+    stops = tuple(dict.fromkeys(tuple(stop_ids) + tuple(sampling.stop_token_ids or ())))
+    return dataclasses.replace(sampling, max_tokens=env_cfg.episode_tokens(sampler_max_tokens),
+                               stop_token_ids=stops)

@@ -1,0 +1,165 @@
+"""Multi-turn episodes in the batcher: a slot parks between turns, the environment's ids are
+appended to its KV cache, every sampled token keeps its logprob and version (across a weight
+swap inside a turn), and the group record's loss_mask is 1 exactly on sampled tokens."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from rlflow.config import EnvConfig
+from rlflow.envs import EnvStep, register_environment
+from rlflow.exchange.records import validate_group
+from rlflow.learner.batch import BatchSpec, build_batch
+from rlflow.models.logprobs import token_logprobs
+from rlflow.sampler.batching import ContinuousBatcher, Request
+from rlflow.sampler.episodes import EpisodeDriver
+from rlflow.sampler.sampling import SamplingParams
+from tolerances import forward_atol
+
+from test_batching import setup, with_lm_head_swapped  # noqa: F401 - the module fixture
+
+PROMPT = [1, 20, 33, 47]
+CONT = [3, 4, 9]                      # the (fake) rendered environment answer
+G = 4
+
+
+class TwoTurns:
+    """Answers the first turn, ends the episode with reward 1 on the second."""
+
+    def __init__(self, record):
+        self.turns = 0
+
+    def reset(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, assistant):
+        self.turns += 1
+        if self.turns == 1:
+            return EnvStep(messages=[{"role": "user", "content": "again"}], info={"asked": 1})
+        return EnvStep(done=True, reward=1.0)
+
+
+register_environment("test_two_turns")(lambda record, **kw: TwoTurns(record))
+
+
+class FakeRenderer:
+    def __init__(self, eot, tokenizer=None):
+        self.end_of_turn_ids = tuple(eot)
+        self.tokenizer = tokenizer or FakeTokenizer()
+
+    def assistant_text(self, ids):
+        ids = [int(i) for i in ids]
+        while ids and ids[-1] in self.end_of_turn_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids)
+
+    def prompt_ids(self, messages, tools=None):
+        return list(PROMPT)
+
+    def continuation_ids(self, messages, new_messages, tools=None):
+        assert messages[-1]["role"] == "assistant" and new_messages[0]["content"] == "again"
+        assert messages[-2]["role"] in ("user", "system")
+        return list(CONT)
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(map(chr, ids))
+
+
+def test_episode_logprobs_equal_recompute_across_a_swap_and_masks(setup):
+    model, engine, w0, forward = setup
+    w1 = with_lm_head_swapped(w0, 5, 7)
+    sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=3, stop_token_ids=())
+    # Stop ids that end every episode's first turn by its second token: the tokens the same
+    # samples (same uniforms, same weights) draw there in a single-turn run.
+    single = ContinuousBatcher(engine, params=w0).run([Request(0, PROMPT, G, sampling)])[0]
+    eot = sorted({int(c.tokens[1]) for c in single.completions})
+    driver = EpisodeDriver(EnvConfig(name="test_two_turns", max_turns=4), FakeTokenizer(),
+                           FakeRenderer(eot))
+    prompt, group = driver.new_group({"prompt_id": 0}, G)
+    assert prompt.tolist() == PROMPT
+    batcher = ContinuousBatcher(engine, params=w0, version=0, episodes=driver)
+    batcher.submit(Request(0, prompt, G, SamplingParams(
+        temperature=1.0, max_tokens=16, seed=3, stop_token_ids=tuple(eot)), episode=group))
+    out, swapped = [], False
+    while batcher.has_work:
+        out += batcher.step()
+        if not swapped and batcher.counters.env_extends:
+            batcher.update_params(w1, version=1)       # the extended turns go on under W1
+            swapped = True
+    assert len(out) == 1 and batcher.counters.env_extends == G
+    record = out[0].to_record()
+    validate_group(record, group_size=G, max_tokens=16)
+    spans = 0
+    for i, c in enumerate(out[0].completions):
+        n = len(c.tokens)
+        first_end = int(np.flatnonzero(np.isin(c.tokens, eot))[0])     # turn 1 ends here
+        env = slice(first_end + 1, first_end + 1 + len(CONT))
+        assert first_end <= 1 and c.tokens[env].tolist() == CONT
+        want = np.ones(n, bool)
+        want[env] = False
+        assert record["loss_mask"][i, :n].tolist() == want.tolist()
+        assert not record["loss_mask"][i, n:].any()
+        assert (c.versions[env] == -1).all() and (c.logprobs[env] == 0).all()
+        assert c.finish_reason == ("stop" if c.tokens[-1] in eot else "length")
+        assert record["rewards"][i] == (1.0 if c.finish_reason == "stop" else 0.0)
+        turn2 = c.versions[env.stop:]
+        spans += int((turn2 == 0).any() and (turn2 == 1).any())
+        # Only the output head changed, so the KV (mixed versions) equals either recompute:
+        # each sampled token's logprob is the recompute under its own version's weights.
+        seq = jnp.asarray([PROMPT + c.tokens.tolist()], jnp.int32)
+        p = len(PROMPT)
+        for v, w in ((0, w0), (1, w1)):
+            logits = forward(w, seq, jnp.arange(seq.shape[1])[None], jnp.ones(seq.shape, bool))
+            lp = np.asarray(token_logprobs(logits[0, p - 1:-1], jnp.asarray(c.tokens)))
+            at = c.versions == v
+            atol = forward_atol(model.cfg, engine.cache_len, float(np.abs(lp).max()))
+            np.testing.assert_allclose(c.logprobs[at], lp[at], rtol=0, atol=atol)
+    assert spans >= 1, "no turn spans the weight swap"
+    assert driver.metrics()["sampler/env_steps"] >= G and driver.metrics()["env/asked"] == G
+
+    # The learner: the loss mask is the record's loss_mask (shifted onto targets), staleness
+    # counts sampled tokens only (the -1 of environment tokens are not versions).
+    spec = BatchSpec(group_size=G, num_rows=G, seq_buckets=(64,), max_tokens=16,
+                     max_staleness=1)
+    batch, info = build_batch([record], spec, learner_version=1)
+    for i in range(G):
+        n = int(record["completion_lengths"][i])
+        got = batch.loss_mask[i, p - 1:p - 1 + n]
+        assert got.tolist() == record["loss_mask"][i, :n].tolist()
+        assert batch.loss_mask[i].sum() == record["loss_mask"][i].sum()
+    assert info["batch/loss_tokens"] == int(record["loss_mask"].sum())
+
+
+def test_env_step_errors_and_timeouts_end_the_episode_counted():
+    """Steps in a real worker process: one answers, one raises, one hangs past
+    env.step_timeout_s (its worker is killed); the two failures end their episodes with
+    reward 0, counted, and the driver goes on."""
+    import time
+
+    from rlflow.sampler.env_workers import env_pool
+
+    cfg = EnvConfig(name="episode_envs:make_flaky", step_timeout_s=2.0, num_workers=2)
+    driver = EpisodeDriver(cfg, CharTokenizer(), FakeRenderer([0], CharTokenizer()),
+                           pool=env_pool(cfg))
+    try:
+        _, group = driver.new_group({"prompt_id": 7}, 3)
+        texts = {0: "ok", 1: "raise", 2: "hang"}
+        for i, text in texts.items():
+            driver.turn_ended(group, i, np.asarray([ord(c) for c in text] + [0]), 0)
+        got, deadline = {}, time.monotonic() + 120
+        while len(got) < 3 and time.monotonic() < deadline:
+            got.update({i: out for _, i, out in driver.poll(0.5)})
+        assert sorted(got) == [0, 1, 2]
+        assert got[0].continuation.tolist() == CONT
+        assert got[1].continuation is None and got[1].reward == 0.0
+        assert got[2].continuation is None and got[2].reward == 0.0
+        m = driver.metrics()
+        assert m["sampler/env_errors"] == 1 and m["sampler/env_timeouts"] == 1
+    finally:
+        driver.close()
