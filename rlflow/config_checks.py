@@ -23,11 +23,13 @@ def check_runnable(cfg: ExperimentConfig) -> None:
 
     Raises:
       ConfigError: the message names the field (``plugins``, ``reward.functions``,
+        ``env.name``, ``env.options``,
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``) and what was
         expected.
     """
     _check_plugins(cfg)
     _check_rewards(cfg)
+    _check_env(cfg)
     _check_data(cfg)
     _check_model(cfg)
 
@@ -39,6 +41,18 @@ def _check_plugins(cfg) -> None:
         import_plugins(cfg.plugins)
     except PluginError as e:
         raise ConfigError(f"plugins: {e}") from None
+
+
+def _check_env(cfg) -> None:
+    if not cfg.env.enabled:
+        return
+    from rlflow.envs.base import EnvError, bind_options, get_environment
+
+    try:
+        bind_options(get_environment(cfg.env.name), cfg.env.option_dict())
+    except EnvError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith("env.") else f"env.name: {msg}") from None
 
 
 def _check_rewards(cfg) -> None:

@@ -253,3 +253,28 @@ def test_environment_messages_are_checked(chat):
         renderer.continuation_ids(convo, [{"role": "user", "content": 3}])
     with pytest.raises(EnvError, match="expected a list of messages"):
         renderer.prompt_ids("hi")
+
+
+def test_env_options_convert_by_the_factorys_annotations():
+    """``env.options`` strings become the factory's typed keyword arguments; ``"False"`` is
+    False (not a truthy string), an unknown key or a bad value is refused naming it, both
+    when the sampler binds them and when ``rlflow train`` resolves the config."""
+    from rlflow.config import ConfigError, EnvConfig, ExperimentConfig, replace
+    from rlflow.config_checks import check_runnable
+    from rlflow.envs.base import bind_options
+
+    calc = get_environment("gsm8k_calculator")
+    got = bind_options(calc, {"tools_in_template": "False", "max_tool_calls": "3",
+                              "timeout_s": "2.5", "question_field": "None"})
+    assert got == {"tools_in_template": False, "max_tool_calls": 3, "timeout_s": 2.5,
+                   "question_field": None}
+    assert bind_options(calc, {"tools_in_template": "on"})["tools_in_template"] is True
+    with pytest.raises(EnvError, match=r"env.options: max_tool_calls: expected int, got 'x'"):
+        bind_options(calc, {"max_tool_calls": "x"})
+    with pytest.raises(EnvError, match=r"'max_turn' is not an option.*max_turns"):
+        bind_options(get_environment("guess_digit"), {"max_turn": "3"})
+    with pytest.raises(EnvError, match=r"tools_in_template: expected bool, got 'maybe'"):
+        bind_options(calc, {"tools_in_template": "maybe"})
+    cfg = replace(ExperimentConfig(), env=EnvConfig(name="guess_digit", options=("max_turn=3",)))
+    with pytest.raises(ConfigError, match=r"^env.options: 'max_turn' is not an option"):
+        check_runnable(cfg)

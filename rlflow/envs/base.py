@@ -135,3 +135,64 @@ def _load_builtin() -> None:
 
     for module in BUILTIN_MODULES:
         importlib.import_module(module)
+
+
+def bind_options(factory: EnvFactory, options: Dict[str, str],
+                 where: str = "env.options") -> Dict[str, Any]:
+    """Convert ``key=value`` option strings to the factory's keyword arguments by the types
+    its signature annotates: ``int``, ``float``, ``bool`` (``true/false/1/0/yes/no/on/off``,
+    any case), ``str`` and ``Optional[...]`` of those (``none`` / ``null`` -> ``None``).
+    An option the factory does not take is refused unless it accepts ``**kwargs`` (then the
+    string is passed as is).
+
+    Raises:
+      EnvError: an option the factory does not take (the message lists the ones it does) or
+        a value that does not convert (names the option, the expected type and the value).
+    """
+    import inspect
+    import typing
+
+    sig = inspect.signature(factory)
+    try:
+        hints = typing.get_type_hints(factory)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: pass strings through
+        hints = {}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    named = {n: p for n, p in sig.parameters.items()
+             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    named.pop(next(iter(sig.parameters), None), None)     # the record
+    out: Dict[str, Any] = {}
+    for key, text in options.items():
+        if key not in named:
+            if takes_any:
+                out[key] = text
+                continue
+            raise EnvError(f"{where}: {key!r} is not an option of this environment; it "
+                           f"takes {sorted(named)}")
+        out[key] = _convert(text, hints.get(key, str), f"{where}: {key}")
+    return out
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _convert(text: str, hint, where: str):
+    import typing
+
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and type(None) in args:
+        if text.strip().lower() in ("none", "null"):
+            return None
+        rest = [a for a in args if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else str
+    try:
+        if hint is bool:
+            low = text.strip().lower()
+            if low in _TRUE or low in _FALSE:
+                return low in _TRUE
+            raise ValueError(text)
+        if hint in (int, float):
+            return hint(text)
+    except ValueError:
+        raise EnvError(f"{where}: expected {hint.__name__}, got {text!r}") from None
+    return text

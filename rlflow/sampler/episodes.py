@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlflow.envs.base import EnvStep, get_environment
+from rlflow.envs.base import EnvStep, bind_options, get_environment
 from rlflow.sampler.episode_slots import EpisodeOutcome
 
 log = logging.getLogger("rlflow.sampler.episodes")
@@ -64,13 +64,14 @@ class EpisodeDriver:
         in this process (tests and debugging only: a hanging step is not stopped).
 
     Raises:
-      rlflow.envs.EnvError: ``env.name`` is not registered or cannot be imported.
+      rlflow.envs.EnvError: ``env.name`` is not registered or cannot be imported, or an
+        ``env.options`` entry is not one of its options or does not convert.
     """
 
     def __init__(self, env_cfg, tokenizer, renderer, pool=None):
         self.cfg = env_cfg
         self.factory = get_environment(env_cfg.name)
-        self.options = env_cfg.option_dict()
+        self.options = bind_options(self.factory, env_cfg.option_dict())
         self.tokenizer, self.renderer, self.pool = tokenizer, renderer, pool
         self.stop_ids = tuple(int(i) for i in renderer.end_of_turn_ids)
         self._tasks: Dict[int, tuple] = {}
