@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 import _gsm8k_model  # noqa: E402
+from _runs import steady_steps  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", "30"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "6"))
@@ -77,22 +78,7 @@ def experiment(model_dir: str, run_dir: str, mode: str):
 
 
 def measure(cfg) -> dict:
-    from rlflow.metrics import METRICS_FILE
-    from rlflow.run_folder import metrics_by_step, read_jsonl
-    from rlflow.runtime.launch import run_train
-
-    code = run_train(cfg)
-    if code != 0:
-        raise RuntimeError(f"rlflow train ({cfg.name}) exited with {code}; see "
-                           f"{cfg.run_path}/logs")
-    records, problems = read_jsonl(os.path.join(cfg.run_path, METRICS_FILE))
-    if problems:
-        raise RuntimeError(f"{cfg.name}: bad metrics lines: {problems[:3]}")
-    times = {r["step"]: r["time"] for r in records if "learner/step_time_s" in r}
-    by_step = metrics_by_step(records)
-    steps = sorted(times)[WARMUP:]
-    if len(steps) < 2:
-        raise RuntimeError(f"{cfg.name}: only {len(times)} steps logged (need > {WARMUP + 1})")
+    steps, times, by_step = steady_steps(cfg, WARMUP)
     wall = times[steps[-1]] - times[steps[0]]
     # tokens of the steps after the first counted one: those trained inside `wall`
     tokens = sum(by_step[s]["learner/tokens"] for s in steps[1:])
