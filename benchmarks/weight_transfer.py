@@ -14,6 +14,14 @@ connections, one per device). Printed::
     RESULT weight_swap_vs_numpy_copy_<W>MB_<case> <ratio> x     (target <= 3)
     RESULT weight_sampler_pause_<W>MB_<case> <ms> ms            (re-layout + swap)
 
+    RESULT raw_socket_<n>stream_<W>MB <ms> ms                  (the link alone)
+    RESULT weight_swap_vs_raw_socket_<W>MB_<case> <ratio> x     (1: the link is the limit)
+
+The raw-socket lines send the same W bytes buffer to buffer over loopback TCP with plain
+sockets, over 1 connection and over as many as the transfer server has transports: the
+floor of any socket transfer on this host, so ``weight_swap_vs_numpy_copy`` can be read
+against it (a target below ``raw_socket_..._vs_numpy_copy`` is below what the link allows).
+
 (and the parts: publish = the learner's device copy; pull = first request to last byte;
 other = coordinator round trip and Python) for two cases: ``same_layout`` (the sampler keeps the
 learner's split, so nothing is re-laid) and ``resharded`` (rows -> columns: a full re-layout
