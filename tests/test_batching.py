@@ -62,6 +62,14 @@ def with_lm_head_swapped(state, a, b):
     return new
 
 
+def first_token_weights(forward, state):
+    """(W0, W1): PROMPT's greedy first token is 5 under W0 and 7 under W1 (output head
+    columns exchanged, so the KV cache is the same under both)."""
+    a = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
+    w0 = with_lm_head_swapped(state, a, 5) if a != 5 else state
+    return w0, with_lm_head_swapped(w0, 5, 7)
+
+
 LENGTHS = [2, 16, 4, 9, 2, 12, 16, 3, 7, 5]                     # max/min = 8
 PROMPTS = [[1 + i, 5, 6 + i][: 1 + i % 3] + [9] * (i % 5) for i in range(10)]
 
@@ -173,9 +181,7 @@ def test_k_steps_per_call_same_results_and_honest_counters(setup, engine3):
 
 def test_weight_swap_new_request_gets_new_weights_and_version(setup):
     _, engine, state, forward = setup
-    a = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
-    w0 = with_lm_head_swapped(state, a, 5) if a != 5 else state     # W0 predicts 5
-    w1 = with_lm_head_swapped(w0, 5, 7)                               # W1 predicts 7
+    w0, w1 = first_token_weights(forward, state)                    # predict 5 / 7
     greedy = SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=())
     batcher = ContinuousBatcher(engine, params=w0, version=0)
     c = batcher.run([Request(0, PROMPT, 1, greedy)])[0].completions[0]
@@ -194,9 +200,7 @@ def test_weight_swap_new_request_gets_new_weights_and_version(setup):
 
 def test_weight_swap_in_flight_and_no_stale_prefix(setup):
     _, engine, state, forward = setup
-    a = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
-    w0 = with_lm_head_swapped(state, a, 5) if a != 5 else state
-    w1 = with_lm_head_swapped(w0, 5, 7)
+    w0, w1 = first_token_weights(forward, state)
     batcher = ContinuousBatcher(engine, params=w0, version=0)
     # 5 samples of one prompt on 4 slots: sample 4 waits in the queue across the swap.
     batcher.submit(Request(3, PROMPT, 5, SamplingParams(temperature=0.0, max_tokens=6,
@@ -230,9 +234,7 @@ def test_weight_swap_with_k_steps_lands_between_calls(setup, engine3):
     """k = 3: a swap requested after the first call applies from the second, and each
     token carries the version (and logprob) of the weights that sampled it."""
     _, _, state, forward = setup
-    a = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
-    w0 = with_lm_head_swapped(state, a, 5) if a != 5 else state
-    w1 = with_lm_head_swapped(w0, 5, 7)
+    w0, w1 = first_token_weights(forward, state)
     batcher = ContinuousBatcher(engine3, params=w0, version=0)
     batcher.submit(Request(3, PROMPT, 2, SamplingParams(temperature=0.0, max_tokens=6,
                                                         stop_token_ids=())))
