@@ -27,10 +27,10 @@ import tempfile
 
 import numpy as np
 
-from rlflow import config as C
-from rlflow.runtime.launch import run_train
-from rlflow.metrics import METRICS_FILE
-from rlflow.run_folder import metrics_by_step, read_jsonl
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _runs import steady_steps  # noqa: E402
+from rlflow import config as C  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", "120"))
 REPEATS = int(os.environ.get("BENCH_REPEATS", "2"))
@@ -58,18 +58,7 @@ def experiment(run_dir: str, name: str, mode: str, pin: bool) -> C.ExperimentCon
 
 
 def measure(cfg) -> dict:
-    code = run_train(cfg)
-    if code != 0:
-        raise RuntimeError(f"rlflow train ({cfg.name}) exited with {code}; see "
-                           f"{cfg.run_path}/logs")
-    records, problems = read_jsonl(os.path.join(cfg.run_path, METRICS_FILE))
-    if problems:
-        raise RuntimeError(f"{cfg.name}: bad metrics lines: {problems[:3]}")
-    times = {r["step"]: r["time"] for r in records if "learner/step_time_s" in r}
-    by_step = metrics_by_step(records)
-    steps = sorted(times)[WARMUP:]
-    if len(steps) < 2:
-        raise RuntimeError(f"{cfg.name}: only {len(times)} steps logged")
+    steps, times, by_step = steady_steps(cfg, WARMUP)
     per_step = cfg.learner.groups_per_step * cfg.sampler.group_size
     wall = times[steps[-1]] - times[steps[0]]
     mean = lambda k: float(np.mean([by_step[s][k] for s in steps]))  # noqa: E731

@@ -1,25 +1,35 @@
 """Sampler throughput: rlflow's engine + continuous batching vs ``transformers`` generate.
 
-Both sides run the same random model (rlflow builds it, exports it as a HF folder,
-``transformers`` loads that folder), the same batch (16 prompts of 32 tokens), the same
-output length (64 new tokens, no early stop), sampling at temperature 1 (no top-k/top-p),
-and the same CPU thread count (torch ``set_num_threads`` and XLA's intra-op threads).
-Timings are end to end (prefill + decode), after one warm-up run of each side, then the
-best run of SAMPLER_BENCH_REPEATS interleaved bursts of 3 back-to-back runs per side.
+Two sizes, each measured against its own baseline in the same run:
 
-Figures (``RESULT`` lines, see benchmarks/README.md), for the default engine
-(sampler.decode_steps_per_call = 1):
-  decode_tokens_per_s / decode_tokens_per_s_transformers / decode_speedup (target >= 3x);
-  slot_occupancy under mixed output lengths (target >= 0.9), and the occupancy static
-  batching would get on the same requests. The same with a ``_k4`` suffix for the option of
-  k = 4 decode steps per call (occupancy counts the steps of a call after a slot finished
-  as idle).
+* headline (``gsm8k``): the Qwen2-architecture model of ``benchmarks/_gsm8k_model.py``
+  (4.46M parameters: hidden 256, 4 layers, byte-level BPE vocabulary of 2048 trained here
+  on GSM8K), 16 GSM8K questions cut to 64 tokens, 128 new tokens: compute-bound, so the
+  ratio measures the decode loop, not Python overhead;
+* ``tiny``: hidden 64, 2 layers, vocab 512, 16 random prompts of 32 tokens, 64 new tokens
+  (second line: at this size per-token overhead dominates both sides).
 
-Sizes come from environment variables (defaults in brackets): SAMPLER_BENCH_HIDDEN [64],
-SAMPLER_BENCH_LAYERS [2], SAMPLER_BENCH_VOCAB [512], SAMPLER_BENCH_BATCH [16],
-SAMPLER_BENCH_PROMPT [32], SAMPLER_BENCH_NEW [64], SAMPLER_BENCH_THREADS [all cores],
-SAMPLER_BENCH_REPEATS [3], SAMPLER_BENCH_OCC_REQUESTS [32 x batch], SAMPLER_BENCH_STEPS_PER_CALL
-[4: the multi-step option measured beside the default].
+Both sides run the same random weights (rlflow builds the model, exports it as a HF folder,
+``transformers`` loads that folder), the same prompts, the same output length (no early
+stop), sampling at temperature 1 (no top-k/top-p), and the same CPU thread count (torch
+``set_num_threads`` and XLA's intra-op threads). Timings are end to end (prefill +
+decode), after one warm-up run of each side, then the best run of SAMPLER_BENCH_REPEATS
+interleaved bursts of 3 back-to-back runs per side (other load on the machine only ever
+slows a run down).
+
+Figures (``RESULT`` lines, see benchmarks/README.md), per size (suffix ``_tiny`` for the
+second): ``decode_tokens_per_s`` (the default engine, ``sampler.decode_steps_per_call``),
+``decode_tokens_per_s_transformers``, ``decode_speedup`` (target >= 3x at the headline
+size); ``decode_speedup_k1`` (one decode step per call, the old default); and where the
+time of a token goes: ``decode_device_ms_per_step`` (the jitted decode calls alone, all
+slots busy, back to back) against ``decode_loop_ms_per_step`` (the whole loop: prefill,
+insert, host bookkeeping, copies), their difference being the host's share. Then
+``slot_occupancy`` under mixed output lengths (target >= 0.9) for the default k, and the
+occupancy static batching would get on the same requests.
+
+Sizes come from environment variables (defaults in brackets): SAMPLER_BENCH_BATCH [16],
+SAMPLER_BENCH_THREADS [all cores], SAMPLER_BENCH_REPEATS [3], SAMPLER_BENCH_BURST [3], SAMPLER_BENCH_OCC_REQUESTS
+[8 x batch], SAMPLER_BENCH_SIZES [gsm8k,tiny].
 """
 
 from __future__ import annotations
@@ -39,67 +49,91 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from _timing import best_of  # noqa: E402  (benchmarks/ is the script's folder)
+import _gsm8k_model  # noqa: E402  (benchmarks/ is the script's folder)
+from _timing import best_of  # noqa: E402
 
 
 def env(name, default):
     return int(os.environ.get(f"SAMPLER_BENCH_{name}", default))
 
 
-HIDDEN, LAYERS, VOCAB = env("HIDDEN", 64), env("LAYERS", 2), env("VOCAB", 512)
-BATCH, PROMPT, NEW, REPEATS = env("BATCH", 16), env("PROMPT", 32), env("NEW", 64), env("REPEATS", 3)
-OCC_REQUESTS = env("OCC_REQUESTS", 32 * BATCH)
-PAUSE_S, BURST = 0.5, 3   # pause before each burst of timed runs (see main)
+BATCH, REPEATS = env("BATCH", 16), env("REPEATS", 3)
+OCC_REQUESTS = env("OCC_REQUESTS", 8 * BATCH)
+SIZES = os.environ.get("SAMPLER_BENCH_SIZES", "gsm8k,tiny").split(",")
+PAUSE_S, BURST = 0.5, env("BURST", 3)   # pause, timed runs per burst (see measure)
 
 
-def main() -> int:
+def size_setup(name: str, tmp: str):
+    """(model config, prompts int32 [BATCH, P], new tokens, description) of a size."""
+    from rlflow.config import ModelConfig
+    rng = np.random.default_rng(0)
+    if name == "gsm8k":
+        tok = _gsm8k_model.build_tokenizer(os.path.join(tmp, "tok"))
+        cfg = _gsm8k_model.model_config(len(tok))
+        prompts = np.asarray(_gsm8k_model.gsm8k_prompts(tok, BATCH, 64), np.int32)
+        return cfg, prompts, 128, "qwen2 hidden=256 layers=4 BPE vocab=2048 (GSM8K)"
+    if name == "tiny":
+        cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=16)
+        prompts = rng.integers(4, 512, size=(BATCH, 32)).astype(np.int32)
+        return cfg, prompts, 64, "llama hidden=64 layers=2 vocab=512 (random prompts)"
+    raise SystemExit(f"SAMPLER_BENCH_SIZES: unknown size {name!r} (gsm8k, tiny)")
+
+
+def measure(size: str, suffix: str, tmp: str) -> None:
     import jax
     import torch
     import transformers as tf
+    from flax import nnx
 
-    from rlflow.config import MeshConfig, ModelConfig, SamplerConfig
+    from rlflow.config import MeshConfig, SamplerConfig
     from rlflow.mesh import make_mesh
     from rlflow.models import build_model, save_hf
     from rlflow.sampler.batching import ContinuousBatcher, Request
     from rlflow.sampler.engine import RlflowEngine
     from rlflow.sampler.sampling import SamplingParams
 
-    torch.set_num_threads(THREADS)
-    model_cfg = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                            num_layers=LAYERS, num_heads=4, num_kv_heads=2,
-                            head_dim=HIDDEN // 4)
+    model_cfg, prompts, new, what = size_setup(size, tmp)
     model, cfg = build_model(model_cfg)
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(4, VOCAB, size=(BATCH, PROMPT)).astype(np.int32)
-    config = (f"hidden={HIDDEN} layers={LAYERS} vocab={VOCAB} batch={BATCH} prompt={PROMPT} "
-              f"new={NEW} threads={THREADS}")
-    print(f"# {config}; devices: {jax.devices()}", flush=True)
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    batch, plen = prompts.shape
+    config = (f"{what}, {n_params / 1e6:.2f}M params, batch={batch} prompt={plen} new={new} "
+              f"threads={THREADS}")
+    print(f"# {size}: {config}; devices: {jax.devices()}", flush=True)
 
-    # ---------------------------------------------------------------- rlflow
-    # The default engine (sampler.decode_steps_per_call = 1: every free slot refilled
-    # before every step) is the headline; the k-steps-per-call option is reported beside.
     default_k = SamplerConfig.decode_steps_per_call
-    k = env("STEPS_PER_CALL", 4)
-    ks = sorted({default_k, k})
-    engines = {}
-    for steps in ks:
-        scfg = SamplerConfig(num_slots=BATCH, max_prefill_length=PROMPT,
-                             prefill_buckets=(PROMPT,), max_tokens=NEW, temperature=1.0,
-                             group_size=1, decode_steps_per_call=steps)
-        engines[steps] = RlflowEngine(model, scfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
-    sampling = SamplingParams(temperature=1.0, max_tokens=NEW, stop_token_ids=())
-
+    ks = sorted({default_k, 1})
+    engines = {k: RlflowEngine(model, SamplerConfig(
+        num_slots=batch, max_prefill_length=plen, prefill_buckets=(plen,), max_tokens=new,
+        temperature=1.0, group_size=1, decode_steps_per_call=k),
+        mesh=make_mesh(MeshConfig(), jax.devices()[:1])) for k in ks}
+    sampling = SamplingParams(temperature=1.0, max_tokens=new, stop_token_ids=())
     # One batcher per engine, made once (it places the weights on the engine's mesh, as
     # loading the model does for transformers); each timed run submits the requests.
-    batchers = {steps: ContinuousBatcher(e) for steps, e in engines.items()}
+    batchers = {k: ContinuousBatcher(e) for k, e in engines.items()}
 
-    def ours(steps, seed=0):
-        groups = batchers[steps].run([Request(i, prompts[i], 1, sampling.replace(seed=seed + i))
-                                      for i in range(BATCH)])
+    def ours(k, seed=0):
+        groups = batchers[k].run([Request(i, prompts[i], 1, sampling.replace(seed=seed + i))
+                                  for i in range(batch)])
         n = sum(len(c.tokens) for g in groups for c in g.completions)
-        assert n == BATCH * NEW, n
+        assert n == batch * new, n
 
-    # ---------------------------------------------------------------- transformers
+    def device_only(k):
+        """The decode calls alone: every slot busy, calls back to back, one copy each."""
+        engine = engines[k]
+        params = engine.load_params()
+        padded, n = engine.pad_prompt(prompts[0])
+        prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n,
+                                sampling=sampling)
+        state = engine.insert_batch(prefix, engine.init_decode_state(), [0] * batch,
+                                    list(range(batch)), list(range(batch)))
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        for _ in range(new // k):
+            state, out = engine.generate_packed(params, state)
+            np.asarray(out)
+        return (time.perf_counter() - t0) / (new // k * k)
+
     with tempfile.TemporaryDirectory() as d:
         save_hf(model, cfg, d)
         hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -109,12 +143,13 @@ def main() -> int:
     def theirs():
         with torch.no_grad():
             out = hf.generate(inputs, attention_mask=mask, do_sample=True, temperature=1.0,
-                              top_k=0, top_p=1.0, max_new_tokens=NEW, min_new_tokens=NEW,
+                              top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
                               pad_token_id=0)
-        assert out.shape == (BATCH, PROMPT + NEW), out.shape
+        assert out.shape == (batch, plen + new), out.shape
 
-    for steps in ks:
-        ours(steps)                                          # compile
+    for k in ks:
+        ours(k)                                              # compile
+        device_only(k)
     theirs()                                                 # warm-up
     # Interleaved bursts, REPEATS of each side: both sides see the same machine load. A
     # burst starts after a pause (torch's OpenMP workers spin-wait for a while after a
@@ -124,46 +159,60 @@ def main() -> int:
         time.sleep(PAUSE_S)
         return best_of(fn, BURST)
 
-    t_ours = {steps: float("inf") for steps in ks}
+    t_ours = {k: float("inf") for k in ks}
+    t_dev = {k: float("inf") for k in ks}
     t_hf = float("inf")
     for _ in range(REPEATS):
-        for steps in ks:
-            t_ours[steps] = min(t_ours[steps], timed(lambda: ours(steps)))
+        for k in ks:
+            t_ours[k] = min(t_ours[k], timed(lambda: ours(k)))
+            t_dev[k] = min(t_dev[k], min(device_only(k) for _ in range(BURST)))
         t_hf = min(t_hf, timed(theirs))
-    hf_tps = BATCH * NEW / t_hf
-    for steps in ks:
-        tps = BATCH * NEW / t_ours[steps]
-        suffix, what = ("", "default") if steps == default_k else (f"_k{steps}", "option")
-        print(f"RESULT decode_tokens_per_s{suffix} {tps:.1f} tokens/s rlflow engine + "
-              f"continuous batching, {config} decode_steps_per_call={steps} ({what})")
-        print(f"RESULT decode_speedup{suffix} {tps / hf_tps:.2f} x "
-              f"{'target>=3 ' if steps == default_k else ''}vs transformers generate")
-    print(f"RESULT decode_tokens_per_s_transformers {hf_tps:.1f} tokens/s transformers "
+    hf_tps = batch * new / t_hf
+    for k in ks:
+        tps = batch * new / t_ours[k]
+        sfx = suffix if k == default_k else f"_k{k}{suffix}"
+        target = "target>=3 " if k == default_k and size == "gsm8k" else ""
+        print(f"RESULT decode_tokens_per_s{sfx} {tps:.1f} tokens/s rlflow engine + "
+              f"continuous batching, decode_steps_per_call={k}"
+              f"{' (default)' if k == default_k else ''}, {config}")
+        print(f"RESULT decode_speedup{sfx} {tps / hf_tps:.2f} x {target}vs transformers "
+              f"generate, decode_steps_per_call={k}")
+        print(f"RESULT decode_loop_ms_per_step{sfx} {t_ours[k] / new * 1e3:.2f} ms whole loop "
+              f"per decode step of {batch} slots (prefill, insert, host bookkeeping, copies)")
+        print(f"RESULT decode_device_ms_per_step{sfx} {t_dev[k] * 1e3:.2f} ms jitted decode "
+              f"calls alone per step, all slots busy, one host copy per call")
+    print(f"RESULT decode_tokens_per_s_transformers{suffix} {hf_tps:.1f} tokens/s transformers "
           f"{tf.__version__} generate (torch CPU), same model and sizes")
 
     # ---------------------------------------------------------------- occupancy
-    # A stream of OCC_REQUESTS requests with output lengths uniform in [NEW/8, NEW]; the
+    # A stream of OCC_REQUESTS requests with output lengths uniform in [new/8, new]; the
     # figure includes the final drain (slots emptying with nothing queued), whose share
-    # shrinks as the stream gets longer. Baseline: static batches of BATCH requests, each
-    # batch running until its longest member ends (the pre-continuous-batching scheme).
-    lengths = rng.integers(NEW // 8, NEW + 1, size=OCC_REQUESTS)
-    for steps in ks:
-        batcher = ContinuousBatcher(engines[steps])
-        batcher.run([Request(i, prompts[i % BATCH], 1, SamplingParams(
-            temperature=1.0, max_tokens=int(n), seed=i, stop_token_ids=()))
-            for i, n in enumerate(lengths)])
-        c = batcher.counters
-        assert steps > 1 or c.idle_slot_steps_while_queued == 0, c
-        assert c.slot_steps_used == lengths.sum(), c
-        suffix = "" if steps == default_k else f"_k{steps}"
-        print(f"RESULT slot_occupancy{suffix} {c.occupancy:.3f} fraction target>=0.9; "
-              f"{len(lengths)} requests, output lengths {lengths.min()}-{lengths.max()}, "
-              f"{BATCH} slots, {c.decode_steps} steps ({steps} per call) incl. final drain, "
-              f"idle-while-queued {c.idle_slot_steps_while_queued}")
-    static = lengths.sum() / sum(BATCH * lengths[i:i + BATCH].max()
-                                 for i in range(0, len(lengths), BATCH))
-    print(f"RESULT slot_occupancy_static_batching {static:.3f} fraction baseline: same "
-          f"requests in static batches of {BATCH}")
+    # shrinks as the stream gets longer. Baseline: static batches of `batch` requests,
+    # each batch running until its longest member ends (the pre-continuous-batching scheme).
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(new // 8, new + 1, size=OCC_REQUESTS)
+    batcher = ContinuousBatcher(engines[default_k])
+    batcher.run([Request(i, prompts[i % batch], 1, SamplingParams(
+        temperature=1.0, max_tokens=int(n), seed=i, stop_token_ids=()))
+        for i, n in enumerate(lengths)])
+    c = batcher.counters
+    assert c.slot_steps_used == lengths.sum(), c
+    print(f"RESULT slot_occupancy{suffix} {c.occupancy:.3f} fraction target>=0.9; "
+          f"{len(lengths)} requests, output lengths {lengths.min()}-{lengths.max()}, "
+          f"{batch} slots, {c.decode_steps} steps ({default_k} per call) incl. final drain, "
+          f"idle-while-queued {c.idle_slot_steps_while_queued}")
+    static = lengths.sum() / sum(batch * lengths[i:i + batch].max()
+                                 for i in range(0, len(lengths), batch))
+    print(f"RESULT slot_occupancy_static_batching{suffix} {static:.3f} fraction baseline: "
+          f"same requests in static batches of {batch}", flush=True)
+
+
+def main() -> int:
+    import torch
+    torch.set_num_threads(THREADS)
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in SIZES:
+            measure(size, "" if size == SIZES[0] else f"_{size}", tmp)
     return 0
 
 

@@ -14,6 +14,14 @@ connections, one per device). Printed::
     RESULT weight_swap_vs_numpy_copy_<W>MB_<case> <ratio> x     (target <= 3)
     RESULT weight_sampler_pause_<W>MB_<case> <ms> ms            (re-layout + swap)
 
+    RESULT raw_socket_<n>stream_<W>MB <ms> ms                  (the link alone)
+    RESULT weight_swap_vs_raw_socket_<W>MB_<case> <ratio> x     (1: the link is the limit)
+
+The raw-socket lines send the same W bytes buffer to buffer over loopback TCP with plain
+sockets, over 1 connection and over as many as the transfer server has transports: the
+floor of any socket transfer on this host, so ``weight_swap_vs_numpy_copy`` can be read
+against it (a target below ``raw_socket_..._vs_numpy_copy`` is below what the link allows).
+
 (and the parts: publish = the learner's device copy; pull = first request to last byte;
 other = coordinator round trip and Python) for two cases: ``same_layout`` (the sampler keeps the
 learner's split, so nothing is re-laid) and ``resharded`` (rows -> columns: a full re-layout
@@ -104,6 +112,51 @@ def numpy_copy_s(nbytes: int, repeats: int, warmup: int) -> tuple[float, float, 
     return tuple(float(np.median(x[warmup:])) for x in (warm, fresh, threaded))
 
 
+def raw_socket_s(nbytes: int, streams: int, repeats: int, warmup: int) -> float:
+    """Median seconds to send ``nbytes`` from one buffer into another over loopback TCP,
+    split over ``streams`` connections (one sender and one receiver thread each; both
+    release the GIL in ``sendall`` / ``recv_into``): the link alone, no framework."""
+    import socket
+    import threading
+
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    cuts = [nbytes * i // streams for i in range(streams + 1)]
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    pairs = []
+    for _ in range(streams):
+        out = socket.create_connection(("127.0.0.1", port))
+        inc, _ = listener.accept()
+        pairs.append((out, inc))
+    listener.close()
+
+    def send(sock, lo, hi):
+        sock.sendall(memoryview(src)[lo:hi])
+
+    def recv(sock, lo, hi):
+        view = memoryview(dst)[lo:hi]
+        while len(view):
+            view = view[sock.recv_into(view):]
+
+    times = []
+    for _ in range(warmup + repeats):
+        threads = [threading.Thread(target=f, args=(sock, lo, hi))
+                   for (out, inc), lo, hi in zip(pairs, cuts[:-1], cuts[1:])
+                   for f, sock in ((recv, inc), (send, out))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        times.append(time.perf_counter() - t0)
+    for out, inc in pairs:
+        out.close()
+        inc.close()
+    assert dst[-1] == 1
+    return float(np.median(times[warmup:]))
+
+
 def sampler(mb: int, repeats: int, warmup: int) -> None:
     from rlflow.exchange.transfer import WeightSubscriber
 
@@ -148,12 +201,20 @@ def sampler(mb: int, repeats: int, warmup: int) -> None:
         if proc.poll() is None:
             proc.kill()
     base, fresh, threaded = (t * 1e3 for t in numpy_copy_s(nbytes, repeats, warmup))
+    link = {n: raw_socket_s(nbytes, n, repeats, min(warmup, 2)) * 1e3
+            for n in sorted({1, sub.transports})}
     name = f"{round(nbytes / 2**20)}MB"
     print(f"# {name}: {LEAVES} float32 leaves; learner {DEVICES} devices P('fsdp', None); "
           f"sampler {DEVICES} devices; median of {repeats} after {warmup} warm-up rounds")
     print(f"RESULT numpy_copy_{name} {base:.1f} ms np.copyto into a reused buffer (baseline)")
     print(f"RESULT numpy_copy_fresh_{name} {fresh:.1f} ms np.copy into a new buffer")
     print(f"RESULT numpy_copy_{DEVICES}threads_{name} {threaded:.1f} ms")
+    for n, ms in link.items():
+        print(f"RESULT raw_socket_{n}stream_{name} {ms:.1f} ms loopback TCP, {n} connection(s), "
+              f"buffer to buffer ({nbytes / ms / 1e6:.2f} GB/s): the link alone")
+        print(f"RESULT raw_socket_{n}stream_vs_numpy_copy_{name} {ms / base:.2f} x the floor "
+              f"any socket transfer of these bytes has on this host")
+    floor = min(link.values())
     for case, (latency, publish, pull, pause) in results.items():
         print(f"RESULT weight_publish_{name}_{case} {publish:.1f} ms")
         print(f"RESULT weight_pull_{name}_{case} {pull:.1f} ms")
@@ -162,6 +223,9 @@ def sampler(mb: int, repeats: int, warmup: int) -> None:
         print(f"RESULT weight_swap_vs_numpy_copy_{name}_{case} {latency / base:.2f} x "
               "target<=3")
         print(f"RESULT weight_sampler_pause_{name}_{case} {pause:.1f} ms")
+        print(f"RESULT weight_swap_vs_raw_socket_{name}_{case} {latency / floor:.2f} x "
+              f"publish-to-swap over the fastest raw-socket send of the same bytes (1: the "
+              f"link is the limit)")
 
 
 def main() -> None:

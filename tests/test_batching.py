@@ -62,6 +62,14 @@ def with_lm_head_swapped(state, a, b):
     return new
 
 
+def first_token_weights(forward, state):
+    """(W0, W1): PROMPT's greedy first token is 5 under W0 and 7 under W1 (output head
+    columns exchanged, so the KV cache is the same under both)."""
+    a = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
+    w0 = with_lm_head_swapped(state, a, 5) if a != 5 else state
+    return w0, with_lm_head_swapped(w0, 5, 7)
+
+
 LENGTHS = [2, 16, 4, 9, 2, 12, 16, 3, 7, 5]                     # max/min = 8
 PROMPTS = [[1 + i, 5, 6 + i][: 1 + i % 3] + [9] * (i % 5) for i in range(10)]
 
@@ -137,13 +145,18 @@ def test_group_record_schema_and_stop_reason(setup):
     assert validate_group(rec, group_size=3, max_tokens=5) == {"P": 4, "G": 3, "T": 5}
 
 
-def test_k_steps_per_call_same_results_and_honest_counters(setup):
+@pytest.fixture(scope="module")
+def engine3(setup):
+    """The setup's engine with decode_steps_per_call = 3."""
+    model, engine = setup[:2]
+    return RlflowEngine(model, dataclasses.replace(engine.sampler_cfg, decode_steps_per_call=3),
+                        mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+
+
+def test_k_steps_per_call_same_results_and_honest_counters(setup, engine3):
     """decode_steps_per_call = 3: same tokens/logprobs as k = 1 (keys advance per token);
     a slot finishing mid-call emits nothing more and idles until the next call."""
     model, engine, state, forward = setup
-    engine3 = RlflowEngine(model, dataclasses.replace(engine.sampler_cfg,
-                                                      decode_steps_per_call=3),
-                           mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
     ref = {g.prompt_id: g for g in ContinuousBatcher(engine).run(mixed_requests())}
     batcher = ContinuousBatcher(engine3)
     got = {g.prompt_id: g for g in batcher.run(mixed_requests())}
@@ -168,9 +181,7 @@ def test_k_steps_per_call_same_results_and_honest_counters(setup):
 
 def test_weight_swap_new_request_gets_new_weights_and_version(setup):
     _, engine, state, forward = setup
-    a = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
-    w0 = with_lm_head_swapped(state, a, 5) if a != 5 else state     # W0 predicts 5
-    w1 = with_lm_head_swapped(w0, 5, 7)                               # W1 predicts 7
+    w0, w1 = first_token_weights(forward, state)                    # predict 5 / 7
     greedy = SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=())
     batcher = ContinuousBatcher(engine, params=w0, version=0)
     c = batcher.run([Request(0, PROMPT, 1, greedy)])[0].completions[0]
@@ -189,9 +200,7 @@ def test_weight_swap_new_request_gets_new_weights_and_version(setup):
 
 def test_weight_swap_in_flight_and_no_stale_prefix(setup):
     _, engine, state, forward = setup
-    a = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
-    w0 = with_lm_head_swapped(state, a, 5) if a != 5 else state
-    w1 = with_lm_head_swapped(w0, 5, 7)
+    w0, w1 = first_token_weights(forward, state)
     batcher = ContinuousBatcher(engine, params=w0, version=0)
     # 5 samples of one prompt on 4 slots: sample 4 waits in the queue across the swap.
     batcher.submit(Request(3, PROMPT, 5, SamplingParams(temperature=0.0, max_tokens=6,
@@ -219,6 +228,30 @@ def test_weight_swap_in_flight_and_no_stale_prefix(setup):
     # Admitted after the swap: its prefix is recomputed under W1, its first token is 7.
     assert comps[4].tokens[0] == 7 and (comps[4].versions == 1).all()
     assert batcher.counters.stale_prefixes_dropped == 1
+
+
+def test_weight_swap_with_k_steps_lands_between_calls(setup, engine3):
+    """k = 3: a swap requested after the first call applies from the second, and each
+    token carries the version (and logprob) of the weights that sampled it."""
+    _, _, state, forward = setup
+    w0, w1 = first_token_weights(forward, state)
+    batcher = ContinuousBatcher(engine3, params=w0, version=0)
+    batcher.submit(Request(3, PROMPT, 2, SamplingParams(temperature=0.0, max_tokens=6,
+                                                        stop_token_ids=())))
+    batcher.step()                                    # one call: tokens 0-2 under W0
+    batcher.update_params(w1, version=1)
+    comps = batcher.run()[0].completions
+    p = len(PROMPT)
+    for c in comps:
+        assert c.versions.tolist() == [0, 0, 0, 1, 1, 1]
+        seq = PROMPT + c.tokens.tolist()
+        lp0 = token_logprobs(logits_of(forward, w0, seq)[p - 1:-1], jnp.asarray(c.tokens))
+        lp1 = token_logprobs(logits_of(forward, w1, seq)[p - 1:-1], jnp.asarray(c.tokens))
+        np.testing.assert_allclose(c.logprobs[:3], lp0[:3], rtol=0, atol=_lp_atol(setup, lp0))
+        np.testing.assert_allclose(c.logprobs[3:], lp1[3:], rtol=0, atol=_lp_atol(setup, lp1))
+        w0_greedy = jnp.argmax(logits_of(forward, w0, seq)[p - 1:p + 2], axis=-1)
+        w1_greedy = jnp.argmax(logits_of(forward, w1, seq)[p + 2:-1], axis=-1)
+        assert c.tokens.tolist() == np.asarray(w0_greedy).tolist() + np.asarray(w1_greedy).tolist()
 
 
 def test_bad_input_errors(setup):

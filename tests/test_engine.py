@@ -217,7 +217,8 @@ def test_batched_prefill_and_insert_equal_one_at_a_time():
     """prefill_batch + insert_batch (the batching loop's path) put the same state in the
     same slots as JetStream's one-prompt prefill + insert: the next 4 sampled tokens and
     their logprobs agree, slot by slot (rows padded to a power of two change nothing)."""
-    engine = RlflowEngine(random_model(), sampler_cfg(temperature=1.0), mesh=one_device_mesh())
+    engine = RlflowEngine(random_model(), sampler_cfg(temperature=1.0, decode_steps_per_call=1),
+                          mesh=one_device_mesh())
     params = engine.load_params()
     prompts = [[1, 17, 42], [1, 5, 9, 100, 31, 77, 4], [7]]          # one bucket (8)
     sps = [SamplingParams(temperature=t, max_tokens=8, seed=s, stop_token_ids=())
@@ -226,7 +227,7 @@ def test_batched_prefill_and_insert_equal_one_at_a_time():
     # Rows 0, 1, 2 -> slots 2, 0, 3; row 1 also as sample 1 of its request in slot 1.
     rows, slots, index = [0, 1, 2, 1], [2, 0, 3, 1], [0, 0, 0, 1]
 
-    def decode(state, steps=4):
+    def decode(state, steps=4):              # one token per call (k = 1)
         out = []
         for _ in range(steps):
             state, packed = engine.generate_packed(params, state)

@@ -26,11 +26,14 @@ class SamplerConfig:
       mesh: the sampler's mesh (tensor parallel axis at least).
       seed: base PRNG seed; the sampler program derives each request's seed from it and
         the request's position in the prompt stream (sampling.derive_seed).
-      decode_steps_per_call: decode steps per jitted decode call (k >= 1, one host copy per
-        call); weight swaps and slot refills happen between calls, so with k > 1 a slot
-        that finishes mid-call idles for the rest of it. Default 1: every free slot is
-        refilled before every step; benchmarks/sampler_throughput.py reports k = 4 too
-        (more tokens/s on a small model, some slot steps idle).
+      decode_steps_per_call: decode steps per jitted decode call (k >= 1): the k steps run
+        in one ``lax.scan`` with stop ids and ``max_tokens`` checked on device, and come back
+        in one host copy. Weight swaps and slot refills happen between calls (every token
+        is tagged with the version that sampled it), so a slot that finishes mid-call
+        idles for the rest of it (about k/2 slot steps per completion). Default 8: per
+        benchmarks/sampler_throughput.py the fastest setting (the per-call dispatch and
+        host bookkeeping are paid once per 8 tokens) at a small occupancy cost; 1 refills
+        every free slot before every step.
       max_prefill_batch: most prompts prefilled in one call (C >= 1). A refill prefills
         its new prompts in calls of up to C rows, padded to a power of two, so prefill and
         insert compile at most log2(C) + 1 times per bucket (each compile stalls every
@@ -53,7 +56,7 @@ class SamplerConfig:
     num_devices: int = 1
     mesh: MeshConfig = field(default_factory=MeshConfig)
     seed: int = 0
-    decode_steps_per_call: int = 1
+    decode_steps_per_call: int = 8
     max_prefill_batch: int = 4
     num_replicas: int = 1
 

@@ -428,6 +428,7 @@ class ContinuousBatcher(EpisodeSlots):
         if any(busy):
             queued = bool(self._queue)
             self._state, in_flight = self.engine.generate_packed(self._params, self._state)
+            in_flight.copy_to_host_async()            # lands while the host files below
         previous, self._unfiled = self._unfiled, None
         done = self._file(*previous) if previous is not None else []
         if in_flight is not None:

@@ -27,7 +27,9 @@ four jitted functions (the MaxText ``MaxEngine`` pattern):
   insert (:func:`rlflow.sampler.sampling.request_uniforms`) and token ``t`` uses entry
   ``t``, so the tokens do not depend on k; a slot that finishes
   mid-call emits nothing afterwards (``valid = 0``). Weights are fixed for the k steps:
-  a weight swap takes effect between calls.
+  a weight swap takes effect between calls, and every token carries the version of the
+  call that sampled it. k defaults to 8 (the fastest setting in
+  ``benchmarks/sampler_throughput.py``: dispatch and host bookkeeping once per 8 tokens).
 
 Params are :class:`EngineParams`: the model's ``nnx.State`` plus its policy version, so
 the version that produced each token comes out of the same jitted step as the token.
