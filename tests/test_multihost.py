@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlflow.learner import multihost
-from rlflow.learner.local_hosts import free_port, run_processes
+from rlflow.learner.local_hosts import free_port
 import mp_jobs
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -31,34 +31,10 @@ def test_distributed_config_names_bad_fields():
         multihost.DistributedConfig("127.0.0.1:1234", 2, 2)
 
 
-def one_host_two_devices():
-    """A learner on 1 host x 2 devices (fsdp=2) of this process."""
-    import jax
-
-    from rlflow.config import MeshConfig
-    from rlflow.learner.trainer import Learner
-
-    return Learner(mp_jobs.experiment(num_devices=2, mesh=MeshConfig(fsdp=2)),
-                   devices=jax.devices()[:2])
-
-
 @pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory):
-    """2 processes x 2 fake devices: 3 train steps, save, and restore a checkpoint that one
-    host x 2 devices wrote after 1 step (one run shared by the tests below)."""
-    from rlflow.checkpoint import Checkpointer
-
-    work = tmp_path_factory.mktemp("two_hosts")
-    one = one_host_two_devices()
-    one.train_on(mp_jobs.step_records(7))
-    with Checkpointer(str(work / "ckpt_1h"), async_save=False) as ck:
-        ck.save(one.checkpoint(), force=True)
-    results = run_processes("mp_jobs:train_multihost", num_processes=2, devices_per_process=2,
-                            work_dir=work / "procs", timeout_s=900,
-                            extra_paths=[TESTS],
-                            args=dict(ckpt_out=str(work / "ckpt_2h"),
-                                      restore_from=str(work / "ckpt_1h")))
-    return dict(results=results, one_logits=mp_jobs.logits(one), ckpt_2h=str(work / "ckpt_2h"))
+def two_hosts(two_learner_hosts):
+    """tests/conftest.py's one 2-host run (shared with tests/test_host_shards.py)."""
+    return two_learner_hosts
 
 
 @pytest.mark.slow
@@ -114,7 +90,7 @@ def test_checkpoint_of_two_hosts_restores_on_one_host_and_back(two_hosts):
     from rlflow.checkpoint import Checkpointer
 
     r0, r1 = two_hosts["results"]
-    one = one_host_two_devices()
+    one = mp_jobs.one_host_two_devices()
     before = mp_jobs.logits(one)
     with Checkpointer(two_hosts["ckpt_2h"], read_only=True) as ck:
         assert ck.all_steps() == [mp_jobs.STEPS]
