@@ -7,7 +7,7 @@ from rlflow import programs_common as pc
 from rlflow.config import (ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
                            RuntimeConfig, SamplerConfig, replace)
 from rlflow.learner import multihost
-from rlflow.learner.local_hosts import free_port
+from rlflow.runtime.local_hosts import free_port
 from rlflow.runtime import launch, learner_hosts
 
 
