@@ -1,6 +1,8 @@
 """The learner program: pulls rollout groups, trains, publishes weights, writes the run folder.
 
-One process (one host of the learner slice on a pod), its own JAX runtime and mesh::
+One process, its own JAX runtime and mesh (with ``learner.num_hosts > 1``: host 0 of the
+learner's hosts, which follow its commands and serve their own weight shards,
+:mod:`rlflow.learner.hosts`)::
 
     build model + train state on the mesh (rlflow.learner.trainer.Learner)
     resume from <run>/checkpoints when there is one (rlflow.checkpoint)
@@ -486,5 +488,9 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
     program = LearnerProgram(cfg, endpoints)
     try:
         program.run()
+    except pc.Stopped:
+        if program.hosts is not None:   # after the exit checkpoint: the other hosts exit too
+            program.hosts.done()
+        raise
     finally:
         program.close()
