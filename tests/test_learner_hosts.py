@@ -4,7 +4,7 @@ the end-to-end run is tests/test_learner_hosts_e2e.py)."""
 import pytest
 
 from rlflow import programs_common as pc
-from rlflow.config import (ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
+from rlflow.config import (CheckpointConfig, ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
                            RuntimeConfig, SamplerConfig, replace)
 from rlflow.learner import multihost
 from rlflow.runtime.local_hosts import free_port
@@ -32,6 +32,9 @@ def test_num_hosts_must_divide_the_devices_and_fit_the_weight_path():
                                           r"learner.num_hosts=2 and sampler.num_replicas=2"):
         replace(cfg, sampler=SamplerConfig(num_replicas=2))
     replace(two_hosts(relay_fanout=0), sampler=SamplerConfig(num_replicas=2))
+    with pytest.raises(ConfigError, match="checkpoint.keep_best_metric: is not supported with "
+                                          "learner.num_hosts=2"):
+        replace(two_hosts(), checkpoint=CheckpointConfig(keep_best_metric="reward/mean"))
 
 
 def test_launcher_names_and_environment_of_each_host():

@@ -76,6 +76,9 @@ class ExperimentConfig:
                    f"must be 0 with learner.num_hosts={lr.num_hosts} and sampler.num_replicas="
                    f"{sp.num_replicas}: relaying a multi-host learner's shards is not "
                    "supported yet (each replica pulls from every learner host)")
+            _check(not self.checkpoint.keep_best_metric, "checkpoint.keep_best_metric",
+                   f"is not supported with learner.num_hosts={lr.num_hosts} (the step's "
+                   "metrics live on learner host 0 only; every host must save alike)")
         _check(lr.overlong_buffer <= sp.max_tokens, "learner.overlong_buffer",
                f"must be <= sampler.max_tokens={sp.max_tokens}, got {lr.overlong_buffer}")
 
