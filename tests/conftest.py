@@ -27,7 +27,8 @@ def two_learner_hosts(tmp_path_factory):
     steps, a checkpoint saved (``ckpt_2h``), one written by 1 host x 2 devices after 1 step
     restored, then each host serves its own shards and this process (the sampler: tensor=4
     on its 4 devices) pulls them from both hosts (``pulled_version``, ``pulled``: flat
-    ``{path: jax.Array}``).
+    ``{path: jax.Array}``). ``one``: the 1 host x 2 devices learner (a test may restore
+    into it; ``one_logits`` are its logits after its step).
     """
     import time
 
@@ -78,6 +79,7 @@ def two_learner_hosts(tmp_path_factory):
     results = wait_processes(procs, procs_dir, timeout_s=900)
     assert got is not None, "the sampler got no version from the two learner hosts"
     version, params = got
-    return dict(results=results, one_logits=mp_jobs.logits(one), ckpt_2h=str(work / "ckpt_2h"),
+    return dict(results=results, one=one, one_logits=mp_jobs.logits(one),
+                ckpt_2h=str(work / "ckpt_2h"),
                 pulled_version=version,
                 pulled={k: v[...] for k, v in nnx.to_flat_state(params)})

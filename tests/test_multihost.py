@@ -90,8 +90,8 @@ def test_checkpoint_of_two_hosts_restores_on_one_host_and_back(two_hosts):
     from rlflow.checkpoint import Checkpointer
 
     r0, r1 = two_hosts["results"]
-    one = mp_jobs.one_host_two_devices()
-    before = mp_jobs.logits(one)
+    one = two_hosts["one"]                   # 1 host x 2 devices, after its one step
+    before = two_hosts["one_logits"]
     with Checkpointer(two_hosts["ckpt_2h"], read_only=True) as ck:
         assert ck.all_steps() == [mp_jobs.STEPS]
         restored = one.resume(ck)
