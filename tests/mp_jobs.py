@@ -10,6 +10,9 @@ VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=8)
 LR, STEPS = 1e-4, 3
+# pytest-timeout of a test using conftest's two_learner_hosts: the shared run's set-up (~8
+# min on a busy 2-core host) counts against the first such test; a hang guard, not a speed check.
+SHARED_RUN_TIMEOUT_S = 1800
 
 
 def experiment(**learner):

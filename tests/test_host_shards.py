@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rlflow.exchange.host_shards import (HostShardPuller, assemble, host_units,
                                          parse_unit_key, unit_key)
 from rlflow.exchange.layout import LayoutError
+from mp_jobs import SHARED_RUN_TIMEOUT_S
 
 
 def mesh(shape, axes):
@@ -101,6 +102,7 @@ def test_puller_waits_until_every_host_offers_the_same_version():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)   # the first test pays the shared 2-host run
 def test_sampler_pulls_from_two_learner_hosts(two_learner_hosts):
     """2 learner processes x 2 devices (fsdp=2 x tensor=2, after 3 steps) each serve their
     own shards; this process (the sampler, tensor=4 on its 4 devices) pulled from both

@@ -8,6 +8,7 @@ import pytest
 from rlflow.learner import multihost
 from rlflow.runtime.local_hosts import free_port
 import mp_jobs
+from mp_jobs import SHARED_RUN_TIMEOUT_S
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 EPS32 = np.finfo(np.float32).eps
@@ -38,6 +39,7 @@ def two_hosts(two_learner_hosts):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)   # the first test pays the shared 2-host run
 def test_two_hosts_train_like_one_host(two_hosts):
     """Sync steps on 2 hosts x 2 devices vs 1 host x 4 devices (this process), same mesh
     fsdp=2 x tensor=2, same records: equal metrics and parameters after 3 steps.
@@ -84,6 +86,7 @@ def logit_tol(logits):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)   # the first test pays the shared 2-host run
 def test_checkpoint_of_two_hosts_restores_on_one_host_and_back(two_hosts):
     """A checkpoint written by 2 hosts x 2 devices (fsdp=2 x tensor=2) restores on 1 host x 2
     devices (fsdp=2) with equal logits and step; one written there restores on the 2 hosts."""
