@@ -60,7 +60,7 @@ def config(model_path=None, learner_mesh=MeshConfig(fsdp=16, tensor=2), micro_ba
                         mesh=MeshConfig(data=2, tensor=8)),
         learner=replace(cfg.learner, lr=3e-7, micro_batches=micro_batches, weight_decay=0.01,
                         compute_dtype="bfloat16", num_devices=learner_mesh.num_devices,
-                        mesh=learner_mesh),
+                        mesh=learner_mesh, num_hosts=8),    # v5p-64: 8 hosts x 4 chips
         checkpoint=replace(cfg.checkpoint, every_steps=25),
     )
     mem = check_fits(LLAMA_3_1_70B, cfg, chip_gib)

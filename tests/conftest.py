@@ -3,6 +3,10 @@
 import os
 import tempfile
 
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
 # The demo model folder and other caches go to a session tmp folder, never ~/.cache.
 os.environ.setdefault("RLFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="rlflow-test-cache-"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,3 +16,70 @@ if "xla_force_host_platform_device_count" not in flags:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+@pytest.fixture(scope="session")
+def two_learner_hosts(tmp_path_factory):
+    """One 2-host learner run shared by tests/test_multihost.py and tests/test_host_shards.py
+    (each process start-up builds a learner and compiles its step: the costly part).
+
+    2 processes x 2 fake devices (fsdp=2 x tensor=2, ``mp_jobs.train_multihost``): 3 train
+    steps, a checkpoint saved (``ckpt_2h``), one written by 1 host x 2 devices after 1 step
+    restored, then each host serves its own shards and this process (the sampler: tensor=4
+    on its 4 devices) pulls them from both hosts (``pulled_version``, ``pulled``: flat
+    ``{path: jax.Array}``). ``one``: the 1 host x 2 devices learner (a test may restore
+    into it; ``one_logits`` are its logits after its step).
+    """
+    import time
+
+    from flax import nnx
+
+    import mp_jobs
+    from rlflow.checkpoint import Checkpointer
+    from rlflow.config import MeshConfig
+    from rlflow.exchange.host_shards import HostShardPuller
+    from rlflow.exchange.transfer import WeightSubscriber
+    from rlflow.runtime.local_hosts import kill_all, start_processes, wait_processes
+    from rlflow.mesh import make_mesh
+    from rlflow.models.hf import build_model
+
+    work = tmp_path_factory.mktemp("two_hosts")
+    one = mp_jobs.one_host_two_devices()
+    one.train_on(mp_jobs.step_records(7))
+    with Checkpointer(str(work / "ckpt_1h"), async_save=False) as ck:
+        ck.save(one.checkpoint(), force=True)
+    procs_dir = work / "procs"
+    procs = start_processes("mp_jobs:train_multihost", num_processes=2, devices_per_process=2,
+                            work_dir=procs_dir, extra_paths=[TESTS_DIR],
+                            args=dict(ckpt_out=str(work / "ckpt_2h"),
+                                      restore_from=str(work / "ckpt_1h")))
+    try:
+        addrs = []
+        for i in range(2):
+            path = procs_dir / f"coordinator_{i}.txt"
+            deadline = time.monotonic() + 900
+            while not path.exists():
+                assert time.monotonic() < deadline, "learner host did not publish"
+                assert all(p.poll() in (None, 0) for p in procs), [p.poll() for p in procs]
+                time.sleep(0.5)
+            addrs.append(path.read_text())
+        model, _ = build_model(mp_jobs.MODEL, mesh=make_mesh(MeshConfig(tensor=4)))
+        puller = HostShardPuller([WeightSubscriber(a, consumer_id="sampler-0", timeout_s=300)
+                                  for a in addrs], nnx.split(model, nnx.Param)[1])
+        got = None
+        deadline = time.monotonic() + 300
+        while got is None and time.monotonic() < deadline:
+            got = puller.poll()
+        puller.close()
+    except BaseException:
+        kill_all(procs)
+        raise
+    finally:
+        (procs_dir / "done").write_text("")
+    results = wait_processes(procs, procs_dir, timeout_s=900)
+    assert got is not None, "the sampler got no version from the two learner hosts"
+    version, params = got
+    return dict(results=results, one=one, one_logits=mp_jobs.logits(one),
+                ckpt_2h=str(work / "ckpt_2h"),
+                pulled_version=version,
+                pulled={k: v[...] for k, v in nnx.to_flat_state(params)})

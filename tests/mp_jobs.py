@@ -1,4 +1,4 @@
-"""Functions run in every process of a rlflow.learner.local_hosts group (``fn(ctx) -> result``)."""
+"""Functions run in every process of a rlflow.runtime.local_hosts group (``fn(ctx) -> result``)."""
 
 import jax
 import numpy as np
@@ -10,6 +10,9 @@ VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=8)
 LR, STEPS = 1e-4, 3
+# pytest-timeout of a test using conftest's two_learner_hosts: the shared run's set-up (~8
+# min on a busy 2-core host) counts against the first such test; a hang guard, not a speed check.
+SHARED_RUN_TIMEOUT_S = 1800
 
 
 def experiment(**learner):
@@ -17,6 +20,14 @@ def experiment(**learner):
     base = dict(num_devices=4, mesh=MeshConfig(fsdp=2, tensor=2), micro_batches=2,
                 kl_coef=0.5, lr=LR)
     return tiny_experiment(MODEL, G, T, **{**base, **learner})
+
+
+def one_host_two_devices():
+    """The same learner on 1 host x 2 devices (fsdp=2) of the calling process."""
+    from rlflow.learner.trainer import Learner
+
+    return Learner(experiment(num_devices=2, mesh=MeshConfig(fsdp=2)),
+                   devices=jax.devices()[:2])
 
 
 def step_records(step):
@@ -46,8 +57,9 @@ def logits(learner):
 def train_multihost(ctx):
     """Train STEPS steps with host 0 building each batch; every host returns the gathered
     parameters, metrics and batch-distribution info. Then (every host) save a checkpoint to
-    ``args["ckpt_out"]`` and return its logits, and restore ``args["restore_from"]`` (written by
-    one host) onto this 2-host mesh and return those logits."""
+    ``args["ckpt_out"]`` and return its logits, restore ``args["restore_from"]`` (written by
+    one host) onto this 2-host mesh and return those logits, and serve the trained
+    parameters' shards to a sampler (:func:`serve_units`)."""
     from flax import nnx
 
     from rlflow.checkpoint import Checkpointer
@@ -72,30 +84,21 @@ def train_multihost(ctx):
     with Checkpointer(ctx.args["restore_from"], read_only=True) as ck:
         restored = other.resume(ck)
     out.update(restored_step=restored.step, restored_version=other.version,
-               restored_logits=logits(other))
+               restored_logits=logits(other), units=serve_units(ctx, learner))
     return out
 
 
-def serve_host_shards(ctx):
-    """Each learner host serves its own shards of the (fsdp=2 x tensor=2) learner's params
-    after one step: a WeightPublisher + coordinator per host, address written to
-    ``coordinator_<i>.txt``; waits for ``done`` (the sampler pulled), returns the gathered
-    parameters."""
+def serve_units(ctx, learner):
+    """Each learner host serves its own shards of ``learner``'s params (a WeightPublisher +
+    coordinator per host, address written to ``coordinator_<i>.txt``) until the file
+    ``done`` appears (the sampler pulled); returns this host's unit keys."""
     import os
     import time
-
-    from flax import nnx
 
     from rlflow.exchange.coordinator import Coordinator
     from rlflow.exchange.host_shards import host_units
     from rlflow.exchange.transfer import WeightPublisher
-    from rlflow.learner import multihost
-    from rlflow.learner.trainer import Learner
 
-    cfg = experiment()
-    learner = Learner(cfg, mesh=multihost.global_mesh(cfg.learner.mesh))
-    batch = learner.build_batch(step_records(0))[0] if jax.process_index() == 0 else None
-    multihost.train_step(learner, batch)
     units = host_units(learner.params)
     pub = WeightPublisher(pull_timeout_s=600)
     coord = Coordinator(pub).start()
@@ -104,14 +107,12 @@ def serve_host_shards(ctx):
     with open(path + ".tmp", "w") as f:
         f.write(coord.address)
     os.replace(path + ".tmp", path)
-    params = multihost.gather_to_host(learner.params)
     done = os.path.join(ctx.work_dir, "done")
     deadline = time.monotonic() + 600
     while not os.path.exists(done) and time.monotonic() < deadline:
         time.sleep(0.2)
     coord.close()
-    return dict(params={k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)},
-                units=sorted(units), version=learner.version)
+    return sorted(units)
 
 
 def collectives_until_killed(ctx):

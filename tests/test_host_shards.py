@@ -1,8 +1,5 @@
 """Weights out of a multi-host learner: per-host transfer units, assembled by a sampler."""
 
-import os
-import time
-
 import jax
 import numpy as np
 import pytest
@@ -11,8 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rlflow.exchange.host_shards import (HostShardPuller, assemble, host_units,
                                          parse_unit_key, unit_key)
 from rlflow.exchange.layout import LayoutError
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from mp_jobs import SHARED_RUN_TIMEOUT_S
 
 
 def mesh(shape, axes):
@@ -106,49 +102,16 @@ def test_puller_waits_until_every_host_offers_the_same_version():
 
 
 @pytest.mark.slow
-def test_sampler_pulls_from_two_learner_hosts(tmp_path):
-    """2 learner processes x 2 devices (fsdp=2 x tensor=2, after one step) each serve their
-    own shards; this process (the sampler, tensor=4 on its 4 devices) pulls from both and
-    its parameters equal the learner's bitwise."""
-    from flax import nnx
-
-    from rlflow.config import MeshConfig
-    from rlflow.exchange.transfer import WeightSubscriber
-    from rlflow.mesh import make_mesh
-    from rlflow.models.hf import build_model
-    from rlflow.learner.local_hosts import start_processes, wait_processes
-    import mp_jobs
-
-    procs = start_processes("mp_jobs:serve_host_shards", num_processes=2,
-                            devices_per_process=2, work_dir=tmp_path, extra_paths=[TESTS])
-    try:
-        addrs = []
-        for i in range(2):
-            path = tmp_path / f"coordinator_{i}.txt"
-            deadline = time.monotonic() + 900
-            while not path.exists():
-                assert time.monotonic() < deadline, "learner host did not publish"
-                assert all(p.poll() in (None, 0) for p in procs), [p.poll() for p in procs]
-                time.sleep(0.5)
-            addrs.append(path.read_text())
-        model, _ = build_model(mp_jobs.MODEL, mesh=make_mesh(MeshConfig(tensor=4)))
-        target = nnx.split(model, nnx.Param)[1]
-        puller = HostShardPuller([WeightSubscriber(a, consumer_id="sampler-0", timeout_s=300)
-                                  for a in addrs], target)
-        got = None
-        deadline = time.monotonic() + 300
-        while got is None and time.monotonic() < deadline:
-            got = puller.poll()
-        puller.close()
-    finally:
-        (tmp_path / "done").write_text("")
-    results = wait_processes(procs, tmp_path, timeout_s=300)
-    version, params = got
-    assert version == results[0]["version"] == 1
+@pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)   # the first test pays the shared 2-host run
+def test_sampler_pulls_from_two_learner_hosts(two_learner_hosts):
+    """2 learner processes x 2 devices (fsdp=2 x tensor=2, after 3 steps) each serve their
+    own shards; this process (the sampler, tensor=4 on its 4 devices) pulled from both
+    (tests/conftest.py) and its parameters equal the learner's bitwise."""
+    results = two_learner_hosts["results"]
+    assert two_learner_hosts["pulled_version"] == results[0]["version"] == 3
     assert results[0]["units"] and not set(results[0]["units"]) & set(results[1]["units"])
-    want = results[0]["params"]
-    flat = {k: v[...] for k, v in nnx.to_flat_state(params)}
-    assert set(flat) == set(want)
+    want, got = results[0]["params"], two_learner_hosts["pulled"]
+    assert set(got) == set(want)
     for k, w in want.items():
-        assert flat[k].sharding.mesh.shape["tensor"] == 4
-        np.testing.assert_array_equal(np.asarray(flat[k]), w, err_msg=str(k))
+        assert got[k].sharding.mesh.shape["tensor"] == 4
+        np.testing.assert_array_equal(np.asarray(got[k]), w, err_msg=str(k))

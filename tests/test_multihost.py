@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from rlflow.learner import multihost
-from rlflow.learner.local_hosts import free_port, run_processes
+from rlflow.runtime.local_hosts import free_port
 import mp_jobs
+from mp_jobs import SHARED_RUN_TIMEOUT_S
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 EPS32 = np.finfo(np.float32).eps
@@ -31,37 +32,14 @@ def test_distributed_config_names_bad_fields():
         multihost.DistributedConfig("127.0.0.1:1234", 2, 2)
 
 
-def one_host_two_devices():
-    """A learner on 1 host x 2 devices (fsdp=2) of this process."""
-    import jax
-
-    from rlflow.config import MeshConfig
-    from rlflow.learner.trainer import Learner
-
-    return Learner(mp_jobs.experiment(num_devices=2, mesh=MeshConfig(fsdp=2)),
-                   devices=jax.devices()[:2])
-
-
 @pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory):
-    """2 processes x 2 fake devices: 3 train steps, save, and restore a checkpoint that one
-    host x 2 devices wrote after 1 step (one run shared by the tests below)."""
-    from rlflow.checkpoint import Checkpointer
-
-    work = tmp_path_factory.mktemp("two_hosts")
-    one = one_host_two_devices()
-    one.train_on(mp_jobs.step_records(7))
-    with Checkpointer(str(work / "ckpt_1h"), async_save=False) as ck:
-        ck.save(one.checkpoint(), force=True)
-    results = run_processes("mp_jobs:train_multihost", num_processes=2, devices_per_process=2,
-                            work_dir=work / "procs", timeout_s=900,
-                            extra_paths=[TESTS],
-                            args=dict(ckpt_out=str(work / "ckpt_2h"),
-                                      restore_from=str(work / "ckpt_1h")))
-    return dict(results=results, one_logits=mp_jobs.logits(one), ckpt_2h=str(work / "ckpt_2h"))
+def two_hosts(two_learner_hosts):
+    """tests/conftest.py's one 2-host run (shared with tests/test_host_shards.py)."""
+    return two_learner_hosts
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)   # the first test pays the shared 2-host run
 def test_two_hosts_train_like_one_host(two_hosts):
     """Sync steps on 2 hosts x 2 devices vs 1 host x 4 devices (this process), same mesh
     fsdp=2 x tensor=2, same records: equal metrics and parameters after 3 steps.
@@ -108,14 +86,15 @@ def logit_tol(logits):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)   # the first test pays the shared 2-host run
 def test_checkpoint_of_two_hosts_restores_on_one_host_and_back(two_hosts):
     """A checkpoint written by 2 hosts x 2 devices (fsdp=2 x tensor=2) restores on 1 host x 2
     devices (fsdp=2) with equal logits and step; one written there restores on the 2 hosts."""
     from rlflow.checkpoint import Checkpointer
 
     r0, r1 = two_hosts["results"]
-    one = one_host_two_devices()
-    before = mp_jobs.logits(one)
+    one = two_hosts["one"]                   # 1 host x 2 devices, after its one step
+    before = two_hosts["one_logits"]
     with Checkpointer(two_hosts["ckpt_2h"], read_only=True) as ck:
         assert ck.all_steps() == [mp_jobs.STEPS]
         restored = one.resume(ck)
@@ -140,7 +119,7 @@ def test_a_killed_learner_host_stops_the_others_naming_it(tmp_path):
     import signal
     import time
 
-    from rlflow.learner.local_hosts import start_processes, wait_processes
+    from rlflow.runtime.local_hosts import start_processes, wait_processes
 
     procs = start_processes("mp_jobs:collectives_until_killed", num_processes=2,
                             devices_per_process=1, work_dir=tmp_path, extra_paths=[TESTS],

@@ -149,7 +149,7 @@ def test_start_runs_each_program_on_every_host_of_its_slice():
                          "--buffer.bind_address", "10.0.0.7", "--buffer.port", "6000",
                          "--run_dir", "gs://bkt/runs",
                          "--learner.lr", "1e-6", "--name", "a b",
-                         "--sampler.num_replicas", "1"]
+                         "--learner.num_hosts", "1", "--sampler.num_replicas", "1"]
 
 
 @pytest.mark.parametrize("typ,hosts", [("v5litepod-16", 4), ("v6e-16", 4), ("v5litepod-8", 1),

@@ -81,6 +81,7 @@ def test_xpk_start_creates_one_workload_per_program_with_per_host_lines():
         rest = words[words.index("bash") + 1:]
         assert rest[:2] == ["scripts/xpk/pod_run.sh", role]
         assert rest[rest.index("--run_dir") + 1] == "gs://bkt/runs"
+        assert rest[rest.index("--learner.num_hosts") + 1] == "2"     # v5p-16: 2 hosts
         assert rest[-2:] == ["--learner.lr", "1e-6"]
         assert not any("s3cret" in w or "token" in w for w in cmd)   # the token: no argv
         assert os.path.basename(flag(cmd, "--env-file")).startswith("tmp")
@@ -161,6 +162,8 @@ def test_tpu_start_prints_each_host_of_a_multi_host_learner_slice(typ, hosts):
     ssh = [c for c in cmds if c[3:5] == ["tpu-vm", "ssh"]]
     assert [c[5] for c in ssh] == ["exp7-learner", "exp7-sampler"]
     assert flag(ssh[0], "--worker") == "all"                  # one ssh reaches every host
+    remote = shlex.split(flag(ssh[0], "--command"))
+    assert remote[remote.index("--learner.num_hosts") + 1] == str(hosts)   # one program
     learner = per_host(lines, "learner")
     assert sorted(learner) == list(range(hosts))
     assert all(e["RLFLOW_PROCESS_ID"] == str(i) and e["RLFLOW_NUM_PROCESSES"] == str(hosts)

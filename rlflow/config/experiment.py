@@ -69,6 +69,18 @@ class ExperimentConfig:
         _check(rows % split == 0, "learner.micro_batches",
                f"learner.groups_per_step * sampler.group_size = {rows} samples must divide into "
                f"learner.micro_batches * learner.mesh.data * learner.mesh.fsdp = {split} parts")
+        if lr.num_hosts > 1:        # weights leave a multi-host learner as per-host shards
+            rt = self.runtime
+            _check(rt.weight_transfer == "transfer", "runtime.weight_transfer",
+                   f"must be 'transfer' with learner.num_hosts={lr.num_hosts} (each learner "
+                   "host serves its own shards; the orbax folder fallback is one-host only)")
+            _check(sp.num_replicas == 1 or rt.relay_fanout == 0, "runtime.relay_fanout",
+                   f"must be 0 with learner.num_hosts={lr.num_hosts} and sampler.num_replicas="
+                   f"{sp.num_replicas}: relaying a multi-host learner's shards is not "
+                   "supported yet (each replica pulls from every learner host)")
+            _check(not self.checkpoint.keep_best_metric, "checkpoint.keep_best_metric",
+                   f"is not supported with learner.num_hosts={lr.num_hosts} (the step's "
+                   "metrics live on learner host 0 only; every host must save alike)")
         _check(lr.overlong_buffer <= sp.max_tokens, "learner.overlong_buffer",
                f"must be <= sampler.max_tokens={sp.max_tokens}, got {lr.overlong_buffer}")
         _check(self.env.max_episode_tokens <= sp.max_tokens, "env.max_episode_tokens",

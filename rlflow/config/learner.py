@@ -108,7 +108,13 @@ class LearnerConfig:
         given back to the admission budget. This many skips in a row (or this many steps'
         worth of groups dropped in a row by ``dynamic_sampling``) stop the run with an error
         naming the reason (``rlflow.learner.skips``); 0: never stop.
-      num_devices / mesh: devices and mesh of the learner program.
+      num_devices / mesh: devices and mesh of the learner program (over all its hosts).
+      num_hosts: hosts (processes) of the learner program, joined by ``jax.distributed``:
+        one global mesh of ``num_devices`` devices, ``num_devices / num_hosts`` per host, the
+        same jitted step on every host; host 0 serves the ring buffer and the coordinator
+        and builds each step's batch (``rlflow.learner.hosts``). ``rlflow train`` starts
+        them on this machine (fake CPU devices, gloo collectives); on a TPU pod it is the
+        learner slice's host count (``docs/tpu.md``).
       compute_dtype: activations dtype in the train step; params stay ``model.param_dtype``.
       seed: PRNG seed of the learner (dropout-free; used for any sampled quantity).
       scale_by_std: divide advantages by the group std (None: only "grpo" does).
@@ -161,6 +167,7 @@ class LearnerConfig:
     max_consecutive_skipped_steps: int = 10
     num_devices: int = 1
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    num_hosts: int = 1
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
     scale_by_std: Optional[bool] = None
@@ -182,7 +189,8 @@ class LearnerConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
-        for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices"):
+        for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices",
+                     "num_hosts"):
             _positive(getattr(self, name), f"learner.{name}")
         _check(self.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
         _check(self.max_consecutive_skipped_steps >= 0, "learner.max_consecutive_skipped_steps",
@@ -203,6 +211,9 @@ class LearnerConfig:
         _check(math.isfinite(self.lr), "learner.lr", "must be finite")
         _check(self.mesh.num_devices == self.num_devices, "learner.mesh",
                f"has {self.mesh.num_devices} devices but learner.num_devices={self.num_devices}")
+        _check(self.num_devices % self.num_hosts == 0, "learner.num_hosts",
+               f"must divide learner.num_devices={self.num_devices} (devices per host), got "
+               f"{self.num_hosts}")
         _check(not (self.advantage == "drgrpo" and self.scale_by_std), "learner.scale_by_std",
                "must not be True with learner.advantage='drgrpo' (Dr. GRPO has no std scaling)")
         _one_of(self.off_policy, ("decoupled", "behaviour"), "learner.off_policy")

@@ -19,6 +19,8 @@ every element exactly once.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Mapping, Sequence
 
 import jax
@@ -26,6 +28,8 @@ import numpy as np
 
 from rlflow.exchange import layout as layout_lib
 from rlflow.exchange.layout import LayoutError
+
+ENV_WEIGHT_DIGESTS = "RLFLOW_WEIGHT_DIGESTS"   # "1": a sampler logs each version's digest
 
 
 def unit_key(leaf: int, index: Sequence[tuple[int, int]]) -> str:
@@ -175,3 +179,44 @@ class HostShardPuller:
     def close(self) -> None:
         for sub in self.subscribers:
             sub.close()
+
+
+def weights_digest(params) -> str:
+    """sha256 (hex) of a parameter pytree: each leaf's ``keystr`` path, dtype, shape and
+    bytes, in flatten order (equal digests = bitwise equal parameters of one structure)."""
+    h = hashlib.sha256()
+    paths, leaves, _ = layout_lib.flatten(params)
+    for path, x in zip(paths, leaves):
+        a = np.ascontiguousarray(np.asarray(x))
+        h.update(f"{path}|{a.dtype}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def log_weights_digest(log, version: int, params, env=None) -> None:
+    """With ``RLFLOW_WEIGHT_DIGESTS=1``: log ``weights version V digest D`` (a check that a
+    sampler holds exactly the learner's parameters; it copies every leaf to host memory, so
+    it is off by default)."""
+    env = os.environ if env is None else env
+    if env.get(ENV_WEIGHT_DIGESTS) == "1":
+        log.info("weights version %d digest %s", version, weights_digest(params))
+
+
+def host_shard_puller(coordinator: str, weight_hosts: Sequence[str], target, *,
+                      num_hosts: int, **subscriber):
+    """A :class:`HostShardPuller` over learner host 0's coordinator (``tcp://host:port``) and
+    hosts 1..N-1's (``weight_hosts``: ``host:port``, from the run control's reply);
+    ``subscriber``: keyword arguments of every ``WeightSubscriber`` (``target=None``).
+
+    Raises: ValueError: ``weight_hosts`` does not name ``num_hosts - 1`` hosts.
+    """
+    from rlflow.exchange.transfer import WeightSubscriber
+    from rlflow.exchange.wire import tcp_endpoint
+
+    if len(weight_hosts) != num_hosts - 1:
+        raise ValueError(f"the learner named {len(weight_hosts)} other learner hosts' weight "
+                         f"servers {list(weight_hosts)}; learner.num_hosts={num_hosts}")
+
+    addresses = [coordinator] + [tcp_endpoint(*a.rsplit(":", 1)) for a in weight_hosts]
+    return HostShardPuller([WeightSubscriber(a, target=None, **subscriber)
+                            for a in addresses], target)

@@ -1,6 +1,8 @@
 """The learner program: pulls rollout groups, trains, publishes weights, writes the run folder.
 
-One process (one host of the learner slice on a pod), its own JAX runtime and mesh::
+One process, its own JAX runtime and mesh (with ``learner.num_hosts > 1``: host 0 of the
+learner's hosts, which follow its commands and serve their own weight shards,
+:mod:`rlflow.learner.hosts`)::
 
     build model + train state on the mesh (rlflow.learner.trainer.Learner)
     resume from <run>/checkpoints when there is one (rlflow.checkpoint)
@@ -102,10 +104,14 @@ class _Publisher:
             self.offers = _NoOffers()
         self.publish_time: dict[int, float] = {}
         self.bytes = 0             # bytes of the last published version (LoRA: adapters only)
+        self.hosts = None          # LearnerHosts of a multi-host learner: per-host shards
 
     def publish(self, version: int, params) -> None:
         self.bytes = tree_bytes(params)
-        self.impl.publish(version, params)
+        if self.hosts is None:
+            self.impl.publish(version, params)
+        else:
+            self.hosts.publish(version, params)
         self.offers.version = version
         self.publish_time[version] = time.time()
 
@@ -153,10 +159,17 @@ class LearnerProgram:
                                    on_arrival=self._arrived, on_discard=self._discarded).start()
         chost, cport = pc.split_address(endpoints.coordinator)
         self.publisher = _Publisher(cfg, chost)
+        self.hosts = None       # learner.num_hosts > 1: this is host 0 (rlflow.learner.hosts)
+        if cfg.learner.num_hosts > 1:
+            from rlflow.learner.hosts import LearnerHosts
+
+            self.hosts = self.publisher.hosts = LearnerHosts(cfg, chost, self.publisher.impl)
         self.coordinator = RunCoordinator(
             self.publisher.offers, buffer_counts=self._buffer_counts, ledger=self.ledger,
             replicas=ReplicaTable(cfg.runtime.replica_timeout_s, time.monotonic()),
             bind_address=chost, port=cport, token=cfg.buffer.token)
+        if self.hosts is not None:
+            self.coordinator.weight_hosts = self.hosts.weight_hosts
         self.coordinator.start()
         self._publish()
         self._last_buffer = self.buffer.metrics()
@@ -315,7 +328,11 @@ class LearnerProgram:
 
     def _step_and_record(self, groups, batch, info, t0: float, t_wait: float) -> dict:
         t1 = time.monotonic()
-        metrics = self.learner.step(batch)
+        if self.hosts is None:
+            metrics = self.learner.step(batch)
+        else:                   # every host steps; batch bytes distributed are logged
+            metrics, distributed = self.hosts.step(self.learner, batch)
+            metrics.update(distributed)
         t_step = time.monotonic() - t1
         if self.learner.version == self.version:  # the step's own guard: no loss token
             self.skip(groups, "mixed", info)
@@ -395,6 +412,9 @@ class LearnerProgram:
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, metrics=None, *, final: bool = False) -> None:
         self._mark_trained()
+        if self.hosts is not None:      # every host writes its shards
+            self.hosts.before_save(final)
+            self.checkpointer.wait()
         ck = self.learner.checkpoint(
             data_state=self.ledger.state(),
             extra={"accepted_groups": self.counts["accepted"]},
@@ -432,6 +452,8 @@ class LearnerProgram:
     def _finish(self) -> None:
         """Tell the samplers the run is done; keep the buffer drained until they saw it."""
         self.coordinator.set_progress(done=True)
+        if self.hosts is not None:
+            self.hosts.done()
         deadline = time.monotonic() + DONE_GRACE_S
         while time.monotonic() < deadline and not self.coordinator.acknowledged_done():
             try:
@@ -441,8 +463,11 @@ class LearnerProgram:
         log.info("learner finished at version %d", self.version)
 
     def close(self) -> None:
-        for closer in (self.coordinator.close, self.buffer.close, self.publisher.close,
-                       self.writer.close, self.checkpointer.close, self.trained_log.close):
+        closers = [self.coordinator.close, self.buffer.close, self.publisher.close,
+                   self.writer.close, self.checkpointer.close, self.trained_log.close]
+        if self.hosts is not None:
+            closers.append(self.hosts.close)
+        for closer in closers:
             try:
                 closer()
             except Exception as e:  # noqa: BLE001 - keep closing the rest
@@ -465,5 +490,9 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
     program = LearnerProgram(cfg, endpoints)
     try:
         program.run()
+    except pc.Stopped:
+        if program.hosts is not None:   # after the exit checkpoint: the other hosts exit too
+            program.hosts.done()
+        raise
     finally:
         program.close()

@@ -105,6 +105,9 @@ class ControlReply:
         ``prompt_tokens`` (list of int), ``answer``.
       budget: groups the shared staleness budget still allows at this replica's version
         after this reply's leases (a replica with room asks again at once while > 0).
+      weight_hosts: ``host:port`` of the weight coordinators of learner hosts 1..N-1 of a
+        multi-host learner (each serves its host's shards; ``rlflow.learner.hosts``), else
+        empty.
     """
 
     done: bool = False
@@ -114,6 +117,7 @@ class ControlReply:
     buffered: int = 0
     prompts: list = field(default_factory=list)
     budget: int = 0
+    weight_hosts: list = field(default_factory=list)
 
 
 @dataclass
@@ -168,6 +172,7 @@ class RunCoordinator(Coordinator):
         self.published_version = -1
         self.statuses: dict[str, SamplerStatus] = {}
         self.released = 0          # leased prompts taken back from lost replicas
+        self.weight_hosts: list = []   # learner hosts 1..N-1's weight coordinators
 
     def set_progress(self, *, learner_version: Optional[int] = None,
                      published_version: Optional[int] = None, done: Optional[bool] = None):
@@ -271,7 +276,7 @@ class RunCoordinator(Coordinator):
             reply = ControlReply(done=self.done, learner_version=self.learner_version,
                                  published_version=self.published_version,
                                  accepted=accepted, buffered=buffered, prompts=prompts,
-                                 budget=budget)
+                                 budget=budget, weight_hosts=list(self.weight_hosts))
         return wire.OK, [wire.dumps(asdict(reply))]
 
 

@@ -39,11 +39,17 @@ from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` tim
 it a dead replica stays dead and the others carry the run (the learner hands its leased
 prompts to them, ``rlflow.runtime.ledger``).
 
-**TPU pod** (one learner slice, one or more sampler slices): the Cloud TPU scripts start
-``python -m rlflow.runtime.launch --role learner --config <resolved config.json>`` on every host of
-the learner slice and ``--role sampler`` on every host of every sampler slice (each sampler
-host is one replica, its own JAX program: ``RLFLOW_NUM_PROCESSES=1``,
-``RLFLOW_REPLICA=<index>``), with these environment variables:
+**Learner hosts** (``learner.num_hosts = N > 1``): the learner is N processes, one per
+host, ``learner.num_devices / N`` fake devices each, joined by ``jax.distributed``
+(``127.0.0.1:<free port>``, gloo); children ``learner`` (host 0) and ``learner-<i>``
+(:mod:`rlflow.runtime.learner_hosts`). Any of them exiting before the run is done stops the
+run, naming the host (``learner host 1 (pid N) ... killed by SIGKILL``).
+
+**TPU pod** (one learner slice, one or more sampler slices): ``scripts/tpu`` / ``scripts/xpk``
+start ``python -m rlflow.runtime.launch --role learner --config <resolved config.json>`` on
+every host of the learner slice (with ``--learner.num_hosts`` = its host count) and
+``--role sampler`` on every host of every sampler slice (each sampler host is one replica,
+its own JAX program: ``RLFLOW_NUM_PROCESSES=1``, ``RLFLOW_REPLICA=<index>``), with:
 
     RLFLOW_BUFFER_ADDRESS       host:port of the learner's ring buffer (learner host 0 binds it)
     RLFLOW_COORDINATOR_ADDRESS  host:port of the learner's weight coordinator
@@ -51,12 +57,8 @@ host is one replica, its own JAX program: ``RLFLOW_NUM_PROCESSES=1``,
     RLFLOW_NUM_PROCESSES        hosts in this slice
     RLFLOW_PROCESS_ID           this host's index in its slice
 
-:func:`run_role` calls ``jax.distributed.initialize`` for the program's own slice when
-``RLFLOW_NUM_PROCESSES > 1`` (so the learner's mesh spans only the learner slice and the
-sampler's only the sampler slice), then runs the program: the programs themselves are the
-same as on a laptop. Limitation: the learner's loop does not yet split work between the
-hosts of its slice, so a learner slice with more than one host stops with
-``NotImplementedError``; sampler slices of any host count work (one replica per host).
+:func:`run_role` runs the learner through :func:`rlflow.runtime.learner_hosts.run_learner`
+(the entry every learner host runs, here and on a pod).
 
 Other knobs: ``runtime.pin_cpus`` gives each program its own CPUs (``RLFLOW_CPUS``);
 ``RLFLOW_PROFILE=<dir>`` writes a cProfile of each program to ``<dir>/<role>.prof``;
@@ -78,15 +80,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rlflow import programs_common as pc
-from rlflow.process_limits import exit_text
+from rlflow.runtime import learner_hosts
+from rlflow.runtime.child_logs import (ERROR_SCAN_LINES, LOG_TAIL_LINES, exit_text,  # noqa: F401
+                                       last_exception_line, tail)
 from rlflow.secrets import ENV_BUFFER_TOKEN, install_log_redaction, secret_values
 
 MAX_SAMPLER_RESTARTS = 3
 STOP_GRACE_S = 20.0       # seconds a child gets between the stop request and SIGKILL
 POLL_S = 0.2
-LOG_TAIL_LINES = 30
-ERROR_SCAN_LINES = 400    # log lines searched for the last exception (tracebacks can be long)
-TRACEBACK_HEADER = "Traceback (most recent call last):"
 PROCESSES_FILE = "processes.json"   # {"learner": pid, "sampler": pid} in the run folder
 BOTH_DIED_WINDOW_S = 2.0  # a second death this soon after the first is reported as well
 STOPPED_EXIT_CODE = 143   # a program stopped by SIGTERM (128 + 15), not a finished one
@@ -113,20 +114,20 @@ def run_role(role: str, cfg, endpoints: pc.Endpoints) -> int:
     """
     if role not in pc.ROLES:
         raise ValueError(f"role must be one of {pc.ROLES}, got {role!r}")
+    if role == "learner":               # one host or a slice of learner.num_hosts hosts
+        from rlflow.runtime.learner_hosts import run_learner
+
+        run_learner(cfg, endpoints)
+        return 0
     _distributed_init()
     import jax
 
-    if jax.process_count() > 1:
-        # jax.distributed is initialised for the slice above; the programs' loops do not yet
-        # split the work between hosts (host 0 serving buffer / coordinator / metrics and
-        # broadcasting each batch, every sampler host its own replica).
+    if jax.process_count() > 1:         # a sampler host is one replica (scripts/tpu)
         raise NotImplementedError(
-            f"the {role} program runs on one host per slice for now; this slice has "
-            f"{jax.process_count()} hosts (RLFLOW_NUM_PROCESSES)")
-    if role == "learner":
-        from rlflow.learner.program import main as program_main
-    else:
-        from rlflow.sampler.program import main as program_main
+            f"a sampler replica runs on one host; this slice has {jax.process_count()} hosts "
+            "(RLFLOW_NUM_PROCESSES): start one replica per host with RLFLOW_NUM_PROCESSES=1")
+    from rlflow.sampler.program import main as program_main
+
     program_main(cfg, endpoints)
     return 0
 
@@ -228,37 +229,6 @@ def split_cpus(cpus: Sequence[int]) -> dict[str, list[int]]:
     return {"learner": cpus[:half], "sampler": cpus[half:]}
 
 
-def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def last_exception_line(lines: Sequence[str]) -> Optional[str]:
-    """The exception line of the last Python traceback in ``lines`` (a log's end).
-
-    That is the first non-indented, non-empty line after the last ``Traceback (most recent
-    call last):`` header, e.g. ``ValueError: /data/bad.jsonl:7: malformed JSON ...``; with
-    chained exceptions, the last (outermost) one. None when there is no traceback (a
-    program killed by a signal, or one that exited with a plain message).
-    """
-    start = None
-    for i, line in enumerate(lines):
-        if line.rstrip().endswith(TRACEBACK_HEADER):
-            start = i
-    if start is None:
-        return None
-    for line in lines[start + 1:]:
-        if line.strip() and not line[:1].isspace():
-            return line.strip()
-    return None
-
-
 @dataclass
 class Child:
     role: str
@@ -276,6 +246,7 @@ class Supervisor:
     config_path: str
     endpoints: pc.Endpoints
     children: dict = field(default_factory=dict)
+    jax_coordinator: str = ""     # host:port of the learner hosts' jax.distributed (N > 1)
 
     def sampler_names(self) -> list[str]:
         """Child names of the sampler replicas: ``["sampler"]`` for one replica (its log is
@@ -286,12 +257,15 @@ class Supervisor:
     def start(self, name: str, instance: int = 0) -> Child:
         """Start child ``name`` ("learner", or a name of :meth:`sampler_names`); its
         ``instance`` is its restart count."""
-        role = "learner" if name == "learner" else "sampler"
-        num_devices = (self.cfg.learner.num_devices if role == "learner"
+        lc = self.cfg.learner
+        role = "learner" if name.startswith("learner") else "sampler"
+        num_devices = (lc.num_devices // lc.num_hosts if role == "learner"
                        else self.cfg.sampler.num_devices)
         eps = pc.Endpoints(self.endpoints.buffer, self.endpoints.coordinator, instance)
         env = child_env(role, num_devices, eps, self.config_path)
-        if role == "sampler":
+        if role == "learner":
+            env.update(learner_hosts.host_env(name, lc.num_hosts, self.jax_coordinator))
+        else:
             env[pc.ENV_REPLICA] = name.rsplit("-", 1)[1] if "-" in name else "0"
         if self.cfg.buffer.token:     # by environment, never argv (config.json: redacted)
             env[ENV_BUFFER_TOKEN] = self.cfg.buffer.token
@@ -344,11 +318,13 @@ class Supervisor:
 
         c = self.children[role]
         lines = tail(c.log_path, ERROR_SCAN_LINES).splitlines()
-        kind = "learner" if role == "learner" else "sampler"
+        kind = "learner" if role.startswith("learner") else "sampler"
         starts = [i for i, line in enumerate(lines) if line.startswith(f"--- rlflow {kind} start")]
         error = last_exception_line(lines[starts[-1]:] if starts else lines)  # this start's only
-        head = f"rlflow train: the {role} failed: {plain_text(error)}\n" if error else ""
-        text = (f"rlflow train: the {role} process died ({exit_text(c.proc.returncode)}); "
+        what = role if kind == "sampler" else \
+            learner_hosts.host_label(role, c.proc.pid, self.cfg.learner.num_hosts)
+        head = f"rlflow train: the {what} failed: {plain_text(error)}\n" if error else ""
+        text = (f"rlflow train: the {what} process died ({exit_text(c.proc.returncode)}); "
                 f"stopping the run. Last lines of {c.log_path}:\n")
         return head + text + "\n".join(f"  [{role}] {plain_text(line)}"
                                        for line in lines[-LOG_TAIL_LINES:])
@@ -403,14 +379,16 @@ def run_train(cfg) -> int:
     endpoints = pc.Endpoints(
         buffer=f"{bhost}:{cfg.buffer.port or free_port(bhost)}",
         coordinator=f"{chost}:{cfg.runtime.coordinator_port or free_port(chost)}")
-    sup = Supervisor(cfg, run_path, config_path, endpoints)
+    sup = Supervisor(cfg, run_path, config_path, endpoints,
+                     jax_coordinator=f"127.0.0.1:{free_port()}")
     # Before the progress display exists (a live bar would draw over it).
     print(f"rlflow train: run folder {run_path} (logs in {run_path}/logs)", flush=True)
     watcher = RunWatcher(cfg, run_path, resumed_from=resumed_from)
     code = 1
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        sup.start("learner")
+        for name in learner_hosts.learner_names(cfg.learner.num_hosts):
+            sup.start(name)
         for name in sup.sampler_names():
             sup.start(name)
         code = _supervise(cfg, sup, watcher)
@@ -446,15 +424,17 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
     learner_done_at = None
     dead: set[str] = set()              # replicas dead for good
     names = sup.sampler_names()
+    hosts = learner_hosts.learner_names(cfg.learner.num_hosts)
     while True:
         watcher.poll()
         learner = sup.children["learner"].proc.poll()
         codes = {n: sup.children[n].proc.poll() for n in names}
+        failed = [h for h in hosts if sup.children[h].proc.poll() not in (None, 0)]
+        if failed:      # a host killed by a signal first: the others fail because of it
+            watcher.progress.close()        # the bar stops before the failure report
+            _report_failures(sup, min(failed, key=lambda h: sup.children[h].proc.poll() >= 0))
+            return 1
         if learner is not None:
-            if learner != 0:
-                watcher.progress.close()    # the bar stops before the failure report
-                _report_failures(sup, "learner")
-                return 1
             if all(c is not None for c in codes.values()):
                 return 0
             learner_done_at = learner_done_at or time.monotonic()
@@ -491,8 +471,9 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
 def _report_failures(sup: Supervisor, first: str) -> None:
     """Print the failure of ``first``, and of the other program too when it dies within
     ``BOTH_DIED_WINDOW_S`` (a sampler error reported to the learner ends both)."""
-    if first == "learner":
-        others = [n for n in sup.children if n != "learner"][:1]
+    if first.startswith("learner"):
+        others = [n for n in sup.children if n.startswith("sampler")][:1]
+        others += [n for n in sup.children if n.startswith("learner") and n != first]
     else:
         others = ["learner"]
     roles = [first]
@@ -503,7 +484,7 @@ def _report_failures(sup: Supervisor, first: str) -> None:
             code = None
         if code not in (None, 0, STOPPED_EXIT_CODE):
             roles.append(other)
-    for role in sorted(roles, key=lambda r: r == "learner"):   # the producer's error first
+    for role in sorted(roles, key=lambda r: r.startswith("learner")):  # the producer's first
         print(sup.failure(role), file=sys.stderr, flush=True)
 
 

@@ -54,6 +54,7 @@ from rlflow import programs_common as pc
 from rlflow.data.rewarder import Rewarder
 from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.exchange.buffer import BufferClient
+from rlflow.exchange.host_shards import log_weights_digest
 from rlflow.exchange.ring import BufferClosedError
 from rlflow.exchange.wire import tcp_endpoint
 from rlflow.mesh import make_mesh
@@ -268,14 +269,18 @@ class SamplerProgram:
         target = nnx.state(model, nnx.Param) if self.adapters is None else self.adapters.target
         rt = self.cfg.runtime
         if rt.weight_transfer == "transfer":
+            from rlflow.exchange.host_shards import host_shard_puller
             from rlflow.exchange.transfer import WeightSubscriber
 
+            kw = dict(consumer_id=f"{self.name}#{self.control.instance}",
+                      token=self.cfg.buffer.token, timeout_s=rt.transfer_timeout_s,
+                      retries=rt.transfer_retries, bind_address=rt.bind_address)
+            if self.cfg.learner.num_hosts > 1:   # pull every learner host's shards
+                return host_shard_puller(coord, self.control.status(version=-1).weight_hosts,
+                                         target, num_hosts=self.cfg.learner.num_hosts, **kw)
             relay = rt.relay_fanout if self.cfg.sampler.num_replicas > 1 else 0
-            return WeightSubscriber(coord, consumer_id=f"{self.name}#{self.control.instance}",
-                                    token=self.cfg.buffer.token, target=target,
-                                    timeout_s=rt.transfer_timeout_s, retries=rt.transfer_retries,
-                                    bind_address=rt.bind_address, relay_fanout=relay,
-                                    relay_timeout_s=rt.transfer_timeout_s)
+            return WeightSubscriber(coord, target=target, relay_fanout=relay,
+                                    relay_timeout_s=rt.transfer_timeout_s, **kw)
         from rlflow.exchange.orbax_fallback import OrbaxWeightSubscriber
 
         return OrbaxWeightSubscriber(self.cfg.run_path, target=target)
@@ -288,6 +293,7 @@ class SamplerProgram:
             got = self.subscriber.poll() if reply.published_version >= 0 else None
             if got is not None:
                 version, params = got
+                log_weights_digest(log, version, params)
                 params = self._engine_params(params)
                 log.info("loaded weights version %d from the learner", version)
                 self._note_swap(version, 0.0)
@@ -309,6 +315,7 @@ class SamplerProgram:
 
     def _on_weights(self, version: int, params, pull_s: float) -> None:
         """Puller thread: a new version arrived (laid out on this program's mesh)."""
+        log_weights_digest(log, version, params)
         self.batcher.update_params(self._engine_params(params), version)   # used from the next decode step on
         self.version = version     # every group admitted from now on starts with it
         self._note_swap(version, pull_s)

@@ -43,7 +43,8 @@ train+=("${TRAIN_ARGS[@]}")
 
 # Every sampler host is one replica: replica = slice * hosts per slice + worker.
 replicas=$((SAMPLER_SLICES * sampler_hosts))
-train+=(--sampler.num_replicas "$replicas")
+# The learner program spans every host of its slice (learner.num_hosts, rlflow.learner.hosts).
+train+=(--learner.num_hosts "$learner_hosts" --sampler.num_replicas "$replicas")
 note "$SAMPLER_SLICES sampler slice(s) of $SAMPLER_TYPE, $sampler_hosts host(s) each: $replicas replicas"
 
 for node in "$LEARNER_NODE" "${SAMPLER_NODES[@]}"; do

@@ -30,7 +30,9 @@ if [ -n "$RUN_DIR" ]; then train+=(--run_dir "$RUN_DIR"); fi
 
 # Every sampler host is one replica (its own JAX program): K slices x hosts per slice.
 replicas=$((SAMPLER_SLICES * sampler_hosts))
-train+=(--sampler.num_replicas "$replicas" "${TRAIN_ARGS[@]}")   # user flags last: they win
+# learner.num_hosts: the learner program spans every host of its slice (rlflow.learner.hosts)
+train+=(--learner.num_hosts "$learner_hosts" --sampler.num_replicas "$replicas"
+        "${TRAIN_ARGS[@]}")   # user flags last: they win
 note "$SAMPLER_SLICES sampler slice(s) of $SAMPLER_TYPE, $sampler_hosts host(s) each: $replicas replicas"
 
 for role in learner sampler; do

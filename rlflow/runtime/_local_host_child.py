@@ -1,4 +1,4 @@
-"""One child of rlflow/learner/local_hosts.py: ``python _local_host_child.py SPEC.pkl ID``.
+"""One child of rlflow/runtime/local_hosts.py: ``python _local_host_child.py SPEC.pkl ID``.
 
 XLA_FLAGS (fake device count) and JAX_PLATFORMS come from the parent's environment and are
 read when jax is imported, below.
@@ -24,7 +24,7 @@ def main() -> None:
     else:
         multihost.use_gloo_collectives()
     assert jax.local_device_count() == spec["devices_per_process"], jax.local_devices()
-    from rlflow.learner.local_hosts import Context
+    from rlflow.runtime.local_hosts import Context
     module, fn = spec["target"].split(":")
     ctx = Context(process_id=pid, num_processes=spec["num_processes"],
                   devices_per_process=spec["devices_per_process"], work_dir=spec["work_dir"],

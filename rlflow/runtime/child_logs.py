@@ -1,0 +1,47 @@
+"""What a program's log says when it died: its end, and its last exception line.
+
+Used by the launcher's failure report (:mod:`rlflow.runtime.launch`): the last exception
+line first (``ValueError: .../bad.jsonl:7: ...``), then the exit status and the log's end.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+from rlflow.process_limits import exit_text  # noqa: F401  (part of the failure report)
+
+LOG_TAIL_LINES = 30
+ERROR_SCAN_LINES = 400    # log lines searched for the last exception (tracebacks can be long)
+TRACEBACK_HEADER = "Traceback (most recent call last):"
+
+
+def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def last_exception_line(lines: Sequence[str]) -> Optional[str]:
+    """The exception line of the last Python traceback in ``lines`` (a log's end).
+
+    That is the first non-indented, non-empty line after the last ``Traceback (most recent
+    call last):`` header, e.g. ``ValueError: /data/bad.jsonl:7: malformed JSON ...``; with
+    chained exceptions, the last (outermost) one. None when there is no traceback (a
+    program killed by a signal, or one that exited with a plain message).
+    """
+    start = None
+    for i, line in enumerate(lines):
+        if line.rstrip().endswith(TRACEBACK_HEADER):
+            start = i
+    if start is None:
+        return None
+    for line in lines[start + 1:]:
+        if line.strip() and not line[:1].isspace():
+            return line.strip()
+    return None

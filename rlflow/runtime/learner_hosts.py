@@ -1,0 +1,89 @@
+"""Launching a learner of several hosts (``learner.num_hosts > 1``): one process per host.
+
+**Child side** (every learner host, on a laptop or a pod): :func:`run_learner` joins this
+process to the learner slice (:func:`rlflow.learner.multihost.initialize`:
+``jax.distributed`` with the coordinator ``RLFLOW_JAX_COORDINATOR``, gloo collectives on
+CPU, :class:`~rlflow.learner.multihost.CoordinatorUnreachable` within the timeout when host
+0 cannot be reached), then runs the learner program: host 0 the full program
+(:mod:`rlflow.learner.program`), hosts 1..N-1 :func:`rlflow.learner.hosts.follower_main`.
+``scripts/tpu`` and ``scripts/xpk`` start ``python -m rlflow.runtime.launch --role learner``
+on every host of the learner slice with ``RLFLOW_NUM_PROCESSES`` / ``RLFLOW_PROCESS_ID`` /
+``RLFLOW_JAX_COORDINATOR`` of that host: the same entry as below.
+
+**Parent side** (``rlflow train --learner.num-hosts N`` on one machine):
+:func:`learner_names` are the launcher's child names (``learner`` is host 0, its log
+``logs/learner.log``; ``learner-<i>`` is host i); :func:`host_env` adds each host's slice
+position and its fake device count (``learner.num_devices / N``); the coordinator is
+``127.0.0.1:<free port>``. A host that exits before the run is done stops the run with the
+host named (:func:`host_label`: ``learner host 1 (pid 4242)``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from rlflow import programs_common as pc
+
+JAX_INIT_TIMEOUT_S = 300.0     # seconds a host waits for host 0's coordinator / the others
+
+
+def learner_names(num_hosts: int) -> list[str]:
+    """Launcher child names of the learner hosts: ``learner`` (host 0), ``learner-1``, ..."""
+    return ["learner"] + [f"learner-{i}" for i in range(1, num_hosts)]
+
+
+def host_index(name: str) -> int:
+    """Host index of a learner child name (``learner`` -> 0, ``learner-3`` -> 3)."""
+    return int(name.rsplit("-", 1)[1]) if "-" in name else 0
+
+
+def host_label(name: str, pid: int, num_hosts: int) -> str:
+    """How failure messages name a learner child: ``learner host 1 (pid 4242)``, or
+    ``learner`` for a one-host learner."""
+    if num_hosts <= 1:
+        return "learner"
+    return f"learner host {host_index(name)} (pid {pid})"
+
+
+def host_env(name: str, num_hosts: int, jax_coordinator: str) -> dict[str, str]:
+    """The slice-position variables of learner child ``name`` (empty for one host)."""
+    if num_hosts <= 1:
+        return {}
+    return {pc.ENV_NUM_PROCESSES: str(num_hosts), pc.ENV_PROCESS_ID: str(host_index(name)),
+            pc.ENV_DIST_COORDINATOR: jax_coordinator}
+
+
+def join_slice(cfg, env=None) -> int:
+    """Join this process to the learner slice; returns its host index (0 for one host).
+
+    Raises:
+      ValueError: ``RLFLOW_NUM_PROCESSES`` differs from ``learner.num_hosts`` (names both).
+      rlflow.learner.multihost.CoordinatorUnreachable: host 0's coordinator did not answer
+        within ``JAX_INIT_TIMEOUT_S``.
+    """
+    env = os.environ if env is None else env
+    n = int(env.get(pc.ENV_NUM_PROCESSES, "1"))
+    if n != cfg.learner.num_hosts:
+        raise ValueError(f"{pc.ENV_NUM_PROCESSES}={n} hosts in this learner slice, but "
+                         f"learner.num_hosts={cfg.learner.num_hosts}: set --learner.num-hosts {n}")
+    if n == 1:
+        return 0
+    from rlflow.learner import multihost
+
+    timeout = float(env.get("RLFLOW_JAX_INIT_TIMEOUT_S", JAX_INIT_TIMEOUT_S))
+    multihost.initialize(multihost.DistributedConfig(
+        coordinator_address=env[pc.ENV_DIST_COORDINATOR], num_processes=n,
+        process_id=int(env[pc.ENV_PROCESS_ID]), init_timeout_s=timeout))
+    import jax
+
+    return jax.process_index()
+
+
+def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> None:
+    """The learner program on this host (see the module docstring)."""
+    if join_slice(cfg, env) == 0:
+        from rlflow.learner.program import main
+    else:
+        from rlflow.learner.hosts import follower_main as main
+    main(cfg, endpoints)

@@ -1,0 +1,68 @@
+"""A learner of several hosts: its config checks and the launcher's pieces (no processes;
+the end-to-end run is tests/test_learner_hosts_e2e.py)."""
+
+import pytest
+
+from rlflow import programs_common as pc
+from rlflow.config import (CheckpointConfig, ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
+                           RuntimeConfig, SamplerConfig, replace)
+from rlflow.learner import multihost
+from rlflow.runtime.local_hosts import free_port
+from rlflow.runtime import launch, learner_hosts
+
+
+def two_hosts(**runtime):
+    return ExperimentConfig(
+        learner=LearnerConfig(num_devices=2, mesh=MeshConfig(fsdp=2), num_hosts=2),
+        runtime=RuntimeConfig(**runtime))
+
+
+def test_num_hosts_must_divide_the_devices_and_fit_the_weight_path():
+    assert two_hosts().learner.num_hosts == 2
+    with pytest.raises(ConfigError, match=r"learner.num_hosts: must divide "
+                                          r"learner.num_devices=2 .* got 3"):
+        LearnerConfig(num_devices=2, mesh=MeshConfig(fsdp=2), num_hosts=3)
+    with pytest.raises(ConfigError, match="learner.num_hosts"):
+        LearnerConfig(num_hosts=0)
+    with pytest.raises(ConfigError, match="runtime.weight_transfer: must be 'transfer' with "
+                                          "learner.num_hosts=2"):
+        two_hosts(weight_transfer="orbax")
+    cfg = two_hosts(relay_fanout=2)             # one replica: nothing to relay, accepted
+    with pytest.raises(ConfigError, match=r"runtime.relay_fanout: must be 0 with "
+                                          r"learner.num_hosts=2 and sampler.num_replicas=2"):
+        replace(cfg, sampler=SamplerConfig(num_replicas=2))
+    replace(two_hosts(relay_fanout=0), sampler=SamplerConfig(num_replicas=2))
+    with pytest.raises(ConfigError, match="checkpoint.keep_best_metric: is not supported with "
+                                          "learner.num_hosts=2"):
+        replace(two_hosts(), checkpoint=CheckpointConfig(keep_best_metric="reward/mean"))
+
+
+def test_launcher_names_and_environment_of_each_host():
+    assert learner_hosts.learner_names(1) == ["learner"]
+    assert learner_hosts.learner_names(3) == ["learner", "learner-1", "learner-2"]
+    assert learner_hosts.host_label("learner-2", 77, 3) == "learner host 2 (pid 77)"
+    assert learner_hosts.host_label("learner", 76, 3) == "learner host 0 (pid 76)"
+    assert learner_hosts.host_label("learner", 76, 1) == "learner"
+    assert learner_hosts.host_env("learner", 1, "x:1") == {}
+    assert learner_hosts.host_env("learner-1", 2, "127.0.0.1:9") == {
+        pc.ENV_NUM_PROCESSES: "2", pc.ENV_PROCESS_ID: "1", pc.ENV_DIST_COORDINATOR: "127.0.0.1:9"}
+
+
+def test_slice_size_must_match_the_config():
+    with pytest.raises(ValueError, match=r"RLFLOW_NUM_PROCESSES=4 hosts .* "
+                                         r"learner.num_hosts=2: set --learner.num-hosts 4"):
+        learner_hosts.join_slice(two_hosts(), {pc.ENV_NUM_PROCESSES: "4"})
+    assert learner_hosts.join_slice(ExperimentConfig(), {}) == 0
+
+
+def test_a_host_that_cannot_reach_the_coordinator_fails_through_the_launch_entry(monkeypatch):
+    """``python -m rlflow.runtime.launch --role learner`` on host 1 whose coordinator never
+    answers: CoordinatorUnreachable naming the host and address after the timeout."""
+    port = free_port()
+    for key, value in {pc.ENV_NUM_PROCESSES: "2", pc.ENV_PROCESS_ID: "1",
+                       pc.ENV_DIST_COORDINATOR: f"127.0.0.1:{port}",
+                       "RLFLOW_JAX_INIT_TIMEOUT_S": "1.5"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(multihost.CoordinatorUnreachable,
+                       match=rf"learner host 1: coordinator 127.0.0.1:{port} .* within 1.5 s"):
+        launch.run_role("learner", two_hosts(), pc.Endpoints("127.0.0.1:1", "127.0.0.1:2"))
