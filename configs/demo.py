@@ -26,9 +26,8 @@ every logit after the final RMSNorm near 8 x 0.16, so the answer token's probabi
 near 0.2 whatever the adapters do (adapters alone: reward rise +0.24 and +0.05 in two
 runs; an ``lm_head`` adapter instead: +0.40 and +0.07 in an on-policy stand-in loop).
 Measured on 2 heavily shared CPU cores (~10 min each): reward rise +0.77 (0.08 -> 0.85,
-seed 0) and +0.52 (0.09 -> 0.61, seed 1; ``--seed/--sampler.seed/--learner.seed``), the
-full-weight demo's figure in about the same wall time under the same load not measured; at
-a LoRA lr of 3e-3 it does not learn (+0.03, +0.02).
+seed 0) and +0.52 (0.09 -> 0.61, seed 1; ``--seed/--sampler.seed/--learner.seed``); at a
+LoRA lr of 3e-3 it does not learn (+0.03, +0.02).
 """
 
 import hashlib
