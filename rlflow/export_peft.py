@@ -14,7 +14,8 @@ PEFT layout (``peft`` 0.21, ``PeftModel.from_pretrained(base, folder)``):
 Modules trained whole (``learner.lora.train_final_norm`` / ``train_embeddings``) are PEFT
 ``modules_to_save`` (``model.norm``, ``embed_tokens``, an untied ``lm_head``), saved under the
 module's name (``base_model.model.model.embed_tokens.weight``); a trained embedding of a
-tied base sets ``ensure_weight_tying`` so PEFT ties its output projection to it.
+tied base sets ``ensure_weight_tying`` so PEFT ties its output projection to it (PEFT then
+loads an ``lm_head`` copy as well: the same tensor is written under both names).
 
 The merged export writes ``W + (alpha / r) A @ B`` for every adapted kernel through
 :func:`rlflow.models.hf.write_hf` (the same files as a full-weight run's export).
@@ -58,6 +59,8 @@ def peft_tensors(adapters, dtype=np.float32) -> dict[str, np.ndarray]:
     if "lm_head" in whole:                                   # rlflow [E, V] -> nn.Linear [V, E]
         out["base_model.model.lm_head.weight"] = np.ascontiguousarray(
             host(whole["lm_head"]).T.astype(dtype))
+    elif "embed" in whole:     # tied: PEFT's ensure_weight_tying wraps lm_head and loads its copy
+        out["base_model.model.lm_head.weight"] = out["base_model.model.model.embed_tokens.weight"]
     return out
 
 
