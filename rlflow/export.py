@@ -253,7 +253,8 @@ def _lora_spec(meta: dict, cfg: DecoderConfig, base: str, where: str):
         return None
     spec = LoraSpec.from_config(LoraConfig(
         rank=int(lora["rank"]), alpha=float(lora["alpha"]), targets=tuple(lora["targets"]),
-        train_final_norm=bool(lora.get("train_final_norm", False))))
+        train_final_norm=bool(lora.get("train_final_norm", False)),
+        train_embeddings=bool(lora.get("train_embeddings", False))))
     saved = (meta.get("lora_base") or {}).get("config_sha256")
     if saved is not None and saved != base_config_hash(cfg):
         raise ExportError(f"{where}: the LoRA adapters were trained on another base "

@@ -11,6 +11,12 @@ PEFT layout (``peft`` 0.21, ``PeftModel.from_pretrained(base, folder)``):
   alpha / r`` is the transpose of rlflow's ``A @ B * alpha / r`` on ``[in, out]`` kernels;
   head axes are flattened like :mod:`rlflow.models.hf` flattens the kernels).
 
+Modules trained whole (``learner.lora.train_final_norm`` / ``train_embeddings``) are PEFT
+``modules_to_save`` (``model.norm``, ``embed_tokens``, an untied ``lm_head``), saved under the
+module's name (``base_model.model.model.embed_tokens.weight``); a trained embedding of a
+tied base sets ``ensure_weight_tying`` so PEFT ties its output projection to it (PEFT then
+loads an ``lm_head`` copy as well: the same tensor is written under both names).
+
 The merged export writes ``W + (alpha / r) A @ B`` for every adapted kernel through
 :func:`rlflow.models.hf.write_hf` (the same files as a full-weight run's export).
 """
@@ -24,7 +30,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from rlflow.models.lora import LoraSpec, adapter_pairs
+from rlflow.models.lora import LoraSpec, adapter_pairs, full_trained
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -43,23 +49,50 @@ def peft_tensors(adapters, dtype=np.float32) -> dict[str, np.ndarray]:
         prefix = f"base_model.model.model.layers.{path[1]}.{_MODULE[name]}.{name}"
         out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T.astype(dtype))
         out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T.astype(dtype))
-    norm = (adapters.to_pure_dict() if hasattr(adapters, "to_pure_dict") else adapters).get(
-        "final_norm")
-    if norm is not None:           # modules_to_save=["model.norm"]: saved under the module's name
-        out["base_model.model.model.norm.weight"] = np.asarray(
-            jax.device_get(norm["scale"]), np.float32).astype(dtype)
+    # modules_to_save: saved under the module's own name, in HF layout
+    whole = full_trained(adapters)
+    host = lambda x: np.asarray(jax.device_get(x), np.float32)      # noqa: E731
+    if "final_norm" in whole:
+        out["base_model.model.model.norm.weight"] = host(whole["final_norm"]["scale"]).astype(dtype)
+    if "embed" in whole:                                     # [V, E] both sides
+        out["base_model.model.model.embed_tokens.weight"] = host(whole["embed"]).astype(dtype)
+    if "lm_head" in whole:                                   # rlflow [E, V] -> nn.Linear [V, E]
+        out["base_model.model.lm_head.weight"] = np.ascontiguousarray(
+            host(whole["lm_head"]).T.astype(dtype))
+    elif "embed" in whole:     # tied: PEFT's ensure_weight_tying wraps lm_head and loads its copy
+        out["base_model.model.lm_head.weight"] = out["base_model.model.model.embed_tokens.weight"]
     return out
 
 
-def adapter_config(spec: LoraSpec, base_model: str) -> dict:
-    """The ``adapter_config.json`` fields of ``spec`` (PEFT ``LoraConfig``)."""
+def modules_to_save(adapters) -> list[str] | None:
+    """PEFT ``modules_to_save`` of a trained tree: ``model.norm`` (trained final norm),
+    ``embed_tokens`` and an untied ``lm_head`` (trained embeddings); None when none."""
+    whole = full_trained(adapters)
+    names = ((["model.norm"] if "final_norm" in whole else [])
+             + (["embed_tokens"] if "embed" in whole else [])
+             + (["lm_head"] if "lm_head" in whole else []))
+    return names or None
+
+
+def adapter_config(spec: LoraSpec, base_model: str, adapters=None) -> dict:
+    """The ``adapter_config.json`` fields of ``spec`` (PEFT ``LoraConfig``) for the trained
+    tree ``adapters`` (its whole-trained modules: ``modules_to_save``; a trained embedding
+    without its own ``lm_head``, i.e. tied: ``ensure_weight_tying``, so that PEFT's output
+    projection uses the trained embedding too)."""
+    if adapters is None:
+        saved = ["model.norm"] if spec.train_final_norm else None
+        tied = False
+    else:
+        saved = modules_to_save(adapters)
+        whole = full_trained(adapters)
+        tied = "embed" in whole and "lm_head" not in whole
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(spec.rank),
             "lora_alpha": float(spec.alpha), "lora_dropout": 0.0,
             "target_modules": sorted(spec.projections), "bias": "none",
             "base_model_name_or_path": base_model, "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True,
             "inference_mode": True,
-            "modules_to_save": ["model.norm"] if spec.train_final_norm else None}
+            "modules_to_save": saved, "ensure_weight_tying": tied}
 
 
 def write_peft_adapter(adapters, spec: LoraSpec, out: str, *, base_model: str,
@@ -86,4 +119,4 @@ def write_peft_adapter(adapters, spec: LoraSpec, out: str, *, base_model: str,
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
-        json.dump(adapter_config(spec, base_model), f, indent=2, sort_keys=True)
+        json.dump(adapter_config(spec, base_model, adapters), f, indent=2, sort_keys=True)

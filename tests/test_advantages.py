@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from rlflow.learner import advantages as A
+from tolerances import F32_EPS, sum_tol
 
 
 def np_grpo(r, floor=1e-6):
@@ -104,8 +105,11 @@ def test_overlong_penalty_piecewise():
         return -1.0
 
     want = [0.5 * oracle(n) for n in lengths]
+    # float32 against the float64 oracle: (start - n) is exact (small integers), then at most
+    # 4 roundings of eps/2 each (the division, or reciprocal and product if XLA rewrites it;
+    # float32(factor); the product) on a result of magnitude <= factor (tests/tolerances.py)
     np.testing.assert_allclose(A.overlong_penalty(lengths, max_tokens=L, buffer=cache, factor=0.5),
-                               want, atol=1e-7)
+                               want, rtol=0, atol=sum_tol(4, 0.5, F32_EPS / 2))
     np.testing.assert_allclose(want, [0, 0, -0.125, -0.25, -0.5, -0.5])
     with pytest.raises(ValueError, match="overlong buffer"):
         A.overlong_penalty(lengths, max_tokens=4, buffer=5)

@@ -16,7 +16,7 @@ from rlflow.models import (DecoderConfig, TokenRangeError, build_model, init_cac
                            positions_from_mask, validate_tokens)
 from rlflow.models.decoder import rope_inv_freq
 from rlflow.models.logprobs import token_logprobs
-from tolerances import forward_atol
+from tolerances import F32_EPS, forward_atol
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -148,6 +148,22 @@ def test_fully_masked_row_is_finite():
     assert np.isfinite(np.asarray(cached)).all()
 
 
+def _llama3_rope_rtol(s) -> float:
+    """Relative bound between two float32 evaluations (numpy, torch) of the Llama-3 scaled
+    inverse frequencies, the same formula in the same order. The exponents ``arange / d``
+    round identically (correctly rounded division); ``theta ** x`` differs by <= 1 ulp per
+    library (2 eps), ``1 / .`` adds eps: r1 = 3 eps on the unscaled frequency. ``wavelen =
+    2 pi / inv`` adds 2 roundings; ``smooth = (old / wavelen - lo) / (hi - lo)`` is used where
+    ``old / wavelen`` lies in [lo, hi], so its absolute error is hi (r1 + 2 eps) / (hi - lo)
+    + eps (the subtraction cancels). ``smoothed = scaled ((1 - smooth) / f + smooth)`` is at
+    least scaled / f, so an error d in smooth moves it by (f - 1) d relative; its own 4
+    roundings and r1 add 2 eps + r1."""
+    f, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    r1 = 3 * F32_EPS
+    d_smooth = hi * (r1 + 2 * F32_EPS) / (hi - lo) + F32_EPS
+    return r1 + 2 * F32_EPS + (f - 1) * d_smooth
+
+
 def test_llama3_rope_frequencies_match_transformers():
     import torch  # noqa: F401  (transformers' rope functions are torch code)
     from transformers import LlamaConfig
@@ -160,7 +176,7 @@ def test_llama3_rope_frequencies_match_transformers():
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     cfg = DecoderConfig(head_dim=16, rope_theta=500000.0, rope_scaling=scaling)
     got = rope_inv_freq(cfg)
-    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got, expected.numpy(), rtol=_llama3_rope_rtol(scaling))
     plain = rope_inv_freq(cfg.replace(rope_scaling=None))
     assert (got < plain).any() and (got == plain).any()   # scaled low freqs, kept high freqs
 

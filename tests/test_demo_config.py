@@ -4,7 +4,8 @@ reads, with the task's tokenizer, built once into the cache folder."""
 import json
 import os
 
-from rlflow.config import load_config_file
+from rlflow.config import load_config_file, replace
+from rlflow.models.lora import LoraSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "configs", "demo.py")
@@ -35,3 +36,10 @@ def test_demo_builds_a_transformers_readable_model_with_its_tokenizer(tmp_path, 
     assert load_config_file(DEMO).model.path == path
     assert os.path.getmtime(os.path.join(path, "config.json")) == mtime
     assert cfg.runtime.mode == "async" and cfg.data.source == "builtin"
+    # the LoRA demo (--learner.lora.rank 8) resolves: adapters + the trained embedding and
+    # final norm, at learner.lr (configs/demo.py)
+    lora = replace(cfg, learner=replace(cfg.learner, lora=replace(cfg.learner.lora, rank=8)))
+    spec = LoraSpec.from_config(lora.learner.lora)
+    assert spec.rank == 8 and len(spec.projections) == 7
+    assert spec.full_modules() == ("final_norm", "embed", "lm_head")
+    assert lora.learner.lora.lr is None and not cfg.learner.lora.enabled

@@ -18,6 +18,7 @@ from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
 from rlflow.sampler.sampling import SamplingParams
+from tolerances import F32_EPS, forward_atol
 
 VOCAB = 128
 PROMPT = [1, 20, 33, 47]
@@ -99,3 +100,31 @@ def test_repeated_swaps_do_not_accumulate(setup):
     base, ids = jax.tree.leaves(applier.base), {id(x) for x in first}
     shared = sum(id(x) in ids for x in base)
     assert shared == len(base) - (4 if applier.mode == "merged" else 0)
+
+
+@pytest.mark.parametrize("mode", ["forward", "merged"])
+def test_trained_embeddings_and_final_norm_reach_the_engine(mode):
+    """learner.lora.train_embeddings / train_final_norm on a tied base: the engine parameters
+    of a version give the learner's logits (the trained embedding on the input and output
+    side), the trained modules replace the base's, and the base is never modified."""
+    model, dcfg = build_model(ModelConfig(vocab_size=VOCAB, num_layers=1, init_seed=2))
+    spec = LoraSpec(rank=4, alpha=8.0, projections=("q_proj", "down_proj"),
+                    train_final_norm=True, train_embeddings=True)
+    applier = AdapterApplier(model, dcfg, spec, mode)
+    assert set(applier.target.to_pure_dict()) == {"layers", "embed", "final_norm"}   # tied
+    embed0 = np.asarray(model.embed[...]).copy()
+    version = _adapters(applier.target, 3)
+    params = applier.engine_params(version)
+    engine_gd = nnx.split(applier.engine_model, nnx.Param)[0]
+    toks = jnp.asarray([PROMPT + [5, 9]], jnp.int32)
+    pos, mask = jnp.arange(toks.shape[1])[None], jnp.ones(toks.shape, bool)
+    got = np.asarray(nnx.merge(engine_gd, params)(toks, pos, mask))
+    want = np.asarray(nnx.merge(applier.graphdef, version, applier.base)(toks, pos, mask))
+    # same parameters, the adapter term merged or not: twice the forward chain plus the rank-r
+    # contraction of the 2 adapted projections (tests/tolerances.py) at the logits' scale
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=forward_atol(dcfg, toks.shape[1], scale)
+                               + 2 * 2 * spec.rank * F32_EPS * scale)
+    np.testing.assert_array_equal(np.asarray(params["embed"][...]),
+                                  np.asarray(version["embed"][...]))
+    np.testing.assert_array_equal(np.asarray(model.embed[...]), embed0)    # base untouched

@@ -35,6 +35,15 @@ class LoraConfig:
         ``modules_to_save=["model.norm"]``): published, checkpointed and exported with the
         adapters. Adapters alone cannot raise the logit range (the final RMSNorm fixes the
         hidden state's norm and the embedding is frozen), which a random base needs.
+      train_embeddings: also train the token embedding ``embed [V, E]`` and an untied
+        ``lm_head [E, V]`` (PEFT ``modules_to_save=["embed_tokens", "lm_head"]``; with tied
+        embeddings ``["embed_tokens"]`` and ``ensure_weight_tying``, so the output projection
+        follows): published, checkpointed and exported with the adapters, ``V x E`` floats
+        per matrix per version (Qwen2.5-7B: 545M each, far more than rank-64 adapters; the
+        demo's 15-token vocabulary: 960). For new or re-purposed tokens, or a base whose
+        output layer cannot express the task: the demo's random base caps the answer
+        token's probability near 0.2 through its small frozen tied embedding, which
+        adapters cannot lift (configs/demo.py).
       swap: how a sampler applies a new adapter version: "merged" (``W + delta`` written
         into a working copy of the touched matrices at swap time, the unmerged base kept
         beside it so that swaps never accumulate; decode runs at the plain model's speed) or
@@ -49,6 +58,7 @@ class LoraConfig:
     targets: Tuple[str, ...] = LORA_PROJECTIONS
     lr: Optional[float] = None
     train_final_norm: bool = False
+    train_embeddings: bool = False
     swap: Literal["forward", "merged"] = "merged"
 
     def __post_init__(self):

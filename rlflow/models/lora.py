@@ -44,6 +44,7 @@ class LoraSpec:
     alpha: float
     projections: tuple[str, ...] = PROJECTIONS
     train_final_norm: bool = False
+    train_embeddings: bool = False
 
     def __post_init__(self):
         if self.rank <= 0:
@@ -68,14 +69,23 @@ class LoraSpec:
             return None
         return cls(rank=lora_cfg.rank, alpha=float(lora_cfg.alpha),
                    projections=lora_cfg.projections,
-                   train_final_norm=bool(getattr(lora_cfg, "train_final_norm", False)))
+                   train_final_norm=bool(getattr(lora_cfg, "train_final_norm", False)),
+                   train_embeddings=bool(getattr(lora_cfg, "train_embeddings", False)))
 
     def trainable(self):
         """The ``nnx`` filter of the trained parameters: the adapters (``nnx.LoRAParam``),
-        and with ``train_final_norm`` the final RMSNorm scale."""
-        if not self.train_final_norm:
+        with ``train_final_norm`` the final RMSNorm scale, with ``train_embeddings`` the
+        token embedding and an untied ``lm_head``."""
+        full = self.full_modules()
+        if not full:
             return nnx.LoRAParam
-        return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("final_norm")))
+        return nnx.Any(nnx.LoRAParam, *(nnx.All(nnx.Param, nnx.PathContains(m)) for m in full))
+
+    def full_modules(self) -> tuple[str, ...]:
+        """Top-level decoder modules trained whole beside the adapters (PEFT
+        ``modules_to_save``): ``final_norm``, ``embed``, ``lm_head``."""
+        return ((("final_norm",) if self.train_final_norm else ())
+                + (("embed", "lm_head") if self.train_embeddings else ()))
 
 
 class LoraAdapter(nnx.Module):
@@ -154,13 +164,13 @@ def merged_params(base, adapters, scale: float):
       scale: ``alpha / rank``.
 
     Returns: a pure dict shaped like ``base`` (kernels in the base's dtypes; the sum is formed
-    in float32). A trained final norm in ``adapters`` replaces the base's.
+    in float32). Modules trained whole (a final norm, embeddings: :func:`full_trained`)
+    replace the base's.
     """
     pure = jax.tree.map(lambda x: x, _pure(base))       # new containers, same leaves
-    norm = _pure(adapters).get("final_norm")
-    if norm is not None:
-        pure["final_norm"] = {"scale": jnp.asarray(norm["scale"]).astype(
-            pure["final_norm"]["scale"].dtype)}
+    for name, value in full_trained(adapters).items():
+        pure[name] = jax.tree.map(lambda new, old: jnp.asarray(new).astype(old.dtype), value,
+                                  pure[name])
     for path, _, a, b in adapter_pairs(adapters):
         node = pure
         for k in path[:-1]:
@@ -168,6 +178,13 @@ def merged_params(base, adapters, scale: float):
         w = node[path[-1]]
         node[path[-1]] = (jnp.asarray(w, jnp.float32) + delta(a, b, scale)).astype(w.dtype)
     return pure
+
+
+def full_trained(adapters) -> dict:
+    """The modules of a trained tree that are trained whole (``final_norm``, ``embed``,
+    ``lm_head``; :meth:`LoraSpec.full_modules`) as pure dicts / arrays, by top-level name."""
+    pure = _pure(adapters)
+    return {k: v for k, v in pure.items() if k in ("final_norm", "embed", "lm_head")}
 
 
 def zeros_like_adapters(adapters):
@@ -243,7 +260,7 @@ def lora_model_parts(model, decoder_cfg, spec: LoraSpec, *, seed: int = 0, mesh=
         from rlflow.mesh import param_shardings
         lora_only = nnx.state(nnx.eval_shape(init), nnx.LoRAParam)
         adapters = jax.jit(make, out_shardings=param_shardings(lora_only, mesh))()
-    if spec.train_final_norm:            # starts at the base's own scale
+    if spec.full_modules():              # trained whole: start at the base's own values
         adapters = nnx.merge_state(adapters, jax.tree.map(lambda x: x.copy(), norm))
     if jax.tree.structure(adapters) != jax.tree.structure(abs_adapters):
         raise ValueError("lora_model_parts: the trained tree does not match the LoRA decoder's")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rlflow.models.lora import LoraSpec, adapter_pairs, delta, lora_model_parts
+from rlflow.models.lora import LoraSpec, adapter_pairs, delta, full_trained, lora_model_parts
 
 
 class AdapterApplier:
@@ -98,9 +98,9 @@ class AdapterApplier:
             for k in path[:-1]:
                 node = node[k]
             node[path[-1]] = w
-        norm = adapters.get("final_norm") if hasattr(adapters, "get") else None
-        if norm is not None:                       # learner.lora.train_final_norm
-            pure["final_norm"]["scale"] = norm["scale"][...]
+        # learner.lora.train_final_norm / train_embeddings: whole modules replace the base's
+        for name, value in full_trained(adapters).items():
+            pure[name] = value
         state = jax.tree.map(lambda x: x, self._plain)
         nnx.replace_by_pure_dict(state, pure)
         return state
