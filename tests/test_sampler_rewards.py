@@ -18,7 +18,8 @@ from rlflow.data.rewarder import Rewarder
 from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.sampler.batching import CompletedGroup, Completion, Request
 from rlflow.runtime.control import ControlReply
-from rlflow.sampler.program import SamplerProgram, _Window
+from rlflow.sampler.background import RateWindow
+from rlflow.sampler.program import SamplerProgram
 
 
 class _Tok:
@@ -71,7 +72,7 @@ def _program(plugin_file, on_bad_reward):
     p.rewarder = Rewarder(cfg.reward, plugins=cfg.plugins)
     p.scoring, p.in_flight, p.bad_reward_groups = {}, {}, 0
     p.dropped_leases, p.groups_delivered = [], 0
-    p.window, p.rejected, p.delivered_since_status = _Window(), 0, 0
+    p.window, p.rejected, p.delivered_since_status = RateWindow(), 0, 0
     p.control, p.prompts, p.prompts_started = _Control(), _Prompts(), 0
     p.swap, p.pause_s, p.version = {}, 0.0, 0
     p.prompt_counts = {}

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 import numpy as np
@@ -60,8 +59,8 @@ from rlflow.exchange.wire import tcp_endpoint
 from rlflow.mesh import make_mesh
 from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec
-from rlflow.runtime.replicas import HEARTBEAT_S
 from rlflow.runtime.control import ControlClient
+from rlflow.sampler.background import Heartbeat, RateWindow, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
@@ -72,7 +71,6 @@ log = logging.getLogger("rlflow.sampler")
 MAX_PROMPT_RETRIES = 2
 IDLE_POLL_S = 0.005        # status poll period while waiting for weights or budget
 BUSY_POLL_S = 0.1          # status poll period while decoding
-WINDOW_S = 1.0             # window of the rates reported to the learner
 FIRST_WEIGHTS_TIMEOUT_S = 600.0
 
 
@@ -85,96 +83,11 @@ def _endpoint(address: str) -> str:
     return tcp_endpoint(host, port)
 
 
-class _Window:
-    """Rates over the last closed window of about ``WINDOW_S`` seconds."""
-
-    def __init__(self):
-        self.t0 = time.monotonic()
-        self.tokens = self.slots_used = self.slots_total = 0
-        self.idle = 0.0
-        self.last: dict = {}
-
-    def add(self, tokens=0, slots_used=0, slots_total=0, idle=0.0):
-        self.tokens += tokens
-        self.slots_used += slots_used
-        self.slots_total += slots_total
-        self.idle += idle
-
-    def figures(self) -> dict:
-        now = time.monotonic()
-        dt = max(now - self.t0, 1e-9)
-        current = {"sampler/tokens_per_s": self.tokens / dt,
-                   "sampler/slot_occupancy": self.slots_used / max(self.slots_total, 1),
-                   "sampler/idle_frac": min(1.0, self.idle / dt)}
-        if dt >= WINDOW_S:
-            self.last = current
-            self.t0, self.tokens, self.slots_used, self.slots_total, self.idle = \
-                now, 0, 0, 0, 0.0
-        return self.last or current
-
-
-class _Puller:
-    """Pulls new weight versions on a background thread and hands each to ``on_weights``
-    (the batcher swaps it in before its next decode step), so decoding never waits on a
-    pull. An error stops the thread and is re-raised by :meth:`check`."""
-
-    def __init__(self, subscriber, on_weights):
-        self.subscriber, self.on_weights = subscriber, on_weights
-        self._want, self._stop = threading.Event(), threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="rlflow-weight-puller",
-                                        daemon=True)
-        self._thread.start()
-
-    def request(self) -> None:
-        """A newer version was published: pull it (no-op while a pull is pending)."""
-        self._want.set()
-
-    def check(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._want.wait(0.1):
-                continue
-            self._want.clear()
-            try:
-                t0 = time.monotonic()
-                got = self.subscriber.poll()
-                if got is not None:
-                    self.on_weights(got[0], got[1], time.monotonic() - t0)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-                self._error = e
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10.0)
-
-
-class _Heartbeat:
-    """Sends a heartbeat every ``HEARTBEAT_S`` seconds on its own socket and thread, so a
-    replica busy compiling or decoding still counts as alive; errors are logged (the main
-    loop's status requests find a learner that is gone)."""
-
-    def __init__(self, client: ControlClient):
-        self.client = client
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rlflow-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self.client.heartbeat()
-            except Exception as e:  # noqa: BLE001 - the main loop decides
-                log.warning("heartbeat: %s", e)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
-        self.client.close()
+def _leased(record: dict, element) -> dict:
+    """``record`` tagged with its prompt's ``stream_index`` and ``lease_id`` (the ledger's)."""
+    record["stream_index"] = np.asarray(element["stream_index"], np.int64)
+    record["lease_id"] = np.asarray(element["lease_id"], np.int64)
+    return record
 
 
 def replica_name(env=None) -> str:
@@ -224,7 +137,7 @@ class SamplerProgram:
         coord = _endpoint(endpoints.coordinator)
         self.control = ControlClient(coord, consumer_id=self.name, instance=endpoints.instance,
                                      token=cfg.buffer.token, timeout_s=cfg.buffer.timeout_s)
-        self.heartbeat = _Heartbeat(ControlClient(
+        self.heartbeat = Heartbeat(ControlClient(
             coord, consumer_id=self.name, instance=endpoints.instance, token=cfg.buffer.token,
             timeout_s=cfg.buffer.timeout_s))
         self.subscriber = self._subscriber(coord, model)
@@ -245,7 +158,7 @@ class SamplerProgram:
         self.delivered_since_status = 0
         self.groups_delivered = 0  # groups this replica put into the buffer, in total
         self.rejected = 0          # groups the buffer refused (a bug if ever > 0)
-        self.window = _Window()
+        self.window = RateWindow()
         self.swap = {"sync/pull_s": 0.0}
         self.pause_s = 0.0
         self.step_ema = None       # seconds per decode step without a swap
@@ -253,7 +166,7 @@ class SamplerProgram:
         self.version = -1          # version of the weights new groups start with
         reply = self._status()
         self.batcher = self._first_weights(reply)
-        self.puller = _Puller(self.subscriber, self._on_weights)
+        self.puller = WeightPuller(self.subscriber, self._on_weights)
 
     def _episode_driver(self):
         from rlflow.sampler.env_workers import env_pool
@@ -407,10 +320,7 @@ class SamplerProgram:
             records = []
             for group in groups:
                 element = self.in_flight.pop(id(group.request))
-                record = group.to_record()
-                record["stream_index"] = np.asarray(element["stream_index"], np.int64)
-                record["lease_id"] = np.asarray(element["lease_id"], np.int64)
-                records.append(record)
+                records.append(_leased(group.to_record(), element))
             self._deliver(records)
             return
         for group in groups:
@@ -435,8 +345,7 @@ class SamplerProgram:
         for key, batch in self.rewarder.collect(timeout):
             _, record = self.scoring.pop(key)
             element = self.in_flight.pop(key)
-            record["stream_index"] = np.asarray(element["stream_index"], np.int64)
-            record["lease_id"] = np.asarray(element["lease_id"], np.int64)
+            record = _leased(record, element)
             if batch.nonfinite:
                 if self.cfg.learner.on_bad_reward == "error":
                     raise NonFiniteRewardError(
