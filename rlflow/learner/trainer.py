@@ -25,7 +25,9 @@ from flax import nnx
 
 from rlflow import checkpoint as ckpt_lib
 from rlflow import config as config_lib
-from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch, validate_batch
+from rlflow.learner.batch import (BatchError, BatchSpec, TrainBatch, build_batch,
+                                  row_segment_ids, validate_batch)
+from rlflow.learner.packing import pack_batch, pack_spec_from_config, padding_fraction
 from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import (StepSettings, TrainState, abstract_batch, compile_train_step,
                                  init_state, jit_train_step, make_train_step, state_shardings)
@@ -82,6 +84,7 @@ class Learner:
         del model
         self.settings = StepSettings.from_config(cfg)
         self.batch_spec = BatchSpec.from_config(cfg)
+        self.pack_spec = pack_spec_from_config(cfg)        # None: rows stay padded
         self.value_graphdef, value = None, None
         if self.settings.gae:
             self.value_graphdef, value = init_value_head(self.model_config.hidden_size)
@@ -166,8 +169,16 @@ class Learner:
         return self._compiled[key]
 
     def build_batch(self, records: Sequence[Mapping]) -> tuple[TrainBatch, dict]:
-        """:func:`rlflow.learner.batch.build_batch` at the current version."""
-        return build_batch(records, self.batch_spec, self.version)
+        """:func:`rlflow.learner.batch.build_batch` at the current version, then (with
+        ``learner.packing``) :func:`rlflow.learner.packing.pack_batch`; the info adds
+        ``learner/padding_fraction`` (padded positions of the one-row-per-sample batch) and,
+        packed, ``learner/packed_padding_fraction``, ``batch/packed_rows``."""
+        batch, info = build_batch(records, self.batch_spec, self.version)
+        if self.pack_spec is None:
+            return batch, {**info, "learner/padding_fraction":
+                           padding_fraction(batch.attention_mask)}
+        packed, pinfo = pack_batch(batch, self.pack_spec)
+        return packed, {**info, **pinfo}
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step on a host batch; returns the step metrics as floats.
@@ -181,7 +192,8 @@ class Learner:
 
     def check_batch(self, batch: TrainBatch) -> TrainBatch:
         """The host-side checks of a step's batch; fills ``token_rewards`` with zeros
-        ``[B, L]`` float32 for the group estimators. (A multi-host learner runs them on host 0
+        ``[B, L]`` float32 for the group estimators and ``segment_ids`` of an unpacked batch
+        (:func:`rlflow.learner.batch.row_segment_ids`). (A multi-host learner runs them on host 0
         before distributing the batch, :mod:`rlflow.learner.multihost`.)
 
         Raises: :class:`rlflow.learner.batch.BatchError` for mismatched shapes or dtypes, or a
@@ -197,6 +209,8 @@ class Learner:
                 raise BatchError("token_rewards is None, but learner.advantage='gae' needs each "
                                  "sample's reward on its last response token (build_batch)")
             batch = batch._replace(token_rewards=np.zeros(np.shape(batch.advantages), np.float32))
+        if batch.segment_ids is None:                          # one sequence per row
+            batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
         if self.settings.gae and self.state.value is None:
             raise RuntimeError("learner.advantage='gae' but the train state has no value head "
                                "(TrainState.value is None): a state restored from a checkpoint "
