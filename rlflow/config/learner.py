@@ -140,9 +140,10 @@ class LearnerConfig:
         positions instead of one padded row each (same loss, logprobs and KL, less padding
         computed). None: on, except with ``advantage="gae"`` (GAE runs along rows), where
         True is refused.
-      pack_length: positions per packed row; 0: twice the longest row (``seq_buckets[-1]``,
-        or ``sampler.max_prefill_length + sampler.max_tokens`` without buckets). Must hold
-        the longest row.
+      pack_length: positions per packed row; 0: the longest row (``seq_buckets[-1]``, or
+        ``sampler.max_prefill_length + sampler.max_tokens`` without buckets), so a packed
+        step never computes more positions or longer attention rows than the padded one.
+        Must hold the longest row.
       pack_row_buckets: how many packed row counts (compiled shapes) the step may use,
         evenly spaced up to the count that holds any batch.
     """
@@ -254,7 +255,7 @@ class LearnerConfig:
                "must be None or False with learner.advantage='gae' (GAE runs along each row, "
                "so a packed row would carry one sample's advantages into the next)")
         _check(self.pack_length >= 0, "learner.pack_length",
-               f"must be >= 0 (0: twice the longest row), got {self.pack_length}")
+               f"must be >= 0 (0: the longest row), got {self.pack_length}")
         _check(self.pack_row_buckets >= 1, "learner.pack_row_buckets",
                f"must be >= 1, got {self.pack_row_buckets}")
         _check(not (self.lora.enabled and gae), "learner.lora",

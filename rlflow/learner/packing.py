@@ -181,5 +181,5 @@ def pack_spec_from_config(cfg) -> PackSpec | None:
     longest = cfg.longest_row
     split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
     return PackSpec.create(num_rows=lr.groups_per_step * cfg.sampler.group_size,
-                           max_row=longest, pack_length=lr.pack_length or 2 * longest,
+                           max_row=longest, pack_length=lr.pack_length or longest,
                            buckets=lr.pack_row_buckets, split=split)

@@ -185,10 +185,20 @@ class Learner:
 
         Raises: as :meth:`check_batch`.
         """
+        return pull_metrics(self.dispatch(batch))
+
+    def dispatch(self, batch: TrainBatch) -> dict:
+        """Start one optimiser step on a host batch and return at once (JAX dispatches the
+        compiled step asynchronously): the step metrics stay on the device (:func:`pull_metrics`
+        waits for them), so the caller's host work overlaps the step. ``state`` already holds
+        the step's outputs (reading them waits too).
+
+        Raises: as :meth:`check_batch`.
+        """
         batch = self.check_batch(batch)
         sh = batch_sharding(self.mesh)
         dev = TrainBatch(*jax.device_put([np.asarray(x) for x in batch], sh))  # one transfer call
-        return self.step_on_device(dev)
+        return self.dispatch_on_device(dev)
 
     def check_batch(self, batch: TrainBatch) -> TrainBatch:
         """The host-side checks of a step's batch; fills ``token_rewards`` with zeros
@@ -226,9 +236,13 @@ class Learner:
     def step_on_device(self, dev: TrainBatch) -> dict[str, float]:
         """One optimiser step on a checked batch already in ``batch_sharding(self.mesh)``
         (global arrays ``[B, L]``); returns the step metrics as floats."""
+        return pull_metrics(self.dispatch_on_device(dev))
+
+    def dispatch_on_device(self, dev: TrainBatch) -> dict:
+        """:meth:`step_on_device` without waiting: returns the metrics as device arrays."""
         fn = self.compiled_step(*dev.tokens.shape)
         self.state, metrics = fn(self.state, dev, self.ref_params, self.base)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        return metrics
 
     def train_on(self, records: Sequence[Mapping]) -> dict[str, float]:
         """Build the batch from group records, take one step, merge batch and step metrics.
@@ -240,6 +254,11 @@ class Learner:
         metrics = self.step(batch)
         metrics["learner/step_time_s"] = time.perf_counter() - t0
         return {**info, **metrics}
+
+
+def pull_metrics(metrics: Mapping) -> dict[str, float]:
+    """Step metrics from the device (one transfer; waits for the step) as Python floats."""
+    return {k: float(v) for k, v in jax.device_get(dict(metrics)).items()}
 
 
 def check_lora_base(metadata, base_ref: dict, directory, step: int) -> None:
