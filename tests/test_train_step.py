@@ -204,7 +204,7 @@ def test_bad_batches_get_named_errors_and_empty_mask_is_a_no_op(learner):
         tokens[1, 2] = VOCAB
         learner.step(batch._replace(tokens=tokens))
     with pytest.raises(BatchError, match="3 rows does not divide into"):
-        learner.step(TrainBatch(*(x[:3] for x in batch)))
+        learner.step(TrainBatch(*(None if x is None else x[:3] for x in batch)))
     learner.step(batch)                          # Adam moments are non-zero from here on
     before, version = flat(learner.params), learner.version
     empty = batch._replace(loss_mask=np.zeros_like(batch.loss_mask))
