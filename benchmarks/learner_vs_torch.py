@@ -168,7 +168,7 @@ class TorchStep:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
 
 
 def timed(fn) -> float:

@@ -206,7 +206,8 @@ def test_packed_learner_equals_unpacked_single_device(name):
     a packed LoRA learner, each equal to the unpacked single-device learner after one step."""
     kw = LEARNER_CASES[name]
     recs = records(11)
-    packed = Learner(tiny_experiment(MODEL, G, T, **kw))
+    packed = Learner(tiny_experiment(MODEL, G, T, **kw),
+                     mesh=None if kw.get("num_devices", 1) > 1 else one_device_mesh())
     unpacked = Learner(tiny_experiment(MODEL, G, T, packing=False,
                                        **{**kw, "num_devices": 1, "mesh": MeshConfig()}),
                        mesh=one_device_mesh())
