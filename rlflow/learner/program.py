@@ -48,7 +48,7 @@ from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import sample_staleness
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
-from rlflow.learner.trainer import Learner, pull_metrics
+from rlflow.learner.trainer import Learner
 from rlflow.metrics import MetricsWriter
 from rlflow.models.lora import tree_bytes
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
@@ -315,11 +315,7 @@ class LearnerProgram:
 
     def _step_and_record(self, groups, batch, info, t0: float, t_wait: float) -> dict:
         t1 = time.monotonic()
-        pending = self.learner.dispatch(batch)   # the device step runs while the host works:
-        rewards = np.concatenate([g["rewards"] for g in groups])
-        ranges = [policy_version_range(g) for g in groups]
-        samples = self._samples(groups) if self.writer.samples_due(self.version + 1) else None
-        metrics = pull_metrics(pending)           # waits for the step
+        metrics = self.learner.step(batch)
         t_step = time.monotonic() - t1
         if self.learner.version == self.version:  # the step's own guard: no loss token
             self.skip(groups, "mixed", info)
@@ -333,6 +329,8 @@ class LearnerProgram:
         else:
             self.coordinator.set_progress(learner_version=self.version)
         total = time.monotonic() - t0
+        rewards = np.concatenate([g["rewards"] for g in groups])
+        ranges = [policy_version_range(g) for g in groups]
         # batch/dropped_bad_reward_groups is always 0 here (records with a non-finite reward
         # are refused on the wire, rlflow.exchange.records); the sampler counts the real ones
         # (sampler/dropped_bad_reward_groups), so it is not logged.
@@ -360,8 +358,7 @@ class LearnerProgram:
             metrics.update(offers.metrics())
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
-            self.writer.log_samples(self.version, samples if samples is not None
-                                    else self._samples(groups))
+            self.writer.log_samples(self.version, self._samples(groups))
         return metrics
 
     def _buffer_metrics(self) -> dict:
