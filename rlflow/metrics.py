@@ -67,6 +67,9 @@ METRIC_SPECS: dict[str, tuple[str, str]] = {
     **{name: ("fraction", "staleness histogram bucket") for name in STALENESS_HIST},
     "learner/step_time_s": ("s", "wall time of the learner's train step"),
     "learner/idle_frac": ("fraction", "learner time spent waiting for rollouts"),
+    "learner/padding_fraction": ("fraction", "padded positions of the one-row-per-sample batch"),
+    "learner/packed_padding_fraction": ("fraction", "padded positions of the packed batch "
+                                        "(learner.packing) the step computes on"),
     "sampler/tokens_per_s": ("tokens/s", "decoded tokens per second"),
     "sampler/slot_occupancy": ("fraction", "decode slots holding a live sequence, mean"),
     "sampler/idle_frac": ("fraction", "sampler time blocked on the buffer or on weights"),

@@ -157,7 +157,7 @@ def test_ppo_step_matches_numpy_oracle(case):
     vparams["bias"][...] = jnp.asarray([0.4])
     ref = jax.tree.map(lambda p: p + 0.05 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
     batch, _ = build_batch(make_records(5, 2, reward_mean=1.0), SPEC, 0)
-    jb = TrainBatch(*(jnp.asarray(x) for x in batch))
+    jb = TrainBatch(*(None if x is None else jnp.asarray(x) for x in batch))
     kl_coef, vcoef, lr = 0.2, 0.5, 0.1
     s = StepSettings(loss_agg=case["mode"], norm_len=T, is_cap=0.0, gae=True,
                      gae_gamma=case["gamma"], gae_lambda=case["lam"], value_coef=vcoef,

@@ -86,6 +86,18 @@ class ExperimentConfig:
         _check(self.env.max_episode_tokens <= sp.max_tokens, "env.max_episode_tokens",
                f"must be <= sampler.max_tokens={sp.max_tokens} (the KV cache holds the prompt "
                f"and that many tokens), got {self.env.max_episode_tokens}")
+        if lr.packs and lr.pack_length:
+            longest = self.longest_row
+            _check(lr.pack_length >= longest, "learner.pack_length",
+                   f"must hold the longest row ({longest} tokens: learner.seq_buckets[-1], or "
+                   f"sampler.max_prefill_length + sampler.max_tokens), got {lr.pack_length}")
+
+    @property
+    def longest_row(self) -> int:
+        """The most tokens (prompt + completion) one training row can hold."""
+        full = self.sampler.max_prefill_length + self.sampler.max_tokens
+        buckets = self.learner.seq_buckets
+        return min(full, buckets[-1]) if buckets else full
 
     @property
     def run_path(self) -> str:

@@ -151,6 +151,17 @@ class LearnerConfig:
         ``kl_coef > 0``).
       lora: LoRA adapters (:class:`LoraConfig`; ``rank`` 0: off). With LoRA the KL reference
         is the base model (the adapter term switched off), never a second copy of it.
+      packing: sequence packing (:mod:`rlflow.learner.packing`): the step's samples are
+        packed into rows of ``pack_length`` tokens with segment ids and per-segment
+        positions instead of one padded row each (same loss, logprobs and KL, less padding
+        computed). None: on, except with ``advantage="gae"`` (GAE runs along rows), where
+        True is refused.
+      pack_length: positions per packed row; 0: the longest row (``seq_buckets[-1]``, or
+        ``sampler.max_prefill_length + sampler.max_tokens`` without buckets), so a packed
+        step never computes more positions or longer attention rows than the padded one.
+        Must hold the longest row.
+      pack_row_buckets: how many packed row counts (compiled shapes) the step may use,
+        evenly spaced up to the count that holds any batch.
     """
 
     num_steps: int = 20
@@ -197,6 +208,14 @@ class LearnerConfig:
     gae_whiten: bool = True
     gae_kl_in_reward: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    packing: Optional[bool] = None
+    pack_length: int = 0
+    pack_row_buckets: int = 4
+
+    @property
+    def packs(self) -> bool:
+        """Whether the step packs sequences (``packing``, resolved)."""
+        return self.advantage != "gae" if self.packing is None else self.packing
 
     def __post_init__(self):
         for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices",
@@ -253,5 +272,12 @@ class LearnerConfig:
         _check(not self.gae_kl_in_reward or (gae and self.kl_coef > 0),
                "learner.gae_kl_in_reward", f"needs learner.advantage='gae' and "
                f"learner.kl_coef > 0, got advantage={self.advantage!r}, kl_coef={self.kl_coef}")
+        _check(not (self.packing and gae), "learner.packing",
+               "must be None or False with learner.advantage='gae' (GAE runs along each row, "
+               "so a packed row would carry one sample's advantages into the next)")
+        _check(self.pack_length >= 0, "learner.pack_length",
+               f"must be >= 0 (0: the longest row), got {self.pack_length}")
+        _check(self.pack_row_buckets >= 1, "learner.pack_row_buckets",
+               f"must be >= 1, got {self.pack_row_buckets}")
         _check(not (self.lora.enabled and gae), "learner.lora",
                "LoRA with learner.advantage='gae' (a value head) is not supported")

@@ -60,6 +60,12 @@ class TrainBatch(NamedTuple):
     last loss position, 0 elsewhere; read by the PPO/GAE step), the last five aligned with
     ``targets``. ``token_rewards`` may be None for the group estimators (the learner then
     sends zeros).
+
+    ``segment_ids`` int32 ``[B, L]`` (optional): which sequence each position belongs to
+    (sequence packing, :mod:`rlflow.learner.packing`): a query attends only keys of its own
+    segment, and the per-sequence loss aggregations count segments, not rows. Ids are unique
+    over the whole batch, >= 1 on real tokens, 0 on padding. None: each row is one sequence
+    (the learner fills ``row + 1`` on attended tokens).
     """
     tokens: np.ndarray
     attention_mask: np.ndarray
@@ -69,6 +75,7 @@ class TrainBatch(NamedTuple):
     behaviour_logprobs: np.ndarray
     advantages: np.ndarray
     token_rewards: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,7 @@ class BatchSpec:
 
 
 _KINDS = dict(tokens="i", attention_mask="b", positions="i", targets="i", loss_mask="b",
-              behaviour_logprobs="f", advantages="f", token_rewards="f")
+              behaviour_logprobs="f", advantages="f", token_rewards="f", segment_ids="i")
 
 
 def validate_batch(batch: TrainBatch) -> None:
@@ -123,13 +130,21 @@ def validate_batch(batch: TrainBatch) -> None:
         raise BatchError(f"tokens must be [batch, seq], got shape {shape}")
     for name in TrainBatch._fields:
         x = getattr(batch, name)
-        if x is None and name == "token_rewards":
+        if x is None and name in ("token_rewards", "segment_ids"):
             continue
         if np.shape(x) != shape:
             raise BatchError(f"{name} has shape {np.shape(x)}, expected {shape} like tokens")
         kind = np.dtype(x.dtype).kind
         if kind != _KINDS[name] and not (_KINDS[name] == "i" and kind == "u"):
             raise BatchError(f"{name} has dtype {x.dtype}, expected kind {_KINDS[name]!r}")
+
+
+def row_segment_ids(attention_mask: np.ndarray) -> np.ndarray:
+    """Segment ids of an unpacked batch: ``row + 1`` on attended tokens, 0 on padding
+    (``[B, T]`` int32; each row one sequence)."""
+    mask = np.asarray(attention_mask, bool)
+    rows = np.arange(1, mask.shape[0] + 1, dtype=np.int32)[:, None]
+    return np.where(mask, rows, np.int32(0)).astype(np.int32)
 
 
 def host_positions(attention_mask: np.ndarray) -> np.ndarray:

@@ -33,7 +33,8 @@ def _masked(x, mask, fill=0.0):
 
 # ----------------------------------------------------------------------------- aggregation
 
-def loss_weights(mask, mode: AggMode, *, norm_len: int | None = None) -> jax.Array:
+def loss_weights(mask, mode: AggMode, *, norm_len: int | None = None,
+                 segment_ids=None) -> jax.Array:
     """Per-token weights ``w [B, T]`` so that the aggregated loss is ``sum(w * loss)``.
 
     Computed once on the whole batch, then sliced with it into micro-batches: the global
@@ -48,8 +49,14 @@ def loss_weights(mask, mode: AggMode, *, norm_len: int | None = None) -> jax.Arr
 
     Empty denominators count as 1, so an all-zero mask gives loss 0 and zero gradients.
 
+    With ``segment_ids`` (sequence packing, several sequences per row) the sequences ``b``
+    above are the segments, not the rows: ``n_b`` counts the loss tokens of segment ``b``
+    and ``S`` the segments with any.
+
     Args:
       mask: ``[B, T]`` bool/0-1 loss mask.
+      segment_ids: ``[B, T]`` int, ids unique over the batch in ``[0, B * T]`` (0: padding,
+        which holds no loss token), or None (one sequence per row).
       mode: one of the three modes above.
       norm_len: ``L`` for "seq-mean-token-sum-norm" (required there, > 0).
 
@@ -60,8 +67,15 @@ def loss_weights(mask, mode: AggMode, *, norm_len: int | None = None) -> jax.Arr
     m = _f32(jnp.asarray(mask, bool))
     if m.ndim != 2:
         raise ValueError(f"mask must be [batch, seq], got shape {m.shape}")
-    n_b = jnp.sum(m, axis=1, keepdims=True)
-    n_seq = jnp.maximum(jnp.sum(n_b > 0), 1).astype(jnp.float32)
+    if segment_ids is None:
+        n_b = jnp.sum(m, axis=1, keepdims=True)
+        n_seq = jnp.maximum(jnp.sum(n_b > 0), 1).astype(jnp.float32)
+    else:
+        seg = jnp.asarray(segment_ids, jnp.int32)
+        counts = jax.ops.segment_sum(m.reshape(-1), seg.reshape(-1),
+                                     num_segments=m.size + 1)          # [B * T + 1]
+        n_b = counts[seg]                                              # per token: its segment's
+        n_seq = jnp.maximum(jnp.sum(counts > 0), 1).astype(jnp.float32)
     if mode == "token-mean":
         return m / jnp.maximum(jnp.sum(m), 1.0)
     if mode == "seq-mean-token-mean":
@@ -74,9 +88,10 @@ def loss_weights(mask, mode: AggMode, *, norm_len: int | None = None) -> jax.Arr
                      f"seq-mean-token-mean or seq-mean-token-sum-norm")
 
 
-def aggregate(per_token, mask, mode: AggMode, *, norm_len: int | None = None) -> jax.Array:
+def aggregate(per_token, mask, mode: AggMode, *, norm_len: int | None = None,
+              segment_ids=None) -> jax.Array:
     """Scalar loss ``sum(loss_weights(mask, mode) * per_token)`` (NaN-safe where mask is 0)."""
-    w = loss_weights(mask, mode, norm_len=norm_len)
+    w = loss_weights(mask, mode, norm_len=norm_len, segment_ids=segment_ids)
     return jnp.sum(w * _masked(per_token, mask))
 
 

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rlflow.learner.batch import BatchError, TrainBatch
+from rlflow.learner.batch import BatchError, TrainBatch, row_segment_ids
 from rlflow.mesh import batch_sharding, make_mesh
 from rlflow.models.decoder import TokenRangeError
 
@@ -170,9 +170,11 @@ def _header(rows: int, seq: int, error: str = "") -> np.ndarray:
 
 
 def _pack(batch: TrainBatch) -> np.ndarray:
-    """``[8, B, L]`` int32: int and bool fields as values, float32 fields as their bits (the
+    """``[F, B, L]`` (F = the TrainBatch fields) int32: int and bool fields as values, float32 fields as their bits (the
     broadcast is a sum with zeros, exact on int32 bits; on floats it would turn -0.0 into 0.0)."""
     out = []
+    if batch.segment_ids is None:                  # unpacked: one sequence per row
+        batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
     for name in _FIELDS:
         x = np.asarray(getattr(batch, name))
         out.append(x.view(np.int32) if x.dtype == np.float32 else x.astype(np.int32))
@@ -181,7 +183,7 @@ def _pack(batch: TrainBatch) -> np.ndarray:
 
 _DTYPES = dict(tokens=np.int32, attention_mask=np.bool_, positions=np.int32, targets=np.int32,
                loss_mask=np.bool_, behaviour_logprobs=np.float32, advantages=np.float32,
-               token_rewards=np.float32)
+               token_rewards=np.float32, segment_ids=np.int32)
 
 
 def _unpack(packed: np.ndarray) -> TrainBatch:
@@ -216,7 +218,7 @@ def distribute_batch(batch: Optional[TrainBatch], mesh, *, source: int = 0,
     Every process calls it; only ``source`` passes a batch (the others None). ``source``
     first broadcasts a header (shape, or the error ``check(batch)`` raised there: then every
     host raises it, none is left waiting in a collective), then the batch packed as one int32
-    ``[8, B, L]`` buffer; each host keeps its own rows (:func:`local_rows`) and assembles the
+    ``[F, B, L]`` (F = the TrainBatch fields) buffer; each host keeps its own rows (:func:`local_rows`) and assembles the
     global arrays with ``jax.make_array_from_process_local_data``.
 
     Returns:

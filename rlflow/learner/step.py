@@ -159,11 +159,12 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
     policy, vparams = (params, None) if value_graphdef is None else params
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     values = None
+    seg = batch.segment_ids
     if value_graphdef is None:
-        logits = model(batch.tokens, batch.positions, batch.attention_mask)
+        logits = model(batch.tokens, batch.positions, batch.attention_mask, segment_ids=seg)
     else:
         logits, hidden = model(batch.tokens, batch.positions, batch.attention_mask,
-                               return_hidden=True)
+                               return_hidden=True, segment_ids=seg)
         values = nnx.merge(value_graphdef, vparams)(hidden)
     logp = token_logprobs(logits, batch.targets, temperature)
     ent = losses.entropy_from_logits(jax.lax.stop_gradient(logits) / temperature)
@@ -295,7 +296,8 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
             raise ValueError(f"batch of {b} rows does not split into {k} micro-batches")
         if s.gae and batch.token_rewards is None:
             raise ValueError("PPO (settings.gae) needs batch.token_rewards")
-        w = losses.loss_weights(batch.loss_mask, s.loss_agg, norm_len=s.norm_len)
+        w = losses.loss_weights(batch.loss_mask, s.loss_agg, norm_len=s.norm_len,
+                                segment_ids=batch.segment_ids)
         micro = jax.tree.map(lambda x: constrain(split_micro(x, k), 1), (batch, w))
         old = old_pass(params, micro[0], ref_params, frozen) if old_values_pass else None
         value_and_grad = jax.value_and_grad(_micro_loss, has_aux=True)
@@ -424,7 +426,7 @@ def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
     sh = batch_sharding(mesh)
     dtypes = dict(tokens=jnp.int32, attention_mask=jnp.bool_, positions=jnp.int32,
                   targets=jnp.int32, loss_mask=jnp.bool_, behaviour_logprobs=jnp.float32,
-                  advantages=jnp.float32, token_rewards=jnp.float32)
+                  advantages=jnp.float32, token_rewards=jnp.float32, segment_ids=jnp.int32)
     return TrainBatch(**{f: jax.ShapeDtypeStruct((rows, seq), dtypes[f], sharding=sh)
                          for f in TrainBatch._fields})
 

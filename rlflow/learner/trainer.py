@@ -25,7 +25,9 @@ from flax import nnx
 
 from rlflow import checkpoint as ckpt_lib
 from rlflow import config as config_lib
-from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch, validate_batch
+from rlflow.learner.batch import (BatchError, BatchSpec, TrainBatch, build_batch,
+                                  row_segment_ids, validate_batch)
+from rlflow.learner.packing import pack_batch, pack_spec_from_config, padding_fraction
 from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import (StepSettings, TrainState, abstract_batch, compile_train_step,
                                  init_state, jit_train_step, make_train_step, state_shardings)
@@ -82,6 +84,7 @@ class Learner:
         del model
         self.settings = StepSettings.from_config(cfg)
         self.batch_spec = BatchSpec.from_config(cfg)
+        self.pack_spec = pack_spec_from_config(cfg)        # None: rows stay padded
         self.value_graphdef, value = None, None
         if self.settings.gae:
             self.value_graphdef, value = init_value_head(self.model_config.hidden_size)
@@ -166,22 +169,41 @@ class Learner:
         return self._compiled[key]
 
     def build_batch(self, records: Sequence[Mapping]) -> tuple[TrainBatch, dict]:
-        """:func:`rlflow.learner.batch.build_batch` at the current version."""
-        return build_batch(records, self.batch_spec, self.version)
+        """:func:`rlflow.learner.batch.build_batch` at the current version, then (with
+        ``learner.packing``) :func:`rlflow.learner.packing.pack_batch`; the info adds
+        ``learner/padding_fraction`` (padded positions of the one-row-per-sample batch) and,
+        packed, ``learner/packed_padding_fraction``, ``batch/packed_rows``."""
+        batch, info = build_batch(records, self.batch_spec, self.version)
+        if self.pack_spec is None:
+            return batch, {**info, "learner/padding_fraction":
+                           padding_fraction(batch.attention_mask)}
+        packed, pinfo = pack_batch(batch, self.pack_spec)
+        return packed, {**info, **pinfo}
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step on a host batch; returns the step metrics as floats.
 
         Raises: as :meth:`check_batch`.
         """
+        return pull_metrics(self.dispatch(batch))
+
+    def dispatch(self, batch: TrainBatch) -> dict:
+        """Start one optimiser step on a host batch and return at once (JAX dispatches the
+        compiled step asynchronously): the step metrics stay on the device (:func:`pull_metrics`
+        waits for them), so the caller's host work overlaps the step. ``state`` already holds
+        the step's outputs (reading them waits too).
+
+        Raises: as :meth:`check_batch`.
+        """
         batch = self.check_batch(batch)
         sh = batch_sharding(self.mesh)
         dev = TrainBatch(*jax.device_put([np.asarray(x) for x in batch], sh))  # one transfer call
-        return self.step_on_device(dev)
+        return self.dispatch_on_device(dev)
 
     def check_batch(self, batch: TrainBatch) -> TrainBatch:
         """The host-side checks of a step's batch; fills ``token_rewards`` with zeros
-        ``[B, L]`` float32 for the group estimators. (A multi-host learner runs them on host 0
+        ``[B, L]`` float32 for the group estimators and ``segment_ids`` of an unpacked batch
+        (:func:`rlflow.learner.batch.row_segment_ids`). (A multi-host learner runs them on host 0
         before distributing the batch, :mod:`rlflow.learner.multihost`.)
 
         Raises: :class:`rlflow.learner.batch.BatchError` for mismatched shapes or dtypes, or a
@@ -197,6 +219,8 @@ class Learner:
                 raise BatchError("token_rewards is None, but learner.advantage='gae' needs each "
                                  "sample's reward on its last response token (build_batch)")
             batch = batch._replace(token_rewards=np.zeros(np.shape(batch.advantages), np.float32))
+        if batch.segment_ids is None:                          # one sequence per row
+            batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
         if self.settings.gae and self.state.value is None:
             raise RuntimeError("learner.advantage='gae' but the train state has no value head "
                                "(TrainState.value is None): a state restored from a checkpoint "
@@ -212,9 +236,13 @@ class Learner:
     def step_on_device(self, dev: TrainBatch) -> dict[str, float]:
         """One optimiser step on a checked batch already in ``batch_sharding(self.mesh)``
         (global arrays ``[B, L]``); returns the step metrics as floats."""
+        return pull_metrics(self.dispatch_on_device(dev))
+
+    def dispatch_on_device(self, dev: TrainBatch) -> dict:
+        """:meth:`step_on_device` without waiting: returns the metrics as device arrays."""
         fn = self.compiled_step(*dev.tokens.shape)
         self.state, metrics = fn(self.state, dev, self.ref_params, self.base)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        return metrics
 
     def train_on(self, records: Sequence[Mapping]) -> dict[str, float]:
         """Build the batch from group records, take one step, merge batch and step metrics.
@@ -226,6 +254,11 @@ class Learner:
         metrics = self.step(batch)
         metrics["learner/step_time_s"] = time.perf_counter() - t0
         return {**info, **metrics}
+
+
+def pull_metrics(metrics: Mapping) -> dict[str, float]:
+    """Step metrics from the device (one transfer; waits for the step) as Python floats."""
+    return {k: float(v) for k, v in jax.device_get(dict(metrics)).items()}
 
 
 def check_lora_base(metadata, base_ref: dict, directory, step: int) -> None:

@@ -295,7 +295,7 @@ class Decoder(nnx.Module):
         return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                 *, return_hidden: bool = False):
+                 *, return_hidden: bool = False, segment_ids: jax.Array | None = None):
         """Full-sequence forward.
 
         Args:
@@ -303,6 +303,10 @@ class Decoder(nnx.Module):
           positions: ``[B, T]`` int32 RoPE positions (see :func:`positions_from_mask`).
           attention_mask: ``[B, T]`` bool, False on padding (left padding allowed).
             Query ``t`` attends keys ``s <= t`` with ``attention_mask[b, s]``.
+          segment_ids: ``[B, T]`` int (optional; sequence packing): query ``t`` attends
+            only keys with ``segment_ids[b, s] == segment_ids[b, t]``, so several sequences
+            share a row without seeing each other (give each its own positions restarting
+            at 0: RoPE then makes every segment's logits those of the sequence alone).
           return_hidden: also return the final hidden states (the same forward; e.g. for a
             value head).
 
@@ -320,6 +324,9 @@ class Decoder(nnx.Module):
         mask = jnp.asarray(attention_mask, bool)
         causal = jnp.tril(jnp.ones((t, t), bool))
         attend = causal[None] & mask[:, None, :]                       # [B, T, T]
+        if segment_ids is not None:
+            seg = jnp.asarray(segment_ids)
+            attend = attend & (seg[:, :, None] == seg[:, None, :])
         inv_freq = rope_inv_freq(self.cfg)
         x = self._embed(tokens)
         for block in self.layers:

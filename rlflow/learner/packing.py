@@ -1,0 +1,185 @@
+"""Sequence packing: a padded training batch -> fewer rows holding several sequences each.
+
+An unpacked :class:`rlflow.learner.batch.TrainBatch` row holds one sample: its prompt
+(left-padded to the batch's longest prompt) and completion (right-padded to the bucket), so
+the step computes on every pad. Packing copies each sample's attended span (prompt +
+completion, contiguous in the row) into rows of ``pack_length`` positions, first-fit in
+order of decreasing length, and marks each span with its own segment id::
+
+    tokens       [p0 p1 c0 c1 c2 | q0 c0 c1 | pad pad]
+    segment_ids  [ 1  1  1  1  1 |  2  2  2 |  0   0 ]
+    positions    [ 0  1  2  3  4 |  0  1  2 |  0   0 ]     RoPE restarts per segment
+
+The decoder's attention is masked to the query's own segment (``Decoder.__call__``'s
+``segment_ids``) and RoPE depends on positions only, so each segment's logprobs are those of
+its sample alone; every per-token field (targets, loss mask, behaviour logprobs, advantages,
+token rewards) moves with its token, and :func:`rlflow.learner.losses.loss_weights` counts
+segments instead of rows for the per-sequence aggregations. Samples without loss tokens
+(padding rows, dropped samples) carry no gradient and no metric and are left out.
+
+Shapes: ``pack_length`` is fixed per run (``learner.pack_length``); the number of packed rows
+is rounded up to one of ``learner.pack_row_buckets`` row counts (multiples of the
+micro-batch x data x fsdp split), so the step compiles at most that many shapes per
+``pack_length``. A sample longer than ``pack_length`` is refused at config time
+(``ExperimentConfig``: ``learner.pack_length`` must hold the longest row) and again here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlflow.learner.batch import BatchError, TrainBatch
+
+# per-token fields copied with their tokens (segment_ids and positions are rebuilt)
+_MOVED = ("tokens", "attention_mask", "targets", "loss_mask", "behaviour_logprobs",
+          "advantages", "token_rewards")
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """Packed shapes of one learner.
+
+    Attributes:
+      pack_length: positions per packed row (>= the longest sample).
+      row_counts: the allowed packed row counts, increasing; the largest holds any batch
+        (every sample fits in ``pack_length``, and at least ``pack_length // max_row``
+        samples fit per row).
+      pad_id: token id of packed padding.
+    """
+    pack_length: int
+    row_counts: tuple
+    pad_id: int = 0
+
+    @classmethod
+    def create(cls, *, num_rows: int, max_row: int, pack_length: int, buckets: int,
+               split: int, pad_id: int = 0) -> "PackSpec":
+        """The spec for batches of ``num_rows`` samples of at most ``max_row`` tokens.
+
+        ``split``: packed row counts are multiples of it (micro-batches x data x fsdp);
+        ``buckets``: how many row counts (shapes) to allow, evenly spaced up to the worst case.
+
+        Raises: ValueError when ``max_row > pack_length`` (names both).
+        """
+        if max_row > pack_length:
+            raise ValueError(f"learner.pack_length {pack_length} is shorter than the longest "
+                             f"row ({max_row} tokens = longest prompt + completion)")
+        worst = math.ceil(num_rows / (pack_length // max_row))
+        worst = split * math.ceil(worst / split)
+        step = split * math.ceil(worst / (split * max(buckets, 1)))
+        counts = tuple(range(step, worst, step)) + (worst,)
+        return cls(pack_length=pack_length, row_counts=counts, pad_id=pad_id)
+
+    def rows_for(self, n_bins: int) -> int:
+        """The smallest allowed row count >= ``n_bins``."""
+        for r in self.row_counts:
+            if r >= n_bins:
+                return r
+        raise BatchError(f"{n_bins} packed rows needed, more than the {self.row_counts[-1]} "
+                         f"that learner.pack_length {self.pack_length} allows")
+
+
+def first_fit(lengths, capacity: int) -> list[list[int]]:
+    """First-fit decreasing bin packing (Johnson 1973): indices of ``lengths`` per bin, each
+    bin's total <= ``capacity``; longer items first, ties in index order (deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        for b, r in enumerate(room):
+            if n <= r:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return bins
+
+
+def padding_fraction(attention_mask) -> float:
+    """Fraction of positions that are padding (not attended): ``1 - sum(mask) / size``."""
+    m = np.asarray(attention_mask, bool)
+    return float(1.0 - m.sum() / max(m.size, 1))
+
+
+def pack_batch(batch: TrainBatch, spec: PackSpec) -> tuple[TrainBatch, dict]:
+    """Pack the samples of an unpacked ``batch`` (one sample per row) into ``[R, pack_length]``.
+
+    Args:
+      batch: numpy :class:`TrainBatch` ``[B, L]`` from :func:`rlflow.learner.batch.build_batch`
+        (each row's attended tokens contiguous; ``segment_ids`` None).
+      spec: :class:`PackSpec`.
+
+    Returns:
+      ``(packed, info)``: a :class:`TrainBatch` ``[R, pack_length]`` with ``R`` in
+      ``spec.row_counts``, ``segment_ids`` = the sample's row in ``batch`` + 1 (0 on padding)
+      and positions restarting at 0 per segment (``token_rewards`` zeros when the input had
+      None); ``info``: ``learner/padding_fraction`` (of ``batch``),
+      ``learner/packed_padding_fraction`` (of the packed batch), ``batch/packed_rows``,
+      ``batch/packed_samples`` (samples with loss tokens, the ones kept).
+
+    Raises: BatchError when a row's attended tokens are not contiguous, a loss position lies
+      outside them, or a row is longer than ``spec.pack_length``.
+    """
+    if batch.segment_ids is not None:
+        raise BatchError("pack_batch: the batch is already packed (segment_ids set)")
+    attn = np.asarray(batch.attention_mask, bool)
+    b, l = attn.shape
+    first = np.argmax(attn, axis=1)
+    n_tok = attn.sum(axis=1)
+    last = l - np.argmax(attn[:, ::-1], axis=1)
+    if np.any(last - first != n_tok):
+        r = int(np.flatnonzero(last - first != n_tok)[0])
+        raise BatchError(f"pack_batch: row {r} has non-contiguous attended tokens")
+    loss = np.asarray(batch.loss_mask, bool)
+    if np.any(loss & ~attn):
+        r = int(np.argwhere(loss & ~attn)[0, 0])
+        raise BatchError(f"pack_batch: row {r} has a loss position outside its attended tokens")
+    keep = np.flatnonzero(loss.any(axis=1))
+    too_long = keep[n_tok[keep] > spec.pack_length]
+    if too_long.size:
+        r = int(too_long[0])
+        raise BatchError(f"row {r} has {int(n_tok[r])} tokens, more than learner.pack_length "
+                         f"{spec.pack_length}")
+    bins = first_fit(n_tok[keep], spec.pack_length)
+    rows = spec.rows_for(len(bins)) if bins else spec.row_counts[0]
+    lp = spec.pack_length
+    src = batch if batch.token_rewards is not None else batch._replace(
+        token_rewards=np.zeros(attn.shape, np.float32))
+    out = {name: np.zeros((rows, lp), np.asarray(getattr(src, name)).dtype) for name in _MOVED}
+    out["tokens"][:] = spec.pad_id
+    out["targets"][:] = spec.pad_id
+    seg = np.zeros((rows, lp), np.int32)
+    pos = np.zeros((rows, lp), np.int32)
+    for r, members in enumerate(bins):
+        at = 0
+        for j in members:
+            i = int(keep[j])
+            s, n = int(first[i]), int(n_tok[i])
+            for name in _MOVED:
+                out[name][r, at:at + n] = np.asarray(getattr(src, name))[i, s:s + n]
+            seg[r, at:at + n] = i + 1
+            pos[r, at:at + n] = np.arange(n, dtype=np.int32)
+            at += n
+    packed = TrainBatch(positions=pos, segment_ids=seg, **out)
+    info = {"learner/padding_fraction": padding_fraction(attn),
+            "learner/packed_padding_fraction": padding_fraction(packed.attention_mask),
+            "batch/packed_rows": rows, "batch/packed_samples": int(keep.size)}
+    return packed, info
+
+
+def pack_spec_from_config(cfg) -> PackSpec | None:
+    """The :class:`PackSpec` of an :class:`rlflow.config.ExperimentConfig`, or None when
+    ``learner.packing`` resolves off (see ``LearnerConfig.packs``)."""
+    lr = cfg.learner
+    if not lr.packs:
+        return None
+    longest = cfg.longest_row
+    split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
+    return PackSpec.create(num_rows=lr.groups_per_step * cfg.sampler.group_size,
+                           max_row=longest, pack_length=lr.pack_length or longest,
+                           buckets=lr.pack_row_buckets, split=split)

@@ -1,0 +1,228 @@
+"""Sequence packing: the packed layout against a numpy oracle built from the records, segment
+loss weights against a numpy oracle, and the packed step equal to the unpacked one (loss,
+gradients, logprobs, KL) in every aggregation mode, with micro-batches, on a sharded mesh and
+with LoRA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlflow.config import ConfigError, LearnerConfig, LoraConfig, MeshConfig, ModelConfig
+from rlflow.learner import losses
+from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch
+from rlflow.learner.packing import PackSpec, first_fit, pack_batch, pack_spec_from_config
+from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
+from rlflow.learner.trainer import Learner
+from rlflow.models.hf import build_model
+from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
+from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol, sum_tol
+
+VOCAB, G, T = 64, 4, 6
+MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+SPEC = BatchSpec(group_size=G, num_rows=8, seq_buckets=(16,), max_tokens=T)
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def records(seed, n_groups=2):
+    return make_group_records(seed, n_groups, vocab=VOCAB, group_size=G, max_tokens=T, noise=1.0)
+
+
+def pack_spec(split=1, length=16):
+    return PackSpec.create(num_rows=8, max_row=16, pack_length=length, buckets=4, split=split)
+
+
+# --------------------------------------------------------------------------- host layout
+
+def test_packed_layout_equals_numpy_oracle_from_the_records():
+    """Every kept sample is one segment: its prompt + completion, positions 0..n-1, loss on
+    its completion targets, its behaviour logprobs and group advantage; samples without loss
+    tokens (masked truncated) are left out; padding fractions as counted from the lengths."""
+    recs = records(3)
+    recs[1]["truncated"][:] = [True, False, False, False]
+    batch, _ = build_batch(recs, SPEC.replace(mask_truncated=True), 0)
+    packed, info = pack_batch(batch, pack_spec(length=32))
+    seg = packed.segment_ids
+    total = 0
+    for i, rec in enumerate(recs):
+        r = np.asarray(rec["rewards"], np.float64)
+        adv = (r - r.mean()) / (r.std(ddof=1) + 1e-6)       # GRPO: unbiased group std
+        for s in range(G):
+            row = i * G + s
+            n, prompt = int(rec["completion_lengths"][s]), rec["prompt_tokens"]
+            at = seg == row + 1
+            if rec["truncated"][s]:
+                assert not at.any()                     # no loss token: left out
+                continue
+            total += len(prompt) + n
+            r_, = set(np.nonzero(at)[0])                # one packed row holds the segment
+            want = np.concatenate([prompt, rec["completion_tokens"][s, :n]])
+            np.testing.assert_array_equal(packed.tokens[at], want)
+            np.testing.assert_array_equal(packed.targets[at][:-1], want[1:])
+            np.testing.assert_array_equal(packed.positions[at], np.arange(len(want)))
+            loss = np.zeros(len(want), bool)
+            loss[len(prompt) - 1:len(prompt) - 1 + n] = True
+            np.testing.assert_array_equal(packed.loss_mask[at], loss)
+            np.testing.assert_array_equal(packed.behaviour_logprobs[at][loss],
+                                          rec["behaviour_logprobs"][s, :n])
+            np.testing.assert_allclose(packed.advantages[at][loss], adv[s], rtol=1e-5)
+            assert np.all(packed.attention_mask[at])
+    assert packed.attention_mask.sum() == total and not packed.attention_mask[seg == 0].any()
+    assert info["batch/packed_samples"] == 7
+    rows, lp = packed.tokens.shape
+    assert lp == 32 and rows in pack_spec(length=32).row_counts
+    assert info["learner/packed_padding_fraction"] == pytest.approx(1 - total / (rows * lp))
+    real = sum(len(r["prompt_tokens"]) + int(n) for r in recs for n in r["completion_lengths"])
+    assert info["learner/padding_fraction"] == pytest.approx(1 - (real + 0) / (8 * 16))
+
+
+def test_first_fit_and_row_counts():
+    assert first_fit([5, 9, 3, 7], 10) == [[1], [3, 2], [0]]
+    spec = PackSpec.create(num_rows=16, max_row=192, pack_length=192, buckets=4, split=2)
+    assert spec.row_counts == (4, 8, 12, 16) and spec.rows_for(5) == 8
+    spec = PackSpec.create(num_rows=16, max_row=100, pack_length=400, buckets=4, split=1)
+    assert spec.row_counts == (1, 2, 3, 4)           # 4 rows of 100 fit in one of 400
+
+
+def test_too_long_rows_are_named_errors():
+    with pytest.raises(ConfigError, match=r"learner\.pack_length: must hold the longest row "
+                                          r"\(14 tokens"):
+        tiny_experiment(MODEL, G, T, pack_length=12)
+    with pytest.raises(ConfigError, match=r"learner\.packing: must be None or False"):
+        LearnerConfig(advantage="gae", packing=True)
+    assert pack_spec_from_config(tiny_experiment(MODEL, G, T, advantage="gae")) is None
+    batch, _ = build_batch(records(0), SPEC, 0)
+    with pytest.raises(BatchError, match="more than learner.pack_length 8"):
+        pack_batch(batch, PackSpec(pack_length=8, row_counts=(8,)))
+
+
+def test_segment_loss_weights_equal_numpy_oracle():
+    """Per-sequence aggregations count segments: a numpy oracle over random packed rows."""
+    rng = np.random.default_rng(0)
+    seg = np.sort(rng.integers(0, 4, size=(3, 12)), axis=1) + np.array([[0], [10], [20]])
+    seg = np.where(seg % 10 == 0, 0, seg)                          # some padding (id 0)
+    mask = (rng.random(seg.shape) < 0.6) & (seg > 0)
+    ids = [i for i in np.unique(seg) if i > 0 and mask[seg == i].any()]
+    for mode in MODES:
+        want = np.zeros(seg.shape)
+        for i in ids:
+            n_i = mask[seg == i].sum()
+            want[(seg == i) & mask] = {"token-mean": 1 / mask.sum(),
+                                       "seq-mean-token-mean": 1 / (n_i * len(ids)),
+                                       "seq-mean-token-sum-norm": 1 / (T * len(ids))}[mode]
+        got = losses.loss_weights(mask, mode, norm_len=T, segment_ids=seg)
+        np.testing.assert_allclose(got, want, rtol=2 * F32_EPS, err_msg=mode)
+
+
+# -------------------------------------------------------------------- the step, unpacked = packed
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    model, _ = build_model(MODEL)
+    graphdef, params = nnx.split(model, nnx.Param)
+    ref = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
+    return graphdef, params, ref
+
+
+def _k3(d):
+    return np.expm1(d) - d
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_step_equals_unpacked_and_numpy_oracle(tiny_model, mode):
+    """Logprobs per token, loss, KL and gradients of the packed batch (2 micro-batches) equal
+    the unpacked batch's (1 micro-batch); the loss equals a float64 numpy oracle built from
+    the unpacked logprobs (ratio 1 at step start, truncated IS weight, k3 KL)."""
+    graphdef, params, ref = tiny_model
+    batch, _ = build_batch(records(7), SPEC, 0)
+    packed, _ = pack_batch(batch, pack_spec(split=2))
+    kl_coef, cap = 0.3, 1.5
+    out = {}
+    for name, b, k in (("unpacked", batch, 1), ("packed", packed, 2)):
+        s = StepSettings(loss_agg=mode, norm_len=T, micro_batches=k, kl_coef=kl_coef,
+                         is_cap=cap)
+        jb = TrainBatch(*b)
+        out[name] = jax.jit(make_grad_fn(graphdef, s))(params, jb, ref) + (
+            np.asarray(policy_logprobs(graphdef, params, jb)[0]),
+            np.asarray(policy_logprobs(graphdef, ref, jb)[0]))
+    (lu, gu, su, lpu, refu), (lp_, gp, sp, lpp, refp) = out["unpacked"], out["packed"]
+    # tolerances (tests/tolerances.py): each logprob is a forward chain of reductions, computed
+    # by two programs (other row lengths, other kernels): 2 chain eps relative to |logit|
+    # scale; sums over the n positions add n eps relative to their absolute terms.
+    seq = max(batch.tokens.shape[1], packed.tokens.shape[1])
+    chain, n = model_chain_len(MODEL, seq), batch.tokens.size
+    lp_tol = 2 * chain * F32_EPS * (np.abs(lpu[batch.loss_mask]).max() + 1)
+    for r in range(batch.tokens.shape[0]):
+        at = packed.segment_ids == r + 1
+        if not at.any():
+            continue
+        row = batch.attention_mask[r]
+        np.testing.assert_allclose(lpp[at][:-1], lpu[r][row][:-1], atol=lp_tol)
+    # numpy oracle of the loss from the unpacked logprobs
+    m = batch.loss_mask
+    lp64, mu, adv = lpu.astype(np.float64), batch.behaviour_logprobs, batch.advantages
+    w_is = np.minimum(np.exp(lp64 - mu), cap)
+    kl = np.where(m, _k3(refu.astype(np.float64) - lp64), 0.0)
+    n_b = m.sum(1, keepdims=True)
+    s_n = (n_b > 0).sum()
+    w = {"token-mean": m / m.sum(), "seq-mean-token-mean": m / (np.maximum(n_b, 1) * s_n),
+         "seq-mean-token-sum-norm": m / (T * s_n)}[mode]
+    oracle = np.sum(w * (-adv * w_is + kl_coef * kl))
+    scale = np.sum(w * (np.abs(adv) * w_is + kl_coef * np.abs(kl)))
+    tol = (reorder_rtol(chain, n) + sum_tol(n)) * scale * MIXED_SIGN_CANCEL
+    assert abs(float(lu) - oracle) <= tol and abs(float(lp_) - oracle) <= tol
+    kl_atol = 2 * F32_EPS * float(m.sum())
+    np.testing.assert_allclose(float(sp["kl"]), float(su["kl"]),
+                               rtol=reorder_rtol(chain, n), atol=kl_atol)
+    np.testing.assert_allclose(float(sp["kl"]), kl.sum(), rtol=reorder_rtol(chain, n),
+                               atol=kl_atol)
+    assert float(su["kl"]) > 0
+    for key in ("entropy", "is_weight", "is_kept"):
+        np.testing.assert_allclose(float(sp[key]), float(su[key]), rtol=reorder_rtol(chain, n),
+                                   err_msg=key)
+    cancel = scale / abs(oracle)
+    fu, fp = flat(gu), flat(gp)
+    for key in fu:
+        err = np.linalg.norm(fp[key] - fu[key]) / np.linalg.norm(fu[key])
+        assert err <= (2 * reorder_rtol(chain, n) + sum_tol(n)) * cancel, (key, err)
+
+
+# -------------------------------------------------------- the learner: mesh, LoRA, default on
+
+LEARNER_CASES = {
+    "mesh": dict(num_devices=4, mesh=MeshConfig(data=2, fsdp=2), micro_batches=2, kl_coef=0.5,
+                 loss_agg="seq-mean-token-mean"),
+    "lora": dict(kl_coef=0.5, lora=LoraConfig(rank=4, alpha=8.0),
+                 loss_agg="seq-mean-token-sum-norm"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LEARNER_CASES))
+def test_packed_learner_equals_unpacked_single_device(name):
+    """The default (packed) learner on data=2 x fsdp=2 fake devices with 2 micro-batches, and
+    a packed LoRA learner, each equal to the unpacked single-device learner after one step."""
+    kw = LEARNER_CASES[name]
+    recs = records(11)
+    packed = Learner(tiny_experiment(MODEL, G, T, **kw),
+                     mesh=None if kw.get("num_devices", 1) > 1 else one_device_mesh())
+    unpacked = Learner(tiny_experiment(MODEL, G, T, packing=False,
+                                       **{**kw, "num_devices": 1, "mesh": MeshConfig()}),
+                       mesh=one_device_mesh())
+    assert packed.pack_spec is not None and unpacked.pack_spec is None
+    mp, mu = packed.train_on(recs), unpacked.train_on(recs)
+    assert mp["learner/packed_padding_fraction"] < mp["learner/padding_fraction"]
+    rows, seq = 8, 16
+    chain, n = model_chain_len(MODEL, seq), rows * seq
+    for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",
+                "learner/tokens"):
+        cancel = MIXED_SIGN_CANCEL if key == "learner/loss" else 1.0
+        np.testing.assert_allclose(mp[key], mu[key], rtol=reorder_rtol(chain, n, cancel),
+                                   atol=2 * F32_EPS * n if key == "policy/kl" else 0.0,
+                                   err_msg=key)
+    # one Adam step at lr 1e-4: ~lr * sign(g); rounding near g = 0 can flip it (atol lr/10)
+    got, want = flat(packed.params), flat(unpacked.params)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
