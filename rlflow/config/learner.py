@@ -241,8 +241,9 @@ class LearnerConfig:
         _check(self.mesh.num_devices == self.num_devices, "learner.mesh",
                f"has {self.mesh.num_devices} devices but learner.num_devices={self.num_devices}")
         _check(self.num_devices % self.num_hosts == 0, "learner.num_hosts",
-               f"must divide learner.num_devices={self.num_devices} (devices per host), got "
-               f"{self.num_hosts}")
+               f"must divide learner.num_devices={self.num_devices} (the devices of all hosts "
+               f"together), got {self.num_hosts}; e.g. --learner.num-hosts {self.num_hosts} "
+               f"--learner.num-devices {self.num_hosts} --learner.mesh.fsdp {self.num_hosts}")
         _check(not (self.advantage == "drgrpo" and self.scale_by_std), "learner.scale_by_std",
                "must not be True with learner.advantage='drgrpo' (Dr. GRPO has no std scaling)")
         _one_of(self.off_policy, ("decoupled", "behaviour"), "learner.off_policy")
