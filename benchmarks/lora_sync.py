@@ -57,7 +57,8 @@ def _model_cfg(size):
 def _trees(size, rank):
     """(model, decoder cfg, spec, adapters, base) of the benchmark model."""
     from rlflow.models.hf import build_model
-    from rlflow.models.lora import LoraSpec, lora_model_parts
+    from rlflow.models.lora import LoraSpec
+    from rlflow.models.lora_decoder import lora_model_parts
 
     model, dcfg = build_model(_model_cfg(size))
     spec = LoraSpec(rank=rank, alpha=2.0 * rank)

@@ -267,7 +267,7 @@ def _adapters_target(cfg: DecoderConfig, spec):
     """The adapter tree of ``cfg`` + ``spec`` as ``ShapeDtypeStruct`` on the host CPU."""
     import jax
 
-    from rlflow.models.lora import abstract_adapters
+    from rlflow.models.lora_decoder import abstract_adapters
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),

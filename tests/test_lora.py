@@ -16,8 +16,8 @@ from rlflow.learner.step import StepSettings, make_grad_fn
 from rlflow.learner.trainer import Learner
 from rlflow.models.decoder import Decoder, positions_from_mask
 from rlflow.models.hf import build_model
-from rlflow.models.lora import (LoraSpec, adapter_pairs, lora_model_parts, merged_params,
-                                split_lora, tree_bytes)
+from rlflow.models.lora import LoraSpec, adapter_pairs, merged_params, split_lora, tree_bytes
+from rlflow.models.lora_decoder import lora_model_parts
 from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
 from tolerances import MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol
 

@@ -35,8 +35,8 @@ from rlflow.learner.value import init_value_head
 from rlflow.mesh import batch_sharding, make_mesh, param_shardings
 from rlflow.models.decoder import validate_tokens
 from rlflow.models.hf import build_model
-from rlflow.models.lora import (LoraSpec, base_reference, lora_model_parts,
-                                zeros_like_adapters)
+from rlflow.models.lora import LoraSpec, base_reference, zeros_like_adapters
+from rlflow.models.lora_decoder import lora_model_parts
 
 logger = logging.getLogger("rlflow.learner")
 

@@ -262,7 +262,7 @@ class Decoder(nnx.Module):
     ``lora``: a :class:`rlflow.models.lora.LoraSpec` adds LoRA adapters (``nnx.LoRAParam``)
     to the targeted projections of every layer. They draw from ``rngs`` too, so the base
     weights of a random LoRA decoder differ from those of the plain one with the same seed:
-    build the base plainly and add adapters with :func:`rlflow.models.lora.lora_model_parts`.
+    build the base plainly and add adapters with :func:`rlflow.models.lora_decoder.lora_model_parts`.
     """
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):

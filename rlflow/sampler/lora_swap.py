@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rlflow.models.lora import LoraSpec, adapter_pairs, delta, full_trained, lora_model_parts
+from rlflow.models.lora import LoraSpec, adapter_pairs, delta, full_trained
+from rlflow.models.lora_decoder import lora_model_parts
 
 
 class AdapterApplier:
