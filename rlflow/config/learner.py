@@ -155,7 +155,7 @@ class LearnerConfig:
         packed into rows of ``pack_length`` tokens with segment ids and per-segment
         positions instead of one padded row each (same loss, logprobs and KL, less padding
         computed). None: on, except with ``advantage="gae"`` (GAE runs along rows), where
-        True is refused.
+        ``true`` is refused.
       pack_length: positions per packed row; 0: the longest row (``seq_buckets[-1]``, or
         ``sampler.max_prefill_length + sampler.max_tokens`` without buckets), so a packed
         step never computes more positions or longer attention rows than the padded one.
