@@ -123,6 +123,8 @@ class _Publisher:
 class LearnerProgram:
     """State of one learner program (a thin shell; the math lives in rlflow.learner.*)."""
 
+    hosts = None    # LearnerHosts when learner.num_hosts > 1 (this is host 0), set in __init__
+
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
         if "://" not in cfg.run_path:
