@@ -224,7 +224,8 @@ def distribute_batch(batch: Optional[TrainBatch], mesh, *, source: int = 0,
     Returns:
       ``(TrainBatch of jax.Array [B, L], info)``; info: ``batch/broadcast_bytes`` (bytes
       of the broadcast batch buffer, = what each host receives), ``batch/local_bytes`` (bytes
-      this host keeps), ``batch/distribute_s`` (seconds).
+      this host keeps), ``batch/rows`` / ``batch/seq`` (the global batch's ``[B, L]``, packed
+      rows when the learner packs), ``batch/distribute_s`` (seconds).
 
     Raises:
       BatchError: ``check`` rejected the batch on host ``source`` (raised on every host, with
@@ -259,6 +260,7 @@ def distribute_batch(batch: Optional[TrainBatch], mesh, *, source: int = 0,
                        for x in host))
     local = sum(x[mine].nbytes for x in host)
     return out, {"batch/broadcast_bytes": float(packed.nbytes), "batch/local_bytes": float(local),
+                 "batch/rows": float(rows), "batch/seq": float(seq),
                  "batch/distribute_s": time.perf_counter() - t0}
 
 
