@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from rlflow.config.validation import FALSE_WORDS, TRUE_WORDS
+
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "configs", "demo.py")
 
@@ -37,7 +39,6 @@ COMMON_FLAGS: tuple[tuple[str, str], ...] = (
     ("buffer.token_file", "ring-buffer token file, mode 0600 (or RLFLOW_BUFFER_TOKEN)"),
     ("metrics.progress", "auto | bar | plain"),
 )
-TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def bool_flags(cls=None, prefix: str = "") -> set[str]:

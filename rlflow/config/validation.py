@@ -21,3 +21,6 @@ def _one_of(value, allowed, where: str) -> None:
 
 
 DTYPES = ("float32", "bfloat16")
+
+# Words a bool takes from the command line or an ``env.options`` string (any case).
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
 from rlflow import plugins as plugins_lib
+from rlflow.config.validation import FALSE_WORDS, TRUE_WORDS
 
 Message = Dict[str, Any]
 
@@ -173,8 +174,6 @@ def bind_options(factory: EnvFactory, options: Dict[str, str],
     return out
 
 
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
 
 def _convert(text: str, hint, where: str):
     import typing
@@ -188,8 +187,8 @@ def _convert(text: str, hint, where: str):
     try:
         if hint is bool:
             low = text.strip().lower()
-            if low in _TRUE or low in _FALSE:
-                return low in _TRUE
+            if low in TRUE_WORDS or low in FALSE_WORDS:
+                return low in TRUE_WORDS
             raise ValueError(text)
         if hint in (int, float):
             return hint(text)
