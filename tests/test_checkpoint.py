@@ -1,4 +1,4 @@
-"""Checkpoints (rlflow/checkpoint.py): items round-trip, retention, re-sharding, exact resume,
+"""Checkpoints (rlflow/checkpoint/): items round-trip, retention, re-sharding, exact resume,
 and a save killed by SIGKILL. Runs on the 4 fake CPU devices of tests/conftest.py."""
 
 from __future__ import annotations

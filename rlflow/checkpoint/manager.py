@@ -1,105 +1,28 @@
-"""Learner checkpoints: an orbax ``CheckpointManager`` over the state a run needs to resume.
-
-One checkpoint (a folder ``<run>/checkpoints/<step>/``) holds these orbax items:
-
-=============  ===================  ==========================================================
-item           orbax handler        contents
-=============  ===================  ==========================================================
-``params``     ``StandardSave``     the policy parameters (``nnx.State`` or any pytree of arrays)
-``opt_state``  ``StandardSave``     the optax state (its ``count`` is the optimiser step)
-``value``      ``StandardSave``     the PPO value head (``learner.advantage="gae"``), only when
-                                    there is one: kept out of ``params`` so that ``params``
-                                    stays the policy alone (what ``rlflow export`` writes)
-``progress``   ``JsonSave``         step, policy version, RNG keys (raw ``uint32`` key data and
-                                    the key implementation), loop counters (``extra``)
-``data``       ``JsonSave``         the prompt iterator state (grain ``get_state()``: a dict, or
-                                    bytes stored base64)
-``meta``       ``JsonSave``         run metadata: resolved config, library versions, mesh, time
-``metrics``    (orbax's own)        the metrics given to :meth:`Checkpointer.save` (keep-best)
-=============  ===================  ==========================================================
-
-Saves are asynchronous (orbax copies device arrays to host, then writes in a background
-thread) and atomic: orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames it on
-commit, so a process killed mid-save (SIGKILL, preemption) leaves the previous complete
-checkpoint as :meth:`Checkpointer.latest_step`; the leftover temporary folder is removed
-when the next :class:`Checkpointer` opens the folder.
-
-Retention: the newest ``CheckpointConfig.keep_last`` checkpoints, plus, when
-``keep_best_metric`` is set, the best one by that metric (orbax ``LatestN`` or ``BestN``).
-
-Restoring onto a different mesh (saved on fsdp=4, restored on fsdp=2 x tensor=2, or on a
-different host count) goes through targets: pass a pytree of ``jax.ShapeDtypeStruct`` with
-the new ``NamedSharding`` (:func:`abstract_target`) and orbax reads each shard straight into
-its new place.
+"""The learner's checkpoint manager: :class:`Checkpointer`, a thin shell over orbax's
+``CheckpointManager`` with one orbax item per part of :class:`LearnerCheckpoint` (the
+item table is in :mod:`rlflow.checkpoint`), and the two entry points built on it:
+:func:`resume` (the automatic resume) and :func:`restore_params` (``rlflow export``).
 """
 
 from __future__ import annotations
 
-import base64
-import dataclasses
-import datetime
-import importlib.metadata
-import json
-import math
 import os
-import platform
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
+from rlflow.checkpoint.json_items import (decode_data_state, decode_rngs, encode_data_state,
+                                          encode_rngs)
+from rlflow.checkpoint.metadata import run_metadata
+from rlflow.checkpoint.retention import preservation
+from rlflow.checkpoint.state import CheckpointError, LearnerCheckpoint, PyTree
+from rlflow.checkpoint.targets import abstract_target, check_target, host_target
 from rlflow.config import CheckpointConfig
 
-PyTree = Any
 ITEMS = ("params", "opt_state", "value", "progress", "data", "meta")
 ARRAY_ITEMS = ("params", "opt_state", "value")
-FORMAT_VERSION = 1
-_BYTES_KEY = "__bytes_base64__"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, or does not fit what the caller restores it into."""
-
-
-@dataclass
-class LearnerCheckpoint:
-    """What one learner checkpoint holds (see the module docstring for the on-disk items).
-
-    Attributes:
-      step: optimiser steps completed; the next step to run is ``step + 1``.
-      params: policy parameters, a pytree of ``jax.Array`` (``nnx.State`` from
-        ``nnx.split(model, nnx.Param)``).
-      opt_state: optax state (``None``: not saved / not restored).
-      value: PPO value head parameters (``nnx.State``, :mod:`rlflow.learner.value`), or
-        ``None`` (group estimators: nothing saved).
-      rngs: named PRNG keys, typed (``jax.random.key``) or raw ``uint32`` (``PRNGKey``);
-        each must be fully replicated (the same on every host).
-      data_state: prompt iterator state from grain's ``get_state()`` (dict or bytes), or None.
-      policy_version: version of ``params``; the learner's step count unless set.
-      extra: JSON-able loop counters (epoch, samples seen, dropped groups, ...).
-      metadata: run metadata (:func:`run_metadata`).
-    """
-
-    step: int
-    params: PyTree
-    opt_state: PyTree = None
-    value: PyTree = None
-    rngs: Mapping[str, jax.Array] = field(default_factory=dict)
-    data_state: Any = None
-    policy_version: Optional[int] = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if not isinstance(self.step, (int, np.integer)) or self.step < 0:
-            raise CheckpointError(f"LearnerCheckpoint.step: must be an int >= 0, got {self.step!r}")
-        self.step = int(self.step)
-        if self.policy_version is None:
-            self.policy_version = self.step
 
 
 def _absolute(path: str) -> str:
@@ -115,114 +38,6 @@ def checkpoint_dir(run_path: str) -> str:
     """
     return os.path.join(_absolute(run_path), "checkpoints")
 
-
-def abstract_target(tree: PyTree, shardings: PyTree = None) -> PyTree:
-    """Restore target for ``tree``: ``jax.ShapeDtypeStruct`` leaves with shardings.
-
-    Args:
-      tree: arrays or ``ShapeDtypeStruct`` (e.g. from ``jax.eval_shape`` of the init).
-      shardings: pytree of ``jax.sharding.Sharding`` with ``tree``'s structure (e.g. from
-        ``rlflow.mesh.param_shardings`` on the new mesh); None keeps each leaf's own sharding.
-    """
-    if shardings is None:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=getattr(x, "sharding", None)),
-                            tree)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        tree, shardings)
-
-
-def _dist_version(name: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def run_metadata(cfg=None, mesh=None, **extra) -> dict:
-    """Run metadata saved with every checkpoint (JSON types only).
-
-    Args:
-      cfg: the resolved ``ExperimentConfig`` (stored as ``dataclasses.asdict``, secrets
-        redacted), or None.
-      mesh: the learner's ``jax.sharding.Mesh`` (axis names and sizes are stored), or None.
-      **extra: more JSON-able fields.
-    """
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "host": platform.node(),
-        "process_count": jax.process_count(),
-        "device_kind": jax.devices()[0].device_kind,
-        "versions": {n: _dist_version(n) for n in
-                     ("rlflow", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")},
-    }
-    if cfg is not None:
-        from rlflow.secrets import redact_config
-
-        meta["config"] = redact_config(dataclasses.asdict(cfg))   # secrets stay out
-    if mesh is not None:
-        meta["mesh"] = {str(k): int(v) for k, v in mesh.shape.items()}
-    meta.update(extra)
-    return meta
-
-
-# --- JSON encodings of RNG keys and iterator state -------------------------------------------
-
-def _host_value(x, where: str) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if not x.is_fully_replicated:
-            raise CheckpointError(f"{where}: must be fully replicated to be saved as JSON")
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(x)
-
-
-def _encode_rngs(rngs: Mapping[str, jax.Array]) -> dict:
-    out = {}
-    for name, key in rngs.items():
-        where = f"rngs[{name!r}]"
-        if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-            impl, data = str(jax.random.key_impl(key)), jax.random.key_data(key)
-        else:
-            impl, data = None, key
-        data = _host_value(data, where)
-        if data.dtype != np.uint32:
-            raise CheckpointError(f"{where}: expected a typed PRNG key or uint32 key data, "
-                                  f"got dtype {data.dtype}")
-        out[name] = {"impl": impl, "shape": list(data.shape), "data": data.ravel().tolist()}
-    return out
-
-
-def _decode_rngs(encoded: Mapping[str, Any]) -> dict:
-    out = {}
-    for name, rec in encoded.items():
-        data = np.asarray(rec["data"], dtype=np.uint32).reshape(rec["shape"])
-        out[name] = (jax.random.wrap_key_data(data, impl=rec["impl"]) if rec["impl"]
-                     else jax.numpy.asarray(data))
-    return out
-
-
-def _encode_data_state(state) -> dict:
-    if state is None:
-        return {"state": None}
-    if isinstance(state, (bytes, bytearray)):
-        return {"state": {_BYTES_KEY: base64.b64encode(bytes(state)).decode("ascii")}}
-    try:
-        json.dumps(state)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"data_state: must be bytes or a JSON-able dict (grain "
-                              f"get_state()), got {type(state).__name__}: {e}") from None
-    return {"state": state}
-
-
-def _decode_data_state(item: Mapping[str, Any]):
-    state = item.get("state")
-    if isinstance(state, dict) and set(state) == {_BYTES_KEY}:
-        return base64.b64decode(state[_BYTES_KEY])
-    return state
-
-
-# --- the manager -------------------------------------------------------------------------------
 
 class Checkpointer:
     """Saves and restores :class:`LearnerCheckpoint` under one folder (a thin orbax shell).
@@ -242,20 +57,9 @@ class Checkpointer:
                  async_save: bool = True, read_only: bool = False):
         self.directory = _absolute(directory)
         self.cfg = cfg
-        metric = cfg.keep_best_metric
-        policies = [pp.LatestN(n=cfg.keep_last)]
-        best_fn = None
-        if metric:
-            sign = 1.0 if cfg.keep_best_mode == "max" else -1.0
-
-            def best_fn(metrics, _metric=metric, _sign=sign):
-                value = float(metrics.get(_metric, math.nan))
-                return _sign * value if math.isfinite(value) else -math.inf
-
-            policies.append(pp.BestN(get_metric_fn=best_fn, n=1,
-                                     keep_checkpoints_without_metrics=False))
+        policy, best_fn = preservation(cfg)
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=None if read_only else pp.AnyPreservationPolicy(policies),
+            preservation_policy=None if read_only else policy,
             best_fn=best_fn, best_mode="max",
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=not read_only,
@@ -328,10 +132,10 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint.keep_best_metric={metric!r} is not among the "
                                       f"metrics given for step {ckpt.step}: {sorted(metrics)}")
         progress = {"step": ckpt.step, "policy_version": int(ckpt.policy_version),
-                    "rngs": _encode_rngs(ckpt.rngs), "extra": dict(ckpt.extra)}
+                    "rngs": encode_rngs(ckpt.rngs), "extra": dict(ckpt.extra)}
         args = {"params": ocp.args.StandardSave(ckpt.params),
                 "progress": ocp.args.JsonSave(progress),
-                "data": ocp.args.JsonSave(_encode_data_state(ckpt.data_state)),
+                "data": ocp.args.JsonSave(encode_data_state(ckpt.data_state)),
                 "meta": ocp.args.JsonSave(dict(ckpt.metadata) or run_metadata())}
         if ckpt.opt_state is not None:
             args["opt_state"] = ocp.args.StandardSave(ckpt.opt_state)
@@ -377,23 +181,7 @@ class Checkpointer:
         saved = self._manager.item_metadata(step).get(item)
         if saved is None:
             raise CheckpointError(f"{self.directory}/{step}: has no {item!r} item")
-        saved_tree = getattr(saved, "tree", saved)
-        flat_saved = {_path_name(p): m for p, m in
-                      jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
-        flat_target = jax.tree_util.tree_flatten_with_path(target)[0]
-        for path, leaf in flat_target:
-            name = _path_name(path)
-            meta = flat_saved.get(name)
-            if meta is None:
-                raise CheckpointError(f"{self.directory}/{step}/{item}: no saved array for "
-                                      f"{name}; saved: {sorted(flat_saved)[:8]}...")
-            if tuple(meta.shape) != tuple(leaf.shape):
-                raise CheckpointError(f"{self.directory}/{step}/{item}/{name}: saved shape "
-                                      f"{tuple(meta.shape)}, target expects {tuple(leaf.shape)}")
-        if len(flat_target) != len(flat_saved):
-            missing = sorted(set(flat_saved) - {_path_name(p) for p, _ in flat_target})
-            raise CheckpointError(f"{self.directory}/{step}/{item}: the target lacks saved "
-                                  f"arrays {missing[:8]}")
+        check_target(f"{self.directory}/{step}/{item}", getattr(saved, "tree", saved), target)
 
     def restore(self, step: Optional[int] = None, *, params_target: PyTree = None,
                 opt_state_target: PyTree = None, restore_opt_state: bool = True,
@@ -441,8 +229,8 @@ class Checkpointer:
             step=progress["step"], params=params,
             opt_state=got["opt_state"] if want_opt else None,
             value=got["value"] if want_value else None,
-            rngs=_decode_rngs(progress.get("rngs", {})),
-            data_state=_decode_data_state(got["data"]),
+            rngs=decode_rngs(progress.get("rngs", {})),
+            data_state=decode_data_state(got["data"]),
             policy_version=progress["policy_version"], extra=progress.get("extra", {}),
             metadata=got["meta"])
 
@@ -450,26 +238,10 @@ class Checkpointer:
         if target is None:
             # No target: read onto the host CPU device (works whatever mesh saved it).
             saved = self._manager.item_metadata(step).get(item)
-            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
-                                  getattr(saved, "tree", saved))
+            target = host_target(getattr(saved, "tree", saved))
         else:
             self._check_target(step, item, target)
         return ocp.args.StandardRestore(abstract_target(target))
-
-
-def _path_name(path) -> str:
-    """A pytree key path as ``a/0/value``: the same string for a dict, a namedtuple or an
-    ``nnx.State`` and for orbax's saved metadata tree of it."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 def resume(checkpointer: Checkpointer, *, params_target: PyTree,

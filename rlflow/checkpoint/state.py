@@ -1,0 +1,58 @@
+"""What one learner checkpoint holds in memory (:class:`LearnerCheckpoint`) and its error type.
+
+The on-disk items are listed in :mod:`rlflow.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, or does not fit what the caller restores it into."""
+
+
+@dataclass
+class LearnerCheckpoint:
+    """What one learner checkpoint holds (see :mod:`rlflow.checkpoint` for the on-disk items).
+
+    Attributes:
+      step: optimiser steps completed; the next step to run is ``step + 1``.
+      params: policy parameters, a pytree of ``jax.Array`` (``nnx.State`` from
+        ``nnx.split(model, nnx.Param)``).
+      opt_state: optax state (``None``: not saved / not restored).
+      value: PPO value head parameters (``nnx.State``, :mod:`rlflow.learner.value`), or
+        ``None`` (group estimators: nothing saved).
+      rngs: named PRNG keys, typed (``jax.random.key``) or raw ``uint32`` (``PRNGKey``);
+        each must be fully replicated (the same on every host).
+      data_state: prompt iterator state from grain's ``get_state()`` (dict or bytes), or None.
+      policy_version: version of ``params``; the learner's step count unless set.
+      extra: JSON-able loop counters (epoch, samples seen, dropped groups, ...).
+      metadata: run metadata (:func:`rlflow.checkpoint.run_metadata`).
+
+    Raises:
+      CheckpointError: ``step`` is not an int >= 0.
+    """
+
+    step: int
+    params: PyTree
+    opt_state: PyTree = None
+    value: PyTree = None
+    rngs: Mapping[str, jax.Array] = field(default_factory=dict)
+    data_state: Any = None
+    policy_version: Optional[int] = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.step, (int, np.integer)) or self.step < 0:
+            raise CheckpointError(f"LearnerCheckpoint.step: must be an int >= 0, got {self.step!r}")
+        self.step = int(self.step)
+        if self.policy_version is None:
+            self.policy_version = self.step
