@@ -3,9 +3,12 @@
 What a multi-host TPU slice is, on one machine: each process sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=D`` before importing jax, selects gloo CPU
 collectives, and calls :func:`rlflow.learner.multihost.initialize` (``jax.distributed``,
-coordinator on ``127.0.0.1:<free port>``); then it runs ``fn(ctx)`` and pickles the result to
-``<work_dir>/result_<i>.pkl``. The parent waits for all, kills every process group on timeout
-(never hangs) and raises :class:`ProcessesFailed` naming the failed process with its log tail.
+coordinator on ``127.0.0.1:<free port>``); then it runs ``fn(ctx)`` and writes the result to
+``<work_dir>/result_<i>.json`` + ``.npz``. The parent waits for all, kills every process group
+on timeout (never hangs) and raises :class:`ProcessesFailed` naming the failed process with its
+log tail. The job and the results travel as JSON + ``.npz`` files, never pickle
+(:mod:`rlflow.runtime.local_host_files`: ``fn``'s result is a tree of plain values and numpy
+arrays).
 
 Used by the multi-host tests and ``benchmarks/learner_multihost.py``. Usage (``fn`` must be
 importable in the child: a module of the repository, or on ``extra_paths``)::
@@ -19,7 +22,6 @@ importable in the child: a module of the repository, or on ``extra_paths``)::
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -27,6 +29,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlflow.runtime.local_host_files import Job, read_value, result_path, write_job
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parent / "_local_host_child.py"
@@ -80,11 +84,11 @@ def start_processes(target: str, *, num_processes: int, devices_per_process: int
     work.mkdir(parents=True, exist_ok=True)
     distributed = num_processes > 1 if distributed is None else distributed
     port = port or free_port()
-    spec = dict(target=target, num_processes=num_processes,
-                devices_per_process=devices_per_process, work_dir=str(work), args=args or {},
-                distributed=distributed, coordinator=f"127.0.0.1:{port}",
-                init_timeout_s=init_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
-    (work / "spec.pkl").write_bytes(pickle.dumps(spec))
+    job = write_job(work, Job(target=target, num_processes=num_processes,
+                              devices_per_process=devices_per_process, work_dir=str(work),
+                              args=args or {}, distributed=distributed,
+                              coordinator=f"127.0.0.1:{port}", init_timeout_s=init_timeout_s,
+                              heartbeat_timeout_s=heartbeat_timeout_s))
     env = {**os.environ, **(env or {})}
     env["XLA_FLAGS"] = " ".join(
         [f for f in env.get("XLA_FLAGS", "").split()
@@ -97,7 +101,7 @@ def start_processes(target: str, *, num_processes: int, devices_per_process: int
     procs = []
     for i in range(num_processes):
         log = open(work / f"log_{i}.txt", "wb")
-        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(work / "spec.pkl"), str(i)],
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(job), str(i)],
                                       stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True))
         log.close()
@@ -123,6 +127,10 @@ def wait_processes(procs, work_dir, *, timeout_s: float = 600.0, grace_s: float 
     collective with it), then all are killed and :class:`ProcessesFailed` names it. With
     ``expect_failure`` the exit codes are returned instead of raising (None for a child that
     had to be killed).
+
+    Raises:
+      ProcessesFailed: a child exited non-zero or the group timed out.
+      HostFileError: a child's result file is malformed (names the file and the field).
     """
     work = Path(work_dir)
     deadline = time.monotonic() + timeout_s
@@ -150,7 +158,8 @@ def wait_processes(procs, work_dir, *, timeout_s: float = 600.0, grace_s: float 
         raise ProcessesFailed(
             f"process {first} {what} (exit codes {codes}); log of process {first}:\n"
             + _tail(work / f"log_{first}.txt"), bad)
-    return [pickle.loads((work / f"result_{i}.pkl").read_bytes()) for i in range(len(procs))]
+    return [read_value(result_path(work, i), what=f"result of process {i}")
+            for i in range(len(procs))]
 
 
 def run_processes(target: str, *, num_processes: int, devices_per_process: int, work_dir,
