@@ -33,12 +33,11 @@ with ``k = runtime.max_staleness``. So
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from rlflow.exchange import wire
 from rlflow.exchange.coordinator import Coordinator
@@ -46,7 +45,6 @@ from rlflow.exchange.coordinator import Coordinator
 STATUS = b"status"
 HEARTBEAT = b"heartbeat"
 log = logging.getLogger(__name__)
-_BYTES_KEY = "__bytes_base64__"
 
 
 def groups_to_admit(*, version: int, groups_per_step: int, max_staleness: int,
@@ -74,19 +72,6 @@ def groups_to_admit(*, version: int, groups_per_step: int, max_staleness: int,
     budget = (version + 1 + max_staleness) * groups_per_step - accepted - buffered
     share = -(-budget // num_samplers) if budget > 0 else 0
     return max(0, share - in_flight)
-
-
-def encode_state(state: Any) -> Any:
-    """A prompt-iterator state for JSON (bytes become base64)."""
-    if isinstance(state, (bytes, bytearray)):
-        return {_BYTES_KEY: base64.b64encode(bytes(state)).decode("ascii")}
-    return state
-
-
-def decode_state(state: Any) -> Any:
-    if isinstance(state, dict) and set(state) == {_BYTES_KEY}:
-        return base64.b64decode(state[_BYTES_KEY])
-    return state
 
 
 @dataclass
