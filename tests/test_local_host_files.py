@@ -18,7 +18,8 @@ def _tree():
     return {
         "params": {("layers", 0, "kernel"): rng.normal(size=(3, 4)).astype(np.float32),
                    ("embed",): rng.integers(0, 9, size=(5,)).astype(np.int32)},
-        "metrics": [{"learner/loss": np.float32(0.25), "n": np.int64(7)}, {"nan": math.nan}],
+        "metrics": [{"learner/loss": np.float32(0.25), "n": np.int64(7), "f": np.float64(2.5)},
+                    {"nan": math.nan}],
         "version": 3, "ok": True, "none": None, "name": "x", "ratio": 0.5,
         "units": ("a", ("b", 1)), "mask": np.array([True, False]), "empty": np.zeros((0, 2)),
         "__dunder": [1, 2],
@@ -50,7 +51,7 @@ def test_a_result_round_trips_with_types_dtypes_and_tuple_keys(tmp_path):
     write_value(path, want)
     json.loads(path.read_text())                        # plain JSON (NaN aside)
     with np.load(path.with_suffix(".npz"), allow_pickle=False) as npz:
-        assert len(npz.files) == 6                      # 4 arrays + 2 numpy scalars
+        assert len(npz.files) == 7                      # 4 arrays + 3 numpy scalars
     _assert_same(read_value(path), want)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result_1.json", "result_1.npz"]
 

@@ -84,12 +84,12 @@ def job_path(work_dir) -> Path:
 # --- encoding ----------------------------------------------------------------------------------
 
 def _encode(value: Any, where: str, arrays: dict) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, np.generic):
+    if isinstance(value, np.generic):          # before float: np.float64 is a float
         name = f"a{len(arrays)}"
         arrays[name] = np.asarray(value)
         return {"__scalar__": name}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, np.ndarray) or (hasattr(value, "__array__") and hasattr(value, "dtype")):
         arr = np.asarray(value)
         if arr.dtype.hasobject:
