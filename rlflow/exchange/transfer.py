@@ -67,16 +67,21 @@ class WeightTransferTimeout(WeightTransferError, TimeoutError):
     """One pull did not complete within the watchdog's timeout."""
 
 
-def _start_server(bind_address: str, transports: int | None = None):
+def _start_server(bind_address: str, transports: int | None = None, *,
+                  raw_buffers: bool = False):
     """A transfer server with ``transports`` bulk-transport sockets (default: one per local
-    device). A puller needs at least as many as the server it pulls from (module doc)."""
+    device). A puller needs at least as many as the server it pulls from (module doc).
+    ``raw_buffers``: serve ``await_pull`` arrays through raw aliases of their buffers (one
+    host copy fewer per byte sent, module doc); only for arrays nothing else can delete or
+    donate while a pull is pending."""
     host = bind_address if ":" not in bind_address else f"[{bind_address.strip('[]')}]"
     devices = jax.local_devices()
     n = len(devices) if transports is None else transports
     if n < 1:
         raise ValueError(f"a transfer server needs >= 1 transports, got {n}")
     return jax_transfer.start_transfer_server(devices[0].client, f"{host}:0",
-                                              [f"{host}:0"] * n), n
+                                              [f"{host}:0"] * n,
+                                              use_raw_buffers=raw_buffers), n
 
 
 class WeightPublisher:
@@ -87,7 +92,10 @@ class WeightPublisher:
       advertise_host: host samplers connect to (default: ``bind_address``, or this host's
         address when bound to all interfaces).
       pull_timeout_s: seconds an offer's ``await_pull`` keeps its arrays for the pull.
-      copy: publish a device copy (needed when the train step donates the params).
+      copy: publish a device copy (needed when the train step donates the params). The
+        copy is this publisher's alone, so its server sends it through raw buffer aliases
+        (``use_raw_buffers``: one host copy fewer per byte); without a copy it serves the
+        caller's arrays the safe way (a donation while a pull is pending must not be read).
       layout: "native" (the learner's shardings; the sampler needs as many devices) or
         "single_device" (gathered onto the first local device: any sampler can pull).
       transports: bulk-transport sockets of the server (default: one per local device);
@@ -101,7 +109,8 @@ class WeightPublisher:
             raise ValueError(f"layout must be 'native' or 'single_device', got {layout!r}")
         self.pull_timeout_s, self.copy, self.layout = pull_timeout_s, copy, layout
         self._devices = jax.local_devices()
-        self._server, self.transports = _start_server(bind_address, transports)
+        self._server, self.transports = _start_server(bind_address, transports,
+                                                      raw_buffers=copy)
         port = self._server.address().rsplit(":", 1)[1]
         if advertise_host is None:
             wildcard = bind_address in ("0.0.0.0", "::", "[::]", "*")
