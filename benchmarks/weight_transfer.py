@@ -16,14 +16,19 @@ connections, one per device). Printed::
 
     RESULT raw_socket_<n>stream_<W>MB <ms> ms                  (the link alone)
     RESULT weight_swap_vs_raw_socket_<W>MB_<case> <ratio> x     (1: the link is the limit)
+    RESULT raw_socket_<n>stream_cpu_<W>MB <ms> ms              (CPU time, both ends)
+    RESULT weight_cpu_<W>MB_<case> <ms> ms                     (CPU time, both processes)
 
 The raw-socket lines send the same W bytes buffer to buffer over loopback TCP with plain
 sockets, over 1 connection and over as many as the transfer server has transports: the
 floor of any socket transfer on this host, so ``weight_swap_vs_numpy_copy`` can be read
 against it (a target below ``raw_socket_..._vs_numpy_copy`` is below what the link allows).
 
-(and the parts: publish = the learner's device copy; pull = first request to last byte;
-other = coordinator round trip and Python) for two cases: ``same_layout`` (the sampler keeps the
+(and the parts: publish = the learner's ``publish`` call, which returns before its device
+copy is done, as in the runtime (``publish_copy``: when the copy was done; it overlaps the
+pull; ``--serial-publish`` waits for it before the sampler polls, the order of the figures
+before 2026-12-01); pull = first request to last byte; other = coordinator round trip and
+Python) for two cases: ``same_layout`` (the sampler keeps the
 learner's split, so nothing is re-laid) and ``resharded`` (rows -> columns: a full re-layout
 on the sampler, which the CPU backend does slowly).
 
@@ -31,7 +36,11 @@ The first rounds are slow while the allocators of both processes warm up (fresh 
 every pull); ``--warmup`` rounds (default 5) are not counted, so the figures are the steady
 state of a run that swaps weights every step.
 
-Usage: ``python benchmarks/weight_transfer.py [--mb 50 200] [--repeats 3] [--warmup 5]``.
+The CPU lines are what bounds the latency on a host with few cores (every copy of both
+processes shares them), and they hold still when other jobs load the machine.
+
+Usage: ``python benchmarks/weight_transfer.py [--mb 50 200] [--repeats 3] [--warmup 5]
+[--serial-publish]``.
 """
 
 from __future__ import annotations
@@ -207,7 +216,8 @@ def sampler(mb: int, repeats: int, warmup: int, serial: bool) -> None:
                 if r >= warmup:
                     rows.append((t_done - float(t_start), float(t_publish),
                                  sub.metrics["last_pull_s"],
-                                 sub.metrics["last_relayout_s"] + swap_s, copy_s, cpu_learner, cpu_sampler))
+                                 sub.metrics["last_relayout_s"] + swap_s, copy_s,
+                                 cpu_learner, cpu_sampler))
                 version += 1
             results[case] = np.median(np.array(rows), axis=0) * 1e3  # ms
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
