@@ -16,14 +16,19 @@ connections, one per device). Printed::
 
     RESULT raw_socket_<n>stream_<W>MB <ms> ms                  (the link alone)
     RESULT weight_swap_vs_raw_socket_<W>MB_<case> <ratio> x     (1: the link is the limit)
+    RESULT raw_socket_<n>stream_cpu_<W>MB <ms> ms              (CPU time, both ends)
+    RESULT weight_cpu_<W>MB_<case> <ms> ms                     (CPU time, both processes)
 
 The raw-socket lines send the same W bytes buffer to buffer over loopback TCP with plain
 sockets, over 1 connection and over as many as the transfer server has transports: the
 floor of any socket transfer on this host, so ``weight_swap_vs_numpy_copy`` can be read
 against it (a target below ``raw_socket_..._vs_numpy_copy`` is below what the link allows).
 
-(and the parts: publish = the learner's device copy; pull = first request to last byte;
-other = coordinator round trip and Python) for two cases: ``same_layout`` (the sampler keeps the
+(and the parts: publish = the learner's ``publish`` call, which returns before its device
+copy is done, as in the runtime (``publish_copy``: when the copy was done; it overlaps the
+pull; ``--serial-publish`` waits for it before the sampler polls, the order of the figures
+before 2026-12-01); pull = first request to last byte; other = coordinator round trip and
+Python) for two cases: ``same_layout`` (the sampler keeps the
 learner's split, so nothing is re-laid) and ``resharded`` (rows -> columns: a full re-layout
 on the sampler, which the CPU backend does slowly).
 
@@ -31,7 +36,11 @@ The first rounds are slow while the allocators of both processes warm up (fresh 
 every pull); ``--warmup`` rounds (default 5) are not counted, so the figures are the steady
 state of a run that swaps weights every step.
 
-Usage: ``python benchmarks/weight_transfer.py [--mb 50 200] [--repeats 3] [--warmup 5]``.
+The CPU lines are what bounds the latency on a host with few cores (every copy of both
+processes shares them), and they hold still when other jobs load the machine.
+
+Usage: ``python benchmarks/weight_transfer.py [--mb 50 200] [--repeats 3] [--warmup 5]
+[--serial-publish]``.
 """
 
 from __future__ import annotations
@@ -60,8 +69,10 @@ def leaf_shape(mb: int) -> tuple[int, int]:
     return rows, 1024
 
 
-def learner(mb: int) -> None:
-    """Peer process: on "publish <v>" publish version v and print its start time."""
+def learner(mb: int, serial: bool) -> None:
+    """Peer process: on "publish <v>" publish version v, print its start time and how long
+    ``publish`` took, then (once the device copy is done) how long the copy took.
+    ``serial``: wait for the copy before telling the sampler (no overlap with the pull)."""
     from rlflow.exchange.coordinator import Coordinator
     from rlflow.exchange.transfer import WeightPublisher
 
@@ -76,10 +87,15 @@ def learner(mb: int) -> None:
     for line in sys.stdin:
         cmd = line.split()
         if cmd[:1] == ["publish"]:
-            t0 = time.time()
+            t0, c0 = time.time(), time.process_time()
             pub.publish(int(cmd[1]), params)
-            jax.block_until_ready(pub._current[1])
+            if serial:
+                jax.block_until_ready(pub._current[1])
             print("PUBLISHED", cmd[1], t0, time.time() - t0, flush=True)
+            jax.block_until_ready(pub._current[1])
+            print("COPIED", time.time() - t0, flush=True)
+        elif cmd[:1] == ["cpu"]:  # CPU seconds of this process since the last publish started
+            print("CPU", time.process_time() - c0, flush=True)
         elif cmd[:1] == ["quit"]:
             break
     coord.close()
@@ -112,10 +128,12 @@ def numpy_copy_s(nbytes: int, repeats: int, warmup: int) -> tuple[float, float, 
     return tuple(float(np.median(x[warmup:])) for x in (warm, fresh, threaded))
 
 
-def raw_socket_s(nbytes: int, streams: int, repeats: int, warmup: int) -> float:
+def raw_socket_s(nbytes: int, streams: int, repeats: int,
+                 warmup: int) -> tuple[float, float]:
     """Median seconds to send ``nbytes`` from one buffer into another over loopback TCP,
     split over ``streams`` connections (one sender and one receiver thread each; both
-    release the GIL in ``sendall`` / ``recv_into``): the link alone, no framework."""
+    release the GIL in ``sendall`` / ``recv_into``): the link alone, no framework. Also
+    the median CPU seconds (both ends: ``time.process_time``) one send costs."""
     import socket
     import threading
 
@@ -139,28 +157,30 @@ def raw_socket_s(nbytes: int, streams: int, repeats: int, warmup: int) -> float:
         while len(view):
             view = view[sock.recv_into(view):]
 
-    times = []
+    times, cpu = [], []
     for _ in range(warmup + repeats):
         threads = [threading.Thread(target=f, args=(sock, lo, hi))
                    for (out, inc), lo, hi in zip(pairs, cuts[:-1], cuts[1:])
                    for f, sock in ((recv, inc), (send, out))]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     for out, inc in pairs:
         out.close()
         inc.close()
     assert dst[-1] == 1
-    return float(np.median(times[warmup:]))
+    return float(np.median(times[warmup:])), float(np.median(cpu[warmup:]))
 
 
-def sampler(mb: int, repeats: int, warmup: int) -> None:
+def sampler(mb: int, repeats: int, warmup: int, serial: bool) -> None:
     from rlflow.exchange.transfer import WeightSubscriber
 
-    proc = subprocess.Popen([sys.executable, __file__, "--learner", str(mb)],
+    proc = subprocess.Popen([sys.executable, __file__, "--learner", str(mb)] +
+                            (["--serial-publish"] if serial else []),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     mesh = Mesh(np.array(jax.devices()), ("tensor",))
     targets = {  # the sampler's own mesh; "same" keeps the learner's split, no re-layout
@@ -181,16 +201,23 @@ def sampler(mb: int, repeats: int, warmup: int) -> None:
                 proc.stdin.write(f"publish {version}\n")
                 proc.stdin.flush()
                 _, _, t_start, t_publish = proc.stdout.readline().split()
+                c0 = time.process_time()
                 got, new = sub.poll()
                 s0 = time.perf_counter()
                 params = new  # the swap: the sampler's engine takes this pytree
                 swap_s = time.perf_counter() - s0
                 t_done = time.time()
+                cpu_sampler = time.process_time() - c0
+                copy_s = float(proc.stdout.readline().split()[1])
+                proc.stdin.write("cpu\n")
+                proc.stdin.flush()
+                cpu_learner = float(proc.stdout.readline().split()[1])
                 assert got == version and float(np.asarray(params["w3"][0, 0])) == 3.0
                 if r >= warmup:
                     rows.append((t_done - float(t_start), float(t_publish),
                                  sub.metrics["last_pull_s"],
-                                 sub.metrics["last_relayout_s"] + swap_s))
+                                 sub.metrics["last_relayout_s"] + swap_s, copy_s,
+                                 cpu_learner, cpu_sampler))
                 version += 1
             results[case] = np.median(np.array(rows), axis=0) * 1e3  # ms
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -201,28 +228,38 @@ def sampler(mb: int, repeats: int, warmup: int) -> None:
         if proc.poll() is None:
             proc.kill()
     base, fresh, threaded = (t * 1e3 for t in numpy_copy_s(nbytes, repeats, warmup))
-    link = {n: raw_socket_s(nbytes, n, repeats, min(warmup, 2)) * 1e3
+    link = {n: [t * 1e3 for t in raw_socket_s(nbytes, n, repeats, min(warmup, 2))]
             for n in sorted({1, sub.transports})}
     name = f"{round(nbytes / 2**20)}MB"
     print(f"# {name}: {LEAVES} float32 leaves; learner {DEVICES} devices P('fsdp', None); "
-          f"sampler {DEVICES} devices; median of {repeats} after {warmup} warm-up rounds")
+          f"sampler {DEVICES} devices; median of {repeats} after {warmup} warm-up rounds; "
+          + ("serial publish (copy done before the offer)" if serial else
+             "publish returns before its copy is done, as in the runtime"))
     print(f"RESULT numpy_copy_{name} {base:.1f} ms np.copyto into a reused buffer (baseline)")
     print(f"RESULT numpy_copy_fresh_{name} {fresh:.1f} ms np.copy into a new buffer")
     print(f"RESULT numpy_copy_{DEVICES}threads_{name} {threaded:.1f} ms")
-    for n, ms in link.items():
+    for n, (ms, cpu_ms) in link.items():
         print(f"RESULT raw_socket_{n}stream_{name} {ms:.1f} ms loopback TCP, {n} connection(s), "
               f"buffer to buffer ({nbytes / ms / 1e6:.2f} GB/s): the link alone")
         print(f"RESULT raw_socket_{n}stream_vs_numpy_copy_{name} {ms / base:.2f} x the floor "
               f"any socket transfer of these bytes has on this host")
-    floor = min(link.values())
-    for case, (latency, publish, pull, pause) in results.items():
+        print(f"RESULT raw_socket_{n}stream_cpu_{name} {cpu_ms:.1f} ms CPU time, both ends")
+    floor = min(ms for ms, _ in link.values())
+    floor_cpu = min(cpu_ms for _, cpu_ms in link.values())
+    for case, (latency, publish, pull, pause, copy, cpu_l, cpu_s) in results.items():
+        cpu = cpu_l + cpu_s
         print(f"RESULT weight_publish_{name}_{case} {publish:.1f} ms")
+        print(f"RESULT weight_publish_copy_{name}_{case} {copy:.1f} ms the learner's device "
+              "copy, from publish start" + ("" if serial else " (overlaps the pull)"))
         print(f"RESULT weight_pull_{name}_{case} {pull:.1f} ms")
         print(f"RESULT weight_other_{name}_{case} {latency - publish - pull - pause:.1f} ms")
         print(f"RESULT weight_publish_to_swap_{name}_{case} {latency:.1f} ms")
         print(f"RESULT weight_swap_vs_numpy_copy_{name}_{case} {latency / base:.2f} x "
               "target<=3")
         print(f"RESULT weight_sampler_pause_{name}_{case} {pause:.1f} ms")
+        print(f"RESULT weight_cpu_{name}_{case} {cpu:.1f} ms CPU time of both processes per "
+              f"version ({cpu / floor_cpu:.2f} x the raw socket's; learner {cpu_l:.1f}, sampler "
+              f"{cpu_s:.1f}): what bounds the latency on a host with few cores")
         print(f"RESULT weight_swap_vs_raw_socket_{name}_{case} {latency / floor:.2f} x "
               f"publish-to-swap over the fastest raw-socket send of the same bytes (1: the "
               f"link is the limit)")
@@ -233,13 +270,16 @@ def main() -> None:
     ap.add_argument("--mb", type=int, nargs="+", default=[50, 200], help="weight sizes W, MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=5, help="rounds not counted")
+    ap.add_argument("--serial-publish", action="store_true",
+                    help="the learner waits for its device copy before the sampler polls "
+                         "(the figures before the copy overlapped the pull)")
     ap.add_argument("--learner", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.learner is not None:
-        learner(args.learner)
+        learner(args.learner, args.serial_publish)
         return
     for mb in args.mb:
-        sampler(mb, args.repeats, args.warmup)
+        sampler(mb, args.repeats, args.warmup, args.serial_publish)
 
 
 if __name__ == "__main__":

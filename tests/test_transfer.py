@@ -293,6 +293,31 @@ def test_retries_exhausted_raise_transfer_error(learner):
     assert sub.poll()[0] == 1  # the next poll gets a fresh offer and succeeds
 
 
+@pytest.mark.parametrize("copy", [True, False])
+def test_an_offer_outlives_a_newer_publish(learner, copy):
+    """An offer made before a newer publish still delivers its own version's bytes: with
+    ``copy`` the server reads the publish copy through raw buffer aliases, and the
+    publisher drops that copy at the next publish; its freed memory is then reused."""
+    import gc
+
+    pub, coord = learner(copy=copy)
+    v1 = sharded_params(1)
+    pub.publish(1, v1)
+    offer = CoordinatorClient(coord.address, consumer_id="s1").latest(-1)
+    pub.publish(2, sharded_params(2))
+    if copy:
+        del v1          # the caller drops version 1 too: only the offer holds its bytes now
+    gc.collect()
+    reuse = [jax.block_until_ready(jax.tree.map(lambda x: x * 3 + 1, sharded_params(7)))
+             for _ in range(3)]
+    sub = WeightSubscriber(coord.address, consumer_id="s0", timeout_s=30, retries=0)
+    got = sub.pull(offer)
+    want = jax.tree.leaves(expected(1))
+    assert offer["version"] == 1 and len(got) == len(want) and len(reuse) == 3
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
 def test_versions_never_go_backwards(learner, tmp_path):
     pub, _ = learner()
     pub.publish(5, sharded_params(5))

@@ -24,15 +24,33 @@ Facts this code relies on (jax 0.10, checked on CPU across two processes on 127.
   offer and the subscriber's own server is started (or restarted) with at least that many
   (:func:`_start_server`). Device counts only matter for the layout (``layout.pull_avals``).
 
-Speed (``benchmarks/weight_transfer.py``, 2-core CPU host, loopback, which also measures
-a raw-socket send of the same bytes): publish-to-swap is the learner's device copy
-(publish), then the pull, which runs at about a third of the raw-socket loopback rate (one
-run, 50 MB, loaded host: pull 375 ms, raw socket 128 ms, numpy copy 25 ms); a raw socket
-alone is already ~5x a numpy copy here. Measured and dropped: packing all leaves into one flat
-buffer (slower on CPU: shards > 32 MB are fresh mmaps, page-faulted on every pull), more
-transport connections per device, ``use_raw_buffers``, other ``transfer_size`` /
-``max_num_parallel_copies``. Kept: each leaf is re-laid onto the target as soon as it has
-landed, so only the last leaf's re-layout remains after the transfer.
+Speed (``benchmarks/weight_transfer.py``: 2-core CPU host, loopback; it also measures a
+raw-socket send of the same bytes and the CPU time of both processes). Where the time goes
+(per-thread CPU from ``/proc/<pid>/task/*/schedstat`` and ``perf``, 50 MB in 16 shards):
+
+* learner: the publish copy (one memcpy; the train step donates its params, so it stays),
+  then, per buffer, a copy into the server's staging slots (``CopyRawToHost``) and the
+  ``send-thread``'s ``MSG_ZEROCOPY`` send (on loopback the kernel copies the pages anyway);
+* sampler: each ``recv-thread`` receives into a staging slab (the kernel copy) and then
+  memcpys into the new array (``TransferRawDataToSubBuffer``), page-faulting the fresh
+  pages of the new version (~4k faults per 50 MB, ~10k per 200 MB).
+
+A raw socket does only the two kernel copies; the transfer does two to three memcpys more
+and the faults: ~3x the raw socket's CPU time per byte. On a host with few cores the
+copies of both processes share the cores, so that CPU time, not the link, bounds the
+latency. Kept: the publisher serves its own copy through raw buffer aliases
+(``use_raw_buffers``: no staging copy on the learner; the publish copy is the publisher's
+alone, so nothing can donate or delete it under a pending pull), and ``publish`` does not
+wait for its copy (the server sends each buffer once its copy is ready, so the pull
+overlaps the copy). Each leaf is re-laid onto the target as soon as it has landed, so only
+the last leaf's re-layout remains after the transfer. Measured and dropped (CPU time per
+pull, loaded host, this and earlier sessions): one flat buffer for all leaves (shards
+> 32 MB are fresh mmaps, page-faulted on every pull), ``transfer_size`` 1/4/16 MB (more
+sender CPU), ``max_num_parallel_copies`` 2/16, 1 or 4 transports instead of one per
+device, ``supports_pinned_allocator`` (``TCP_ZEROCOPY_RECEIVE``: no CPU saved on
+loopback), several concurrent pulls of disjoint leaf groups (same copies, same CPU), and
+glibc malloc thresholds (``mallopt``: 5x fewer page faults at 200 MB, CPU within noise).
+Figures: ``benchmarks/README.md``.
 
 Versions never go backwards: the publisher refuses a version <= the last one; the subscriber
 ignores offers <= the version it has. The transfer server has no authentication of its own:
@@ -67,16 +85,21 @@ class WeightTransferTimeout(WeightTransferError, TimeoutError):
     """One pull did not complete within the watchdog's timeout."""
 
 
-def _start_server(bind_address: str, transports: int | None = None):
+def _start_server(bind_address: str, transports: int | None = None, *,
+                  raw_buffers: bool = False):
     """A transfer server with ``transports`` bulk-transport sockets (default: one per local
-    device). A puller needs at least as many as the server it pulls from (module doc)."""
+    device). A puller needs at least as many as the server it pulls from (module doc).
+    ``raw_buffers``: serve ``await_pull`` arrays through raw aliases of their buffers (one
+    host copy fewer per byte sent, module doc); only for arrays nothing else can delete or
+    donate while a pull is pending."""
     host = bind_address if ":" not in bind_address else f"[{bind_address.strip('[]')}]"
     devices = jax.local_devices()
     n = len(devices) if transports is None else transports
     if n < 1:
         raise ValueError(f"a transfer server needs >= 1 transports, got {n}")
     return jax_transfer.start_transfer_server(devices[0].client, f"{host}:0",
-                                              [f"{host}:0"] * n), n
+                                              [f"{host}:0"] * n,
+                                              use_raw_buffers=raw_buffers), n
 
 
 class WeightPublisher:
@@ -87,7 +110,10 @@ class WeightPublisher:
       advertise_host: host samplers connect to (default: ``bind_address``, or this host's
         address when bound to all interfaces).
       pull_timeout_s: seconds an offer's ``await_pull`` keeps its arrays for the pull.
-      copy: publish a device copy (needed when the train step donates the params).
+      copy: publish a device copy (needed when the train step donates the params). The
+        copy is this publisher's alone, so its server sends it through raw buffer aliases
+        (``use_raw_buffers``: one host copy fewer per byte); without a copy it serves the
+        caller's arrays the safe way (a donation while a pull is pending must not be read).
       layout: "native" (the learner's shardings; the sampler needs as many devices) or
         "single_device" (gathered onto the first local device: any sampler can pull).
       transports: bulk-transport sockets of the server (default: one per local device);
@@ -101,7 +127,8 @@ class WeightPublisher:
             raise ValueError(f"layout must be 'native' or 'single_device', got {layout!r}")
         self.pull_timeout_s, self.copy, self.layout = pull_timeout_s, copy, layout
         self._devices = jax.local_devices()
-        self._server, self.transports = _start_server(bind_address, transports)
+        self._server, self.transports = _start_server(bind_address, transports,
+                                                      raw_buffers=copy)
         port = self._server.address().rsplit(":", 1)[1]
         if advertise_host is None:
             wildcard = bind_address in ("0.0.0.0", "::", "[::]", "*")
