@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from rlflow.config import ConfigError, LearnerConfig, LoraConfig, MeshConfig, ModelConfig
-from rlflow.learner import losses
+from rlflow.learner import loss_positions, losses
 from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch
 from rlflow.learner.packing import PackSpec, first_fit, pack_batch, pack_spec_from_config
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
@@ -187,6 +187,66 @@ def test_packed_step_equals_unpacked_and_numpy_oracle(tiny_model, mode):
     for key in fu:
         err = np.linalg.norm(fp[key] - fu[key]) / np.linalg.norm(fu[key])
         assert err <= (2 * reorder_rtol(chain, n) + sum_tol(n)) * cancel, (key, err)
+
+
+# ------------------------------------------------- logits only at loss positions (issue 15)
+
+def test_loss_index_gather_scatter_equal_numpy_oracle():
+    """Per row group (shard), slot j holds the j-th loss position in row-major order; unused
+    slots hold the out-of-range index; gather reads those positions, scatter puts values back
+    and leaves zeros elsewhere; the host check names an overfull group."""
+    rng = np.random.default_rng(1)
+    mask = rng.random((4, 6)) < 0.4
+    mask[2:] = False
+    mask[3, 5] = True                                   # group 1: a single loss position
+    shards, cap = 2, 8
+    idx = np.asarray(loss_positions.loss_index(jnp.asarray(mask), shards, cap))
+    x = rng.normal(size=(4, 6, 3)).astype(np.float32)
+    got = np.asarray(loss_positions.gather(jnp.asarray(x), jnp.asarray(idx)))
+    back = np.asarray(loss_positions.scatter(jnp.asarray(got[..., 0]), jnp.asarray(idx),
+                                             mask.shape))
+    for g in range(shards):
+        flat_mask = mask[2 * g:2 * g + 2].reshape(-1)
+        want = np.flatnonzero(flat_mask)
+        assert want.size <= cap
+        np.testing.assert_array_equal(idx[g, :want.size], want)
+        np.testing.assert_array_equal(idx[g, want.size:], 12)        # 2 rows x 6 positions
+        np.testing.assert_array_equal(got[g, :want.size], x[2 * g:2 * g + 2].reshape(12, 3)[want])
+    np.testing.assert_array_equal(back, np.where(mask, x[..., 0], 0.0))
+    assert loss_positions.capacity_for(4, 6, 2, 100) == 12
+    assert loss_positions.capacity_for(4, 6, 2, 5) == 5
+    loss_positions.check_capacity(mask, 1, shards, int(mask[:2].sum()))
+    with pytest.raises(ValueError, match=r"micro-batch 0, row group 0: \d+ loss positions, "
+                                         r"more than the 1 logit slots"):
+        loss_positions.check_capacity(mask, 1, shards, 1)
+
+
+def test_loss_slot_step_equals_full_logits_step(tiny_model):
+    """Projecting only the loss positions (the learner's default) gives the loss, KL,
+    entropy, IS statistics and gradients of projecting every position (packed batch, 2
+    micro-batches, KL reference)."""
+    graphdef, params, ref = tiny_model
+    batch, _ = build_batch(records(7), SPEC, 0)
+    packed, _ = pack_batch(batch, pack_spec(split=2))
+    jb = TrainBatch(*packed)
+    out = []
+    for bound in (0, SPEC.num_rows * T):
+        s = StepSettings(loss_agg="seq-mean-token-mean", norm_len=T, micro_batches=2,
+                         kl_coef=0.3, is_cap=1.5, max_loss_tokens=bound)
+        out.append(jax.jit(make_grad_fn(graphdef, s))(params, jb, ref))
+    (l0, g0, s0), (l1, g1, s1) = out
+    # the same forward up to the LM head; after it, other matmul shapes (other kernels)
+    chain, n = model_chain_len(MODEL, packed.tokens.shape[1]), int(packed.loss_mask.sum())
+    rtol = reorder_rtol(chain, n)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=rtol * MIXED_SIGN_CANCEL)
+    for key in ("kl", "entropy", "is_weight", "is_kept", "is_truncated", "is_lr_max"):
+        np.testing.assert_allclose(float(s1[key]), float(s0[key]), rtol=rtol,
+                                   atol=2 * F32_EPS * n if key == "kl" else 0.0, err_msg=key)
+    assert float(s0["kl"]) > 0 and float(s0["is_truncated"]) > 0
+    f0, f1 = flat(g0), flat(g1)
+    for key in f0:
+        err = np.linalg.norm(f1[key] - f0[key]) / np.linalg.norm(f0[key])
+        assert err <= (2 * rtol + sum_tol(n)) * MIXED_SIGN_CANCEL, (key, err)
 
 
 # -------------------------------------------------------- the learner: mesh, LoRA, default on

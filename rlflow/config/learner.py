@@ -161,7 +161,9 @@ class LearnerConfig:
         step never computes more positions or longer attention rows than the padded one.
         Must hold the longest row.
       pack_row_buckets: how many packed row counts (compiled shapes) the step may use,
-        evenly spaced up to the count that holds any batch.
+        evenly spaced up to the count that holds any batch (shapes compile when first
+        used). A batch's rows are rounded up to the next count: with 16 rows of the longest
+        row, 8 buckets round 13 packed rows to 14, 4 would round them to 16.
     """
 
     num_steps: int = 20
@@ -210,7 +212,7 @@ class LearnerConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     packing: Optional[bool] = None
     pack_length: int = 0
-    pack_row_buckets: int = 4
+    pack_row_buckets: int = 8
 
     @property
     def packs(self) -> bool:

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlflow.learner import advantages as adv_lib
-from rlflow.learner import losses
+from rlflow.learner import loss_positions, losses
 from rlflow.learner.batch import TrainBatch
 from rlflow.mesh import batch_sharding, param_shardings, replicated
 from rlflow.models.logprobs import token_logprobs
@@ -72,6 +72,9 @@ class StepSettings:
 
     ``gae`` turns on PPO with the value head (``learner.advantage == "gae"``); ``whiten`` and
     ``kl_in_reward`` are ``learner.gae_whiten`` / ``learner.gae_kl_in_reward``.
+    ``max_loss_tokens``: a bound on a step's loss positions (samples x ``sampler.max_tokens``):
+    > 0 projects to the vocabulary only at loss positions, in that many slots per micro-batch
+    and batch shard at most (:mod:`rlflow.learner.loss_positions`); 0 projects every position.
     """
     loss_agg: str = "token-mean"
     norm_len: int = 1
@@ -94,6 +97,7 @@ class StepSettings:
     value_clip: float = 0.2
     whiten: bool = True
     kl_in_reward: bool = False
+    max_loss_tokens: int = 0
 
     @classmethod
     def from_config(cls, cfg) -> "StepSettings":
@@ -108,7 +112,9 @@ class StepSettings:
                    temperature=cfg.sampler.temperature or 1.0,
                    gae=lr.advantage == "gae", gae_lambda=lr.gae_lambda, gae_gamma=lr.gae_gamma,
                    value_coef=lr.value_coef, value_clip=lr.value_clip, whiten=lr.gae_whiten,
-                   kl_in_reward=lr.gae_kl_in_reward)
+                   kl_in_reward=lr.gae_kl_in_reward,
+                   max_loss_tokens=lr.groups_per_step * cfg.sampler.group_size
+                   * cfg.sampler.max_tokens)
 
 
 def trainable(params, value=None):
@@ -145,38 +151,49 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 
 
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
-                  value_graphdef=None, frozen=None):
+                  value_graphdef=None, frozen=None, loss_slots: tuple[int, int] | None = None):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
       params: the policy's ``nnx.State``, or ``(policy, value head)`` with ``value_graphdef``.
       frozen: parameters merged into the model but not trained (LoRA: the base, with
         ``params`` the adapters), or None.
+      loss_slots: ``(shards, capacity)``: logits only at ``batch.loss_mask`` positions
+        (:func:`rlflow.learner.loss_positions.loss_index`; the caller guarantees at most
+        ``capacity`` per row group), logprobs and entropy 0 elsewhere; None: every position.
 
     Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
     gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head.
     """
     policy, vparams = (params, None) if value_graphdef is None else params
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
-    values = None
-    seg = batch.segment_ids
-    if value_graphdef is None:
-        logits = model(batch.tokens, batch.positions, batch.attention_mask, segment_ids=seg)
+    hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
+                                 segment_ids=batch.segment_ids)
+    values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
+    if loss_slots is None:
+        logits, targets = model.project(hidden), batch.targets
     else:
-        logits, hidden = model(batch.tokens, batch.positions, batch.attention_mask,
-                               return_hidden=True, segment_ids=seg)
-        values = nnx.merge(value_graphdef, vparams)(hidden)
-    logp = token_logprobs(logits, batch.targets, temperature)
+        index = loss_positions.loss_index(batch.loss_mask, *loss_slots)
+        logits = model.project(loss_positions.gather(hidden, index))
+        targets = loss_positions.gather(batch.targets, index)
+    logp = token_logprobs(logits, targets, temperature)
     ent = losses.entropy_from_logits(jax.lax.stop_gradient(logits) / temperature)
+    if loss_slots is not None:
+        shape = batch.loss_mask.shape
+        logp = loss_positions.scatter(logp, index, shape)
+        ent = loss_positions.scatter(ent, index, shape)
     return logp, ent, values
 
 
-def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None):
-    """Tempered logprobs of ``batch.targets`` and the policy entropy at each position.
+def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None,
+                    loss_slots: tuple[int, int] | None = None):
+    """Tempered logprobs of ``batch.targets`` and the policy entropy at each position
+    (``loss_slots``: at loss positions only, as :func:`model_outputs`).
 
     Returns: ``(logprobs, entropy)``, both float32 ``[B, L]`` (entropy carries no gradient).
     """
-    return model_outputs(graphdef, params, batch, temperature, frozen=frozen)[:2]
+    return model_outputs(graphdef, params, batch, temperature, frozen=frozen,
+                         loss_slots=loss_slots)[:2]
 
 
 _SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
@@ -194,11 +211,12 @@ def _targets(mb: TrainBatch, v_old, logp, ref_logp, s: StepSettings):
 
 
 def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
-                value_graphdef=None, old=None, frozen=None):
+                value_graphdef=None, old=None, frozen=None, loss_slots=None):
     """Loss of one micro-batch. PPO: ``old = (advantages, returns, V_old)`` from the
-    old-values pass, or None (computed here from this forward's detached values)."""
+    old-values pass, or None (computed here from this forward's detached values).
+    ``loss_slots``: as :func:`model_outputs`."""
     logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
-                                      frozen)
+                                      frozen, loss_slots)
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:
@@ -263,6 +281,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
         raise ValueError(f"settings.gae={s.gae} needs a value head graphdef exactly when True, "
                          f"got value_graphdef={value_graphdef!r}")
     sums_names = _SUMS + (_VALUE_SUMS if s.gae else ())
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     old_values_pass = s.gae and s.whiten and k > 1
 
     def constrain(x, lead):
@@ -271,9 +290,16 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
         spec = P(*((None,) * lead), ("data", "fsdp"), *((None,) * (x.ndim - lead - 1)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def ref_logprobs(ref_params, mb, frozen):
+    def slots(mb: TrainBatch):
+        """``(shards, capacity)`` of a micro-batch's loss positions, or None (every position)."""
+        if s.max_loss_tokens <= 0:
+            return None
+        rows, seq = mb.tokens.shape
+        return shards, loss_positions.capacity_for(rows, seq, shards, s.max_loss_tokens)
+
+    def ref_logprobs(ref_params, mb, frozen, loss_slots=None):
         return None if ref_params is None else jax.lax.stop_gradient(
-            policy_logprobs(graphdef, ref_params, mb, s.temperature, frozen)[0])
+            policy_logprobs(graphdef, ref_params, mb, s.temperature, frozen, loss_slots)[0])
 
     def old_pass(params, micro: TrainBatch, ref_params, frozen):
         """Forward only, at the step-start params: GAE targets of every micro-batch, whitened
@@ -304,9 +330,10 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
 
         def body(carry, xs):
             (mb, w_mb), old_mb = jax.tree.map(lambda x: constrain(x, 0), xs)
-            ref_logp = ref_logprobs(ref_params, mb, frozen)
+            mb_slots = slots(mb)
+            ref_logp = ref_logprobs(ref_params, mb, frozen, mb_slots)
             (loss, (sums, hi, lo)), g = value_and_grad(params, graphdef, mb, w_mb, ref_logp, s,
-                                                       value_graphdef, old_mb, frozen)
+                                                       value_graphdef, old_mb, frozen, mb_slots)
             grads, acc = carry
             grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g)
             acc = {n: acc[n] + sums[n] for n in sums_names} | {

@@ -27,6 +27,7 @@ from rlflow import checkpoint as ckpt_lib
 from rlflow import config as config_lib
 from rlflow.learner.batch import (BatchError, BatchSpec, TrainBatch, build_batch,
                                   row_segment_ids, validate_batch)
+from rlflow.learner.loss_positions import capacity_for, check_capacity
 from rlflow.learner.packing import pack_batch, pack_spec_from_config, padding_fraction
 from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import (StepSettings, TrainState, abstract_batch, compile_train_step,
@@ -210,7 +211,8 @@ class Learner:
         row count that the micro-batches and batch-sharded devices do not divide;
         :class:`rlflow.models.decoder.TokenRangeError` for a token id outside the vocabulary
         (inside jit a gather would clamp it silently); a PPO batch without
-        ``token_rewards``. RuntimeError: PPO state without its value head (e.g. a
+        ``token_rewards``; more loss positions than the step's logit slots (groups x
+        group size x ``sampler.max_tokens``, :mod:`rlflow.learner.loss_positions`). RuntimeError: PPO state without its value head (e.g. a
         ``TrainState`` rebuilt from a checkpoint that did not carry ``value``).
         """
         validate_batch(batch)
@@ -226,11 +228,17 @@ class Learner:
                                "(TrainState.value is None): a state restored from a checkpoint "
                                "must carry the value head too")
         validate_tokens(batch.tokens, self.model_config.vocab_size, where="train batch tokens")
-        rows = np.shape(batch.tokens)[0]
-        split = self.settings.micro_batches * self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        if rows % split:
+        rows, seq = np.shape(batch.tokens)
+        k, shards = self.settings.micro_batches, self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if rows % (k * shards):
             raise BatchError(f"batch of {rows} rows does not divide into learner.micro_batches x "
-                             f"data x fsdp = {split} parts")
+                             f"data x fsdp = {k * shards} parts")
+        if self.settings.max_loss_tokens > 0:
+            capacity = capacity_for(rows // k, seq, shards, self.settings.max_loss_tokens)
+            try:
+                check_capacity(batch.loss_mask, k, shards, capacity)
+            except ValueError as e:
+                raise BatchError(f"train batch: {e}") from None
         return batch
 
     def step_on_device(self, dev: TrainBatch) -> dict[str, float]:

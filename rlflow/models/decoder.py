@@ -115,6 +115,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
+def _dense(x: jax.Array, kernel: jax.Array, preferred_element_type=None) -> jax.Array:
+    """``x [..., I] @ kernel [I, O...] -> [..., O...]`` as one 2-D matmul ``[N, I] @ [I, O]``.
+
+    One contracting dimension in the backward too: the weight gradient of an einsum over
+    ``[B, T, I]`` contracts two dimensions (b, t), and XLA:CPU then copies the output
+    gradient into a transposed layout (a strided ``[O, B * T]`` write per projection, 1.6x
+    the whole MLP step at 16 x 192 x 896); flattened, it multiplies in place.
+    """
+    lead, out = x.shape[:-1], kernel.shape[1:]
+    y = jnp.matmul(x.reshape(-1, x.shape[-1]), kernel.reshape(kernel.shape[0], -1),
+                   preferred_element_type=preferred_element_type)
+    return y.reshape(lead + out)
+
+
 def _param(value, axes: tuple) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
@@ -172,7 +186,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def _proj(self, x, kernel, bias, lora):
-        y = jnp.einsum("bte,end->btnd", x, kernel[...].astype(self.dtype))
+        y = _dense(x, kernel[...].astype(self.dtype))
         if lora is not None:
             y = y + lora(x)
         return y if bias is None else y + bias[...].astype(self.dtype)
@@ -206,7 +220,8 @@ class Attention(nnx.Module):
             out = out.reshape(b, t, h, d)
         else:
             out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, d)
-        y = jnp.einsum("bthd,hde->bte", out, self.o_kernel[...].astype(self.dtype))
+        o = self.o_kernel[...].astype(self.dtype)
+        y = _dense(out.reshape(b, t, h * d), o.reshape(h * d, o.shape[-1]))
         if self.o_lora is not None:
             y = y + self.o_lora(out)
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
@@ -231,7 +246,7 @@ class MLP(nnx.Module):
                     if lora is not None and lora.targets(name) else None)
 
     def _lin(self, x, name):
-        y = x @ getattr(self, f"{name}_kernel")[...].astype(self.dtype)
+        y = _dense(x, getattr(self, f"{name}_kernel")[...].astype(self.dtype))
         adapter = getattr(self, f"{name}_lora")
         return y if adapter is None else y + adapter(x)
 
@@ -280,16 +295,13 @@ class Decoder(nnx.Module):
             validate_tokens(tokens, self.cfg.vocab_size)
 
     def _logits(self, x) -> jax.Array:
-        return self._project(self.final_norm(x))
+        return self.project(self.final_norm(x))
 
-    def _project(self, x) -> jax.Array:
-        """Final-normed hidden states ``[B, T, E]`` -> float32 logits ``[B, T, V]``."""
+    def project(self, x) -> jax.Array:
+        """Final-normed hidden states ``[..., E]`` -> float32 logits ``[..., V]``."""
         dt = jnp.dtype(self.cfg.dtype)
-        if self.lm_head is None:
-            return jnp.einsum("bte,ve->btv", x, self.embed[...].astype(dt),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dt),
-                          preferred_element_type=jnp.float32)
+        w = self.embed[...].astype(dt).T if self.lm_head is None else self.lm_head[...].astype(dt)
+        return _dense(x, w, preferred_element_type=jnp.float32)
 
     def _embed(self, tokens) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
@@ -319,6 +331,15 @@ class Decoder(nnx.Module):
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
         """
+        hidden = self.hidden_states(tokens, positions, attention_mask, segment_ids=segment_ids)
+        logits = self.project(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+                      *, segment_ids: jax.Array | None = None) -> jax.Array:
+        """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
+        the last layer's output after the final RMSNorm (arguments and errors as
+        :meth:`__call__`); :meth:`project` maps (a subset of) them to logits."""
         self._check_tokens(tokens)
         t = tokens.shape[1]
         mask = jnp.asarray(attention_mask, bool)
@@ -331,9 +352,7 @@ class Decoder(nnx.Module):
         x = self._embed(tokens)
         for block in self.layers:
             x = block(x, positions, inv_freq, attend, _heads_first)
-        hidden = self.final_norm(x)
-        logits = self._project(hidden)
-        return (logits, hidden) if return_hidden else logits
+        return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache, cache_index: jax.Array) -> tuple[jax.Array, KVCache]:
