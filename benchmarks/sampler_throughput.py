@@ -26,6 +26,9 @@ slots busy, back to back) against ``decode_loop_ms_per_step`` (the whole loop: p
 insert, host bookkeeping, copies), their difference being the host's share. Then
 ``slot_occupancy`` under mixed output lengths (target >= 0.9) for the default k, and the
 occupancy static batching would get on the same requests.
+Last, ``decode_gemm_xla_over_blas``: the decode step's MLP matmuls (``[slots, hidden] @
+[hidden, mlp] @ [mlp, hidden]``) jitted by XLA:CPU against numpy's BLAS on the same
+arrays: the share of the gap to an eager loop that lies in the compiler's small-M dot.
 
 Sizes come from environment variables (defaults in brackets): SAMPLER_BENCH_BATCH [16],
 SAMPLER_BENCH_THREADS [all cores], SAMPLER_BENCH_REPEATS [3], SAMPLER_BENCH_BURST [3], SAMPLER_BENCH_OCC_REQUESTS
@@ -205,16 +208,35 @@ def measure(size: str, suffix: str, tmp: str) -> None:
                                  for i in range(0, len(lengths), batch))
     print(f"RESULT slot_occupancy_static_batching{suffix} {static:.3f} fraction baseline: "
           f"same requests in static batches of {batch}", flush=True)
+    small_gemm(batch, model_cfg.hidden_size, model_cfg.intermediate_size, suffix)
 
 
-def main() -> int:
-    import torch
-    torch.set_num_threads(THREADS)
-    with tempfile.TemporaryDirectory() as tmp:
-        for size in SIZES:
-            measure(size, "" if size == SIZES[0] else f"_{size}", tmp)
-    return 0
+def small_gemm(m: int, k: int, n: int, suffix: str) -> None:
+    """The decode step's MLP matmuls, ``[slots, hidden] @ [hidden, mlp]`` then ``@ [mlp,
+    hidden]`` float32: XLA:CPU's dots (jitted, as in the decode step) against numpy's BLAS on
+    the same arrays. At M = slots a decode step is a chain of such dots, so this ratio bounds
+    what the compiled loop can gain over an eager torch loop whose matmuls run at BLAS speed."""
+    import jax
+    import jax.numpy as jnp
+    reps = 8                                     # up/down pairs per jitted call (amortises dispatch)
+    rng = np.random.default_rng(0)
+    x = rng.random((m, k), np.float32)
+    up, down = rng.random((k, n), np.float32) / k, rng.random((n, k), np.float32) / n
 
+    @jax.jit
+    def chain(x, up, down):
+        for _ in range(reps):
+            x = (x @ up) @ down
+        return x
 
-if __name__ == "__main__":
-    sys.exit(main())
+    def blas():
+        y = x
+        for _ in range(reps):
+            y = (y @ up) @ down
+        return y
+    args = [jnp.asarray(a) for a in (x, up, down)]
+    t_xla = best_of(lambda: chain(*args).block_until_ready(), 30) / reps
+    t_np = best_of(blas, 30) / reps
+    print(f"RESULT decode_gemm_xla_over_blas{suffix} {t_xla / t_np:.2f} x XLA:CPU "
+          f"{t_xla * 1e6:.0f} us vs numpy BLAS {t_np * 1e6:.0f} us per [{m},{k}] @ [{k},{n}] "
+          f"@ [{n},{k}] float32 pair (the decode step's MLP shapes)", flush=True)
