@@ -16,6 +16,12 @@ if "xla_force_host_platform_device_count" not in flags:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# One persistent XLA compilation cache for the session, this process and every process a test
+# starts (``rlflow train`` runs, learner hosts, replicas): a program compiled once (the demo
+# model's train step, its prefill and decode) is loaded, not compiled again, by later tests.
+# Programs are keyed by their HLO, devices and compile options, so a hit runs exactly the
+# program a compile would have built. Only compiles over JAX's threshold (1 s) are stored.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="rlflow-test-xla-"))
 
 
 @pytest.fixture(scope="session")

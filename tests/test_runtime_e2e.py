@@ -28,8 +28,9 @@ HANG_GUARD_S = 300          # a run that takes longer than this is a hang (the t
 def env(tmp_path_factory):
     e = dict(os.environ)
     e["RLFLOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))   # the demo model folder
-    # Compiled programs are shared between the runs of this module (same shapes).
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("xla-cache"))
+    # Compiled programs are shared between the runs (same shapes): conftest's session-wide
+    # JAX_COMPILATION_CACHE_DIR, every program stored however quickly it compiled.
+    assert e.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's XLA cache"
     e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     e["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     return e
