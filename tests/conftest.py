@@ -1,6 +1,8 @@
 """Test-wide set-up: CPU only, 4 fake devices (sharded tests compare against 1 device)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -22,7 +24,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # Programs are keyed by their HLO, devices and compile options, so a hit runs exactly the
 # program a compile would have built. Every program is stored, however quickly it compiled
 # (a process start-up compiles dozens of small ones).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="rlflow-test-xla-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlflow-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
