@@ -1,6 +1,8 @@
 """Test-wide set-up: CPU only, 4 fake devices (sharded tests compare against 1 device)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -16,6 +18,43 @@ if "xla_force_host_platform_device_count" not in flags:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# One persistent XLA compilation cache for the session, this process and every process a test
+# starts (``rlflow train`` runs, learner hosts, replicas): a program compiled once (the demo
+# model's train step, its prefill and decode) is loaded, not compiled again, by later tests.
+# Programs are keyed by their HLO, devices and compile options, so a hit runs exactly the
+# program a compile would have built. Every program is stored, however quickly it compiled
+# (a process start-up compiles dozens of small ones).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlflow-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+GSM8K_TEST = os.path.normpath(os.path.join(TESTS_DIR, "..", "..", "shared", "data", "gsm8k",
+                                           "test.jsonl"))
+
+
+def gsm8k_records():
+    """The GSM8K test split (``../shared/data/gsm8k/test.jsonl``) as a list of dicts."""
+    import json
+
+    with open(GSM8K_TEST, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def gsm8k_model(tmp_path_factory):
+    """One tiny model folder for the GSM8K end-to-end runs (tests/test_gsm8k_e2e.py,
+    tests/test_episodes_e2e.py; neither writes to it): ``(path, vocab size)`` of
+    ``hf_fixtures.make_gsm8k_model_folder`` with the tokenizer trained on the GSM8K test
+    questions. Skips when the shared data folder has no GSM8K test file."""
+    if not os.path.isfile(GSM8K_TEST):
+        pytest.skip(f"GSM8K test file not found at {GSM8K_TEST} (the shared data folder)")
+    from hf_fixtures import make_gsm8k_model_folder
+
+    model_dir = str(tmp_path_factory.mktemp("gsm8k-model") / "model")
+    vocab = make_gsm8k_model_folder(model_dir, (r["question"] for r in gsm8k_records()))
+    return model_dir, vocab
 
 
 @pytest.fixture(scope="session")

@@ -80,3 +80,25 @@ def add_generation_settings(folder: str, **extra) -> dict:
     with open(path, "w") as f:
         json.dump(gen, f, indent=2)
     return gen
+
+
+def make_gsm8k_model_folder(out_dir: str, questions) -> int:
+    """Tiny Qwen2 (:func:`make_tiny_hf_model`) + a BPE tokenizer (vocab 512) trained on
+    ``questions`` (an iterable of str), one HF folder ``out_dir``: the model's vocabulary is
+    resized to the tokenizer's and its bos/eos/pad ids are the tokenizer's.
+
+    Returns the vocabulary size (model == tokenizer)."""
+    import transformers as tf
+
+    from rlflow.data.tokenizer import build_bpe_tokenizer
+
+    tok = build_bpe_tokenizer(questions, os.path.join(out_dir, "..", "tok"), vocab_size=512)
+    make_tiny_hf_model("qwen2", out_dir)
+    model = tf.AutoModelForCausalLM.from_pretrained(out_dir)
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    for c in (model.config, model.generation_config):
+        c.bos_token_id, c.eos_token_id = tok.bos_token_id, tok.eos_token_id
+        c.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return len(tok)

@@ -1,8 +1,8 @@
 """Issue 16 acceptance (smoke): ``rlflow train --config configs/gsm8k_calculator.py`` runs 3
-steps end to end with a locally built tiny model and tokenizer (the GSM8K e2e test's model
-folder, whose BPE tokenizer has a chat template): episodes in the sampler, environment
-workers, rewards from the environment, ``loss_mask`` records through the buffer into the
-learner."""
+steps end to end with a locally built tiny model and tokenizer (conftest's ``gsm8k_model``,
+the GSM8K e2e test's model folder, whose BPE tokenizer has a chat template): episodes in the
+sampler, environment workers, rewards from the environment, ``loss_mask`` records through the
+buffer into the learner."""
 
 import os
 import shutil
@@ -14,17 +14,14 @@ import pytest
 
 from rlflow.run_folder import metrics_by_step, read_jsonl
 
-from test_gsm8k_e2e import GSM8K_TEST, HANG_GUARD_S, REPO, _build_model_folder
+from test_gsm8k_e2e import GSM8K_TEST, HANG_GUARD_S, REPO
 
 pytestmark = pytest.mark.slow
 NUM_STEPS = 3
 
 
-def test_gsm8k_calculator_three_steps(tmp_path):
-    if not os.path.isfile(GSM8K_TEST):
-        pytest.skip(f"GSM8K test file not found at {GSM8K_TEST} (the shared data folder)")
-    model_dir = str(tmp_path / "model")
-    _build_model_folder(model_dir)
+def test_gsm8k_calculator_three_steps(tmp_path, gsm8k_model):
+    model_dir, _ = gsm8k_model
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     base = [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
     cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gsm8k_calculator.py"),

@@ -2,9 +2,9 @@
 steps end to end on the real GSM8K test file, with a tiny local model and a BPE tokenizer
 trained on the fly, the rewards going through math-verify.
 
-The model folder is built in tmp: a tiny random Qwen2 (``tests/hf_fixtures.py``) whose
-vocabulary is resized to the tokenizer's and whose special-token ids are the tokenizer's,
-with the tokenizer files saved next to it.
+The model folder is conftest's ``gsm8k_model`` (shared with tests/test_episodes_e2e.py): a
+tiny random Qwen2 (``tests/hf_fixtures.py``) whose vocabulary is resized to the tokenizer's
+and whose special-token ids are the tokenizer's, with the tokenizer files saved next to it.
 """
 
 import json
@@ -18,49 +18,19 @@ import pytest
 
 from rlflow.run_folder import metrics_by_step, read_jsonl
 
-from hf_fixtures import make_tiny_hf_model
+from conftest import GSM8K_TEST, gsm8k_records
 
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K_TEST = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "gsm8k", "test.jsonl"))
 HANG_GUARD_S = 300          # a run that takes longer than this is a hang (the test fails)
 NUM_STEPS, GROUPS, GROUP_SIZE = 3, 2, 2
 
 
-def _records():
-    with open(GSM8K_TEST, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _build_model_folder(out_dir: str) -> int:
-    """Tiny Qwen2 + BPE tokenizer trained on the GSM8K questions, one HF folder.
-
-    Returns the vocabulary size (model == tokenizer)."""
-    import transformers as tf
-
-    from rlflow.data.tokenizer import build_bpe_tokenizer
-
-    tok = build_bpe_tokenizer((r["question"] for r in _records()),
-                              os.path.join(out_dir, "..", "tok"), vocab_size=512)
-    make_tiny_hf_model("qwen2", out_dir)
-    model = tf.AutoModelForCausalLM.from_pretrained(out_dir)
-    model.resize_token_embeddings(len(tok), mean_resizing=False)
-    for c in (model.config, model.generation_config):
-        c.bos_token_id, c.eos_token_id = tok.bos_token_id, tok.eos_token_id
-        c.pad_token_id = tok.pad_token_id
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return len(tok)
-
-
 @pytest.fixture(scope="module")
-def gsm8k_run(tmp_path_factory):
-    if not os.path.isfile(GSM8K_TEST):
-        pytest.skip(f"GSM8K test file not found at {GSM8K_TEST} (the shared data folder)")
+def gsm8k_run(tmp_path_factory, gsm8k_model):
     root = tmp_path_factory.mktemp("gsm8k")
-    model_dir = str(root / "model")
-    vocab = _build_model_folder(model_dir)
+    model_dir, vocab = gsm8k_model
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     base = [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
     cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gsm8k.py"),
@@ -121,7 +91,7 @@ def test_rewards_go_through_math_verify(gsm8k_run):
     samples, problems = read_jsonl(os.path.join(run, "samples.jsonl"))
     assert not problems, problems
     assert len(samples) == NUM_STEPS * GROUPS * GROUP_SIZE
-    answers = {r["question"]: r["answer"] for r in _records()}
+    answers = {r["question"]: r["answer"] for r in gsm8k_records()}
     for s in samples:
         assert s["reward"] in (0.0, 1.0), s
         matches = [q for q in answers if q in s["prompt"]]

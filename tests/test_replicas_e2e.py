@@ -22,6 +22,19 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["1>", "2>", "3>", "4>", "5>", "6>"]          # the issue's 6-prompt JSONL
 
 
+def _digits_args(tmp_path, prompts, epochs, steps, groups):
+    """Writes ``prompts`` (answer: the digit + 1) to a JSONL in ``tmp_path``; returns the
+    ``rlflow train`` flags of a run over it: ``epochs`` epochs, ``steps`` learner steps of
+    ``groups`` groups of 4."""
+    data = tmp_path / f"digits-{len(prompts)}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": str(int(p[0]) + 1)}) + "\n"
+                            for p in prompts))
+    return ["--learner.num_steps", str(steps), "--data.source", "jsonl", "--data.path",
+            str(data), "--data.prompt_field", "prompt", "--data.answer_field", "answer",
+            "--data.num_epochs", str(epochs), "--learner.groups_per_step", str(groups),
+            "--sampler.group_size", "4"]
+
+
 def _trained(run):
     recs = read_trained_prompts(run)
     steps = [r["step"] for r in recs]
@@ -159,14 +172,8 @@ def test_async_resume_trains_each_prompt_once_per_epoch(env, tmp_path):
     step. Stopped by SIGTERM after step 2, then the launcher killed (-9) after step 4, then
     run to the end: across the three runs each epoch trains each of the 6 prompts exactly
     once, which is what an uninterrupted run trains (all 12 prompts of 2 epochs in 6 steps)."""
-    data = tmp_path / "six.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "answer": str(int(p[0]) + 1)}) + "\n"
-                            for p in PROMPTS))
-    args = ["--learner.num_steps", "6", "--data.source", "jsonl", "--data.path", str(data),
-            "--data.prompt_field", "prompt", "--data.answer_field", "answer",
-            "--data.num_epochs", "2", "--learner.groups_per_step", "2",
-            "--sampler.group_size", "4", "--checkpoint.every_steps", "1",
-            "--checkpoint.keep_last", "2"]
+    args = _digits_args(tmp_path, PROMPTS, epochs=2, steps=6, groups=2) + [
+        "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "2"]
     run = os.path.join(str(tmp_path), "six")
     first = _start(env, tmp_path, "six", *args)
     try:
@@ -216,14 +223,8 @@ def test_three_replicas_complete_and_train_each_prompt_once_per_epoch_after_a_ki
     restart) mid-run and the other two finish the run; from the run's own record each epoch
     trains each prompt exactly once (what an uninterrupted run trains)."""
     prompts = [f"{d}>" for d in range(1, 10)]                 # 9 prompts x 3 epochs
-    data = tmp_path / "nine.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "answer": str(int(p[0]) + 1)}) + "\n"
-                            for p in prompts))
-    args = ["--learner.num_steps", "9", "--data.source", "jsonl", "--data.path", str(data),
-            "--data.prompt_field", "prompt", "--data.answer_field", "answer",
-            "--data.num_epochs", "3", "--learner.groups_per_step", "3",
-            "--sampler.group_size", "4", "--sampler.num_replicas", "3",
-            "--runtime.replica_timeout_s", "5"]
+    args = _digits_args(tmp_path, prompts, epochs=3, steps=9, groups=3) + [
+        "--sampler.num_replicas", "3", "--runtime.replica_timeout_s", "5"]
     run = os.path.join(str(tmp_path), "nine")
     proc = _start(env, tmp_path, "nine", *args)
     try:

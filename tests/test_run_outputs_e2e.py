@@ -11,7 +11,11 @@ stdout/stderr to files (not a TTY), then
   every record, the TensorBoard file read back by TensorBoard's ``EventAccumulator`` with
   every required metric as a scalar tag, and sample completions with their fields;
 * ``rlflow report <run>`` (subprocess) writes the page and the PNGs; each PNG is opened
-  with PIL and checked for size and for not being blank.
+  with PIL and checked for size and for not being blank;
+
+* the run is asynchronous (``max_staleness`` 2): every step trains within the staleness
+  bound and never on a version newer than the learner's, the sampler swaps weights mid-run,
+  and summary.json records the completed run.
 """
 
 import glob
@@ -28,7 +32,7 @@ import pytest
 from PIL import Image
 
 from rlflow.metrics import REQUIRED_METRICS, RESERVED_KEYS
-from rlflow.run_folder import read_jsonl, validate_run_folder
+from rlflow.run_folder import metrics_by_step, read_jsonl, validate_run_folder
 from rlflow.secrets import ENV_BUFFER_TOKEN, REDACTED
 
 pytestmark = pytest.mark.slow
@@ -36,7 +40,7 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_GUARD_S = 300
 TOKEN = "tok-9f3e71c2-not-for-files"
-NUM_STEPS, SAMPLES_EVERY = 10, 2
+NUM_STEPS, SAMPLES_EVERY, STALENESS = 10, 2, 2
 PLOTS = ("reward", "length", "kl_entropy", "throughput", "staleness", "timing",
          "replicas", "ledger")          # the last two: every run has a replica and a ledger
 # C0 controls except tab and newline (so: ESC of ANSI codes, carriage return, backspace ...),
@@ -61,6 +65,7 @@ def run(tmp_path_factory):
                        "--run-dir", str(root / "runs"), "--name", "outputs",
                        "--learner.num-steps", str(NUM_STEPS),
                        "--metrics.samples-every", str(SAMPLES_EVERY),
+                       "--runtime.max-staleness", str(STALENESS),
                        "--checkpoint.every-steps", "0", "--buffer.timeout-s", "120"]
     env[ENV_BUFFER_TOKEN] = TOKEN           # issue 18.2: the run's secret, by environment
     with open(root / "out", "wb") as out, open(root / "err", "wb") as err:
@@ -220,3 +225,29 @@ def test_report_writes_page_and_non_blank_pngs(run):
         drawn = (np.abs(flat - background).max(axis=-1) > 30).mean()
         assert drawn > 0.01, f"{name}: only {drawn:.4f} of the pixels differ from background"
         assert len(colours) > 20, f"{name}: {len(colours)} colours"
+
+
+def _non_decreasing(xs):
+    return all(b >= a for a, b in zip(xs, xs[1:]))
+
+
+def test_async_run_completes_within_staleness_bound(run):
+    proc, run_dir, _ = run
+    _ok(proc)
+    records, problems = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert not problems, problems
+    by_step = metrics_by_step(records)
+    assert sorted(by_step) == list(range(1, NUM_STEPS + 1))
+    assert [m["learner/version"] for m in by_step.values()] == list(range(1, NUM_STEPS + 1))
+    for step, m in by_step.items():
+        assert m["staleness/max"] <= STALENESS, (step, m["staleness/max"])
+        assert m["learner/version"] - 1 - m["rollout/version_min"] <= STALENESS
+        assert m["rollout/version_max"] <= step - 1          # never newer than the learner
+    sampler_versions = [m["sampler/version"] for m in by_step.values() if "sampler/version" in m]
+    assert sampler_versions and _non_decreasing(sampler_versions)
+    assert _non_decreasing([m["rollout/version_max"] for m in by_step.values()])
+    used = {int(m[k]) for m in by_step.values() for k in ("rollout/version_min",
+                                                          "rollout/version_max")}
+    assert len(used) >= 2, used                     # the sampler swapped weights mid-run
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["steps_completed"] == NUM_STEPS and summary["success"]
