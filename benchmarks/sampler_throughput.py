@@ -240,3 +240,16 @@ def small_gemm(m: int, k: int, n: int, suffix: str) -> None:
     print(f"RESULT decode_gemm_xla_over_blas{suffix} {t_xla / t_np:.2f} x XLA:CPU "
           f"{t_xla * 1e6:.0f} us vs numpy BLAS {t_np * 1e6:.0f} us per [{m},{k}] @ [{k},{n}] "
           f"@ [{n},{k}] float32 pair (the decode step's MLP shapes)", flush=True)
+
+
+def main() -> int:
+    import torch
+    torch.set_num_threads(THREADS)
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in SIZES:
+            measure(size, "" if size == SIZES[0] else f"_{size}", tmp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
