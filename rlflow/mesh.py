@@ -35,12 +35,15 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("lora_rank", None),      # LoRA adapter rank: small, never sharded
-    # KV cache, per layer [B, K, S, D]
+    # KV cache, per layer keys [B, K, D, S], values [B, K, S, D]
     ("cache_batch", ("data", "fsdp")),
     ("cache_seq", None),
 )
 
 CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
+"""Logical axes of a layer's value cache ``[B, K, S, D]``."""
+KEY_CACHE_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")
+"""Logical axes of a layer's key cache ``[B, K, D, S]`` (head dim before positions)."""
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -166,10 +169,13 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):
-    """Shardings of a :class:`rlflow.models.kv_cache.KVCache` (same NamedTuple shape)."""
-    kv = tuple(logical_sharding(mesh, CACHE_AXES, k.shape, rules) for k in cache.k)
+    """Shardings of a :class:`rlflow.models.kv_cache.KVCache` (same NamedTuple shape; its
+    arrays, or anything with a ``.shape``: keys per :data:`KEY_CACHE_AXES`, values per
+    :data:`CACHE_AXES`)."""
+    k = tuple(logical_sharding(mesh, KEY_CACHE_AXES, a.shape, rules) for a in cache.k)
+    v = tuple(logical_sharding(mesh, CACHE_AXES, a.shape, rules) for a in cache.v)
     mask = logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules)
-    return type(cache)(k=kv, v=kv, mask=mask)
+    return type(cache)(k=k, v=v, mask=mask)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

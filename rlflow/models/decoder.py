@@ -101,8 +101,9 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
 
 
 def _heads_first(k, v):
-    """The full forward's ``kv_hook``: ``[B, T, K, D]`` -> ``[B, K, T, D]`` (the cache layout)."""
-    return k.swapaxes(1, 2), v.swapaxes(1, 2)
+    """The full forward's ``kv_hook``: ``k, v [B, T, K, D]`` -> keys ``[B, K, D, T]``,
+    values ``[B, K, T, D]`` (the cache layout, :class:`rlflow.models.kv_cache.KVCache`)."""
+    return k.transpose(0, 2, 3, 1), v.swapaxes(1, 2)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -193,7 +194,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, inv_freq, attend_mask, kv_hook):
         """x ``[B, T, E]``; attend_mask ``[B, T, S]`` bool over the keys that ``kv_hook``
-        returns: ``kv_hook(k [B, T, K, D], v) -> (keys [B, K, S, D], values)``."""
+        returns: ``kv_hook(k [B, T, K, D], v) -> (keys [B, K, D, S], values [B, K, S, D])``."""
         q = self._proj(x, self.q_kernel, self.q_bias, self.q_lora)
         k = self._proj(x, self.k_kernel, self.k_bias, self.k_lora)
         v = self._proj(x, self.v_kernel, self.v_bias, self.v_lora)
@@ -204,13 +205,16 @@ class Attention(nnx.Module):
         b, t, h, d = q.shape
         q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
         if t == 1:
-            # One query per row (decode): multiply-and-reduce reads the cache in place;
-            # as dot products XLA CPU copies (transposes) the layer's cache every step.
+            # One query per row (decode): multiply-and-reduce over the cache's second-minor
+            # axis (D of the keys [B, K, D, S], S of the values [B, K, S, D]) reads each
+            # layer's cache once, in place, with vector loads along its minor axis. As dot
+            # products these are G x D by D x S matrices batched over B x K, which XLA:CPU
+            # runs several times slower (benchmarks/sampler_throughput.py, 4.46M size).
             qf = q[:, 0].astype(jnp.float32)                                   # [B, K, G, D]
-            scores = jnp.sum(qf[:, :, :, None, :] * keys[:, :, None].astype(jnp.float32),
-                             axis=-1)[:, :, :, None, :] * (d ** -0.5)          # [B, K, G, 1, S]
+            scores = jnp.sum(qf[..., None] * keys[:, :, None].astype(jnp.float32),
+                             axis=3)[:, :, :, None, :] * (d ** -0.5)           # [B, K, G, 1, S]
         else:
-            scores = jnp.einsum("btkgd,bksd->bkgts", q, keys,
+            scores = jnp.einsum("btkgd,bkds->bkgts", q, keys,
                                 preferred_element_type=jnp.float32) * (d ** -0.5)
         scores = jnp.where(attend_mask[:, None, None, :, :], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
@@ -368,7 +372,8 @@ class Decoder(nnx.Module):
         Args:
           tokens: ``[B, T]`` int32; positions: ``[B, T]`` int32; attention_mask: ``[B, T]``
             bool (False on padding).
-          cache: :class:`KVCache` with ``k, v``: ``L`` arrays ``[B, K, S, D]``, ``mask [B, S]``.
+          cache: :class:`KVCache`: ``L`` arrays each of keys ``[B, K, D, S]`` and values
+            ``[B, K, S, D]``, ``mask [B, S]``.
           cache_index: ``[B]`` int32 first cache position written for each row.
 
         Returns:
@@ -390,9 +395,9 @@ class Decoder(nnx.Module):
         x = self._embed(tokens)
         for layer, block in enumerate(self.layers):
             def hook(k, v, layer=layer):
-                # Index arrays around a slice: the indexed shape is [B, T, K, D], k's.
+                # Index arrays around slices: the indexed shape is [B, T, K, D], k's.
                 kl, vl = ks[layer], vs[layer]
-                ks[layer] = kl.at[rows, :, cols].set(k.astype(kl.dtype), mode="drop")
+                ks[layer] = kl.at[rows, :, :, cols].set(k.astype(kl.dtype), mode="drop")
                 vs[layer] = vl.at[rows, :, cols].set(v.astype(vl.dtype), mode="drop")
                 return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
             x = block(x, positions, inv_freq, attend, hook)

@@ -50,7 +50,7 @@ class Prefix:
     """The prefill results of ``n`` prompts (one bucket ``P``), ready to insert into slots.
 
     Attributes:
-      cache: :class:`KVCache`, per layer ``k, v [n, K, P, D]``, ``mask [n, P]``; row ``r``
+      cache: :class:`KVCache`, per layer ``k [n, K, D, P]``, ``v [n, K, P, D]``, ``mask [n, P]``; row ``r``
         holds the first ``length[r]`` tokens of prompt ``r``.
       last_token: int32 ``[n]``, each prompt's last token (its slot's first decode input).
       length: int32 ``[n]``, tokens in the cache (= prompt length - 1), also the position
@@ -82,7 +82,7 @@ class DecodeState:
     """Everything one decode step transforms, one row per slot (``B`` = slots).
 
     Attributes:
-      cache: :class:`KVCache`, per layer ``k, v [B, K, S, D]``, ``mask [B, S]``,
+      cache: :class:`KVCache`, per layer ``k [B, K, D, S]``, ``v [B, K, S, D]``, ``mask [B, S]``,
         ``S = max_prefill_length + max_tokens``.
       tokens: int32 ``[B]`` next decode input of each slot.
       index: int32 ``[B]`` its cache position (= its RoPE position).

@@ -4,7 +4,7 @@ The engine is the device side of the sampler: a slot-based KV cache of fixed sha
 four jitted functions (the MaxText ``MaxEngine`` pattern):
 
 * ``prefill(params, padded_tokens [P], true_length)``: runs the first ``true_length - 1``
-  prompt tokens into a fresh cache (per layer ``[1, K, P, D]``). The last prompt token is not run
+  prompt tokens into a fresh cache (per layer keys ``[1, K, D, P]``, values ``[1, K, P, D]``). The last prompt token is not run
   here: it becomes the slot's first decode input, so every completion token (the first
   included) comes out of :meth:`generate`, under the weights current at that step and
   tagged with their version. (The 0.2.2 API's ``prefill`` returns only the prefix, no
@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from rlflow.models.kv_cache import KVCache, init_cache
+from rlflow.models.kv_cache import KVCache, cache_shapes, init_cache
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
                                          EngineParams, Prefix, PromptError, SampledTokens,
                                          pick_bucket)
@@ -104,10 +104,8 @@ class RlflowEngine(engine_api.Engine):
         """KV cache per ``rlflow.mesh`` (KV heads over ``tensor``, slots over ``data`` x
         ``fsdp``, each replicated where the size does not divide); per-slot vectors
         follow the slot axis."""
-        shape = (self.num_slots, self.cfg.num_kv_heads, self.cache_len, self.cfg.head_dim)
-        cache = self._mesh_lib.cache_sharding(self._mesh, KVCache(
-            k=(jax.ShapeDtypeStruct(shape, jnp.float32),) * self.cfg.num_layers, v=None,
-            mask=jax.ShapeDtypeStruct((self.num_slots, self.cache_len), bool)))
+        cache = self._mesh_lib.cache_sharding(
+            self._mesh, _abstract_cache(self.cfg, self.num_slots, self.cache_len))
         vec = self._mesh_lib.logical_sharding(self._mesh, ("cache_batch",), (self.num_slots,))
         return DecodeState(cache=cache, tokens=vec, index=vec, gen_len=vec, temperature=vec,
                            top_k=vec, top_p=vec, uniforms=vec, active=vec, max_len=vec,
@@ -295,7 +293,8 @@ class RlflowEngine(engine_api.Engine):
             stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32))
 
     def init_decode_state(self) -> DecodeState:
-        """A fresh decode state: empty cache (per layer ``[slots, K, S, D]``), all slots inactive."""
+        """A fresh decode state: empty cache (per layer keys ``[slots, K, D, S]``, values
+        ``[slots, K, S, D]``), all slots inactive."""
         return self._init_state()
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, rows, slots,
@@ -305,7 +304,14 @@ class RlflowEngine(engine_api.Engine):
         keep = pc.mask[rows]                                               # [m, P]
         # Zero the unused bucket entries, then write each slot's first P cache entries;
         # padding entries carry slot = num_slots and are dropped.
-        def write(caches, news):
+        def write_keys(caches, news):                     # [B, K, D, S] <- [n, K, D, P]
+            return tuple(
+                cache.at[slots, :, :, :p].set(
+                    jnp.where(keep[:, None, None, :], new[rows], 0).astype(cache.dtype),
+                    mode="drop")
+                for cache, new in zip(caches, news))
+
+        def write_values(caches, news):                   # [B, K, S, D] <- [n, K, P, D]
             return tuple(
                 cache.at[slots, :, :p, :].set(
                     jnp.where(keep[:, None, :, None], new[rows], 0).astype(cache.dtype),
@@ -318,7 +324,8 @@ class RlflowEngine(engine_api.Engine):
         def put(dst, src):
             return dst.at[slots].set(src, mode="drop")
         return DecodeState(
-            cache=KVCache(k=write(c.k, pc.k), v=write(c.v, pc.v), mask=put(c.mask, row_mask)),
+            cache=KVCache(k=write_keys(c.k, pc.k), v=write_values(c.v, pc.v),
+                          mask=put(c.mask, row_mask)),
             tokens=put(state.tokens, prefix.last_token[rows]),
             index=put(state.index, prefix.length[rows]),
             gen_len=put(state.gen_len, jnp.zeros_like(rows)),
@@ -444,10 +451,8 @@ class RlflowEngine(engine_api.Engine):
     def get_prefix_destination_sharding(self) -> Any:
         """Shardings of a :class:`Prefix` (KV heads over ``tensor``, the rest replicated)."""
         rep = self._mesh_lib.replicated(self._mesh)
-        kv = (self._mesh_lib.logical_sharding(
-            self._mesh, self._mesh_lib.CACHE_AXES,
-            (1, self.cfg.num_kv_heads, self.buckets[-1], self.cfg.head_dim)),) * self.cfg.num_layers
-        return Prefix(cache=KVCache(k=kv, v=kv, mask=rep), last_token=rep, length=rep,
+        kv = self._mesh_lib.cache_sharding(self._mesh, _abstract_cache(self.cfg, 1, self.buckets[-1]))
+        return Prefix(cache=kv._replace(mask=rep), last_token=rep, length=rep,
                       temperature=rep, top_k=rep, top_p=rep, seed=rep, sample_index=rep,
                       version=rep, max_tokens=rep, stop_ids=rep)
 
@@ -484,3 +489,12 @@ class RlflowEngine(engine_api.Engine):
     def colocated_cpus(self) -> None:
         """Not used by rlflow (no JetStream orchestrator): None."""
         return None
+
+
+def _abstract_cache(cfg, batch: int, max_len: int) -> KVCache:
+    """A :class:`KVCache` of ``jax.ShapeDtypeStruct`` (for :func:`rlflow.mesh.cache_sharding`)."""
+    k_shape, v_shape = cache_shapes(cfg, batch, max_len)
+    dtype = jnp.dtype(cfg.dtype)
+    return KVCache(k=(jax.ShapeDtypeStruct(k_shape, dtype),) * cfg.num_layers,
+                   v=(jax.ShapeDtypeStruct(v_shape, dtype),) * cfg.num_layers,
+                   mask=jax.ShapeDtypeStruct((batch, max_len), bool))
