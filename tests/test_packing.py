@@ -86,6 +86,30 @@ def test_first_fit_and_row_counts():
     assert spec.row_counts == (1, 2, 3, 4)           # 4 rows of 100 fit in one of 400
 
 
+def test_compiled_row_counts_are_reused_before_a_new_shape():
+    """A step reuses the smallest compiled row count that holds its rows (padding rows are
+    empty: no loss token, no segment); only a step needing more rows than every compiled
+    shape gets a new one; compiled counts outside the spec's are ignored."""
+    spec = PackSpec.create(num_rows=16, max_row=192, pack_length=192, buckets=4, split=2)
+    assert spec.rows_for(5, compiled=[12, 16]) == 12
+    assert spec.rows_for(5, compiled=[4]) == 8                # none fits: the bucket
+    assert spec.rows_for(3, compiled=[4, 16]) == 4
+    assert spec.rows_for(5, compiled=[10]) == 8                # 10 is not a row count
+    recs = records(3)
+    batch, _ = build_batch(recs, SPEC, 0)
+    fresh, _ = pack_batch(batch, pack_spec(length=32))
+    n = fresh.tokens.shape[0]
+    bigger = max(pack_spec(length=32).row_counts)
+    assert n < bigger                                       # the case under test exists
+    reused, info = pack_batch(batch, pack_spec(length=32), compiled=[bigger])
+    assert reused.tokens.shape == (bigger, 32) and info["batch/packed_rows"] == bigger
+    for name in ("tokens", "targets", "positions", "segment_ids", "loss_mask",
+                 "attention_mask", "behaviour_logprobs", "advantages"):
+        np.testing.assert_array_equal(getattr(reused, name)[:n], getattr(fresh, name)[:n])
+    assert not reused.attention_mask[n:].any() and not reused.loss_mask[n:].any()
+    assert not reused.segment_ids[n:].any()
+
+
 def test_too_long_rows_are_named_errors():
     with pytest.raises(ConfigError, match=r"learner\.pack_length: must hold the longest row "
                                           r"\(14 tokens"):

@@ -20,7 +20,9 @@ segments instead of rows for the per-sequence aggregations. Samples without loss
 Shapes: ``pack_length`` is fixed per run (``learner.pack_length``); the number of packed rows
 is rounded up to one of ``learner.pack_row_buckets`` row counts (multiples of the
 micro-batch x data x fsdp split), so the step compiles at most that many shapes per
-``pack_length``. A sample longer than ``pack_length`` is refused at config time
+``pack_length``; a step reuses the smallest already-compiled count that holds its rows, so a
+run compiles a new shape only when a step needs more rows than any before (a mid-run
+compile stalls the learner for seconds on CPU). A sample longer than ``pack_length`` is refused at config time
 (``ExperimentConfig``: ``learner.pack_length`` must hold the longest row) and again here.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
@@ -72,8 +75,15 @@ class PackSpec:
         counts = tuple(range(step, worst, step)) + (worst,)
         return cls(pack_length=pack_length, row_counts=counts, pad_id=pad_id)
 
-    def rows_for(self, n_bins: int) -> int:
-        """The smallest allowed row count >= ``n_bins``."""
+    def rows_for(self, n_bins: int, compiled: Iterable[int] = ()) -> int:
+        """The row count for ``n_bins`` packed rows: the smallest of ``compiled`` (row counts
+        the step is already compiled for) that holds them, else the smallest allowed row
+        count >= ``n_bins``. Padding a step with empty rows costs their compute; a new
+        shape costs a compile (seconds on CPU, during which the step waits), so a shape is
+        compiled only when no compiled one is large enough."""
+        fits = [int(r) for r in compiled if n_bins <= int(r) and int(r) in self.row_counts]
+        if fits:
+            return min(fits)
         for r in self.row_counts:
             if r >= n_bins:
                 return r
@@ -106,13 +116,16 @@ def padding_fraction(attention_mask) -> float:
     return float(1.0 - m.sum() / max(m.size, 1))
 
 
-def pack_batch(batch: TrainBatch, spec: PackSpec) -> tuple[TrainBatch, dict]:
+def pack_batch(batch: TrainBatch, spec: PackSpec, compiled: Iterable[int] = ()
+               ) -> tuple[TrainBatch, dict]:
     """Pack the samples of an unpacked ``batch`` (one sample per row) into ``[R, pack_length]``.
 
     Args:
       batch: numpy :class:`TrainBatch` ``[B, L]`` from :func:`rlflow.learner.batch.build_batch`
         (each row's attended tokens contiguous; ``segment_ids`` None).
       spec: :class:`PackSpec`.
+      compiled: packed row counts the step is already compiled for (see
+        :meth:`PackSpec.rows_for`: the smallest that fits is reused before a new shape).
 
     Returns:
       ``(packed, info)``: a :class:`TrainBatch` ``[R, pack_length]`` with ``R`` in
@@ -146,7 +159,7 @@ def pack_batch(batch: TrainBatch, spec: PackSpec) -> tuple[TrainBatch, dict]:
         raise BatchError(f"row {r} has {int(n_tok[r])} tokens, more than learner.pack_length "
                          f"{spec.pack_length}")
     bins = first_fit(n_tok[keep], spec.pack_length)
-    rows = spec.rows_for(len(bins)) if bins else spec.row_counts[0]
+    rows = spec.rows_for(len(bins), compiled) if bins else spec.rows_for(1, compiled)
     lp = spec.pack_length
     src = batch if batch.token_rewards is not None else batch._replace(
         token_rewards=np.zeros(attn.shape, np.float32))

@@ -173,12 +173,16 @@ class Learner:
         """:func:`rlflow.learner.batch.build_batch` at the current version, then (with
         ``learner.packing``) :func:`rlflow.learner.packing.pack_batch`; the info adds
         ``learner/padding_fraction`` (padded positions of the one-row-per-sample batch) and,
-        packed, ``learner/packed_padding_fraction``, ``batch/packed_rows``."""
+        packed, ``learner/packed_padding_fraction``, ``batch/packed_rows``. Packed, a step
+        reuses the smallest already-compiled row count that holds its rows
+        (:meth:`rlflow.learner.packing.PackSpec.rows_for`): a run compiles a new shape only
+        when a step needs more rows than any before, not each time the count changes."""
         batch, info = build_batch(records, self.batch_spec, self.version)
         if self.pack_spec is None:
             return batch, {**info, "learner/padding_fraction":
                            padding_fraction(batch.attention_mask)}
-        packed, pinfo = pack_batch(batch, self.pack_spec)
+        compiled = [rows for rows, seq in self._compiled if seq == self.pack_spec.pack_length]
+        packed, pinfo = pack_batch(batch, self.pack_spec, compiled)
         return packed, {**info, **pinfo}
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
