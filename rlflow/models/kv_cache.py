@@ -43,13 +43,8 @@ def init_cache(cfg, batch: int, max_len: int) -> KVCache:
     """
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"init_cache: batch and max_len must be > 0, got {batch}, {max_len}")
-    k_shape, v_shape = cache_shapes(cfg, batch, max_len)
+    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+    v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
     zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
     return KVCache(k=zeros(k_shape), v=zeros(v_shape), mask=jnp.zeros((batch, max_len), bool))
-
-
-def cache_shapes(cfg, batch: int, max_len: int) -> tuple[tuple, tuple]:
-    """Per-layer shapes ``(keys [batch, K, D, max_len], values [batch, K, max_len, D])``."""
-    return ((batch, cfg.num_kv_heads, cfg.head_dim, max_len),
-            (batch, cfg.num_kv_heads, max_len, cfg.head_dim))

@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from rlflow.models.kv_cache import KVCache, cache_shapes, init_cache
+from rlflow.models.kv_cache import KVCache, init_cache
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
                                          EngineParams, Prefix, PromptError, SampledTokens,
                                          pick_bucket)
@@ -104,8 +104,8 @@ class RlflowEngine(engine_api.Engine):
         """KV cache per ``rlflow.mesh`` (KV heads over ``tensor``, slots over ``data`` x
         ``fsdp``, each replicated where the size does not divide); per-slot vectors
         follow the slot axis."""
-        cache = self._mesh_lib.cache_sharding(
-            self._mesh, _abstract_cache(self.cfg, self.num_slots, self.cache_len))
+        cache = self._mesh_lib.cache_sharding(self._mesh, jax.eval_shape(
+            lambda: init_cache(self.cfg, self.num_slots, self.cache_len)))
         vec = self._mesh_lib.logical_sharding(self._mesh, ("cache_batch",), (self.num_slots,))
         return DecodeState(cache=cache, tokens=vec, index=vec, gen_len=vec, temperature=vec,
                            top_k=vec, top_p=vec, uniforms=vec, active=vec, max_len=vec,
@@ -304,18 +304,12 @@ class RlflowEngine(engine_api.Engine):
         keep = pc.mask[rows]                                               # [m, P]
         # Zero the unused bucket entries, then write each slot's first P cache entries;
         # padding entries carry slot = num_slots and are dropped.
-        def write_keys(caches, news):                     # [B, K, D, S] <- [n, K, D, P]
+        def write(caches, news, seq_axis):
+            # Keys [B, K, D, S] <- [n, K, D, P] (seq_axis 3), values [B, K, S, D] <- [n, K, P, D] (2).
+            at = (slots,) + tuple(slice(0, p) if a == seq_axis else slice(None) for a in (1, 2, 3))
+            mask = jnp.expand_dims(keep, [a for a in (1, 2, 3) if a != seq_axis])
             return tuple(
-                cache.at[slots, :, :, :p].set(
-                    jnp.where(keep[:, None, None, :], new[rows], 0).astype(cache.dtype),
-                    mode="drop")
-                for cache, new in zip(caches, news))
-
-        def write_values(caches, news):                   # [B, K, S, D] <- [n, K, P, D]
-            return tuple(
-                cache.at[slots, :, :p, :].set(
-                    jnp.where(keep[:, None, :, None], new[rows], 0).astype(cache.dtype),
-                    mode="drop")
+                cache.at[at].set(jnp.where(mask, new[rows], 0).astype(cache.dtype), mode="drop")
                 for cache, new in zip(caches, news))
         row_mask = jnp.zeros((rows.shape[0], self.cache_len), bool).at[:, :p].set(keep)
         uniforms = jax.vmap(lambda s, i: request_uniforms(s, i, self.sampler_cfg.max_tokens))(
@@ -324,7 +318,7 @@ class RlflowEngine(engine_api.Engine):
         def put(dst, src):
             return dst.at[slots].set(src, mode="drop")
         return DecodeState(
-            cache=KVCache(k=write_keys(c.k, pc.k), v=write_values(c.v, pc.v),
+            cache=KVCache(k=write(c.k, pc.k, 3), v=write(c.v, pc.v, 2),
                           mask=put(c.mask, row_mask)),
             tokens=put(state.tokens, prefix.last_token[rows]),
             index=put(state.index, prefix.length[rows]),
@@ -451,7 +445,8 @@ class RlflowEngine(engine_api.Engine):
     def get_prefix_destination_sharding(self) -> Any:
         """Shardings of a :class:`Prefix` (KV heads over ``tensor``, the rest replicated)."""
         rep = self._mesh_lib.replicated(self._mesh)
-        kv = self._mesh_lib.cache_sharding(self._mesh, _abstract_cache(self.cfg, 1, self.buckets[-1]))
+        kv = self._mesh_lib.cache_sharding(self._mesh, jax.eval_shape(
+            lambda: init_cache(self.cfg, 1, self.buckets[-1])))
         return Prefix(cache=kv._replace(mask=rep), last_token=rep, length=rep,
                       temperature=rep, top_k=rep, top_p=rep, seed=rep, sample_index=rep,
                       version=rep, max_tokens=rep, stop_ids=rep)
@@ -489,12 +484,3 @@ class RlflowEngine(engine_api.Engine):
     def colocated_cpus(self) -> None:
         """Not used by rlflow (no JetStream orchestrator): None."""
         return None
-
-
-def _abstract_cache(cfg, batch: int, max_len: int) -> KVCache:
-    """A :class:`KVCache` of ``jax.ShapeDtypeStruct`` (for :func:`rlflow.mesh.cache_sharding`)."""
-    k_shape, v_shape = cache_shapes(cfg, batch, max_len)
-    dtype = jnp.dtype(cfg.dtype)
-    return KVCache(k=(jax.ShapeDtypeStruct(k_shape, dtype),) * cfg.num_layers,
-                   v=(jax.ShapeDtypeStruct(v_shape, dtype),) * cfg.num_layers,
-                   mask=jax.ShapeDtypeStruct((batch, max_len), bool))
