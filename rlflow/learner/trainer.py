@@ -102,6 +102,10 @@ class Learner:
         self._jitted = jit_train_step(step_fn, self.shardings, self.mesh,
                                       with_ref=self.ref_params is not None, frozen_sh=base_sh)
         self._compiled: dict[tuple[int, int], object] = {}
+        # Packed row counts this run's steps have used (checkpointed in ``extra``): a resumed
+        # run picks the same counts as an uninterrupted one, so its steps have the same
+        # shapes and (on CPU) bit-identical results.
+        self.packed_row_counts: set[int] = set()
 
     @property
     def version(self) -> int:
@@ -129,6 +133,9 @@ class Learner:
         ``step = version``: policy ``params``, ``opt_state`` and (PPO) the value head as its
         own ``value`` item; ``fields``: the rest (``data_state``, ``extra``, ``metadata``)."""
         st = self.state
+        if self.pack_spec is not None:
+            fields["extra"] = {**(fields.get("extra") or {}),
+                               "packed_row_counts": sorted(self.packed_row_counts)}
         if self.base_ref is not None:     # LoRA: the adapters + a reference to their base
             fields["metadata"] = {**(fields.get("metadata") or ckpt_lib.run_metadata(self.cfg)),
                                   "lora_base": self.base_ref}
@@ -155,6 +162,8 @@ class Learner:
                             restored.step)
         step = jax.device_put(np.int32(restored.step), self.shardings.step)
         self.state = TrainState(step, restored.params, restored.opt_state, restored.value)
+        self.packed_row_counts = {int(r) for r in
+                                  (restored.extra or {}).get("packed_row_counts", ())}
         return restored
 
     def compiled_step(self, rows: int, seq: int):
@@ -174,15 +183,17 @@ class Learner:
         ``learner.packing``) :func:`rlflow.learner.packing.pack_batch`; the info adds
         ``learner/padding_fraction`` (padded positions of the one-row-per-sample batch) and,
         packed, ``learner/packed_padding_fraction``, ``batch/packed_rows``. Packed, a step
-        reuses the smallest already-compiled row count that holds its rows
+        reuses the smallest row count an earlier step of the run used that holds its rows
         (:meth:`rlflow.learner.packing.PackSpec.rows_for`): a run compiles a new shape only
-        when a step needs more rows than any before, not each time the count changes."""
+        when a step needs more rows than any before, not each time the count changes. The
+        counts used are :attr:`packed_row_counts`, checkpointed, so a resumed run packs as
+        the uninterrupted one would."""
         batch, info = build_batch(records, self.batch_spec, self.version)
         if self.pack_spec is None:
             return batch, {**info, "learner/padding_fraction":
                            padding_fraction(batch.attention_mask)}
-        compiled = [rows for rows, seq in self._compiled if seq == self.pack_spec.pack_length]
-        packed, pinfo = pack_batch(batch, self.pack_spec, compiled)
+        packed, pinfo = pack_batch(batch, self.pack_spec, self.packed_row_counts)
+        self.packed_row_counts.add(int(packed.tokens.shape[0]))
         return packed, {**info, **pinfo}
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
