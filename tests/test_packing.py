@@ -86,22 +86,27 @@ def test_first_fit_and_row_counts():
     assert spec.row_counts == (1, 2, 3, 4)           # 4 rows of 100 fit in one of 400
 
 
-def test_compiled_row_counts_are_reused_before_a_new_shape():
-    """A step reuses the smallest compiled row count that holds its rows (padding rows are
-    empty: no loss token, no segment); only a step needing more rows than every compiled
-    shape gets a new one; compiled counts outside the spec's are ignored."""
+def test_used_row_counts_are_reused_else_the_worst_case():
+    """The first step's rows round up to a bucket; a later step takes the smallest count an
+    earlier step used that holds its rows (padding rows are empty: no loss token, no
+    segment), else the worst case, so a run has at most two packed shapes; counts outside
+    the spec's are ignored; more rows than the worst case is a BatchError."""
     spec = PackSpec.create(num_rows=16, max_row=192, pack_length=192, buckets=4, split=2)
-    assert spec.rows_for(5, compiled=[12, 16]) == 12
-    assert spec.rows_for(5, compiled=[4]) == 8                # none fits: the bucket
-    assert spec.rows_for(3, compiled=[4, 16]) == 4
-    assert spec.rows_for(5, compiled=[10]) == 8                # 10 is not a row count
+    assert spec.row_counts == (4, 8, 12, 16)
+    assert spec.rows_for(5) == 8                               # first step: its bucket
+    assert spec.rows_for(5, used=[12, 16]) == 12
+    assert spec.rows_for(3, used=[4, 16]) == 4
+    assert spec.rows_for(5, used=[4]) == 16                    # none fits: the worst case
+    assert spec.rows_for(5, used=[10]) == 8                    # 10 is not a row count
+    with pytest.raises(BatchError, match="17 packed rows needed, more than the 16"):
+        spec.rows_for(17, used=[16])
     recs = records(3)
     batch, _ = build_batch(recs, SPEC, 0)
     fresh, _ = pack_batch(batch, pack_spec(length=32))
     n = fresh.tokens.shape[0]
     bigger = max(pack_spec(length=32).row_counts)
     assert n < bigger                                       # the case under test exists
-    reused, info = pack_batch(batch, pack_spec(length=32), compiled=[bigger])
+    reused, info = pack_batch(batch, pack_spec(length=32), used=[bigger])
     assert reused.tokens.shape == (bigger, 32) and info["batch/packed_rows"] == bigger
     for name in ("tokens", "targets", "positions", "segment_ids", "loss_mask",
                  "attention_mask", "behaviour_logprobs", "advantages"):
@@ -310,3 +315,27 @@ def test_packed_learner_equals_unpacked_single_device(name):
     got, want = flat(packed.params), flat(unpacked.params)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
+
+
+def test_worst_case_shape_compiles_in_the_background_and_takes_bigger_steps():
+    """After the first packed step the learner compiles the worst-case row count on a
+    background thread; a later step needing more rows than the first runs at that count,
+    and the counts used are checkpointed and restored (a resumed run packs the same way)."""
+    import concurrent.futures
+
+    learner = Learner(tiny_experiment(MODEL, G, T), mesh=one_device_mesh())
+    spec = learner.pack_spec
+    worst, length = spec.row_counts[-1], spec.pack_length
+    short = make_group_records(11, 2, vocab=VOCAB, group_size=G, max_tokens=1, noise=1.0)
+    learner.train_on(short)                                 # one-token completions: few rows
+    (first,) = learner.packed_row_counts
+    pending = learner._compiled[(worst, length)]
+    assert isinstance(pending, concurrent.futures.Future)   # not compiled on the step's thread
+    full = records(12)
+    natural, _ = pack_batch(build_batch(full, learner.batch_spec, 0)[0], spec)
+    assert first < natural.tokens.shape[0] < worst          # the case under test exists
+    m = learner.train_on(full)                              # more rows than the first step
+    assert m["batch/packed_rows"] == worst
+    assert learner.packed_row_counts == {first, worst}
+    assert not isinstance(learner._compiled[(worst, length)], concurrent.futures.Future)
+    assert learner.checkpoint().extra["packed_row_counts"] == [first, worst]

@@ -82,6 +82,20 @@ def _length(completion, answer):
     return float(len(completion))
 
 
+@register_reward("test_sleeps")
+def _sleeps(completion, answer):
+    import time
+    time.sleep(float(completion))              # the completion is the seconds to sleep
+    return 1.0
+
+
+@register_reward("test_hangs_on")
+def _hangs_on(completion, answer):
+    if completion == "hang":
+        _release.wait(30)
+    return float(len(completion))
+
+
 @register_reward("test_allocates")
 def _allocates(completion, answer):
     return float(len(bytearray(3 << 30)))      # 3 GiB: past a 512 MiB worker limit
@@ -183,6 +197,44 @@ def test_timeout_gives_zero_and_is_counted(caplog):
     np.testing.assert_array_equal(out.total, [0.0])
     assert r.failures["test_hangs"] == {"errors": 0, "timeouts": 1}
     assert "ran past 0.2 s on sample prompt 3 sample 1" in caplog.text
+
+
+def test_calls_queued_in_a_worker_time_out_from_their_own_start():
+    """Calls sent ahead into one worker's pipe run one after the other; each has the whole
+    timeout from when it starts, not from when it was sent (3 x 0.6 s > 1 s timeout)."""
+    r = rewarder("test_sleeps", timeout_s=1.0, num_workers=1)
+    out = r.score(["0.6", "0.6", "0.6"], ["x"] * 3, ["a", "b", "c"])
+    np.testing.assert_array_equal(out.total, [1.0, 1.0, 1.0])
+    assert r.failures["test_sleeps"] == {"errors": 0, "timeouts": 0}
+
+
+def test_calls_behind_a_timed_out_one_run_on_the_new_worker():
+    """The worker killed at a call's timeout had later calls queued in its pipe: they run on
+    the worker that replaces it (scored, not lost or counted as failures)."""
+    r = rewarder("test_hangs_on", timeout_s=0.5, num_workers=1)
+    out = r.score(["hang", "ab", "abc", "abcd"], ["x"] * 4, ["a", "b", "c", "d"])
+    np.testing.assert_array_equal(out.total, [0.0, 2.0, 3.0, 4.0])
+    assert r.failures["test_hangs_on"] == {"errors": 0, "timeouts": 1}
+
+
+def test_one_poll_takes_every_answer_waiting_in_the_pipes():
+    """A poll returns every answer the workers have sent, not one per worker: the sampler
+    polls once per decode call, so one answer per worker per poll capped its scoring rate."""
+    import time
+
+    r = rewarder("test_length", num_workers=1)
+    pool = r._pool
+    pool.wait_ready()
+    ids = [pool.submit(0, "x" * i, "") for i in range(10)]
+    first = pool.poll(0)                       # all ten sent into the pipe (calls_per_worker)
+    assert pool.pending == 10 - len(first)
+    deadline = time.monotonic() + 60
+    while not pool._workers[0].conn.poll(0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)                            # the other answers follow the first
+    second = pool.poll(0)
+    assert max(len(first), len(second)) >= 2   # one poll, several answers of one worker
+    assert first + second == [(t, "ok", float(i)) for i, t in enumerate(ids)]
 
 
 @pytest.mark.parametrize("num_workers", [1, 0])

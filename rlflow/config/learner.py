@@ -160,10 +160,11 @@ class LearnerConfig:
         ``sampler.max_prefill_length + sampler.max_tokens`` without buckets), so a packed
         step never computes more positions or longer attention rows than the padded one.
         Must hold the longest row.
-      pack_row_buckets: how many packed row counts (compiled shapes) the step may use,
-        evenly spaced up to the count that holds any batch (shapes compile when first
-        used). A batch's rows are rounded up to the next count: with 16 rows of the longest
-        row, 8 buckets round 13 packed rows to 14, 4 would round them to 16.
+      pack_row_buckets: how many packed row counts the first step may round up to, evenly
+        spaced up to the count that holds any batch (with 16 rows of the longest row, 8
+        buckets round 13 packed rows to 14, 4 would round them to 16). Later steps reuse
+        that count when their rows fit, else the worst case, compiled in the background
+        after the first step (``PackSpec.rows_for``): at most two compiled shapes a run.
     """
 
     num_steps: int = 20

@@ -11,13 +11,21 @@ killed; so does rlflow. :class:`RewardWorkerPool` keeps ``reward.num_workers`` p
   * then limits its address space (``RLIMIT_AS``) to what it maps at that point plus
     ``reward.memory_limit_mb``: a call allocating more gets ``MemoryError``, scored 0 and
     counted as an error,
-  * then scores one sample at a time.
+  * then scores one sample at a time, in the order they were sent to it.
 
 Each worker runs in its own process group. A call still running ``reward.timeout_s``
-seconds after it was handed to a worker is abandoned: the worker's group is killed (SIGKILL:
-the worker and any process the call started), the sample scores 0 (counted as a timeout) and a
-new worker is started in the background. A worker that dies (e.g. killed by the OS) scores
-its sample 0 as an error and is replaced the same way.
+seconds after it started (the worker received it, or finished its previous call) is
+abandoned: the worker's group is killed (SIGKILL: the worker and any process the call
+started), the sample scores 0 (counted as a timeout) and a new worker is started in the
+background. A worker that dies (e.g. killed by the OS) scores its sample 0 as an error and
+is replaced the same way. Calls sent to a killed worker that had not started go back to the
+head of the queue.
+
+A reward pool keeps up to ``calls_per_worker`` calls (default 16) queued in each worker's
+pipe, so a worker goes from one sample to the next without waiting for the sampler's loop
+to come back to :meth:`WorkerPool.poll`: with one call per worker, a sampler whose decode
+call takes ~10 ms scored ``num_workers`` samples per decode call at most, and the rewards,
+not the decoding, bounded its throughput (``benchmarks/async_vs_sync.py``).
 
 The pool is non-blocking: :meth:`RewardWorkerPool.submit` queues samples and
 :meth:`RewardWorkerPool.poll` dispatches queued samples to idle workers and returns the
@@ -73,7 +81,9 @@ def serve(conn, handle, memory_limit_mb: int = 0, what: str = "reward") -> None:
                                      f"{memory_limit_mb}")
         except BaseException as e:  # noqa: BLE001 - a failed call is reported, counted
             out = (task_id, "error", f"{type(e).__name__}: {e}")
-        conn.send(out)
+        # when the call ended (CLOCK_MONOTONIC, the same clock in every process): the next
+        # call queued in this worker started then, and its deadline counts from it
+        conn.send(out + (time.monotonic(),))
 
 
 def new_process_group() -> None:
@@ -144,7 +154,8 @@ class _Worker:
         child.close()
         self.started = time.monotonic()
         self.ready = False
-        self.task: Optional[Tuple[int, float]] = None     # (task id, deadline)
+        self.calls: collections.deque = collections.deque()   # sent, not answered (in order)
+        self.deadline = 0.0                # when the first of ``calls`` must have answered
 
     def kill(self) -> None:
         """SIGKILL the worker's process group (the worker and any process a reward call
@@ -164,6 +175,13 @@ class _Worker:
         return exit_text(self.process.exitcode)
 
 
+def _has_data(conn) -> bool:
+    try:
+        return conn.poll(0)
+    except (EOFError, OSError):
+        return True                 # let _receive see the dead worker
+
+
 class RewardWorkerError(RuntimeError):
     """Reward workers cannot start (a plugin or function fails to load in them)."""
 
@@ -179,12 +197,20 @@ class WorkerPool:
       timeout_s: seconds a call may run before its worker is killed ("timeout").
       what: the workers' kind in messages and process names ("reward", "env").
       error: the exception raised when workers cannot start.
+      calls_per_worker: calls sent ahead into each worker's pipe (>= 1); a worker runs them
+        one after the other, each with its own ``timeout_s``.
+
+    Raises:
+      ValueError: ``num_workers`` or ``calls_per_worker`` below 1.
     """
 
     def __init__(self, target, args: tuple, num_workers: int = 2, timeout_s: float = 5.0,
-                 what: str = "worker", error=RuntimeError):
+                 what: str = "worker", error=RuntimeError, calls_per_worker: int = 1):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if calls_per_worker < 1:
+            raise ValueError(f"calls_per_worker must be >= 1, got {calls_per_worker}")
+        self.calls_per_worker = int(calls_per_worker)
         self.timeout_s = float(timeout_s)
         self.what, self._error = what, error
         self._ctx = mp.get_context("spawn")
@@ -207,7 +233,7 @@ class WorkerPool:
     @property
     def pending(self) -> int:
         """Calls queued or running."""
-        return len(self._queue) + sum(w.task is not None for w in self._workers)
+        return len(self._queue) + sum(len(w.calls) for w in self._workers)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Block until every worker has loaded and warmed up its functions.
@@ -233,19 +259,22 @@ class WorkerPool:
         while True:
             self._dispatch()
             now = time.monotonic()
-            busy = [w for w in self._workers if w.task is not None or not w.ready]
-            deadlines = [w.task[1] for w in busy if w.task is not None]
+            busy = [w for w in self._workers if w.calls or not w.ready]
+            deadlines = [w.deadline for w in busy if w.calls]
             wait_s = max(0.0, min([end - now] + [d - now for d in deadlines]))
             ready = wait_connections([w.conn for w in busy], wait_s) if busy else []
             if not busy and wait_s > 0 and not results:
                 time.sleep(min(wait_s, 0.01))
             for i, w in enumerate(list(self._workers)):
-                if w.conn in ready:
+                if w.conn in ready:     # every answer waiting in the pipe, not just one
                     results.extend(self._receive(i, w))
+                    while self._workers[i] is w and w.calls and _has_data(w.conn):
+                        results.extend(self._receive(i, w))
             now = time.monotonic()
             for i, w in enumerate(list(self._workers)):
-                if w.task is not None and now >= w.task[1]:
-                    results.append((w.task[0], "timeout", f"ran past {self.timeout_s} s"))
+                if w.calls and now >= w.deadline:
+                    results.append((w.calls[0][0], "timeout", f"ran past {self.timeout_s} s"))
+                    w.calls.popleft()
                     self._replace(i)
                 elif not w.ready and now - w.started > STARTUP_TIMEOUT_S:
                     raise self._error(f"a {self.what} worker did not start within "
@@ -259,7 +288,7 @@ class WorkerPool:
         left running in their process groups."""
         for w in self._workers:
             try:
-                if w.task is None and w.ready:
+                if not w.calls and w.ready:
                     w.conn.send(None)
                     w.process.join(timeout=2.0)
             except Exception:  # noqa: BLE001
@@ -270,10 +299,12 @@ class WorkerPool:
     # ------------------------------------------------------------------ internals
     def _dispatch(self) -> None:
         for w in self._workers:
-            if self._queue and w.ready and w.task is None:
+            while self._queue and w.ready and len(w.calls) < self.calls_per_worker:
                 task = self._queue.popleft()
+                if not w.calls:                 # an idle worker starts it now
+                    w.deadline = time.monotonic() + self.timeout_s
                 w.conn.send(task)
-                w.task = (task[0], time.monotonic() + self.timeout_s)
+                w.calls.append(task)
 
     def _receive(self, i: int, w: _Worker) -> List[Result]:
         try:
@@ -281,8 +312,8 @@ class WorkerPool:
         except (EOFError, OSError):
             code = w.exit_text()
             out = []
-            if w.task is not None:
-                out.append((w.task[0], "error", f"{self.what} worker died ({code})"))
+            if w.calls:
+                out.append((w.calls.popleft()[0], "error", f"{self.what} worker died ({code})"))
             elif not w.ready:
                 raise self._error(f"a {self.what} worker died while starting ({code})")
             self._replace(i)
@@ -292,10 +323,14 @@ class WorkerPool:
                 raise self._error(f"a {self.what} worker could not start: {msg[1]}")
             w.ready = True
             return []
-        w.task = None
-        return [msg]
+        w.calls.popleft()
+        if w.calls:                             # the next call started when this one ended
+            w.deadline = msg[3] + self.timeout_s
+        return [msg[:3]]
 
     def _replace(self, i: int) -> None:
+        # calls sent to this worker that had not started go back to the head of the queue
+        self._queue.extendleft(reversed(self._workers[i].calls))
         self._workers[i].kill()
         self._workers[i] = self._new_worker()
         self.restarts += 1
@@ -310,13 +345,15 @@ class RewardWorkerPool(WorkerPool):
       num_workers: processes (>= 1).
       timeout_s: seconds a call may run before its worker is killed (reward 0, "timeout").
       memory_limit_mb: address-space limit of each worker (0: none).
+      calls_per_worker: calls queued ahead in each worker (see the module docstring).
     """
 
     def __init__(self, functions: Sequence[Tuple[str, str]], plugins: Sequence[str] = (),
-                 num_workers: int = 2, timeout_s: float = 5.0, memory_limit_mb: int = 0):
+                 num_workers: int = 2, timeout_s: float = 5.0, memory_limit_mb: int = 0,
+                 calls_per_worker: int = 16):
         super().__init__(_worker_main, (tuple(plugins), tuple(functions), int(memory_limit_mb)),
                          num_workers=num_workers, timeout_s=timeout_s, what="reward",
-                         error=RewardWorkerError)
+                         error=RewardWorkerError, calls_per_worker=calls_per_worker)
 
     def submit(self, index: int, completion: str, answer: str) -> int:
         """Queue one call of function ``index``; returns its task id (increasing)."""

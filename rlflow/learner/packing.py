@@ -18,11 +18,11 @@ segments instead of rows for the per-sequence aggregations. Samples without loss
 (padding rows, dropped samples) carry no gradient and no metric and are left out.
 
 Shapes: ``pack_length`` is fixed per run (``learner.pack_length``); the number of packed rows
-is rounded up to one of ``learner.pack_row_buckets`` row counts (multiples of the
-micro-batch x data x fsdp split), so the step compiles at most that many shapes per
-``pack_length``; a step reuses the smallest already-compiled count that holds its rows, so a
-run compiles a new shape only when a step needs more rows than any before (a mid-run
-compile stalls the learner for seconds on CPU). A sample longer than ``pack_length`` is refused at config time
+is one of ``learner.pack_row_buckets`` row counts (multiples of the micro-batch x data x
+fsdp split): the first step's rounded up, later steps the smallest count used before that
+holds them, else the worst case (:meth:`PackSpec.rows_for`). A run has at most two packed
+shapes, the worst one compiled in the background while the first steps train: a mid-run
+compile would stall the learner (seconds on CPU, minutes for a large model on TPU). A sample longer than ``pack_length`` is refused at config time
 (``ExperimentConfig``: ``learner.pack_length`` must hold the longest row) and again here.
 """
 
@@ -75,20 +75,28 @@ class PackSpec:
         counts = tuple(range(step, worst, step)) + (worst,)
         return cls(pack_length=pack_length, row_counts=counts, pad_id=pad_id)
 
-    def rows_for(self, n_bins: int, compiled: Iterable[int] = ()) -> int:
-        """The row count for ``n_bins`` packed rows: the smallest of ``compiled`` (row counts
-        the step is already compiled for) that holds them, else the smallest allowed row
-        count >= ``n_bins``. Padding a step with empty rows costs their compute; a new
-        shape costs a compile (seconds on CPU, during which the step waits), so a shape is
-        compiled only when no compiled one is large enough."""
-        fits = [int(r) for r in compiled if n_bins <= int(r) and int(r) in self.row_counts]
+    def rows_for(self, n_bins: int, used: Iterable[int] = ()) -> int:
+        """The row count for a step of ``n_bins`` packed rows, given the counts earlier steps
+        of the run ``used``: the smallest of them that holds the rows; for the run's first
+        step, the smallest allowed count >= ``n_bins``; for a step that needs more rows than
+        any before, the worst case (``row_counts[-1]``). A run thus has at most two packed
+        shapes, and the learner compiles the worst case in the background after the first
+        (``Learner.compiled_step``): no step waits for a compile after the first one. The
+        choice depends only on ``used`` (checkpointed), so a resumed run packs its steps as
+        the uninterrupted one does.
+
+        Raises: :class:`BatchError` when ``n_bins`` is above the worst case.
+        """
+        if n_bins > self.row_counts[-1]:
+            raise BatchError(f"{n_bins} packed rows needed, more than the {self.row_counts[-1]} "
+                             f"that learner.pack_length {self.pack_length} allows")
+        used = [int(r) for r in used if int(r) in self.row_counts]
+        fits = [r for r in used if n_bins <= r]
         if fits:
             return min(fits)
-        for r in self.row_counts:
-            if r >= n_bins:
-                return r
-        raise BatchError(f"{n_bins} packed rows needed, more than the {self.row_counts[-1]} "
-                         f"that learner.pack_length {self.pack_length} allows")
+        if used:
+            return self.row_counts[-1]
+        return next(r for r in self.row_counts if r >= n_bins)
 
 
 def first_fit(lengths, capacity: int) -> list[list[int]]:
@@ -116,7 +124,7 @@ def padding_fraction(attention_mask) -> float:
     return float(1.0 - m.sum() / max(m.size, 1))
 
 
-def pack_batch(batch: TrainBatch, spec: PackSpec, compiled: Iterable[int] = ()
+def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
                ) -> tuple[TrainBatch, dict]:
     """Pack the samples of an unpacked ``batch`` (one sample per row) into ``[R, pack_length]``.
 
@@ -124,8 +132,7 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, compiled: Iterable[int] = ()
       batch: numpy :class:`TrainBatch` ``[B, L]`` from :func:`rlflow.learner.batch.build_batch`
         (each row's attended tokens contiguous; ``segment_ids`` None).
       spec: :class:`PackSpec`.
-      compiled: packed row counts the step is already compiled for (see
-        :meth:`PackSpec.rows_for`: the smallest that fits is reused before a new shape).
+      used: packed row counts earlier steps of the run used (:meth:`PackSpec.rows_for`).
 
     Returns:
       ``(packed, info)``: a :class:`TrainBatch` ``[R, pack_length]`` with ``R`` in
@@ -159,7 +166,7 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, compiled: Iterable[int] = ()
         raise BatchError(f"row {r} has {int(n_tok[r])} tokens, more than learner.pack_length "
                          f"{spec.pack_length}")
     bins = first_fit(n_tok[keep], spec.pack_length)
-    rows = spec.rows_for(len(bins), compiled) if bins else spec.rows_for(1, compiled)
+    rows = spec.rows_for(max(len(bins), 1), used)
     lp = spec.pack_length
     src = batch if batch.token_rewards is not None else batch._replace(
         token_rewards=np.zeros(attn.shape, np.float32))

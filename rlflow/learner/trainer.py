@@ -15,7 +15,9 @@ policy alone.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 from typing import Mapping, Sequence
 
@@ -167,27 +169,63 @@ class Learner:
         return restored
 
     def compiled_step(self, rows: int, seq: int):
-        """The AOT-compiled step for ``[rows, seq]`` batches (compiled once per shape)."""
+        """The AOT-compiled step for ``[rows, seq]`` batches (compiled once per shape).
+
+        Packed (``learner.packing``): after the first packed shape, the worst-case row count
+        (``PackSpec.row_counts[-1]``, the one a later step that needs more rows uses) is
+        compiled on a background thread while the steps run, so that step does not stall.
+        """
         key = (rows, seq)
         if key not in self._compiled:
-            t0 = time.perf_counter()
-            self._compiled[key] = compile_train_step(
-                self._jitted, self.state, abstract_batch(rows, seq, self.mesh), self.ref_params,
-                self.base)
-            logger.info("compiled train step for batch %dx%d in %.1f s", rows, seq,
-                        time.perf_counter() - t0)
-        return self._compiled[key]
+            self._compiled[key] = self._compile(rows, seq)
+            spec = self.pack_spec
+            if spec is not None and seq == spec.pack_length and \
+                    (spec.row_counts[-1], seq) not in self._compiled:
+                self._compiled[(spec.row_counts[-1], seq)] = self._compile_in_background(
+                    spec.row_counts[-1], seq)
+        compiled = self._compiled[key]
+        if isinstance(compiled, concurrent.futures.Future):
+            compiled = self._compiled[key] = compiled.result()   # re-raises its error
+        return compiled
+
+    def _compile(self, rows: int, seq: int, abstract_args=None):
+        t0 = time.perf_counter()
+        args = abstract_args or self._abstract_args(rows, seq)
+        compiled = compile_train_step(self._jitted, *args)
+        logger.info("compiled train step for batch %dx%d in %.1f s", rows, seq,
+                    time.perf_counter() - t0)
+        return compiled
+
+    def _abstract_args(self, rows: int, seq: int) -> tuple:
+        def abstract(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+        # shapes and shardings only: taken here, before a step donates the state's buffers
+        return jax.tree.map(abstract, (self.state, abstract_batch(rows, seq, self.mesh),
+                                       self.ref_params, self.base))
+
+    def _compile_in_background(self, rows: int, seq: int) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        args = self._abstract_args(rows, seq)
+
+        def run():
+            try:
+                future.set_result(self._compile(rows, seq, args))
+            except BaseException as e:  # noqa: BLE001 - raised where the step needs it
+                future.set_exception(e)
+
+        threading.Thread(target=run, daemon=True, name="rlflow-compile").start()
+        return future
 
     def build_batch(self, records: Sequence[Mapping]) -> tuple[TrainBatch, dict]:
         """:func:`rlflow.learner.batch.build_batch` at the current version, then (with
         ``learner.packing``) :func:`rlflow.learner.packing.pack_batch`; the info adds
         ``learner/padding_fraction`` (padded positions of the one-row-per-sample batch) and,
         packed, ``learner/packed_padding_fraction``, ``batch/packed_rows``. Packed, a step
-        reuses the smallest row count an earlier step of the run used that holds its rows
-        (:meth:`rlflow.learner.packing.PackSpec.rows_for`): a run compiles a new shape only
-        when a step needs more rows than any before, not each time the count changes. The
-        counts used are :attr:`packed_row_counts`, checkpointed, so a resumed run packs as
-        the uninterrupted one would."""
+        takes the smallest row count an earlier step of the run used that holds its rows,
+        else the worst case (:meth:`rlflow.learner.packing.PackSpec.rows_for`): a run has at
+        most two packed shapes. The counts used are :attr:`packed_row_counts`, checkpointed,
+        so a resumed run packs as the uninterrupted one would."""
         batch, info = build_batch(records, self.batch_spec, self.version)
         if self.pack_spec is None:
             return batch, {**info, "learner/padding_fraction":
