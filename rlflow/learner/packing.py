@@ -170,21 +170,27 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
     lp = spec.pack_length
     src = batch if batch.token_rewards is not None else batch._replace(
         token_rewards=np.zeros(attn.shape, np.float32))
-    out = {name: np.zeros((rows, lp), np.asarray(getattr(src, name)).dtype) for name in _MOVED}
-    out["tokens"][:] = spec.pad_id
-    out["targets"][:] = spec.pad_id
-    seg = np.zeros((rows, lp), np.int32)
+    # where each packed position comes from: source row (-1: padding) and column
+    src_row = np.full((rows, lp), -1, np.int64)
+    src_col = np.zeros((rows, lp), np.int64)
     pos = np.zeros((rows, lp), np.int32)
     for r, members in enumerate(bins):
         at = 0
         for j in members:
             i = int(keep[j])
-            s, n = int(first[i]), int(n_tok[i])
-            for name in _MOVED:
-                out[name][r, at:at + n] = np.asarray(getattr(src, name))[i, s:s + n]
-            seg[r, at:at + n] = i + 1
+            n = int(n_tok[i])
+            src_row[r, at:at + n] = i
             pos[r, at:at + n] = np.arange(n, dtype=np.int32)
             at += n
+    real = src_row >= 0
+    src_col[real] = first[src_row[real]] + pos[real]
+    rr, cc = np.maximum(src_row, 0), src_col
+    out = {}
+    for name in _MOVED:
+        x = np.asarray(getattr(src, name))
+        fill = spec.pad_id if name in ("tokens", "targets") else 0
+        out[name] = np.where(real, x[rr, cc], np.asarray(fill, x.dtype))
+    seg = np.where(real, src_row + 1, 0).astype(np.int32)
     packed = TrainBatch(positions=pos, segment_ids=seg, **out)
     info = {"learner/padding_fraction": padding_fraction(attn),
             "learner/packed_padding_fraction": padding_fraction(packed.attention_mask),
