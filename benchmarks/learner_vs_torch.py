@@ -27,7 +27,8 @@ the same run as a third line, with the padding fractions.
 Sizes from environment variables (defaults in brackets): LVT_HIDDEN [256], LVT_LAYERS [4],
 LVT_HEADS [4], LVT_KV_HEADS [2], LVT_MLP [896], LVT_VOCAB [2048], LVT_GROUPS [4], LVT_G [4],
 LVT_PROMPT_MIN [32], LVT_PROMPT_MAX [128], LVT_COMP_MIN [16], LVT_COMP_MAX [64],
-LVT_REPEATS [5].
+LVT_REPEATS [5], LVT_PACK_LENGTH [0: the config's default], LVT_SHARED [1: each group's prompt
+packed once, ``learner.shared_prefix``; 0: a prompt copy per sample].
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ HIDDEN, LAYERS, HEADS, KV_HEADS = env("HIDDEN", 256), env("LAYERS", 4), env("HEA
 MLP, VOCAB, GROUPS, G = env("MLP", 896), env("VOCAB", 2048), env("GROUPS", 4), env("G", 4)
 PROMPT_MIN, PROMPT_MAX = env("PROMPT_MIN", 32), env("PROMPT_MAX", 128)
 COMP_MIN, COMP_MAX, REPEATS = env("COMP_MIN", 16), env("COMP_MAX", 64), env("REPEATS", 5)
+PACK_LENGTH, SHARED = env("PACK_LENGTH", 0), env("SHARED", 1)
 CLIP_LOW, CLIP_HIGH, IS_CAP, LR = 0.2, 0.28, 2.0, 1e-5
 
 
@@ -107,7 +109,9 @@ def make_learner(path: str, packing: bool):
         sampler=SamplerConfig(group_size=G, max_tokens=COMP_MAX, max_prefill_length=PROMPT_MAX,
                               prefill_buckets=(PROMPT_MAX,)),
         learner=LearnerConfig(groups_per_step=GROUPS, lr=LR, clip_low=CLIP_LOW,
-                              clip_high=CLIP_HIGH, is_cap=IS_CAP, packing=packing),
+                              clip_high=CLIP_HIGH, is_cap=IS_CAP, packing=packing,
+                              pack_length=PACK_LENGTH if packing else 0,
+                              shared_prefix=bool(SHARED)),
         runtime=RuntimeConfig(max_staleness=1000))
     return Learner(cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
 

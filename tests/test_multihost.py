@@ -73,14 +73,15 @@ def test_two_hosts_train_like_one_host(two_hosts):
             assert moved > 100 * tol.max(), (k, moved)       # the check has resolution
     info = two_hosts["results"][0]["infos"][0]
     rows, seq = int(info["batch/rows"]), int(info["batch/seq"])
-    # packed rows (learner.packing is on): at most one row per sample of 2 groups, no longer
-    # than the unpacked bucket of 16, and a whole number of rows per host
-    assert 1 <= rows <= 2 * mp_jobs.G and 1 <= seq <= 16 and rows % 2 == 0
-    # the broadcast buffer is the 9 TrainBatch fields as int32 [9, B, L]
-    assert info["batch/broadcast_bytes"] == 9 * rows * seq * 4
-    # each host keeps its half of the rows: 4 int32 (incl. segment ids) + 3 float32 fields
-    # (4 B) + 2 bool (1 B)
-    assert info["batch/local_bytes"] == rows // 2 * seq * (7 * 4 + 2 * 1)
+    # packed rows (learner.packing is on, each group's prompt once): at most one row per
+    # sample of 2 groups, no longer than twice the unpacked bucket of 16 (room for a group,
+    # ExperimentConfig.pack_length), and a whole number of rows per host
+    assert 1 <= rows <= 2 * mp_jobs.G and 1 <= seq <= 2 * 16 and rows % 2 == 0
+    # the broadcast buffer is the 10 TrainBatch fields as int32 [10, B, L]
+    assert info["batch/broadcast_bytes"] == 10 * rows * seq * 4
+    # each host keeps its half of the rows: 5 int32 (incl. segment and prefix ids) + 3
+    # float32 fields (4 B) + 2 bool (1 B)
+    assert info["batch/local_bytes"] == rows // 2 * seq * (8 * 4 + 2 * 1)
 
 
 def logit_tol(logits):

@@ -17,7 +17,8 @@ from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
 from rlflow.models.hf import build_model
 from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
-from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol, sum_tol
+from tolerances import (F32_EPS, MIXED_SIGN_CANCEL, forward_atol, model_chain_len,
+                        reorder_rtol, sum_tol)
 
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -30,8 +31,9 @@ def records(seed, n_groups=2):
     return make_group_records(seed, n_groups, vocab=VOCAB, group_size=G, max_tokens=T, noise=1.0)
 
 
-def pack_spec(split=1, length=16):
-    return PackSpec.create(num_rows=8, max_row=16, pack_length=length, buckets=4, split=split)
+def pack_spec(split=1, length=16, shared=False):
+    return PackSpec.create(num_rows=8, max_row=16, pack_length=length, buckets=4, split=split,
+                           shared_prefix=shared)
 
 
 # --------------------------------------------------------------------------- host layout
@@ -147,6 +149,76 @@ def test_segment_loss_weights_equal_numpy_oracle():
 
 # -------------------------------------------------------------------- the step, unpacked = packed
 
+def test_shared_prefix_layout_equals_numpy_oracle():
+    """With shared prompts each group's prompt (all but its last token) is packed once as a
+    segment without loss; each kept sample's segment continues it at the positions it had
+    alone, from its own copy of the last prompt token: prompt segment + sample segment are
+    exactly the sample's tokens, positions and loss mask; samples without loss are left out;
+    a lone kept sample of a group keeps its whole prompt (nothing to share)."""
+    recs = records(3, n_groups=2)
+    recs[1]["truncated"][:] = [True, True, True, False]      # group 1: one sample kept
+    batch, _ = build_batch(recs, SPEC.replace(mask_truncated=True), 0)
+    packed, info = pack_batch(batch, pack_spec(length=32, shared=True))
+    seg, pre = packed.segment_ids, packed.prefix_ids
+    total = 0
+    for i, rec in enumerate(recs):
+        prompt = rec["prompt_tokens"]
+        kept = [s for s in range(G) if not rec["truncated"][s]]
+        shared = len(kept) > 1
+        total += (len(prompt) - 1) * shared
+        for s in range(G):
+            row = i * G + s
+            at = seg == row + 1
+            if s not in kept:
+                assert not at.any()
+                continue
+            n = int(rec["completion_lengths"][s])
+            want = np.concatenate([prompt, rec["completion_tokens"][s, :n]])
+            r_, = set(np.nonzero(at)[0])                      # one packed row
+            prefix_id, = set(pre[at])
+            head = (seg[r_] == prefix_id) & (prefix_id != row + 1)
+            assert head.sum() == (len(prompt) - 1 if shared else 0)
+            assert not packed.loss_mask[r_][head].any()
+            assert (pre[r_][head] == prefix_id).all()
+            seen = head | (seg[r_] == row + 1)                # all this sample attends
+            np.testing.assert_array_equal(packed.tokens[r_][seen], want)
+            np.testing.assert_array_equal(packed.positions[r_][seen], np.arange(len(want)))
+            loss = np.zeros(len(want), bool)
+            loss[len(prompt) - 1:len(prompt) - 1 + n] = True
+            np.testing.assert_array_equal(packed.loss_mask[r_][seen], loss)
+            np.testing.assert_array_equal(packed.behaviour_logprobs[r_][seen][loss],
+                                          rec["behaviour_logprobs"][s, :n])
+            total += len(want) - (len(prompt) - 1) * shared
+    assert packed.attention_mask.sum() == total
+    assert not packed.attention_mask[seg == 0].any() and (pre[seg == 0] == 0).all()
+    assert info["batch/packed_samples"] == G + 1
+
+
+def test_decoder_shared_prefix_attention_equals_separate_sequences():
+    """Two continuations of one prompt in one row, the prompt once (``prefix_ids``): each
+    continuation's logits equal those of prompt + continuation run alone."""
+    model, _ = build_model(MODEL)
+    rng = np.random.default_rng(4)
+    prompt, a, b = (rng.integers(1, VOCAB, size=k).astype(np.int32) for k in (5, 3, 4))
+    tokens = np.concatenate([prompt[:-1], prompt[-1:], a, prompt[-1:], b])[None]
+    seg = np.array([[9] * 4 + [1] * 4 + [2] * 5], np.int32)
+    pre = np.full_like(seg, 9)
+    pos = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8]], np.int32)
+    got = np.asarray(model(jnp.asarray(tokens), jnp.asarray(pos), jnp.ones_like(seg, bool),
+                           segment_ids=jnp.asarray(seg), prefix_ids=jnp.asarray(pre)))
+    for cont, at in ((a, seg[0] == 1), (b, seg[0] == 2)):
+        alone = np.concatenate([prompt, cont])[None]
+        want = np.asarray(model(jnp.asarray(alone), jnp.arange(alone.shape[1])[None],
+                                jnp.ones(alone.shape, bool)))
+        scale = float(np.abs(want).max()) + 1.0
+        np.testing.assert_allclose(got[0][at], want[0][len(prompt) - 1:],
+                                   atol=forward_atol(MODEL, alone.shape[1], scale))
+    alone = prompt[None]
+    want = np.asarray(model(jnp.asarray(alone), jnp.arange(5)[None], jnp.ones((1, 5), bool)))
+    np.testing.assert_allclose(got[0][:4], want[0][:4],
+                               atol=forward_atol(MODEL, 5, float(np.abs(want).max()) + 1.0))
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     model, _ = build_model(MODEL)
@@ -159,14 +231,17 @@ def _k3(d):
     return np.expm1(d) - d
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_packed_step_equals_unpacked_and_numpy_oracle(tiny_model, mode):
-    """Logprobs per token, loss, KL and gradients of the packed batch (2 micro-batches) equal
-    the unpacked batch's (1 micro-batch); the loss equals a float64 numpy oracle built from
-    the unpacked logprobs (ratio 1 at step start, truncated IS weight, k3 KL)."""
+@pytest.mark.parametrize("mode,shared", [(m, True) for m in MODES] +
+                         [("seq-mean-token-mean", False)])
+def test_packed_step_equals_unpacked_and_numpy_oracle(tiny_model, mode, shared):
+    """Logprobs per token, loss, KL and gradients of the packed batch (2 micro-batches; with
+    ``shared``, each group's prompt packed once) equal the unpacked batch's (1 micro-batch);
+    the loss equals a float64 numpy oracle built from the unpacked logprobs (ratio 1 at step
+    start, truncated IS weight, k3 KL)."""
     graphdef, params, ref = tiny_model
     batch, _ = build_batch(records(7), SPEC, 0)
-    packed, _ = pack_batch(batch, pack_spec(split=2))
+    packed, _ = pack_batch(batch, pack_spec(split=2, shared=shared))
+    assert (packed.prefix_ids is not None) == shared
     kl_coef, cap = 0.3, 1.5
     out = {}
     for name, b, k in (("unpacked", batch, 1), ("packed", packed, 2)):
@@ -188,7 +263,10 @@ def test_packed_step_equals_unpacked_and_numpy_oracle(tiny_model, mode):
         if not at.any():
             continue
         row = batch.attention_mask[r]
-        np.testing.assert_allclose(lpp[at][:-1], lpu[r][row][:-1], atol=lp_tol)
+        # the sample's own positions (shared: from its last prompt token on), at the offsets
+        # they had alone; its last position's target lies past the sample
+        np.testing.assert_allclose(lpp[at][:-1], lpu[r][row][packed.positions[at]][:-1],
+                                   atol=lp_tol)
     # numpy oracle of the loss from the unpacked logprobs
     m = batch.loss_mask
     lp64, mu, adv = lpu.astype(np.float64), batch.behaviour_logprobs, batch.advantages
@@ -302,7 +380,11 @@ def test_packed_learner_equals_unpacked_single_device(name):
                        mesh=one_device_mesh())
     assert packed.pack_spec is not None and unpacked.pack_spec is None
     mp, mu = packed.train_on(recs), unpacked.train_on(recs)
-    assert mp["learner/packed_padding_fraction"] < mp["learner/padding_fraction"]
+    # each group's prompt packed once: fewer real (attended) positions than the padded batch
+    real_packed = mp["batch/packed_rows"] * packed.pack_spec.pack_length * (
+        1 - mp["learner/packed_padding_fraction"])
+    real_padded = mu["batch/samples"] * mu["batch/seq_len"] * (1 - mu["learner/padding_fraction"])
+    assert real_packed < real_padded - 1
     rows, seq = 8, 16
     chain, n = model_chain_len(MODEL, seq), rows * seq
     for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",

@@ -145,12 +145,13 @@ def test_learning_smoke_positive_advantage_raises_logprobs(learner):
     logprob of sample 0's completion rises and the others' fall."""
     rec = make_records(3, 1, version=learner.version)[0]
     rec["rewards"] = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
-    batch, _ = learner.build_batch([rec])
+    batch, _ = learner.build_batch([rec])                # packed: sample s is segment s + 1
     jbatch = TrainBatch(*batch)
+    samples = [(batch.segment_ids == s + 1) & batch.loss_mask for s in range(4)]
 
     def seq_logprobs(params):
-        logp, _ = policy_logprobs(learner.graphdef, params, jbatch)
-        return np.asarray(jnp.sum(jnp.where(batch.loss_mask, logp, 0.0), axis=1))
+        logp = np.asarray(policy_logprobs(learner.graphdef, params, jbatch)[0])
+        return np.array([logp[m].sum() for m in samples])
 
     before = seq_logprobs(learner.params)
     # on-policy behaviour logprobs so the IS weights are 1
@@ -160,7 +161,9 @@ def test_learning_smoke_positive_advantage_raises_logprobs(learner):
     for _ in range(5):
         metrics = learner.step(batch)
     after = seq_logprobs(learner.params)
-    assert batch.advantages[0].max() > 0 and (batch.advantages[1:] <= 0).all()
+    adv = [batch.advantages[m] for m in samples]
+    assert all(m.any() for m in samples) and adv[0].max() > 0
+    assert all((a <= 0).all() for a in adv[1:])
     assert after[0] > before[0] + 0.1, (before, after)
     assert np.all(after[1:] < before[1:]), (before, after)
     assert metrics["learner/tokens"] == batch.loss_mask.sum()

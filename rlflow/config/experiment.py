@@ -100,6 +100,22 @@ class ExperimentConfig:
         return min(full, buckets[-1]) if buckets else full
 
     @property
+    def pack_length(self) -> int:
+        """Positions per packed training row: ``learner.pack_length``, else the longest row;
+        with ``learner.shared_prefix`` and groups of several samples, room for one whole
+        group (its prompt once + each completion after the last prompt token,
+        ``max_prefill_length + G (max_tokens + 1)``), at most twice the longest row (the
+        attention is computed densely per row: its cost per position grows with the row)."""
+        lr, sp = self.learner, self.sampler
+        if lr.pack_length:
+            return lr.pack_length
+        longest = self.longest_row
+        if not lr.shared_prefix or sp.group_size < 2:
+            return longest
+        group = sp.max_prefill_length + sp.group_size * (sp.max_tokens + 1)
+        return max(longest, min(group, 2 * longest))
+
+    @property
     def run_path(self) -> str:
         return os.path.join(self.run_dir, self.name)
 

@@ -158,13 +158,20 @@ class LearnerConfig:
         ``true`` is refused.
       pack_length: positions per packed row; 0: the longest row (``seq_buckets[-1]``, or
         ``sampler.max_prefill_length + sampler.max_tokens`` without buckets), so a packed
-        step never computes more positions or longer attention rows than the padded one.
-        Must hold the longest row.
+        step never computes more positions or longer attention rows than the padded one;
+        with ``shared_prefix`` and ``sampler.group_size > 1``, room for one whole group
+        (``max_prefill_length + group_size * (max_tokens + 1)``) up to twice the longest row
+        (``ExperimentConfig.pack_length``). Must hold the longest row.
       pack_row_buckets: how many packed row counts the first step may round up to, evenly
         spaced up to the count that holds any batch (with 16 rows of the longest row, 8
         buckets round 13 packed rows to 14, 4 would round them to 16). Later steps reuse
         that count when their rows fit, else the worst case, compiled in the background
         after the first step (``PackSpec.rows_for``): at most two compiled shapes a run.
+      shared_prefix: with packing, a prompt shared by a group's samples is packed once and
+        each sample's completion attends it (shared-prefix attention, Prefix Grouper, Liu
+        et al. 2025; :mod:`rlflow.learner.packing`): the same logprobs, loss and gradients
+        on fewer positions (``P - 1 + sum(1 + n_i)`` instead of ``sum(P + n_i)`` per
+        group). False: each sample packed with its own prompt copy.
     """
 
     num_steps: int = 20
@@ -214,6 +221,7 @@ class LearnerConfig:
     packing: Optional[bool] = None
     pack_length: int = 0
     pack_row_buckets: int = 8
+    shared_prefix: bool = True
 
     @property
     def packs(self) -> bool:

@@ -66,6 +66,11 @@ class TrainBatch(NamedTuple):
     segment, and the per-sequence loss aggregations count segments, not rows. Ids are unique
     over the whole batch, >= 1 on real tokens, 0 on padding. None: each row is one sequence
     (the learner fills ``row + 1`` on attended tokens).
+
+    ``prefix_ids`` int32 ``[B, L]`` (optional, shared-prefix packing,
+    :mod:`rlflow.learner.packing`): the segment a position may attend besides its own, the
+    group's prompt packed once before its completions; equal to ``segment_ids`` elsewhere.
+    None: ``segment_ids`` (the learner fills it).
     """
     tokens: np.ndarray
     attention_mask: np.ndarray
@@ -76,6 +81,7 @@ class TrainBatch(NamedTuple):
     advantages: np.ndarray
     token_rewards: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
+    prefix_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,8 @@ class BatchSpec:
 
 
 _KINDS = dict(tokens="i", attention_mask="b", positions="i", targets="i", loss_mask="b",
-              behaviour_logprobs="f", advantages="f", token_rewards="f", segment_ids="i")
+              behaviour_logprobs="f", advantages="f", token_rewards="f", segment_ids="i",
+              prefix_ids="i")
 
 
 def validate_batch(batch: TrainBatch) -> None:
@@ -130,7 +137,7 @@ def validate_batch(batch: TrainBatch) -> None:
         raise BatchError(f"tokens must be [batch, seq], got shape {shape}")
     for name in TrainBatch._fields:
         x = getattr(batch, name)
-        if x is None and name in ("token_rewards", "segment_ids"):
+        if x is None and name in ("token_rewards", "segment_ids", "prefix_ids"):
             continue
         if np.shape(x) != shape:
             raise BatchError(f"{name} has shape {np.shape(x)}, expected {shape} like tokens")

@@ -175,6 +175,8 @@ def _pack(batch: TrainBatch) -> np.ndarray:
     out = []
     if batch.segment_ids is None:                  # unpacked: one sequence per row
         batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
+    if batch.prefix_ids is None:                   # no shared prompts
+        batch = batch._replace(prefix_ids=batch.segment_ids)
     for name in _FIELDS:
         x = np.asarray(getattr(batch, name))
         out.append(x.view(np.int32) if x.dtype == np.float32 else x.astype(np.int32))
@@ -183,7 +185,7 @@ def _pack(batch: TrainBatch) -> np.ndarray:
 
 _DTYPES = dict(tokens=np.int32, attention_mask=np.bool_, positions=np.int32, targets=np.int32,
                loss_mask=np.bool_, behaviour_logprobs=np.float32, advantages=np.float32,
-               token_rewards=np.float32, segment_ids=np.int32)
+               token_rewards=np.float32, segment_ids=np.int32, prefix_ids=np.int32)
 
 
 def _unpack(packed: np.ndarray) -> TrainBatch:

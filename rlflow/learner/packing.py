@@ -17,6 +17,25 @@ token rewards) moves with its token, and :func:`rlflow.learner.losses.loss_weigh
 segments instead of rows for the per-sequence aggregations. Samples without loss tokens
 (padding rows, dropped samples) carry no gradient and no metric and are left out.
 
+**Shared prompts** (``learner.shared_prefix``, on by default; Prefix Grouper, Liu et al.
+2025): the G samples of a GRPO group start with the same prompt. Its tokens before the
+first loss position are packed once, as a segment of its own, and each sample's segment
+continues it from the last prompt token (whose logit predicts the sample's first completion
+token, so each sample keeps its own copy of that one token)::
+
+    tokens       [p0 p1 | p2 a0 a1 | p2 b0 b1 b2 | pad]
+    segment_ids  [ 9  9 |  1  1  1 |  2  2  2  2 |  0 ]     9: the prompt's own segment
+    prefix_ids   [ 9  9 |  9  9  9 |  9  9  9  9 |  0 ]     what each position also attends
+    positions    [ 0  1 |  2  3  4 |  2  3  4  5 |  0 ]
+
+A query attends its own segment and the segment in its ``prefix_ids``
+(``Decoder.__call__``), causally, so every sample sees exactly its prompt and its own
+completion, at the positions it had alone: the same logprobs as unshared, computed on
+``P - 1 + sum(1 + n_i)`` positions instead of ``sum(P + n_i)``. Samples share when the tokens
+before their first loss position are equal; a group too long for one row is split into
+several units, each with its prompt. Prompt segments carry no loss token, so the
+per-sequence aggregations count the samples only.
+
 Shapes: ``pack_length`` is fixed per run (``learner.pack_length``); the number of packed rows
 is one of ``learner.pack_row_buckets`` row counts (multiples of the micro-batch x data x
 fsdp split): the first step's rounded up, later steps the smallest count used before that
@@ -51,14 +70,17 @@ class PackSpec:
         (every sample fits in ``pack_length``, and at least ``pack_length // max_row``
         samples fit per row).
       pad_id: token id of packed padding.
+      shared_prefix: pack a prompt shared by several samples once (see the module
+        docstring).
     """
     pack_length: int
     row_counts: tuple
     pad_id: int = 0
+    shared_prefix: bool = False
 
     @classmethod
     def create(cls, *, num_rows: int, max_row: int, pack_length: int, buckets: int,
-               split: int, pad_id: int = 0) -> "PackSpec":
+               split: int, pad_id: int = 0, shared_prefix: bool = False) -> "PackSpec":
         """The spec for batches of ``num_rows`` samples of at most ``max_row`` tokens.
 
         ``split``: packed row counts are multiples of it (micro-batches x data x fsdp);
@@ -73,7 +95,8 @@ class PackSpec:
         worst = split * math.ceil(worst / split)
         step = split * math.ceil(worst / (split * max(buckets, 1)))
         counts = tuple(range(step, worst, step)) + (worst,)
-        return cls(pack_length=pack_length, row_counts=counts, pad_id=pad_id)
+        return cls(pack_length=pack_length, row_counts=counts, pad_id=pad_id,
+                   shared_prefix=shared_prefix)
 
     def rows_for(self, n_bins: int, used: Iterable[int] = ()) -> int:
         """The row count for a step of ``n_bins`` packed rows, given the counts earlier steps
@@ -136,9 +159,11 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
 
     Returns:
       ``(packed, info)``: a :class:`TrainBatch` ``[R, pack_length]`` with ``R`` in
-      ``spec.row_counts``, ``segment_ids`` = the sample's row in ``batch`` + 1 (0 on padding)
-      and positions restarting at 0 per segment (``token_rewards`` zeros when the input had
-      None); ``info``: ``learner/padding_fraction`` (of ``batch``),
+      ``spec.row_counts``, ``segment_ids`` = the sample's row in ``batch`` + 1 (0 on padding;
+      a shared prompt's own segment ``B + 1 + unit``), positions of each sample as it had
+      alone, and with ``spec.shared_prefix`` ``prefix_ids`` (the shared prompt's segment,
+      else the position's own; None without ``shared_prefix``) (``token_rewards`` zeros when
+      the input had None); ``info``: ``learner/padding_fraction`` (of ``batch``),
       ``learner/packed_padding_fraction`` (of the packed batch), ``batch/packed_rows``,
       ``batch/packed_samples`` (samples with loss tokens, the ones kept).
 
@@ -165,37 +190,90 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
         r = int(too_long[0])
         raise BatchError(f"row {r} has {int(n_tok[r])} tokens, more than learner.pack_length "
                          f"{spec.pack_length}")
-    bins = first_fit(n_tok[keep], spec.pack_length)
+    plain = [(-1, 0, [int(i)]) for i in keep]
+    units = _shared_units(batch.tokens, first, n_tok, loss, keep, spec.pack_length) \
+        if spec.shared_prefix else plain
+    bins = first_fit([_unit_length(u, n_tok) for u in units], spec.pack_length)
+    if len(bins) > spec.row_counts[-1]:     # sharing packed worse than the plain bound
+        units = plain
+        bins = first_fit([_unit_length(u, n_tok) for u in units], spec.pack_length)
     rows = spec.rows_for(max(len(bins), 1), used)
     lp = spec.pack_length
     src = batch if batch.token_rewards is not None else batch._replace(
         token_rewards=np.zeros(attn.shape, np.float32))
-    # where each packed position comes from: source row (-1: padding) and column
+    # where each packed position comes from: source row (-1: padding) and offset in its span
     src_row = np.full((rows, lp), -1, np.int64)
-    src_col = np.zeros((rows, lp), np.int64)
     pos = np.zeros((rows, lp), np.int32)
+    seg = np.zeros((rows, lp), np.int32)
+    pre = np.zeros((rows, lp), np.int32)
     for r, members in enumerate(bins):
         at = 0
-        for j in members:
-            i = int(keep[j])
-            n = int(n_tok[i])
-            src_row[r, at:at + n] = i
-            pos[r, at:at + n] = np.arange(n, dtype=np.int32)
-            at += n
+        for u in members:
+            head, q, samples = units[u]
+            if head >= 0:
+                # the prompt's own segment: ids after every sample's (row + 1 <= b); it holds
+                # no loss token, so no aggregation counts it
+                sid = b + 1 + u
+                src_row[r, at:at + q] = head
+                pos[r, at:at + q] = np.arange(q, dtype=np.int32)
+                seg[r, at:at + q] = pre[r, at:at + q] = sid
+                at += q
+            for i in samples:
+                n = int(n_tok[i]) - q
+                src_row[r, at:at + n] = i
+                pos[r, at:at + n] = np.arange(q, q + n, dtype=np.int32)
+                seg[r, at:at + n] = i + 1
+                pre[r, at:at + n] = sid if head >= 0 else i + 1
+                at += n
     real = src_row >= 0
-    src_col[real] = first[src_row[real]] + pos[real]
-    rr, cc = np.maximum(src_row, 0), src_col
+    rr = np.maximum(src_row, 0)
+    cc = np.where(real, first[rr] + pos, 0)
     out = {}
     for name in _MOVED:
         x = np.asarray(getattr(src, name))
         fill = spec.pad_id if name in ("tokens", "targets") else 0
         out[name] = np.where(real, x[rr, cc], np.asarray(fill, x.dtype))
-    seg = np.where(real, src_row + 1, 0).astype(np.int32)
-    packed = TrainBatch(positions=pos, segment_ids=seg, **out)
+    packed = TrainBatch(positions=pos, segment_ids=seg,
+                        prefix_ids=pre if spec.shared_prefix else None, **out)
     info = {"learner/padding_fraction": padding_fraction(attn),
             "learner/packed_padding_fraction": padding_fraction(packed.attention_mask),
             "batch/packed_rows": rows, "batch/packed_samples": int(keep.size)}
     return packed, info
+
+
+def _unit_length(unit, n_tok) -> int:
+    head, q, samples = unit
+    return q + sum(int(n_tok[i]) - q for i in samples)
+
+
+def _shared_units(tokens, first, n_tok, loss, keep, pack_length: int) -> list:
+    """``[(head row or -1, prefix length q, [sample rows])]``: samples whose tokens before
+    their first loss position are equal share those ``q`` tokens (taken from ``head``);
+    a unit holds as many of them as fit in ``pack_length``; a sample alone is ``(-1, 0,
+    [row])``. Order: first appearance (deterministic)."""
+    tokens = np.asarray(tokens)
+    groups: dict = {}
+    for i in keep:
+        i = int(i)
+        q = int(np.argmax(loss[i])) - int(first[i])      # tokens before the first loss position
+        key = (q, tokens[i, first[i]:first[i] + q].tobytes())
+        groups.setdefault(key, []).append(i)
+    units = []
+    for (q, _), rows in groups.items():
+        if q == 0 or len(rows) == 1:
+            units.extend((-1, 0, [i]) for i in rows)
+            continue
+        current: list = []
+        length = q
+        for i in rows:
+            n = int(n_tok[i]) - q
+            if current and length + n > pack_length:
+                units.append((current[0], q, current) if len(current) > 1 else (-1, 0, current))
+                current, length = [], q
+            current.append(i)
+            length += n
+        units.append((current[0], q, current) if len(current) > 1 else (-1, 0, current))
+    return units
 
 
 def pack_spec_from_config(cfg) -> PackSpec | None:
@@ -207,5 +285,6 @@ def pack_spec_from_config(cfg) -> PackSpec | None:
     longest = cfg.longest_row
     split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
     return PackSpec.create(num_rows=lr.groups_per_step * cfg.sampler.group_size,
-                           max_row=longest, pack_length=lr.pack_length or longest,
-                           buckets=lr.pack_row_buckets, split=split)
+                           max_row=longest, pack_length=cfg.pack_length,
+                           buckets=lr.pack_row_buckets, split=split,
+                           shared_prefix=lr.shared_prefix)

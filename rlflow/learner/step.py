@@ -168,7 +168,7 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
     policy, vparams = (params, None) if value_graphdef is None else params
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
-                                 segment_ids=batch.segment_ids)
+                                 segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids)
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
         logits, targets = model.project(hidden), batch.targets
@@ -453,7 +453,8 @@ def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
     sh = batch_sharding(mesh)
     dtypes = dict(tokens=jnp.int32, attention_mask=jnp.bool_, positions=jnp.int32,
                   targets=jnp.int32, loss_mask=jnp.bool_, behaviour_logprobs=jnp.float32,
-                  advantages=jnp.float32, token_rewards=jnp.float32, segment_ids=jnp.int32)
+                  advantages=jnp.float32, token_rewards=jnp.float32, segment_ids=jnp.int32,
+                  prefix_ids=jnp.int32)
     return TrainBatch(**{f: jax.ShapeDtypeStruct((rows, seq), dtypes[f], sharding=sh)
                          for f in TrainBatch._fields})
 

@@ -214,7 +214,9 @@ class Learner:
             except BaseException as e:  # noqa: BLE001 - raised where the step needs it
                 future.set_exception(e)
 
-        threading.Thread(target=run, daemon=True, name="rlflow-compile").start()
+        # not a daemon: the interpreter waits for it at exit (a daemon thread stopped inside
+        # an XLA compile aborts the process: "FATAL: exception not rethrown")
+        threading.Thread(target=run, daemon=False, name="rlflow-compile").start()
         return future
 
     def build_batch(self, records: Sequence[Mapping]) -> tuple[TrainBatch, dict]:
@@ -256,8 +258,9 @@ class Learner:
 
     def check_batch(self, batch: TrainBatch) -> TrainBatch:
         """The host-side checks of a step's batch; fills ``token_rewards`` with zeros
-        ``[B, L]`` float32 for the group estimators and ``segment_ids`` of an unpacked batch
-        (:func:`rlflow.learner.batch.row_segment_ids`). (A multi-host learner runs them on host 0
+        ``[B, L]`` float32 for the group estimators, ``segment_ids`` of an unpacked batch
+        (:func:`rlflow.learner.batch.row_segment_ids`) and ``prefix_ids`` (= ``segment_ids``)
+        of a batch without shared prompts. (A multi-host learner runs them on host 0
         before distributing the batch, :mod:`rlflow.learner.multihost`.)
 
         Raises: :class:`rlflow.learner.batch.BatchError` for mismatched shapes or dtypes, or a
@@ -276,6 +279,8 @@ class Learner:
             batch = batch._replace(token_rewards=np.zeros(np.shape(batch.advantages), np.float32))
         if batch.segment_ids is None:                          # one sequence per row
             batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
+        if batch.prefix_ids is None:                           # no shared prompts
+            batch = batch._replace(prefix_ids=batch.segment_ids)
         if self.settings.gae and self.state.value is None:
             raise RuntimeError("learner.advantage='gae' but the train state has no value head "
                                "(TrainState.value is None): a state restored from a checkpoint "

@@ -311,7 +311,8 @@ class Decoder(nnx.Module):
         return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                 *, return_hidden: bool = False, segment_ids: jax.Array | None = None):
+                 *, return_hidden: bool = False, segment_ids: jax.Array | None = None,
+                 prefix_ids: jax.Array | None = None):
         """Full-sequence forward.
 
         Args:
@@ -323,6 +324,10 @@ class Decoder(nnx.Module):
             only keys with ``segment_ids[b, s] == segment_ids[b, t]``, so several sequences
             share a row without seeing each other (give each its own positions restarting
             at 0: RoPE then makes every segment's logits those of the sequence alone).
+          prefix_ids: ``[B, T]`` int (optional, with ``segment_ids``; shared-prefix packing):
+            query ``t`` also attends keys of segment ``prefix_ids[b, t]``, a prompt packed
+            once before the completions that continue it (Prefix Grouper, Liu et al.
+            2025); equal to ``segment_ids`` where a position sees its own segment only.
           return_hidden: also return the final hidden states (the same forward; e.g. for a
             value head).
 
@@ -335,12 +340,14 @@ class Decoder(nnx.Module):
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
         """
-        hidden = self.hidden_states(tokens, positions, attention_mask, segment_ids=segment_ids)
+        hidden = self.hidden_states(tokens, positions, attention_mask, segment_ids=segment_ids,
+                                    prefix_ids=prefix_ids)
         logits = self.project(hidden)
         return (logits, hidden) if return_hidden else logits
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                      *, segment_ids: jax.Array | None = None) -> jax.Array:
+                      *, segment_ids: jax.Array | None = None,
+                      prefix_ids: jax.Array | None = None) -> jax.Array:
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits."""
@@ -351,7 +358,10 @@ class Decoder(nnx.Module):
         attend = causal[None] & mask[:, None, :]                       # [B, T, T]
         if segment_ids is not None:
             seg = jnp.asarray(segment_ids)
-            attend = attend & (seg[:, :, None] == seg[:, None, :])
+            same = seg[:, :, None] == seg[:, None, :]
+            if prefix_ids is not None:          # and the shared prompt this segment continues
+                same = same | (jnp.asarray(prefix_ids)[:, :, None] == seg[:, None, :])
+            attend = attend & same
         inv_freq = rope_inv_freq(self.cfg)
         x = self._embed(tokens)
         for block in self.layers:
