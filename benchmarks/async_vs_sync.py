@@ -35,6 +35,8 @@ from rlflow import config as C  # noqa: E402
 STEPS = int(os.environ.get("BENCH_STEPS", "120"))
 REPEATS = int(os.environ.get("BENCH_REPEATS", "2"))
 WARMUP = 20
+# learner.shared_prefix (BENCH_SHARED=0: each sample packed with its own 3-token prompt)
+SHARED = bool(int(os.environ.get("BENCH_SHARED", "1")))
 GROUPS, GROUP_SIZE = 8, 8
 
 
@@ -50,7 +52,7 @@ def experiment(run_dir: str, name: str, mode: str, pin: bool) -> C.ExperimentCon
         sampler=C.SamplerConfig(num_slots=32, max_prefill_length=8, prefill_buckets=(8,),
                                 max_tokens=12, group_size=GROUP_SIZE),
         learner=C.LearnerConfig(num_steps=STEPS, groups_per_step=GROUPS, lr=1e-6,
-                                seq_buckets=(16,)),
+                                seq_buckets=(16,), shared_prefix=SHARED),
         runtime=C.RuntimeConfig(mode=mode, max_staleness=0 if mode == "sync" else 2,
                                 pin_cpus=pin),
         checkpoint=C.CheckpointConfig(every_steps=0),

@@ -159,9 +159,10 @@ class LearnerConfig:
       pack_length: positions per packed row; 0: the longest row (``seq_buckets[-1]``, or
         ``sampler.max_prefill_length + sampler.max_tokens`` without buckets), so a packed
         step never computes more positions or longer attention rows than the padded one;
-        with ``shared_prefix`` and ``sampler.group_size > 1``, room for one whole group
-        (``max_prefill_length + group_size * (max_tokens + 1)``) up to twice the longest row
-        (``ExperimentConfig.pack_length``). Must hold the longest row.
+        with ``shared_prefix``, ``sampler.group_size > 1`` and ``max_prefill_length >=
+        max_tokens``, room for one whole group (``max_prefill_length + group_size *
+        (max_tokens + 1)``) up to twice the longest row (``ExperimentConfig.pack_length``).
+        Must hold the longest row.
       pack_row_buckets: how many packed row counts the first step may round up to, evenly
         spaced up to the count that holds any batch (with 16 rows of the longest row, 8
         buckets round 13 packed rows to 14, 4 would round them to 16). Later steps reuse
