@@ -421,3 +421,20 @@ def test_worst_case_shape_compiles_in_the_background_and_takes_bigger_steps():
     assert learner.packed_row_counts == {first, worst}
     assert not isinstance(learner._compiled[(worst, length)], concurrent.futures.Future)
     assert learner.checkpoint().extra["packed_row_counts"] == [first, worst]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_segment_ids_stay_within_the_packed_positions(shared):
+    """A batch whose only kept sample sits in row 40 of 40, packed into 2 x 16 positions: the
+    ids are renumbered from 1 (row + 1 = 40 would pass the 32 slots loss_weights sums over),
+    so the per-sequence weights of that one sample still sum to 1."""
+    batch, _ = build_batch(records(3), SPEC, 0)
+    tiled = TrainBatch(*(None if x is None else np.concatenate([x] * 5) for x in batch))
+    loss = tiled.loss_mask.copy()
+    loss[:-1] = False
+    packed, _ = pack_batch(tiled._replace(loss_mask=loss), pack_spec(length=16, shared=shared))
+    assert packed.tokens.size < 40
+    assert packed.segment_ids.max() == 1
+    w = losses.loss_weights(jnp.asarray(packed.loss_mask), "seq-mean-token-mean",
+                            segment_ids=jnp.asarray(packed.segment_ids))
+    np.testing.assert_allclose(float(jnp.sum(w)), 1.0, rtol=sum_tol(int(loss.sum())))

@@ -160,7 +160,8 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
     Returns:
       ``(packed, info)``: a :class:`TrainBatch` ``[R, pack_length]`` with ``R`` in
       ``spec.row_counts``, ``segment_ids`` = the sample's row in ``batch`` + 1 (0 on padding;
-      a shared prompt's own segment ``B + 1 + unit``), positions of each sample as it had
+      a shared prompt's own segment ``B + 1 + unit``; numbered densely from 1 instead when
+      those ids would pass ``R * pack_length``), positions of each sample as it had
       alone, and with ``spec.shared_prefix`` ``prefix_ids`` (the shared prompt's segment,
       else the position's own; None without ``shared_prefix``) (``token_rewards`` zeros when
       the input had None); ``info``: ``learner/padding_fraction`` (of ``batch``),
@@ -225,6 +226,13 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
                 seg[r, at:at + n] = i + 1
                 pre[r, at:at + n] = sid if head >= 0 else i + 1
                 at += n
+    if seg.max(initial=0) > rows * lp:
+        # ids must stay <= the packed positions (loss_weights sums per id over that many
+        # slots): only when most samples were left out; number the segments densely then
+        _, dense = np.unique(np.concatenate([[0], seg.ravel(), pre.ravel()]),
+                             return_inverse=True)
+        seg = dense[1:seg.size + 1].reshape(seg.shape).astype(np.int32)
+        pre = dense[seg.size + 1:].reshape(pre.shape).astype(np.int32)
     real = src_row >= 0
     rr = np.maximum(src_row, 0)
     cc = np.where(real, first[rr] + pos, 0)
