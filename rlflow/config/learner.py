@@ -172,7 +172,7 @@ class LearnerConfig:
         each sample's completion attends it (shared-prefix attention, Prefix Grouper, Liu
         et al. 2025; :mod:`rlflow.learner.packing`): the same logprobs, loss and gradients
         on fewer positions (``P - 1 + sum(1 + n_i)`` instead of ``sum(P + n_i)`` per
-        group). False: each sample packed with its own prompt copy.
+        group). Off: each sample packed with its own prompt copy.
     """
 
     num_steps: int = 20
