@@ -154,6 +154,17 @@ def row_segment_ids(attention_mask: np.ndarray) -> np.ndarray:
     return np.where(mask, rows, np.int32(0)).astype(np.int32)
 
 
+def with_sequence_ids(batch: TrainBatch) -> TrainBatch:
+    """``batch`` with its optional sequence ids filled in: ``segment_ids`` of an unpacked
+    batch (:func:`row_segment_ids`) and ``prefix_ids`` = ``segment_ids`` where no prompt is
+    shared, so the step's inputs always have the same fields (``[B, L]`` int32)."""
+    if batch.segment_ids is None:                          # one sequence per row
+        batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
+    if batch.prefix_ids is None:                           # no shared prompts
+        batch = batch._replace(prefix_ids=batch.segment_ids)
+    return batch
+
+
 def host_positions(attention_mask: np.ndarray) -> np.ndarray:
     """numpy twin of :func:`rlflow.models.decoder.positions_from_mask` (``[B, T]`` int32,
     ``cumsum(mask) - 1`` clipped at 0) for the host-side batch: no device dispatch."""

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rlflow.learner.batch import BatchError, TrainBatch, row_segment_ids
+from rlflow.learner.batch import BatchError, TrainBatch, with_sequence_ids
 from rlflow.mesh import batch_sharding, make_mesh
 from rlflow.models.decoder import TokenRangeError
 
@@ -173,10 +173,7 @@ def _pack(batch: TrainBatch) -> np.ndarray:
     """``[F, B, L]`` (F = the TrainBatch fields) int32: int and bool fields as values, float32 fields as their bits (the
     broadcast is a sum with zeros, exact on int32 bits; on floats it would turn -0.0 into 0.0)."""
     out = []
-    if batch.segment_ids is None:                  # unpacked: one sequence per row
-        batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
-    if batch.prefix_ids is None:                   # no shared prompts
-        batch = batch._replace(prefix_ids=batch.segment_ids)
+    batch = with_sequence_ids(batch)
     for name in _FIELDS:
         x = np.asarray(getattr(batch, name))
         out.append(x.view(np.int32) if x.dtype == np.float32 else x.astype(np.int32))

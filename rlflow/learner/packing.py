@@ -267,8 +267,12 @@ def _shared_units(tokens, first, n_tok, loss, keep, pack_length: int) -> list:
         key = (q, tokens[i, first[i]:first[i] + q].tobytes())
         groups.setdefault(key, []).append(i)
     units = []
+
+    def close(members, q):                  # one sample alone shares nothing: a plain unit
+        units.append((members[0], q, members) if len(members) > 1 else (-1, 0, members))
+
     for (q, _), rows in groups.items():
-        if q == 0 or len(rows) == 1:
+        if q == 0:
             units.extend((-1, 0, [i]) for i in rows)
             continue
         current: list = []
@@ -276,11 +280,11 @@ def _shared_units(tokens, first, n_tok, loss, keep, pack_length: int) -> list:
         for i in rows:
             n = int(n_tok[i]) - q
             if current and length + n > pack_length:
-                units.append((current[0], q, current) if len(current) > 1 else (-1, 0, current))
+                close(current, q)
                 current, length = [], q
             current.append(i)
             length += n
-        units.append((current[0], q, current) if len(current) > 1 else (-1, 0, current))
+        close(current, q)
     return units
 
 

@@ -459,17 +459,22 @@ def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
                          for f in TrainBatch._fields})
 
 
+def abstract_args(state: TrainState, batch: TrainBatch, ref_params=None, frozen=None) -> tuple:
+    """The step's arguments as ``jax.ShapeDtypeStruct`` leaves (shape, dtype, sharding): what
+    an AOT compile needs, and safe to keep after the state's buffers are donated."""
+    def abstract(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(abstract, (state, batch, ref_params, frozen))
+
+
 def compile_train_step(jitted, state: TrainState, batch: TrainBatch, ref_params=None,
                        frozen=None):
     """AOT ``lower().compile()`` for these (abstract or concrete) shapes; logs memory use.
 
     Returns: the compiled executable (call it like the step).
     """
-    def abstract(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-
-    args = jax.tree.map(abstract, (state, batch, ref_params, frozen))
-    compiled = jitted.lower(*args).compile()
+    compiled = jitted.lower(*abstract_args(state, batch, ref_params, frozen)).compile()
     mem = compiled.memory_analysis()
     if mem is not None:
         logger.info("train step [%s]: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB, "

@@ -28,12 +28,13 @@ from flax import nnx
 from rlflow import checkpoint as ckpt_lib
 from rlflow import config as config_lib
 from rlflow.learner.batch import (BatchError, BatchSpec, TrainBatch, build_batch,
-                                  row_segment_ids, validate_batch)
+                                  validate_batch, with_sequence_ids)
 from rlflow.learner.loss_positions import capacity_for, check_capacity
 from rlflow.learner.packing import pack_batch, pack_spec_from_config, padding_fraction
 from rlflow.learner.optimizer import make_optimizer
-from rlflow.learner.step import (StepSettings, TrainState, abstract_batch, compile_train_step,
-                                 init_state, jit_train_step, make_train_step, state_shardings)
+from rlflow.learner.step import (StepSettings, TrainState, abstract_args, abstract_batch,
+                                 compile_train_step, init_state, jit_train_step, make_train_step,
+                                 state_shardings)
 from rlflow.learner.value import init_value_head
 from rlflow.mesh import batch_sharding, make_mesh, param_shardings
 from rlflow.models.decoder import validate_tokens
@@ -188,21 +189,17 @@ class Learner:
             compiled = self._compiled[key] = compiled.result()   # re-raises its error
         return compiled
 
-    def _compile(self, rows: int, seq: int, abstract_args=None):
+    def _compile(self, rows: int, seq: int, args=None):
         t0 = time.perf_counter()
-        args = abstract_args or self._abstract_args(rows, seq)
-        compiled = compile_train_step(self._jitted, *args)
+        compiled = compile_train_step(self._jitted, *(args or self._abstract_args(rows, seq)))
         logger.info("compiled train step for batch %dx%d in %.1f s", rows, seq,
                     time.perf_counter() - t0)
         return compiled
 
     def _abstract_args(self, rows: int, seq: int) -> tuple:
-        def abstract(x):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-
         # shapes and shardings only: taken here, before a step donates the state's buffers
-        return jax.tree.map(abstract, (self.state, abstract_batch(rows, seq, self.mesh),
-                                       self.ref_params, self.base))
+        return abstract_args(self.state, abstract_batch(rows, seq, self.mesh),
+                             self.ref_params, self.base)
 
     def _compile_in_background(self, rows: int, seq: int) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -258,9 +255,8 @@ class Learner:
 
     def check_batch(self, batch: TrainBatch) -> TrainBatch:
         """The host-side checks of a step's batch; fills ``token_rewards`` with zeros
-        ``[B, L]`` float32 for the group estimators, ``segment_ids`` of an unpacked batch
-        (:func:`rlflow.learner.batch.row_segment_ids`) and ``prefix_ids`` (= ``segment_ids``)
-        of a batch without shared prompts. (A multi-host learner runs them on host 0
+        ``[B, L]`` float32 for the group estimators, and the sequence ids
+        (:func:`rlflow.learner.batch.with_sequence_ids`). (A multi-host learner runs them on host 0
         before distributing the batch, :mod:`rlflow.learner.multihost`.)
 
         Raises: :class:`rlflow.learner.batch.BatchError` for mismatched shapes or dtypes, or a
@@ -277,10 +273,7 @@ class Learner:
                 raise BatchError("token_rewards is None, but learner.advantage='gae' needs each "
                                  "sample's reward on its last response token (build_batch)")
             batch = batch._replace(token_rewards=np.zeros(np.shape(batch.advantages), np.float32))
-        if batch.segment_ids is None:                          # one sequence per row
-            batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
-        if batch.prefix_ids is None:                           # no shared prompts
-            batch = batch._replace(prefix_ids=batch.segment_ids)
+        batch = with_sequence_ids(batch)
         if self.settings.gae and self.state.value is None:
             raise RuntimeError("learner.advantage='gae' but the train state has no value head "
                                "(TrainState.value is None): a state restored from a checkpoint "
