@@ -26,6 +26,9 @@ slots busy, back to back) against ``decode_loop_ms_per_step`` (the whole loop: p
 insert, host bookkeeping, copies), their difference being the host's share. Then
 ``slot_occupancy`` under mixed output lengths (target >= 0.9) for the default k, and the
 occupancy static batching would get on the same requests.
+``decode_bytes_per_step``, ``decode_read_bound_ms_per_step``, ``decode_device_over_read_bound``
+and ``decode_speedup_at_read_bound``: the decode step against the time a jitted read of the
+same bytes (weights + KV cache) takes here, and the speedup a loop at that bound would have.
 Last, ``decode_gemm_xla_over_blas``: the decode step's MLP matmuls (``[slots, hidden] @
 [hidden, mlp] @ [mlp, hidden]``) jitted by XLA:CPU against numpy's BLAS on the same
 arrays: the share of the gap to an eager loop that lies in the compiler's small-M dot.
@@ -186,6 +189,7 @@ def measure(size: str, suffix: str, tmp: str) -> None:
               f"calls alone per step, all slots busy, one host copy per call")
     print(f"RESULT decode_tokens_per_s_transformers{suffix} {hf_tps:.1f} tokens/s transformers "
           f"{tf.__version__} generate (torch CPU), same model and sizes")
+    read_roofline(engines[default_k], t_dev[default_k], t_hf / new, suffix)
 
     # ---------------------------------------------------------------- occupancy
     # A stream of OCC_REQUESTS requests with output lengths uniform in [new/8, new]; the
@@ -209,6 +213,37 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     print(f"RESULT slot_occupancy_static_batching{suffix} {static:.3f} fraction baseline: "
           f"same requests in static batches of {batch}", flush=True)
     small_gemm(batch, model_cfg.hidden_size, model_cfg.intermediate_size, suffix)
+
+
+def read_roofline(engine, t_step: float, t_hf_step: float, suffix: str) -> None:
+    """How far the decode step is from the memory-read bound of this machine.
+
+    A decode step must read every weight and (as the engine attends the whole cache) every
+    KV-cache entry once: ``bytes`` = parameter bytes + cache bytes. The baseline is a jitted
+    ``jnp.sum`` over a float32 array of the same bytes, measured here (same cache regime,
+    same threads): its time is the least a step that reads those bytes can take. Figures:
+    the bytes, that bound per step, the device step over it, and the speedup over
+    ``transformers`` that a loop at the bound would reach (``t_hf_step`` / bound).
+    """
+    import jax
+    import jax.numpy as jnp
+    params = engine.load_params()
+    state = engine.init_decode_state()
+    n_param = sum(x.nbytes for x in params.leaves)
+    n_cache = sum(x.nbytes for x in (*state.cache.k, *state.cache.v))
+    n = n_param + n_cache
+    x = jnp.ones((n // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    t_read = best_of(lambda: total(x).block_until_ready(), 30)
+    print(f"RESULT decode_bytes_per_step{suffix} {n / 1e6:.1f} MB weights {n_param / 1e6:.1f} + "
+          f"KV cache {n_cache / 1e6:.1f} (every slot, every position), read once per step")
+    print(f"RESULT decode_read_bound_ms_per_step{suffix} {t_read * 1e3:.2f} ms jitted jnp.sum "
+          f"over the same bytes ({n / t_read / 1e9:.1f} GB/s, baseline)")
+    print(f"RESULT decode_device_over_read_bound{suffix} {t_step / t_read:.2f} x device step "
+          f"{t_step * 1e3:.2f} ms over the read bound")
+    print(f"RESULT decode_speedup_at_read_bound{suffix} {t_hf_step / t_read:.1f} x the speedup "
+          f"over transformers ({t_hf_step * 1e3:.2f} ms per step) of a loop at the read bound",
+          flush=True)
 
 
 def small_gemm(m: int, k: int, n: int, suffix: str) -> None:
