@@ -8,6 +8,7 @@ import pytest
 from rlflow.config import SamplerConfig
 from rlflow.sampler.sampling import (SamplingError, SamplingParams, filter_logits,
                                      derive_seed, request_uniforms, sample_tokens)
+from tolerances import F32_EPS
 
 
 def np_log_softmax(x):
@@ -91,7 +92,9 @@ def test_filter_logits_keeps_exactly_the_oracle_set():
     for b in range(6):
         expected = np_kept_probs(logits[b], t[b], k[b], p[b]) > 0
         np.testing.assert_array_equal(np.isfinite(out[b]), expected, err_msg=f"row {b}")
-        np.testing.assert_allclose(out[b][expected], logits[b][expected] / t[b], rtol=1e-6)
+        # one float32 division each side; XLA may multiply by the reciprocal (two roundings)
+        np.testing.assert_allclose(out[b][expected], logits[b][expected] / t[b],
+                                   rtol=2 * F32_EPS)
 
 
 def test_greedy_rows_and_mixed_batch():
