@@ -23,7 +23,8 @@ second): ``decode_tokens_per_s`` (the default engine, ``sampler.decode_steps_per
 size); ``decode_speedup_k1`` (one decode step per call, the old default); and where the
 time of a token goes: ``decode_device_ms_per_step`` (the jitted decode calls alone, all
 slots busy, back to back) against ``decode_loop_ms_per_step`` (the whole loop: prefill,
-insert, host bookkeeping, copies), their difference being the host's share. Then
+insert, host bookkeeping, copies), their difference being the prefill and insert calls
+plus the host's bookkeeping. Then
 ``slot_occupancy`` under mixed output lengths (target >= 0.9) for the default k, and the
 occupancy static batching would get on the same requests.
 ``decode_bytes_per_step``, ``decode_read_bound_ms_per_step``, ``decode_device_over_read_bound``
