@@ -20,7 +20,10 @@ slows a run down).
 Figures (``RESULT`` lines, see benchmarks/README.md), per size (suffix ``_tiny`` for the
 second): ``decode_tokens_per_s`` (the default engine, ``sampler.decode_steps_per_call``),
 ``decode_tokens_per_s_transformers``, ``decode_speedup`` (target >= 3x at the headline
-size); ``decode_speedup_k1`` (one decode step per call, the old default); and where the
+size; both sides float32); ``decode_speedup_bf16`` (``sampler.dtype="bfloat16"``: the same
+weights rounded to bf16, bf16 KV cache) against transformers at whichever of float32 and
+bfloat16 ran faster for it in this run (``decode_tokens_per_s_transformers_bf16`` is its
+bf16 figure); ``decode_speedup_k1`` (one decode step per call, the old default); and where the
 time of a token goes: ``decode_device_ms_per_step`` (the jitted decode calls alone, all
 slots busy, back to back) against ``decode_loop_ms_per_step`` (the whole loop: prefill,
 insert, host bookkeeping, copies), their difference being the prefill and insert calls
@@ -28,7 +31,7 @@ plus the host's bookkeeping. Then
 ``slot_occupancy`` under mixed output lengths (target >= 0.9) for the default k, and the
 occupancy static batching would get on the same requests.
 ``decode_bytes_per_step``, ``decode_read_bound_ms_per_step``, ``decode_device_over_read_bound``
-and ``decode_speedup_at_read_bound``: the decode step against the time a jitted read of the
+and ``decode_speedup_at_read_bound`` (float32, and ``_bf16``): the decode step against the time a jitted read of the
 same bytes (weights + KV cache) takes here, and the speedup a loop at that bound would have.
 Last, ``decode_gemm_xla_over_blas``: the decode step's MLP matmuls (``[slots, hidden] @
 [hidden, mlp] @ [mlp, hidden]``) jitted by XLA:CPU against numpy's BLAS on the same
@@ -51,6 +54,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_t
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import dataclasses  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -109,11 +113,15 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     print(f"# {size}: {config}; devices: {jax.devices()}", flush=True)
 
     default_k = SamplerConfig.decode_steps_per_call
-    ks = sorted({default_k, 1})
-    engines = {k: RlflowEngine(model, SamplerConfig(
+    # variants: (decode steps per call, dtype); bf16 = sampler.dtype="bfloat16" (the same
+    # weights rounded once, KV cache in bf16), at the default k only
+    ks = sorted({(default_k, "float32"), (1, "float32"), (default_k, "bfloat16")})
+    bf16_model, _ = build_model(dataclasses.replace(model_cfg, dtype="bfloat16",
+                                                    param_dtype="bfloat16"))
+    engines = {(k, dt): RlflowEngine(model if dt == "float32" else bf16_model, SamplerConfig(
         num_slots=batch, max_prefill_length=plen, prefill_buckets=(plen,), max_tokens=new,
         temperature=1.0, group_size=1, decode_steps_per_call=k),
-        mesh=make_mesh(MeshConfig(), jax.devices()[:1])) for k in ks}
+        mesh=make_mesh(MeshConfig(), jax.devices()[:1])) for k, dt in ks}
     sampling = SamplingParams(temperature=1.0, max_tokens=new, stop_token_ids=())
     # One batcher per engine, made once (it places the weights on the engine's mesh, as
     # loading the model does for transformers); each timed run submits the requests.
@@ -135,29 +143,33 @@ def measure(size: str, suffix: str, tmp: str) -> None:
         state = engine.insert_batch(prefix, engine.init_decode_state(), [0] * batch,
                                     list(range(batch)), list(range(batch)))
         jax.block_until_ready(state)
+        steps = engine.decode_steps_per_call
         t0 = time.perf_counter()
-        for _ in range(new // k):
+        for _ in range(new // steps):
             state, out = engine.generate_packed(params, state)
             np.asarray(out)
-        return (time.perf_counter() - t0) / (new // k * k)
+        return (time.perf_counter() - t0) / (new // steps * steps)
 
+    hf_dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     with tempfile.TemporaryDirectory() as d:
         save_hf(model, cfg, d)
-        hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        hfs = {name: tf.AutoModelForCausalLM.from_pretrained(d, dtype=dt).eval()
+               for name, dt in hf_dtypes.items()}
     inputs = torch.tensor(prompts, dtype=torch.long)
     mask = torch.ones_like(inputs)
 
-    def theirs():
+    def theirs(dt):
         with torch.no_grad():
-            out = hf.generate(inputs, attention_mask=mask, do_sample=True, temperature=1.0,
-                              top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
-                              pad_token_id=0)
+            out = hfs[dt].generate(inputs, attention_mask=mask, do_sample=True,
+                                   temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+                                   min_new_tokens=new, pad_token_id=0)
         assert out.shape == (batch, plen + new), out.shape
 
     for k in ks:
         ours(k)                                              # compile
         device_only(k)
-    theirs()                                                 # warm-up
+    for dt in hfs:
+        theirs(dt)                                           # warm-up
     # Interleaved bursts, REPEATS of each side: both sides see the same machine load. A
     # burst starts after a pause (torch's OpenMP workers spin-wait for a while after a
     # parallel region; the other side would share the cores with them) and times BURST
@@ -168,29 +180,42 @@ def measure(size: str, suffix: str, tmp: str) -> None:
 
     t_ours = {k: float("inf") for k in ks}
     t_dev = {k: float("inf") for k in ks}
-    t_hf = float("inf")
+    t_hfs = {dt: float("inf") for dt in hfs}
     for _ in range(REPEATS):
         for k in ks:
             t_ours[k] = min(t_ours[k], timed(lambda: ours(k)))
             t_dev[k] = min(t_dev[k], min(device_only(k) for _ in range(BURST)))
-        t_hf = min(t_hf, timed(theirs))
+        for dt in hfs:
+            t_hfs[dt] = min(t_hfs[dt], timed(lambda: theirs(dt)))
+    t_hf = t_hfs["float32"]
     hf_tps = batch * new / t_hf
+    hf_best = min(t_hfs, key=t_hfs.get)                  # transformers' faster dtype here
     for k in ks:
+        steps, dt = k
         tps = batch * new / t_ours[k]
-        sfx = suffix if k == default_k else f"_k{k}{suffix}"
-        target = "target>=3 " if k == default_k and size == "gsm8k" else ""
+        sfx = suffix if k == (default_k, "float32") else (
+            f"_bf16{suffix}" if dt == "bfloat16" else f"_k{steps}{suffix}")
+        target = "target>=3 " if steps == default_k and size == "gsm8k" else ""
+        base = hf_tps if dt == "float32" else batch * new / t_hfs[hf_best]
+        vs = ("vs transformers generate (float32)" if dt == "float32" else
+              f"vs transformers generate at its faster dtype here ({hf_best})")
         print(f"RESULT decode_tokens_per_s{sfx} {tps:.1f} tokens/s rlflow engine + "
-              f"continuous batching, decode_steps_per_call={k}"
-              f"{' (default)' if k == default_k else ''}, {config}")
-        print(f"RESULT decode_speedup{sfx} {tps / hf_tps:.2f} x {target}vs transformers "
-              f"generate, decode_steps_per_call={k}")
+              f"continuous batching, decode_steps_per_call={steps}"
+              f"{' (default)' if steps == default_k else ''}, {dt}, {config}")
+        print(f"RESULT decode_speedup{sfx} {tps / base:.2f} x {target}{vs}, "
+              f"decode_steps_per_call={steps}, rlflow {dt}")
         print(f"RESULT decode_loop_ms_per_step{sfx} {t_ours[k] / new * 1e3:.2f} ms whole loop "
               f"per decode step of {batch} slots (prefill, insert, host bookkeeping, copies)")
         print(f"RESULT decode_device_ms_per_step{sfx} {t_dev[k] * 1e3:.2f} ms jitted decode "
               f"calls alone per step, all slots busy, one host copy per call")
-    print(f"RESULT decode_tokens_per_s_transformers{suffix} {hf_tps:.1f} tokens/s transformers "
-          f"{tf.__version__} generate (torch CPU), same model and sizes")
-    read_roofline(engines[default_k], t_dev[default_k], t_hf / new, suffix)
+    for dt in hfs:
+        sfx = suffix if dt == "float32" else f"_bf16{suffix}"
+        print(f"RESULT decode_tokens_per_s_transformers{sfx} {batch * new / t_hfs[dt]:.1f} "
+              f"tokens/s transformers {tf.__version__} generate (torch CPU), {dt}, same model "
+              f"and sizes")
+    for dt in ("float32", "bfloat16"):
+        read_roofline(engines[(default_k, dt)], t_dev[(default_k, dt)], t_hf / new,
+                      suffix if dt == "float32" else f"_bf16{suffix}")
 
     # ---------------------------------------------------------------- occupancy
     # A stream of OCC_REQUESTS requests with output lengths uniform in [new/8, new]; the
@@ -199,7 +224,7 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     # each batch running until its longest member ends (the pre-continuous-batching scheme).
     rng = np.random.default_rng(1)
     lengths = rng.integers(new // 8, new + 1, size=OCC_REQUESTS)
-    batcher = ContinuousBatcher(engines[default_k])
+    batcher = ContinuousBatcher(engines[(default_k, "float32")])
     batcher.run([Request(i, prompts[i % batch], 1, SamplingParams(
         temperature=1.0, max_tokens=int(n), seed=i, stop_token_ids=()))
         for i, n in enumerate(lengths)])

@@ -261,3 +261,73 @@ def test_decoder_config_rejects_bad_values():
     hash(DecoderConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 64}))
+
+
+# ---------------------------------------------------------------- bfloat16 decode kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("seq_axis", [2, 3])
+def test_write_cache_matches_numpy_assignment(dtype, t, seq_axis):
+    """Both paths of write_cache (the scatter; bf16's one-hot select at T == 1) place new[b, t] at cols[b, t], drops positions >= S, and leaves the rest."""
+    from rlflow.models.decoder import write_cache
+    rng = np.random.default_rng(t * 10 + seq_axis)
+    b, k, d, s = 3, 2, 4, 6
+    shape = (b, k, d, s) if seq_axis == 3 else (b, k, s, d)
+    cache = rng.standard_normal(shape).astype(jnp.dtype(dtype))
+    new = rng.standard_normal((b, t, k, d)).astype(np.float32)       # rounded by the write
+    cols = np.array([[0, 1, 2][:t], [3, 4, 5][:t], [5, 6, 7][:t]], np.int32)  # row 2: past S
+    want = np.array(cache)
+    for i in range(b):
+        for j in range(t):
+            if cols[i, j] < s:
+                val = new[i, j].astype(jnp.dtype(dtype))              # [K, D]
+                if seq_axis == 3:
+                    want[i, :, :, cols[i, j]] = val
+                else:
+                    want[i, :, cols[i, j], :] = val
+    got = jax.jit(write_cache, static_argnums=3)(jnp.asarray(cache), jnp.asarray(new),
+                                                 jnp.asarray(cols), seq_axis)
+    assert got.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+def test_dense_bfloat16_accumulates_in_float32_and_rounds_once():
+    """bf16 x bf16 -> the float32 product of the same bf16 values, rounded once to bf16
+    (oracle: numpy float64 matmul). Float32 accumulation over K = 512 terms errs by at most
+    sum_tol(512) relative to the terms' absolute sum, far below a bf16 half-ulp, so the
+    result is within one bf16 rounding (a bf16-accumulated sum errs by ~sqrt(K) of them)."""
+    from rlflow.models.decoder import _dense
+    from tolerances import BF16_EPS, sum_tol
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 512)).astype(jnp.bfloat16)
+    w = rng.standard_normal((512, 7)).astype(jnp.bfloat16)
+    got = jax.jit(_dense)(jnp.asarray(x), jnp.asarray(w))
+    assert got.dtype == jnp.bfloat16
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    abs_sum = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64))
+    err = np.abs(np.asarray(got, np.float64) - exact)
+    # one bf16 rounding of the result plus the float32 accumulation error
+    assert (err <= BF16_EPS * np.abs(exact) + sum_tol(512) * abs_sum).all()
+
+
+def test_bfloat16_batched_prefill_and_decode_run_and_track_float32():
+    """A bf16 model's batched prefill (B = 2, T = 4: the batched attention dot) and decode
+    step (T = 1: the one-hot cache write) run on CPU and stay near the float32 model's
+    logits (bf16 rounding of the same weights: close, not equal)."""
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        model, cfg = _model("qwen2", dtype=dtype, param_dtype=dtype)
+        toks = jnp.asarray([[5, 9, 17, 33], [7, 11, 13, 0]], jnp.int32)
+        mask = toks != 0
+        pos = positions_from_mask(mask)
+        cache = init_cache(cfg, 2, 6)
+        pre, cache = _cached(model, toks, pos, mask, cache, jnp.zeros((2,), jnp.int32))
+        idx = jnp.asarray([4, 3], jnp.int32)
+        nxt = jnp.asarray([[40], [41]], jnp.int32)
+        dec, cache = _cached(model, nxt, idx[:, None], jnp.ones((2, 1), bool), cache, idx)
+        assert {k.dtype for k in cache.k} == {jnp.dtype(dtype)}
+        outs[dtype] = np.concatenate([np.asarray(pre)[0], np.asarray(pre)[1, :3],
+                                      np.asarray(dec)[:, 0]])
+    l32, l16 = outs["float32"], outs["bfloat16"]
+    assert np.isfinite(l16).all()
+    assert 0 < np.abs(l16 - l32).max() < 0.1 * np.abs(l32).max()

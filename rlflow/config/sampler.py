@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Tuple
+from typing import Literal, Optional, Tuple
 
-from rlflow.config.validation import _check, _positive, _one_of
+from rlflow.config.validation import DTYPES, _check, _positive, _one_of
 from rlflow.config.model import MeshConfig
 
 
@@ -42,6 +42,14 @@ class SamplerConfig:
         its own process, devices and engine, all leasing prompts from the learner's prompt
         ledger. ``rlflow train`` starts N processes of ``num_devices`` devices each; on
         Cloud TPU each sampler host is one replica (``scripts/tpu --sampler-slices``).
+      dtype: the sampler's weights, activations and KV cache, "float32" or "bfloat16";
+        None: the model section's ``dtype`` / ``param_dtype``. "bfloat16" beside a float32
+        learner is the usual split (verl's vLLM rollouts default to bf16): every pulled
+        version is rounded once to bf16 at the swap, and a decode step reads half the
+        bytes (benchmarks/sampler_throughput.py). The behaviour logprobs are then those of
+        the rounded policy; with ``learner.off_policy="decoupled"`` (the default) the
+        learner recomputes the old policy's logprobs in its own dtype, so the rounding
+        enters only the truncated behaviour weight.
     """
 
     num_slots: int = 16
@@ -59,6 +67,7 @@ class SamplerConfig:
     decode_steps_per_call: int = 8
     max_prefill_batch: int = 4
     num_replicas: int = 1
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
 
     def __post_init__(self):
         for name in ("num_slots", "max_prefill_length", "max_tokens", "group_size", "num_devices",
@@ -74,5 +83,7 @@ class SamplerConfig:
         _check(self.top_k >= 0, "sampler.top_k", f"must be >= 0, got {self.top_k}")
         _check(0 < self.top_p <= 1, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
         _one_of(self.on_long_prompt, ("error", "truncate"), "sampler.on_long_prompt")
+        _check(self.dtype is None or self.dtype in DTYPES, "sampler.dtype",
+               f"must be None (the model's dtypes) or one of {list(DTYPES)}, got {self.dtype!r}")
         _check(self.mesh.num_devices == self.num_devices, "sampler.mesh",
                f"has {self.mesh.num_devices} devices but sampler.num_devices={self.num_devices}")

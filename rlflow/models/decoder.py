@@ -123,11 +123,65 @@ def _dense(x: jax.Array, kernel: jax.Array, preferred_element_type=None) -> jax.
     ``[B, T, I]`` contracts two dimensions (b, t), and XLA:CPU then copies the output
     gradient into a transposed layout (a strided ``[O, B * T]`` write per projection, 1.6x
     the whole MLP step at 16 x 192 x 896); flattened, it multiplies in place.
+
+    Products of bfloat16 operands accumulate in float32 and the result is rounded once to
+    the operands' dtype (``preferred_element_type=None``). On the CPU backend the dot is
+    asked for the float32 result and rounded after it: asked for a bfloat16 result, XLA:CPU
+    upcasts both operands to float32 before the dot, and inside a decode loop hoists that
+    upcast of the weights out of the loop, so every step streams float32 weights, twice the
+    bytes of its native bf16 x bf16 -> f32 dot (benchmarks/sampler_throughput.py). TPU and
+    GPU dots accumulate bfloat16 products in float32 anyway, and there a float32 result
+    would make the backward's dots mixed-precision (float32 cotangents), so they keep it.
     """
     lead, out = x.shape[:-1], kernel.shape[1:]
+    widen = (preferred_element_type is None and x.dtype == kernel.dtype
+             and jnp.dtype(x.dtype).itemsize < 4 and jax.default_backend() == "cpu")
     y = jnp.matmul(x.reshape(-1, x.shape[-1]), kernel.reshape(kernel.shape[0], -1),
-                   preferred_element_type=preferred_element_type)
+                   preferred_element_type=jnp.float32 if widen else preferred_element_type)
+    if widen:
+        y = y.astype(x.dtype)
     return y.reshape(lead + out)
+
+
+def write_cache(cache: jax.Array, new: jax.Array, cols: jax.Array, seq_axis: int) -> jax.Array:
+    """One layer's keys or values with ``T`` new entries per row written in.
+
+    Args:
+      cache: ``[B, K, D, S]`` keys (``seq_axis`` 3) or ``[B, K, S, D]`` values (2).
+      new: ``[B, T, K, D]`` new keys or values (any float dtype; rounded to the cache's).
+      cols: int32 ``[B, T]`` cache positions; positions ``>= S`` are dropped.
+
+    Returns:
+      The cache with ``new[b, t]`` at position ``cols[b, t]`` of row ``b``, in its dtype.
+
+    How (same bits either way): a scatter, done in place, except for a 2-byte cache
+    (bfloat16) at ``T == 1`` (the decode step), which takes a one-hot select: one pass over
+    the cache. XLA:CPU upcasts a bfloat16 scatter to float32, converting the whole cache
+    there and back on every step (benchmarks/sampler_throughput.py). A prefill (``T > 1``,
+    once per prompt) keeps the scatter.
+    """
+    b, t = cols.shape
+    new = new.astype(cache.dtype)
+    two_byte = jnp.dtype(cache.dtype).itemsize == 2
+    if two_byte and t == 1:
+        shape = [b, 1, 1, 1]
+        shape[seq_axis] = cache.shape[seq_axis]
+        hit = jnp.arange(cache.shape[seq_axis], dtype=jnp.int32)[None, :] == cols   # [B, S]
+        at = new.transpose(0, 2, 3, 1) if seq_axis == 3 else new.swapaxes(1, 2)
+        return jnp.where(hit.reshape(shape), at, cache)
+    # Index arrays around a slice: the indexed shape is [B, T, K, D], new's.
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    index = (rows, slice(None), slice(None), cols) if seq_axis == 3 else (rows, slice(None), cols)
+    return cache.at[index].set(new, mode="drop")
+
+
+def _cpu_dot_operands(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Operands of a batched dot with a float32 result: on the CPU backend, bfloat16 ones
+    are upcast to float32 (XLA:CPU's batched dot has no BF16 x BF16 = F32 kernel: "Unsupported
+    element type for DotThunk::Execute"); elsewhere (TPU, GPU) they stay as they are."""
+    if jax.default_backend() == "cpu" and jnp.dtype(a.dtype).itemsize < 4:
+        return a.astype(jnp.float32), b.astype(jnp.float32)
+    return a, b
 
 
 def _param(value, axes: tuple) -> nnx.Param:
@@ -214,7 +268,8 @@ class Attention(nnx.Module):
             scores = jnp.sum(qf[..., None] * keys[:, :, None].astype(jnp.float32),
                              axis=3)[:, :, :, None, :] * (d ** -0.5)           # [B, K, G, 1, S]
         else:
-            scores = jnp.einsum("btkgd,bkds->bkgts", q, keys,
+            qs, ks_ = _cpu_dot_operands(q, keys)
+            scores = jnp.einsum("btkgd,bkds->bkgts", qs, ks_,
                                 preferred_element_type=jnp.float32) * (d ** -0.5)
         scores = jnp.where(attend_mask[:, None, None, :, :], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
@@ -405,10 +460,8 @@ class Decoder(nnx.Module):
         x = self._embed(tokens)
         for layer, block in enumerate(self.layers):
             def hook(k, v, layer=layer):
-                # Index arrays around slices: the indexed shape is [B, T, K, D], k's.
-                kl, vl = ks[layer], vs[layer]
-                ks[layer] = kl.at[rows, :, :, cols].set(k.astype(kl.dtype), mode="drop")
-                vs[layer] = vl.at[rows, :, cols].set(v.astype(vl.dtype), mode="drop")
+                ks[layer] = write_cache(ks[layer], k, cols, seq_axis=3)
+                vs[layer] = write_cache(vs[layer], v, cols, seq_axis=2)
                 return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
             x = block(x, positions, inv_freq, attend, hook)
         return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)

@@ -104,6 +104,32 @@ def lease_cap(sampler_cfg, groups_per_step: int, num_replicas: int) -> int:
     return max(2 * per_fill, -(-groups_per_step // max(1, num_replicas)))
 
 
+def sampler_model_config(cfg):
+    """The model section the sampler builds its engine from: ``cfg.model`` with both dtypes
+    set to ``sampler.dtype`` when that is set (else ``cfg.model`` itself)."""
+    import dataclasses
+
+    dtype = cfg.sampler.dtype
+    if dtype is None or (cfg.model.dtype, cfg.model.param_dtype) == (dtype, dtype):
+        return cfg.model
+    return dataclasses.replace(cfg.model, dtype=dtype, param_dtype=dtype)
+
+
+def pull_target(state, learner_dtype: str):
+    """What a weight pull lands in: the engine's parameter shardings with the learner's
+    dtype (``model.param_dtype``), as ``jax.ShapeDtypeStruct`` leaves when the engine's
+    dtype differs (``sampler.dtype``); the engine rounds each version at the swap
+    (``RlflowEngine.load_params``). Otherwise ``state`` itself."""
+    import jax
+
+    want = np.dtype(jax.numpy.dtype(learner_dtype))
+    leaves = jax.tree_util.tree_leaves(state)
+    if all(np.dtype(x.dtype) == want for x in leaves):
+        return state
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, want, sharding=x.sharding), state)
+
+
 class SamplerProgram:
     """State of one sampler program (a thin shell over engine, batcher and clients)."""
 
@@ -116,7 +142,7 @@ class SamplerProgram:
         self.name = replica_name()
         self.cap = lease_cap(sc, cfg.learner.groups_per_step, sc.num_replicas)
         self.mesh = make_mesh(sc.mesh)
-        model, dcfg = build_model(cfg.model, mesh=self.mesh)
+        model, dcfg = build_model(sampler_model_config(cfg), mesh=self.mesh)
         # LoRA: the learner publishes adapters only; the base is held here once
         self.adapters = None
         spec = LoraSpec.from_config(cfg.learner.lora)
@@ -179,7 +205,8 @@ class SamplerProgram:
     def _subscriber(self, coord: str, model):
         from flax import nnx
 
-        target = nnx.state(model, nnx.Param) if self.adapters is None else self.adapters.target
+        target = (pull_target(nnx.state(model, nnx.Param), self.cfg.model.param_dtype)
+                  if self.adapters is None else self.adapters.target)
         rt = self.cfg.runtime
         if rt.weight_transfer == "transfer":
             from rlflow.exchange.host_shards import host_shard_puller

@@ -1,0 +1,69 @@
+"""sampler.dtype: the engine's own dtype beside the learner's (a bf16 sampler, f32 learner).
+
+Oracles: the config fields themselves, numpy's float32 -> bfloat16 rounding (ml_dtypes),
+and the layout check that every weight pull goes through (rlflow.exchange.layout).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlflow.config import ConfigError, ExperimentConfig, MeshConfig, ModelConfig, SamplerConfig
+from rlflow.exchange import layout as layout_lib
+from rlflow.mesh import make_mesh
+from rlflow.models import build_model
+from rlflow.sampler.engine import RlflowEngine
+from rlflow.sampler.program import pull_target, sampler_model_config
+
+
+def test_sampler_dtype_is_checked_and_named():
+    with pytest.raises(ConfigError, match="sampler.dtype"):
+        SamplerConfig(dtype="float16")
+    assert SamplerConfig().dtype is None
+
+
+def test_sampler_model_config_sets_both_dtypes_only_when_asked():
+    cfg = ExperimentConfig()
+    assert sampler_model_config(cfg) is cfg.model                       # None: the model's
+    bf = ExperimentConfig(sampler=SamplerConfig(dtype="bfloat16"))
+    m = sampler_model_config(bf)
+    assert (m.dtype, m.param_dtype) == ("bfloat16", "bfloat16")
+    assert (bf.model.dtype, bf.model.param_dtype) == ("float32", "float32")  # learner's kept
+    same = ExperimentConfig(model=ModelConfig(dtype="bfloat16", param_dtype="bfloat16"),
+                            sampler=SamplerConfig(dtype="bfloat16"))
+    assert sampler_model_config(same) is same.model
+
+
+def test_bf16_engine_pulls_float32_versions_and_rounds_them_once():
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                 num_heads=2, num_kv_heads=1, head_dim=8, init_seed=1)
+    learner, _ = build_model(ModelConfig(**small))
+    sampler, _ = build_model(ModelConfig(**small, dtype="bfloat16", param_dtype="bfloat16"))
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    engine = RlflowEngine(sampler, SamplerConfig(num_slots=2, max_prefill_length=8,
+                                                 prefill_buckets=(8,), max_tokens=4),
+                          mesh=mesh)
+    target = pull_target(nnx.state(sampler, nnx.Param), "float32")
+    # the pull target carries the learner's dtype and the engine's shardings ...
+    for t, p in zip(jax.tree.leaves(target), jax.tree.leaves(nnx.state(sampler, nnx.Param))):
+        assert isinstance(t, jax.ShapeDtypeStruct) and t.dtype == jnp.float32
+        assert t.shape == p.shape and t.sharding == p.sharding
+    # ... so the published float32 layout passes the pull's check (a bf16 target would not)
+    published = nnx.state(learner, nnx.Param)
+    leaves = [{"path": p, "shape": list(x.shape), "dtype": str(x.dtype)}
+              for p, x in zip(*layout_lib.flatten(published)[:2])]
+    layout_lib.target_shardings(target, leaves)
+    with pytest.raises(layout_lib.LayoutError, match="dtype|bfloat16"):
+        layout_lib.target_shardings(nnx.state(sampler, nnx.Param), leaves)
+    # the swap rounds each float32 leaf to bf16 (round to nearest even, as numpy does)
+    params = engine.load_params(published, version=3)
+    for got, want in zip(params.leaves, jax.tree.leaves(published)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                      np.asarray(want).astype(ml_dtypes.bfloat16).view(np.uint16))
+    # same dtype: the target is the state itself
+    same = nnx.state(learner, nnx.Param)
+    assert pull_target(same, "float32") is same
