@@ -67,3 +67,40 @@ def test_bf16_engine_pulls_float32_versions_and_rounds_them_once():
     # same dtype: the target is the state itself
     same = nnx.state(learner, nnx.Param)
     assert pull_target(same, "float32") is same
+
+
+@pytest.mark.parametrize("mode", ["forward", "merged"])
+def test_bf16_lora_sampler_target_types_whole_modules_like_the_learner(mode):
+    """With LoRA the published tree holds float32 adapters and the modules trained whole
+    (embed, final_norm) in the learner's dtype: the target keeps the adapters' float32 and
+    re-types the whole modules (their bf16 engine copies would fail the layout check),
+    and the swap rounds those modules to the engine's bf16."""
+    from rlflow.models.lora import LoraSpec
+    from rlflow.models.lora_decoder import lora_model_parts
+    from rlflow.sampler.lora_swap import AdapterApplier
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                 num_heads=2, num_kv_heads=1, head_dim=8, init_seed=1)
+    spec = LoraSpec(rank=2, alpha=4.0, train_final_norm=True, train_embeddings=True)
+    learner, lcfg = build_model(ModelConfig(**small))
+    _, published, _ = lora_model_parts(learner, lcfg, spec)
+    sampler, scfg = build_model(ModelConfig(**small, dtype="bfloat16", param_dtype="bfloat16"))
+    applier = AdapterApplier(sampler, scfg, spec, mode)
+    target = pull_target(applier.target, "float32")
+    paths, leaves, _ = layout_lib.flatten(target, targets=True)
+    kinds = {p: x.dtype for p, x in zip(paths, leaves)}
+    assert any("_lora" in p for p in kinds) and any("embed" in p for p in kinds)
+    assert all(dt == jnp.float32 for dt in kinds.values()), kinds
+    assert any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)       # re-typed ones
+    pub = [{"path": p, "shape": list(x.shape), "dtype": str(x.dtype)}
+           for p, x in zip(*layout_lib.flatten(published)[:2])]
+    layout_lib.target_shardings(target, pub)                             # passes
+    with pytest.raises(layout_lib.LayoutError, match="bfloat16"):
+        layout_lib.target_shardings(applier.target, pub)                 # the old target
+    engine = RlflowEngine(applier.engine_model, SamplerConfig(
+        num_slots=2, max_prefill_length=8, prefill_buckets=(8,), max_tokens=4),
+        mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    params = engine.param_state(engine.load_params(applier.engine_params(published), 1))
+    got = np.asarray(params["embed"][...])
+    want = np.asarray(published["embed"][...]).astype(ml_dtypes.bfloat16)
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

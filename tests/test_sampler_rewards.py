@@ -143,3 +143,29 @@ def test_nan_reward_with_error_stops_naming_function_and_sample(plugin_file):
         assert p.buffer.records == []
     finally:
         p.rewarder.close()
+
+
+class _GoneParent:
+    """A worker's end of the pipe after its parent died: recv or send raises ``error``."""
+
+    def __init__(self, error, *, on="recv"):
+        self.error, self.on = error, on
+
+    def recv(self):
+        if self.on == "recv":
+            raise self.error
+        return (7, "x")
+
+    def send(self, msg):
+        raise self.error
+
+
+@pytest.mark.parametrize("error, on", [(ConnectionResetError(104, "reset"), "recv"),
+                                       (EOFError(), "recv"),
+                                       (BrokenPipeError(32, "pipe"), "send")])
+def test_reward_worker_leaves_quietly_when_its_parent_is_gone(error, on):
+    """kill -9 of the sampler: its reward workers see EOF, a reset or a broken pipe and
+    return (no traceback written into the sampler's log, which the launcher would then
+    report as the sampler's own error)."""
+    from rlflow.data.reward_workers import serve
+    serve(_GoneParent(error, on=on), lambda *a: 1.0)        # returns; raising fails the test

@@ -63,13 +63,15 @@ Result = Tuple[int, str, object]
 
 
 def serve(conn, handle, memory_limit_mb: int = 0, what: str = "reward") -> None:
-    """A worker's call loop: ``(task_id, *args)`` in -> :data:`Result` out, until ``None``
-    or EOF. ``handle(*args)`` gives the value; an exception (``MemoryError`` past the limit
-    included) is sent as ``"error"`` with its text."""
+    """A worker's call loop: ``(task_id, *args)`` in -> :data:`Result` out, until ``None``,
+    EOF or a reset connection (the parent died, e.g. ``kill -9``: the worker leaves
+    quietly rather than write a traceback into the parent's log, where it reads as the
+    parent's own error). ``handle(*args)`` gives the value; an exception (``MemoryError``
+    past the limit included) is sent as ``"error"`` with its text."""
     while True:
         try:
             msg = conn.recv()
-        except (EOFError, KeyboardInterrupt):
+        except (EOFError, ConnectionError, KeyboardInterrupt):
             return
         if msg is None:
             return
@@ -83,7 +85,10 @@ def serve(conn, handle, memory_limit_mb: int = 0, what: str = "reward") -> None:
             out = (task_id, "error", f"{type(e).__name__}: {e}")
         # when the call ended (CLOCK_MONOTONIC, the same clock in every process): the next
         # call queued in this worker started then, and its deadline counts from it
-        conn.send(out + (time.monotonic(),))
+        try:
+            conn.send(out + (time.monotonic(),))
+        except ConnectionError:                 # BrokenPipeError / reset: the parent is gone
+            return
 
 
 def new_process_group() -> None:

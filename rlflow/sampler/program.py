@@ -116,18 +116,29 @@ def sampler_model_config(cfg):
 
 
 def pull_target(state, learner_dtype: str):
-    """What a weight pull lands in: the engine's parameter shardings with the learner's
-    dtype (``model.param_dtype``), as ``jax.ShapeDtypeStruct`` leaves when the engine's
-    dtype differs (``sampler.dtype``); the engine rounds each version at the swap
-    (``RlflowEngine.load_params``). Otherwise ``state`` itself."""
+    """What a weight pull lands in: ``state``'s shapes and shardings with the dtypes the
+    learner publishes. Model leaves carry the learner's ``model.param_dtype``: where the
+    engine's dtype differs (``sampler.dtype``) they become ``jax.ShapeDtypeStruct`` leaves
+    of that dtype, and the engine rounds each version at the swap
+    (``RlflowEngine.load_params``). LoRA adapter leaves (inside ``*_lora`` modules) are
+    float32 on both sides and keep theirs; with LoRA, ``state`` is the adapter tree, whose
+    modules trained whole (``embed``, ``final_norm``, ``lm_head``) are model leaves.
+    Returns ``state`` itself when no leaf changes."""
     import jax
 
     want = np.dtype(jax.numpy.dtype(learner_dtype))
-    leaves = jax.tree_util.tree_leaves(state)
-    if all(np.dtype(x.dtype) == want for x in leaves):
-        return state
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, want, sharding=x.sharding), state)
+
+    def adapter(path) -> bool:
+        return any(str(getattr(k, "key", k)).endswith("_lora") for k in path)
+
+    def one(path, x):
+        if adapter(path) or np.dtype(x.dtype) == want:
+            return x
+        return jax.ShapeDtypeStruct(x.shape, want, sharding=x.sharding)
+
+    out = jax.tree_util.tree_map_with_path(one, state)
+    same = all(a is b for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state)))
+    return state if same else out
 
 
 class SamplerProgram:
@@ -142,7 +153,10 @@ class SamplerProgram:
         self.name = replica_name()
         self.cap = lease_cap(sc, cfg.learner.groups_per_step, sc.num_replicas)
         self.mesh = make_mesh(sc.mesh)
-        model, dcfg = build_model(sampler_model_config(cfg), mesh=self.mesh)
+        engine_cfg = sampler_model_config(cfg)
+        model, dcfg = build_model(engine_cfg, mesh=self.mesh)
+        log.info("engine dtype %s, params %s (learner params %s)", engine_cfg.dtype,
+                 engine_cfg.param_dtype, cfg.model.param_dtype)
         # LoRA: the learner publishes adapters only; the base is held here once
         self.adapters = None
         spec = LoraSpec.from_config(cfg.learner.lora)
@@ -205,8 +219,8 @@ class SamplerProgram:
     def _subscriber(self, coord: str, model):
         from flax import nnx
 
-        target = (pull_target(nnx.state(model, nnx.Param), self.cfg.model.param_dtype)
-                  if self.adapters is None else self.adapters.target)
+        target = pull_target(nnx.state(model, nnx.Param) if self.adapters is None
+                             else self.adapters.target, self.cfg.model.param_dtype)
         rt = self.cfg.runtime
         if rt.weight_transfer == "transfer":
             from rlflow.exchange.host_shards import host_shard_puller
