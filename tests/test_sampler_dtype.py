@@ -16,7 +16,7 @@ from rlflow.exchange import layout as layout_lib
 from rlflow.mesh import make_mesh
 from rlflow.models import build_model
 from rlflow.sampler.engine import RlflowEngine
-from rlflow.sampler.program import pull_target, sampler_model_config
+from rlflow.sampler.precision import pull_target, sampler_model_config
 
 
 def test_sampler_dtype_is_checked_and_named():

@@ -64,6 +64,7 @@ from rlflow.sampler.background import Heartbeat, RateWindow, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
+from rlflow.sampler.precision import pull_target, sampler_model_config
 from rlflow.sampler.sampling import SamplingParams
 
 log = logging.getLogger("rlflow.sampler")
@@ -102,43 +103,6 @@ def lease_cap(sampler_cfg, groups_per_step: int, num_replicas: int) -> int:
     over, and at least its share of one learner step."""
     per_fill = -(-sampler_cfg.num_slots // sampler_cfg.group_size)
     return max(2 * per_fill, -(-groups_per_step // max(1, num_replicas)))
-
-
-def sampler_model_config(cfg):
-    """The model section the sampler builds its engine from: ``cfg.model`` with both dtypes
-    set to ``sampler.dtype`` when that is set (else ``cfg.model`` itself)."""
-    import dataclasses
-
-    dtype = cfg.sampler.dtype
-    if dtype is None or (cfg.model.dtype, cfg.model.param_dtype) == (dtype, dtype):
-        return cfg.model
-    return dataclasses.replace(cfg.model, dtype=dtype, param_dtype=dtype)
-
-
-def pull_target(state, learner_dtype: str):
-    """What a weight pull lands in: ``state``'s shapes and shardings with the dtypes the
-    learner publishes. Model leaves carry the learner's ``model.param_dtype``: where the
-    engine's dtype differs (``sampler.dtype``) they become ``jax.ShapeDtypeStruct`` leaves
-    of that dtype, and the engine rounds each version at the swap
-    (``RlflowEngine.load_params``). LoRA adapter leaves (inside ``*_lora`` modules) are
-    float32 on both sides and keep theirs; with LoRA, ``state`` is the adapter tree, whose
-    modules trained whole (``embed``, ``final_norm``, ``lm_head``) are model leaves.
-    Returns ``state`` itself when no leaf changes."""
-    import jax
-
-    want = np.dtype(jax.numpy.dtype(learner_dtype))
-
-    def adapter(path) -> bool:
-        return any(str(getattr(k, "key", k)).endswith("_lora") for k in path)
-
-    def one(path, x):
-        if adapter(path) or np.dtype(x.dtype) == want:
-            return x
-        return jax.ShapeDtypeStruct(x.shape, want, sharding=x.sharding)
-
-    out = jax.tree_util.tree_map_with_path(one, state)
-    same = all(a is b for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state)))
-    return state if same else out
 
 
 class SamplerProgram:
