@@ -187,12 +187,17 @@ def full_trained(adapters) -> dict:
     return {k: v for k, v in pure.items() if k in ("final_norm", "embed", "lm_head")}
 
 
+def in_adapter(path) -> bool:
+    """Whether a tree path (``jax.tree_util`` keys) lies inside a LoRA adapter module (a
+    ``*_lora`` attribute, e.g. ``q_lora``) rather than on a model parameter."""
+    return any(str(getattr(k, "key", k)).endswith("_lora") for k in path)
+
+
 def zeros_like_adapters(adapters):
     """The trained tree of the base model: every adapter entry 0 (the adapter term switched
     off); a trained final norm keeps its (initial) values."""
     def one(path, x):
-        in_adapter = any(str(getattr(k, "key", k)).endswith("_lora") for k in path)
-        return jnp.zeros_like(x) if in_adapter else x.copy()
+        return jnp.zeros_like(x) if in_adapter(path) else x.copy()
     return jax.tree_util.tree_map_with_path(one, adapters)
 
 

@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from rlflow.models.lora import in_adapter
+
 
 def sampler_model_config(cfg):
     """The model section the sampler builds its engine from: ``cfg.model`` with both dtypes
@@ -34,11 +36,8 @@ def pull_target(state, learner_dtype: str):
     Returns ``state`` itself when no leaf changes."""
     want = np.dtype(jax.numpy.dtype(learner_dtype))
 
-    def adapter(path) -> bool:
-        return any(str(getattr(k, "key", k)).endswith("_lora") for k in path)
-
     def one(path, x):
-        if adapter(path) or np.dtype(x.dtype) == want:
+        if in_adapter(path) or np.dtype(x.dtype) == want:
             return x
         return jax.ShapeDtypeStruct(x.shape, want, sharding=x.sharding)
 
