@@ -405,3 +405,29 @@ def test_subscriber_matches_the_publishers_transport_count(learner):
         np.testing.assert_array_equal(np.asarray(arrays[0]), expected(v)["embed"])
     with pytest.raises(WeightTransferError, match="transports=None, expected an int"):
         sub.pull(dict(offers[0], transports=None))
+
+
+def test_publish_copy_is_fresh_and_keeps_each_leafs_sharding():
+    """The publisher's copy (one jitted call per device set): every leaf equal in value,
+    dtype and sharding to its source, in buffers of its own (the train step may donate the
+    source); leaves on other device sets and host arrays are copied too."""
+    from rlflow.exchange.transfer import _copy_leaves
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    rng = np.random.default_rng(0)
+    src = [jax.device_put(rng.standard_normal((4, 6)).astype(np.float32),
+                          NamedSharding(mesh, P("fsdp", None))),
+           jax.device_put(np.arange(6, dtype=np.int32), NamedSharding(mesh, P())),
+           jax.device_put(np.float32(3.5), jax.devices()[1]),          # another device set
+           rng.standard_normal((3,)).astype(np.float32)]              # a host array
+    got = _copy_leaves(src)
+    assert len(got) == len(src)
+    for g, s in zip(got, src):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(s))
+        assert g.dtype == s.dtype
+        if isinstance(s, jax.Array):
+            assert g.sharding == s.sharding
+            src_ptrs = {b.data.unsafe_buffer_pointer() for b in s.addressable_shards}
+            assert not src_ptrs & {b.data.unsafe_buffer_pointer() for b in g.addressable_shards}
+        else:
+            assert isinstance(g, jax.Array)
