@@ -180,9 +180,6 @@ class WeightPublisher:
         paths, leaves, _ = layout_lib.flatten(params)
         if self.layout == "single_device":
             dst = [jax.sharding.SingleDeviceSharding(self._devices[0])] * len(leaves)
-        else:
-            dst = [getattr(x, "sharding", None) for x in leaves]
-        if self.layout == "single_device":
             leaves = jax.device_put(leaves, dst, may_alias=not self.copy)
         elif self.copy:
             leaves = _copy_leaves(leaves)
