@@ -264,11 +264,11 @@ class _Writer:
 class _Learner:
     version = 12
 
-    def build_batch(self, groups):
+    def build_batch(self, groups, version=None):
         return "batch", {"reward/mean": 0.5, "staleness/mean": 0.0, "batch/samples": 2,
                          "batch/groups": 1, "batch/loss_samples": 2}
 
-    def step(self, batch):
+    def dispatch(self, batch, checked=False):
         self.version += 1                  # the optimiser step is done ...
         os.kill(os.getpid(), signal.SIGTERM)   # ... and the launcher asks to stop
         return {}
@@ -300,7 +300,8 @@ def _stand_in_program(tmp_path, learner):
     program.coordinator, program.version = _Coordinator(), 12
     program.counts = dict(accepted=12, stale_groups=0, zero_variance_groups=0)
     program.skips = SkipCounter(program.cfg)
-    program.take_groups = lambda: [{"rewards": np.array([0.0, 1.0]), "policy_versions":
+    program.prefetch = lambda: None               # no buffer here
+    program.take_groups = lambda taken=(): [{"rewards": np.array([0.0, 1.0]), "policy_versions":
                                     np.array([[12], [12]]), "completion_lengths": np.array([1, 1])}]
     program._publish = lambda: None
     program._buffer_metrics = lambda: {}
@@ -333,12 +334,12 @@ def test_the_learner_logs_no_always_zero_bad_reward_counter(tmp_path):
     non-finite reward: the learner never receives one (records refuse them)."""
 
     class Learner(_Learner):
-        def build_batch(self, groups):
+        def build_batch(self, groups, version=None):
             batch, info = super().build_batch(groups)
             return batch, dict(info, **{"batch/dropped_bad_reward_groups": 0,
                                         "batch/dropped_stale": 0})
 
-        def step(self, batch):
+        def dispatch(self, batch, checked=False):
             self.version += 1
             return {}
 

@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -14,12 +13,11 @@ import pytest
 from rlflow.config import (ExperimentConfig, LearnerConfig, ModelConfig, RuntimeConfig,
                            SamplerConfig)
 from rlflow.learner.batch import BatchSpec, build_batch
-from rlflow.learner.program import LearnerProgram
 from rlflow.learner.skips import (DegenerateStepsError, FilterStreak, SkipCounter,
                                   skip_reason)
-from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
 from rlflow.runtime.control import groups_to_admit
 from learner_fixtures import make_group_records
+from program_fakes import stand_in_program
 
 G, T, GPS = 4, 5, 2
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -139,100 +137,8 @@ def test_filter_streak_bounds_dynamic_sampling_rejections():
 
 # ------------------------------------------------------------------ the program's step
 
-class _Buffer:
-    def __init__(self, groups):
-        self.groups = list(groups)
-
-    def get_groups(self, n, *, timeout, accept):
-        out = []
-        while len(out) < n:
-            g = self.groups.pop(0)
-            if accept(g):
-                out.append(g)
-        return out
-
-    def metrics(self):
-        return dict(fill_fraction=0.0, producer_wait_s=0.0, consumer_wait_s=0.0,
-                    dropped_full=0, rejected=0)
-
-
-class _Learner:
-    """build_batch is the real one; step() takes an update (version + 1)."""
-
-    def __init__(self, cfg):
-        self.spec, self.version, self.updates = BatchSpec.from_config(cfg), 0, 0
-        self.params = None
-
-    def build_batch(self, recs):
-        return build_batch(recs, self.spec, self.version)
-
-    def step(self, batch):
-        self.version += 1
-        self.updates += 1
-        return {"learner/skipped": 0.0}
-
-
-class _Publisher:
-    def __init__(self):
-        self.published, self.publish_time = [], {}
-        self.bytes = 0                 # bytes of the last published version (as the program's)
-
-    def publish(self, version, params):
-        if self.published and version <= self.published[-1]:
-            raise AssertionError(f"publishing {version} after {self.published[-1]}")
-        self.published.append(version)
-
-
-class _Coordinator:
-    published_version, data_state = 0, None
-
-    def set_progress(self, **kw):
-        pass
-
-    def latest_status(self):
-        return None
-
-    def check_replicas(self):
-        pass
-
-    def live_statuses(self):
-        return {}
-
-    def restarts(self):
-        return {}
-
-
-class _Writer:
-    def __init__(self):
-        self.logged = []
-
-    def log(self, step, metrics):
-        self.logged.append((step, metrics))
-
-    def samples_due(self, step):
-        return False
-
-
 def program(cfg, groups):
-    p = object.__new__(LearnerProgram)
-    p.cfg, p.gps, p.version, p.start_step = cfg, GPS, 0, 0
-    p.learner, p.buffer = _Learner(cfg), _Buffer(groups)
-    p.publisher, p.coordinator, p.writer = _Publisher(), _Coordinator(), _Writer()
-    p.publisher.published.append(0)                  # version 0 went out at start-up
-    p.counts = dict(accepted=0, stale_groups=0, zero_variance_groups=0)
-    p.skips, p.filter_streak = SkipCounter(cfg), FilterStreak(cfg)
-    p.threshold, p._last_buffer = 1.0, p.buffer.metrics()
-    # the prompt ledger: every group is a leased, stored prompt
-    p.ledger = PromptLedger(lambda i: {}, None, groups_per_step=GPS, max_staleness=0,
-                            seed_of=lambda i: i)
-    for g in groups:
-        (e,) = p.ledger.lease("sampler-0", 10**6, 1)
-        g["stream_index"] = np.asarray(e["stream_index"], np.int64)
-        g["lease_id"] = np.asarray(e["lease_id"], np.int64)
-        assert p.ledger.stored((e["stream_index"], e["lease_id"]))
-    p.batch_keys, p.steps_marked, p.prompts_per_epoch, p.prompt_counts = [], 0, 1, {}
-    p.trained_log = TrainedPromptsLog(tempfile.mkdtemp(prefix="rlflow-skips-"), 0)
-    return p
+    return stand_in_program(cfg, groups)
 
 
 def budget(p, k):

@@ -136,12 +136,14 @@ class LearnerHosts:
             self.commands.send(PUBLISH, version)
         self.publisher.publish(version, host_units(params))
 
-    def step(self, learner, batch) -> tuple[dict, dict]:
-        """Host 0: one step on ``batch`` over every host (``multihost.train_step``)."""
+    def dispatch(self, learner, batch, *, checked: bool = False) -> tuple[dict, dict]:
+        """Host 0: start one step on ``batch`` over every host (``multihost.dispatch_step``):
+        returns ``(step metrics as device arrays, distribution info)`` before the step ends;
+        the followers run ``multihost.train_step``."""
         from rlflow.learner import multihost
 
         self.commands.send(STEP)
-        return multihost.train_step(learner, batch)
+        return multihost.dispatch_step(learner, batch, checked=checked)
 
     def before_save(self, final: bool) -> None:
         """Host 0: every host saves the checkpoint it is about to save."""

@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rlflow.learner.batch import BatchError, TrainBatch, with_sequence_ids
+from rlflow.learner.trainer import pull_metrics
 from rlflow.mesh import batch_sharding, make_mesh
 from rlflow.models.decoder import TokenRangeError
 
@@ -273,9 +274,22 @@ def train_step(learner, batch: Optional[TrainBatch], *, source: int = 0
     Raises: BatchError on every host when host ``source`` rejects the batch (as
     :meth:`Learner.step`).
     """
+    pending, info = dispatch_step(learner, batch, source=source)
+    return pull_metrics(pending), info
+
+
+def dispatch_step(learner, batch: Optional[TrainBatch], *, source: int = 0,
+                  checked: bool = False) -> tuple[dict, dict]:
+    """:func:`train_step` without waiting for the step: returns ``(step metrics as device
+    arrays, distribution info)`` once the batch is distributed and the step dispatched
+    (``pull_metrics`` waits for the metrics). ``checked``: host ``source``'s batch is
+    already ``learner.check_batch``'s output (not checked again).
+
+    Raises: as :func:`train_step`.
+    """
     dev, info = distribute_batch(batch, learner.mesh, source=source,
-                                 check=learner.check_batch)
-    return learner.step_on_device(dev), info
+                                 check=None if checked else learner.check_batch)
+    return learner.dispatch_on_device(dev), info
 
 
 def gather_to_host(tree):

@@ -11,14 +11,18 @@ learner's hosts, which follow its commands and serve their own weight shards,
     serve the ring buffer (rlflow.exchange.buffer) and the coordinator (run control,
       prompt leases, replica heartbeats, weight offers: rlflow.runtime.control); publish v0
     for each step:
-        take learner.groups_per_step groups from the buffer; a group whose every sample is
+        take learner.groups_per_step groups from the buffer (those taken while the step
+          before ran first, see below); a group whose every sample is
           older than runtime.max_staleness versions (stale_policy "drop"), or that has no
           reward variance under learner.dynamic_sampling, is rejected and counted, and the
           sampler makes a replacement (see rlflow.runtime.control)
         build the batch; when it has no loss sample (all masked / stale / filtered / bad
           rewards) the step is skipped: counted, nothing trained or published, its groups
           given back to the admission budget (rlflow.learner.skips)
-        run the jitted step                           -> version v + 1 (= steps taken)
+        dispatch the jitted step                      -> version v + 1 (= steps taken)
+        while it runs: take the next step's groups already waiting in the buffer, judged
+          against version v + 1, and build and check its batch when they are all there
+          (LearnerProgram.prefetch)
         publish every runtime.publish_every steps; log one metrics record (rlflow.metrics);
         write sample completions and the step's prompts (trained_prompts.jsonl);
         checkpoint every checkpoint.every_steps (with the ledger)
@@ -36,6 +40,8 @@ the learner's own clock (step time, idle fraction, publish-to-swap time).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import shutil
 import time
@@ -50,7 +56,7 @@ from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import sample_staleness
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
-from rlflow.learner.trainer import Learner
+from rlflow.learner.trainer import Learner, pull_metrics
 from rlflow.metrics import MetricsWriter
 from rlflow.models.lora import tree_bytes
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
@@ -120,10 +126,32 @@ class _Publisher:
             self.impl.close()
 
 
+@dataclasses.dataclass
+class NextGroups:
+    """The next step's groups, taken while the current step ran (:meth:`LearnerProgram.prefetch`).
+
+    Attributes:
+      groups: group records taken from the buffer (at most ``groups_per_step``), each
+        accepted against ``version``.
+      version: the policy version the current step makes (``v + 1``).
+      built: ``(batch, info)`` built at ``version`` when every group was there; the batch
+        has passed ``Learner.check_batch`` unless ``info`` makes the step a skip.
+      error: what taking from the buffer raised (a producer's failure, a closed buffer, the
+        dynamic-sampling streak limit); the next step raises it before anything else, as a
+        take after the step would have.
+    """
+
+    groups: list
+    version: int
+    built: tuple | None = None
+    error: BaseException | None = None
+
+
 class LearnerProgram:
     """State of one learner program (a thin shell; the math lives in rlflow.learner.*)."""
 
     hosts = None    # LearnerHosts when learner.num_hosts > 1 (this is host 0), set in __init__
+    next_groups: NextGroups | None = None   # taken while the step before ran (prefetch)
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
@@ -243,17 +271,20 @@ class LearnerProgram:
                                       published_version=self.version)
 
     # ------------------------------------------------------------------ consuming groups
-    def accept(self, group) -> bool:
+    def accept(self, group, version: int | None = None) -> bool:
         """Buffer filter (runs under the ring's lock, so counts stay consistent with the
         buffer's fill): reject a group whose every sample is too stale ("drop" policy) or
-        that has no reward variance (dynamic sampling)."""
+        that has no reward variance (dynamic sampling). ``version``: the learner version the
+        group is judged against (default: the current one; :meth:`prefetch` passes the
+        version of the step in flight)."""
         rt = self.cfg.runtime
+        version = self.version if version is None else version
         key = group_key(group)
         if key is not None and not self.ledger.take(key):
             return False                   # a lost replica's late group (counted there)
         if rt.stale_policy == "drop":
             stale = sample_staleness(group["policy_versions"], group["completion_lengths"],
-                                     self.version, group.get("loss_mask"))
+                                     version, group.get("loss_mask"))
             if (stale > rt.max_staleness).all():
                 self.counts["stale_groups"] += 1
                 if key is not None:
@@ -264,16 +295,17 @@ class LearnerProgram:
             self.counts["zero_variance_groups"] += 1
             if key is not None:
                 self.ledger.drop(key)              # resolved: counted as dropped
-            self.filter_streak.rejected(self.version)   # raises after too many in a row
+            self.filter_streak.rejected(version)   # raises after too many in a row
             return False
         self.filter_streak.accepted()
         self.counts["accepted"] += 1
-        self.batch_keys.append((key, int(group["prompt_id"])))
         return True
 
-    def take_groups(self) -> list:
-        """``groups_per_step`` accepted groups; waits in slices of ``WAIT_SLICE_S``, checking
-        that groups can still come (prompts left, a replica alive).
+    def take_groups(self, taken: list = ()) -> list:
+        """``groups_per_step`` accepted groups, starting with ``taken`` (groups already
+        accepted, from :meth:`prefetch`); waits in slices of ``WAIT_SLICE_S``, checking
+        that groups can still come (prompts left, a replica alive). Sets
+        :attr:`batch_keys` (the ledger keys of the step's groups).
 
         Raises:
           BufferTimeoutError: no group for ``buffer.timeout_s`` seconds.
@@ -281,7 +313,7 @@ class LearnerProgram:
         """
         from rlflow.exchange.ring import BufferTimeoutError
 
-        groups = []
+        groups = list(taken)
         waited_since = time.monotonic()
         while len(groups) < self.gps:
             pc.raise_if_stopped()              # a stop whose exception a finaliser dropped
@@ -297,7 +329,49 @@ class LearnerProgram:
                 continue
             groups += got
             waited_since = time.monotonic()
+        self.batch_keys = [(group_key(g), int(g["prompt_id"])) for g in groups]
         return groups
+
+    def prefetch(self) -> None:
+        """Host work for the next step while the current one runs on the device (JAX
+        dispatches it asynchronously): take the next step's groups that already wait in the
+        buffer (no waiting), judged against version ``v + 1``, the version the running step
+        makes; with all ``groups_per_step`` there, build and check the batch too. The next
+        :meth:`step` starts from :attr:`next_groups`.
+
+        It takes the groups a take after the step would take: the buffer's oldest groups,
+        filtered against the same version. Nothing is taken before the last step (the run
+        ends there) or in sync mode (the samplers wait for ``v + 1``, so the buffer is
+        empty). Taken groups are consumed in the prompt ledger, so a checkpoint written now
+        counts them untrained (regenerated after a resume, as groups left in the buffer are).
+        Errors: what taking raises is kept for the next step (:class:`NextGroups`); an error
+        building or checking the batch is left for the next step to raise, which builds it
+        again.
+        """
+        from rlflow.exchange.ring import BufferTimeoutError
+
+        version = self.version + 1
+        if version >= self.cfg.learner.num_steps:
+            return
+        nxt = NextGroups([], version)
+        accept = functools.partial(self.accept, version=version)
+        try:
+            while len(nxt.groups) < self.gps:
+                nxt.groups += self.buffer.get_groups(1, timeout=0.0, accept=accept)
+        except BufferTimeoutError:
+            pass                                  # the rest is taken after the step
+        except Exception as e:  # noqa: BLE001 - raised by the next step, in order
+            nxt.error = e
+        self.next_groups = nxt
+        if len(nxt.groups) < self.gps or nxt.error is not None:
+            return
+        try:
+            batch, info = self.learner.build_batch(nxt.groups, version=version)
+            if skip_reason(info) is None:
+                batch = self.learner.check_batch(batch)
+        except Exception:  # noqa: BLE001 - the next step builds it again and raises
+            return
+        nxt.built = (batch, info)
 
     # ------------------------------------------------------------------ one step
     def skip(self, groups, reason: str, info: dict) -> None:
@@ -316,9 +390,14 @@ class LearnerProgram:
     def step(self) -> dict | None:
         """One step; returns its metrics, or None when it was skipped (see :meth:`skip`)."""
         t0 = time.monotonic()
-        groups = self.take_groups()
+        nxt, self.next_groups = self.next_groups, None
+        if nxt is not None and nxt.error is not None:
+            raise nxt.error
+        groups = self.take_groups(nxt.groups if nxt is not None else ())
         t_wait = time.monotonic() - t0
-        batch, info = self.learner.build_batch(groups)
+        # built at the version the step before was to make; rebuilt when it made none
+        built = nxt.built if nxt is not None and nxt.version == self.version else None
+        batch, info = built if built is not None else self.learner.build_batch(groups)
         reason = skip_reason(info)
         if reason is not None:
             self.skip(groups, reason, info)
@@ -326,15 +405,19 @@ class LearnerProgram:
         # A stop request (SIGTERM) waits until this version's metrics and samples are
         # written: the exit checkpoint of a version always has its metrics record.
         with pc.deferred_stop():
-            return self._step_and_record(groups, batch, info, t0, t_wait)
+            return self._step_and_record(groups, batch, info, t0, t_wait,
+                                         checked=built is not None)
 
-    def _step_and_record(self, groups, batch, info, t0: float, t_wait: float) -> dict:
+    def _step_and_record(self, groups, batch, info, t0: float, t_wait: float, *,
+                         checked: bool = False) -> dict:
         t1 = time.monotonic()
         if self.hosts is None:
-            metrics = self.learner.step(batch)
+            pending, distributed = self.learner.dispatch(batch, checked=checked), {}
         else:                   # every host steps; batch bytes distributed are logged
-            metrics, distributed = self.hosts.step(self.learner, batch)
-            metrics.update(distributed)
+            pending, distributed = self.hosts.dispatch(self.learner, batch, checked=checked)
+        self.prefetch()                           # overlaps the step on the device
+        metrics = pull_metrics(pending)
+        metrics.update(distributed)
         t_step = time.monotonic() - t1
         if self.learner.version == self.version:  # the step's own guard: no loss token
             self.skip(groups, "mixed", info)
