@@ -30,6 +30,10 @@ insert, host bookkeeping, copies), their difference being the prefill and insert
 plus the host's bookkeeping. Then
 ``slot_occupancy`` under mixed output lengths (target >= 0.9) for the default k, and the
 occupancy static batching would get on the same requests.
+``decode_tokens_per_s_lanes<L>`` / ``decode_speedup_lanes<L>`` / ``decode_loop_ms_per_step_lanes<L>``:
+the default engine split into ``sampler.decode_lanes = L`` batchers of ``batch / L`` slots
+whose decode calls run at once on L threads (``rlflow.sampler.lanes``), float32, same
+requests and baseline.
 ``decode_bytes_per_step``, ``decode_read_bound_ms_per_step``, ``decode_device_over_read_bound``
 and ``decode_speedup_at_read_bound`` (float32, and ``_bf16``): the decode step against the time a jitted read of the
 same bytes (weights + KV cache) takes here, and the speedup a loop at that bound would have.
@@ -39,7 +43,7 @@ arrays: the share of the gap to an eager loop that lies in the compiler's small-
 
 Sizes come from environment variables (defaults in brackets): SAMPLER_BENCH_BATCH [16],
 SAMPLER_BENCH_THREADS [all cores], SAMPLER_BENCH_REPEATS [3], SAMPLER_BENCH_BURST [3], SAMPLER_BENCH_OCC_REQUESTS
-[8 x batch], SAMPLER_BENCH_SIZES [gsm8k,tiny].
+[8 x batch], SAMPLER_BENCH_SIZES [gsm8k,tiny], SAMPLER_BENCH_LANES [2].
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ BATCH, REPEATS = env("BATCH", 16), env("REPEATS", 3)
 OCC_REQUESTS = env("OCC_REQUESTS", 8 * BATCH)
 SIZES = os.environ.get("SAMPLER_BENCH_SIZES", "gsm8k,tiny").split(",")
 PAUSE_S, BURST = 0.5, env("BURST", 3)   # pause, timed runs per burst (see measure)
+LANES = env("LANES", 2)                 # sampler.decode_lanes of the _lanes lines
 
 
 def size_setup(name: str, tmp: str):
@@ -102,6 +107,7 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     from rlflow.models import build_model, save_hf
     from rlflow.sampler.batching import ContinuousBatcher, Request
     from rlflow.sampler.engine import RlflowEngine
+    from rlflow.sampler.lanes import DecodeLanes
     from rlflow.sampler.sampling import SamplingParams
 
     model_cfg, prompts, new, what = size_setup(size, tmp)
@@ -126,6 +132,16 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     # One batcher per engine, made once (it places the weights on the engine's mesh, as
     # loading the model does for transformers); each timed run submits the requests.
     batchers = {k: ContinuousBatcher(e) for k, e in engines.items()}
+    lane_engine = RlflowEngine(model, dataclasses.replace(
+        engines[(default_k, "float32")].sampler_cfg, num_slots=batch // LANES),
+        mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    lanes = DecodeLanes(lane_engine, lanes=LANES)
+
+    def ours_lanes(seed=0):
+        groups = lanes.run([Request(i, prompts[i], 1, sampling.replace(seed=seed + i))
+                            for i in range(batch)])
+        n = sum(len(c.tokens) for g in groups for c in g.completions)
+        assert n == batch * new, n
 
     def ours(k, seed=0):
         groups = batchers[k].run([Request(i, prompts[i], 1, sampling.replace(seed=seed + i))
@@ -168,6 +184,7 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     for k in ks:
         ours(k)                                              # compile
         device_only(k)
+    ours_lanes()
     for dt in hfs:
         theirs(dt)                                           # warm-up
     # Interleaved bursts, REPEATS of each side: both sides see the same machine load. A
@@ -181,10 +198,12 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     t_ours = {k: float("inf") for k in ks}
     t_dev = {k: float("inf") for k in ks}
     t_hfs = {dt: float("inf") for dt in hfs}
+    t_lanes = float("inf")
     for _ in range(REPEATS):
         for k in ks:
             t_ours[k] = min(t_ours[k], timed(lambda: ours(k)))
             t_dev[k] = min(t_dev[k], min(device_only(k) for _ in range(BURST)))
+        t_lanes = min(t_lanes, timed(ours_lanes))
         for dt in hfs:
             t_hfs[dt] = min(t_hfs[dt], timed(lambda: theirs(dt)))
     t_hf = t_hfs["float32"]
@@ -208,6 +227,16 @@ def measure(size: str, suffix: str, tmp: str) -> None:
               f"per decode step of {batch} slots (prefill, insert, host bookkeeping, copies)")
         print(f"RESULT decode_device_ms_per_step{sfx} {t_dev[k] * 1e3:.2f} ms jitted decode "
               f"calls alone per step, all slots busy, one host copy per call")
+    sfx, tps = f"_lanes{LANES}{suffix}", batch * new / t_lanes
+    print(f"RESULT decode_tokens_per_s{sfx} {tps:.1f} tokens/s rlflow engine, "
+          f"sampler.decode_lanes={LANES} ({LANES} batchers of {batch // LANES} slots decoding at "
+          f"once), decode_steps_per_call={default_k}, float32, {config}")
+    print(f"RESULT decode_speedup{sfx} {tps / hf_tps:.2f} x "
+          f"{'target>=3 ' if size == 'gsm8k' else ''}vs transformers generate (float32), "
+          f"sampler.decode_lanes={LANES}")
+    print(f"RESULT decode_loop_ms_per_step{sfx} {t_lanes / new * 1e3:.2f} ms whole loop per "
+          f"decode step of {batch} slots in {LANES} lanes")
+    lanes.close()
     for dt in hfs:
         sfx = suffix if dt == "float32" else f"_bf16{suffix}"
         print(f"RESULT decode_tokens_per_s_transformers{sfx} {batch * new / t_hfs[dt]:.1f} "

@@ -75,6 +75,20 @@ def test_sync_mode_two_learner_devices_sleeping_sampler(env, tmp_path):
         assert m["learner/stale_groups_dropped"] == 0
 
 
+def test_decode_lanes_run_on_policy_in_sync_mode(env, tmp_path):
+    """sampler.decode_lanes=2: the sampler's slots in two batchers decoding at once; every
+    step trains complete groups sampled with the current version."""
+    proc, run = _train(env, tmp_path, "lanes", "--learner.num_steps", "3",
+                       "--runtime.mode", "sync", "--runtime.max_staleness", "0",
+                       "--sampler.decode_lanes", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_step = _steps(run)
+    assert sorted(by_step) == [1, 2, 3]
+    for step, m in by_step.items():
+        assert m["rollout/version_min"] == m["rollout/version_max"] == step - 1
+        assert m["batch/groups"] == 8 and m["staleness/max"] == 0
+
+
 def _start(env, run_dir, name, *overrides):
     return subprocess.Popen(_cmd(run_dir, name, *overrides), env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

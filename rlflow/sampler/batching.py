@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from rlflow.sampler.decode_state import EngineParams
 from rlflow.sampler.engine import MAX_STOP_IDS, PromptError
 from rlflow.sampler.episode_slots import EpisodeSlots
 from rlflow.sampler.requests import CompletedGroup, Completion, Request  # noqa: F401 (re-exported)
@@ -118,7 +119,9 @@ class ContinuousBatcher(EpisodeSlots):
     Args:
       engine: the engine (its ``sampler_cfg`` gives slots, buckets, ``max_tokens``,
         ``on_long_prompt`` and default sampling settings).
-      params: initial weights (``nnx.State``; ``None``: the engine model's own).
+      params: initial weights (``nnx.State``; ``None``: the engine model's own; or
+        :class:`rlflow.sampler.decode_state.EngineParams` already placed by
+        ``engine.load_params``).
       version: their policy version.
       on_long_prompt: "error" or "truncate" (keep the last ``max_prefill_length``
         tokens, counted); ``None``: ``sampler_cfg.on_long_prompt``.
@@ -138,7 +141,7 @@ class ContinuousBatcher(EpisodeSlots):
             raise ValueError(f"on_long_prompt must be 'error' or 'truncate', "
                              f"got {self.on_long_prompt!r}")
         self.counters = BatchCounters()
-        self._params = engine.load_params(params, version)
+        self._params = _placed(engine, params, version)
         self.version = int(version)
         self._weights_id = 0          # +1 per swap: a prefix is reused only under its weights
         self._pending_params = None
@@ -213,9 +216,10 @@ class ContinuousBatcher(EpisodeSlots):
     def update_params(self, params, version: int) -> None:
         """New weights (``nnx.State``), used from the next decode step on (thread-safe).
 
-        The arrays are re-laid onto the engine's mesh here (``engine.load_params``).
+        The arrays are re-laid onto the engine's mesh here (``engine.load_params``), unless
+        ``params`` are ``EngineParams`` (placed already).
         """
-        engine_params = self.engine.load_params(params, version)
+        engine_params = _placed(self.engine, params, version)
         with self._lock:
             self._pending_params = (engine_params, int(version))
 
@@ -424,3 +428,11 @@ class ContinuousBatcher(EpisodeSlots):
         while self.has_work:
             out.extend(self.step())
         return out
+
+
+def _placed(engine, params, version: int) -> EngineParams:
+    """``params`` on the engine's mesh, tagged with ``version`` (``engine.load_params``);
+    :class:`EngineParams` (placed by ``load_params`` already) as they are."""
+    if isinstance(params, EngineParams):
+        return params
+    return engine.load_params(params, version)

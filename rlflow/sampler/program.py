@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -62,6 +63,7 @@ from rlflow.models.lora import LoraSpec
 from rlflow.runtime.control import ControlClient
 from rlflow.sampler.background import Heartbeat, RateWindow, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
+from rlflow.sampler.lanes import DecodeLanes
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
 from rlflow.sampler.precision import pull_target, sampler_model_config
@@ -136,8 +138,10 @@ class SamplerProgram:
             self.renderer = ChatRenderer(self.tokenizer)
             eos.update(self.renderer.end_of_turn_ids)
         engine_model = model if self.adapters is None else self.adapters.engine_model
-        self.engine = RlflowEngine(engine_model, sc, mesh=self.mesh, tokenizer_path=cfg.model.path,
-                                   eos_token_ids=sorted(eos))
+        # with decode lanes the engine holds one lane's slots (rlflow.sampler.lanes)
+        lane_cfg = replace(sc, num_slots=sc.num_slots // sc.decode_lanes, decode_lanes=1)
+        self.engine = RlflowEngine(engine_model, lane_cfg, mesh=self.mesh,
+                                   tokenizer_path=cfg.model.path, eos_token_ids=sorted(eos))
         coord = _endpoint(endpoints.coordinator)
         self.control = ControlClient(coord, consumer_id=self.name, instance=endpoints.instance,
                                      token=cfg.buffer.token, timeout_s=cfg.buffer.timeout_s)
@@ -203,7 +207,7 @@ class SamplerProgram:
 
         return OrbaxWeightSubscriber(self.cfg.run_path, target=target)
 
-    def _first_weights(self, reply) -> ContinuousBatcher:
+    def _first_weights(self, reply) -> ContinuousBatcher | DecodeLanes:
         """Wait for the learner's first published version (never anything older, e.g. an
         earlier run's orbax folder) and load it."""
         deadline = time.monotonic() + FIRST_WEIGHTS_TIMEOUT_S
@@ -216,6 +220,11 @@ class SamplerProgram:
                 log.info("loaded weights version %d from the learner", version)
                 self._note_swap(version, 0.0)
                 self.version = version
+                lanes = self.cfg.sampler.decode_lanes
+                if lanes > 1:
+                    log.info("decode lanes: %d batchers of %d slots decoding at once",
+                             lanes, self.engine.max_concurrent_decodes)
+                    return DecodeLanes(self.engine, params, version, lanes=lanes)
                 return ContinuousBatcher(self.engine, params, version, episodes=self.episodes)
             if time.monotonic() > deadline:
                 raise SamplerError(f"no weights published by the learner within "
@@ -459,6 +468,8 @@ class SamplerProgram:
         closers += [x.close for x in (self.rewarder, self.episodes) if x is not None]
         if hasattr(self, "puller"):
             closers.insert(0, self.puller.close)
+        if isinstance(getattr(self, "batcher", None), DecodeLanes):
+            closers.append(self.batcher.close)
         for closer in closers:
             try:
                 closer()
