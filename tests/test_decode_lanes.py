@@ -54,6 +54,8 @@ def test_lanes_give_the_completions_of_one_batcher(setup):
     model, four, two = setup
     ref = {g.prompt_id: g for g in ContinuousBatcher(four).run(requests(2))}
     lanes = DecodeLanes(two, lanes=2)
+    counters = lanes.counters                   # a live view, read before the work
+    assert counters.slot_steps_used == 0 and counters.occupancy == 0.0
     got = {g.prompt_id: g for g in lanes.run(requests(2))}
     assert got.keys() == ref.keys()
     seq = two.sampler_cfg.max_prefill_length + two.sampler_cfg.max_tokens
@@ -63,8 +65,9 @@ def test_lanes_give_the_completions_of_one_batcher(setup):
             np.testing.assert_array_equal(c.tokens, r.tokens)
             atol = forward_atol(model.cfg, seq, float(np.abs(r.logprobs).max()))
             np.testing.assert_allclose(c.logprobs, r.logprobs, atol=atol)
-    c = lanes.counters
+    c = counters
     assert c.slot_steps_used == 2 * sum(LENGTHS)
+    assert c.occupancy == pytest.approx(c.slot_steps_used / c.slot_steps_available)
     assert c.completions_truncated == 2 * len(LENGTHS)
     assert c.slot_steps_available == sum(b.counters.slot_steps_available for b in lanes.lanes)
     assert all(b.counters.decode_calls > 0 for b in lanes.lanes)     # both lanes decoded

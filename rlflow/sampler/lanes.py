@@ -96,13 +96,10 @@ class DecodeLanes:
         return any(lane.has_work for lane in self.lanes)
 
     @property
-    def counters(self) -> BatchCounters:
-        """The lanes' counters summed field by field (a fresh object per read)."""
-        total = BatchCounters()
-        for lane in self.lanes:
-            for f in dataclasses.fields(BatchCounters):
-                setattr(total, f.name, getattr(total, f.name) + getattr(lane.counters, f.name))
-        return total
+    def counters(self) -> "LaneCounters":
+        """The lanes' :class:`BatchCounters` summed field by field, as a live view (like a
+        batcher's own counters, a reference taken before a step reads the new sums after it)."""
+        return LaneCounters(self.lanes)
 
     def reset_cache(self) -> None:
         """Free every lane's decode state. Raises: RuntimeError while sequences are in
@@ -139,3 +136,23 @@ class DecodeLanes:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+
+_COUNTER_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchCounters))
+
+
+class LaneCounters:
+    """A live view of several batchers' counters: each :class:`BatchCounters` field (and
+    ``occupancy``) is the sum over the lanes at the time it is read."""
+
+    def __init__(self, lanes: Sequence[ContinuousBatcher]):
+        self._lanes = lanes
+
+    def __getattr__(self, name: str) -> int:
+        if name not in _COUNTER_FIELDS:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        return sum(getattr(lane.counters, name) for lane in self._lanes)
+
+    @property
+    def occupancy(self) -> float:
+        """Fraction of slot steps, over all lanes, that produced a kept token."""
+        return self.slot_steps_used / max(self.slot_steps_available, 1)
