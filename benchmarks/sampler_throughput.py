@@ -137,17 +137,17 @@ def measure(size: str, suffix: str, tmp: str) -> None:
         mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
     lanes = DecodeLanes(lane_engine, lanes=LANES)
 
-    def ours_lanes(seed=0):
-        groups = lanes.run([Request(i, prompts[i], 1, sampling.replace(seed=seed + i))
-                            for i in range(batch)])
+    def run_all(batcher, seed=0):
+        groups = batcher.run([Request(i, prompts[i], 1, sampling.replace(seed=seed + i))
+                              for i in range(batch)])
         n = sum(len(c.tokens) for g in groups for c in g.completions)
         assert n == batch * new, n
 
-    def ours(k, seed=0):
-        groups = batchers[k].run([Request(i, prompts[i], 1, sampling.replace(seed=seed + i))
-                                  for i in range(batch)])
-        n = sum(len(c.tokens) for g in groups for c in g.completions)
-        assert n == batch * new, n
+    def ours(k):
+        run_all(batchers[k])
+
+    def ours_lanes():
+        run_all(lanes)
 
     def device_only(k):
         """The decode calls alone: every slot busy, calls back to back, one copy each."""

@@ -16,10 +16,10 @@ from rlflow.models.logprobs import token_logprobs
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import PromptError, RlflowEngine
 from rlflow.sampler.sampling import SamplingError, SamplingParams
+from sampler_fixtures import PROMPT, first_token_weights, logits_of
 from tolerances import forward_atol
 
 VOCAB = 128
-PROMPT = [1, 20, 33, 47]
 
 
 @pytest.fixture(scope="module")
@@ -43,31 +43,6 @@ def _lp_atol(setup, ref) -> float:
     engine = setup[1]
     seq = engine.sampler_cfg.max_prefill_length + engine.sampler_cfg.max_tokens
     return forward_atol(setup[0].cfg, seq, float(np.abs(np.asarray(ref)).max()))
-
-
-def logits_of(forward, state, seq):
-    seq = jnp.asarray([seq], jnp.int32)
-    n = seq.shape[1]
-    return forward(state, seq, jnp.arange(n)[None], jnp.ones((1, n), bool))[0]
-
-
-def with_lm_head_swapped(state, a, b):
-    """Params whose output columns of tokens a and b are exchanged (KV unaffected)."""
-    pure = jax.tree_util.tree_map(lambda x: x, state.to_pure_dict())
-    head = np.array(pure["lm_head"])
-    head[:, [a, b]] = head[:, [b, a]]
-    pure["lm_head"] = jnp.asarray(head)
-    new = jax.tree_util.tree_map(lambda x: x, state)
-    nnx.replace_by_pure_dict(new, pure)
-    return new
-
-
-def first_token_weights(forward, state):
-    """(W0, W1): PROMPT's greedy first token is 5 under W0 and 7 under W1 (output head
-    columns exchanged, so the KV cache is the same under both)."""
-    a = int(jnp.argmax(logits_of(forward, state, PROMPT)[-1]))
-    w0 = with_lm_head_swapped(state, a, 5) if a != 5 else state
-    return w0, with_lm_head_swapped(w0, 5, 7)
 
 
 LENGTHS = [2, 16, 4, 9, 2, 12, 16, 3, 7, 5]                     # max/min = 8

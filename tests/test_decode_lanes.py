@@ -5,7 +5,6 @@ every new weight version."""
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -18,10 +17,10 @@ from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lanes import DecodeLanes
 from rlflow.sampler.sampling import SamplingParams
+from sampler_fixtures import PROMPT, first_token_weights
 from tolerances import forward_atol
 
 VOCAB = 128
-PROMPT = [1, 20, 33, 47]
 LENGTHS = [2, 16, 4, 9, 2, 12, 16, 3, 7, 5]
 PROMPTS = [[1 + i, 5, 6 + i][: 1 + i % 3] + [9] * (i % 5) for i in range(10)]
 
@@ -109,30 +108,11 @@ def test_lanes_step_at_the_same_time(setup):
     lanes.close()
 
 
-def first_token_weights(model):
-    """(W0, W1): PROMPT's greedy first token is 5 under W0 and 7 under W1 (output head
-    columns exchanged, so the KV cache is the same under both)."""
-    graphdef, state = nnx.split(model, nnx.Param)
-    seq = jnp.asarray([PROMPT], jnp.int32)
-    logits = nnx.merge(graphdef, state)(seq, jnp.arange(len(PROMPT))[None],
-                                        jnp.ones((1, len(PROMPT)), bool))
-    a = int(jnp.argmax(logits[0, -1]))
-
-    def swapped(st, x, y):
-        pure = st.to_pure_dict()
-        head = np.array(pure["lm_head"])
-        head[:, [x, y]] = head[:, [y, x]]
-        pure["lm_head"] = jnp.asarray(head)
-        new = jax.tree_util.tree_map(lambda v: v, st)
-        nnx.replace_by_pure_dict(new, pure)
-        return new
-    w0 = swapped(state, a, 5) if a != 5 else state
-    return w0, swapped(w0, 5, 7)
-
-
 def test_a_new_version_reaches_every_lane(setup):
     model, _, two = setup
-    w0, w1 = first_token_weights(model)
+    graphdef, state = nnx.split(model, nnx.Param)
+    forward = jax.jit(lambda st, t, p, m: nnx.merge(graphdef, st)(t, p, m))
+    w0, w1 = first_token_weights(forward, state)               # PROMPT's greedy token 5 / 7
     greedy = SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=())
     lanes = DecodeLanes(two, params=w0, version=0, lanes=2)
 

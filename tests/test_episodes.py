@@ -15,7 +15,8 @@ from rlflow.sampler.episodes import EpisodeDriver
 from rlflow.sampler.sampling import SamplingParams
 from tolerances import forward_atol
 
-from test_batching import setup, with_lm_head_swapped  # noqa: F401 - the module fixture
+from sampler_fixtures import with_lm_head_swapped
+from test_batching import setup  # noqa: F401 - the module fixture
 
 PROMPT = [1, 20, 33, 47]
 CONT = [3, 4, 9]                      # the (fake) rendered environment answer

@@ -124,14 +124,7 @@ class DecodeLanes:
             out.extend(f.result())
         return out
 
-    def run(self, requests: Sequence[Request] = ()) -> list[CompletedGroup]:
-        """Submit ``requests`` and step until every queued sample has finished."""
-        for r in requests:
-            self.submit(r)
-        out = []
-        while self.has_work:
-            out.extend(self.step())
-        return out
+    run = ContinuousBatcher.run     # submit, then step until nothing is left (same loop)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -152,7 +145,4 @@ class LaneCounters:
             raise AttributeError(f"{type(self).__name__} has no field {name!r}")
         return sum(getattr(lane.counters, name) for lane in self._lanes)
 
-    @property
-    def occupancy(self) -> float:
-        """Fraction of slot steps, over all lanes, that produced a kept token."""
-        return self.slot_steps_used / max(self.slot_steps_available, 1)
+    occupancy = BatchCounters.occupancy     # the same formula, over the summed fields
