@@ -85,14 +85,17 @@ class DecodeLanes:
 
     @property
     def num_queued(self) -> int:
+        """Samples waiting for a slot, over all lanes."""
         return sum(lane.num_queued for lane in self.lanes)
 
     @property
     def num_active(self) -> int:
+        """Slots holding a sequence, over all lanes."""
         return sum(lane.num_active for lane in self.lanes)
 
     @property
     def has_work(self) -> bool:
+        """Some lane has samples queued or decoding, or results not yet returned."""
         return any(lane.has_work for lane in self.lanes)
 
     @property
@@ -127,6 +130,7 @@ class DecodeLanes:
     run = ContinuousBatcher.run     # submit, then step until nothing is left (same loop)
 
     def close(self) -> None:
+        """Stop the lanes' threads (after the step in flight, if any)."""
         self._pool.shutdown(wait=True)
 
 
