@@ -42,7 +42,8 @@ COMMON_FLAGS: tuple[tuple[str, str], ...] = (
 
 
 def bool_flags(cls=None, prefix: str = "") -> set[str]:
-    """Dotted names of the bool fields of ``ExperimentConfig`` (nested sections included)."""
+    """Dotted names of the bool and ``Optional[bool]`` fields of ``ExperimentConfig``
+    (nested sections included)."""
     import dataclasses
     import typing
 
@@ -55,14 +56,15 @@ def bool_flags(cls=None, prefix: str = "") -> set[str]:
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             out |= bool_flags(hint, f"{prefix}{f.name}.")
-        elif hint is bool:
+        elif hint is bool or hint == Optional[bool]:
             out.add(prefix + f.name)
     return out
 
 
 def normalize_bools(argv: Sequence[str]) -> list[str]:
     """``--section.flag true|false|1|0|yes|no|on|off`` (any case, also ``--flag=value``)
-    as tyro's ``True`` / ``False``; a bool flag with no value (last, or before another
+    as tyro's ``True`` / ``False`` (and ``none`` as ``None`` for an ``Optional[bool]``
+    field, e.g. ``learner.packing``); a bool flag with no value (last, or before another
     flag) means ``True``. Other words are left for tyro to judge."""
     flags = bool_flags()
     names = {"--" + n for n in flags} | {"--" + n.replace("_", "-") for n in flags}
@@ -79,7 +81,8 @@ def normalize_bools(argv: Sequence[str]) -> list[str]:
                 else:
                     value = "true"
             low = value.lower()
-            value = "True" if low in TRUE_WORDS else "False" if low in FALSE_WORDS else value
+            value = ("True" if low in TRUE_WORDS else "False" if low in FALSE_WORDS else
+                     "None" if low == "none" else value)
             out += [key, value]
         else:
             out.append(word)

@@ -135,3 +135,14 @@ def test_bool_flag_alone_means_true_and_a_bad_word_is_refused(config_file, capsy
     with pytest.raises(SystemExit):
         cli.parse_train_args(["--config", config_file, "--runtime.restart_sampler", "maybe"])
     assert "maybe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("word,value", [("false", False), ("OFF", False), ("true", True),
+                                        ("1", True), ("None", None), ("none", None)])
+def test_optional_bool_flags_take_the_same_words(config_file, word, value):
+    """learner.packing is Optional[bool] (None: decided by the learner): it takes the words
+    a plain bool flag takes, and none."""
+    cfg = cli.parse_train_args(["--config", config_file, "--learner.packing", word])
+    assert cfg.learner.packing is value
+    cfg = cli.parse_train_args(["--config", config_file, f"--learner.scale-by-std={word}"])
+    assert cfg.learner.scale_by_std is value

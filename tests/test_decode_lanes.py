@@ -15,7 +15,7 @@ from rlflow.mesh import make_mesh
 from rlflow.models import build_model
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
-from rlflow.sampler.lanes import DecodeLanes
+from rlflow.sampler.lanes import DecodeLanes, lane_count
 from rlflow.sampler.sampling import SamplingParams
 from sampler_fixtures import PROMPT, first_token_weights
 from tolerances import forward_atol
@@ -134,10 +134,29 @@ def test_lane_settings_are_checked():
     with pytest.raises(ConfigError, match=r"sampler\.decode_lanes.*must divide "
                        r"sampler\.num_slots=16.*got 3"):
         SamplerConfig(num_slots=16, decode_lanes=3)
-    with pytest.raises(ConfigError, match=r"sampler\.decode_lanes.*>= 1|decode_lanes"):
-        SamplerConfig(decode_lanes=0)
+    with pytest.raises(ConfigError, match=r"sampler\.decode_lanes.*integer >= 0.*got -1"):
+        SamplerConfig(decode_lanes=-1)
+    with pytest.raises(ConfigError, match=r"sampler\.decode_lanes.*integer >= 0.*got 1.5"):
+        SamplerConfig(decode_lanes=1.5)
+    SamplerConfig(num_slots=5, decode_lanes=0)        # 0: the sampler chooses (lane_count)
+    ExperimentConfig(sampler=SamplerConfig(num_slots=16, decode_lanes=0),
+                     env=EnvConfig(name="guess_digit"))
     with pytest.raises(ConfigError, match=r"sampler\.decode_lanes.*multi-turn"):
         ExperimentConfig(sampler=SamplerConfig(num_slots=16, decode_lanes=2),
                          env=EnvConfig(name="guess_digit"))
     with pytest.raises(ValueError, match="needs >= 2 lanes"):
         DecodeLanes(None, lanes=1)
+
+
+def test_lane_count_chooses_two_only_where_two_measured_faster():
+    """decode_lanes=0: 2 lanes on the CPU backend with >= 2 CPUs, a model of hidden >= 256,
+    an even num_slots >= 4 and single-turn requests; each condition alone turns it to 1."""
+    pays = dict(hidden_size=256, backend="cpu", cpus=2, multi_turn=False)
+    assert lane_count(0, 16, **pays) == 2
+    for change in (dict(hidden_size=255), dict(backend="tpu"), dict(backend="gpu"),
+                   dict(cpus=1), dict(multi_turn=True)):
+        assert lane_count(0, 16, **{**pays, **change}) == 1, change
+    assert lane_count(0, 2, **pays) == 1 and lane_count(0, 6, **pays) == 2
+    assert lane_count(0, 15, **pays) == 1
+    assert lane_count(4, 16, **{**pays, "backend": "tpu"}) == 4   # set: taken as it is
+    assert lane_count(1, 16, **pays) == 1

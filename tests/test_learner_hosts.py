@@ -7,7 +7,7 @@ from rlflow import programs_common as pc
 from rlflow.config import (CheckpointConfig, ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
                            RuntimeConfig, SamplerConfig, replace)
 from rlflow.learner import multihost
-from rlflow.runtime.local_hosts import free_port
+from rlflow.runtime.ports import free_port
 from rlflow.runtime import launch, learner_hosts
 
 

@@ -172,6 +172,40 @@ def test_skipped_step_keeps_version_and_budget_then_trains():
     assert [s for s, _ in p.writer.logged] == [1]
 
 
+def test_run_totals_go_on_after_a_resume():
+    """Skipped steps and groups rejected without reward variance, counted before a
+    checkpoint, are where a resumed program's metrics start (not 0): run_totals is what the
+    checkpoint keeps (as JSON) and restore_totals what the resumed program reads back."""
+    import json
+    import types
+
+    cfg = config(learner=dict(mask_truncated=True, dynamic_sampling=True))
+    flat, bad = records(1)[0], records(2)
+    flat["rewards"][:] = 0.0                         # a group without reward variance
+    for r in bad:
+        r["truncated"][:] = True
+    p = program(cfg, [flat] + bad + records(3))
+    assert p.step() is None                          # flat rejected; bad: all masked
+    m = p.step()                                     # records(3) train
+    assert m["learner/zero_variance_groups_dropped"] == 1
+    saved = []                                       # what the checkpoint's extra holds
+    p.learner.checkpoint, p.learner.mesh = (lambda **fields: fields), None
+    p.checkpointer = types.SimpleNamespace(save=lambda ck, metrics: saved.append(ck))
+    p._checkpoint(m)
+    totals = json.loads(json.dumps(saved[0]["extra"]["run_totals"]))
+    assert totals == {"stale_groups": 0, "zero_variance_groups": 1,
+                      "skipped_steps": {"all_masked": 1}}
+    resumed = program(cfg, records(5) + records(6))
+    resumed.restore_totals(totals)
+    m2 = resumed.step()
+    assert m2["learner/zero_variance_groups_dropped"] == 1
+    assert m2["learner/skipped_steps"] == 1.0 and m2["learner/skipped_steps/all_masked"] == 1.0
+    fresh = program(cfg, records(7))
+    fresh.restore_totals({})                         # a checkpoint without them: from 0
+    assert fresh.run_totals() == {"stale_groups": 0, "zero_variance_groups": 0,
+                                  "skipped_steps": {}}
+
+
 def test_run_of_skips_stops_the_program_with_the_reason():
     cfg = config(learner=dict(mask_truncated=True), temperature=0.0)
     bad = [r for s in range(5) for r in records(s)]

@@ -83,8 +83,8 @@ class ExperimentConfig:
                    "metrics live on learner host 0 only; every host must save alike)")
         _check(lr.overlong_buffer <= sp.max_tokens, "learner.overlong_buffer",
                f"must be <= sampler.max_tokens={sp.max_tokens}, got {lr.overlong_buffer}")
-        _check(sp.decode_lanes == 1 or not self.env.enabled, "sampler.decode_lanes",
-               f"must be 1 with multi-turn episodes (env.name={self.env.name!r}): decode "
+        _check(sp.decode_lanes <= 1 or not self.env.enabled, "sampler.decode_lanes",
+               f"must be 0 or 1 with multi-turn episodes (env.name={self.env.name!r}): decode "
                f"lanes run single-turn requests only, got {sp.decode_lanes}")
         _check(self.env.max_episode_tokens <= sp.max_tokens, "env.max_episode_tokens",
                f"must be <= sampler.max_tokens={sp.max_tokens} (the KV cache holds the prompt "

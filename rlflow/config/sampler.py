@@ -34,13 +34,16 @@ class SamplerConfig:
         benchmarks/sampler_throughput.py the fastest setting (the per-call dispatch and
         host bookkeeping are paid once per 8 tokens) at a small occupancy cost; 1 refills
         every free slot before every step.
-      decode_lanes: independent continuous batchers the slots are split into (L >= 1,
-        dividing num_slots), each decoding ``num_slots / L`` slots with its own jitted
+      decode_lanes: independent continuous batchers the slots are split into (L >= 1
+        dividing num_slots, or 0, see below), each decoding ``num_slots / L`` slots with its own jitted
         calls, all L running at once on L threads (rlflow.sampler.lanes). For the CPU
-        backend, where one small decode call runs mostly on one core: 2 lanes on 2 cores
-        decode ~1.4x the tokens/s of one (benchmarks/sampler_throughput.py). Keep 1 on
-        TPU/GPU (a device runs one program at a time) and with multi-turn episodes (not
-        supported with lanes).
+        backend, where one decode call of a small model runs mostly on one core: on 2 cores
+        2 lanes decode ~1.4x the tokens/s of one at hidden 256, but ~0.87x at hidden 64
+        (per-call overhead dominates there; benchmarks/sampler_throughput.py). 0 (default):
+        chosen by the sampler program (:func:`rlflow.sampler.lanes.lane_count`): 2 on the
+        CPU backend with >= 2 CPUs for the sampler process, hidden_size >= 256, an even
+        num_slots >= 4 and single-turn requests; else 1 (TPU/GPU: a device runs one program
+        at a time). Multi-turn episodes need 1.
       max_prefill_batch: most prompts prefilled in one call (C >= 1). A refill prefills
         its new prompts in calls of up to C rows, padded to a power of two, so prefill and
         insert compile at most log2(C) + 1 times per bucket (each compile stalls every
@@ -72,17 +75,21 @@ class SamplerConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     seed: int = 0
     decode_steps_per_call: int = 8
-    decode_lanes: int = 1
+    decode_lanes: int = 0
     max_prefill_batch: int = 4
     num_replicas: int = 1
     dtype: Optional[Literal["float32", "bfloat16"]] = None
 
     def __post_init__(self):
         for name in ("num_slots", "max_prefill_length", "max_tokens", "group_size", "num_devices",
-                     "decode_steps_per_call", "decode_lanes", "max_prefill_batch",
+                     "decode_steps_per_call", "max_prefill_batch",
                      "num_replicas"):
             _positive(getattr(self, name), f"sampler.{name}")
-        _check(self.num_slots % self.decode_lanes == 0, "sampler.decode_lanes",
+        _check(isinstance(self.decode_lanes, int) and self.decode_lanes >= 0,
+               "sampler.decode_lanes",
+               f"must be an integer >= 0 (0: chosen by the sampler), got {self.decode_lanes!r}")
+        _check(self.decode_lanes == 0 or self.num_slots % self.decode_lanes == 0,
+               "sampler.decode_lanes",
                f"must divide sampler.num_slots={self.num_slots} (each lane decodes "
                f"num_slots / decode_lanes slots), got {self.decode_lanes}")
         _check(len(self.prefill_buckets) > 0, "sampler.prefill_buckets", "must not be empty")

@@ -40,10 +40,8 @@ the learner's own clock (step time, idle fraction, publish-to-swap time).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import shutil
 import time
 
 import numpy as np
@@ -55,10 +53,11 @@ from rlflow.exchange.records import policy_version_range
 from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import sample_staleness
+from rlflow.learner.prefetch import NextGroups, build_ahead, take_waiting
+from rlflow.learner.publish import Publisher
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner, pull_metrics
 from rlflow.metrics import MetricsWriter
-from rlflow.models.lora import tree_bytes
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
 from rlflow.runtime.replicas import ReplicaTable
 from rlflow.runtime.control import RunCoordinator
@@ -70,81 +69,6 @@ UNLOGGED_BATCH_INFO = frozenset({"batch/dropped_bad_reward_groups"})
 
 DONE_GRACE_S = 10.0   # seconds the learner waits for the samplers to see "done"
 WAIT_SLICE_S = 1.0    # the wait for groups is cut in slices to check the ledger and replicas
-
-
-class _NoOffers:
-    """Offer source of the orbax fallback: the coordinator only reports versions."""
-
-    def __init__(self):
-        self.version = -1
-
-    def offer(self, consumer: str, have_version: int) -> dict:
-        return {"version": self.version}
-
-
-class _Publisher:
-    """``runtime.weight_transfer``: TransferServer offers or the orbax folder."""
-
-    def __init__(self, cfg, bind_host: str):
-        rt = cfg.runtime
-        if rt.weight_transfer == "transfer":
-            from rlflow.exchange.transfer import WeightPublisher
-
-            self.impl = WeightPublisher(bind_address=bind_host,
-                                        pull_timeout_s=rt.transfer_timeout_s, copy=True,
-                                        layout=rt.transfer_layout)
-            self.offers = self.impl
-            if cfg.sampler.num_replicas > 1 and rt.relay_fanout > 0:
-                from rlflow.exchange.relay import RelayOffers
-
-                self.offers = RelayOffers(self.impl, fanout=rt.relay_fanout,
-                                          assign_timeout_s=rt.transfer_timeout_s,
-                                          num_consumers=cfg.sampler.num_replicas)
-        else:
-            from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, weights_dir
-
-            # Versions left by an earlier (interrupted) run are not this run's: a resumed
-            # learner republishes from its checkpoint's version.
-            shutil.rmtree(weights_dir(cfg.run_path), ignore_errors=True)
-            self.impl = OrbaxWeightPublisher(cfg.run_path, keep_last=rt.weights_keep_last)
-            self.offers = _NoOffers()
-        self.publish_time: dict[int, float] = {}
-        self.bytes = 0             # bytes of the last published version (LoRA: adapters only)
-        self.hosts = None          # LearnerHosts of a multi-host learner: per-host shards
-
-    def publish(self, version: int, params) -> None:
-        self.bytes = tree_bytes(params)
-        if self.hosts is None:
-            self.impl.publish(version, params)
-        else:
-            self.hosts.publish(version, params)
-        self.offers.version = version
-        self.publish_time[version] = time.time()
-
-    def close(self) -> None:
-        if hasattr(self.impl, "close"):
-            self.impl.close()
-
-
-@dataclasses.dataclass
-class NextGroups:
-    """The next step's groups, taken while the current step ran (:meth:`LearnerProgram.prefetch`).
-
-    Attributes:
-      groups: group records taken from the buffer (at most ``groups_per_step``), each
-        accepted against ``version``.
-      version: the policy version the current step makes (``v + 1``).
-      built: ``(batch, info)`` built at ``version`` when every group was there; the batch
-        has passed ``Learner.check_batch`` unless ``info`` makes the step a skip.
-      error: what taking from the buffer raised (a producer's failure, a closed buffer, the
-        dynamic-sampling streak limit); the next step raises it before anything else, as a
-        take after the step would have.
-    """
-
-    groups: list
-    version: int
-    built: tuple | None = None
-    error: BaseException | None = None
 
 
 class LearnerProgram:
@@ -165,7 +89,7 @@ class LearnerProgram:
         self.learner = Learner(cfg)
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path),
                                                   cfg.checkpoint)
-        self.start_step, data_state = self._resume()
+        self.start_step, data_state, extra = self._resume()
         self.version = self.start_step
         # Every step accepts exactly groups_per_step groups, so the admission count of a
         # resumed run starts where the checkpointed one stopped.
@@ -173,6 +97,7 @@ class LearnerProgram:
         self.counts = dict(accepted=self.start_step * self.gps, stale_groups=0,
                            zero_variance_groups=0)
         self.skips = SkipCounter(cfg)
+        self.restore_totals(extra.get("run_totals", {}))
         self.filter_streak = FilterStreak(cfg)
         self.tokenizer = pc.run_tokenizer(cfg)
         self.threshold = pc.accuracy_threshold(cfg.reward)
@@ -188,7 +113,7 @@ class LearnerProgram:
                                    max_tokens=cfg.sampler.max_tokens,
                                    on_arrival=self._arrived, on_discard=self._discarded).start()
         chost, cport = pc.split_address(endpoints.coordinator)
-        self.publisher = _Publisher(cfg, chost)
+        self.publisher = Publisher(cfg, chost)  # rlflow.learner.publish
         self.hosts = None       # learner.num_hosts > 1: this is host 0 (rlflow.learner.hosts)
         if cfg.learner.num_hosts > 1:
             from rlflow.learner.hosts import LearnerHosts
@@ -219,9 +144,9 @@ class LearnerProgram:
                 "runs in one folder: pick a new --name / --run_dir or remove them")
         restored = self.learner.resume(self.checkpointer)   # PPO: with its value head
         if restored is None:
-            return 0, None
+            return 0, None, {}
         log.info("resumed from checkpoint step %d", restored.step)
-        return restored.step, restored.data_state
+        return restored.step, restored.data_state, dict(restored.extra or {})
 
     def _ledger(self, data_state) -> PromptLedger:
         """The prompt ledger over the run's prompt stream, restored from the checkpoint."""
@@ -241,6 +166,22 @@ class LearnerProgram:
             trained_groups=self.start_step * self.gps)
         ledger.restore(data_state)
         return ledger
+
+    def run_totals(self) -> dict:
+        """The run's running totals a checkpoint keeps (``extra["run_totals"]``, JSON), so
+        that a resumed run's metrics go on from them: groups the buffer filter rejected as
+        stale (``stale_groups``) or without reward variance (``zero_variance_groups``), and
+        skipped steps per reason (``skipped_steps``)."""
+        return {"stale_groups": self.counts["stale_groups"],
+                "zero_variance_groups": self.counts["zero_variance_groups"],
+                "skipped_steps": dict(self.skips.total)}
+
+    def restore_totals(self, totals: dict) -> None:
+        """Continue from :meth:`run_totals` of a checkpoint (``{}``: a fresh run, or a
+        checkpoint written before they were kept)."""
+        for name in ("stale_groups", "zero_variance_groups"):
+            self.counts[name] = int(totals.get(name, 0))
+        self.skips.total.update({r: int(n) for r, n in totals.get("skipped_steps", {}).items()})
 
     def _arrived(self, group) -> bool:
         key = group_key(group)
@@ -348,30 +289,13 @@ class LearnerProgram:
         building or checking the batch is left for the next step to raise, which builds it
         again.
         """
-        from rlflow.exchange.ring import BufferTimeoutError
-
         version = self.version + 1
         if version >= self.cfg.learner.num_steps:
             return
-        nxt = NextGroups([], version)
         accept = functools.partial(self.accept, version=version)
-        try:
-            while len(nxt.groups) < self.gps:
-                nxt.groups += self.buffer.get_groups(1, timeout=0.0, accept=accept)
-        except BufferTimeoutError:
-            pass                                  # the rest is taken after the step
-        except Exception as e:  # noqa: BLE001 - raised by the next step, in order
-            nxt.error = e
-        self.next_groups = nxt
-        if len(nxt.groups) < self.gps or nxt.error is not None:
-            return
-        try:
-            batch, info = self.learner.build_batch(nxt.groups, version=version)
-            if skip_reason(info) is None:
-                batch = self.learner.check_batch(batch)
-        except Exception:  # noqa: BLE001 - the next step builds it again and raises
-            return
-        nxt.built = (batch, info)
+        self.next_groups = nxt = take_waiting(self.buffer, accept, self.gps, version)
+        if len(nxt.groups) == self.gps and nxt.error is None:
+            build_ahead(self.learner, nxt)
 
     # ------------------------------------------------------------------ one step
     def skip(self, groups, reason: str, info: dict) -> None:
@@ -502,7 +426,7 @@ class LearnerProgram:
             self.checkpointer.wait()
         ck = self.learner.checkpoint(
             data_state=self.ledger.state(),
-            extra={"accepted_groups": self.counts["accepted"]},
+            extra={"accepted_groups": self.counts["accepted"], "run_totals": self.run_totals()},
             metadata=ckpt_lib.run_metadata(self.cfg, self.learner.mesh))
         finite = None
         if metrics is not None:

@@ -72,7 +72,6 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -81,6 +80,7 @@ from typing import Optional, Sequence
 
 from rlflow import programs_common as pc
 from rlflow.runtime import learner_hosts
+from rlflow.runtime.ports import free_port
 from rlflow.runtime.child_logs import (ERROR_SCAN_LINES, LOG_TAIL_LINES, exit_text,  # noqa: F401
                                        last_exception_line, tail)
 from rlflow.secrets import ENV_BUFFER_TOKEN, install_log_redaction, secret_values
@@ -167,13 +167,6 @@ def child_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 # --------------------------------------------------------------------------- parent side
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
 
 def child_env(role: str, num_devices: int, endpoints: pc.Endpoints, config_path: str,
               base: Optional[dict] = None) -> dict:
@@ -376,11 +369,13 @@ def run_train(cfg) -> int:
     config_path = os.path.join(run_path, "config.json")
     pc.save_config(cfg, config_path)
     bhost, chost = cfg.buffer.bind_address, cfg.runtime.bind_address
-    endpoints = pc.Endpoints(
-        buffer=f"{bhost}:{cfg.buffer.port or free_port(bhost)}",
-        coordinator=f"{chost}:{cfg.runtime.coordinator_port or free_port(chost)}")
+    buffer_port = cfg.buffer.port or free_port(bhost, exclude={cfg.runtime.coordinator_port})
+    coordinator_port = cfg.runtime.coordinator_port or free_port(chost, exclude={buffer_port})
+    endpoints = pc.Endpoints(buffer=f"{bhost}:{buffer_port}",
+                             coordinator=f"{chost}:{coordinator_port}")
+    jax_port = free_port(exclude={buffer_port, coordinator_port})
     sup = Supervisor(cfg, run_path, config_path, endpoints,
-                     jax_coordinator=f"127.0.0.1:{free_port()}")
+                     jax_coordinator=f"127.0.0.1:{jax_port}")
     # Before the progress display exists (a live bar would draw over it).
     print(f"rlflow train: run folder {run_path} (logs in {run_path}/logs)", flush=True)
     watcher = RunWatcher(cfg, run_path, resumed_from=resumed_from)

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlflow.runtime.ports import free_port
 from rlflow.runtime.local_host_files import Job, read_value, result_path, write_job
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -53,13 +53,6 @@ class Context:
     devices_per_process: int
     work_dir: str          # shared by all processes (results, checkpoints, ...)
     args: dict
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listened on a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 3000) -> str:

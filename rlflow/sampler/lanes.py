@@ -7,7 +7,9 @@ mostly one after another on one core; a second core adds almost nothing to one c
 two threads (JAX releases the GIL while XLA runs), use both cores: on the 2-core host of
 ``benchmarks/sampler_throughput.py`` 2 lanes of 8 slots decode ~1.4x the tokens per second
 of one 16-slot batcher. On a TPU or GPU a device runs one program at a time, so lanes only
-add per-call overhead there: keep ``decode_lanes = 1`` (the default). Tunix and verl scale
+add per-call overhead there, and so they do on CPU for a tiny model (hidden 64: 2 lanes
+~0.87x of one), whose call is mostly overhead. ``decode_lanes = 0`` (the default) lets
+:func:`lane_count` choose from those measurements. Tunix and verl scale
 the same way across devices with data-parallel rollout workers; lanes are that within one
 CPU process.
 
@@ -29,10 +31,47 @@ batcher would sample, up to the float rounding of a different batch size.
 from __future__ import annotations
 
 import dataclasses
+import os
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional, Sequence
 
 from rlflow.sampler.batching import BatchCounters, CompletedGroup, ContinuousBatcher, Request
+
+
+# Smallest residual width at which 2 lanes measured faster than one on 2 CPU cores
+# (benchmarks/sampler_throughput.py: hidden 256 ~1.4x; hidden 64 ~0.87x).
+AUTO_LANES_MIN_HIDDEN = 256
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. after ``runtime.pin_cpus``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def lane_count(decode_lanes: int, num_slots: int, *, hidden_size: int, backend: str,
+               cpus: int, multi_turn: bool) -> int:
+    """The number of decode lanes the sampler runs (``sampler.decode_lanes``).
+
+    Args:
+      decode_lanes: the configured value; >= 1 is returned as it is, 0 means choose.
+      num_slots: ``sampler.num_slots``.
+      hidden_size: the model's residual width (a proxy for the work of one decode call).
+      backend: ``jax.default_backend()`` of the sampler ("cpu", "tpu", "gpu").
+      cpus: CPUs the sampler process may run on (:func:`available_cpus`).
+      multi_turn: episodes with an environment (lanes run single-turn requests only).
+
+    Returns:
+      for 0: 2 when every condition measured to pay holds (CPU backend, >= 2 CPUs,
+      ``hidden_size >= AUTO_LANES_MIN_HIDDEN``, an even ``num_slots >= 4``, single-turn),
+      else 1.
+    """
+    if decode_lanes >= 1:
+        return decode_lanes
+    pays = (backend == "cpu" and cpus >= 2 and hidden_size >= AUTO_LANES_MIN_HIDDEN
+            and num_slots >= 4 and num_slots % 2 == 0 and not multi_turn)
+    return 2 if pays else 1
 
 
 class DecodeLanes:

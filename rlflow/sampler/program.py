@@ -48,6 +48,7 @@ import os
 import time
 from dataclasses import replace
 
+import jax
 import numpy as np
 
 from rlflow import programs_common as pc
@@ -63,7 +64,7 @@ from rlflow.models.lora import LoraSpec
 from rlflow.runtime.control import ControlClient
 from rlflow.sampler.background import Heartbeat, RateWindow, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
-from rlflow.sampler.lanes import DecodeLanes
+from rlflow.sampler.lanes import DecodeLanes, available_cpus, lane_count
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
 from rlflow.sampler.precision import pull_target, sampler_model_config
@@ -139,7 +140,12 @@ class SamplerProgram:
             eos.update(self.renderer.end_of_turn_ids)
         engine_model = model if self.adapters is None else self.adapters.engine_model
         # with decode lanes the engine holds one lane's slots (rlflow.sampler.lanes)
-        lane_cfg = replace(sc, num_slots=sc.num_slots // sc.decode_lanes, decode_lanes=1)
+        self.lanes = lane_count(sc.decode_lanes, sc.num_slots, hidden_size=dcfg.hidden_size,
+                                backend=jax.default_backend(), cpus=available_cpus(),
+                                multi_turn=cfg.env.enabled)
+        log.info("decode lanes: %d (sampler.decode_lanes=%d%s)", self.lanes, sc.decode_lanes,
+                 ", chosen by rlflow.sampler.lanes.lane_count" if sc.decode_lanes == 0 else "")
+        lane_cfg = replace(sc, num_slots=sc.num_slots // self.lanes, decode_lanes=1)
         self.engine = RlflowEngine(engine_model, lane_cfg, mesh=self.mesh,
                                    tokenizer_path=cfg.model.path, eos_token_ids=sorted(eos))
         coord = _endpoint(endpoints.coordinator)
@@ -220,7 +226,7 @@ class SamplerProgram:
                 log.info("loaded weights version %d from the learner", version)
                 self._note_swap(version, 0.0)
                 self.version = version
-                lanes = self.cfg.sampler.decode_lanes
+                lanes = self.lanes
                 if lanes > 1:
                     log.info("decode lanes: %d batchers of %d slots decoding at once",
                              lanes, self.engine.max_concurrent_decodes)

@@ -1,0 +1,84 @@
+"""The learner's weight publishing: ``runtime.weight_transfer`` picks how a version reaches
+the samplers.
+
+* ``"transfer"``: a :class:`rlflow.exchange.transfer.WeightPublisher` (``jax.experimental.
+  transfer`` server) whose offers the coordinator hands out; with ``sampler.num_replicas > 1``
+  and ``runtime.relay_fanout > 0`` the offers go through :class:`rlflow.exchange.relay.
+  RelayOffers` (replicas pull from replicas, so the learner sends O(fanout) copies, not N).
+* ``"orbax"``: the fallback, each version written under the run folder
+  (:mod:`rlflow.exchange.orbax_fallback`); the coordinator only reports versions.
+
+A multi-host learner (``learner.num_hosts > 1``) publishes through its
+:class:`rlflow.learner.hosts.LearnerHosts`: every host serves its own weight shards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from rlflow.models.lora import tree_bytes
+
+
+class _NoOffers:
+    """Offer source of the orbax fallback: the coordinator only reports versions."""
+
+    def __init__(self):
+        self.version = -1
+
+    def offer(self, consumer: str, have_version: int) -> dict:
+        return {"version": self.version}
+
+
+class Publisher:
+    """Publishes each version by ``cfg.runtime.weight_transfer`` (see the module docstring).
+
+    Attributes:
+      impl: the transfer server's publisher or the orbax folder's.
+      offers: what the coordinator asks for offers (``offer(consumer, have_version)``).
+      publish_time: wall time (``time.time()``, seconds) each version was published.
+      bytes: bytes of the last published version (LoRA: the adapters only).
+      hosts: the multi-host learner's ``LearnerHosts`` (set by the program), or None.
+    """
+
+    def __init__(self, cfg, bind_host: str):
+        rt = cfg.runtime
+        if rt.weight_transfer == "transfer":
+            from rlflow.exchange.transfer import WeightPublisher
+
+            self.impl = WeightPublisher(bind_address=bind_host,
+                                        pull_timeout_s=rt.transfer_timeout_s, copy=True,
+                                        layout=rt.transfer_layout)
+            self.offers = self.impl
+            if cfg.sampler.num_replicas > 1 and rt.relay_fanout > 0:
+                from rlflow.exchange.relay import RelayOffers
+
+                self.offers = RelayOffers(self.impl, fanout=rt.relay_fanout,
+                                          assign_timeout_s=rt.transfer_timeout_s,
+                                          num_consumers=cfg.sampler.num_replicas)
+        else:
+            from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, weights_dir
+
+            # Versions left by an earlier (interrupted) run are not this run's: a resumed
+            # learner republishes from its checkpoint's version.
+            shutil.rmtree(weights_dir(cfg.run_path), ignore_errors=True)
+            self.impl = OrbaxWeightPublisher(cfg.run_path, keep_last=rt.weights_keep_last)
+            self.offers = _NoOffers()
+        self.publish_time: dict[int, float] = {}
+        self.bytes = 0             # bytes of the last published version (LoRA: adapters only)
+        self.hosts = None          # LearnerHosts of a multi-host learner: per-host shards
+
+    def publish(self, version: int, params) -> None:
+        """Offer ``params`` (the learner's parameter tree of ``jax.Array``) as policy
+        ``version`` (the steps taken; increasing from one call to the next)."""
+        self.bytes = tree_bytes(params)
+        if self.hosts is None:
+            self.impl.publish(version, params)
+        else:
+            self.hosts.publish(version, params)
+        self.offers.version = version
+        self.publish_time[version] = time.time()
+
+    def close(self) -> None:
+        if hasattr(self.impl, "close"):
+            self.impl.close()

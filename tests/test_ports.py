@@ -1,0 +1,41 @@
+"""rlflow.runtime.ports: launch ports come from outside the kernel's ephemeral range, so an
+unrelated outgoing connection cannot take one between the launcher's pick and the child's bind."""
+
+import socket
+
+from rlflow.runtime import ports
+
+
+def test_ephemeral_range_reads_the_kernel_file(tmp_path):
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    assert ports.ephemeral_range(str(f)) == (40000, 50000)
+    assert ports.ephemeral_range(str(tmp_path / "missing")) == (32768, 65535)
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable():
+    low, _ = ports.ephemeral_range()
+    got = {ports.free_port() for _ in range(20)}
+    for port in got:
+        assert 10000 <= port < min(low, 32768)
+        with socket.socket() as s:        # free: binding it works
+            s.bind(("127.0.0.1", port))
+    assert len(got) > 1                   # drawn at random, not one fixed port
+
+
+def test_free_port_skips_bound_and_excluded_ports(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy, excluded = held.getsockname()[1], ports.free_port()
+        free = ports.free_port(exclude={excluded})
+        draws = iter([busy, excluded, free])
+        monkeypatch.setattr(ports.random.SystemRandom, "randrange",
+                            lambda self, a, b: next(draws))
+        assert ports.free_port(exclude={excluded}) == free
+
+
+def test_free_port_falls_back_to_the_kernel_when_no_range_is_left(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (10050, 60999))
+    port = ports.free_port()
+    assert port >= 10050                  # bind(0) hands out ephemeral ports only
