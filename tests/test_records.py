@@ -195,3 +195,21 @@ def test_policy_version_range_against_numpy_oracle():
     assert records.policy_version_range(g) == (min(real), max(real))
     g["completion_lengths"][:] = 0
     assert records.policy_version_range(g) == (-1, -1)
+
+
+def test_completion_samples_decode_each_completion_with_its_oldest_version():
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return " ".join(map(str, ids)) + ("" if skip_special_tokens else "|")
+
+    g = dict(prompt_id=np.int64(7), prompt_tokens=np.array([5, 6], np.int32),
+             completion_tokens=np.array([[1, 2, 3, 0], [4, 9, 9, 9]], np.int32),
+             completion_lengths=np.array([3, 4], np.int32),
+             policy_versions=np.array([[-1, 3, 2, -1], [-1, -1, -1, -1]], np.int32),
+             rewards=np.array([0.5, -1.0], np.float32), truncated=np.array([False, True]))
+    got = records.completion_samples([g], Tok())
+    assert got == [
+        {"prompt": "5 6|", "completion": "1 2 3", "reward": 0.5, "version": 2, "prompt_id": 7,
+         "truncated": False},
+        {"prompt": "5 6|", "completion": "4 9 9 9", "reward": -1.0, "version": -1,
+         "prompt_id": 7, "truncated": True}]

@@ -209,6 +209,29 @@ def policy_version_range(group: Mapping[str, np.ndarray]) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- framing
 
 
+def completion_samples(groups: Sequence[Mapping[str, np.ndarray]], tokenizer) -> list[dict]:
+    """One dict per completion of ``groups``, for the samples log
+    (:meth:`rlflow.metrics.MetricsWriter.log_samples`): ``prompt`` and ``completion`` (text,
+    ``tokenizer.decode``; special tokens dropped from the completion), ``reward`` (float),
+    ``version`` (the oldest policy version that sampled a token of it; -1 when none did),
+    ``prompt_id`` (int) and ``truncated`` (bool)."""
+    out = []
+    for g in groups:
+        prompt = tokenizer.decode(g["prompt_tokens"].tolist())
+        for i in range(len(g["rewards"])):
+            n = int(g["completion_lengths"][i])
+            toks = g["completion_tokens"][i, :n].tolist()
+            versions = g["policy_versions"][i, :n]
+            versions = versions[versions >= 0]          # env tokens of episodes: -1
+            out.append({"prompt": prompt,
+                        "completion": tokenizer.decode(toks, skip_special_tokens=True),
+                        "reward": float(g["rewards"][i]),
+                        "version": int(versions.min()) if versions.size else -1,
+                        "prompt_id": int(g["prompt_id"]),
+                        "truncated": bool(g["truncated"][i])})
+    return out
+
+
 def _header(arrays: Mapping[str, np.ndarray]) -> tuple[bytes, list[np.ndarray]]:
     fields, data = [], []
     for name, arr in arrays.items():

@@ -22,8 +22,9 @@ learner's hosts, which follow its commands and serve their own weight shards,
         dispatch the jitted step                      -> version v + 1 (= steps taken)
         while it runs: take the next step's groups already waiting in the buffer, judged
           against version v + 1, and build and check its batch when they are all there
-          (LearnerProgram.prefetch)
-        publish every runtime.publish_every steps; log one metrics record (rlflow.metrics);
+          (LearnerProgram.prefetch, rlflow.learner.prefetch)
+        publish every runtime.publish_every steps (rlflow.learner.publish); log one metrics
+          record (rlflow.metrics);
         write sample completions and the step's prompts (trained_prompts.jsonl);
         checkpoint every checkpoint.every_steps (with the ledger)
     tell the samplers the run is done; save the exit checkpoint.
@@ -49,7 +50,7 @@ import numpy as np
 from rlflow import checkpoint as ckpt_lib
 from rlflow import programs_common as pc
 from rlflow.exchange.buffer import BufferServer
-from rlflow.exchange.records import policy_version_range
+from rlflow.exchange.records import completion_samples, policy_version_range
 from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import sample_staleness
@@ -384,7 +385,7 @@ class LearnerProgram:
             metrics.update(offers.metrics())
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
-            self.writer.log_samples(self.version, self._samples(groups))
+            self.writer.log_samples(self.version, completion_samples(groups, self.tokenizer))
         return metrics
 
     def _buffer_metrics(self) -> dict:
@@ -400,23 +401,6 @@ class LearnerProgram:
 
         return replica_metrics(self.coordinator.live_statuses(), self.coordinator.restarts(),
                                self.publisher.publish_time)
-
-    def _samples(self, groups) -> list:
-        out = []
-        for g in groups:
-            prompt = self.tokenizer.decode(g["prompt_tokens"].tolist())
-            for i in range(len(g["rewards"])):
-                n = int(g["completion_lengths"][i])
-                toks = g["completion_tokens"][i, :n].tolist()
-                versions = g["policy_versions"][i, :n]
-                versions = versions[versions >= 0]          # env tokens of episodes: -1
-                out.append({"prompt": prompt,
-                            "completion": self.tokenizer.decode(toks, skip_special_tokens=True),
-                            "reward": float(g["rewards"][i]),
-                            "version": int(versions.min()) if versions.size else -1,
-                            "prompt_id": int(g["prompt_id"]),
-                            "truncated": bool(g["truncated"][i])})
-        return out
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, metrics=None, *, final: bool = False) -> None:
