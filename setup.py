@@ -12,6 +12,7 @@ RUNTIME = [
     "google-jetstream==0.2.2",
     "transformers>=5.0",
     "tokenizers>=0.21",
+    "jinja2>=3.1",          # transformers' apply_chat_template (data.chat_template, envs)
     "safetensors>=0.4",
     "tyro>=0.9",
     "math-verify[antlr4_13_2]>=0.7",

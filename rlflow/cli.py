@@ -41,9 +41,9 @@ COMMON_FLAGS: tuple[tuple[str, str], ...] = (
 )
 
 
-def bool_flags(cls=None, prefix: str = "") -> set[str]:
-    """Dotted names of the bool and ``Optional[bool]`` fields of ``ExperimentConfig``
-    (nested sections included)."""
+def bool_flags(cls=None, prefix: str = "", *, optional: bool = True) -> set[str]:
+    """Dotted names of the bool fields of ``ExperimentConfig`` (nested sections included),
+    and of its ``Optional[bool]`` fields unless ``optional`` is False."""
     import dataclasses
     import typing
 
@@ -55,8 +55,8 @@ def bool_flags(cls=None, prefix: str = "") -> set[str]:
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            out |= bool_flags(hint, f"{prefix}{f.name}.")
-        elif hint is bool or hint == Optional[bool]:
+            out |= bool_flags(hint, f"{prefix}{f.name}.", optional=optional)
+        elif hint is bool or (optional and hint == Optional[bool]):
             out.add(prefix + f.name)
     return out
 
@@ -66,8 +66,9 @@ def normalize_bools(argv: Sequence[str]) -> list[str]:
     as tyro's ``True`` / ``False`` (and ``none`` as ``None`` for an ``Optional[bool]``
     field, e.g. ``learner.packing``); a bool flag with no value (last, or before another
     flag) means ``True``. Other words are left for tyro to judge."""
-    flags = bool_flags()
+    flags, optional = bool_flags(), bool_flags() - bool_flags(optional=False)
     names = {"--" + n for n in flags} | {"--" + n.replace("_", "-") for n in flags}
+    nullable = {"--" + n for n in optional} | {"--" + n.replace("_", "-") for n in optional}
     out: list[str] = []
     argv = list(argv)
     i = 0
@@ -82,7 +83,7 @@ def normalize_bools(argv: Sequence[str]) -> list[str]:
                     value = "true"
             low = value.lower()
             value = ("True" if low in TRUE_WORDS else "False" if low in FALSE_WORDS else
-                     "None" if low == "none" else value)
+                     "None" if low == "none" and key in nullable else value)
             out += [key, value]
         else:
             out.append(word)

@@ -146,3 +146,9 @@ def test_optional_bool_flags_take_the_same_words(config_file, word, value):
     assert cfg.learner.packing is value
     cfg = cli.parse_train_args(["--config", config_file, f"--learner.scale-by-std={word}"])
     assert cfg.learner.scale_by_std is value
+
+
+def test_none_is_only_a_word_for_optional_bool_flags(config_file, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_train_args(["--config", config_file, "--learner.dynamic-sampling", "none"])
+    assert "'none'" in capsys.readouterr().err            # the user's word, not 'None'

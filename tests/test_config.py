@@ -100,3 +100,17 @@ def test_model_folder_without_config_json_is_named(tmp_path):
         ModelConfig(path=str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert ModelConfig(path=str(tmp_path)).path == str(tmp_path)
+
+
+def test_buffer_and_coordinator_on_one_port_are_refused_up_front():
+    """Both servers bound on one port would start the run and then fail in the learner
+    ("Address already in use"); refused at construction instead, naming both fields."""
+    with pytest.raises(ConfigError, match=r"^runtime\.coordinator_port: must differ from "
+                       r"buffer\.port=23456"):
+        ExperimentConfig(buffer=BufferConfig(port=23456),
+                         runtime=RuntimeConfig(coordinator_port=23456))
+    ExperimentConfig(buffer=BufferConfig(port=23456), runtime=RuntimeConfig(coordinator_port=23457))
+    ExperimentConfig(buffer=BufferConfig(port=0), runtime=RuntimeConfig(coordinator_port=0))
+    # one port on two different addresses binds fine
+    ExperimentConfig(buffer=BufferConfig(port=23456, bind_address="127.0.0.2"),
+                     runtime=RuntimeConfig(coordinator_port=23456))

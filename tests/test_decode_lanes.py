@@ -154,9 +154,10 @@ def test_lane_count_chooses_two_only_where_two_measured_faster():
     pays = dict(hidden_size=256, backend="cpu", cpus=2, multi_turn=False)
     assert lane_count(0, 16, **pays) == 2
     for change in (dict(hidden_size=255), dict(backend="tpu"), dict(backend="gpu"),
-                   dict(cpus=1), dict(multi_turn=True)):
+                   dict(cpus=1), dict(multi_turn=True), dict(replicas=2)):
         assert lane_count(0, 16, **{**pays, **change}) == 1, change
     assert lane_count(0, 2, **pays) == 1 and lane_count(0, 6, **pays) == 2
     assert lane_count(0, 15, **pays) == 1
+    assert lane_count(0, 16, **{**pays, "cpus": 4, "replicas": 2}) == 2   # 2 CPUs each
     assert lane_count(4, 16, **{**pays, "backend": "tpu"}) == 4   # set: taken as it is
     assert lane_count(1, 16, **pays) == 1

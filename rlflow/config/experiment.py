@@ -57,6 +57,13 @@ class ExperimentConfig:
                or token_source_given(self.buffer.token, self.buffer.token_file), "buffer.token",
                f"is required when runtime.bind_address={bind!r} is not loopback "
                f"(set {ENV_BUFFER_TOKEN} or buffer.token_file)")
+        bport, cport = self.buffer.port, self.runtime.coordinator_port
+        wildcard = {"0.0.0.0", "::", ""}
+        _check(not (bport and bport == cport) or (
+            self.buffer.bind_address != bind and not {self.buffer.bind_address, bind} & wildcard),
+            "runtime.coordinator_port",
+            f"must differ from buffer.port={bport} (the learner binds both on "
+            f"{self.buffer.bind_address!r} / {bind!r}); 0 picks a free one")
         if self.runtime.stale_policy == "correct":
             _check(self.learner.is_cap > 0, "learner.is_cap",
                    "must be > 0 when runtime.stale_policy='correct'")

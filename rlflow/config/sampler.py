@@ -35,15 +35,16 @@ class SamplerConfig:
         host bookkeeping are paid once per 8 tokens) at a small occupancy cost; 1 refills
         every free slot before every step.
       decode_lanes: independent continuous batchers the slots are split into (L >= 1
-        dividing num_slots, or 0, see below), each decoding ``num_slots / L`` slots with its own jitted
-        calls, all L running at once on L threads (rlflow.sampler.lanes). For the CPU
-        backend, where one decode call of a small model runs mostly on one core: on 2 cores
-        2 lanes decode ~1.4x the tokens/s of one at hidden 256, but ~0.87x at hidden 64
-        (per-call overhead dominates there; benchmarks/sampler_throughput.py). 0 (default):
-        chosen by the sampler program (:func:`rlflow.sampler.lanes.lane_count`): 2 on the
-        CPU backend with >= 2 CPUs for the sampler process, hidden_size >= 256, an even
-        num_slots >= 4 and single-turn requests; else 1 (TPU/GPU: a device runs one program
-        at a time). Multi-turn episodes need 1.
+        dividing num_slots, or 0, see below), each decoding ``num_slots / L`` slots with
+        its own jitted calls, all L running at once on L threads (rlflow.sampler.lanes).
+        For the CPU backend, where one decode call of a small model runs mostly on one
+        core: on 2 cores 2 lanes decode 1.4-1.6x the tokens/s of one at hidden 256, but
+        0.65-0.87x at hidden 64 (per-call overhead dominates there;
+        benchmarks/sampler_throughput.py). 0 (default): chosen by the sampler program
+        (:func:`rlflow.sampler.lanes.lane_count`): 2 on the CPU backend with >= 2 CPUs per
+        replica (the CPUs the sampler process may use / num_replicas), hidden_size >= 256,
+        an even num_slots >= 4 and single-turn requests; else 1 (TPU/GPU: a device runs one
+        program at a time). Multi-turn episodes need 0 or 1.
       max_prefill_batch: most prompts prefilled in one call (C >= 1). A refill prefills
         its new prompts in calls of up to C rows, padded to a power of two, so prefill and
         insert compile at most log2(C) + 1 times per bucket (each compile stalls every

@@ -98,6 +98,10 @@ class LearnerProgram:
         self.counts = dict(accepted=self.start_step * self.gps, stale_groups=0,
                            zero_variance_groups=0)
         self.skips = SkipCounter(cfg)
+        if self.start_step and "run_totals" not in extra:
+            log.warning("checkpoint step %d was written before checkpoints kept the run's "
+                        "totals: learner/stale_groups_dropped, zero_variance_groups_dropped "
+                        "and skipped_steps count from 0 again", self.start_step)
         self.restore_totals(extra.get("run_totals", {}))
         self.filter_streak = FilterStreak(cfg)
         self.tokenizer = pc.run_tokenizer(cfg)

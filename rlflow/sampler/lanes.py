@@ -51,7 +51,7 @@ def available_cpus() -> int:
 
 
 def lane_count(decode_lanes: int, num_slots: int, *, hidden_size: int, backend: str,
-               cpus: int, multi_turn: bool) -> int:
+               cpus: int, multi_turn: bool, replicas: int = 1) -> int:
     """The number of decode lanes the sampler runs (``sampler.decode_lanes``).
 
     Args:
@@ -61,15 +61,17 @@ def lane_count(decode_lanes: int, num_slots: int, *, hidden_size: int, backend: 
       backend: ``jax.default_backend()`` of the sampler ("cpu", "tpu", "gpu").
       cpus: CPUs the sampler process may run on (:func:`available_cpus`).
       multi_turn: episodes with an environment (lanes run single-turn requests only).
+      replicas: ``sampler.num_replicas``; a CPU run starts them all on this machine, where
+        they share those CPUs (pinned or not), so each counts ``cpus // replicas``.
 
     Returns:
-      for 0: 2 when every condition measured to pay holds (CPU backend, >= 2 CPUs,
+      for 0: 2 when every condition measured to pay holds (CPU backend, >= 2 CPUs per replica,
       ``hidden_size >= AUTO_LANES_MIN_HIDDEN``, an even ``num_slots >= 4``, single-turn),
       else 1.
     """
     if decode_lanes >= 1:
         return decode_lanes
-    pays = (backend == "cpu" and cpus >= 2 and hidden_size >= AUTO_LANES_MIN_HIDDEN
+    pays = (backend == "cpu" and cpus // replicas >= 2 and hidden_size >= AUTO_LANES_MIN_HIDDEN
             and num_slots >= 4 and num_slots % 2 == 0 and not multi_turn)
     return 2 if pays else 1
 

@@ -142,7 +142,7 @@ class SamplerProgram:
         # with decode lanes the engine holds one lane's slots (rlflow.sampler.lanes)
         self.lanes = lane_count(sc.decode_lanes, sc.num_slots, hidden_size=dcfg.hidden_size,
                                 backend=jax.default_backend(), cpus=available_cpus(),
-                                multi_turn=cfg.env.enabled)
+                                replicas=sc.num_replicas, multi_turn=cfg.env.enabled)
         log.info("decode lanes: %d (sampler.decode_lanes=%d%s)", self.lanes, sc.decode_lanes,
                  ", chosen by rlflow.sampler.lanes.lane_count" if sc.decode_lanes == 0 else "")
         lane_cfg = replace(sc, num_slots=sc.num_slots // self.lanes, decode_lanes=1)
