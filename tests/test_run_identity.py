@@ -301,11 +301,14 @@ def _stand_in_program(tmp_path, learner):
     program.counts = dict(accepted=12, stale_groups=0, zero_variance_groups=0)
     program.skips = SkipCounter(program.cfg)
     program.prefetch = lambda: None               # no buffer here
-    program.take_groups = lambda taken=(): [{"rewards": np.array([0.0, 1.0]), "policy_versions":
-                                    np.array([[12], [12]]), "completion_lengths": np.array([1, 1])}]
+    program.take_groups = lambda taken=(): [{
+        "rewards": np.array([0.0, 1.0]), "policy_versions": np.array([[12], [12]]),
+        "completion_lengths": np.array([1, 1]), "prompt_id": np.int64(0),
+        "prompt_tokens": np.array([3]), "completion_tokens": np.array([[4], [5]]),
+        "truncated": np.array([False, False])}]
     program._publish = lambda: None
     program._buffer_metrics = lambda: {}
-    program._samples = lambda groups: []
+    program.tokenizer = SimpleNamespace(decode=lambda ids, **kw: str(ids))
     program.ledger = PromptLedger(lambda i: {}, None, groups_per_step=1, max_staleness=0,
                                   seed_of=lambda i: i, trained_groups=12)
     program.batch_keys, program.steps_marked, program.prompts_per_epoch = [], 12, 1
