@@ -39,3 +39,38 @@ def test_entry_points_import_in_a_fresh_interpreter_each():
                        capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=REPO))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_sampler_program_imports_without_tensorflow():
+    """JetStream's engine_api imports token_utils -> seqio -> TensorFlow (~6.5 s of CPU per
+    sampler start) for a default method rlflow overrides; rlflow.sampler.jetstream_api loads
+    token_utils lazily, so the sampler program never imports TensorFlow."""
+    code = ("import sys, rlflow.sampler.program\n"
+            "from rlflow.sampler.jetstream_api import engine_api\n"
+            "assert issubclass(engine_api.Engine, object)\n"
+            "print(sorted(m for m in ('tensorflow', 'seqio') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_lazy_import_runs_the_module_on_first_attribute_read(tmp_path, monkeypatch):
+    from rlflow.sampler.jetstream_api import lazy_import
+
+    pkg = tmp_path / "lazypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "heavy.py").write_text("import builtins\nbuiltins.LAZY_RAN = True\nVALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lazypkg.heavy", raising=False)
+    import builtins
+
+    monkeypatch.setattr(builtins, "LAZY_RAN", False, raising=False)
+    module = lazy_import("lazypkg.heavy")
+    from lazypkg import heavy                # found on the package: still not run
+    assert heavy is module and builtins.LAZY_RAN is False
+    assert heavy.VALUE == 7 and builtins.LAZY_RAN is True
+    assert lazy_import("lazypkg.heavy") is module
+    monkeypatch.delitem(sys.modules, "lazypkg.heavy")
+    monkeypatch.delitem(sys.modules, "lazypkg")

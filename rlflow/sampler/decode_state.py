@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 from flax import struct
-from jetstream.engine import engine_api
+from rlflow.sampler.jetstream_api import engine_api
 
 from rlflow.models.kv_cache import KVCache
 

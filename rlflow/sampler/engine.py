@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jetstream.engine import engine_api, tokenizer_pb2
+from rlflow.sampler.jetstream_api import engine_api, tokenizer_pb2
 
 from rlflow.models.kv_cache import KVCache, init_cache
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401

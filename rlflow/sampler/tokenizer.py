@@ -12,7 +12,7 @@ import os
 from typing import Iterable
 
 import numpy as np
-from jetstream.engine import tokenizer_api
+from rlflow.sampler.jetstream_api import tokenizer_api
 
 
 def model_eos_token_ids(path: str, tokenizer=None) -> tuple[int, ...]:
