@@ -66,9 +66,11 @@ def normalize_bools(argv: Sequence[str]) -> list[str]:
     as tyro's ``True`` / ``False`` (and ``none`` as ``None`` for an ``Optional[bool]``
     field, e.g. ``learner.packing``); a bool flag with no value (last, or before another
     flag) means ``True``. Other words are left for tyro to judge."""
-    flags, optional = bool_flags(), bool_flags() - bool_flags(optional=False)
-    names = {"--" + n for n in flags} | {"--" + n.replace("_", "-") for n in flags}
-    nullable = {"--" + n for n in optional} | {"--" + n.replace("_", "-") for n in optional}
+    def spellings(fields):              # --a.b_c and --a.b-c
+        return {"--" + n for n in fields} | {"--" + n.replace("_", "-") for n in fields}
+
+    flags = bool_flags()
+    names, nullable = spellings(flags), spellings(flags - bool_flags(optional=False))
     out: list[str] = []
     argv = list(argv)
     i = 0

@@ -83,8 +83,7 @@ class SamplerConfig:
 
     def __post_init__(self):
         for name in ("num_slots", "max_prefill_length", "max_tokens", "group_size", "num_devices",
-                     "decode_steps_per_call", "max_prefill_batch",
-                     "num_replicas"):
+                     "decode_steps_per_call", "max_prefill_batch", "num_replicas"):
             _positive(getattr(self, name), f"sampler.{name}")
         _check(isinstance(self.decode_lanes, int) and self.decode_lanes >= 0,
                "sampler.decode_lanes",

@@ -143,7 +143,8 @@ class SamplerProgram:
         self.lanes = lane_count(sc.decode_lanes, sc.num_slots, hidden_size=dcfg.hidden_size,
                                 backend=jax.default_backend(), cpus=available_cpus(),
                                 replicas=sc.num_replicas, multi_turn=cfg.env.enabled)
-        log.info("decode lanes: %d (sampler.decode_lanes=%d%s)", self.lanes, sc.decode_lanes,
+        log.info("decode lanes: %d of %d slots (sampler.decode_lanes=%d%s)", self.lanes,
+                 sc.num_slots // self.lanes, sc.decode_lanes,
                  ", chosen by rlflow.sampler.lanes.lane_count" if sc.decode_lanes == 0 else "")
         lane_cfg = replace(sc, num_slots=sc.num_slots // self.lanes, decode_lanes=1)
         self.engine = RlflowEngine(engine_model, lane_cfg, mesh=self.mesh,
@@ -226,11 +227,8 @@ class SamplerProgram:
                 log.info("loaded weights version %d from the learner", version)
                 self._note_swap(version, 0.0)
                 self.version = version
-                lanes = self.lanes
-                if lanes > 1:
-                    log.info("decode lanes: %d batchers of %d slots decoding at once",
-                             lanes, self.engine.max_concurrent_decodes)
-                    return DecodeLanes(self.engine, params, version, lanes=lanes)
+                if self.lanes > 1:
+                    return DecodeLanes(self.engine, params, version, lanes=self.lanes)
                 return ContinuousBatcher(self.engine, params, version, episodes=self.episodes)
             if time.monotonic() > deadline:
                 raise SamplerError(f"no weights published by the learner within "
