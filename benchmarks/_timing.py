@@ -12,3 +12,23 @@ def best_of(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def run_like_rlflow_train() -> str:
+    """Re-execute this benchmark with the malloc settings ``rlflow train`` starts its
+    programs with (``rlflow.runtime.host_memory``; glibc reads them only at process start),
+    unless they are in place or ``BENCH_SYSTEM_MALLOC=1``. The baseline measured in the same
+    process gets them too. Call it before importing jax. Returns a note for the results."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from rlflow.runtime import host_memory
+
+    if os.environ.get("BENCH_SYSTEM_MALLOC") == "1":
+        return "system malloc settings (BENCH_SYSTEM_MALLOC=1)"
+    env = host_memory.allocator_env(os.environ)
+    if env != dict(os.environ):
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    return ("malloc keeps freed memory, as in rlflow train (both sides)"
+            if host_memory.keeps_freed_memory(os.environ) else "the environment's own malloc settings")

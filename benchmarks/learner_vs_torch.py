@@ -38,6 +38,9 @@ import os
 import sys
 import tempfile
 
+from _timing import run_like_rlflow_train  # noqa: E402  (the script's folder)
+
+MALLOC = run_like_rlflow_train()   # re-executes once, before jax is imported
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -205,7 +208,7 @@ def main() -> int:
     rows_u = f"{GROUPS * G}x{int(info_u['batch/seq_len'])}"
     config = (f"Qwen2 {n_params / 1e6:.1f}M params (hidden {HIDDEN}, {LAYERS} layers, vocab "
               f"{VOCAB}), {GROUPS * G} rows, {tok} real tokens, float32, AdamW; torch "
-              f"{torch.get_num_threads()} threads")
+              f"{torch.get_num_threads()} threads; {MALLOC}")
     print(f"RESULT learner_vs_torch_rlflow_tokens_per_s {tok / best['packed']:.1f} tokens/s "
           f"packed {int(info_p['batch/packed_rows'])}x{packed.pack_spec.pack_length}; "
           f"padding {info_p['learner/packed_padding_fraction']:.2f}; step "

@@ -178,9 +178,11 @@ def raw_socket_s(nbytes: int, streams: int, repeats: int,
 
 def sampler(mb: int, repeats: int, warmup: int, serial: bool) -> None:
     from rlflow.exchange.transfer import WeightSubscriber
+    from rlflow.runtime.host_memory import allocator_env
 
+    # the learner process with the malloc settings rlflow train gives its learner program
     proc = subprocess.Popen([sys.executable, __file__, "--learner", str(mb)] +
-                            (["--serial-publish"] if serial else []),
+                            (["--serial-publish"] if serial else []), env=allocator_env(os.environ),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     mesh = Mesh(np.array(jax.devices()), ("tensor",))
     targets = {  # the sampler's own mesh; "same" keeps the learner's split, no re-layout

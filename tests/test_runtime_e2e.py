@@ -61,7 +61,8 @@ def test_sync_mode_two_learner_devices_sleeping_sampler(env, tmp_path):
     """Sync mode (k = 0), the learner on 2 fake devices (fsdp) and the sampler on 1, weights
     through jax.experimental.transfer gathered on one device, and a sampler that frees its KV cache whenever it waits: every consumed
     sample is version-current, so the sampler kept generating with the last synced weights
-    after each free."""
+    after each free. The learner runs with glibc keeping freed memory (the default), the
+    sampler does not."""
     proc, run = _train(env, tmp_path, "sync", "--learner.num_steps", "4",
                        "--runtime.mode", "sync", "--runtime.max_staleness", "0",
                        "--runtime.sampler_sleep", "True", "--learner.num_devices", "2",
@@ -73,20 +74,26 @@ def test_sync_mode_two_learner_devices_sleeping_sampler(env, tmp_path):
         assert m["staleness/max"] == 0 and m["staleness/frac_0"] == 1.0
         assert m["rollout/version_min"] == m["rollout/version_max"] == step - 1
         assert m["learner/stale_groups_dropped"] == 0
+    logs = {p: open(os.path.join(run, "logs", f"{p}.log")).read() for p in ("learner", "sampler")}
+    assert "host memory: glibc malloc keeps freed memory" in logs["learner"]
+    assert "host memory:" not in logs["sampler"]
 
 
 def test_decode_lanes_run_on_policy_in_sync_mode(env, tmp_path):
     """sampler.decode_lanes=2: the sampler's slots in two batchers decoding at once; every
-    step trains complete groups sampled with the current version."""
+    step trains complete groups sampled with the current version. Also: the programs start
+    with the system's malloc settings when asked, the learner too (runtime.keep_freed_host_memory=false)."""
     proc, run = _train(env, tmp_path, "lanes", "--learner.num_steps", "3",
                        "--runtime.mode", "sync", "--runtime.max_staleness", "0",
-                       "--sampler.decode_lanes", "2")
+                       "--sampler.decode_lanes", "2", "--runtime.keep_freed_host_memory",
+                       "false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_step = _steps(run)
     assert sorted(by_step) == [1, 2, 3]
     for step, m in by_step.items():
         assert m["rollout/version_min"] == m["rollout/version_max"] == step - 1
         assert m["batch/groups"] == 8 and m["staleness/max"] == 0
+    assert "host memory:" not in open(os.path.join(run, "logs", "learner.log")).read()
 
 
 def _start(env, run_dir, name, *overrides):

@@ -85,6 +85,13 @@ class RuntimeConfig:
       pin_cpus: on one machine (``rlflow train``), run the learner on the first half of the
         CPUs this process may use and the sampler on the rest (``sched_setaffinity``): the
         CPU stand-in for two accelerator slices. Ignored with fewer than 2 CPUs.
+      keep_freed_host_memory: start the learner program(s) with glibc malloc set to keep
+        freed memory for reuse (one arena, no ``mmap``, no trimming;
+        ``rlflow.runtime.host_memory``): on the CPU backend the train step's temporaries are
+        then not page-faulted in again on every step (~20% of the GSM8K-size step). Its
+        resident memory stays at its peak. Not the sampler: one arena slowed its decode
+        lanes. Left alone where the environment sets a ``MALLOC_*`` variable of its own or
+        ``GLIBC_TUNABLES``.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -103,6 +110,7 @@ class RuntimeConfig:
     replica_timeout_s: float = 60.0
     sampler_sleep: bool = False
     pin_cpus: bool = False
+    keep_freed_host_memory: bool = True
 
     def __post_init__(self):
         _one_of(self.mode, ("async", "sync"), "runtime.mode")

@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rlflow import programs_common as pc
-from rlflow.runtime import learner_hosts
+from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.ports import free_port
 from rlflow.runtime.child_logs import (ERROR_SCAN_LINES, LOG_TAIL_LINES, exit_text,  # noqa: F401
                                        last_exception_line, tail)
@@ -148,6 +148,9 @@ def child_main(argv: Optional[Sequence[str]] = None) -> int:
     pc.install_signal_handlers()
     cfg = pc.load_config(args.config)
     install_log_redaction(secret_values(cfg))   # a token in an error message stays hidden
+    if host_memory.keeps_freed_memory(os.environ):
+        log.info("host memory: glibc malloc keeps freed memory for reuse "
+                 "(runtime.keep_freed_host_memory)")
     profile = os.environ.get(pc.ENV_PROFILE)
     if profile:                             # RLFLOW_PROFILE=dir: cProfile stats per program
         import cProfile
@@ -257,6 +260,7 @@ class Supervisor:
         eps = pc.Endpoints(self.endpoints.buffer, self.endpoints.coordinator, instance)
         env = child_env(role, num_devices, eps, self.config_path)
         if role == "learner":
+            env = host_memory.allocator_env(env, self.cfg.runtime.keep_freed_host_memory)
             env.update(learner_hosts.host_env(name, lc.num_hosts, self.jax_coordinator))
         else:
             env[pc.ENV_REPLICA] = name.rsplit("-", 1)[1] if "-" in name else "0"

@@ -1,0 +1,72 @@
+"""rlflow.runtime.host_memory: the malloc environment the launcher gives its programs, and
+that it does what it is for (a freed large block is reused without page faults)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlflow.runtime import host_memory
+from rlflow.runtime.host_memory import KEEP_FREED_MEMORY, USER_SETTINGS
+
+
+def test_allocator_env_adds_the_settings_and_leaves_the_input_alone():
+    base = {"PATH": "/bin", "HOME": "/h"}
+    out = host_memory.allocator_env(base)
+    assert out == {**base, **KEEP_FREED_MEMORY}
+    assert base == {"PATH": "/bin", "HOME": "/h"}
+    assert host_memory.keeps_freed_memory(out) and not host_memory.keeps_freed_memory(base)
+
+
+def test_allocator_env_off_or_with_user_settings_changes_nothing():
+    base = {"PATH": "/bin"}
+    assert host_memory.allocator_env(base, keep_freed=False) == base
+    for name in USER_SETTINGS:            # any one of the user's own settings wins
+        env = {**base, name: "x"}
+        assert host_memory.allocator_env(env) == env, name
+
+
+# A thread (XLA's allocations come from its worker threads) allocates and touches a block
+# larger than a thread arena's 64 MiB heap, frees it, and does it again; the child prints
+# the minor page faults of the second round and the pages it touched.
+_CHILD = textwrap.dedent("""
+    import ctypes, resource, threading
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    SIZE = 96 << 20
+    out = []
+
+    def rounds():
+        for _ in range(2):
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            p = libc.malloc(SIZE)
+            ctypes.memset(p, 1, SIZE)
+            libc.free(p)
+            out.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+
+    t = threading.Thread(target=rounds)
+    t.start(); t.join()
+    print(out[1], SIZE // resource.getpagesize())
+""")
+
+
+def _second_round_faults(env) -> tuple[int, int]:
+    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    faults, pages = map(int, proc.stdout.split())
+    return faults, pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+def test_a_freed_large_block_is_reused_without_page_faults():
+    plain = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
+    faults, pages = _second_round_faults(plain)
+    if faults < pages // 2:
+        pytest.skip(f"this host's malloc does not return the block to the kernel "
+                    f"({faults} faults for {pages} pages), nothing to compare against")
+    kept, _ = _second_round_faults(host_memory.allocator_env(plain))
+    assert kept < pages // 20, (kept, pages)
