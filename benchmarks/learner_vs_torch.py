@@ -24,6 +24,10 @@ machine is shared); each side's first steps (compilation / warm-up) are excluded
 unpacked rlflow step (``learner.packing=False``, each row padded to the bucket) is measured in
 the same run as a third line, with the padding fractions.
 
+The script re-executes itself once with the glibc malloc settings ``rlflow train`` starts its
+learner with (``rlflow.runtime.host_memory``); both sides run in that process, so torch gets
+them too. ``BENCH_SYSTEM_MALLOC=1`` keeps the system's settings.
+
 Sizes from environment variables (defaults in brackets): LVT_HIDDEN [256], LVT_LAYERS [4],
 LVT_HEADS [4], LVT_KV_HEADS [2], LVT_MLP [896], LVT_VOCAB [2048], LVT_GROUPS [4], LVT_G [4],
 LVT_PROMPT_MIN [32], LVT_PROMPT_MAX [128], LVT_COMP_MIN [16], LVT_COMP_MAX [64],

@@ -111,6 +111,14 @@ def test_buffer_and_coordinator_on_one_port_are_refused_up_front():
                          runtime=RuntimeConfig(coordinator_port=23456))
     ExperimentConfig(buffer=BufferConfig(port=23456), runtime=RuntimeConfig(coordinator_port=23457))
     ExperimentConfig(buffer=BufferConfig(port=0), runtime=RuntimeConfig(coordinator_port=0))
+    # localhost is 127.0.0.1 here, and a wildcard address covers every address
+    for buffer_host, coordinator_host in (("localhost", "127.0.0.1"), ("127.0.0.1", "localhost"),
+                                          ("0.0.0.0", "127.0.0.1")):
+        with pytest.raises(ConfigError, match=r"^runtime\.coordinator_port: must differ"):
+            ExperimentConfig(buffer=BufferConfig(port=23456, bind_address=buffer_host,
+                                                 token="t" * 32),
+                             runtime=RuntimeConfig(coordinator_port=23456,
+                                                   bind_address=coordinator_host))
     # one port on two different addresses binds fine
     ExperimentConfig(buffer=BufferConfig(port=23456, bind_address="127.0.0.2"),
                      runtime=RuntimeConfig(coordinator_port=23456))

@@ -15,7 +15,8 @@ arena (``MALLOC_ARENA_MAX=1``), serve it from the heap instead of ``mmap``
 (``MALLOC_MMAP_MAX_=0``) and never give the heap's top back to the kernel
 (``MALLOC_TRIM_THRESHOLD_``): the next step reuses the same pages, with no faults. The
 cost is that a process's resident memory stays at its peak, as with a caching allocator.
-Only the learner program gets them: with one arena the sampler's two decode lanes (two
+It pays where XLA runs the step on its worker threads (>= 2 cores); a learner pinned to one
+core faulted nothing with either setting. Only the learner program gets them: with one arena the sampler's two decode lanes (two
 threads dispatching decode calls) ran slower, best of 8 runs 3994 and 5073 tok/s against
 4967 and 5766 with the system's settings (two A/Bs, 4.46M model, 2-core host).
 
