@@ -131,7 +131,8 @@ def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
     records = [{"step": s, "learner/step_time_s": 0.1, "reward/mean": 0.5,
                 "sampler/prompts_kept": 90.0, "sampler/prompts_too_long": 7.0,
                 "sampler/prompts_bad": 3.0, "learner/stale_groups_dropped": float(s),
-                "reward/errors/math": 2.0, "reward/timeouts/math": 0.0} for s in (1, 2, 3)]
+                "reward/errors/math": 2.0, "reward/timeouts/math": 0.0,
+                "learner/skipped_steps": float(s > 2)} for s in (1, 2, 3)]
     with open(tmp_path / "demo" / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     watcher.poll()
@@ -142,5 +143,6 @@ def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
                        "data.max_prompt_tokens=64 (filtered), 3 bad records (skipped)"]
     first_step = next(ln for ln in lines if ln.startswith("step 1/3"))
     assert lines.index(prompts[0]) < lines.index(first_step)
-    assert "rlflow train: counts: 3 stale groups dropped, 2 reward errors in math" in lines
+    assert ("rlflow train: counts: 3 stale groups dropped, 1 learner steps skipped (no sample "
+            "for the loss), 2 reward errors in math") in lines
     assert summary["counts"]["learner/stale_groups_dropped"] == 3.0

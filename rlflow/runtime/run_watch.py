@@ -94,7 +94,8 @@ PROMPT_COUNTS = {"sampler/prompts_kept": "kept",
 DROP_COUNTS = {"learner/stale_groups_dropped": "stale groups dropped",
                "learner/zero_variance_groups_dropped": "zero-variance groups dropped",
                "buffer/dropped_full": "groups dropped by a full buffer",
-               "sampler/dropped_bad_reward_groups": "groups dropped for a NaN/inf reward"}
+               "sampler/dropped_bad_reward_groups": "groups dropped for a NaN/inf reward",
+               "learner/skipped_steps": "learner steps skipped (no sample for the loss)"}
 COUNT_PREFIXES = ("reward/errors/", "reward/timeouts/")
 
 
