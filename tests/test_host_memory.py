@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from rlflow.runtime import host_memory
-from rlflow.runtime.host_memory import KEEP_FREED_MEMORY, USER_SETTINGS
+from rlflow.runtime.host_memory import KEEP_FREED_MEMORY
 
 
 def test_allocator_env_adds_the_settings_and_leaves_the_input_alone():
@@ -23,9 +23,12 @@ def test_allocator_env_adds_the_settings_and_leaves_the_input_alone():
 def test_allocator_env_off_or_with_user_settings_changes_nothing():
     base = {"PATH": "/bin"}
     assert host_memory.allocator_env(base, keep_freed=False) == base
-    for name in USER_SETTINGS:            # any one of the user's own settings wins
+    for name in (*KEEP_FREED_MEMORY, "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
+                 "GLIBC_TUNABLES"):       # any one of the user's own settings wins
         env = {**base, name: "x"}
         assert host_memory.allocator_env(env) == env, name
+        assert host_memory.user_settings(env) == [name]
+    assert host_memory.user_settings({**base, "MY_MALLOC_X": "1"}) == []
 
 
 # A thread (XLA's allocations come from its worker threads) allocates and touches a block
@@ -63,10 +66,35 @@ def _second_round_faults(env) -> tuple[int, int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_a_freed_large_block_is_reused_without_page_faults():
-    plain = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
+    plain = {k: v for k, v in os.environ.items()
+             if k not in host_memory.user_settings(os.environ)}
     faults, pages = _second_round_faults(plain)
     if faults < pages // 2:
         pytest.skip(f"this host's malloc does not return the block to the kernel "
                     f"({faults} faults for {pages} pages), nothing to compare against")
     kept, _ = _second_round_faults(host_memory.allocator_env(plain))
     assert kept < pages // 20, (kept, pages)
+
+
+@pytest.mark.parametrize("environ, keep, said", [
+    (KEEP_FREED_MEMORY, True, "keeps freed memory for reuse"),
+    ({"MALLOC_ARENA_MAX": "4"}, True, "adds nothing: the environment sets MALLOC_ARENA_MAX"),
+    (KEEP_FREED_MEMORY, False, None),     # the user's own copy of the values: no credit taken
+    ({}, True, None)])
+def test_the_learner_log_says_which_settings_it_runs_with(monkeypatch, environ, keep, said):
+    from rlflow import config as C
+    from rlflow.runtime import launch
+
+    for name in host_memory.user_settings(os.environ):
+        monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    lines = []
+
+    class Log:
+        def info(self, msg, *args):
+            lines.append(msg % args)
+
+    cfg = C.ExperimentConfig(runtime=C.RuntimeConfig(keep_freed_host_memory=keep))
+    launch._log_host_memory(Log(), cfg)
+    assert (lines == []) if said is None else (len(lines) == 1 and said in lines[0]), lines

@@ -90,8 +90,8 @@ class RuntimeConfig:
         ``rlflow.runtime.host_memory``): on the CPU backend the train step's temporaries are
         then not page-faulted in again on every step (~20% of the GSM8K-size step). Its
         resident memory stays at its peak. Not the sampler: one arena slowed its decode
-        lanes. Left alone where the environment sets a ``MALLOC_*`` variable of its own or
-        ``GLIBC_TUNABLES``.
+        lanes. Nothing is added where the environment sets any ``MALLOC_*`` variable or
+        ``GLIBC_TUNABLES`` (the learner's log says so).
     """
 
     mode: Literal["async", "sync"] = "async"

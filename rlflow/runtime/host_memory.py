@@ -1,4 +1,4 @@
-"""glibc malloc settings for the programs' processes: keep freed memory for reuse.
+"""glibc malloc settings for the learner program's process: keep freed memory for reuse.
 
 Why: on the CPU backend every execution of a compiled step allocates its temporaries
 (``compiled.memory_analysis().temp_size_in_bytes``: 316 MiB for the learner step of the
@@ -9,19 +9,20 @@ from a fresh ``mmap`` (a thread's own arena cannot hold more than 64 MiB, so eve
 all of it in again: ~90k minor faults and 150-200 ms of kernel time per step there, 20% of
 the step (``benchmarks/learner_vs_torch.py``; measured with ``getrusage`` and ``strace``).
 
-The three variables below (read by glibc when a process starts, so they are set in the
-environment of the children ``rlflow train`` starts) route every allocation to the main
+The three variables below (read by glibc when a process starts, so ``rlflow train`` sets them
+in the environment it starts its learner program with) route every allocation to the main
 arena (``MALLOC_ARENA_MAX=1``), serve it from the heap instead of ``mmap``
 (``MALLOC_MMAP_MAX_=0``) and never give the heap's top back to the kernel
 (``MALLOC_TRIM_THRESHOLD_``): the next step reuses the same pages, with no faults. The
 cost is that a process's resident memory stays at its peak, as with a caching allocator.
 It pays where XLA runs the step on its worker threads (>= 2 cores); a learner pinned to one
-core faulted nothing with either setting. Only the learner program gets them: with one arena the sampler's two decode lanes (two
-threads dispatching decode calls) ran slower, best of 8 runs 3994 and 5073 tok/s against
-4967 and 5766 with the system's settings (two A/Bs, 4.46M model, 2-core host).
+core faulted nothing with either setting. Only the learner program gets them: with one
+arena the sampler's two decode lanes (two threads dispatching decode calls) ran slower,
+best of 8 runs 3994 and 5073 tok/s against 4967 and 5766 with the system's settings (two
+A/Bs, 4.46M model, 2-core host).
 
-Other C libraries (musl, macOS) ignore the variables. A user who sets any of them, or
-``GLIBC_TUNABLES``, keeps their own settings (nothing is added).
+Other C libraries (musl, macOS) ignore the variables. A user whose environment sets any
+``MALLOC_*`` variable or ``GLIBC_TUNABLES`` keeps their own settings (nothing is added).
 """
 
 from __future__ import annotations
@@ -33,12 +34,17 @@ KEEP_FREED_MEMORY = {
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": str(1 << 40),       # bytes: 1 TiB, i.e. never trim
 }
-USER_SETTINGS = (*KEEP_FREED_MEMORY, "GLIBC_TUNABLES")
+
+
+def user_settings(env: Mapping[str, str]) -> list[str]:
+    """The malloc settings of ``env`` that are the user's own: every ``MALLOC_*`` variable
+    and ``GLIBC_TUNABLES``, sorted (none of ours: call it on the user's environment)."""
+    return sorted(k for k in env if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
 
 
 def allocator_env(env: Mapping[str, str], keep_freed: bool = True) -> dict[str, str]:
-    """``env`` plus :data:`KEEP_FREED_MEMORY` when ``keep_freed`` and ``env`` sets none of
-    :data:`USER_SETTINGS` (those are the user's choice and are left as they are).
+    """``env`` plus :data:`KEEP_FREED_MEMORY` when ``keep_freed`` and ``env`` has no
+    :func:`user_settings` (those are the user's choice and are left as they are).
 
     Args:
       env: a process environment (not modified).
@@ -47,7 +53,7 @@ def allocator_env(env: Mapping[str, str], keep_freed: bool = True) -> dict[str, 
     Returns: a new dict, the environment to start the process with.
     """
     out = dict(env)
-    if keep_freed and not any(k in env for k in USER_SETTINGS):
+    if keep_freed and not user_settings(env):
         out.update(KEEP_FREED_MEMORY)
     return out
 
