@@ -91,7 +91,9 @@ class RuntimeConfig:
         then not page-faulted in again on every step (~20% of the GSM8K-size step). Its
         resident memory stays at its peak. Not the sampler: one arena slowed its decode
         lanes. Nothing is added where the environment sets any ``MALLOC_*`` variable or
-        ``GLIBC_TUNABLES`` (the learner's log says so).
+        ``GLIBC_TUNABLES`` (the learner's log says so). ``rlflow train`` on one machine only:
+        scripts/tpu and scripts/xpk start their programs without it (on an accelerator the
+        step's temporaries are device memory).
     """
 
     mode: Literal["async", "sync"] = "async"
