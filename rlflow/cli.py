@@ -65,7 +65,11 @@ def normalize_bools(argv: Sequence[str]) -> list[str]:
     """``--section.flag true|false|1|0|yes|no|on|off`` (any case, also ``--flag=value``)
     as tyro's ``True`` / ``False`` (and ``none`` as ``None`` for an ``Optional[bool]``
     field, e.g. ``learner.packing``); a bool flag with no value (last, or before another
-    flag) means ``True``. Other words are left for tyro to judge."""
+    flag) means ``True``.
+
+    Raises:
+      SystemExit: another word after a bool flag (exit status 2; stderr names the flag,
+        the word and the words it takes)."""
     def spellings(fields):              # --a.b_c and --a.b-c
         return {"--" + n for n in fields} | {"--" + n.replace("_", "-") for n in fields}
 
@@ -84,9 +88,14 @@ def normalize_bools(argv: Sequence[str]) -> list[str]:
                 else:
                     value = "true"
             low = value.lower()
-            value = ("True" if low in TRUE_WORDS else "False" if low in FALSE_WORDS else
-                     "None" if low == "none" and key in nullable else value)
-            out += [key, value]
+            if low in TRUE_WORDS or low in FALSE_WORDS or (low == "none" and key in nullable):
+                out += [key, "True" if low in TRUE_WORDS else "False" if low in FALSE_WORDS
+                        else "None"]
+            else:
+                words = "true/false, 1/0, yes/no, on/off" + (", none" if key in nullable else "")
+                print(f"rlflow train: {key} takes {words} (any case), got {value!r}",
+                      file=sys.stderr)
+                raise SystemExit(2)
         else:
             out.append(word)
         i += 1

@@ -132,9 +132,13 @@ def test_bool_flag_alone_means_true_and_a_bad_word_is_refused(config_file, capsy
     cfg = cli.parse_train_args(["--config", config_file, "--checkpoint.overwrite",
                                 "--learner.lr", "1e-6"])
     assert cfg.checkpoint.overwrite is True and cfg.learner.lr == 1e-6
-    with pytest.raises(SystemExit):
-        cli.parse_train_args(["--config", config_file, "--runtime.restart_sampler", "maybe"])
-    assert "maybe" in capsys.readouterr().err
+    for bad in (["--runtime.restart_sampler", "maybe"], ["--runtime.restart-sampler=2"]):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_train_args(["--config", config_file, *bad])
+        assert e.value.code == 2
+        word = bad[-1].rsplit("=", 1)[-1]
+        assert (f"{bad[0].split('=')[0]} takes true/false, 1/0, yes/no, on/off (any case), "
+                f"got {word!r}") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("word,value", [("false", False), ("OFF", False), ("true", True),
@@ -151,4 +155,8 @@ def test_optional_bool_flags_take_the_same_words(config_file, word, value):
 def test_none_is_only_a_word_for_optional_bool_flags(config_file, capsys):
     with pytest.raises(SystemExit):
         cli.parse_train_args(["--config", config_file, "--learner.dynamic-sampling", "none"])
-    assert "'none'" in capsys.readouterr().err            # the user's word, not 'None'
+    err = capsys.readouterr().err
+    assert "got 'none'" in err and ", none" not in err    # the user's word, not 'None'
+    with pytest.raises(SystemExit):
+        cli.parse_train_args(["--config", config_file, "--learner.packing", "maybe"])
+    assert "on/off, none (any case), got 'maybe'" in capsys.readouterr().err
