@@ -146,3 +146,6 @@ def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
     assert ("rlflow train: counts: 3 stale groups dropped, 1 learner steps skipped (no sample "
             "for the loss), 2 reward errors in math") in lines
     assert summary["counts"]["learner/stale_groups_dropped"] == 3.0
+    assert any(ln.startswith("rlflow train: 3 steps in ") and
+               " s before the run stopped (see the lines above); mean reward" in ln
+               for ln in lines), lines

@@ -233,8 +233,9 @@ class RunWatcher:
         if summary["steps"]:
             resumed = (f" (resumed from step {self.resumed_from}, now at step "
                        f"{summary['steps_completed']})" if self.resumed_from else "")
+            ended = "" if success else " before the run stopped (see the lines above)"
             print(f"rlflow train: {summary['steps_this_run']} steps in "
-                  f"{summary['wall_s']:.0f} s{resumed}; mean reward first "
+                  f"{summary['wall_s']:.0f} s{resumed}{ended}; mean reward first "
                   f"{summary['window']} step(s) {summary['reward_first']:.3f} -> last "
                   f"{summary['window']} step(s) {summary['reward_last']:.3f} (rise "
                   f"{summary['reward_rise']:+.3f}); written to {path}", file=self.stream, flush=True)
