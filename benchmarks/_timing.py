@@ -16,13 +16,13 @@ def best_of(fn, repeats: int) -> float:
 
 def run_like_rlflow_train() -> str:
     """Re-execute this benchmark with the malloc settings ``rlflow train`` starts its
-    programs with (``rlflow.runtime.host_memory``; glibc reads them only at process start),
+    learner with (``rlflow.runtime.host_memory``; glibc reads them only at process start),
     unless they are in place or ``BENCH_SYSTEM_MALLOC=1``. The baseline measured in the same
-    process gets them too. Call it before importing jax. Returns a note for the results."""
+    process gets them too. Call it before importing jax, with the repository on
+    ``sys.path``. Returns a note for the results."""
     import os
     import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from rlflow.runtime import host_memory
 
     if os.environ.get("BENCH_SYSTEM_MALLOC") == "1":
@@ -30,5 +30,6 @@ def run_like_rlflow_train() -> str:
     env = host_memory.allocator_env(os.environ)
     if env != dict(os.environ):
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    return ("malloc keeps freed memory, as in rlflow train (both sides)"
-            if host_memory.keeps_freed_memory(os.environ) else "the environment's own malloc settings")
+    if host_memory.keeps_freed_memory(os.environ):
+        return "malloc keeps freed memory, as in rlflow train's learner (both sides)"
+    return "the environment's own malloc settings"

@@ -42,12 +42,13 @@ import os
 import sys
 import tempfile
 
-from _timing import run_like_rlflow_train  # noqa: E402  (the script's folder)
-
-MALLOC = run_like_rlflow_train()   # re-executes once, before jax is imported
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _timing import run_like_rlflow_train  # noqa: E402  (the script's folder)
+
+MALLOC = run_like_rlflow_train()   # re-executes once, before jax is imported
 
 import time  # noqa: E402
 

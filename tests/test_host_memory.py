@@ -81,20 +81,6 @@ def test_a_freed_large_block_is_reused_without_page_faults():
     ({"MALLOC_ARENA_MAX": "4"}, True, "adds nothing: the environment sets MALLOC_ARENA_MAX"),
     (KEEP_FREED_MEMORY, False, None),     # the user's own copy of the values: no credit taken
     ({}, True, None)])
-def test_the_learner_log_says_which_settings_it_runs_with(monkeypatch, environ, keep, said):
-    from rlflow import config as C
-    from rlflow.runtime import launch
-
-    for name in host_memory.user_settings(os.environ):
-        monkeypatch.delenv(name)
-    for name, value in environ.items():
-        monkeypatch.setenv(name, value)
-    lines = []
-
-    class Log:
-        def info(self, msg, *args):
-            lines.append(msg % args)
-
-    cfg = C.ExperimentConfig(runtime=C.RuntimeConfig(keep_freed_host_memory=keep))
-    launch._log_host_memory(Log(), cfg)
-    assert (lines == []) if said is None else (len(lines) == 1 and said in lines[0]), lines
+def test_the_learner_log_says_which_settings_it_runs_with(environ, keep, said):
+    note = host_memory.startup_note(environ, keep)
+    assert note is None if said is None else said in note, note

@@ -61,3 +61,16 @@ def allocator_env(env: Mapping[str, str], keep_freed: bool = True) -> dict[str, 
 def keeps_freed_memory(env: Mapping[str, str]) -> bool:
     """Whether ``env`` (a started process's environment) holds :data:`KEEP_FREED_MEMORY`."""
     return all(env.get(k) == v for k, v in KEEP_FREED_MEMORY.items())
+
+
+def startup_note(env: Mapping[str, str], keep_freed: bool) -> str | None:
+    """What a learner started with ``env`` logs about these settings, or None: that it runs
+    with them, or that the user's own (:func:`user_settings`) made ``rlflow train`` add
+    nothing. None when ``keep_freed`` (``runtime.keep_freed_host_memory``) is off."""
+    if not keep_freed:
+        return None
+    if keeps_freed_memory(env):
+        return "glibc malloc keeps freed memory for reuse (runtime.keep_freed_host_memory)"
+    own = user_settings(env)
+    return (f"runtime.keep_freed_host_memory adds nothing: the environment sets "
+            f"{', '.join(own)}") if own else None

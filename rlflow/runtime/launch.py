@@ -132,18 +132,6 @@ def run_role(role: str, cfg, endpoints: pc.Endpoints) -> int:
     return 0
 
 
-def _log_host_memory(log, cfg) -> None:
-    """Say whether this learner runs with ``runtime.keep_freed_host_memory``'s settings."""
-    if not cfg.runtime.keep_freed_host_memory:
-        return
-    if host_memory.keeps_freed_memory(os.environ):
-        log.info("host memory: glibc malloc keeps freed memory for reuse "
-                 "(runtime.keep_freed_host_memory)")
-    elif host_memory.user_settings(os.environ):
-        log.info("host memory: runtime.keep_freed_host_memory adds nothing: the environment "
-                 "sets %s", ", ".join(host_memory.user_settings(os.environ)))
-
-
 def child_main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry of ``python -m rlflow.runtime.launch --role R --config C``: one program, one process."""
     ap = argparse.ArgumentParser(prog="python -m rlflow.runtime.launch")
@@ -160,8 +148,9 @@ def child_main(argv: Optional[Sequence[str]] = None) -> int:
     pc.install_signal_handlers()
     cfg = pc.load_config(args.config)
     install_log_redaction(secret_values(cfg))   # a token in an error message stays hidden
-    if args.role == "learner":
-        _log_host_memory(log, cfg)
+    note = host_memory.startup_note(os.environ, cfg.runtime.keep_freed_host_memory)
+    if args.role == "learner" and note:
+        log.info("host memory: %s", note)
     profile = os.environ.get(pc.ENV_PROFILE)
     if profile:                             # RLFLOW_PROFILE=dir: cProfile stats per program
         import cProfile
