@@ -61,6 +61,11 @@ def bool_flags(cls=None, prefix: str = "", *, optional: bool = True) -> set[str]
     return out
 
 
+# the words a bool flag takes (lower case) -> tyro's spelling
+BOOL_WORDS = {w: "True" for w in TRUE_WORDS} | {w: "False" for w in FALSE_WORDS}
+NONE_WORD = {"none": "None"}                 # Optional[bool] fields only
+
+
 def normalize_bools(argv: Sequence[str]) -> list[str]:
     """``--section.flag true|false|1|0|yes|no|on|off`` (any case, also ``--flag=value``)
     as tyro's ``True`` / ``False`` (and ``none`` as ``None`` for an ``Optional[bool]``
@@ -87,15 +92,13 @@ def normalize_bools(argv: Sequence[str]) -> list[str]:
                     value, i = argv[i + 1], i + 1
                 else:
                     value = "true"
-            low = value.lower()
-            if low in TRUE_WORDS or low in FALSE_WORDS or (low == "none" and key in nullable):
-                out += [key, "True" if low in TRUE_WORDS else "False" if low in FALSE_WORDS
-                        else "None"]
-            else:
+            parsed = (BOOL_WORDS | NONE_WORD if key in nullable else BOOL_WORDS).get(value.lower())
+            if parsed is None:
                 words = "true/false, 1/0, yes/no, on/off" + (", none" if key in nullable else "")
                 print(f"rlflow train: {key} takes {words} (any case), got {value!r}",
                       file=sys.stderr)
                 raise SystemExit(2)
+            out += [key, parsed]
         else:
             out.append(word)
         i += 1
