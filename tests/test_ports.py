@@ -39,3 +39,15 @@ def test_free_port_falls_back_to_the_kernel_when_no_range_is_left(monkeypatch):
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (10050, 60999))
     port = ports.free_port()
     assert port >= 10050                  # bind(0) hands out ephemeral ports only
+
+
+def test_advertised_host_names_this_machine_only_for_wildcard_binds():
+    import socket
+
+    from rlflow.runtime.ports import WILDCARD_HOSTS, advertised_host, is_wildcard
+
+    here = socket.gethostbyname(socket.gethostname())
+    for host in WILDCARD_HOSTS:
+        assert is_wildcard(host) and advertised_host(host) == here
+    for host in ("127.0.0.1", "localhost", "::1", "10.0.0.5", ""):
+        assert not is_wildcard(host) and advertised_host(host) == host

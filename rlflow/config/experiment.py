@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Tuple
 
+from rlflow.runtime.ports import is_wildcard
 from rlflow.secrets import ENV_BUFFER_TOKEN, token_source_given
 from rlflow.config.validation import ConfigError, _check
 from rlflow.config.runtime import BufferConfig
@@ -58,11 +59,10 @@ class ExperimentConfig:
                f"is required when runtime.bind_address={bind!r} is not loopback "
                f"(set {ENV_BUFFER_TOKEN} or buffer.token_file)")
         bport, cport = self.buffer.port, self.runtime.coordinator_port
-        wildcard = {"0.0.0.0", "::", "[::]", "*", ""}
         host = lambda a: "127.0.0.1" if a == "localhost" else a  # noqa: E731 - one name each
         _check(not (bport and bport == cport) or (
             host(self.buffer.bind_address) != host(bind)
-            and not {self.buffer.bind_address, bind} & wildcard),
+            and not any(not a or is_wildcard(a) for a in (self.buffer.bind_address, bind))),
             "runtime.coordinator_port",
             f"must differ from buffer.port={bport} (the learner binds both on "
             f"{self.buffer.bind_address!r} / {bind!r}); 0 picks a free one")

@@ -63,7 +63,6 @@ from __future__ import annotations
 import datetime
 import logging
 import secrets
-import socket
 import threading
 import time
 from typing import Any, Sequence
@@ -73,6 +72,7 @@ from jax.experimental import transfer as jax_transfer
 
 from rlflow.exchange import layout as layout_lib
 from rlflow.exchange.coordinator import CoordinatorClient
+from rlflow.runtime.ports import advertised_host
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +156,7 @@ class WeightPublisher:
                                                       raw_buffers=copy)
         port = self._server.address().rsplit(":", 1)[1]
         if advertise_host is None:
-            wildcard = bind_address in ("0.0.0.0", "::", "[::]", "*")
-            advertise_host = socket.gethostbyname(socket.gethostname()) if wildcard else \
-                bind_address
+            advertise_host = advertised_host(bind_address)
         self.address = f"{advertise_host}:{port}"
         self._lock = threading.Lock()
         self._current: tuple[int, list, dict] | None = None
@@ -234,9 +232,7 @@ class WeightSubscriber:
         self.relay_fanout, self.relay_timeout_s = relay_fanout, relay_timeout_s
         self._devices = list(jax.local_devices() if devices is None else devices)
         self._bind_address = bind_address
-        wildcard = bind_address in ("0.0.0.0", "::", "[::]", "*")
-        self._advertise = socket.gethostbyname(socket.gethostname()) if wildcard else \
-            bind_address
+        self._advertise = advertised_host(bind_address)
         self._server, self.transports = None, 0  # started at the first pull (_connect)
         self._coord = CoordinatorClient(coordinator_address, consumer_id=consumer_id,
                                         token=token, timeout_s=request_timeout_s)

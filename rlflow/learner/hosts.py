@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 
 import jax
 import numpy as np
@@ -41,6 +40,7 @@ from jax.experimental import multihost_utils
 
 from rlflow import checkpoint as ckpt_lib
 from rlflow import programs_common as pc
+from rlflow.runtime.ports import advertised_host
 
 log = logging.getLogger("rlflow.learner")
 
@@ -74,14 +74,6 @@ class HostCommands:
             raise RuntimeError(f"learner host {jax.process_index()}: unknown command {op} "
                                "from learner host 0")
         return op, arg
-
-
-def advertised_host(bind_address: str) -> str:
-    """The host other machines reach this one at: ``bind_address``, or this host's address
-    when bound to all interfaces."""
-    if bind_address in ("0.0.0.0", "*", "::", "[::]"):
-        return socket.gethostbyname(socket.gethostname())
-    return bind_address
 
 
 def gather_addresses(address: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""Free TCP ports for the servers a launch starts (buffer, weight coordinator, ``jax.distributed``).
+"""Free TCP ports for the servers a launch starts (buffer, weight coordinator, ``jax.distributed``),
+and the addresses those servers bind and advertise.
 
 The launcher picks each port, hands it to a child process in its environment, and the child
 binds it seconds later (after importing jax). A port from ``bind(port=0)`` lies in the
@@ -69,3 +70,18 @@ def free_port(host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> int:
             port = s.getsockname()[1]
         if port not in exclude:
             return port
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
+
+
+def is_wildcard(host: str) -> bool:
+    """True for a bind address meaning every interface (:data:`WILDCARD_HOSTS`)."""
+    return host in WILDCARD_HOSTS
+
+
+def advertised_host(bind_address: str) -> str:
+    """The host other machines reach this one at: ``bind_address``, or this host's address
+    (``socket.gethostbyname(socket.gethostname())``) when bound to all interfaces."""
+    return socket.gethostbyname(socket.gethostname()) if is_wildcard(bind_address) else \
+        bind_address
