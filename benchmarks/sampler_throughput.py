@@ -37,6 +37,10 @@ requests and baseline. ``decode_lanes_default`` is the lane count ``sampler.deco
 (the default) resolves to for this model on this host (``rlflow.sampler.lanes.lane_count``),
 and ``decode_speedup_default`` the speedup of that configuration (the one-lane or the
 ``_lanes<L>`` figure); the ``target>=3`` mark sits on the line of the default.
+``decode_tokens_per_s_in_out`` / ``decode_device_ms_per_step_in_out``: the default engine with
+``sampler.kernel_layout="in_out"`` (wide kernels as the model holds them; the default resolves
+to "out_in" on CPU, ``rlflow.sampler.kernel_layout``), and ``kernel_layout_default_over_in_out``
+the device-step ratio.
 ``decode_bytes_per_step``, ``decode_read_bound_ms_per_step``, ``decode_device_over_read_bound``
 and ``decode_speedup_at_read_bound`` (float32, and ``_bf16``): the decode step against the time a jitted read of the
 same bytes (weights + KV cache) takes here, and the speedup a loop at that bound would have.
@@ -136,6 +140,11 @@ def measure(size: str, suffix: str, tmp: str) -> None:
         num_slots=batch, max_prefill_length=plen, prefill_buckets=(plen,), max_tokens=new,
         temperature=1.0, group_size=1, decode_steps_per_call=k),
         mesh=make_mesh(MeshConfig(), jax.devices()[:1])) for k, dt in ks}
+    # the wide kernels as the model holds them, [in, out] (the default here resolves to
+    # sampler.kernel_layout="out_in" on CPU, rlflow.sampler.kernel_layout)
+    engines["in_out"] = RlflowEngine(model, dataclasses.replace(
+        engines[(default_k, "float32")].sampler_cfg, kernel_layout="in_out"),
+        mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
     sampling = SamplingParams(temperature=1.0, max_tokens=new, stop_token_ids=())
     # One batcher per engine, made once (it places the weights on the engine's mesh, as
     # loading the model does for transformers); each timed run submits the requests.
@@ -189,7 +198,7 @@ def measure(size: str, suffix: str, tmp: str) -> None:
                                    min_new_tokens=new, pad_token_id=0)
         assert out.shape == (batch, plen + new), out.shape
 
-    for k in ks:
+    for k in ks + ["in_out"]:
         ours(k)                                              # compile
         device_only(k)
     ours_lanes()
@@ -207,8 +216,9 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     t_dev = {k: float("inf") for k in ks}
     t_hfs = {dt: float("inf") for dt in hfs}
     t_lanes = float("inf")
+    t_ours["in_out"] = t_dev["in_out"] = float("inf")
     for _ in range(REPEATS):
-        for k in ks:
+        for k in ks + ["in_out"]:
             t_ours[k] = min(t_ours[k], timed(lambda: ours(k)))
             t_dev[k] = min(t_dev[k], min(device_only(k) for _ in range(BURST)))
         t_lanes = min(t_lanes, timed(ours_lanes))
@@ -236,6 +246,15 @@ def measure(size: str, suffix: str, tmp: str) -> None:
               f"per decode step of {batch} slots (prefill, insert, host bookkeeping, copies)")
         print(f"RESULT decode_device_ms_per_step{sfx} {t_dev[k] * 1e3:.2f} ms jitted decode "
               f"calls alone per step, all slots busy, one host copy per call")
+    default_layout = engines[(default_k, "float32")].sampler_cfg.kernel_layout
+    print(f"RESULT decode_tokens_per_s_in_out{suffix} {batch * new / t_ours['in_out']:.1f} "
+          f"tokens/s as decode_tokens_per_s{suffix} with sampler.kernel_layout=in_out (wide "
+          f"kernels stored [in, out]; default {default_layout!r})")
+    print(f"RESULT decode_device_ms_per_step_in_out{suffix} {t_dev['in_out'] * 1e3:.2f} ms "
+          f"jitted decode calls alone per step, kernel_layout=in_out")
+    print(f"RESULT kernel_layout_default_over_in_out{suffix} "
+          f"{t_dev['in_out'] / t_dev[(default_k, 'float32')]:.2f} x device step, "
+          f"kernel_layout={default_layout!r} over 'in_out' (>1: the default is faster)")
     sfx, tps = f"_lanes{LANES}{suffix}", batch * new / t_lanes
     speedups = {1: batch * new / t_ours[(default_k, "float32")] / hf_tps, LANES: tps / hf_tps}
     print(f"RESULT decode_tokens_per_s{sfx} {tps:.1f} tokens/s rlflow engine, "

@@ -1,6 +1,7 @@
 """The JetStream engine: parity with transformers, logprobs vs a full recompute, sharding,
 JetStream API plumbing (ResultTokens layout, tokenizer, stop ids)."""
 
+import collections
 import functools
 
 import jax
@@ -14,6 +15,7 @@ from rlflow.mesh import make_mesh
 from rlflow.models import build_model, load_hf, positions_from_mask
 from rlflow.models.logprobs import token_logprobs
 from rlflow.sampler.batching import ContinuousBatcher, Request
+from rlflow.sampler import kernel_layout
 from rlflow.sampler.engine import PromptError, RlflowEngine
 from rlflow.sampler.sampling import SamplingParams
 from tests.hf_fixtures import FAMILIES, make_tiny_hf_model
@@ -170,6 +172,55 @@ def test_sharded_engine_matches_single_device(mesh_name, mesh_cfg):
             # sharded vs one device: two programs (tests/tolerances.py)
             np.testing.assert_allclose(c.logprobs, ref.logprobs, rtol=0, atol=forward_atol(
                 model.cfg, 16, float(np.abs(ref.logprobs).max())))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_kernel_layouts_give_the_same_completions(tie):
+    """sampler.kernel_layout: "out_in" stores the wide kernels transposed (gate/up [F, E],
+    an untied LM head [V, E]) and decodes the same tokens as "in_out", logprobs within two
+    float32 programs' bound; param_state gives the model's own tree back."""
+    model = random_model(scale=6.0, init_seed=3, tie_word_embeddings=tie, intermediate_size=96)
+    e, f, v, n = (model.cfg.hidden_size, model.cfg.intermediate_size, model.cfg.vocab_size,
+                  model.cfg.num_layers)
+    reqs = [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=6))
+            for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]])]
+    reqs.append(Request(10, [5, 6, 7], 2, SamplingParams(temperature=1.0, max_tokens=6, seed=4)))
+    plain = nnx.state(model, nnx.Param)
+    results = {}
+    for layout in ("in_out", "out_in"):
+        engine = RlflowEngine(model, sampler_cfg(kernel_layout=layout), mesh=one_device_mesh())
+        params = engine.load_params()
+        shapes = collections.Counter(x.shape for x in params.leaves if x.ndim == 2)
+        flipped = layout == "out_in"
+        # gate and up [E, F] (wide), down [F, E]; embed [V, E]; an untied head [E, V] (wide)
+        want = collections.Counter({(e, f): 0 if flipped else 2 * n,
+                                    (f, e): 3 * n if flipped else n,
+                                    (v, e): 1 if tie else (1 + flipped),
+                                    (e, v): 0 if tie or flipped else 1})
+        assert shapes == +want, (layout, shapes)
+        for a, b in zip(jax.tree.leaves(engine.param_state(params)), jax.tree.leaves(plain)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if flipped:  # the same arrays again (a LoRA forward swap shares its base): kept
+            again = engine.load_params(plain, version=1)
+            for i, _, _ in kernel_layout.wide_kernels(plain):
+                assert again.leaves[i] is params.leaves[i]
+        results[layout] = {g.prompt_id: g for g in ContinuousBatcher(engine).run(reqs)}
+    base = results["in_out"]
+    assert len({tuple(base[i].completions[0].tokens) for i in range(3)}) > 1
+    for pid, g in results["out_in"].items():
+        for c, ref in zip(g.completions, base[pid].completions):
+            assert c.tokens.tolist() == ref.tokens.tolist(), pid
+            np.testing.assert_allclose(c.logprobs, ref.logprobs, rtol=0, atol=forward_atol(
+                model.cfg, 16, float(np.abs(ref.logprobs).max())))
+
+
+def test_kernel_layout_auto_follows_the_backend():
+    assert kernel_layout.stores_out_first("auto", "cpu")
+    assert not kernel_layout.stores_out_first("auto", "tpu")
+    assert kernel_layout.stores_out_first("out_in", "tpu")
+    assert not kernel_layout.stores_out_first("in_out", "cpu")
+    with pytest.raises(ValueError, match="sampler.kernel_layout"):
+        kernel_layout.stores_out_first("rows", "cpu")
 
 
 def test_result_tokens_layout_and_slot_api():

@@ -116,8 +116,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
-def _dense(x: jax.Array, kernel: jax.Array, preferred_element_type=None) -> jax.Array:
-    """``x [..., I] @ kernel [I, O...] -> [..., O...]`` as one 2-D matmul ``[N, I] @ [I, O]``.
+def _dense(x: jax.Array, kernel: jax.Array, preferred_element_type=None,
+           out_in: bool = False) -> jax.Array:
+    """``x [..., I] @ kernel [I, O...] -> [..., O...]`` as one 2-D matmul ``[N, I] @ [I, O]``;
+    with ``out_in`` the kernel is 2-D and stored transposed, ``[O, I]``, and the dot
+    contracts its second axis (the sampler engine's CPU layout,
+    :mod:`rlflow.sampler.kernel_layout`).
 
     One contracting dimension in the backward too: the weight gradient of an einsum over
     ``[B, T, I]`` contracts two dimensions (b, t), and XLA:CPU then copies the output
@@ -133,11 +137,16 @@ def _dense(x: jax.Array, kernel: jax.Array, preferred_element_type=None) -> jax.
     GPU dots accumulate bfloat16 products in float32 anyway, and there a float32 result
     would make the backward's dots mixed-precision (float32 cotangents), so they keep it.
     """
-    lead, out = x.shape[:-1], kernel.shape[1:]
+    lead, out = x.shape[:-1], (kernel.shape[:1] if out_in else kernel.shape[1:])
     widen = (preferred_element_type is None and x.dtype == kernel.dtype
              and jnp.dtype(x.dtype).itemsize < 4 and jax.default_backend() == "cpu")
-    y = jnp.matmul(x.reshape(-1, x.shape[-1]), kernel.reshape(kernel.shape[0], -1),
-                   preferred_element_type=jnp.float32 if widen else preferred_element_type)
+    rows = x.reshape(-1, x.shape[-1])
+    want = jnp.float32 if widen else preferred_element_type
+    if out_in:      # explicit: XLA:CPU copied a transposed kernel back rather than fold it
+        y = jax.lax.dot_general(rows, kernel, (((1,), (1,)), ((), ())),
+                                preferred_element_type=want)
+    else:
+        y = jnp.matmul(rows, kernel.reshape(kernel.shape[0], -1), preferred_element_type=want)
     if widen:
         y = y.astype(x.dtype)
     return y.reshape(lead + out)
@@ -288,7 +297,12 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(x @ gate) * (x @ up))``; gate/up ``[E, F]``, down ``[F, E]``;
-    with ``lora``, adapters ``{gate,up,down}_lora`` on the targeted projections (else None)."""
+    with ``lora``, adapters ``{gate,up,down}_lora`` on the targeted projections (else None).
+    ``out_in``: names of the kernels held transposed, ``[out, in]`` (set by the sampler
+    engine on the model it merges inside its jitted calls, :mod:`rlflow.sampler.kernel_layout`).
+    """
+
+    out_in: frozenset = frozenset()
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         e, f = cfg.hidden_size, cfg.intermediate_size
@@ -305,7 +319,8 @@ class MLP(nnx.Module):
                     if lora is not None and lora.targets(name) else None)
 
     def _lin(self, x, name):
-        y = _dense(x, getattr(self, f"{name}_kernel")[...].astype(self.dtype))
+        y = _dense(x, getattr(self, f"{name}_kernel")[...].astype(self.dtype),
+                   out_in=f"{name}_kernel" in self.out_in)
         adapter = getattr(self, f"{name}_lora")
         return y if adapter is None else y + adapter(x)
 
@@ -337,7 +352,12 @@ class Decoder(nnx.Module):
     to the targeted projections of every layer. They draw from ``rngs`` too, so the base
     weights of a random LoRA decoder differ from those of the plain one with the same seed:
     build the base plainly and add adapters with :func:`rlflow.models.lora_decoder.lora_model_parts`.
+
+    ``out_in``: ``{"lm_head"}`` when the LM head is held transposed, ``[V, E]`` (as
+    :class:`MLP`'s).
     """
+
+    out_in: frozenset = frozenset()
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         self.cfg = cfg
@@ -360,7 +380,8 @@ class Decoder(nnx.Module):
         """Final-normed hidden states ``[..., E]`` -> float32 logits ``[..., V]``."""
         dt = jnp.dtype(self.cfg.dtype)
         w = self.embed[...].astype(dt).T if self.lm_head is None else self.lm_head[...].astype(dt)
-        return _dense(x, w, preferred_element_type=jnp.float32)
+        return _dense(x, w, preferred_element_type=jnp.float32,
+                      out_in=self.lm_head is not None and "lm_head" in self.out_in)
 
     def _embed(self, tokens) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))

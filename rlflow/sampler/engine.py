@@ -50,6 +50,7 @@ from flax import nnx
 from rlflow.sampler.jetstream_api import engine_api, tokenizer_pb2
 
 from rlflow.models.kv_cache import KVCache, init_cache
+from rlflow.sampler import kernel_layout
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
                                          EngineParams, Prefix, PromptError, SampledTokens,
                                          pick_bucket)
@@ -80,6 +81,11 @@ class RlflowEngine(engine_api.Engine):
         self.graphdef, state = nnx.split(model, nnx.Param)
         self._default_state = state
         self._state_treedef = jax.tree_util.tree_structure(state)
+        # wide kernels stored [out, in] (rlflow.sampler.kernel_layout)
+        self._wide = (kernel_layout.wide_kernels(state) if kernel_layout.stores_out_first(
+            getattr(sampler_cfg, "kernel_layout", "auto"), self._mesh.devices.flat[0].platform)
+            else ())
+        self._stored: dict = {}     # wide kernel position -> (placed [in, out], stored [out, in])
         self.tokenizer_path = tokenizer_path
         self.eos_token_ids = tuple(int(e) for e in (
             self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
@@ -121,7 +127,9 @@ class RlflowEngine(engine_api.Engine):
           version: policy version (int >= 0).
 
         Each array is cast to the dtype of the model's own parameter (e.g. fp32 learner
-        weights into a bf16 sampler).
+        weights into a bf16 sampler), and with ``sampler.kernel_layout`` resolving to
+        ``"out_in"`` (the CPU default) each wide kernel is stored transposed
+        (:mod:`rlflow.sampler.kernel_layout`); :meth:`param_state` gives the model's tree.
 
         Raises:
           ValueError: the params' tree does not match the model's, or a parameter's shape
@@ -138,19 +146,31 @@ class RlflowEngine(engine_api.Engine):
             if tuple(np.shape(x)) != tuple(r.shape):
                 raise ValueError(f"load_params: parameter {jax.tree_util.keystr(path)} has "
                                  f"shape {tuple(np.shape(x))}, the model's is {tuple(r.shape)}")
+        given = jax.tree_util.tree_leaves(state)
         state = jax.tree_util.tree_map(
             lambda x, r: x if x.dtype == r.dtype else x.astype(r.dtype), state,
             self._default_state)
-        state = self._mesh_lib.shard_params(state, self._mesh)
-        return EngineParams(leaves=tuple(jax.tree_util.tree_leaves(state)),
-                            version=jnp.asarray(version, jnp.int32))
+        leaves = jax.tree_util.tree_leaves(self._mesh_lib.shard_params(state, self._mesh))
+        for i, _, _ in self._wide:   # stored [out, in]; the same array passed again (a LoRA
+            src, kept = self._stored.get(i, (None, None))  # forward swap shares its base)
+            if src is not given[i]:                        # keeps its stored copy
+                kept = leaves[i].T
+                self._stored[i] = (given[i], kept)
+            leaves[i] = kept
+        return EngineParams(leaves=tuple(leaves), version=jnp.asarray(version, jnp.int32))
 
     def param_state(self, params: EngineParams):
-        """The ``nnx.State`` of ``params`` (inverse of :meth:`load_params`' flattening)."""
-        return jax.tree_util.tree_unflatten(self._state_treedef, params.leaves)
+        """The ``nnx.State`` of ``params`` in the model's own layout (inverse of
+        :meth:`load_params`' flattening and kernel layout)."""
+        return jax.tree_util.tree_unflatten(
+            self._state_treedef, kernel_layout.transpose_at(params.leaves, self._wide))
 
     def _model(self, params: EngineParams):
-        return nnx.merge(self.graphdef, self.param_state(params))
+        """The model on the stored leaves, its wide kernels marked ``[out, in]``."""
+        model = nnx.merge(self.graphdef,
+                          jax.tree_util.tree_unflatten(self._state_treedef, params.leaves))
+        kernel_layout.mark(model, self._wide)
+        return model
 
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, params: EngineParams, padded_tokens, true_length, temperature,

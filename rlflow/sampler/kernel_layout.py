@@ -1,0 +1,88 @@
+"""How the sampler engine stores its wide projection kernels: ``[in, out]`` or ``[out, in]``.
+
+The model computes every projection as ``x [rows, in] @ kernel [in, out]``. A *wide* kernel
+is a 2-D one with ``in < out``: the SwiGLU gate and up kernels ``[E, F]`` and an untied LM
+head ``[E, V]``. On the CPU backend, at the decode step's ``rows = slots`` (16), XLA:CPU's
+YNNPACK dot ran such a kernel stored ``[in, out]`` 1.3-1.6x slower (median of interleaved
+runs, ``[16, 256] x [256, 1024]`` float32, an AMD EPYC host without AVX-512) than the same
+kernel stored ``[out, in]`` and contracted on its second axis, the layout ``transformers``
+keeps for ``nn.Linear``; the ``[in, out]`` storage of the narrow down kernel ``[F, E]`` was
+as fast as its transpose. A whole decode step of the 4.46M GSM8K model ran 1.18x faster
+there (10.13 vs 11.94 ms, ``benchmarks/sampler_throughput.py``, ``_in_out`` lines).
+
+So with layout ``"out_in"`` the engine stores each wide kernel transposed: one transpose per
+weight version in :meth:`rlflow.sampler.engine.RlflowEngine.load_params` (a kernel passed
+again, as a LoRA forward swap passes its base, keeps its stored copy); inside its jitted
+calls it marks the merged model (:func:`mark`), whose projections then contract the stored
+kernel's second axis with an explicit ``dot_general``. (Handed ``stored.T`` instead,
+XLA:CPU copied the kernel back to ``[in, out]`` rather than fold the transpose into the
+dot.) ``"auto"`` picks ``"out_in"`` on the CPU backend only: TPU and GPU compilers choose
+their own physical layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+
+from rlflow.config.sampler import KERNEL_LAYOUTS as LAYOUTS
+
+
+def stores_out_first(layout: str, backend: str) -> bool:
+    """Whether wide kernels are stored ``[out, in]``.
+
+    Args:
+      layout: ``sampler.kernel_layout``, one of :data:`LAYOUTS`.
+      backend: the engine mesh's platform ("cpu", "tpu", "gpu").
+
+    Raises: ValueError for a layout not in :data:`LAYOUTS`.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"sampler.kernel_layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    return layout == "out_in" or (layout == "auto" and backend == "cpu")
+
+
+def _keys(path) -> tuple:
+    """A parameter's tree path as plain keys: ``('layers', 0, 'mlp', 'gate_kernel')``."""
+    return tuple(k.key for k in path if hasattr(k, "key"))
+
+
+def wide_kernels(state) -> tuple[tuple[int, tuple, str], ...]:
+    """The wide kernels of a parameter tree.
+
+    Args:
+      state: the model's parameter tree (``nnx.State``): leaves named ``*_kernel`` or
+        ``lm_head`` that are 2-D ``[in, out]`` with ``in < out`` are wide; LoRA factors,
+        embeddings, norms and the 3-D attention kernels are not.
+
+    Returns: per wide kernel, ``(position in jax.tree_util.tree_leaves(state), keys of the
+    module that owns it, its attribute name)``.
+    """
+    out = []
+    for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
+        keys = _keys(path)
+        name = keys[-1] if keys and isinstance(keys[-1], str) else ""
+        if ((name.endswith("_kernel") or name == "lm_head") and len(x.shape) == 2
+                and x.shape[0] < x.shape[1]):
+            out.append((i, keys[:-1], name))
+    return tuple(out)
+
+
+def transpose_at(leaves: Sequence, wide: Sequence[tuple]) -> list:
+    """``leaves`` with the wide kernels (:func:`wide_kernels`) transposed, the rest as they
+    are: ``[in, out]`` -> ``[out, in]`` to store a version, and back for the model's tree."""
+    at = {i for i, _, _ in wide}
+    return [x.T if i in at else x for i, x in enumerate(leaves)]
+
+
+def mark(model, wide: Sequence[tuple]) -> None:
+    """Tell the modules of ``model`` (merged from stored leaves, inside a jitted call) which
+    of their kernels are held ``[out, in]``: each owner's ``out_in`` set
+    (:class:`rlflow.models.decoder.MLP`, ``Decoder``) gains the kernel's name, and its
+    projection contracts that kernel's second axis."""
+    for _, owner, name in wide:
+        module = model
+        for key in owner:
+            module = module[key] if isinstance(key, int) else getattr(module, key)
+        module.out_in = module.out_in | {name}
