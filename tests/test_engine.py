@@ -204,6 +204,11 @@ def test_kernel_layouts_give_the_same_completions(tie):
             again = engine.load_params(plain, version=1)
             for i, _, _ in kernel_layout.wide_kernels(plain):
                 assert again.leaves[i] is params.leaves[i]
+            # ... and new arrays (the next version) are stored anew, not served stale
+            doubled = jax.tree.map(lambda x: x * 2, plain)
+            got = engine.param_state(engine.load_params(doubled, version=2))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(doubled)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         results[layout] = {g.prompt_id: g for g in ContinuousBatcher(engine).run(reqs)}
     base = results["in_out"]
     assert len({tuple(base[i].completions[0].tokens) for i in range(3)}) > 1

@@ -81,11 +81,10 @@ class RlflowEngine(engine_api.Engine):
         self.graphdef, state = nnx.split(model, nnx.Param)
         self._default_state = state
         self._state_treedef = jax.tree_util.tree_structure(state)
-        # wide kernels stored [out, in] (rlflow.sampler.kernel_layout)
-        self._wide = (kernel_layout.wide_kernels(state) if kernel_layout.stores_out_first(
-            getattr(sampler_cfg, "kernel_layout", "auto"), self._mesh.devices.flat[0].platform)
-            else ())
-        self._stored: dict = {}     # wide kernel position -> (placed [in, out], stored [out, in])
+        self._kernels = kernel_layout.StoredKernels(    # wide kernels held [out, in] or not
+            kernel_layout.wide_kernels(state) if kernel_layout.stores_out_first(
+                getattr(sampler_cfg, "kernel_layout", "auto"),
+                self._mesh.devices.flat[0].platform) else ())
         self.tokenizer_path = tokenizer_path
         self.eos_token_ids = tuple(int(e) for e in (
             self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
@@ -150,26 +149,21 @@ class RlflowEngine(engine_api.Engine):
         state = jax.tree_util.tree_map(
             lambda x, r: x if x.dtype == r.dtype else x.astype(r.dtype), state,
             self._default_state)
-        leaves = jax.tree_util.tree_leaves(self._mesh_lib.shard_params(state, self._mesh))
-        for i, _, _ in self._wide:   # stored [out, in]; the same array passed again (a LoRA
-            src, kept = self._stored.get(i, (None, None))  # forward swap shares its base)
-            if src is not given[i]:                        # keeps its stored copy
-                kept = leaves[i].T
-                self._stored[i] = (given[i], kept)
-            leaves[i] = kept
+        leaves = self._kernels.store(given, jax.tree_util.tree_leaves(
+            self._mesh_lib.shard_params(state, self._mesh)))
         return EngineParams(leaves=tuple(leaves), version=jnp.asarray(version, jnp.int32))
 
     def param_state(self, params: EngineParams):
         """The ``nnx.State`` of ``params`` in the model's own layout (inverse of
         :meth:`load_params`' flattening and kernel layout)."""
         return jax.tree_util.tree_unflatten(
-            self._state_treedef, kernel_layout.transpose_at(params.leaves, self._wide))
+            self._state_treedef, self._kernels.model_leaves(params.leaves))
 
     def _model(self, params: EngineParams):
         """The model on the stored leaves, its wide kernels marked ``[out, in]``."""
         model = nnx.merge(self.graphdef,
                           jax.tree_util.tree_unflatten(self._state_treedef, params.leaves))
-        kernel_layout.mark(model, self._wide)
+        self._kernels.mark(model)
         return model
 
     # ------------------------------------------------------------------ prefill

@@ -13,7 +13,7 @@ there (10.13 vs 11.94 ms, ``benchmarks/sampler_throughput.py``, ``_in_out`` line
 So with layout ``"out_in"`` the engine stores each wide kernel transposed: one transpose per
 weight version in :meth:`rlflow.sampler.engine.RlflowEngine.load_params` (a kernel passed
 again, as a LoRA forward swap passes its base, keeps its stored copy); inside its jitted
-calls it marks the merged model (:func:`mark`), whose projections then contract the stored
+calls it marks the merged model (:meth:`StoredKernels.mark`), whose projections then contract the stored
 kernel's second axis with an explicit ``dot_general``. (Handed ``stored.T`` instead,
 XLA:CPU copied the kernel back to ``[in, out]`` rather than fold the transpose into the
 dot.) ``"auto"`` picks ``"out_in"`` on the CPU backend only: TPU and GPU compilers choose
@@ -22,6 +22,7 @@ their own physical layouts.
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import jax
@@ -69,20 +70,57 @@ def wide_kernels(state) -> tuple[tuple[int, tuple, str], ...]:
     return tuple(out)
 
 
-def transpose_at(leaves: Sequence, wide: Sequence[tuple]) -> list:
-    """``leaves`` with the wide kernels (:func:`wide_kernels`) transposed, the rest as they
-    are: ``[in, out]`` -> ``[out, in]`` to store a version, and back for the model's tree."""
-    at = {i for i, _, _ in wide}
-    return [x.T if i in at else x for i, x in enumerate(leaves)]
+def _weak(x):
+    """A weak reference to ``x``, or one that is always dead where ``x`` takes none."""
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return lambda: None
 
 
-def mark(model, wide: Sequence[tuple]) -> None:
-    """Tell the modules of ``model`` (merged from stored leaves, inside a jitted call) which
-    of their kernels are held ``[out, in]``: each owner's ``out_in`` set
-    (:class:`rlflow.models.decoder.MLP`, ``Decoder``) gains the kernel's name, and its
-    projection contracts that kernel's second axis."""
-    for _, owner, name in wide:
-        module = model
-        for key in owner:
-            module = module[key] if isinstance(key, int) else getattr(module, key)
-        module.out_in = module.out_in | {name}
+class StoredKernels:
+    """An engine's wide kernels held ``[out, in]``.
+
+    Args:
+      wide: :func:`wide_kernels` of the model's parameter tree; empty: nothing is stored
+        transposed (layout "in_out", or "auto" off the CPU backend).
+
+    Thread-safe enough for the engine: a race between two :meth:`store` calls costs at
+    most one extra transpose.
+    """
+
+    def __init__(self, wide: Sequence[tuple] = ()):
+        self.wide = tuple(wide)
+        # leaf position -> (weak reference to the array given, its stored transpose): the
+        # given version is not kept alive for this
+        self._kept: dict = {}
+
+    def store(self, given: Sequence, placed: Sequence) -> list:
+        """The leaves to keep: ``placed`` (on the engine mesh, ``[in, out]``) with each wide
+        kernel transposed, once per array: a kernel whose ``given`` array (the caller's,
+        before placement) is the one of the previous call keeps its stored copy (a LoRA
+        forward swap passes the same base every version)."""
+        leaves = list(placed)
+        for i, _, _ in self.wide:
+            src, kept = self._kept.get(i, (lambda: None, None))
+            if src() is not given[i]:
+                kept = placed[i].T
+                self._kept[i] = (_weak(given[i]), kept)
+            leaves[i] = kept
+        return leaves
+
+    def model_leaves(self, leaves: Sequence) -> list:
+        """Stored leaves -> the model's own layout (eager: copies; traced: transposes)."""
+        at = {i for i, _, _ in self.wide}
+        return [x.T if i in at else x for i, x in enumerate(leaves)]
+
+    def mark(self, model) -> None:
+        """Tell the modules of ``model`` (merged from stored leaves, inside a jitted call)
+        which of their kernels are held ``[out, in]``: each owner's ``out_in`` set
+        (:class:`rlflow.models.decoder.MLP`, ``Decoder``) gains the kernel's name, and its
+        projection contracts that kernel's second axis."""
+        for _, owner, name in self.wide:
+            module = model
+            for key in owner:
+                module = module[key] if isinstance(key, int) else getattr(module, key)
+            module.out_in = module.out_in | {name}
