@@ -380,8 +380,7 @@ class Decoder(nnx.Module):
         """Final-normed hidden states ``[..., E]`` -> float32 logits ``[..., V]``."""
         dt = jnp.dtype(self.cfg.dtype)
         w = self.embed[...].astype(dt).T if self.lm_head is None else self.lm_head[...].astype(dt)
-        return _dense(x, w, preferred_element_type=jnp.float32,
-                      out_in=self.lm_head is not None and "lm_head" in self.out_in)
+        return _dense(x, w, preferred_element_type=jnp.float32, out_in="lm_head" in self.out_in)
 
     def _embed(self, tokens) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))

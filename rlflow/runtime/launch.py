@@ -148,8 +148,9 @@ def child_main(argv: Optional[Sequence[str]] = None) -> int:
     pc.install_signal_handlers()
     cfg = pc.load_config(args.config)
     install_log_redaction(secret_values(cfg))   # a token in an error message stays hidden
-    note = host_memory.startup_note(os.environ, cfg.runtime.keep_freed_host_memory)
-    if args.role == "learner" and note:
+    note = (host_memory.startup_note(os.environ, cfg.runtime.keep_freed_host_memory)
+            if args.role == "learner" else None)
+    if note:
         log.info("host memory: %s", note)
     profile = os.environ.get(pc.ENV_PROFILE)
     if profile:                             # RLFLOW_PROFILE=dir: cProfile stats per program
