@@ -44,10 +44,12 @@ def test_entry_points_import_in_a_fresh_interpreter_each():
 def test_the_sampler_program_imports_without_tensorflow():
     """JetStream's engine_api imports token_utils -> seqio -> TensorFlow (~6.5 s of CPU per
     sampler start) for a default method rlflow overrides; rlflow.sampler.jetstream_api loads
-    token_utils lazily, so the sampler program never imports TensorFlow."""
-    code = ("import sys, rlflow.sampler.program\n"
+    token_utils lazily, so the sampler program never imports TensorFlow, not even when
+    something probes every module the way ``inspect.stack()`` does (importing torch does)."""
+    code = ("import inspect, sys, rlflow.sampler.program\n"
             "from rlflow.sampler.jetstream_api import engine_api\n"
             "assert issubclass(engine_api.Engine, object)\n"
+            "inspect.stack()\n"
             "print(sorted(m for m in ('tensorflow', 'seqio') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
@@ -70,7 +72,11 @@ def test_lazy_import_runs_the_module_on_first_attribute_read(tmp_path, monkeypat
     module = lazy_import("lazypkg.heavy")
     from lazypkg import heavy                # found on the package: still not run
     assert heavy is module and builtins.LAZY_RAN is False
+    # dunder probes (inspect.getmodule reads __file__ of every module) do not run it either
+    assert heavy.__file__ == str(pkg / "heavy.py") and not hasattr(heavy, "__wrapped__")
+    assert builtins.LAZY_RAN is False
     assert heavy.VALUE == 7 and builtins.LAZY_RAN is True
+    assert not hasattr(heavy, "__getattr__")        # the loaded module is the plain one
     assert lazy_import("lazypkg.heavy") is module
     monkeypatch.delitem(sys.modules, "lazypkg.heavy")
     monkeypatch.delitem(sys.modules, "lazypkg")
