@@ -74,7 +74,7 @@ def learner_peer(size: str, rank: int, what: str) -> None:
 
     _, _, _, adapters, base = _trees(size, rank)
     tree = adapters if what == "lora" else base
-    pub = WeightPublisher(pull_timeout_s=120, copy=True)
+    pub = WeightPublisher(pull_timeout_s=120, donated=False)   # new arrays every version
     coord = Coordinator(pub).start()
     print("READY", coord.address, flush=True)
     for line in sys.stdin:

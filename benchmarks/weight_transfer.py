@@ -69,9 +69,13 @@ def leaf_shape(mb: int) -> tuple[int, int]:
     return rows, 1024
 
 
-def learner(mb: int, serial: bool) -> None:
+def learner(mb: int, serial: bool, donated: bool) -> None:
     """Peer process: on "publish <v>" publish version v, print its start time and how long
     ``publish`` took, then (once the device copy is done) how long the copy took.
+    ``donated``: as a train step that donates its params (the same arrays every version,
+    published through a device copy); else as ``rlflow train``'s learner, whose step keeps
+    its params: each version is a new set of arrays (made before the clock starts, as the
+    step makes them) published as they are.
     ``serial``: wait for the copy before telling the sampler (no overlap with the pull)."""
     from rlflow.exchange.coordinator import Coordinator
     from rlflow.exchange.transfer import WeightPublisher
@@ -81,12 +85,15 @@ def learner(mb: int, serial: bool) -> None:
     params = {f"w{i}": jax.device_put(np.full(shape, i, np.float32),
                                       NamedSharding(mesh, P("fsdp", None)))
               for i in range(LEAVES)}
-    pub = WeightPublisher(pull_timeout_s=300)
+    step = jax.jit(lambda tree: jax.tree.map(jax.numpy.copy, tree))  # new output buffers
+    pub = WeightPublisher(pull_timeout_s=300, donated=donated)
     coord = Coordinator(pub).start()
     print("READY", coord.address, flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if cmd[:1] == ["publish"]:
+            if not donated:
+                params = jax.block_until_ready(step(params))
             t0, c0 = time.time(), time.process_time()
             pub.publish(int(cmd[1]), params)
             if serial:
@@ -177,25 +184,39 @@ def raw_socket_s(nbytes: int, streams: int, repeats: int,
 
 
 def sampler(mb: int, repeats: int, warmup: int, serial: bool) -> None:
+    mesh = Mesh(np.array(jax.devices()), ("tensor",))
+    same = NamedSharding(mesh, P("tensor", None))  # the learner's split: nothing is re-laid
+    cases = [  # (name, the learner donates its params, the sampler's sharding)
+        ("same_layout", False, same),
+        ("resharded", False, NamedSharding(mesh, P(None, "tensor"))),
+        ("same_layout_donated", True, same),
+    ]
+    results, transports = {}, 1
+    for donated in (False, True):
+        params, sub = _run_cases(mb, repeats, warmup, serial, donated,
+                                 [(n, sh) for n, d, sh in cases if d == donated], results)
+        transports = sub.transports
+    report(mb, params, results, transports, repeats, warmup, serial)
+
+
+def _run_cases(mb, repeats, warmup, serial, donated, cases, results):
+    """One learner process (``donated`` or not), the sampler's ``cases`` against it; fills
+    ``results[name]`` with the median row of ms figures. Returns the last params and the
+    subscriber."""
     from rlflow.exchange.transfer import WeightSubscriber
     from rlflow.runtime.host_memory import allocator_env
 
     # the learner process with the malloc settings rlflow train gives its learner program
     proc = subprocess.Popen([sys.executable, __file__, "--learner", str(mb)] +
-                            (["--serial-publish"] if serial else []), env=allocator_env(os.environ),
+                            (["--serial-publish"] if serial else []) +
+                            (["--donated"] if donated else []), env=allocator_env(os.environ),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    mesh = Mesh(np.array(jax.devices()), ("tensor",))
-    targets = {  # the sampler's own mesh; "same" keeps the learner's split, no re-layout
-        "same_layout": NamedSharding(mesh, P("tensor", None)),
-        "resharded": NamedSharding(mesh, P(None, "tensor")),
-    }
-    results = {}
     try:
         ready = proc.stdout.readline().split()
         assert ready[:1] == ["READY"], ready
         sub = WeightSubscriber(ready[1], consumer_id="bench-sampler", timeout_s=300)
         version = 0
-        for case, sharding in targets.items():
+        for case, sharding in cases:
             sub.target = {f"w{i}": sharding for i in range(LEAVES)}
             params = None
             rows = []
@@ -222,21 +243,26 @@ def sampler(mb: int, repeats: int, warmup: int, serial: bool) -> None:
                                  cpu_learner, cpu_sampler))
                 version += 1
             results[case] = np.median(np.array(rows), axis=0) * 1e3  # ms
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
         proc.stdin.write("quit\n")
         proc.stdin.flush()
         proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return params, sub
+
+
+def report(mb, params, results, transports, repeats, warmup, serial) -> None:
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     base, fresh, threaded = (t * 1e3 for t in numpy_copy_s(nbytes, repeats, warmup))
     link = {n: [t * 1e3 for t in raw_socket_s(nbytes, n, repeats, min(warmup, 2))]
-            for n in sorted({1, sub.transports})}
+            for n in sorted({1, transports})}
     name = f"{round(nbytes / 2**20)}MB"
     print(f"# {name}: {LEAVES} float32 leaves; learner {DEVICES} devices P('fsdp', None); "
           f"sampler {DEVICES} devices; median of {repeats} after {warmup} warm-up rounds; "
-          + ("serial publish (copy done before the offer)" if serial else
-             "publish returns before its copy is done, as in the runtime"))
+          "_donated: a learner whose step donates its params, published through a device copy"
+          + (" (serial publish: copy done before the offer)" if serial else
+             " (publish returns before its copy is done)"))
     print(f"RESULT numpy_copy_{name} {base:.1f} ms np.copyto into a reused buffer (baseline)")
     print(f"RESULT numpy_copy_fresh_{name} {fresh:.1f} ms np.copy into a new buffer")
     print(f"RESULT numpy_copy_{DEVICES}threads_{name} {threaded:.1f} ms")
@@ -251,8 +277,9 @@ def sampler(mb: int, repeats: int, warmup: int, serial: bool) -> None:
     for case, (latency, publish, pull, pause, copy, cpu_l, cpu_s) in results.items():
         cpu = cpu_l + cpu_s
         print(f"RESULT weight_publish_{name}_{case} {publish:.1f} ms")
-        print(f"RESULT weight_publish_copy_{name}_{case} {copy:.1f} ms the learner's device "
-              "copy, from publish start" + ("" if serial else " (overlaps the pull)"))
+        if case.endswith("_donated"):
+            print(f"RESULT weight_publish_copy_{name}_{case} {copy:.1f} ms the learner's device "
+                  "copy, from publish start" + ("" if serial else " (overlaps the pull)"))
         print(f"RESULT weight_pull_{name}_{case} {pull:.1f} ms")
         print(f"RESULT weight_other_{name}_{case} {latency - publish - pull - pause:.1f} ms")
         print(f"RESULT weight_publish_to_swap_{name}_{case} {latency:.1f} ms")
@@ -276,9 +303,10 @@ def main() -> None:
                     help="the learner waits for its device copy before the sampler polls "
                          "(the figures before the copy overlapped the pull)")
     ap.add_argument("--learner", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--donated", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.learner is not None:
-        learner(args.learner, args.serial_publish)
+        learner(args.learner, args.serial_publish, args.donated)
         return
     for mb in args.mb:
         sampler(mb, args.repeats, args.warmup, args.serial_publish)

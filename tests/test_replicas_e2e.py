@@ -203,6 +203,32 @@ def test_async_resume_trains_each_prompt_once_per_epoch(env, tmp_path):
     assert "ran out" not in third.stderr
 
 
+GATED_REWARD = """import os
+import time
+
+from rlflow.data.tasks import digits_match
+
+
+def gated_digits_match(completion, answer):
+    gate = {gate!r}
+    open(os.path.join(gate, "arrived-" + os.environ["RLFLOW_REPLICA"]), "w").close()
+    deadline = time.monotonic() + 240
+    while not os.path.exists(os.path.join(gate, "open")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return digits_match(completion, answer)
+"""
+
+
+def _wait_for_file(path, proc, limit_s=HANG_GUARD_S):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if os.path.exists(path):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} not written within {limit_s} s")
+
+
 def _wait_all_delivered(run, replicas, proc, limit_s=HANG_GUARD_S):
     """Until the metrics say every replica has delivered at least one group."""
     path = os.path.join(run, "metrics.jsonl")
@@ -223,11 +249,24 @@ def test_three_replicas_complete_and_train_each_prompt_once_per_epoch_after_a_ki
     restart) mid-run and the other two finish the run; from the run's own record each epoch
     trains each prompt exactly once (what an uninterrupted run trains)."""
     prompts = [f"{d}>" for d in range(1, 10)]                 # 9 prompts x 3 epochs
+    # All 3 replicas deliver for sure: the reward holds every group at a gate until each
+    # replica has one there (a replica holds at most 2 groups with 4 slots: lease_cap, so the
+    # first one up cannot take the whole staleness budget of 9). Without it the first two
+    # replicas up could train all 9 steps (~0.1 s each) before the third finished starting.
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    reward = tmp_path / "gated_reward.py"
+    reward.write_text(GATED_REWARD.format(gate=str(gate)))
     args = _digits_args(tmp_path, prompts, epochs=3, steps=9, groups=3) + [
-        "--sampler.num_replicas", "3", "--runtime.replica_timeout_s", "5"]
+        "--sampler.num_replicas", "3", "--runtime.replica_timeout_s", "5",
+        "--sampler.num_slots", "4", "--reward.functions", f"{reward}:gated_digits_match",
+        "--reward.timeout_s", "280"]
     run = os.path.join(str(tmp_path), "nine")
     proc = _start(env, tmp_path, "nine", *args)
     try:
+        for i in range(3):
+            _wait_for_file(gate / f"arrived-{i}", proc)
+        (gate / "open").touch()
         _wait_all_delivered(run, 3, proc)
         os.kill(json.load(open(os.path.join(run, "processes.json")))["sampler-2"],
                 signal.SIGKILL)

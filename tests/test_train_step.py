@@ -70,6 +70,32 @@ def test_sharded_step_equals_single_device():
     assert sharded.version == single.version == 2
 
 
+def test_kept_params_step_equals_the_donating_step():
+    """``Learner(keep_params=True)`` (what weight transfer uses): the step writes new params
+    and leaves the old arrays alive and unchanged, where the donating step deletes them; the
+    results are the same bits (the same computation, only the output buffers differ)."""
+    cfg = experiment(kl_coef=0.1)
+    kept = Learner(cfg, mesh=one_device_mesh(), keep_params=True)
+    donating = Learner(cfg, mesh=one_device_mesh())
+    assert kept.keeps_params and not donating.keeps_params
+    for step in range(2):
+        recs = make_records(10 + step, 2)
+        old_kept, old_donated = jax.tree.leaves(kept.params), jax.tree.leaves(donating.params)
+        before = [np.asarray(x) for x in old_kept]
+        m_kept, m_donated = kept.train_on(recs), donating.train_on(recs)
+        assert m_kept["learner/loss"] == m_donated["learner/loss"]
+        assert all(x.is_deleted() for x in old_donated)
+        assert not any(x.is_deleted() for x in old_kept)
+        for x, b in zip(old_kept, before):
+            np.testing.assert_array_equal(np.asarray(x), b)      # never written
+    got, want = flat(kept.params), flat(donating.params)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+    new = [np.asarray(x) for x in jax.tree.leaves(kept.params)]
+    assert len(new) == len(before)
+    assert not any(np.array_equal(x, b) for x, b in zip(new, before))   # every param moved
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     model, _ = build_model(replace(MODEL, num_layers=1))

@@ -293,20 +293,20 @@ def test_retries_exhausted_raise_transfer_error(learner):
     assert sub.poll()[0] == 1  # the next poll gets a fresh offer and succeeds
 
 
-@pytest.mark.parametrize("copy", [True, False])
-def test_an_offer_outlives_a_newer_publish(learner, copy):
-    """An offer made before a newer publish still delivers its own version's bytes: with
-    ``copy`` the server reads the publish copy through raw buffer aliases, and the
-    publisher drops that copy at the next publish; its freed memory is then reused."""
+@pytest.mark.parametrize("donated", [True, False])
+def test_an_offer_outlives_a_newer_publish(learner, donated):
+    """An offer made before a newer publish still delivers its own version's bytes, after the
+    caller and the publisher have both dropped version 1: the server reads it through raw
+    buffer aliases (the publish copy with ``donated``, the caller's own arrays without), and
+    the freed memory of other arrays is then reused."""
     import gc
 
-    pub, coord = learner(copy=copy)
+    pub, coord = learner(donated=donated)
     v1 = sharded_params(1)
     pub.publish(1, v1)
     offer = CoordinatorClient(coord.address, consumer_id="s1").latest(-1)
     pub.publish(2, sharded_params(2))
-    if copy:
-        del v1          # the caller drops version 1 too: only the offer holds its bytes now
+    del v1          # the caller drops version 1 too: only the offer holds its bytes now
     gc.collect()
     reuse = [jax.block_until_ready(jax.tree.map(lambda x: x * 3 + 1, sharded_params(7)))
              for _ in range(3)]
@@ -316,6 +316,19 @@ def test_an_offer_outlives_a_newer_publish(learner, copy):
     assert offer["version"] == 1 and len(got) == len(want) and len(reuse) == 3
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_a_kept_publish_is_sent_without_a_copy(learner):
+    """``donated=False``: the published leaves are the caller's own arrays (no device copy);
+    ``donated=True``: fresh copies."""
+    params = sharded_params(3)
+    for donated in (False, True):
+        pub, _ = learner(donated=donated)
+        pub.publish(1, params)
+        sent = {id(x) for x in pub._current[1]}
+        src = {id(x) for x in jax.tree.leaves(params)}
+        assert len(sent) == len(src) == 4
+        assert sent.isdisjoint(src) if donated else sent == src
 
 
 def test_versions_never_go_backwards(learner, tmp_path):

@@ -28,9 +28,10 @@ Speed (``benchmarks/weight_transfer.py``: 2-core CPU host, loopback; it also mea
 raw-socket send of the same bytes and the CPU time of both processes). Where the time goes
 (per-thread CPU from ``/proc/<pid>/task/*/schedstat`` and ``perf``, 50 MB in 16 shards):
 
-* learner: the publish copy (one memcpy; the train step donates its params, so it stays),
-  then, per buffer, a copy into the server's staging slots (``CopyRawToHost``) and the
-  ``send-thread``'s ``MSG_ZEROCOPY`` send (on loopback the kernel copies the pages anyway);
+* learner: with a donating train step, the publish copy (one memcpy); then, per buffer, a
+  copy into the server's staging slots (``CopyRawToHost``, gone with raw buffer aliases)
+  and the ``send-thread``'s ``MSG_ZEROCOPY`` send (on loopback the kernel copies the pages
+  anyway);
 * sampler: each ``recv-thread`` receives into a staging slab (the kernel copy) and then
   memcpys into the new array (``TransferRawDataToSubBuffer``), page-faulting the fresh
   pages of the new version (~4k faults per 50 MB, ~10k per 200 MB).
@@ -38,11 +39,13 @@ raw-socket send of the same bytes and the CPU time of both processes). Where the
 A raw socket does only the two kernel copies; the transfer does two to three memcpys more
 and the faults: ~3x the raw socket's CPU time per byte. On a host with few cores the
 copies of both processes share the cores, so that CPU time, not the link, bounds the
-latency. Kept: the publisher serves its own copy through raw buffer aliases
-(``use_raw_buffers``: no staging copy on the learner; the publish copy is the publisher's
-alone, so nothing can donate or delete it under a pending pull), and ``publish`` does not
-wait for its copy (the server sends each buffer once its copy is ready, so the pull
-overlaps the copy). Each leaf is re-laid onto the target as soon as it has landed, so only
+latency. Kept: the server sends through raw buffer aliases (``use_raw_buffers``: no
+staging copy on the learner), which is safe only for arrays nothing donates, deletes or
+writes under a pending pull: the learner's own params when its step keeps them
+(``Learner(keep_params=True)``, ``donated=False`` here: no publish copy at all; 50 MB:
+learner CPU per version 18-20 -> 9-10 ms, publish -> swap 22-26 -> 20 ms), else a publish
+copy that is the publisher's alone (``donated=True``; ``publish`` does not wait for it:
+the server sends each buffer once its copy is ready, so the pull overlaps the copy). Each leaf is re-laid onto the target as soon as it has landed, so only
 the last leaf's re-layout remains after the transfer. Measured and dropped (CPU time per
 pull, loaded host, this and earlier sessions): one flat buffer for all leaves (shards
 > 32 MB are fresh mmaps, page-faulted on every pull), ``transfer_size`` 1/4/16 MB (more
@@ -135,10 +138,13 @@ class WeightPublisher:
       advertise_host: host samplers connect to (default: ``bind_address``, or this host's
         address when bound to all interfaces).
       pull_timeout_s: seconds an offer's ``await_pull`` keeps its arrays for the pull.
-      copy: publish a device copy (needed when the train step donates the params). The
-        copy is this publisher's alone, so its server sends it through raw buffer aliases
-        (``use_raw_buffers``: one host copy fewer per byte); without a copy it serves the
-        caller's arrays the safe way (a donation while a pull is pending must not be read).
+      donated: the caller's train step donates the published arrays' buffers (writes the
+        next version into them), so ``publish`` makes a device copy, this publisher's alone.
+        False: the caller never donates, deletes or writes them (a step that keeps its params,
+        ``Learner(keep_params=True)``), so they are published as they are, with no copy.
+        Either way the server sends them through raw buffer aliases (``use_raw_buffers``:
+        no staging copy), which is safe only because nothing writes or frees them while a
+        pull is pending.
       layout: "native" (the learner's shardings; the sampler needs as many devices) or
         "single_device" (gathered onto the first local device: any sampler can pull).
       transports: bulk-transport sockets of the server (default: one per local device);
@@ -146,14 +152,14 @@ class WeightPublisher:
     """
 
     def __init__(self, *, bind_address: str = "127.0.0.1", advertise_host: str | None = None,
-                 pull_timeout_s: float = 120.0, copy: bool = True, layout: str = "native",
+                 pull_timeout_s: float = 120.0, donated: bool = True, layout: str = "native",
                  transports: int | None = None):
         if layout not in ("native", "single_device"):
             raise ValueError(f"layout must be 'native' or 'single_device', got {layout!r}")
-        self.pull_timeout_s, self.copy, self.layout = pull_timeout_s, copy, layout
+        self.pull_timeout_s, self.donated, self.layout = pull_timeout_s, donated, layout
         self._devices = jax.local_devices()
         self._server, self.transports = _start_server(bind_address, transports,
-                                                      raw_buffers=copy)
+                                                      raw_buffers=True)
         port = self._server.address().rsplit(":", 1)[1]
         if advertise_host is None:
             advertise_host = advertised_host(bind_address)
@@ -178,8 +184,8 @@ class WeightPublisher:
         paths, leaves, _ = layout_lib.flatten(params)
         if self.layout == "single_device":
             dst = [jax.sharding.SingleDeviceSharding(self._devices[0])] * len(leaves)
-            leaves = jax.device_put(leaves, dst, may_alias=not self.copy)
-        elif self.copy:
+            leaves = jax.device_put(leaves, dst, may_alias=not self.donated)
+        elif self.donated:
             leaves = _copy_leaves(leaves)
         desc = layout_lib.describe(paths, leaves)
         with self._lock:

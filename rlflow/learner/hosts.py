@@ -153,12 +153,14 @@ class LearnerHosts:
 
 
 def weight_publisher(cfg, bind_host: str):
-    """This host's ``WeightPublisher`` (``runtime.transfer_layout``, a device copy)."""
+    """This host's ``WeightPublisher`` (``runtime.transfer_layout``; it sends the step's own
+    params buffers, which the step keeps: ``rlflow.learner.publish.keeps_params``)."""
     from rlflow.exchange.transfer import WeightPublisher
+    from rlflow.learner.publish import keeps_params
 
     rt = cfg.runtime
     return WeightPublisher(bind_address=bind_host, pull_timeout_s=rt.transfer_timeout_s,
-                           copy=True, layout=rt.transfer_layout)
+                           donated=not keeps_params(cfg), layout=rt.transfer_layout)
 
 
 def follower_main(cfg, endpoints: pc.Endpoints) -> None:
@@ -175,8 +177,10 @@ def follower_main(cfg, endpoints: pc.Endpoints) -> None:
 
     signal.signal(signal.SIGTERM, lambda signum, frame: log.info(
         "SIGTERM: waiting for learner host 0's exit checkpoint"))
+    from rlflow.learner.publish import keeps_params
+
     host = jax.process_index()
-    learner = Learner(cfg)
+    learner = Learner(cfg, keep_params=keeps_params(cfg))
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path), cfg.checkpoint)
     restored = learner.resume(checkpointer)
     # samplers reach this host's weight server: loopback when host 0's is (one machine),

@@ -55,7 +55,7 @@ from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import sample_staleness
 from rlflow.learner.prefetch import NextGroups, build_ahead, take_waiting
-from rlflow.learner.publish import Publisher
+from rlflow.learner.publish import Publisher, keeps_params
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner, pull_metrics
 from rlflow.metrics import MetricsWriter
@@ -87,7 +87,7 @@ class LearnerProgram:
 
             prepare_run_folder(cfg)
         self.gps = cfg.learner.groups_per_step
-        self.learner = Learner(cfg)
+        self.learner = Learner(cfg, keep_params=keeps_params(cfg))
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path),
                                                   cfg.checkpoint)
         self.start_step, data_state, extra = self._resume()

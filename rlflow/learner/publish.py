@@ -10,6 +10,9 @@ the samplers.
 
 A multi-host learner (``learner.num_hosts > 1``) publishes through its
 :class:`rlflow.learner.hosts.LearnerHosts`: every host serves its own weight shards.
+
+With ``"transfer"`` the learner's step keeps its params (:func:`keeps_params`): the transfer
+server sends a version straight from the step's output buffers, with no publish copy.
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ import shutil
 import time
 
 from rlflow.models.lora import tree_bytes
+
+
+def keeps_params(cfg) -> bool:
+    """Whether the learner's train step keeps its params (``Learner(keep_params=...)``, never
+    donated) so that a published version is served without a copy: with
+    ``runtime.weight_transfer = "transfer"``. The orbax fallback writes each version to
+    files instead, so its step donates them (one params-sized buffer less)."""
+    return cfg.runtime.weight_transfer == "transfer"
 
 
 class _NoOffers:
@@ -47,7 +58,8 @@ class Publisher:
             from rlflow.exchange.transfer import WeightPublisher
 
             self.impl = WeightPublisher(bind_address=bind_host,
-                                        pull_timeout_s=rt.transfer_timeout_s, copy=True,
+                                        pull_timeout_s=rt.transfer_timeout_s,
+                                        donated=not keeps_params(cfg),
                                         layout=rt.transfer_layout)
             self.offers = self.impl
             if cfg.sampler.num_replicas > 1 and rt.relay_fanout > 0:

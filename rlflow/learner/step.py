@@ -24,7 +24,7 @@ gradient clipping; the head lives in ``TrainState.value``, never in ``TrainState
 
 Layout: parameters and the optimiser state use :func:`rlflow.mesh.param_shardings` (FSDP x
 tensor), the batch :func:`rlflow.mesh.batch_sharding`, metrics are replicated. The state is
-donated. :func:`compile_train_step` compiles ahead of time for one batch shape and logs the
+donated (all of it, or all but the params: ``jit_train_step(keep_params=True)``). :func:`compile_train_step` compiles ahead of time for one batch shape and logs the
 compiled memory analysis.
 """
 
@@ -437,15 +437,36 @@ def _value_metrics(acc, n_tok) -> dict:
                 has_var, 1.0 - var_res / jnp.where(has_var, var_ret, 1.0), 0.0)}
 
 
-def jit_train_step(step_fn, state_sh: TrainState, mesh, *, with_ref: bool, frozen_sh=None):
-    """``jax.jit`` of ``step_fn`` with explicit shardings and the state donated;
-    ``frozen_sh``: shardings of the ``frozen`` argument (LoRA base; never donated)."""
+def jit_train_step(step_fn, state_sh: TrainState, mesh, *, with_ref: bool, frozen_sh=None,
+                   keep_params: bool = False):
+    """``jax.jit`` of ``step_fn`` with explicit shardings and the state donated, called with
+    :func:`step_args` (the state split into ``params`` and the rest).
+
+    ``frozen_sh``: shardings of the ``frozen`` argument (LoRA base; never donated).
+    ``keep_params``: donate the state except ``params``: every step writes its new params into
+    new buffers and never writes or frees the old ones, so the arrays of a published version
+    stay valid for as long as something holds them (a weight server sends them as they are,
+    with no copy: :class:`rlflow.exchange.transfer.WeightPublisher` with ``donated=False``).
+    Costs one params-sized buffer more during the step, the same as a publish copy.
+    """
     bsh = batch_sharding(mesh)
     batch_sh = TrainBatch(*([bsh] * len(TrainBatch._fields)))
-    return jax.jit(step_fn,
-                   in_shardings=(state_sh, batch_sh, state_sh.params if with_ref else None,
-                                 frozen_sh),
-                   out_shardings=(state_sh, replicated(mesh)), donate_argnums=(0,))
+
+    def split_step(params, rest: TrainState, batch, ref_params, frozen):
+        return step_fn(rest._replace(params=params), batch, ref_params, frozen)
+
+    return jax.jit(split_step,
+                   in_shardings=(state_sh.params, state_sh._replace(params=None), batch_sh,
+                                 state_sh.params if with_ref else None, frozen_sh),
+                   out_shardings=(state_sh, replicated(mesh)),
+                   donate_argnums=(1,) if keep_params else (0, 1))
+
+
+def step_args(state: TrainState, batch: TrainBatch, ref_params=None, frozen=None) -> tuple:
+    """The arguments of a :func:`jit_train_step` step: ``(state.params, state without its
+    params, batch, ref_params, frozen)`` (the params are their own argument so that they can
+    be kept while the rest of the state is donated)."""
+    return state.params, state._replace(params=None), batch, ref_params, frozen
 
 
 def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
@@ -460,21 +481,22 @@ def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
 
 
 def abstract_args(state: TrainState, batch: TrainBatch, ref_params=None, frozen=None) -> tuple:
-    """The step's arguments as ``jax.ShapeDtypeStruct`` leaves (shape, dtype, sharding): what
+    """:func:`step_args` with ``jax.ShapeDtypeStruct`` leaves (shape, dtype, sharding): what
     an AOT compile needs, and safe to keep after the state's buffers are donated."""
     def abstract(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
-    return jax.tree.map(abstract, (state, batch, ref_params, frozen))
+    return jax.tree.map(abstract, step_args(state, batch, ref_params, frozen))
 
 
-def compile_train_step(jitted, state: TrainState, batch: TrainBatch, ref_params=None,
-                       frozen=None):
-    """AOT ``lower().compile()`` for these (abstract or concrete) shapes; logs memory use.
+def compile_train_step(jitted, args: tuple):
+    """AOT ``lower().compile()`` of a :func:`jit_train_step` step for ``args``
+    (:func:`abstract_args`, or concrete :func:`step_args`); logs memory use.
 
-    Returns: the compiled executable (call it like the step).
+    Returns: the compiled executable (call it with :func:`step_args`).
     """
-    compiled = jitted.lower(*abstract_args(state, batch, ref_params, frozen)).compile()
+    batch = args[2]
+    compiled = jitted.lower(*args).compile()
     mem = compiled.memory_analysis()
     if mem is not None:
         logger.info("train step [%s]: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB, "

@@ -34,7 +34,7 @@ from rlflow.learner.packing import pack_batch, pack_spec_from_config, padding_fr
 from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import (StepSettings, TrainState, abstract_args, abstract_batch,
                                  compile_train_step, init_state, jit_train_step, make_train_step,
-                                 state_shardings)
+                                 state_shardings, step_args)
 from rlflow.learner.value import init_value_head
 from rlflow.mesh import make_mesh, param_shardings
 from rlflow.models.decoder import validate_tokens
@@ -52,6 +52,9 @@ class Learner:
       cfg: the :class:`rlflow.config.ExperimentConfig`.
       mesh: the learner's mesh (default: ``make_mesh(cfg.learner.mesh, devices)``).
       devices: devices for the default mesh (default: all of ``jax.devices()``).
+      keep_params: the step never donates :attr:`params` (each step's params are new
+        arrays; see :func:`rlflow.learner.step.jit_train_step`), so a weight server can send
+        a published version without copying it first (:attr:`keeps_params`).
 
     The policy is built with ``model.param_dtype`` master parameters and
     ``learner.compute_dtype`` activations (bf16 compute with fp32 master weights when
@@ -67,8 +70,8 @@ class Learner:
     (``value_graphdef``, ``state.value``) is trained jointly with the policy.
     """
 
-    def __init__(self, cfg, *, mesh=None, devices=None):
-        self.cfg = cfg
+    def __init__(self, cfg, *, mesh=None, devices=None, keep_params: bool = False):
+        self.cfg, self.keeps_params = cfg, keep_params
         lc = cfg.learner
         self.mesh = mesh if mesh is not None else make_mesh(lc.mesh, devices)
         model_cfg = config_lib.replace(cfg.model, dtype=lc.compute_dtype)
@@ -103,7 +106,8 @@ class Learner:
         step_fn = make_train_step(self.graphdef, self.tx, self.schedule, self.settings, self.mesh,
                                   self.value_graphdef)
         self._jitted = jit_train_step(step_fn, self.shardings, self.mesh,
-                                      with_ref=self.ref_params is not None, frozen_sh=base_sh)
+                                      with_ref=self.ref_params is not None, frozen_sh=base_sh,
+                                      keep_params=keep_params)
         self._compiled: dict[tuple[int, int], object] = {}
         # Packed row counts this run's steps have used (checkpointed in ``extra``): a resumed
         # run picks the same counts as an uninterrupted one, so its steps have the same
@@ -191,7 +195,7 @@ class Learner:
 
     def _compile(self, rows: int, seq: int, args=None):
         t0 = time.perf_counter()
-        compiled = compile_train_step(self._jitted, *(args or self._abstract_args(rows, seq)))
+        compiled = compile_train_step(self._jitted, args or self._abstract_args(rows, seq))
         logger.info("compiled train step for batch %dx%d in %.1f s", rows, seq,
                     time.perf_counter() - t0)
         return compiled
@@ -310,7 +314,7 @@ class Learner:
         step places them on its batch sharding itself."""
         rows, seq = dev.tokens.shape
         fn = self.compiled_step(rows, seq)
-        self.state, metrics = fn(self.state, dev, self.ref_params, self.base)
+        self.state, metrics = fn(*step_args(self.state, dev, self.ref_params, self.base))
         if self.pack_spec is not None and seq == self.pack_spec.pack_length:
             self.packed_row_counts.add(int(rows))
         return metrics
