@@ -13,7 +13,10 @@ The script re-executes itself once with the glibc malloc settings ``rlflow train
 learner with (``rlflow.runtime.host_memory``; ``BENCH_SYSTEM_MALLOC=1``: the system's).
 
 Figures (``RESULT`` lines, see benchmarks/README.md): learner_step_tokens_per_s,
-learner_step_gflops, matmul_peak_gflops, learner_step_flops_vs_matmul (target >= 0.5 on CPU).
+learner_step_gflops, matmul_peak_gflops, learner_step_flops_vs_matmul (target >= 0.5 on CPU),
+all of the step ``rlflow train`` runs (``Learner(keep_params=True)``: the params are not
+donated, each step writes new ones); learner_step_kept_over_donated: the step that donates
+its params too, over that one (interleaved in the same run).
 
 Sizes from environment variables (defaults in brackets): LEARNER_BENCH_HIDDEN [512],
 LEARNER_BENCH_LAYERS [12], LEARNER_BENCH_HEADS [8], LEARNER_BENCH_MLP [1536],
@@ -97,15 +100,21 @@ def main() -> int:
         runtime=RuntimeConfig(max_staleness=1000))
     matmul = make_matmul(MATMUL)
     t0 = time.perf_counter()
-    learner = Learner(cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    # the step rlflow train runs (weights go by transfer: the step keeps its params, new
+    # params buffers every step), and the one that donates them too (orbax weight files)
+    learner = Learner(cfg, mesh=mesh, keep_params=True)
+    donating = Learner(cfg, mesh=mesh)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.params))
     batch = synthetic_batch(np.random.default_rng(0), VOCAB)
     learner.step(batch)                                     # compile + warm-up
+    donating.step(batch)
     setup_s = time.perf_counter() - t0
     # interleaved, best of each: both sides see the same machine load (2 shared cores)
-    step_s, dot_s = float("inf"), float("inf")
+    step_s, donated_s, dot_s = float("inf"), float("inf"), float("inf")
     for _ in range(REPEATS):
         step_s = min(step_s, best_of(lambda: learner.step(batch), 1))  # step() syncs (metrics)
+        donated_s = min(donated_s, best_of(lambda: donating.step(batch), 1))
         dot_s = min(dot_s, best_of(matmul, 3))
     peak = 2 * MATMUL ** 3 / dot_s
     tokens = BATCH * SEQ
@@ -120,6 +129,9 @@ def main() -> int:
           f"(baseline)")
     print(f"RESULT learner_step_flops_vs_matmul {achieved / peak:.3f} x target>=0.5 on CPU; "
           f"{MALLOC}")
+    print(f"RESULT learner_step_kept_over_donated {donated_s / step_s:.3f} x step time with the "
+          f"params donated ({donated_s:.3f} s) over kept ({step_s:.3f} s; what rlflow train "
+          f"runs with runtime.weight_transfer=transfer); > 1: keeping them is faster")
     return 0
 
 

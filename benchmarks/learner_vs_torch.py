@@ -121,7 +121,8 @@ def make_learner(path: str, packing: bool):
                               pack_length=PACK_LENGTH if packing else 0,
                               shared_prefix=bool(SHARED)),
         runtime=RuntimeConfig(max_staleness=1000))
-    return Learner(cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    return Learner(cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]),
+                   keep_params=True)   # as rlflow train runs it (weights go by transfer)
 
 
 class TorchStep:
