@@ -53,6 +53,7 @@ def parameter_counts(arch=ARCH, rank=RANK) -> tuple[int, int]:
 
 def memory_per_chip(arch=ARCH, rank=RANK) -> dict[str, float]:
     """GB per chip: learner = bf16 base + fp32 adapters, their gradients and AdamW moments,
+    and the published adapters the step keeps beside the new ones (weights go by transfer),
     all sharded over the learner's 4 chips; sampler = bf16 base + the merged bf16 working
     copy of every projection + fp32 adapters over its 4 chips (KV cache extra: num_slots x 2
     x layers x kv_heads x head_dim x length x 2 bytes)."""
@@ -62,7 +63,7 @@ def memory_per_chip(arch=ARCH, rank=RANK) -> dict[str, float]:
     projections = arch["layers"] * (2 * e * h * d + 2 * e * k * d + 3 * e * f)
     gb = 1e9
     return {"learner_base": 2 * base / LEARNER_MESH.num_devices / gb,
-            "learner_adapters_grads_adam": 16 * adapters / LEARNER_MESH.num_devices / gb,
+            "learner_adapters_grads_adam": 20 * adapters / LEARNER_MESH.num_devices / gb,
             "sampler_base_adapters": (2 * base + 2 * projections + 4 * adapters)
             / SAMPLER_MESH.num_devices / gb,
             "bytes_per_version_gb": 4 * adapters / gb}

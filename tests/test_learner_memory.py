@@ -50,6 +50,12 @@ def test_state_terms_equal_the_sharded_learner_state_on_one_chip():
     with_ref = learner_memory(Architecture.from_model_config(MODEL),
                               replace(cfg, learner=replace(cfg.learner, kl_coef=0.1)))
     assert with_ref.reference == mem.params
+    # weights go by transfer (the default): the step keeps the published params beside the
+    # new ones, one more params-sized term; the orbax fallback's step donates them
+    assert cfg.runtime.weight_transfer == "transfer" and mem.published == mem.params
+    orbax = learner_memory(Architecture.from_model_config(MODEL),
+                           replace(cfg, runtime=replace(cfg.runtime, weight_transfer="orbax")))
+    assert orbax.published == 0.0 and orbax.total == mem.total - mem.params
 
 
 def test_activations_scale_with_rows_per_chip():

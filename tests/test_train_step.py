@@ -74,7 +74,7 @@ def test_kept_params_step_equals_the_donating_step():
     """``Learner(keep_params=True)`` (what weight transfer uses): the step writes new params
     and leaves the old arrays alive and unchanged, where the donating step deletes them; the
     results are the same bits (the same computation, only the output buffers differ)."""
-    cfg = experiment(kl_coef=0.1)
+    cfg = tiny_experiment(replace(MODEL, num_layers=1), G, T, kl_coef=0.1)
     kept = Learner(cfg, mesh=one_device_mesh(), keep_params=True)
     donating = Learner(cfg, mesh=one_device_mesh())
     assert kept.keeps_params and not donating.keeps_params

@@ -7,6 +7,9 @@ What one chip of the learner mesh holds during a train step (bytes):
   the parameters' dtype);
 * gradients: ``N x 4 / (fsdp x tensor)`` (the float32 micro-batch accumulator);
 * KL reference copy (``learner.kl_coef > 0``): ``N x param bytes / (fsdp x tensor)``;
+* the published version (``runtime.weight_transfer = "transfer"``): ``N x param bytes /
+  (fsdp x tensor)``: the step keeps the params it was given, which the weight server may be
+  sending, and writes the new ones beside them (``rlflow.learner.publish.keeps_params``);
 * activations of one micro-batch kept for the backward pass (the decoder does not
   rematerialise): per layer and token ``a x (4 h + 4 i / t + 2 (q + 2 kv) d / t)`` bytes for
   norms / residuals, MLP (gate, up, product, activation) and attention projections, plus
@@ -72,20 +75,24 @@ class LearnerMemory:
     optimizer: float
     grads: float
     reference: float
+    published: float
     activations: float
 
     @property
     def total(self) -> float:
-        return self.params + self.optimizer + self.grads + self.reference + self.activations
+        return (self.params + self.optimizer + self.grads + self.reference + self.published +
+                self.activations)
 
     def describe(self) -> str:
-        terms = ("params", "optimizer", "grads", "reference", "activations")
+        terms = ("params", "optimizer", "grads", "reference", "published", "activations")
         return ", ".join(f"{t} {getattr(self, t) / GIB:.1f}" for t in terms) + \
             f" = {self.total / GIB:.1f} GiB"
 
 
 def learner_memory(arch: Architecture, cfg) -> LearnerMemory:
     """Per-chip memory of the learner of ``cfg`` (an ``ExperimentConfig``) for ``arch``."""
+    from rlflow.learner.publish import keeps_params
+
     lc, sc = cfg.learner, cfg.sampler
     mesh = lc.mesh
     n = arch.num_params()
@@ -103,6 +110,7 @@ def learner_memory(arch: Architecture, cfg) -> LearnerMemory:
     return LearnerMemory(params=n * pb / shards, optimizer=2 * n * pb / shards,
                          grads=n * 4 / shards,
                          reference=n * pb / shards if lc.kl_coef > 0 else 0.0,
+                         published=n * pb / shards if keeps_params(cfg) else 0.0,
                          activations=act)
 
 
