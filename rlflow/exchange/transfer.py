@@ -42,11 +42,12 @@ copies of both processes share the cores, so that CPU time, not the link, bounds
 latency. Kept: the server sends through raw buffer aliases (``use_raw_buffers``: no
 staging copy on the learner), which is safe only for arrays nothing donates, deletes or
 writes under a pending pull: the learner's own params when its step keeps them
-(``Learner(keep_params=True)``, ``donated=False`` here: no publish copy at all; 50 MB:
-learner CPU per version 18-20 -> 9-10 ms, publish -> swap 22-26 -> 20 ms), else a publish
-copy that is the publisher's alone (``donated=True``; ``publish`` does not wait for it:
-the server sends each buffer once its copy is ready, so the pull overlaps the copy). Each leaf is re-laid onto the target as soon as it has landed, so only
-the last leaf's re-layout remains after the transfer. Measured and dropped (CPU time per
+(``Learner(keep_params=True)``, ``donated=False`` here: no publish copy at all; 50 MB, three
+runs: learner CPU per version 18-31 -> 9-15 ms, publish -> swap 22-39 -> 20-26 ms), else a
+publish copy that is the publisher's alone (``donated=True``; ``publish`` does not wait for
+it: the server sends each buffer once its copy is ready, so the pull overlaps the copy).
+Each leaf is re-laid onto the target as soon as it has landed, so only the last leaf's
+re-layout remains after the transfer. Measured and dropped (CPU time per
 pull, loaded host, this and earlier sessions): one flat buffer for all leaves (shards
 > 32 MB are fresh mmaps, page-faulted on every pull), ``transfer_size`` 1/4/16 MB (more
 sender CPU), ``max_num_parallel_copies`` 2/16, 1 or 4 transports instead of one per

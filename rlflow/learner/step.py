@@ -24,8 +24,9 @@ gradient clipping; the head lives in ``TrainState.value``, never in ``TrainState
 
 Layout: parameters and the optimiser state use :func:`rlflow.mesh.param_shardings` (FSDP x
 tensor), the batch :func:`rlflow.mesh.batch_sharding`, metrics are replicated. The state is
-donated (all of it, or all but the params: ``jit_train_step(keep_params=True)``). :func:`compile_train_step` compiles ahead of time for one batch shape and logs the
-compiled memory analysis.
+donated (all of it, or all but the params: ``jit_train_step(keep_params=True)``).
+:func:`compile_train_step` compiles ahead of time for one batch shape and logs the compiled
+memory analysis.
 """
 
 from __future__ import annotations
