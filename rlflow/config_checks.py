@@ -5,7 +5,8 @@
 what needs the machine: the plugins import, every reward function resolves (and can be
 loaded by the other programs), the data files (files, not folders) and the model folder
 (config.json, safetensors, tokenizer files, a chat template with ``data.chat_template='hf'``;
-required for non-built-in data) exist, the built-in task is known.
+required for non-built-in data) exist, the built-in task is known, and the sampler can take
+the learner's weight layout (a learner-only config, as tests build, need not).
 ``rlflow train`` runs it before it starts any program, so a mistake is refused in seconds
 with the field named instead of after the programs have started.
 """
@@ -24,14 +25,29 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     Raises:
       ConfigError: the message names the field (``plugins``, ``reward.functions``,
         ``env.name``, ``env.options``,
-        ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``) and what was
-        expected.
+        ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
+        ``runtime.transfer_layout``) and what was expected.
     """
+    _check_weight_layout(cfg)
     _check_plugins(cfg)
     _check_rewards(cfg)
     _check_env(cfg)
     _check_data(cfg)
     _check_model(cfg)
+
+
+def _check_weight_layout(cfg) -> None:
+    """A one-host learner publishing in its own shard layout ("native") needs samplers with at
+    least its devices: else the sampler's first pull fails (``LayoutError``) after start-up."""
+    lr, sp, rt = cfg.learner, cfg.sampler, cfg.runtime
+    if (rt.weight_transfer == "transfer" and rt.transfer_layout == "native" and
+            lr.num_hosts == 1 and sp.num_devices < lr.num_devices):
+        raise ConfigError(
+            f"runtime.transfer_layout: 'native' makes each sampler pull the weights in the "
+            f"learner's shard layout, which needs at least learner.num_devices={lr.num_devices} "
+            f"sampler devices, got sampler.num_devices={sp.num_devices}: set "
+            f"runtime.transfer_layout='single_device' (the learner gathers each version on one "
+            f"device) or give the sampler more devices")
 
 
 def _check_plugins(cfg) -> None:

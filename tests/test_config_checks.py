@@ -53,6 +53,8 @@ def _train(args, capsys):
     (["--data.task", "nope"], "data.task", "unknown built-in task 'nope'"),
     (["--plugins", "no_such_plugin"], "plugins", "cannot import module 'no_such_plugin'"),
     (["--model.path", "nowhere"], "model.path", "must be an existing Hugging Face folder"),
+    (["--learner.num-devices", "2", "--learner.mesh.fsdp", "2"], "runtime.transfer_layout",
+     "needs at least learner.num_devices=2 sampler devices, got sampler.num_devices=1"),
 ])
 def test_train_refuses_before_starting_anything(no_programs, capsys, args, field, detail):
     code, text = _train(args, capsys)
@@ -205,3 +207,20 @@ def test_group_relative_advantages_need_two_samples_per_group_gae_does_not():
 def test_reward_worker_fields_are_checked(field, value):
     with pytest.raises(ConfigError, match=rf"^reward.{field}: must be >= 0"):
         RewardConfig(**{field: value})
+
+
+def test_layouts_a_one_device_sampler_can_take_from_a_two_device_learner():
+    """Refused above: 'native' from a 2-device learner to a 1-device sampler (its first pull
+    would fail after start-up). Runnable: the single_device layout, the orbax fallback, a
+    sampler with as many devices, a 2-host learner (per-host shards)."""
+    from rlflow.config import LearnerConfig, MeshConfig, RuntimeConfig, SamplerConfig, replace
+
+    two = LearnerConfig(num_devices=2, mesh=MeshConfig(fsdp=2))
+    with pytest.raises(ConfigError, match=r"^runtime\.transfer_layout: 'native'"):
+        check_runnable(ExperimentConfig(learner=two))
+    for cfg in (ExperimentConfig(learner=two, runtime=RuntimeConfig(transfer_layout="single_device")),
+                ExperimentConfig(learner=two, runtime=RuntimeConfig(weight_transfer="orbax")),
+                ExperimentConfig(learner=two, sampler=SamplerConfig(num_devices=2,
+                                                                    mesh=MeshConfig(tensor=2))),
+                ExperimentConfig(learner=replace(two, num_hosts=2))):
+        check_runnable(cfg)
