@@ -152,15 +152,15 @@ class LearnerHosts:
             self.publisher.close()
 
 
-def weight_publisher(cfg, bind_host: str):
-    """This host's ``WeightPublisher`` (``runtime.transfer_layout``; it sends the step's own
-    params buffers, which the step keeps: ``rlflow.learner.publish.keeps_params``)."""
+def weight_publisher(cfg, bind_host: str, *, params_kept: bool):
+    """This host's ``WeightPublisher`` (``runtime.transfer_layout``); ``params_kept``: the
+    learner's step keeps its params (``Learner.keeps_params``), so they are sent without a
+    copy."""
     from rlflow.exchange.transfer import WeightPublisher
-    from rlflow.learner.publish import keeps_params
 
     rt = cfg.runtime
     return WeightPublisher(bind_address=bind_host, pull_timeout_s=rt.transfer_timeout_s,
-                           donated=not keeps_params(cfg), layout=rt.transfer_layout)
+                           donated=not params_kept, layout=rt.transfer_layout)
 
 
 def follower_main(cfg, endpoints: pc.Endpoints) -> None:
@@ -188,7 +188,8 @@ def follower_main(cfg, endpoints: pc.Endpoints) -> None:
     from rlflow.exchange.wire import is_loopback
 
     bind = "127.0.0.1" if is_loopback(pc.split_address(endpoints.coordinator)[0]) else "0.0.0.0"
-    hosts = LearnerHosts(cfg, bind, weight_publisher(cfg, bind))
+    hosts = LearnerHosts(cfg, bind, weight_publisher(cfg, bind,
+                                                     params_kept=learner.keeps_params))
     log.info("learner host %d ready at version %d (resumed: %s)", host, learner.version,
              restored is not None)
     try:

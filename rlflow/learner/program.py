@@ -118,7 +118,8 @@ class LearnerProgram:
                                    max_tokens=cfg.sampler.max_tokens,
                                    on_arrival=self._arrived, on_discard=self._discarded).start()
         chost, cport = pc.split_address(endpoints.coordinator)
-        self.publisher = Publisher(cfg, chost)  # rlflow.learner.publish
+        self.publisher = Publisher(cfg, chost,  # rlflow.learner.publish
+                                   params_kept=self.learner.keeps_params)
         self.hosts = None       # learner.num_hosts > 1: this is host 0 (rlflow.learner.hosts)
         if cfg.learner.num_hosts > 1:
             from rlflow.learner.hosts import LearnerHosts

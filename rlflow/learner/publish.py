@@ -50,16 +50,20 @@ class Publisher:
       publish_time: wall time (``time.time()``, seconds) each version was published.
       bytes: bytes of the last published version (LoRA: the adapters only).
       hosts: the multi-host learner's ``LearnerHosts`` (set by the program), or None.
+
+    ``params_kept``: the learner's step keeps the params it publishes
+    (``Learner.keeps_params``): the transfer server then sends them without a copy; else it
+    publishes a copy (the step donates them).
     """
 
-    def __init__(self, cfg, bind_host: str):
+    def __init__(self, cfg, bind_host: str, *, params_kept: bool):
         rt = cfg.runtime
         if rt.weight_transfer == "transfer":
             from rlflow.exchange.transfer import WeightPublisher
 
             self.impl = WeightPublisher(bind_address=bind_host,
                                         pull_timeout_s=rt.transfer_timeout_s,
-                                        donated=not keeps_params(cfg),
+                                        donated=not params_kept,
                                         layout=rt.transfer_layout)
             self.offers = self.impl
             if cfg.sampler.num_replicas > 1 and rt.relay_fanout > 0:
