@@ -10,6 +10,8 @@ needs a device count of its own.
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -103,8 +105,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from rlflow.exchange import layout as layout_lib  # noqa: E402
 from rlflow.exchange.coordinator import Coordinator, CoordinatorClient  # noqa: E402
 from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, OrbaxWeightSubscriber  # noqa
-from rlflow.exchange.transfer import (WeightPublisher, WeightSubscriber,  # noqa: E402
-                                      WeightTransferError, WeightTransferTimeout)
+from rlflow.exchange.transfer import (WeightPublisher, WeightPullCancelled,  # noqa: E402
+                                      WeightSubscriber, WeightTransferError,
+                                      WeightTransferTimeout)
+from rlflow.sampler.background import WeightPuller  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -248,6 +252,23 @@ def test_stuck_pull_times_out_with_named_error(learner):
     assert sub.metrics["timeouts"] == 1
 
 
+def test_cancel_ends_a_stuck_pull_and_refuses_later_polls(learner):
+    pub, coord = learner()
+    pub.publish(3, sharded_params(3))
+    sub = WeightSubscriber(coord.address, consumer_id="s0", timeout_s=600)
+    offer = CoordinatorClient(coord.address, consumer_id="s1").latest(-1)
+    stuck = dict(offer, uuid=offer["uuid"] ^ 1)  # a uuid nobody called await_pull for
+    timer = threading.Timer(0.2, sub.cancel)
+    timer.start()
+    # without the cancel this waits the whole 600 s watchdog, then raises the timeout
+    with pytest.raises(WeightPullCancelled, match="version 3"):
+        sub.pull(stuck)
+    timer.join()
+    assert sub.metrics["timeouts"] == 0
+    with pytest.raises(WeightPullCancelled, match="a poll"):
+        sub.poll()
+
+
 class LosesFirstOffer(WeightPublisher):
     """A publisher whose first offer's await_pull never happens (a lost registration)."""
 
@@ -291,6 +312,23 @@ def test_retries_exhausted_raise_transfer_error(learner):
     assert isinstance(e.value.__cause__, WeightTransferTimeout)
     assert sub.version == -1
     assert sub.poll()[0] == 1  # the next poll gets a fresh offer and succeeds
+
+
+def test_closing_the_puller_ends_its_thread_during_a_stuck_pull(learner):
+    """The sampler's shutdown (``WeightPuller.close``) with a pull in flight from a learner
+    that never serves it: the thread ends (its pull cancelled), with no error to re-raise."""
+    pub, coord = learner(LosesFirstOffer(pull_timeout_s=30))
+    pub.publish(1, sharded_params(1))
+    sub = WeightSubscriber(coord.address, consumer_id="s0", timeout_s=600, retries=0)
+    got = []
+    puller = WeightPuller(sub, lambda *a: got.append(a))
+    puller.request()
+    while pub.offers == 0:             # the thread holds the lost offer: its pull is stuck
+        time.sleep(0.01)
+    puller.close()
+    alive = [t.name for t in threading.enumerate() if t.name == "rlflow-weight-puller"]
+    assert alive == [] and got == []
+    puller.check()                     # a cancelled pull is not an error
 
 
 @pytest.mark.parametrize("donated", [True, False])

@@ -176,6 +176,11 @@ class HostShardPuller:
         self.version = version
         return version, params
 
+    def cancel(self) -> None:
+        """Abandon every host's pull in progress (``WeightSubscriber.cancel``; shutdown)."""
+        for sub in self.subscribers:
+            sub.cancel()
+
     def close(self) -> None:
         for sub in self.subscribers:
             sub.close()

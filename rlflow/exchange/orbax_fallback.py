@@ -124,6 +124,10 @@ class OrbaxWeightSubscriber:
                 log.warning("weights: restoring version %d failed (%s); retrying", step, e)
         return None
 
+    def cancel(self) -> None:
+        """Shutdown hook of the subscriber interface (``WeightSubscriber.cancel``): a
+        restore is file reads on the calling thread, with nothing in flight to abandon."""
+
     def _restore(self, mngr, step: int):
         meta = mngr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
         leaves_meta = meta["layout"]["leaves"]

@@ -89,6 +89,11 @@ class WeightTransferTimeout(WeightTransferError, TimeoutError):
     """One pull did not complete within the watchdog's timeout."""
 
 
+class WeightPullCancelled(WeightTransferError):
+    """:meth:`WeightSubscriber.cancel` was called (the process is shutting down): the pull
+    in progress, or the one asked for, was abandoned. Never retried."""
+
+
 def _start_server(bind_address: str, transports: int | None = None, *,
                   raw_buffers: bool = False):
     """A transfer server with ``transports`` bulk-transport sockets (default: one per local
@@ -247,6 +252,19 @@ class WeightSubscriber:
         self.version = -1
         self.metrics = dict(pulls=0, failed_pulls=0, timeouts=0, bytes=0, last_pull_s=0.0,
                             last_relayout_s=0.0)
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Abandon the pull in progress and refuse later ones (shutdown; thread-safe).
+
+        The thread waiting in :meth:`poll` or :meth:`pull` raises
+        :class:`WeightPullCancelled` within one watchdog pause (<= 2 ms) instead of waiting
+        up to ``timeout_s`` for a learner that may be gone: a process must not finalise
+        while a Python thread still calls into jaxlib (CPython ends such a daemon thread
+        with ``pthread_exit``, which aborts the process when it unwinds C++ frames:
+        "FATAL: exception not rethrown").
+        """
+        self._cancelled.set()
 
     def poll(self) -> tuple[int, Any] | None:
         """Fetch the newest version if the learner has one newer than ``self.version``.
@@ -261,10 +279,12 @@ class WeightSubscriber:
             uses (set ``runtime.transfer_layout="single_device"``), or ``target`` does not
             match the published leaves.
           wire.PeerTimeoutError / wire.PeerRefusedError: from the coordinator.
+          WeightPullCancelled: :meth:`cancel` was called.
         """
         last: BaseException | None = None
         failed = None
         for attempt in range(self.retries + 1):
+            self._check_cancelled("a poll")
             offer = self._coord.latest(self.version, failed=failed)
             if "uuid" not in offer or offer["version"] <= self.version:
                 return None
@@ -331,6 +351,7 @@ class WeightSubscriber:
 
         Raises:
           WeightTransferTimeout: not complete in time (e.g. no ``await_pull`` for the uuid).
+          WeightPullCancelled: :meth:`cancel` was called.
           layout.LayoutError: this process lacks the devices the layout needs.
           WeightTransferError: the offer does not say how many transports the publisher has.
           jax.errors.JaxRuntimeError: the transfer itself failed.
@@ -385,12 +406,17 @@ class WeightSubscriber:
                 raise WeightTransferTimeout(
                     f"weight pull of version {offer['version']} (uuid {offer['uuid']}) from "
                     f"{address} not complete after {timeout_s:.1f} s")
-            time.sleep(pause)
+            if self._cancelled.wait(pause):
+                self._check_cancelled(f"the pull of version {offer['version']} from {address}")
             pause = min(pause * 2, 0.002)
         jax.block_until_ready(arrays)  # raises the transfer's error, if any
         self.metrics["last_pull_s"] = time.perf_counter() - self._t_pull
         self.metrics["pulls"] += 1
         self.metrics["bytes"] += sum(a.nbytes for a in arrays)
+
+    def _check_cancelled(self, what: str) -> None:
+        if self._cancelled.is_set():
+            raise WeightPullCancelled(f"weights: {what} was cancelled (shutting down)")
 
     def close(self) -> None:
         self._coord.close()

@@ -81,11 +81,19 @@ class WeightPuller:
                 if got is not None:
                     self.on_weights(got[0], got[1], time.monotonic() - t0)
             except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-                self._error = e
+                if not self._stop.is_set():     # a pull cancelled by close() is no error
+                    self._error = e
                 return
 
     def close(self) -> None:
+        """Stop the thread: cancel the pull in progress (``subscriber.cancel()``), then join.
+
+        Without the cancel, a pull from a learner that is gone (a run stopped by SIGTERM)
+        kept the thread calling into jaxlib past the join's timeout, and CPython's
+        finalisation ended it inside a C++ frame, aborting the process.
+        """
         self._stop.set()
+        self.subscriber.cancel()
         self._thread.join(timeout=10.0)
 
 
