@@ -32,9 +32,10 @@ from rlflow.learner.batch import (BatchError, BatchSpec, TrainBatch, build_batch
 from rlflow.learner.loss_positions import capacity_for, check_capacity
 from rlflow.learner.packing import pack_batch, pack_spec_from_config, padding_fraction
 from rlflow.learner.optimizer import make_optimizer
-from rlflow.learner.step import (StepSettings, TrainState, abstract_args, abstract_batch,
-                                 compile_train_step, init_state, jit_train_step, make_train_step,
-                                 state_shardings, step_args)
+from rlflow.learner.step import (StepSettings, TrainState, init_state, make_train_step,
+                                 state_shardings)
+from rlflow.learner.step_jit import (abstract_args, abstract_batch, compile_train_step,
+                                     jit_train_step, step_args)
 from rlflow.learner.value import init_value_head
 from rlflow.mesh import make_mesh, param_shardings
 from rlflow.models.decoder import validate_tokens
@@ -53,7 +54,7 @@ class Learner:
       mesh: the learner's mesh (default: ``make_mesh(cfg.learner.mesh, devices)``).
       devices: devices for the default mesh (default: all of ``jax.devices()``).
       keep_params: the step never donates :attr:`params` (each step's params are new
-        arrays; see :func:`rlflow.learner.step.jit_train_step`), so a weight server can send
+        arrays; see :func:`rlflow.learner.step_jit.jit_train_step`), so a weight server can send
         a published version without copying it first (:attr:`keeps_params`).
 
     The policy is built with ``model.param_dtype`` master parameters and

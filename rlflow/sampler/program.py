@@ -69,6 +69,7 @@ from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
 from rlflow.sampler.precision import pull_target, sampler_model_config
 from rlflow.sampler.sampling import SamplingParams
+from rlflow.sampler.subscribe import weight_subscriber
 
 log = logging.getLogger("rlflow.sampler")
 
@@ -196,23 +197,10 @@ class SamplerProgram:
 
         target = pull_target(nnx.state(model, nnx.Param) if self.adapters is None
                              else self.adapters.target, self.cfg.model.param_dtype)
-        rt = self.cfg.runtime
-        if rt.weight_transfer == "transfer":
-            from rlflow.exchange.host_shards import host_shard_puller
-            from rlflow.exchange.transfer import WeightSubscriber
-
-            kw = dict(consumer_id=f"{self.name}#{self.control.instance}",
-                      token=self.cfg.buffer.token, timeout_s=rt.transfer_timeout_s,
-                      retries=rt.transfer_retries, bind_address=rt.bind_address)
-            if self.cfg.learner.num_hosts > 1:   # pull every learner host's shards
-                return host_shard_puller(coord, self.control.status(version=-1).weight_hosts,
-                                         target, num_hosts=self.cfg.learner.num_hosts, **kw)
-            relay = rt.relay_fanout if self.cfg.sampler.num_replicas > 1 else 0
-            return WeightSubscriber(coord, target=target, relay_fanout=relay,
-                                    relay_timeout_s=rt.transfer_timeout_s, **kw)
-        from rlflow.exchange.orbax_fallback import OrbaxWeightSubscriber
-
-        return OrbaxWeightSubscriber(self.cfg.run_path, target=target)
+        hosts = (self.control.status(version=-1).weight_hosts
+                 if self.cfg.learner.num_hosts > 1 else ())
+        return weight_subscriber(self.cfg, coord, target, weight_hosts=hosts,
+                                 consumer_id=f"{self.name}#{self.control.instance}")
 
     def _first_weights(self, reply) -> ContinuousBatcher | DecodeLanes:
         """Wait for the learner's first published version (never anything older, e.g. an
