@@ -66,3 +66,30 @@ def test_a_host_that_cannot_reach_the_coordinator_fails_through_the_launch_entry
     with pytest.raises(multihost.CoordinatorUnreachable,
                        match=rf"learner host 1: coordinator 127.0.0.1:{port} .* within 1.5 s"):
         launch.run_role("learner", two_hosts(), pc.Endpoints("127.0.0.1:1", "127.0.0.1:2"))
+
+
+def test_a_failed_collective_is_found_in_the_exception_chain():
+    """What makes a learner host exit at once (``run_learner``): a JaxRuntimeError anywhere
+    in the chain, e.g. the launcher's SIGTERM arriving while the exit checkpoint waits for a
+    host that died (the case the 2-host e2e test kills)."""
+    import jax
+
+    gloo = jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset by peer")
+    assert learner_hosts.collective_failed(gloo)
+    try:
+        try:
+            raise gloo
+        except jax.errors.JaxRuntimeError:
+            raise pc.Stopped("received SIGTERM")         # raised during the handling
+    except pc.Stopped as e:
+        stopped = e
+    assert learner_hosts.collective_failed(stopped)
+    caused = RuntimeError("step failed")
+    caused.__cause__ = gloo
+    assert learner_hosts.collective_failed(caused)
+    assert not learner_hosts.collective_failed(pc.Stopped("received SIGTERM"))
+    assert not learner_hosts.collective_failed(ValueError("a bad record"))
+    looped = ValueError("a")
+    looped.__context__ = ValueError("b")
+    looped.__context__.__context__ = looped            # a cycle ends the walk
+    assert not learner_hosts.collective_failed(looped)

@@ -44,6 +44,7 @@ from rlflow.models.lora import LoraSpec, base_reference, zeros_like_adapters
 from rlflow.models.lora_decoder import lora_model_parts
 
 logger = logging.getLogger("rlflow.learner")
+COMPILE_THREAD_NAME = "rlflow-compile"   # background compiles (rlflow.runtime.learner_hosts)
 
 
 class Learner:
@@ -218,7 +219,7 @@ class Learner:
 
         # not a daemon: the interpreter waits for it at exit (a daemon thread stopped inside
         # an XLA compile aborts the process: "FATAL: exception not rethrown")
-        threading.Thread(target=run, daemon=False, name="rlflow-compile").start()
+        threading.Thread(target=run, daemon=False, name=COMPILE_THREAD_NAME).start()
         return future
 
     def build_batch(self, records: Sequence[Mapping], version: int | None = None

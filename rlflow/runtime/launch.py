@@ -477,9 +477,11 @@ def _report_failures(sup: Supervisor, first: str) -> None:
     else:
         others = ["learner"]
     roles = [first]
+    deadline = time.monotonic() + BOTH_DIED_WINDOW_S      # one window for all of them
     for other in others:
         try:
-            code = sup.children[other].proc.wait(timeout=BOTH_DIED_WINDOW_S)
+            code = sup.children[other].proc.wait(
+                timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             code = None
         if code not in (None, 0, STOPPED_EXIT_CODE):
@@ -489,4 +491,6 @@ def _report_failures(sup: Supervisor, first: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(child_main())
+    exit_code = child_main()
+    learner_hosts.leave_background_compiles(exit_code)   # returns unless only they are left
+    sys.exit(exit_code)

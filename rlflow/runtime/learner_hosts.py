@@ -81,9 +81,92 @@ def join_slice(cfg, env=None) -> int:
 
 
 def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> None:
-    """The learner program on this host (see the module docstring)."""
+    """The learner program on this host (see the module docstring).
+
+    On a learner of several hosts, a program that ends with a collective's failure
+    (:func:`collective_failed`: a host died) exits at once with code 1
+    (:func:`exit_now`): every later collective, the process's ``jax.distributed`` shutdown
+    and orbax's checkpoint barriers included, would wait for the dead host until the
+    launcher's SIGKILL (``STOP_GRACE_S``) or the coordination service's timeout. A
+    checkpoint being written stays uncommitted (orbax's temporary folder), never half
+    written; the rerun resumes from the last committed one.
+    """
     if join_slice(cfg, env) == 0:
         from rlflow.learner.program import main
     else:
         from rlflow.learner.hosts import follower_main as main
-    main(cfg, endpoints)
+    try:
+        main(cfg, endpoints)
+    except BaseException as e:
+        if cfg.learner.num_hosts > 1 and collective_failed(e):
+            exit_now(1, f"a collective of the learner slice failed ({_first_line(e)}): a "
+                        f"learner host is gone; exiting without the slice's shutdown")
+        raise
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether ``error`` or an exception it was raised from or during (``__cause__`` /
+    ``__context__``) is a ``jax.errors.JaxRuntimeError``: on a learner of several hosts,
+    the failure of a cross-host computation (gloo on CPU: "Connection reset by peer")."""
+    import jax
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def exit_now(code: int, message: str) -> None:
+    """Log ``message``, flush the logs and end the process with ``code``, skipping atexit
+    handlers (``jax.distributed.shutdown``) and the joins of non-daemon threads."""
+    import logging
+    import sys
+
+    logging.getLogger("rlflow.learner").error("%s", message)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_background_compiles(code: int) -> None:
+    """End the process with ``code`` now when the only threads still running are the
+    learner's background compiles of the train step (the worst-case packed shape,
+    :meth:`rlflow.learner.trainer.Learner.compiled_step`); else return (a normal exit).
+
+    The program is done, so nothing will use them, and an XLA compile cannot be interrupted:
+    the interpreter would wait for it (1-10 s on CPU; a learner host that compiles without
+    the persistent cache hit, host 1.. of a CPU slice, waits the longest). The threads are
+    not daemons because CPython would end a daemon thread inside the compile at
+    finalisation and abort the process. ``jax.distributed`` is shut down first (a learner
+    of several hosts: every host reaches it at the end of the run).
+    """
+    import sys
+    import threading
+
+    trainer = sys.modules.get("rlflow.learner.trainer")
+    running = [t for t in threading.enumerate()
+               if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if trainer is None or not running or any(t.name != trainer.COMPILE_THREAD_NAME
+                                             for t in running):
+        return
+    import logging
+
+    import jax
+
+    jax.distributed.shutdown()          # no-op on a learner of one host
+    logging.getLogger("rlflow.learner").info(
+        "exiting without waiting for %d background compile(s) of the train step",
+        len(running))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
