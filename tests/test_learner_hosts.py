@@ -75,7 +75,7 @@ def test_a_failed_collective_is_found_in_the_exception_chain():
     import jax
 
     gloo = jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset by peer")
-    assert learner_hosts.collective_failed(gloo)
+    assert learner_hosts.failed_collective(gloo) is gloo
     try:
         try:
             raise gloo
@@ -83,13 +83,50 @@ def test_a_failed_collective_is_found_in_the_exception_chain():
             raise pc.Stopped("received SIGTERM")         # raised during the handling
     except pc.Stopped as e:
         stopped = e
-    assert learner_hosts.collective_failed(stopped)
+    assert learner_hosts.failed_collective(stopped) is gloo
     caused = RuntimeError("step failed")
     caused.__cause__ = gloo
-    assert learner_hosts.collective_failed(caused)
-    assert not learner_hosts.collective_failed(pc.Stopped("received SIGTERM"))
-    assert not learner_hosts.collective_failed(ValueError("a bad record"))
+    assert learner_hosts.failed_collective(caused) is gloo
+    assert learner_hosts.failed_collective(pc.Stopped("received SIGTERM")) is None
+    assert learner_hosts.failed_collective(ValueError("a bad record")) is None
     looped = ValueError("a")
     looped.__context__ = ValueError("b")
     looped.__context__.__context__ = looped            # a cycle ends the walk
-    assert not learner_hosts.collective_failed(looped)
+    assert learner_hosts.failed_collective(looped) is None
+
+
+_LEAVE = """
+import logging, sys, threading, types
+from rlflow.runtime import learner_hosts
+logging.basicConfig(level=logging.INFO)          # the program's logging (setup_logging)
+trainer = types.ModuleType("rlflow.learner.trainer")   # only its thread name is read
+trainer.COMPILE_THREAD_NAME = {name!r}
+sys.modules["rlflow.learner.trainer"] = trainer
+never = threading.Event()
+threading.Thread(target=never.wait, name={name!r}).start()           # a compile, not a daemon
+if {other}:
+    threading.Thread(target=never.wait, args=(0.5,), name="other").start()
+learner_hosts.leave_background_compiles(3)
+print("returned", flush=True)
+never.set()
+"""
+
+
+@pytest.mark.parametrize("other", [False, True])
+def test_a_finished_learner_leaves_only_background_compiles_behind(other):
+    """``python -m rlflow.runtime.launch`` ends a learner whose only running threads are
+    background compiles with its exit code at once (the interpreter would wait for them);
+    any other non-daemon thread still running means a normal exit."""
+    import subprocess
+    import sys
+
+    from rlflow.learner.trainer import COMPILE_THREAD_NAME
+
+    code = _LEAVE.format(name=COMPILE_THREAD_NAME, other=other)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    if other:
+        assert (done.returncode, done.stdout) == (0, "returned\n"), done.stderr
+    else:
+        assert (done.returncode, done.stdout) == (3, ""), done.stderr
+        assert "exiting without waiting for 1 background compile(s)" in done.stderr

@@ -84,8 +84,8 @@ def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> Non
     """The learner program on this host (see the module docstring).
 
     On a learner of several hosts, a program that ends with a collective's failure
-    (:func:`collective_failed`: a host died) exits at once with code 1
-    (:func:`exit_now`): every later collective, the process's ``jax.distributed`` shutdown
+    (:func:`failed_collective`: a host died) exits at once with code 1: every later
+    collective, the process's ``jax.distributed`` shutdown
     and orbax's checkpoint barriers included, would wait for the dead host until the
     launcher's SIGKILL (``STOP_GRACE_S``) or the coordination service's timeout. A
     checkpoint being written stays uncommitted (orbax's temporary folder), never half
@@ -98,38 +98,27 @@ def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> Non
     try:
         main(cfg, endpoints)
     except BaseException as e:
-        if cfg.learner.num_hosts > 1 and collective_failed(e):
-            exit_now(1, f"a collective of the learner slice failed ({_first_line(e)}): a "
-                        f"learner host is gone; exiting without the slice's shutdown")
+        failed = failed_collective(e) if cfg.learner.num_hosts > 1 else None
+        if failed is not None:
+            _log().error("a collective of the learner slice failed (%s): a learner host is "
+                         "gone; exiting without the slice's shutdown", _first_line(failed))
+            _exit_now(1)
         raise
 
 
-def collective_failed(error: BaseException) -> bool:
-    """Whether ``error`` or an exception it was raised from or during (``__cause__`` /
-    ``__context__``) is a ``jax.errors.JaxRuntimeError``: on a learner of several hosts,
+def failed_collective(error: BaseException):
+    """The ``jax.errors.JaxRuntimeError`` that ``error`` is, or was raised from or during
+    (its ``__cause__`` / ``__context__`` chain), else None: on a learner of several hosts,
     the failure of a cross-host computation (gloo on CPU: "Connection reset by peer")."""
     import jax
 
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, jax.errors.JaxRuntimeError):
-            return True
+            return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
-
-
-def exit_now(code: int, message: str) -> None:
-    """Log ``message``, flush the logs and end the process with ``code``, skipping atexit
-    handlers (``jax.distributed.shutdown``) and the joins of non-daemon threads."""
-    import logging
-    import sys
-
-    logging.getLogger("rlflow.learner").error("%s", message)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return None
 
 
 def leave_background_compiles(code: int) -> None:
@@ -153,14 +142,26 @@ def leave_background_compiles(code: int) -> None:
     if trainer is None or not running or any(t.name != trainer.COMPILE_THREAD_NAME
                                              for t in running):
         return
-    import logging
-
     import jax
 
     jax.distributed.shutdown()          # no-op on a learner of one host
-    logging.getLogger("rlflow.learner").info(
-        "exiting without waiting for %d background compile(s) of the train step",
-        len(running))
+    _log().info("exiting without waiting for %d background compile(s) of the train step",
+                len(running))
+    _exit_now(code)
+
+
+def _log():
+    import logging
+
+    return logging.getLogger("rlflow.learner")
+
+
+def _exit_now(code: int) -> None:
+    """Flush the logs and end the process with ``code``, skipping atexit handlers
+    (``jax.distributed.shutdown``) and the joins of non-daemon threads."""
+    import logging
+    import sys
+
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
