@@ -1,13 +1,18 @@
 """Run control: the admission rule (staleness budget) and the status channel over loopback."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from rlflow.exchange import wire
 from rlflow.exchange.records import synthetic_group
 from rlflow.learner.batch import sample_staleness
 from rlflow.runtime.ledger import PromptLedger
 from rlflow.runtime.replicas import ReplicaTable
 from rlflow.runtime.control import ControlClient, RunCoordinator, groups_to_admit
+from rlflow.runtime.ports import free_port
 
 
 def oracle_admit(version, gps, k, accepted, buffered, in_flight, n=1):
@@ -153,3 +158,30 @@ def test_leases_over_loopback_and_lost_replica_prompts_go_to_another():
         a.close()
         b.close()
         coord.close()
+
+
+def test_a_cancelled_request_ends_at_once_and_later_ones_are_refused():
+    """Shutdown with the learner gone: a request waiting for its reply (600 s timeout here)
+    raises RequestCancelled once ``cancel`` is called, and so does every later one."""
+    client = ControlClient(f"tcp://127.0.0.1:{free_port()}", consumer_id="sampler-0",
+                           timeout_s=600)                      # nobody answers there
+    timer = threading.Timer(0.2, client.cancel)
+    timer.start()
+    with pytest.raises(wire.RequestCancelled, match="heartbeat request to the learner's run "
+                                                    "control"):
+        client.heartbeat()
+    timer.join()
+    with pytest.raises(wire.RequestCancelled):
+        client.status(version=0)
+    client.close()
+
+
+def test_closing_the_heartbeat_ends_its_thread_while_the_learner_is_gone():
+    from rlflow.runtime.replicas import HEARTBEAT_S
+    from rlflow.sampler.background import Heartbeat
+
+    beat = Heartbeat(ControlClient(f"tcp://127.0.0.1:{free_port()}", consumer_id="sampler-0",
+                                   timeout_s=600))
+    time.sleep(HEARTBEAT_S + 0.5)       # its first heartbeat now waits for a reply
+    beat.close()                        # without the cancel: its 5 s join gives up
+    assert [t for t in threading.enumerate() if t.name == "rlflow-heartbeat"] == []

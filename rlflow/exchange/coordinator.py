@@ -83,6 +83,10 @@ class CoordinatorClient:
         self.consumer_id, self.timeout_s = consumer_id, timeout_s
         self._req = wire.Requester(address, token=token, name="weight coordinator")
 
+    def cancel(self) -> None:
+        """Abandon the request in progress (``wire.RequestCancelled``); for shutdown."""
+        self._req.cancel()
+
     def latest(self, have_version: int, failed: str | None = None) -> dict:
         """The coordinator's answer: ``{"version": v}`` or an offer (see module doc).
         ``failed``: the address of a source whose pull just failed (relay trees).

@@ -259,12 +259,14 @@ class WeightSubscriber:
 
         The thread waiting in :meth:`poll` or :meth:`pull` raises
         :class:`WeightPullCancelled` within one watchdog pause (<= 2 ms) instead of waiting
-        up to ``timeout_s`` for a learner that may be gone: a process must not finalise
-        while a Python thread still calls into jaxlib (CPython ends such a daemon thread
-        with ``pthread_exit``, which aborts the process when it unwinds C++ frames:
+        up to ``timeout_s`` for a learner that may be gone (or, asking the coordinator,
+        ``wire.RequestCancelled`` within ``wire.CANCEL_POLL_S``): a process must not
+        finalise while a Python thread still calls into jaxlib (CPython ends such a daemon
+        thread with ``pthread_exit``, which aborts the process when it unwinds C++ frames:
         "FATAL: exception not rethrown").
         """
         self._cancelled.set()
+        self._coord.cancel()
 
     def poll(self) -> tuple[int, Any] | None:
         """Fetch the newest version if the learner has one newer than ``self.version``.

@@ -34,6 +34,7 @@ OK = b"ok"
 REFUSED = b"refused"
 BAD_REQUEST = b"bad-request"
 SERVER_ERROR = b"server-error"
+CANCEL_POLL_S = 0.1     # a waiting request checks Requester.cancel this often (seconds)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,11 @@ class PeerRefusedError(PermissionError):
 
 class PeerTimeoutError(TimeoutError):
     """No reply from the service in time (it is gone, hung or unreachable)."""
+
+
+class RequestCancelled(RuntimeError):
+    """:meth:`Requester.cancel` was called (the owner is shutting down): the request in
+    progress, or one asked for after it, was abandoned without waiting for the reply."""
 
 
 class ProtocolError(RuntimeError):
@@ -216,7 +222,14 @@ class Requester:
         self._token = token.encode()
         self._host = address.split("://", 1)[-1].rsplit(":", 1)[0]
         self._lock = threading.Lock()
+        self._cancelled = threading.Event()
         self._connect()
+
+    def cancel(self) -> None:
+        """Abandon the request in progress and refuse later ones (thread-safe, for shutdown):
+        the thread waiting in :meth:`request` raises :class:`RequestCancelled` within
+        ``CANCEL_POLL_S`` instead of waiting out its timeout for a peer that is gone."""
+        self._cancelled.set()
 
     def _connect(self) -> None:
         self._sock = _socket(zmq.DEALER, self._host)
@@ -231,10 +244,12 @@ class Requester:
         Raises:
           PeerRefusedError: the service refused the token.
           PeerTimeoutError: no reply within ``timeout_s`` seconds.
+          RequestCancelled: :meth:`cancel` was called.
           ProtocolError: the reply is malformed or the service says the request was.
         """
         rid = struct.pack("<Q", next(self._ids))
         with self._lock:
+            self._check_cancelled(kind)
             try:
                 self._sock.send_multipart([MAGIC, kind, rid, self._token, *payload],
                                           flags=zmq.NOBLOCK, copy=False)
@@ -244,7 +259,10 @@ class Requester:
             deadline = time.monotonic() + timeout_s
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                if left > 0 and not self._sock.poll(int(min(left, CANCEL_POLL_S) * 1000) + 1):
+                    self._check_cancelled(kind)
+                    continue            # no reply yet: wait on in slices (cancel is checked)
+                if left <= 0:
                     # a fresh socket: a request still queued for a peer that is down must not
                     # be delivered if the peer comes back (e.g. a put the caller gave up on)
                     self._sock.close()
@@ -266,6 +284,11 @@ class Requester:
             why = rest[0].bytes.decode("utf-8", "replace") if rest else "?"
             raise RemoteError(f"the {self.name} at {self.address} failed: {why}")
         return status, rest
+
+    def _check_cancelled(self, kind: bytes) -> None:
+        if self._cancelled.is_set():
+            raise RequestCancelled(f"a {kind.decode(errors='replace')} request to the "
+                                   f"{self.name} at {self.address} was cancelled")
 
     def close(self) -> None:
         self._sock.close()

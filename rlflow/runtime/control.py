@@ -295,6 +295,10 @@ class ControlClient:
             raise wire.ProtocolError(f"run control answered {status!r}")
         return ControlReply(**wire.loads(rest[0]))
 
+    def cancel(self) -> None:
+        """Abandon the request in progress (``wire.RequestCancelled``); for shutdown."""
+        self._req.cancel()
+
     def heartbeat(self) -> bool:
         """One heartbeat; returns the learner's ``done`` flag."""
         body = {"consumer": self.consumer_id, "instance": self.instance}

@@ -113,9 +113,12 @@ class Heartbeat:
             try:
                 self.client.heartbeat()
             except Exception as e:  # noqa: BLE001 - the main loop decides
-                log.warning("heartbeat: %s", e)
+                if not self._stop.is_set():      # a heartbeat cancelled by close() is fine
+                    log.warning("heartbeat: %s", e)
 
     def close(self) -> None:
+        """Stop the thread, cancelling a heartbeat that waits for a learner that is gone."""
         self._stop.set()
+        self.client.cancel()
         self._thread.join(timeout=5.0)
         self.client.close()
