@@ -21,6 +21,10 @@ RUNTIME = [
     "rich>=13",
     "matplotlib>=3.8",
     "numpy",
+    # 0.7.0 takes ~1 s to import beside numpy 2.4 (its ufunc loop registration: 1.0-1.2 s
+    # against 0.02 s for 0.5.4 / 0.6.0, measured 2026-12-03), paid by every process that
+    # imports jax: the learner, each sampler replica, the tests. jax 0.10.2 needs >= 0.5.
+    "ml_dtypes>=0.5,<0.7",
     "pyarrow",
 ]
 
