@@ -241,23 +241,25 @@ def sharded_params(version, devices=4):
             "scale": jax.device_put(e["scale"], jax.devices()[0])}
 
 
-def test_stuck_pull_times_out_with_named_error(learner):
+def stuck_offer(learner, timeout_s: float):
+    """A subscriber with ``timeout_s`` and an offer of version 3 whose pull never completes
+    (a uuid nobody called ``await_pull`` for)."""
     pub, coord = learner()
     pub.publish(3, sharded_params(3))
-    sub = WeightSubscriber(coord.address, consumer_id="s0", timeout_s=0.3)
+    sub = WeightSubscriber(coord.address, consumer_id="s0", timeout_s=timeout_s)
     offer = CoordinatorClient(coord.address, consumer_id="s1").latest(-1)
-    stuck = dict(offer, uuid=offer["uuid"] ^ 1)  # a uuid nobody called await_pull for
+    return sub, dict(offer, uuid=offer["uuid"] ^ 1)
+
+
+def test_stuck_pull_times_out_with_named_error(learner):
+    sub, stuck = stuck_offer(learner, 0.3)
     with pytest.raises(WeightTransferTimeout, match=f"version 3 \\(uuid {stuck['uuid']}\\)"):
         sub.pull(stuck)
     assert sub.metrics["timeouts"] == 1
 
 
 def test_cancel_ends_a_stuck_pull_and_refuses_later_polls(learner):
-    pub, coord = learner()
-    pub.publish(3, sharded_params(3))
-    sub = WeightSubscriber(coord.address, consumer_id="s0", timeout_s=600)
-    offer = CoordinatorClient(coord.address, consumer_id="s1").latest(-1)
-    stuck = dict(offer, uuid=offer["uuid"] ^ 1)  # a uuid nobody called await_pull for
+    sub, stuck = stuck_offer(learner, 600)
     timer = threading.Timer(0.2, sub.cancel)
     timer.start()
     # without the cancel this waits the whole 600 s watchdog, then raises the timeout
