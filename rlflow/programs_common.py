@@ -181,6 +181,25 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, _stop)
 
 
+EXIT_GRACE_S = 10.0     # seconds a program's process may linger after its program ended
+
+
+def arm_exit_watchdog(grace_s: float = EXIT_GRACE_S) -> None:
+    """End this process if it is still alive ``grace_s`` seconds from now (call it when the
+    program has ended, returned or raised): the interpreter's exit joins every non-daemon
+    thread and runs atexit handlers, and a library thread stuck there (e.g. orbax's commit
+    threads waiting forever for a save that a SIGTERM interrupted) would leave the process
+    running for good, an orphan holding its run folder once the launcher is gone.
+
+    Uses ``faulthandler.dump_traceback_later(exit=True)``: a C watchdog thread that needs no
+    GIL; when it fires it writes "Timeout (0:00:10)!" and every thread's stack to stderr
+    (the program's log: what hung) and exits with code 1.
+    """
+    import faulthandler
+
+    faulthandler.dump_traceback_later(grace_s, exit=True, file=sys.stderr)
+
+
 def raise_if_stopped() -> None:
     """Raise :class:`Stopped` when a stop request arrived (even one whose exception was
     swallowed where the handler happened to run)."""

@@ -149,3 +149,30 @@ def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
     assert any(ln.startswith("rlflow train: 3 steps in ") and
                " s before the run stopped (see the lines above); mean reward" in ln
                for ln in lines), lines
+
+
+_STUCK_AT_EXIT = """
+import threading
+from rlflow import programs_common as pc
+threading.Thread(target=threading.Event().wait, name="stuck-commit").start()   # never ends
+try:
+    raise RuntimeError("the program failed")
+finally:
+    pc.arm_exit_watchdog(0.5)
+"""
+
+
+def test_a_thread_stuck_at_exit_does_not_keep_the_program_alive():
+    """What a learner killed by its parent's death in the middle of a save showed: orbax
+    threads waiting forever kept the process alive (an orphan holding the run folder). The
+    watchdog armed by ``python -m rlflow.runtime.launch`` when the program ends exits it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _STUCK_AT_EXIT], capture_output=True,
+                          text=True, timeout=120)          # without the watchdog: a hang
+    assert done.returncode == 1, done.stderr
+    assert "RuntimeError: the program failed" in done.stderr
+    dump = done.stderr.split("Timeout (0:00:00.500000)!", 1)
+    assert len(dump) == 2, done.stderr                    # the watchdog fired, then dumped:
+    assert "in _shutdown" in dump[1] and "in wait" in dump[1]   # the exit join, the stuck thread

@@ -491,6 +491,9 @@ def _report_failures(sup: Supervisor, first: str) -> None:
 
 
 if __name__ == "__main__":
-    exit_code = child_main()
-    learner_hosts.leave_background_compiles(exit_code)   # returns unless only they are left
+    try:
+        exit_code = child_main()
+        learner_hosts.leave_background_compiles(exit_code)   # returns unless only they're left
+    finally:
+        pc.arm_exit_watchdog()          # no thread stuck at exit keeps this process alive
     sys.exit(exit_code)
