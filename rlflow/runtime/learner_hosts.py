@@ -20,10 +20,15 @@ host named (:func:`host_label`: ``learner host 1 (pid 4242)``).
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import threading
 from typing import Optional
 
 from rlflow import programs_common as pc
+
+log = logging.getLogger("rlflow.learner")
 
 JAX_INIT_TIMEOUT_S = 300.0     # seconds a host waits for host 0's coordinator / the others
 
@@ -85,11 +90,11 @@ def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> Non
 
     On a learner of several hosts, a program that ends with a collective's failure
     (:func:`failed_collective`: a host died) exits at once with code 1: every later
-    collective, the process's ``jax.distributed`` shutdown
-    and orbax's checkpoint barriers included, would wait for the dead host until the
-    launcher's SIGKILL (``STOP_GRACE_S``) or the coordination service's timeout. A
-    checkpoint being written stays uncommitted (orbax's temporary folder), never half
-    written; the rerun resumes from the last committed one.
+    collective, the process's ``jax.distributed`` shutdown and orbax's checkpoint barriers
+    included, would wait for the dead host until the launcher's SIGKILL (``STOP_GRACE_S``)
+    or the coordination service's timeout. A checkpoint being written stays uncommitted
+    (orbax's temporary folder), never half written; the rerun resumes from the last
+    committed one.
     """
     if join_slice(cfg, env) == 0:
         from rlflow.learner.program import main
@@ -100,7 +105,7 @@ def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> Non
     except BaseException as e:
         failed = failed_collective(e) if cfg.learner.num_hosts > 1 else None
         if failed is not None:
-            _log().error("a collective of the learner slice failed (%s): a learner host is "
+            log.error("a collective of the learner slice failed (%s): a learner host is "
                          "gone; exiting without the slice's shutdown", _first_line(failed))
             _exit_now(1)
         raise
@@ -133,9 +138,6 @@ def leave_background_compiles(code: int) -> None:
     finalisation and abort the process. ``jax.distributed`` is shut down first (a learner
     of several hosts: every host reaches it at the end of the run).
     """
-    import sys
-    import threading
-
     trainer = sys.modules.get("rlflow.learner.trainer")
     running = [t for t in threading.enumerate()
                if t is not threading.main_thread() and not t.daemon and t.is_alive()]
@@ -145,23 +147,14 @@ def leave_background_compiles(code: int) -> None:
     import jax
 
     jax.distributed.shutdown()          # no-op on a learner of one host
-    _log().info("exiting without waiting for %d background compile(s) of the train step",
+    log.info("exiting without waiting for %d background compile(s) of the train step",
                 len(running))
     _exit_now(code)
-
-
-def _log():
-    import logging
-
-    return logging.getLogger("rlflow.learner")
 
 
 def _exit_now(code: int) -> None:
     """Flush the logs and end the process with ``code``, skipping atexit handlers
     (``jax.distributed.shutdown``) and the joins of non-daemon threads."""
-    import logging
-    import sys
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
