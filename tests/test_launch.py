@@ -118,6 +118,23 @@ def test_run_watcher_reads_only_complete_step_records(tmp_path):
     assert json.load(open(run / "summary.json"))["reward_last"] == 1.0
 
 
+def test_summary_of_a_run_stopped_before_its_first_step_is_strict_json(tmp_path):
+    """No step, so no reward figures: summary.json holds null for them, not NaN (which
+    strict JSON readers reject)."""
+    from rlflow.runtime.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=3),
+                             metrics=C.MetricsConfig(progress="plain"))
+    (tmp_path / "w").mkdir()
+    watcher = RunWatcher(cfg, str(tmp_path / "w"), stream=io.StringIO())
+    watcher.close(success=False, report=False)
+    text = (tmp_path / "w" / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
+    assert summary["reward_first"] is None and summary["reward_rise"] is None
+    assert summary["steps_completed"] == 0 and summary["success"] is False
+
+
 def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
     from rlflow.runtime.run_watch import RunWatcher
 

@@ -3,6 +3,7 @@ and a program that fails puts its exception line before its log tail (no JAX pro
 the children here are small Python processes)."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -55,6 +56,31 @@ def test_finished_run_exits_at_once_without_touching_the_run(tmp_path, monkeypat
         "start over"]
     assert (run / "summary.json").read_text() == '{"steps_completed": 300}'
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "summary.json"]
+
+
+def test_rerun_of_a_run_stopped_after_its_final_checkpoint_marks_it_complete(tmp_path,
+                                                                              monkeypatch,
+                                                                              capsys):
+    """The last invocation was stopped after its final checkpoint was committed, so its
+    summary says success false and there is no report; the re-run finds the run complete,
+    starts nothing, marks the summary successful and writes the report."""
+    run = tmp_path / "demo"
+    (run / "checkpoints" / "3").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "learner/step_time_s": 0.1, "reward/mean": s / 4}) + "\n"
+        for s in (1, 2, 3)))
+    (run / "summary.json").write_text(json.dumps(
+        {"success": False, "steps_completed": 2, "reward_first": 0.25}))
+    monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
+    assert launch.run_train(_cfg(tmp_path, num_steps=3)) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary == {"success": True, "steps_completed": 3, "reward_first": 0.25}
+    assert "marked successful" in out
+    page = out.splitlines()[-1].removeprefix("rlflow train: report ")
+    assert os.path.isfile(page) and os.path.dirname(page).startswith(str(run))
+    assert launch.run_train(_cfg(tmp_path, num_steps=3)) == 0     # a second re-run: as is
+    assert "marked successful" not in capsys.readouterr().out
 
 
 def test_resume_never_with_overwrite_on_a_finished_run_does_start_the_programs(tmp_path,

@@ -11,7 +11,8 @@ from rlflow.exchange.records import synthetic_group
 from rlflow.learner.batch import sample_staleness
 from rlflow.runtime.ledger import PromptLedger
 from rlflow.runtime.replicas import ReplicaTable
-from rlflow.runtime.control import ControlClient, RunCoordinator, groups_to_admit
+from rlflow.runtime.control import (DONE_ACK_SILENCE_S, ControlClient, RunCoordinator,
+                                    groups_to_admit)
 from rlflow.runtime.ports import free_port
 
 
@@ -123,6 +124,35 @@ class _Clock:
 
     def __call__(self):
         return self.t
+
+
+def test_done_is_not_waited_for_from_a_silent_replica():
+    """The run's end waits for the ack of every replica heard from lately; one silent for
+    over DONE_ACK_SILENCE_S (killed just before the end) is not waited for, though the
+    replica table still counts it alive."""
+    clock = _Clock()
+    coord = RunCoordinator(_Offers(), buffer_counts=lambda: (0, 0),
+                           replicas=ReplicaTable(60.0, clock()), clock=clock).start()
+    a = ControlClient(coord.address, consumer_id="sampler-0", timeout_s=5)
+    b = ControlClient(coord.address, consumer_id="sampler-1", timeout_s=5)
+    try:
+        a.status(version=0)
+        b.status(version=0)
+        coord.set_progress(done=True)
+        clock.t = DONE_ACK_SILENCE_S / 2
+        assert a.status(version=1).done
+        assert not coord.acknowledged_done()          # sampler-1 is live and has not seen it
+        clock.t = DONE_ACK_SILENCE_S + 0.5            # sampler-1 silent for longer than that
+        assert coord.replicas.alive() == ["sampler-0", "sampler-1"]
+        assert coord.acknowledged_done()
+        assert b.heartbeat()                          # it beats again: waited for once more
+        assert not coord.acknowledged_done()
+        assert b.status(version=1).done
+        assert coord.acknowledged_done()
+    finally:
+        a.close()
+        b.close()
+        coord.close()
 
 
 def test_leases_over_loopback_and_lost_replica_prompts_go_to_another():

@@ -41,9 +41,12 @@ from typing import Callable, Optional
 
 from rlflow.exchange import wire
 from rlflow.exchange.coordinator import Coordinator
+from rlflow.runtime.replicas import HEARTBEAT_S
 
 STATUS = b"status"
 HEARTBEAT = b"heartbeat"
+# seconds without a heartbeat after which the run's end does not wait for a replica's ack
+DONE_ACK_SILENCE_S = 3 * HEARTBEAT_S
 log = logging.getLogger(__name__)
 
 
@@ -195,9 +198,24 @@ class RunCoordinator(Coordinator):
         with self._lock:
             return {n: r.restarts for n, r in self.replicas.replicas.items()}
 
-    def acknowledged_done(self) -> bool:
-        """Every live replica that reported has received a ``done`` reply since it was set."""
-        return all(s.saw_done for s in self.live_statuses().values())
+    def acknowledged_done(self, *, silent_s: float = DONE_ACK_SILENCE_S) -> bool:
+        """Every live replica that reported has received a ``done`` reply since it was set.
+
+        A replica not heard from for over ``silent_s`` seconds (no heartbeat, no status:
+        killed or hung; the heartbeat thread beats every ``HEARTBEAT_S``) is not waited for,
+        though the replica table still counts it alive until ``runtime.replica_timeout_s``:
+        a run whose replica died just before the end stops without waiting for its ack.
+        """
+        with self._lock:
+            now = self.clock()
+            for name, status in self.statuses.items():
+                if self.replicas is not None:
+                    r = self.replicas.replicas.get(name)
+                    if r is None or not r.alive or now - r.last_seen > silent_s:
+                        continue
+                if not status.saw_done:
+                    return False
+            return True
 
     def _beat(self, consumer: str, instance: int) -> None:
         """Under ``self._lock``."""

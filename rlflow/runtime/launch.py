@@ -337,7 +337,8 @@ def run_train(cfg) -> int:
       1 when a program died (the message on stderr names it and shows its log); 130 on Ctrl-C.
     """
     from rlflow.run_identity import RunFolderConflict, check_run_folder, prepare_run_folder
-    from rlflow.runtime.run_watch import RunWatcher, discard_records_after, latest_checkpoint_step
+    from rlflow.runtime.run_watch import (RunWatcher, discard_records_after,
+                                          latest_checkpoint_step, mark_complete)
     from rlflow.secrets import SecretError, resolve_secrets
 
     run_path = os.path.abspath(cfg.run_path)
@@ -355,6 +356,7 @@ def run_train(cfg) -> int:
             print(f"rlflow train: run {cfg.name} is already complete (step {step} of {total}); "
                   f"use a new --name, or --checkpoint.resume never --checkpoint.overwrite true to "
                   f"start over", flush=True)
+            mark_complete(run_path, step)
             return 0
         if step is not None:
             print(f"rlflow train: resuming run {cfg.name} from step {step} (of {total})",

@@ -87,6 +87,18 @@ def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict
             "reward_rise": last - first}
 
 
+def _finite_or_none(obj):
+    """``obj`` with every NaN or infinite float replaced by None (JSON ``null``), so that
+    ``summary.json`` is strict JSON (``NaN`` is not) for every reader, ``jq`` included."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
 # Run-wide counts a user needs on the console (cumulative in the records: newest wins).
 PROMPT_COUNTS = {"sampler/prompts_kept": "kept",
                  "sampler/prompts_too_long": "longer than data.max_prompt_tokens (filtered)",
@@ -124,6 +136,46 @@ def counts_line(counts: Mapping[str, float]) -> str:
     parts += [f"{int(v)} reward {k.split('/')[1][:-1]}s in {k.split('/', 2)[2]}"
               for k, v in sorted(counts.items()) if k.startswith(COUNT_PREFIXES) and v]
     return ("counts: " + ", ".join(parts)) if parts else ""
+
+
+def mark_complete(run_path: str, step: int, stream=None) -> Optional[str]:
+    """Record a run as finished whose last invocation stopped after the final checkpoint was
+    committed (e.g. SIGTERM during the exit checkpoint's last moments): its ``summary.json``
+    says ``"success": false`` and it has no report. Called when a re-run finds the run
+    complete (checkpoint ``step >= learner.num_steps``).
+
+    Sets ``success`` to true and ``steps_completed`` to at least ``step``, writes the report
+    and prints its path to ``stream`` (default stdout). A summary that is missing, unreadable
+    or not marked failed is left as it is.
+
+    Returns:
+      The report page's path, or None when nothing was changed or no report could be made.
+    """
+    stream = stream if stream is not None else sys.stdout
+    path = os.path.join(run_path, SUMMARY_FILE)
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("success") is not False:
+        return None
+    summary["success"] = True
+    summary["steps_completed"] = max(int(summary.get("steps_completed") or 0), int(step))
+    with open(path + ".tmp", "w") as f:
+        json.dump(_finite_or_none(summary), f, indent=2, allow_nan=False)
+    os.replace(path + ".tmp", path)
+    print(f"rlflow train: {path}: the last invocation stopped after its final checkpoint "
+          f"(step {step}) was committed; marked successful", file=stream, flush=True)
+    try:
+        from rlflow.report import make_report
+
+        page = make_report(run_path)
+    except Exception as e:  # a report problem never fails a finished run
+        print(f"rlflow train: could not write the report ({e})", file=stream, flush=True)
+        return None
+    print(f"rlflow train: report {page}", file=stream, flush=True)
+    return page
 
 
 class RunWatcher:
@@ -227,8 +279,8 @@ class RunWatcher:
         self.progress.close()
         summary = self.summary(success)
         path = os.path.join(self.run_path, SUMMARY_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(summary, f, indent=2)
+        with open(path + ".tmp", "w") as f:   # strict JSON: a figure with no value is null
+            json.dump(_finite_or_none(summary), f, indent=2, allow_nan=False)
         os.replace(path + ".tmp", path)
         if summary["steps"]:
             resumed = (f" (resumed from step {self.resumed_from}, now at step "
