@@ -107,3 +107,36 @@ def test_load_tokenizer_names_a_missing_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"holds no tokenizer files"):
         load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_load_tokenizer_of_a_generic_folder_skips_torch_and_equals_autotokenizer(tmp_path,
+                                                                                 monkeypatch):
+    """rlflow's saved tokenizers load with PreTrainedTokenizerFast (no torch import in a
+    fresh process) and behave as AutoTokenizer's; a folder naming another class still goes
+    through AutoTokenizer."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path / "c")
+    build_char_tokenizer("ab =+0123", path, chat_template=DEFAULT_CHAT_TEMPLATE)
+    probe = ("import sys; from rlflow.data.tokenizer import load_tokenizer; "
+             f"t = load_tokenizer({path!r}); print(type(t).__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[-1] == "False", out
+    fast, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert type(fast) is type(auto) and out[0] == type(auto).__name__
+    chat = [{"role": "user", "content": "1+2 ="}]
+    for tok in (fast, auto):
+        assert tok("ab =+9")["input_ids"] == auto("ab =+9")["input_ids"]
+        assert tok.special_tokens_map == auto.special_tokens_map and len(tok) == len(auto)
+        assert tok.apply_chat_template(chat, add_generation_prompt=True) == \
+            auto.apply_chat_template(chat, add_generation_prompt=True)
+
+    config = json.load(open(os.path.join(path, "tokenizer_config.json")))
+    json.dump({**config, "tokenizer_class": "SomeModelTokenizer"},
+              open(os.path.join(path, "tokenizer_config.json"), "w"))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda p: ("auto", p))
+    assert load_tokenizer(path) == ("auto", path)
