@@ -229,6 +229,40 @@ def test_dynamic_sampling_rejections_stop_the_program():
     assert p.counts["zero_variance_groups"] == 3 * GPS and p.counts["accepted"] == 0
 
 
+def test_a_stop_during_a_periodic_checkpoint_lets_it_finish_first(monkeypatch):
+    """SIGTERM while the periodic checkpoint of step 1 is being started: that save is not
+    cut in half (the exit checkpoint would start the same step's save again over it); the
+    stop is raised after it, and the exit checkpoint then runs once."""
+    import signal
+    import types
+
+    from rlflow import programs_common as pc
+
+    monkeypatch.setattr(pc, "_stop_requested", [])
+    previous = signal.getsignal(signal.SIGTERM)
+    p = program(config(), [r for s in range(3) for r in records(s)])
+    events = []
+    p.checkpointer = types.SimpleNamespace(should_save=lambda version: version == 1)
+
+    def checkpoint(metrics=None, *, final=False):
+        if final:
+            events.append(("exit save", p.version))
+            return
+        events.append(("save begins", p.version))
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(1000))                  # Python runs the SIGTERM handler in here
+        events.append(("save ends", p.version))
+
+    p._checkpoint = checkpoint
+    pc.install_signal_handlers()
+    try:
+        with pytest.raises(pc.Stopped, match="SIGTERM"):
+            p.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert events == [("save begins", 1), ("save ends", 1), ("exit save", 1)]
+
+
 # ------------------------------------------------------------------ end to end
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

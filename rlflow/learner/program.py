@@ -441,7 +441,10 @@ class LearnerProgram:
                          n, metrics["reward/mean"], metrics["staleness/mean"],
                          metrics["buffer/consumer_wait_s"], metrics["learner/step_time_s"])
                 if self.checkpointer.should_save(self.version):
-                    self._checkpoint(metrics)
+                    # not cut in half by a stop request: the exit checkpoint below would
+                    # start the same step's save again over the half-started one
+                    with pc.deferred_stop():
+                        self._checkpoint(metrics)
         finally:
             if self.version > self.start_step or metrics is not None:
                 self._checkpoint(metrics, final=True)
