@@ -130,3 +130,40 @@ def test_a_finished_learner_leaves_only_background_compiles_behind(other):
     else:
         assert (done.returncode, done.stdout) == (3, ""), done.stderr
         assert "exiting without waiting for 1 background compile(s)" in done.stderr
+
+
+_WAIT_IN_A_BARRIER = """
+import logging, select, signal
+from rlflow.runtime import learner_hosts
+logging.basicConfig(level=logging.INFO)
+signal.signal(signal.SIGTERM, lambda signum, frame: None)   # the program's own handler
+learner_hosts.watch_for_lost_peer()
+print("waiting", flush=True)
+while True:                   # the main thread in a wait of its own, as in a barrier
+    select.select([], [], [], 3600)
+"""
+
+
+def test_a_host_waiting_in_a_barrier_leaves_when_told_a_peer_died():
+    """The launcher's PEER_LOST_SIGNAL ends a learner host with code 1 even while its main
+    thread waits (Python runs no handler there); another signal (SIGTERM) does not."""
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _WAIT_IN_A_BARRIER], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == "waiting\n"
+        child.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=1.0)                   # still waiting: SIGTERM is not it
+        told = learner_hosts.notify_lost_peer({"learner": child, "learner-1": child,
+                                               "sampler-0": child}, "learner-1")
+        assert told == ["learner"]                    # the lost host and samplers: not told
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 1, err
+    assert "another host of the learner slice died" in err

@@ -434,7 +434,11 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
         failed = [h for h in hosts if sup.children[h].proc.poll() not in (None, 0)]
         if failed:      # a host killed by a signal first: the others fail because of it
             watcher.progress.close()        # the bar stops before the failure report
-            _report_failures(sup, min(failed, key=lambda h: sup.children[h].proc.poll() >= 0))
+            first = min(failed, key=lambda h: sup.children[h].proc.poll() >= 0)
+            if len(hosts) > 1:      # the others may wait for it in a barrier: they leave now
+                learner_hosts.notify_lost_peer(
+                    {h: sup.children[h].proc for h in hosts}, first)
+            _report_failures(sup, first)
             return 1
         if learner is not None:
             if all(c is not None for c in codes.values()):

@@ -15,22 +15,29 @@ on every host of the learner slice with ``RLFLOW_NUM_PROCESSES`` / ``RLFLOW_PROC
 ``logs/learner.log``; ``learner-<i>`` is host i); :func:`host_env` adds each host's slice
 position and its fake device count (``learner.num_devices / N``); the coordinator is
 ``127.0.0.1:<free port>``. A host that exits before the run is done stops the run with the
-host named (:func:`host_label`: ``learner host 1 (pid 4242)``).
+host named (:func:`host_label`: ``learner host 1 (pid 4242)``); the launcher first tells the
+other hosts (:func:`notify_lost_peer`), which leave at once with code 1 even while waiting in
+a barrier for the dead one (:func:`watch_for_lost_peer`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
-from typing import Optional
+from typing import Mapping, Optional
 
 from rlflow import programs_common as pc
 
 log = logging.getLogger("rlflow.learner")
 
 JAX_INIT_TIMEOUT_S = 300.0     # seconds a host waits for host 0's coordinator / the others
+# the launcher's notice to the other hosts that a host of the learner slice died
+PEER_LOST_SIGNAL = signal.SIGUSR2
+_peer_watch: list = []         # the watcher's socket pair, alive as long as the process
 
 
 def learner_names(num_hosts: int) -> list[str]:
@@ -96,6 +103,8 @@ def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> Non
     (orbax's temporary folder), never half written; the rerun resumes from the last
     committed one.
     """
+    if cfg.learner.num_hosts > 1:
+        watch_for_lost_peer()
     if join_slice(cfg, env) == 0:
         from rlflow.learner.program import main
     else:
@@ -109,6 +118,57 @@ def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> Non
                          "gone; exiting without the slice's shutdown", _first_line(failed))
             _exit_now(1)
         raise
+
+
+def watch_for_lost_peer() -> None:
+    """End this learner host with code 1 when the launcher signals that another host of the
+    slice died (:data:`PEER_LOST_SIGNAL`, :func:`notify_lost_peer`).
+
+    The main thread cannot act on it when it waits inside a barrier of the coordination
+    service (orbax's checkpoint barriers, ``jax.distributed.shutdown``): Python runs signal
+    handlers only between bytecodes of the main thread, and such a barrier waits for the
+    dead host until its timeout, unlike a gloo collective, which fails at once
+    (:func:`run_learner`). So the signal is read from a wakeup fd
+    (``signal.set_wakeup_fd``) by a daemon thread, which logs why and exits at once. Call
+    from the main thread (once). On a pod, whose hosts no single launcher starts, the
+    coordination service's heartbeat timeout is what ends the others.
+    """
+    if _peer_watch:
+        return
+    read_end, write_end = socket.socketpair()
+    write_end.setblocking(False)
+    # a Python handler makes CPython's C handler write the signal's number to the fd
+    signal.signal(PEER_LOST_SIGNAL, lambda signum, frame: None)
+    signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
+    _peer_watch.extend([read_end, write_end])
+
+    def watch() -> None:
+        while True:
+            data = read_end.recv(64)        # one byte per signal received, any signal
+            if not data:
+                return
+            if int(PEER_LOST_SIGNAL) in data:
+                log.error("the launcher reports that another host of the learner slice died; "
+                          "exiting without the slice's shutdown")
+                _exit_now(1)
+
+    threading.Thread(target=watch, name="rlflow-lost-peer-watch", daemon=True).start()
+
+
+def notify_lost_peer(procs: Mapping[str, "object"], lost: str) -> list[str]:
+    """Launcher side: send :data:`PEER_LOST_SIGNAL` to every learner host still running
+    but ``lost`` (``procs``: child name -> ``subprocess.Popen``, learner hosts among them).
+    Returns the names signalled."""
+    told = []
+    for name, proc in procs.items():
+        if name == lost or not name.startswith("learner") or proc.poll() is not None:
+            continue
+        try:
+            os.kill(proc.pid, PEER_LOST_SIGNAL)
+            told.append(name)
+        except ProcessLookupError:
+            pass
+    return told
 
 
 def failed_collective(error: BaseException):
