@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from typing import Mapping, Optional
@@ -155,9 +156,9 @@ def watch_for_lost_peer() -> None:
     threading.Thread(target=watch, name="rlflow-lost-peer-watch", daemon=True).start()
 
 
-def notify_lost_peer(procs: Mapping[str, "object"], lost: str) -> list[str]:
+def notify_lost_peer(procs: Mapping[str, subprocess.Popen], lost: str) -> list[str]:
     """Launcher side: send :data:`PEER_LOST_SIGNAL` to every learner host still running
-    but ``lost`` (``procs``: child name -> ``subprocess.Popen``, learner hosts among them).
+    but ``lost`` (``procs``: child name -> its process, learner hosts among them).
     Returns the names signalled."""
     told = []
     for name, proc in procs.items():

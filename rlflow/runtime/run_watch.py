@@ -87,6 +87,28 @@ def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict
             "reward_rise": last - first}
 
 
+def _write_summary(path: str, summary: Mapping) -> None:
+    """Write ``summary`` to ``path`` atomically (a temporary file, then ``os.replace``), as
+    strict JSON: a figure with no value (NaN, inf) is ``null``."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(_finite_or_none(summary), f, indent=2, allow_nan=False)
+    os.replace(path + ".tmp", path)
+
+
+def _write_report(run_path: str, stream) -> Optional[str]:
+    """Write the run's report page and print its path to ``stream``; returns the path, or
+    None after printing why it could not be made (a report problem never fails a run)."""
+    try:
+        from rlflow.report import make_report
+
+        page = make_report(run_path)
+    except Exception as e:  # noqa: BLE001 - see above
+        print(f"rlflow train: could not write the report ({e})", file=stream, flush=True)
+        return None
+    print(f"rlflow train: report {page}", file=stream, flush=True)
+    return page
+
+
 def _finite_or_none(obj):
     """``obj`` with every NaN or infinite float replaced by None (JSON ``null``), so that
     ``summary.json`` is strict JSON (``NaN`` is not) for every reader, ``jq`` included."""
@@ -162,20 +184,10 @@ def mark_complete(run_path: str, step: int, stream=None) -> Optional[str]:
         return None
     summary["success"] = True
     summary["steps_completed"] = max(int(summary.get("steps_completed") or 0), int(step))
-    with open(path + ".tmp", "w") as f:
-        json.dump(_finite_or_none(summary), f, indent=2, allow_nan=False)
-    os.replace(path + ".tmp", path)
+    _write_summary(path, summary)
     print(f"rlflow train: {path}: the last invocation stopped after its final checkpoint "
           f"(step {step}) was committed; marked successful", file=stream, flush=True)
-    try:
-        from rlflow.report import make_report
-
-        page = make_report(run_path)
-    except Exception as e:  # a report problem never fails a finished run
-        print(f"rlflow train: could not write the report ({e})", file=stream, flush=True)
-        return None
-    print(f"rlflow train: report {page}", file=stream, flush=True)
-    return page
+    return _write_report(run_path, stream)
 
 
 class RunWatcher:
@@ -279,9 +291,7 @@ class RunWatcher:
         self.progress.close()
         summary = self.summary(success)
         path = os.path.join(self.run_path, SUMMARY_FILE)
-        with open(path + ".tmp", "w") as f:   # strict JSON: a figure with no value is null
-            json.dump(_finite_or_none(summary), f, indent=2, allow_nan=False)
-        os.replace(path + ".tmp", path)
+        _write_summary(path, summary)
         if summary["steps"]:
             resumed = (f" (resumed from step {self.resumed_from}, now at step "
                        f"{summary['steps_completed']})" if self.resumed_from else "")
@@ -295,11 +305,5 @@ class RunWatcher:
         if counts:
             print(f"rlflow train: {counts}", file=self.stream, flush=True)
         if success and report:
-            try:
-                from rlflow.report import make_report
-
-                page = make_report(self.run_path)
-                print(f"rlflow train: report {page}", file=self.stream, flush=True)
-            except Exception as e:  # a report problem never fails a finished run
-                print(f"rlflow train: could not write the report ({e})", file=self.stream)
+            _write_report(self.run_path, self.stream)
         return summary
