@@ -7,7 +7,7 @@ import os
 
 
 def steady_steps(cfg, warmup: int) -> tuple[list, dict, dict]:
-    """Run ``cfg`` with ``rlflow.runtime.launch.run_train`` and return ``(steps, times,
+    """Run ``cfg`` with ``rlflow.runtime.supervisor.run_train`` and return ``(steps, times,
     by_step)``: the logged steps after the first ``warmup`` (start-up and compilation
     excluded), each step's metrics-record wall time (``metrics.jsonl`` ``time``, seconds)
     and every step's metrics.
@@ -18,7 +18,7 @@ def steady_steps(cfg, warmup: int) -> tuple[list, dict, dict]:
     """
     from rlflow.metrics import METRICS_FILE
     from rlflow.run_folder import metrics_by_step, read_jsonl
-    from rlflow.runtime.launch import run_train
+    from rlflow.runtime.supervisor import run_train
 
     code = run_train(cfg)
     if code != 0:

@@ -18,8 +18,8 @@ activations of one micro-batch (64 prompts x G=8 = 512 rows in 32 micro-batches:
 ``LearnerDoesNotFit`` (a ``ConfigError`` naming ``learner.mesh``) here, before any host
 starts. No reference model (kl_coef 0).
 
-Status: ``rlflow.runtime.launch`` does not run multi-host slices yet (docs/tpu.md); the learner's
-multi-host pieces are in :mod:`rlflow.learner.multihost`.
+The learner runs as ``learner.num_hosts`` = 8 processes, one per host of the slice, joined by
+``jax.distributed`` (:mod:`rlflow.runtime.learner_hosts`, docs/tpu.md).
 
 ``model.path``: ``config(model_path=...)``, else ``$RLFLOW_MODEL_PATH``, else
 ``~/models/Llama-3.1-70B-Instruct``.

@@ -217,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (ConfigError, FileNotFoundError, SecretError) as e:
             print(f"rlflow train: {e}", file=sys.stderr)
             return 2
-        from rlflow.runtime.launch import run_train
+        from rlflow.runtime.supervisor import run_train
         return run_train(cfg)
     if command == "export":
         from rlflow.export import main as export_main

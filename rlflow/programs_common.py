@@ -4,7 +4,7 @@
   file (``config_to_dict`` / ``config_from_dict``: plain types, no pickle).
 * :class:`Endpoints` are the addresses one program needs to reach the other: the learner
   serves the rollout ring buffer and the weight coordinator, the samplers connect to both.
-  They come from environment variables (set by ``rlflow.runtime.launch`` on one machine, or by the
+  They come from environment variables (set by ``rlflow.runtime.supervisor`` on one machine, or by the
   Cloud TPU scripts on a pod: see ``rlflow/runtime/launch.py``).
 * ``install_signal_handlers`` turns SIGTERM (the launcher's stop request) into
   :class:`Stopped`, so a program's ``finally`` blocks close sockets and servers.
@@ -35,7 +35,7 @@ ENV_DIST_COORDINATOR = "RLFLOW_JAX_COORDINATOR"  # jax.distributed coordinator o
 ENV_NUM_PROCESSES = "RLFLOW_NUM_PROCESSES"    # hosts in this program's slice
 ENV_PROCESS_ID = "RLFLOW_PROCESS_ID"          # this host's index in its slice
 ENV_REPLICA = "RLFLOW_REPLICA"                # sampler replica index (0..num_replicas-1)
-ENV_PARENT_PID = "RLFLOW_LAUNCHER_PID"        # set by rlflow.runtime.launch: die with the launcher
+ENV_PARENT_PID = "RLFLOW_LAUNCHER_PID"        # set by rlflow.runtime.supervisor: die with the launcher
 ENV_CPUS = "RLFLOW_CPUS"                      # comma-separated CPU ids this program runs on
 ENV_PROFILE = "RLFLOW_PROFILE"                # folder: each program writes <role>.prof (cProfile)
 
@@ -47,6 +47,9 @@ class Stopped(BaseException):
 
     A ``BaseException`` (like ``KeyboardInterrupt``), so that ``except Exception`` guards in
     library code (reward functions, closers) do not swallow the stop request."""
+
+
+STOPPED_EXIT_CODE = 143   # exit code of a program stopped by SIGTERM (128 + 15), not a finished one
 
 
 def config_to_dict(cfg) -> dict:

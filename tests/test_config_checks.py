@@ -21,12 +21,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture
 def no_programs(monkeypatch, tmp_path):
     """rlflow train may not get as far as starting the programs."""
-    import rlflow.runtime.launch
+    import rlflow.runtime.supervisor
 
     def refuse(cfg):
         raise AssertionError("rlflow train started the programs")
 
-    monkeypatch.setattr(rlflow.runtime.launch, "run_train", refuse)
+    monkeypatch.setattr(rlflow.runtime.supervisor, "run_train", refuse)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

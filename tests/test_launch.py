@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rlflow import config as C
-from rlflow.runtime import launch
+from rlflow.runtime import supervisor
 from rlflow import programs_common as pc
 
 
@@ -48,7 +48,7 @@ def test_publish_every_bounded_by_staleness():
 def test_child_env_replaces_device_count_and_sets_addresses():
     eps = pc.Endpoints("127.0.0.1:5001", "127.0.0.1:5002", instance=3)
     base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_foo=1", "PATH": "/bin"}
-    env = launch.child_env("sampler", 2, eps, "/tmp/c.json", base=base)
+    env = supervisor.child_env("sampler", 2, eps, "/tmp/c.json", base=base)
     assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=2"]
     assert env[pc.ENV_ROLE] == "sampler" and env[pc.ENV_CONFIG] == "/tmp/c.json"
     assert pc.Endpoints.from_env(env) == eps
@@ -68,9 +68,9 @@ def test_split_address():
 
 
 def test_split_cpus_gives_each_program_its_own_cores():
-    assert launch.split_cpus([3, 1, 0, 2]) == {"learner": [0, 1], "sampler": [2, 3]}
-    assert launch.split_cpus([0, 1, 2]) == {"learner": [0, 1], "sampler": [2]}
-    assert launch.split_cpus([5]) == {}
+    assert supervisor.split_cpus([3, 1, 0, 2]) == {"learner": [0, 1], "sampler": [2, 3]}
+    assert supervisor.split_cpus([0, 1, 2]) == {"learner": [0, 1], "sampler": [2]}
+    assert supervisor.split_cpus([5]) == {}
 
 
 def test_reward_rise_first_and_last_tenth_against_numpy():

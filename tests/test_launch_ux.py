@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from rlflow import config as C
-from rlflow.runtime import launch
+from rlflow.runtime import child_logs, supervisor
 from rlflow import programs_common as pc
 from rlflow.runtime.run_watch import latest_checkpoint_step
 
@@ -48,8 +48,8 @@ def test_finished_run_exits_at_once_without_touching_the_run(tmp_path, monkeypat
     run = tmp_path / "demo"
     (run / "checkpoints" / "300").mkdir(parents=True)
     (run / "summary.json").write_text('{"steps_completed": 300}')
-    monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
-    assert launch.run_train(_cfg(tmp_path, num_steps=300)) == 0
+    monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
+    assert supervisor.run_train(_cfg(tmp_path, num_steps=300)) == 0
     assert capsys.readouterr().out.splitlines() == [
         "rlflow train: run demo is already complete (step 300 of 300); "
         "use a new --name, or --checkpoint.resume never --checkpoint.overwrite true to "
@@ -71,26 +71,26 @@ def test_rerun_of_a_run_stopped_after_its_final_checkpoint_marks_it_complete(tmp
         for s in (1, 2, 3)))
     (run / "summary.json").write_text(json.dumps(
         {"success": False, "steps_completed": 2, "reward_first": 0.25}))
-    monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
-    assert launch.run_train(_cfg(tmp_path, num_steps=3)) == 0
+    monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
+    assert supervisor.run_train(_cfg(tmp_path, num_steps=3)) == 0
     out = capsys.readouterr().out
     summary = json.loads((run / "summary.json").read_text())
     assert summary == {"success": True, "steps_completed": 3, "reward_first": 0.25}
     assert "marked successful" in out
     page = out.splitlines()[-1].removeprefix("rlflow train: report ")
     assert os.path.isfile(page) and os.path.dirname(page).startswith(str(run))
-    assert launch.run_train(_cfg(tmp_path, num_steps=3)) == 0     # a second re-run: as is
+    assert supervisor.run_train(_cfg(tmp_path, num_steps=3)) == 0     # a second re-run: as is
     assert "marked successful" not in capsys.readouterr().out
 
 
 def test_resume_never_with_overwrite_on_a_finished_run_does_start_the_programs(tmp_path,
                                                                                monkeypatch):
     (tmp_path / "demo" / "checkpoints" / "300").mkdir(parents=True)
-    monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
+    monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
     cfg = _cfg(tmp_path, num_steps=300, resume="never")
     cfg = C.replace(cfg, checkpoint=C.CheckpointConfig(resume="never", overwrite=True))
     with pytest.raises(AssertionError, match="started the learner"):
-        launch.run_train(cfg)
+        supervisor.run_train(cfg)
 
 
 LEARNER = """
@@ -114,12 +114,12 @@ def test_resume_is_announced_and_summary_counts_this_invocation(tmp_path, monkey
         code = LEARNER if role == "learner" else "pass"
         proc = subprocess.Popen([sys.executable, "-c", code, str(run / "metrics.jsonl")])
         proc.wait()                                  # the learner's steps land before polling
-        self.children[role] = launch.Child(role, proc, str(run / f"{role}.log"))
+        self.children[role] = supervisor.Child(role, proc, str(run / f"{role}.log"))
         return self.children[role]
 
-    monkeypatch.setattr(launch.Supervisor, "start", fake_start)
+    monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
     monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
-    assert launch.run_train(_cfg(tmp_path, num_steps=5)) == 0
+    assert supervisor.run_train(_cfg(tmp_path, num_steps=5)) == 0
     out, err = capsys.readouterr()
     assert "rlflow train: resuming run demo from step 2 (of 5)" in out.splitlines()
     summary = json.loads((run / "summary.json").read_text())
@@ -160,12 +160,12 @@ def test_records_after_the_resumed_checkpoint_are_discarded_before_the_programs_
         proc = subprocess.Popen([sys.executable, "-c", code if role == "learner" else "pass",
                                  str(run / "metrics.jsonl")])
         proc.wait()
-        self.children[role] = launch.Child(role, proc, str(run / f"{role}.log"))
+        self.children[role] = supervisor.Child(role, proc, str(run / f"{role}.log"))
         return self.children[role]
 
-    monkeypatch.setattr(launch.Supervisor, "start", fake_start)
+    monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
     monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
-    launch.run_train(_cfg(tmp_path, num_steps=5))
+    supervisor.run_train(_cfg(tmp_path, num_steps=5))
     out, err = capsys.readouterr()
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward/mean"]) for r in records] == (
@@ -204,9 +204,9 @@ def _supervisor_with(tmp_path, code):
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=f,
                                 stderr=subprocess.STDOUT)
         proc.wait()
-    sup = launch.Supervisor(cfg=None, run_path=str(tmp_path), config_path="",
+    sup = supervisor.Supervisor(cfg=None, run_path=str(tmp_path), config_path="",
                             endpoints=pc.Endpoints("127.0.0.1:1", "127.0.0.1:2"))
-    sup.children["sampler"] = launch.Child("sampler", proc, str(log))
+    sup.children["sampler"] = supervisor.Child("sampler", proc, str(log))
     return sup, log
 
 
@@ -218,8 +218,8 @@ def test_failure_report_puts_the_exception_line_first_then_the_log_tail(tmp_path
     assert lines[1] == (f"rlflow train: the sampler process died (exit code 1); stopping the "
                         f"run. Last lines of {log}:")
     log_lines = log.read_text().splitlines()
-    assert len(log_lines) > launch.LOG_TAIL_LINES      # a traceback longer than the tail
-    assert lines[2:] == [f"  [sampler] {x}" for x in log_lines[-launch.LOG_TAIL_LINES:]]
+    assert len(log_lines) > supervisor.LOG_TAIL_LINES      # a traceback longer than the tail
+    assert lines[2:] == [f"  [sampler] {x}" for x in log_lines[-supervisor.LOG_TAIL_LINES:]]
 
 
 def test_failure_report_ignores_a_traceback_of_an_earlier_start(tmp_path):
@@ -257,8 +257,8 @@ def test_last_exception_line_takes_the_outermost_of_chained_tracebacks():
         RuntimeError: buffer closed
         more detail on a second line
         """).splitlines()
-    assert launch.last_exception_line(log) == "RuntimeError: buffer closed"
-    assert launch.last_exception_line(log[:1]) is None
+    assert child_logs.last_exception_line(log) == "RuntimeError: buffer closed"
+    assert child_logs.last_exception_line(log[:1]) is None
 
 
 class _SharedTTY:
@@ -290,17 +290,17 @@ def test_on_a_tty_the_run_folder_line_comes_before_the_bar_and_no_0_of_n_frame(
         code = LEARNER.replace("(3, 4, 5)", "(1, 2, 3, 4, 5)") if role == "learner" else "pass"
         proc = subprocess.Popen([sys.executable, "-c", code, str(run / "metrics.jsonl")])
         proc.wait()
-        self.children[role] = launch.Child(role, proc, str(run / f"{role}.log"))
+        self.children[role] = supervisor.Child(role, proc, str(run / f"{role}.log"))
         return self.children[role]
 
     screen = _SharedTTY()
     monkeypatch.setattr(sys, "stdout", screen)
     monkeypatch.setattr(sys, "stderr", screen)
     monkeypatch.setenv("TERM", "xterm-256color")
-    monkeypatch.setattr(launch.Supervisor, "start", fake_start)
+    monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
     monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
     cfg = C.replace(_cfg(tmp_path, num_steps=5), metrics=C.MetricsConfig(progress="bar"))
-    assert launch.run_train(cfg) == 0
+    assert supervisor.run_train(cfg) == 0
     text = screen.buf.getvalue()
     line = f"rlflow train: run folder {run} (logs in {run}/logs)\n"
     assert line in text and "\x1b" in text

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rlflow import config as C
-from rlflow.runtime import launch
+from rlflow.runtime import supervisor
 from rlflow import programs_common as pc
 from rlflow.learner.skips import SkipCounter
 from rlflow.run_identity import (RUN_FILE, RunFolderConflict, check_run_folder,
@@ -57,8 +57,8 @@ def test_resume_never_on_an_earlier_run_is_refused_naming_the_folder_and_ways_ou
         tmp_path, monkeypatch, capsys):
     run = _earlier_run(tmp_path)
     before = _listing(run)
-    monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
-    assert launch.run_train(_cfg(tmp_path, resume="never")) == 2
+    monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
+    assert supervisor.run_train(_cfg(tmp_path, resume="never")) == 2
     err = capsys.readouterr().err
     assert f"run folder {run} holds an earlier run (checkpoints/, metrics.jsonl)" in err
     assert "--name NEW or --run_dir DIR" in err and "--checkpoint.overwrite true" in err
@@ -97,20 +97,20 @@ def test_the_issue_scenario_leaves_one_run_in_the_folder(tmp_path, monkeypatch, 
         code = learner if role == "learner" else "pass"
         proc = subprocess.Popen([sys.executable, "-c", code, str(run)])
         proc.wait()
-        self.children[role] = launch.Child(role, proc, str(run / f"{role}.log"))
+        self.children[role] = supervisor.Child(role, proc, str(run / f"{role}.log"))
         return self.children[role]
 
-    monkeypatch.setattr(launch.Supervisor, "start", fake_start)
+    monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
     monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
     cfg = _cfg(tmp_path, num_steps=3, resume="never", overwrite=True)
-    assert launch.run_train(cfg) == 0
+    assert supervisor.run_train(cfg) == 0
     out = capsys.readouterr().out
     assert f"moved the earlier run in {run} to {run}.replaced-" in out
     assert sorted(os.listdir(run / "checkpoints")) == ["3"]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
-    monkeypatch.setattr(launch.Supervisor, "start", _no_spawn)
-    assert launch.run_train(_cfg(tmp_path, num_steps=3)) == 0
+    monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
+    assert supervisor.run_train(_cfg(tmp_path, num_steps=3)) == 0
     assert "already complete (step 3 of 3)" in capsys.readouterr().out
 
 

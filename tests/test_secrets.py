@@ -12,7 +12,7 @@ import pytest
 
 from rlflow import cli
 from rlflow import config as C
-from rlflow.runtime import launch
+from rlflow.runtime import supervisor
 from rlflow import programs_common as pc
 from rlflow.metrics import MetricsWriter
 from rlflow.secrets import (ENV_BUFFER_TOKEN, REDACTED, SecretError, install_log_redaction,
@@ -91,9 +91,9 @@ def test_children_get_the_token_by_environment_not_argv(tmp_path, monkeypatch):
         def __init__(self, argv, env, **kw):
             seen["argv"], seen["env"], self.pid = argv, env, 4242
 
-    monkeypatch.setattr(launch.subprocess, "Popen", Popen)
+    monkeypatch.setattr(supervisor.subprocess, "Popen", Popen)
     cfg = _cfg(tmp_path, token=SECRET)
-    sup = launch.Supervisor(cfg, str(tmp_path), str(tmp_path / "config.json"),
+    sup = supervisor.Supervisor(cfg, str(tmp_path), str(tmp_path / "config.json"),
                             pc.Endpoints("127.0.0.1:1", "127.0.0.1:2"))
     sup.start("learner")
     assert seen["env"][ENV_BUFFER_TOKEN] == SECRET

@@ -1,7 +1,9 @@
 """The runtime: how the programs run together.
 
-* :mod:`rlflow.runtime.launch`: ``rlflow train`` and ``python -m rlflow.runtime.launch``:
-  start and supervise the learner and the sampler replicas.
+* :mod:`rlflow.runtime.supervisor`: ``rlflow train``: start and supervise the learner and the
+  sampler replicas on one machine.
+* :mod:`rlflow.runtime.launch`: ``python -m rlflow.runtime.launch``: one program in one process
+  (started by the supervisor, or by the TPU launch scripts on every host of a pod).
 * :mod:`rlflow.runtime.control`: run control between the programs (status, admission rule,
   prompt leases, heartbeats) on the learner's coordinator socket.
 * :mod:`rlflow.runtime.ledger`: the prompt ledger, the one owner of the prompt stream.

@@ -1,6 +1,6 @@
 """What a program's log says when it died: its end, and its last exception line.
 
-Used by the launcher's failure report (:mod:`rlflow.runtime.launch`): the last exception
+Used by the launcher's failure report (:mod:`rlflow.runtime.supervisor`): the last exception
 line first (``ValueError: .../bad.jsonl:7: ...``), then the exit status and the log's end.
 """
 
