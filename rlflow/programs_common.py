@@ -149,7 +149,7 @@ class Endpoints:
         missing = [k for k in (ENV_BUFFER, ENV_COORDINATOR) if not env.get(k)]
         if missing:
             raise KeyError(f"environment variable(s) {missing} must hold host:port addresses "
-                           "(set by rlflow.runtime.launch or scripts/tpu)")
+                           "(set by rlflow train, rlflow.runtime.supervisor, or scripts/tpu)")
         return cls(env[ENV_BUFFER], env[ENV_COORDINATOR], int(env.get(ENV_INSTANCE, "0")))
 
     def to_env(self) -> dict[str, str]:
