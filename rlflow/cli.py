@@ -6,7 +6,8 @@ with tyro, and starts the run. ``rlflow train --help`` lists the common flags;
 ``--help-all`` every field (also in ``docs/config.md``). Booleans take
 ``true/false/1/0/yes/no/on/off`` (any case). ``--buffer.token`` is refused (argv is visible
 in ``ps``): the token comes from ``RLFLOW_BUFFER_TOKEN`` or ``--buffer.token_file``.
-The other sub-commands take their own tyro arguments.
+The other sub-commands take their own tyro arguments. ``rlflow`` alone is ``rlflow train``
+on the default config.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not argv:
             argv = ["train"]
         else:
-            print(__doc__)
+            print(__doc__.replace("``", "`"))    # plain text, not reST markup
             return 0
     command, rest = argv[0], argv[1:]
     if command == "train":

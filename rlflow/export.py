@@ -298,9 +298,26 @@ def export_lora_run(got: RunParams, out: str, *, merge: bool, tokenizer_dir: str
         copy_tokenizer(tokenizer_dir, out)
 
 
+def _check_out(out: str) -> None:
+    """Refuse an ``--out`` the export would damage or cannot use (nothing written yet)."""
+    from rlflow.run_identity import RUN_FILE
+
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"--out {out} is a file; give a folder (created if missing)")
+    if os.path.isfile(os.path.join(out, RUN_FILE)):
+        raise ExportError(f"--out {out} is a run folder (it holds {RUN_FILE}); the export's "
+                          "config.json would replace the run's own: give another folder")
+
+
 def run_export(args: ExportArgs) -> str:
-    """Carry out ``args``; returns the output folder."""
+    """Carry out ``args``; returns the output folder.
+
+    Raises:
+      ExportError: ``--out`` is a file, or a run folder (it holds ``run.json``: the export's
+        ``config.json`` would replace the run's own); and what the export steps raise.
+    """
     args.check()
+    _check_out(args.out)
     if args.model_path:
         export_hf_folder(args.model_path, args.out, tokenizer_dir=args.tokenizer_dir or None,
                          dtype=args.dtype)
@@ -333,6 +350,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = run_export(args)
     except (ModelFormatError, ExportError, CheckpointError, FileNotFoundError) as e:
         print(f"rlflow export: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:                # --out on a read-only mount, no space, ...
+        where = e.filename or "the --out folder"
+        print(f"rlflow export: cannot write {where}: {e.strerror or e}", file=sys.stderr)
         return 2
     if not os.path.isfile(os.path.join(out, CONFIG_FILE)):
         print(f"rlflow export: wrote a PEFT LoRA adapter to {out}")

@@ -79,6 +79,11 @@ def test_load_config_file(tmp_path):
 def test_load_config_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config_file(str(tmp_path / "missing.py"))
+    with pytest.raises(ConfigError, match="is a folder; --config takes a Python file"):
+        load_config_file(str(tmp_path))
+    (tmp_path / "notes.md").write_text("# not a config\n")
+    with pytest.raises(ConfigError, match=r"notes\.md: not a Python file"):
+        load_config_file(str(tmp_path / "notes.md"))
     no_fn = _write(tmp_path, "x = 1\n")
     with pytest.raises(ConfigError, match="must define a function `config"):
         load_config_file(no_fn)

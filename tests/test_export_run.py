@@ -230,6 +230,25 @@ def test_run_folder_without_checkpoints(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "o")
 
 
+def test_out_that_is_a_file_or_a_run_folder_is_refused_untouched(tmp_path, capsys):
+    """``--out`` a file, or a run folder (its config.json would be replaced by the model's):
+    exit 2 naming it, before anything is read or written."""
+    (tmp_path / "empty").mkdir()
+    a_file = tmp_path / "weights.bin"
+    a_file.write_text("x")
+    rc, text = _export(["--run", str(tmp_path / "empty"), "--out", str(a_file)], capsys)
+    assert rc == 2 and f"--out {a_file} is a file" in text and "Traceback" not in text
+    assert a_file.read_text() == "x"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text('{"run_id": "r"}')
+    (run / "config.json").write_text('{"name": "the run\'s config"}')
+    rc, text = _export(["--run", str(run), "--out", str(run)], capsys)
+    assert rc == 2 and f"--out {run} is a run folder" in text
+    assert (run / "config.json").read_text() == '{"name": "the run\'s config"}'
+    assert sorted(os.listdir(run)) == ["config.json", "run.json"]
+
+
 def test_unknown_step_lists_the_available_steps(trained, tmp_path, capsys):
     t = trained("llama", False)
     rc, text = _export(["--run", t["run"], "--step", "7", "--out", str(tmp_path / "o")], capsys)

@@ -44,6 +44,19 @@ def test_latest_checkpoint_step_agrees_with_orbax(tmp_path):
     assert latest_checkpoint_step(str(tmp_path)) == expected
 
 
+def test_unusable_run_folder_is_a_clear_error_before_any_program(tmp_path, monkeypatch,
+                                                                 capsys):
+    """A file where the run folder goes: exit 2 naming the folder, no traceback, nothing
+    started (a read-only mount takes the same path; not testable as root)."""
+    (tmp_path / "demo").write_text("a file, not a folder")
+    monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
+    assert supervisor.run_train(_cfg(tmp_path, num_steps=3)) == 2
+    err = capsys.readouterr().err
+    assert f"rlflow train: cannot use the run folder {tmp_path / 'demo'}" in err
+    assert "Traceback" not in err
+    assert (tmp_path / "demo").read_text() == "a file, not a folder"
+
+
 def test_finished_run_exits_at_once_without_touching_the_run(tmp_path, monkeypatch, capsys):
     run = tmp_path / "demo"
     (run / "checkpoints" / "300").mkdir(parents=True)

@@ -146,10 +146,17 @@ def load_config_file(path: str) -> ExperimentConfig:
 
     Raises:
       FileNotFoundError: the file does not exist.
-      ConfigError: the file has no ``config`` function or it returns something else.
+      ConfigError: the path is a folder or not a ``.py`` file; the file has no ``config``
+        function or it returns something else.
     """
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: is a folder; --config takes a Python file such as "
+                          "configs/demo.py")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
+    if not path.endswith(".py"):
+        raise ConfigError(f"{path}: not a Python file; --config takes a .py file that defines "
+                          "`config() -> ExperimentConfig` (e.g. configs/demo.py)")
     spec = importlib.util.spec_from_file_location(f"rlflow_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -215,7 +215,9 @@ def run_train(cfg) -> int:
     Returns:
       0 when the learner completed ``learner.num_steps`` (also when the run folder's
       checkpoint already had, with ``checkpoint.resume="auto"``: then nothing is started);
-      1 when a program died (the message on stderr names it and shows its log); 130 on Ctrl-C.
+      1 when a program died (the message on stderr names it and shows its log); 2 when the
+      run folder cannot be used (another run's, a file in the way, read-only: nothing started);
+      130 on Ctrl-C.
     """
     from rlflow.run_identity import RunFolderConflict, check_run_folder, prepare_run_folder
     from rlflow.runtime.run_watch import (RunWatcher, discard_records_after,
@@ -243,19 +245,24 @@ def run_train(cfg) -> int:
             print(f"rlflow train: resuming run {cfg.name} from step {step} (of {total})",
                   flush=True)
             resumed_from = step
-    prepared = prepare_run_folder(cfg)
-    if prepared.moved_to:
-        print(f"rlflow train: moved the earlier run in {run_path} to {prepared.moved_to} "
-              "(--checkpoint.overwrite)", flush=True)
-    for warning in prepared.warnings:
-        print(f"rlflow train: {warning}", flush=True)
-    # Before anything reads them: records of steps after the checkpoint this invocation
-    # starts from belong to an interrupted invocation (the learner recomputes those steps).
-    for name, n in discard_records_after(run_path, resumed_from).items():
-        print(f"rlflow train: {name}: removed {n} record(s) of steps after {resumed_from} "
-              "(written after the checkpoint this run resumes from)", flush=True)
-    config_path = os.path.join(run_path, "config.json")
-    pc.save_config(cfg, config_path)
+    try:                                  # the run folder: every write before a program starts
+        prepared = prepare_run_folder(cfg)
+        if prepared.moved_to:
+            print(f"rlflow train: moved the earlier run in {run_path} to {prepared.moved_to} "
+                  "(--checkpoint.overwrite)", flush=True)
+        for warning in prepared.warnings:
+            print(f"rlflow train: {warning}", flush=True)
+        # Before anything reads them: records of steps after the checkpoint this invocation
+        # starts from belong to an interrupted invocation (the learner recomputes those steps).
+        for name, n in discard_records_after(run_path, resumed_from).items():
+            print(f"rlflow train: {name}: removed {n} record(s) of steps after {resumed_from} "
+                  "(written after the checkpoint this run resumes from)", flush=True)
+        config_path = os.path.join(run_path, "config.json")
+        pc.save_config(cfg, config_path)
+    except OSError as e:                  # a file in the way, a read-only mount, no space
+        print(f"rlflow train: cannot use the run folder {run_path} (--run-dir / --name): "
+              f"{e.strerror or e}: {e.filename or run_path}", file=sys.stderr, flush=True)
+        return 2
     bhost, chost = cfg.buffer.bind_address, cfg.runtime.bind_address
     buffer_port = cfg.buffer.port or free_port(bhost, exclude={cfg.runtime.coordinator_port})
     coordinator_port = cfg.runtime.coordinator_port or free_port(chost, exclude={buffer_port})
