@@ -71,6 +71,26 @@ def test_finished_run_exits_at_once_without_touching_the_run(tmp_path, monkeypat
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "summary.json"]
 
 
+def test_rerun_with_fewer_steps_than_the_checkpoint_says_so(tmp_path, monkeypatch, capsys):
+    (tmp_path / "demo" / "checkpoints" / "80").mkdir(parents=True)
+    monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
+    assert supervisor.run_train(_cfg(tmp_path, num_steps=40)) == 0
+    assert ("run demo is already complete (its checkpoint is at step 80, past "
+            "--learner.num_steps 40)") in capsys.readouterr().out
+
+
+def test_overwrite_without_resume_never_warns_that_it_resumes(tmp_path, monkeypatch, capsys):
+    (tmp_path / "demo" / "checkpoints" / "2").mkdir(parents=True)
+    monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
+    cfg = C.replace(_cfg(tmp_path, num_steps=5),
+                    checkpoint=C.CheckpointConfig(resume="auto", overwrite=True))
+    with pytest.raises(AssertionError, match="started the learner"):
+        supervisor.run_train(cfg)
+    out = capsys.readouterr().out
+    assert "resuming run demo from step 2" in out
+    assert "--checkpoint.overwrite is ignored with --checkpoint.resume auto" in out
+
+
 def test_rerun_of_a_run_stopped_after_its_final_checkpoint_marks_it_complete(tmp_path,
                                                                               monkeypatch,
                                                                               capsys):

@@ -236,7 +236,9 @@ def run_train(cfg) -> int:
         step = latest_checkpoint_step(run_path)
         total = cfg.learner.num_steps
         if step is not None and step >= total:
-            print(f"rlflow train: run {cfg.name} is already complete (step {step} of {total}); "
+            where = (f"step {step} of {total}" if step == total else
+                     f"its checkpoint is at step {step}, past --learner.num_steps {total}")
+            print(f"rlflow train: run {cfg.name} is already complete ({where}); "
                   f"use a new --name, or --checkpoint.resume never --checkpoint.overwrite true to "
                   f"start over", flush=True)
             mark_complete(run_path, step)
@@ -244,6 +246,10 @@ def run_train(cfg) -> int:
         if step is not None:
             print(f"rlflow train: resuming run {cfg.name} from step {step} (of {total})",
                   flush=True)
+            if cfg.checkpoint.overwrite:      # it acts only with resume="never"
+                print("rlflow train: --checkpoint.overwrite is ignored with --checkpoint.resume "
+                      "auto (it resumes); to start over use --checkpoint.resume never "
+                      "--checkpoint.overwrite true", flush=True)
             resumed_from = step
     try:                                  # the run folder: every write before a program starts
         prepared = prepare_run_folder(cfg)
