@@ -255,6 +255,29 @@ def test_failure_report_puts_the_exception_line_first_then_the_log_tail(tmp_path
     assert lines[2:] == [f"  [sampler] {x}" for x in log_lines[-supervisor.LOG_TAIL_LINES:]]
 
 
+BAD_RECORD_PROGRAM = """
+from rlflow.data.sources import BadRecordError
+def read():
+    raise BadRecordError("/data/bad.jsonl:2: malformed JSON (set data.on_bad_record='skip')")
+read()
+"""
+
+
+def test_failure_report_of_bad_input_is_its_message_without_the_traceback(tmp_path):
+    sup, log = _supervisor_with(tmp_path, BAD_RECORD_PROGRAM)
+    assert "Traceback" in log.read_text()
+    report = sup.failure("sampler")
+    assert report.splitlines() == [
+        "rlflow train: the sampler failed: rlflow.data.sources.BadRecordError: "
+        "/data/bad.jsonl:2: malformed JSON (set data.on_bad_record='skip')",
+        f"rlflow train: the sampler stopped on bad input (exit code 1); stopping the run. "
+        f"Its traceback is in {log}"]
+    assert child_logs.is_input_error("rlflow.config.validation.ConfigError: learner.lr: ...")
+    assert not child_logs.is_input_error("ValueError: /data/bad.jsonl:7: malformed JSON")
+    assert not child_logs.is_input_error("rlflow.exchange.transfer.WeightTransferError: x")
+    assert not child_logs.is_input_error("rlflow.no_such_module.Error: x")
+
+
 def test_failure_report_ignores_a_traceback_of_an_earlier_start(tmp_path):
     sup, log = _supervisor_with(tmp_path, "import os, signal; os.kill(os.getpid(), 9)")
     log.write_text("--- rlflow sampler start #0 ---\nTraceback (most recent call last):\n"

@@ -6,6 +6,7 @@ line first (``ValueError: .../bad.jsonl:7: ...``), then the exit status and the 
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Optional, Sequence
 
@@ -45,3 +46,22 @@ def last_exception_line(lines: Sequence[str]) -> Optional[str]:
         if line.strip() and not line[:1].isspace():
             return line.strip()
     return None
+
+
+def is_input_error(exception_line: str) -> bool:
+    """True when ``exception_line`` (as :func:`last_exception_line` returns it) names an
+    rlflow error about the user's input: a :class:`rlflow.data.sources.DataError` (a bad or
+    missing record, an empty data set) or a :class:`rlflow.config.ConfigError`. Their
+    messages name the file, line or field; the traceback adds nothing for the user."""
+    name = exception_line.split(":", 1)[0].strip()
+    module, _, cls_name = name.rpartition(".")
+    if not module.startswith("rlflow."):
+        return False
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError):
+        return False
+    from rlflow.config.validation import ConfigError
+    from rlflow.data.sources import DataError
+
+    return isinstance(cls, type) and issubclass(cls, (DataError, ConfigError))

@@ -64,7 +64,7 @@ from typing import Optional, Sequence
 from rlflow import programs_common as pc
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import (ERROR_SCAN_LINES, LOG_TAIL_LINES, exit_text,
-                                       last_exception_line, tail)
+                                       is_input_error, last_exception_line, tail)
 from rlflow.runtime.ports import free_port
 from rlflow.secrets import ENV_BUFFER_TOKEN
 
@@ -192,7 +192,8 @@ class Supervisor:
     def failure(self, role: str) -> str:
         """The failure report of child ``role``: its last exception line first (when its log
         has a traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its
-        log."""
+        log; for an error about the user's input (:func:`child_logs.is_input_error`: a bad
+        data record, a config field) the exception line and the log's path only."""
         from rlflow.progress import plain_text     # no control characters in CI logs
 
         c = self.children[role]
@@ -203,6 +204,10 @@ class Supervisor:
         what = role if kind == "sampler" else \
             learner_hosts.host_label(role, c.proc.pid, self.cfg.learner.num_hosts)
         head = f"rlflow train: the {what} failed: {plain_text(error)}\n" if error else ""
+        if error and is_input_error(error):    # the message says it all: no traceback
+            return head + (f"rlflow train: the {what} stopped on bad input "
+                           f"({exit_text(c.proc.returncode)}); stopping the run. Its traceback "
+                           f"is in {c.log_path}")
         text = (f"rlflow train: the {what} process died ({exit_text(c.proc.returncode)}); "
                 f"stopping the run. Last lines of {c.log_path}:\n")
         return head + text + "\n".join(f"  [{role}] {plain_text(line)}"
