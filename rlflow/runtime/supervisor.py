@@ -34,7 +34,8 @@ first (with several replicas: when every replica died), or on Ctrl-C / SIGTERM, 
 stopped (SIGTERM, which the learner answers with its
 exit checkpoint, then SIGKILL after ``STOP_GRACE_S``) and the exit code is not 0;
 the message names the side that died, puts its last exception line first (``rlflow train:
-the sampler failed: ValueError: .../bad.jsonl:7: ...``) and then shows the end of its log. With
+the sampler failed: ValueError: .../bad.jsonl:7: ...``) and then shows the end of its log (for
+an error about the user's input, a ``DataError`` or ``ConfigError``, only the log's path). With
 ``runtime.restart_sampler`` a dead replica is started again (it pulls the newest weights
 from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times; without
 it a dead replica stays dead and the others carry the run (the learner hands its leased
