@@ -160,7 +160,7 @@ def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
                        "data.max_prompt_tokens=64 (filtered), 3 bad records (skipped)"]
     first_step = next(ln for ln in lines if ln.startswith("step 1/3"))
     assert lines.index(prompts[0]) < lines.index(first_step)
-    assert ("rlflow train: counts: 3 stale groups dropped, 1 learner steps skipped (no sample "
+    assert ("rlflow train: counts: 3 stale groups dropped, 1 learner step skipped (no sample "
             "for the loss), 2 reward errors in math") in lines
     assert summary["counts"]["learner/stale_groups_dropped"] == 3.0
     assert any(ln.startswith("rlflow train: 3 steps in ") and

@@ -122,14 +122,15 @@ def _finite_or_none(obj):
 
 
 # Run-wide counts a user needs on the console (cumulative in the records: newest wins).
+# "{s}" in a label is the plural ending: "" for a count of 1, "s" otherwise.
 PROMPT_COUNTS = {"sampler/prompts_kept": "kept",
                  "sampler/prompts_too_long": "longer than data.max_prompt_tokens (filtered)",
-                 "sampler/prompts_bad": "bad records (skipped)"}
-DROP_COUNTS = {"learner/stale_groups_dropped": "stale groups dropped",
-               "learner/zero_variance_groups_dropped": "zero-variance groups dropped",
-               "buffer/dropped_full": "groups dropped by a full buffer",
-               "sampler/dropped_bad_reward_groups": "groups dropped for a NaN/inf reward",
-               "learner/skipped_steps": "learner steps skipped (no sample for the loss)"}
+                 "sampler/prompts_bad": "bad record{s} (skipped)"}
+DROP_COUNTS = {"learner/stale_groups_dropped": "stale group{s} dropped",
+               "learner/zero_variance_groups_dropped": "zero-variance group{s} dropped",
+               "buffer/dropped_full": "group{s} dropped by a full buffer",
+               "sampler/dropped_bad_reward_groups": "group{s} dropped for a NaN/inf reward",
+               "learner/skipped_steps": "learner step{s} skipped (no sample for the loss)"}
 COUNT_PREFIXES = ("reward/errors/", "reward/timeouts/")
 
 
@@ -147,15 +148,20 @@ def prompt_counts_line(counts: Mapping[str, float], max_prompt_tokens: int) -> s
     for key, label in PROMPT_COUNTS.items():
         if key in counts:
             label = label.replace("max_prompt_tokens", f"max_prompt_tokens={max_prompt_tokens}")
-            parts.append(f"{int(counts[key])} {label}")
+            parts.append(_counted(counts[key], label))
     return "prompts: " + ", ".join(parts)
+
+
+def _counted(n: float, label: str) -> str:
+    """``"1 bad record (skipped)"`` / ``"3 bad records (skipped)"``: ``label``'s ``{s}``
+    filled for the count ``n``."""
+    return f"{int(n)} " + label.replace("{s}", "" if int(n) == 1 else "s")
 
 
 def counts_line(counts: Mapping[str, float]) -> str:
     """The non-zero drop and failure counts of a run as one line ("" when all are zero)."""
-    parts = [f"{int(counts[k])} {label}" for k, label in DROP_COUNTS.items()
-             if counts.get(k)]
-    parts += [f"{int(v)} reward {k.split('/')[1][:-1]}s in {k.split('/', 2)[2]}"
+    parts = [_counted(counts[k], label) for k, label in DROP_COUNTS.items() if counts.get(k)]
+    parts += [_counted(v, f"reward {k.split('/')[1][:-1]}{{s}} in {k.split('/', 2)[2]}")
               for k, v in sorted(counts.items()) if k.startswith(COUNT_PREFIXES) and v]
     return ("counts: " + ", ".join(parts)) if parts else ""
 
