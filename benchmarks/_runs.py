@@ -32,3 +32,19 @@ def steady_steps(cfg, warmup: int) -> tuple[list, dict, dict]:
     if len(steps) < 2:
         raise RuntimeError(f"{cfg.name}: only {len(times)} steps logged (need > {warmup + 1})")
     return steps, times, metrics_by_step(records)
+
+
+def steady_wall(steps: list, times: dict, by_step: dict) -> tuple[float, float]:
+    """``(wall, compile_s)``: seconds between the metrics records of ``steps[0]`` and
+    ``steps[-1]`` less the time steps inside it spent compiling or waiting for a background
+    compile (``learner/compile_s``: a packed run's second shape, compiled while the first
+    steps train, may not be ready when a step first needs it), and that compile time."""
+    compile_s = sum(by_step[s].get("learner/compile_s", 0.0) for s in steps[1:])
+    return times[steps[-1]] - times[steps[0]] - compile_s, compile_s
+
+
+def mean_train_s(steps: list, by_step: dict) -> float:
+    """Mean seconds of the train step over ``steps``, compile time (``learner/compile_s``)
+    left out."""
+    return sum(by_step[s]["learner/step_time_s"] - by_step[s].get("learner/compile_s", 0.0)
+               for s in steps) / len(steps)

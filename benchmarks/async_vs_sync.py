@@ -13,9 +13,11 @@ without pinning is printed as well. The policy barely moves (lr 1e-6), so comple
 lengths, and with them the work per step, stay the same through the run.
 
 samples/s = (steps after the first ``WARMUP`` x samples per step) / wall time between the
-metrics records of those steps (``metrics.jsonl`` ``time``). The pinned pair runs
-``BENCH_REPEATS`` (default 2) times, alternating, and the best run of each mode counts
-(load from other processes only ever slows a run down). Sizes: ``BENCH_STEPS`` (default
+metrics records of those steps (``metrics.jsonl`` ``time``), less the time those steps spent
+compiling a new packed shape (``learner/compile_s``: the first run compiles what later runs
+take from the persistent cache, and a one-off compile is start-up, not throughput). The
+pinned pair runs ``BENCH_REPEATS`` (default 2) times, alternating, and the best run of each
+mode counts (load from other processes only ever slows a run down). Sizes: ``BENCH_STEPS`` (default
 120) steps per run; about 3 minutes on 2 CPU cores.
 """
 
@@ -29,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _runs import steady_steps  # noqa: E402
+from _runs import mean_train_s, steady_steps, steady_wall  # noqa: E402
 from rlflow import config as C  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", "120"))
@@ -62,10 +64,11 @@ def experiment(run_dir: str, name: str, mode: str, pin: bool) -> C.ExperimentCon
 def measure(cfg) -> dict:
     steps, times, by_step = steady_steps(cfg, WARMUP)
     per_step = cfg.learner.groups_per_step * cfg.sampler.group_size
-    wall = times[steps[-1]] - times[steps[0]]
+    wall, compile_s = steady_wall(steps, times, by_step)
     mean = lambda k: float(np.mean([by_step[s][k] for s in steps]))  # noqa: E731
     return {"samples_per_s": (len(steps) - 1) * per_step / wall,
-            "train_s": mean("learner/step_time_s"), "wait_s": mean("buffer/consumer_wait_s"),
+            "compile_s": compile_s, "train_s": mean_train_s(steps, by_step),
+            "wait_s": mean("buffer/consumer_wait_s"),
             "staleness": mean("staleness/mean"), "staleness_max": max(
                 by_step[s]["staleness/max"] for s in steps)}
 

@@ -10,7 +10,8 @@ measurement: group size 4, 16 completions of at most 64 tokens per step, prompts
 
 Figure: completion tokens trained per second = the loss tokens (``learner/tokens``) of the
 steps after the first ``WARMUP`` (start-up and compilation excluded) / the wall time between
-the metrics records of the first and last of them (``metrics.jsonl`` ``time``). Two modes,
+the metrics records of the first and last of them (``metrics.jsonl`` ``time``), less the time
+those steps spent compiling a new packed shape (``learner/compile_s``). Two modes,
 one after the other: ``sync`` (``max_staleness=0``) and ``async`` (``max_staleness=2``), each
 program pinned to its own core (``runtime.pin_cpus``, the CPU stand-in for two accelerator
 slices), and their ratio. Also printed: the mean learner step time and the learner's wait
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 import _gsm8k_model  # noqa: E402
-from _runs import steady_steps  # noqa: E402
+from _runs import mean_train_s, steady_steps, steady_wall  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", "30"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "6"))
@@ -79,13 +80,14 @@ def experiment(model_dir: str, run_dir: str, mode: str):
 
 def measure(cfg) -> dict:
     steps, times, by_step = steady_steps(cfg, WARMUP)
-    wall = times[steps[-1]] - times[steps[0]]
+    wall, compile_s = steady_wall(steps, times, by_step)
     # tokens of the steps after the first counted one: those trained inside `wall`
     tokens = sum(by_step[s]["learner/tokens"] for s in steps[1:])
     mean = lambda k: float(np.mean([by_step[s][k] for s in steps]))  # noqa: E731
     return {"tokens_per_s": tokens / wall, "steps_per_s": (len(steps) - 1) / wall,
-            "tokens_per_step": tokens / (len(steps) - 1), "train_s": mean("learner/step_time_s"),
-            "wait_s": mean("buffer/consumer_wait_s")}
+            "tokens_per_step": tokens / (len(steps) - 1),
+            "train_s": mean_train_s(steps, by_step),
+            "wait_s": mean("buffer/consumer_wait_s"), "compile_s": compile_s}
 
 
 def main() -> int:

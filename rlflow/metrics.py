@@ -66,6 +66,8 @@ METRIC_SPECS: dict[str, tuple[str, str]] = {
     "staleness/max": ("versions", "largest staleness consumed"),
     **{name: ("fraction", "staleness histogram bucket") for name in STALENESS_HIST},
     "learner/step_time_s": ("s", "wall time of the learner's train step"),
+    "learner/compile_s": ("s", "part of the step spent compiling its shape or waiting for "
+                          "its background compile (0 once compiled)"),
     "learner/idle_frac": ("fraction", "learner time spent waiting for rollouts"),
     "learner/padding_fraction": ("fraction", "padded positions of the one-row-per-sample batch"),
     "learner/packed_padding_fraction": ("fraction", "padded positions of the packed batch "

@@ -40,6 +40,7 @@ class FakeLearner:
     def __init__(self, cfg):
         self.spec, self.version, self.updates = BatchSpec.from_config(cfg), 0, 0
         self.params = None
+        self.last_compile_s = 0.0
 
     def build_batch(self, recs, version=None):
         return build_batch(recs, self.spec, self.version if version is None else version)

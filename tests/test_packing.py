@@ -410,9 +410,12 @@ def test_worst_case_shape_compiles_in_the_background_and_takes_bigger_steps():
     worst, length = spec.row_counts[-1], spec.pack_length
     short = make_group_records(11, 2, vocab=VOCAB, group_size=G, max_tokens=1, noise=1.0)
     learner.train_on(short)                                 # one-token completions: few rows
+    assert learner.last_compile_s > 0                       # learner/compile_s: it compiled
     (first,) = learner.packed_row_counts
     pending = learner._compiled[(worst, length)]
     assert isinstance(pending, concurrent.futures.Future)   # not compiled on the step's thread
+    learner.train_on(short)
+    assert learner.last_compile_s == 0.0                    # same shape: nothing to wait for
     full = records(12)
     natural, _ = pack_batch(build_batch(full, learner.batch_spec, 0)[0], spec)
     assert first < natural.tokens.shape[0] < worst          # the case under test exists

@@ -263,6 +263,7 @@ class _Writer:
 
 class _Learner:
     version = 12
+    last_compile_s = 0.0
 
     def build_batch(self, groups, version=None):
         return "batch", {"reward/mean": 0.5, "staleness/mean": 0.0, "batch/samples": 2,

@@ -370,6 +370,7 @@ class LearnerProgram:
         metrics.update({
             "reward/accuracy": float(np.mean(rewards >= self.threshold)),
             "learner/step_time_s": t_step,
+            "learner/compile_s": self.learner.last_compile_s,
             "learner/idle_frac": t_wait / max(total, 1e-9),
             "learner/wall_s": total,
             "learner/version": self.version,

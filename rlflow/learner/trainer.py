@@ -115,6 +115,9 @@ class Learner:
         # run picks the same counts as an uninterrupted one, so its steps have the same
         # shapes and (on CPU) bit-identical results.
         self.packed_row_counts: set[int] = set()
+        # Seconds the latest step spent compiling its shape or waiting for its background
+        # compile (0.0 once compiled): ``learner/compile_s``.
+        self.last_compile_s = 0.0
 
     @property
     def version(self) -> int:
@@ -180,9 +183,14 @@ class Learner:
 
         Packed (``learner.packing``): after the first packed shape, the worst-case row count
         (``PackSpec.row_counts[-1]``, the one a later step that needs more rows uses) is
-        compiled on a background thread while the steps run, so that step does not stall.
+        compiled on a background thread while the steps run, so that step does not stall
+        unless the compile is still running when it comes. The seconds this call spent
+        compiling or waiting for a compile are :attr:`last_compile_s`.
         """
+        t0 = time.perf_counter()
         key = (rows, seq)
+        waited = key not in self._compiled or \
+            isinstance(self._compiled[key], concurrent.futures.Future)
         if key not in self._compiled:
             self._compiled[key] = self._compile(rows, seq)
             spec = self.pack_spec
@@ -193,6 +201,7 @@ class Learner:
         compiled = self._compiled[key]
         if isinstance(compiled, concurrent.futures.Future):
             compiled = self._compiled[key] = compiled.result()   # re-raises its error
+        self.last_compile_s = time.perf_counter() - t0 if waited else 0.0
         return compiled
 
     def _compile(self, rows: int, seq: int, args=None):
