@@ -49,7 +49,7 @@ import os
 import sys
 import time
 from multiprocessing.connection import wait as wait_connections
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from rlflow.process_limits import exit_text, kill_process_group, set_memory_limit
 

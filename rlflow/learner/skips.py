@@ -73,7 +73,7 @@ def skip_reason(info: Mapping[str, float]) -> Optional[str]:
 
 def explain(reason: str, cfg, info: Optional[Mapping[str, float]] = None) -> str:
     """What made every sample leave the loss, naming the config fields that did it."""
-    lc, sp, rt = cfg.learner, cfg.sampler, cfg.runtime
+    sp, rt = cfg.sampler, cfg.runtime
     if reason == "all_bad_reward":
         return ("every group had a non-finite reward and learner.on_bad_reward='drop' (check the "
                 "reward functions: reward/errors/* and reward/timeouts/* count their failures)")
