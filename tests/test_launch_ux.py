@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -273,9 +274,35 @@ def test_failure_report_of_bad_input_is_its_message_without_the_traceback(tmp_pa
         f"rlflow train: the sampler stopped on bad input (exit code 1); stopping the run. "
         f"Its traceback is in {log}"]
     assert child_logs.is_input_error("rlflow.config.validation.ConfigError: learner.lr: ...")
+    assert child_logs.is_input_error("rlflow.data.rewards.RewardFunctionError: reward ...")
+    assert child_logs.is_input_error("rlflow.data.rewards.NonFiniteRewardError: reward ...")
     assert not child_logs.is_input_error("ValueError: /data/bad.jsonl:7: malformed JSON")
     assert not child_logs.is_input_error("rlflow.exchange.transfer.WeightTransferError: x")
     assert not child_logs.is_input_error("rlflow.no_such_module.Error: x")
+
+
+RELAYED_PROGRAM = """
+from rlflow.exchange.ring import ProducerError
+raise ProducerError("producer failed: sampler-0: RewardFunctionError: reward function 'f' ...")
+"""
+
+
+def test_a_learner_stopped_by_a_samplers_reported_error_is_one_line(tmp_path):
+    """The sampler's own report comes first; the learner's relay of it (``ProducerError``)
+    adds one line with its log, not its traceback through the buffer."""
+    log = tmp_path / "learner.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", RELAYED_PROGRAM], stdout=f,
+                                stderr=subprocess.STDOUT)
+        proc.wait()
+    cfg = types.SimpleNamespace(learner=types.SimpleNamespace(num_hosts=1))
+    sup = supervisor.Supervisor(cfg=cfg, run_path=str(tmp_path), config_path="",
+                                endpoints=pc.Endpoints("127.0.0.1:1", "127.0.0.1:2"))
+    sup.children["learner"] = supervisor.Child("learner", proc, str(log))
+    assert "Traceback" in log.read_text()
+    assert sup.failure("learner").splitlines() == [
+        f"rlflow train: the learner stopped because a sampler failed (above; exit code 1); "
+        f"its log is {log}"]
 
 
 def test_failure_report_ignores_a_traceback_of_an_earlier_start(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from rlflow.config import RewardConfig, load_config_file, replace
 from rlflow.data.rewarder import Rewarder
-from rlflow.data.rewards import (NonFiniteRewardError, available_rewards,
+from rlflow.data.rewards import (NonFiniteRewardError, RewardFunctionError, available_rewards,
                                  exact_match_reward, get_reward, math_format_reward,
                                  math_verify_reward, register_reward)
 from tolerances import sum_tol
@@ -113,11 +113,13 @@ def release_hung_threads():
         r.close()
 
 
-def rewarder(*names, weights=None, timeout_s=5.0, num_workers=1, memory_limit_mb=4096):
+def rewarder(*names, weights=None, timeout_s=5.0, num_workers=1, memory_limit_mb=4096,
+             max_consecutive_errors=256):
     """A Rewarder whose workers import this module (its test functions register there)."""
     r = Rewarder(RewardConfig(functions=names, weights=weights or (1.0,) * len(names),
                               timeout_s=timeout_s, num_workers=num_workers,
-                              memory_limit_mb=memory_limit_mb))
+                              memory_limit_mb=memory_limit_mb,
+                              max_consecutive_errors=max_consecutive_errors))
     _made.append(r)
     return r
 
@@ -281,6 +283,36 @@ def test_a_worker_that_exits_reports_its_exit_code(caplog):
         assert r.score(["a"], ["a"], ["id"]).total.tolist() == [0.0]
     assert r.failures["test_os_exit"]["errors"] == 1
     assert "reward worker died (exit code 3)" in caplog.text
+
+
+@register_reward("test_fails_on_x")
+def _fails_on_x(completion, answer):
+    if completion == "hang":
+        _release.wait(30)
+    if completion.startswith("x"):
+        raise ValueError(f"cannot score {completion!r}")
+    return 1.0
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_a_function_failing_every_call_stops_at_max_consecutive_errors(num_workers):
+    """Failures in a row count up to reward.max_consecutive_errors, then stop with the last
+    error; a success resets the count, a timeout neither counts nor resets it; 0: never."""
+    r = rewarder("test_fails_on_x", timeout_s=0.3, num_workers=num_workers,
+                 max_consecutive_errors=3)
+    out = r.score(["x1", "x2", "ok", "x3", "x4", "hang"], ["a"] * 6,
+                  [f"prompt 5 sample {i}" for i in range(6)])
+    assert out.total.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert r.failures["test_fails_on_x"] == {"errors": 4, "timeouts": 1}
+    with pytest.raises(RewardFunctionError) as e:
+        r.score(["x5"], ["a"], ["prompt 6 sample 0"])
+    assert str(e.value).startswith(
+        "reward function 'test_fails_on_x' failed on its last 3 calls in a row "
+        "(reward.max_consecutive_errors=3), the last on sample prompt 6 sample 0: "
+        "ValueError: cannot score 'x5'")
+    never = rewarder("test_fails_on_x", num_workers=num_workers, max_consecutive_errors=0)
+    assert never.score([f"x{i}" for i in range(5)], ["a"] * 5,
+                       [str(i) for i in range(5)]).total.tolist() == [0.0] * 5
 
 
 def test_non_number_is_a_counted_failure():

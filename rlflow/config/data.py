@@ -71,6 +71,11 @@ class RewardConfig:
       memory_limit_mb: memory one reward call may allocate, MiB: each reward worker's
         address space (RLIMIT_AS) is capped at what it maps after loading the functions plus
         this; a call past it scores 0 (counted as an error). 0: no limit.
+      max_consecutive_errors: a function that fails (raises, returns a non-number, runs out
+        of memory) on this many calls in a row, without one success between, stops the run
+        with its last error (``rlflow.data.rewards.RewardFunctionError``): it is broken, and
+        training on its zeros would waste the run. Timeouts neither count nor reset the run
+        of failures. 0: never stop.
     """
 
     functions: Tuple[str, ...] = ("digits_match",)
@@ -78,6 +83,7 @@ class RewardConfig:
     timeout_s: float = 5.0
     num_workers: int = 2
     memory_limit_mb: int = 4096
+    max_consecutive_errors: int = 256
 
     def __post_init__(self):
         _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
@@ -87,3 +93,5 @@ class RewardConfig:
         _check(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(self.memory_limit_mb >= 0, "reward.memory_limit_mb",
                f"must be >= 0 (0: no limit), got {self.memory_limit_mb}")
+        _check(self.max_consecutive_errors >= 0, "reward.max_consecutive_errors",
+               f"must be >= 0 (0: never stop), got {self.max_consecutive_errors}")

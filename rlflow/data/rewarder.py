@@ -5,7 +5,8 @@ Each call runs in a reward worker process (:mod:`rlflow.data.reward_workers`) th
 past ``reward.timeout_s`` and limited to ``reward.memory_limit_mb``; a call that raises,
 returns a non-number, times out or runs out of memory scores 0 for that function and sample,
 counted per function (``reward/errors/<name>``, ``reward/timeouts/<name>``) and logged with
-the sample id. ``reward.num_workers = 0`` calls the functions in this process instead, on a
+the sample id; a function whose last ``reward.max_consecutive_errors`` calls all failed
+(timeouts aside) stops the run (:class:`~rlflow.data.rewards.RewardFunctionError`). ``reward.num_workers = 0`` calls the functions in this process instead, on a
 thread joined with the timeout: for debugging only (a call that holds the GIL or allocates
 without bound is then not stopped).
 
@@ -30,8 +31,8 @@ import numpy as np
 
 from rlflow import plugins as plugins_lib
 from rlflow.data.reward_workers import RewardWorkerPool
-from rlflow.data.rewards import (LOG_FIRST_FAILURES, NonFiniteRewardError, get_reward,
-                                 reward_value, warm_up)
+from rlflow.data.rewards import (LOG_FIRST_FAILURES, NonFiniteRewardError,
+                                 RewardFunctionError, get_reward, reward_value, warm_up)
 
 logger = logging.getLogger("rlflow.data.rewards")
 
@@ -114,7 +115,7 @@ class Rewarder:
       names / weights: the functions and their weights, in config order.
       failures: name -> {"errors": n, "timeouts": n}: samples that got 0 from that function.
 
-    Raises:
+    Raises (construction):
       KeyError: an unknown function name (lists the registered ones).
       rlflow.plugins.PluginError: a plugin cannot be imported.
     """
@@ -126,6 +127,8 @@ class Rewarder:
         self.timeout_s = float(reward_cfg.timeout_s)
         self._fns = [get_reward(n) for n in self.names]
         self.failures = {n: {"errors": 0, "timeouts": 0} for n in self.names}
+        self.max_consecutive_errors = int(getattr(reward_cfg, "max_consecutive_errors", 0))
+        self._error_run = {n: 0 for n in self.names}   # failed calls since the last success
         self._jobs: "collections.OrderedDict[Hashable, _Job]" = collections.OrderedDict()
         self._tasks: Dict[int, Tuple[Hashable, int, int]] = {}
         self._pool: Optional[RewardWorkerPool] = None
@@ -146,6 +149,8 @@ class Rewarder:
 
         Raises:
           ValueError: the three sequences differ in length, or ``key`` is already pending.
+          RewardFunctionError: (``reward.num_workers = 0``, scored here) a function's run of
+            failures reached ``reward.max_consecutive_errors``.
         """
         n = len(completions)
         if len(answers) != n or len(sample_ids) != n:
@@ -174,6 +179,8 @@ class Rewarder:
 
         Raises:
           rlflow.data.reward_workers.RewardWorkerError: the workers cannot load the functions.
+          RewardFunctionError: a function's run of failures reached
+            ``reward.max_consecutive_errors``.
         """
         self._pump(timeout)
         done = []
@@ -206,6 +213,8 @@ class Rewarder:
         Raises:
           ValueError: the three sequences differ in length.
           NonFiniteRewardError: a function returned NaN or infinity (names it and the sample).
+          RewardFunctionError: a function's run of failures reached
+            ``reward.max_consecutive_errors``.
         """
         key = ("rlflow.score", object())
         self.submit(key, completions, answers, sample_ids)
@@ -272,6 +281,7 @@ class Rewarder:
         name, sample_id = self.names[k], job.sample_ids[i]
         job.remaining -= 1
         if status == "ok":
+            self._error_run[name] = 0
             job.values[k, i] = value
             if not finite_float32(value):
                 job.bad.add(i)
@@ -282,6 +292,14 @@ class Rewarder:
             self._failed(name, "timeouts", sample_id, str(value))
         else:
             self._failed(name, "errors", sample_id, f"raised {value}")
+            self._error_run[name] += 1
+            limit = self.max_consecutive_errors
+            if limit and self._error_run[name] >= limit:
+                raise RewardFunctionError(
+                    f"reward function {name!r} failed on its last {self._error_run[name]} calls "
+                    f"in a row (reward.max_consecutive_errors={limit}), the last on sample "
+                    f"{sample_id}: {value}. Fix the function (or raise the limit; 0: never "
+                    f"stop)")
 
     def _batch(self, job: _Job) -> RewardBatch:
         total = np.asarray(self.weights, np.float64) @ job.values if len(self.names) else \

@@ -64,6 +64,13 @@ class NonFiniteRewardError(ValueError):
     """A reward function returned NaN or infinity; the message names it and the sample id."""
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function failed (raised, or returned a non-number) on
+    ``reward.max_consecutive_errors`` calls in a row without one success: a bug in the
+    function (or in every answer it reads), not a hard sample. The message names the
+    function, the count and its last error with the sample id."""
+
+
 def reward_value(value) -> float:
     """A reward function's return value as a float: a real number (``int``, ``float``,
     ``bool`` as 0/1, numpy scalars and 0-d numeric arrays). Anything else (a string such as

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rlflow import programs_common as pc
+from rlflow.exchange.ring import ProducerError
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import (ERROR_SCAN_LINES, LOG_TAIL_LINES, exit_text,
                                        is_input_error, last_exception_line, tail)
@@ -194,7 +195,9 @@ class Supervisor:
         """The failure report of child ``role``: its last exception line first (when its log
         has a traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its
         log; for an error about the user's input (:func:`child_logs.is_input_error`: a bad
-        data record, a config field) the exception line and the log's path only."""
+        data record, a config field, a broken reward function) the exception line and the
+        log's path only; the same for a learner that stopped on a sampler's reported error
+        (``ProducerError``: that sampler's own report comes first)."""
         from rlflow.progress import plain_text     # no control characters in CI logs
 
         c = self.children[role]
@@ -209,6 +212,9 @@ class Supervisor:
             return head + (f"rlflow train: the {what} stopped on bad input "
                            f"({exit_text(c.proc.returncode)}); stopping the run. Its traceback "
                            f"is in {c.log_path}")
+        if error and error.startswith(f"{ProducerError.__module__}.{ProducerError.__name__}:"):
+            return (f"rlflow train: the {what} stopped because a sampler failed (above; "
+                    f"{exit_text(c.proc.returncode)}); its log is {c.log_path}")
         text = (f"rlflow train: the {what} process died ({exit_text(c.proc.returncode)}); "
                 f"stopping the run. Last lines of {c.log_path}:\n")
         return head + text + "\n".join(f"  [{role}] {plain_text(line)}"

@@ -476,6 +476,8 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
       SamplerError: a prompt failed at every retry.
       rlflow.data.rewards.NonFiniteRewardError: a reward function returned NaN/inf and
         ``learner.on_bad_reward="error"``.
+      rlflow.data.rewards.RewardFunctionError: a reward function failed on
+        ``reward.max_consecutive_errors`` calls in a row.
       rlflow.exchange.ring.BufferTimeoutError / rlflow.exchange.wire.PeerTimeoutError: the
         learner stopped answering.
     """
