@@ -164,3 +164,74 @@ def test_env_step_errors_and_timeouts_end_the_episode_counted():
         assert m["sampler/env_errors"] == 1 and m["sampler/env_timeouts"] == 1
     finally:
         driver.close()
+
+
+def test_a_run_of_failed_steps_stops_at_env_max_consecutive_errors():
+    """Failed steps in a row count up to env.max_consecutive_errors, then poll raises with
+    the last error; a successful step resets the count; 0: never stop."""
+    import pytest
+
+    from rlflow.envs import EnvFailureError
+
+    cfg = EnvConfig(name="episode_envs:make_flaky", max_consecutive_errors=2)
+    driver = EpisodeDriver(cfg, CharTokenizer(), FakeRenderer([0], CharTokenizer()))
+    _, group = driver.new_group({"prompt_id": 7}, 4)
+
+    def turn(i, text):
+        driver.turn_ended(group, i, np.asarray([ord(c) for c in text] + [0]), 0)
+
+    for i, text in enumerate(["raise", "ok", "raise"]):     # a run of 1, reset, 1: goes on
+        turn(i, text)
+    assert [out.continuation is None for _, _, out in driver.poll()] == [True, False, True]
+    turn(3, "raise")
+    with pytest.raises(EnvFailureError) as e:
+        driver.poll()
+    assert str(e.value).startswith(
+        "environment 'episode_envs:make_flaky' failed on its last 2 steps in a row "
+        "(env.max_consecutive_errors=2), the last at prompt_id 7 episode 3: RuntimeError: "
+        "environment bug")
+    never = EpisodeDriver(EnvConfig(name="episode_envs:make_flaky", max_consecutive_errors=0),
+                          CharTokenizer(), FakeRenderer([0], CharTokenizer()))
+    _, group = never.new_group({"prompt_id": 8}, 3)
+    for i in range(3):
+        never.turn_ended(group, i, np.asarray([ord(c) for c in "raise"] + [0]), 0)
+    assert [out.reward for _, _, out in never.poll()] == [0.0] * 3
+
+
+def test_prompts_whose_environments_cannot_start_stop_at_env_max_consecutive_errors():
+    """A dropped prompt (factory / reset failed) counts toward env.max_consecutive_errors; a
+    prompt whose environments start resets the count; at the limit the sampler stops with
+    the last error (every prompt dropped would leave the learner waiting for ever)."""
+    from types import SimpleNamespace as NS
+
+    import pytest
+
+    from rlflow.envs import EnvError, EnvFailureError
+    from rlflow.sampler.program import SamplerProgram
+
+    class Driver:                     # the episode driver's new_group: prompt 3 starts
+        def new_group(self, record, group_size):
+            if record["prompt_id"] != 3:
+                raise EnvError(f"field 'start' missing in prompt {record['prompt_id']}")
+            return np.asarray(PROMPT, np.int32), "group"
+
+    program = NS(episodes=Driver(), dropped_leases=[], env_reset_errors=0, env_reset_run=0,
+                 renderer=FakeRenderer([0]),
+                 cfg=NS(sampler=NS(max_prefill_length=8, group_size=2, max_tokens=8),
+                        env=EnvConfig(name="rejects", max_consecutive_errors=3)))
+    sampling = SamplingParams(temperature=1.0, max_tokens=8)
+
+    def lease(i):
+        return SamplerProgram._new_episodes(program, {"stream_index": i, "lease_id": i,
+                                                      "prompt_id": i}, sampling)
+
+    assert lease(1) is None and lease(2) is None                   # dropped, run of 2
+    assert lease(3)[1] == "group" and program.env_reset_run == 0   # started: reset
+    assert lease(4) is None and lease(5) is None
+    with pytest.raises(EnvFailureError) as e:
+        lease(6)
+    assert str(e.value).startswith(
+        "environment 'rejects' could not start for the last 3 prompts in a row "
+        "(env.max_consecutive_errors=3), the last prompt_id 6: EnvError: field 'start' "
+        "missing in prompt 6")
+    assert program.env_reset_errors == 5 and len(program.dropped_leases) == 5

@@ -36,6 +36,13 @@ class EnvConfig:
         the failure is counted (``sampler/env_timeouts``).
       num_workers: environment worker processes per sampler replica (>= 1); the other slots
         keep decoding while a step runs.
+      max_consecutive_errors: the run stops (``rlflow.envs.EnvFailureError``, with the last
+        error) when this many prompts in a row could not start their environments (factory
+        or ``reset`` failed: each is dropped), or this many ``step`` calls in a row failed
+        (raised, returned a bad value, or gave messages the chat template cannot render)
+        without a success between: the environment or the data is broken, and the run would
+        otherwise train on nothing (or wait forever for groups). Timeouts neither count nor
+        reset. 0: never stop.
     """
 
     name: str = ""
@@ -44,6 +51,7 @@ class EnvConfig:
     max_episode_tokens: int = 0
     step_timeout_s: float = 30.0
     num_workers: int = 2
+    max_consecutive_errors: int = 256
 
     def __post_init__(self):
         _check(isinstance(self.name, str), "env.name", f"must be a string, got {self.name!r}")
@@ -58,6 +66,8 @@ class EnvConfig:
                f"must be >= 0 (0: sampler.max_tokens), got {self.max_episode_tokens}")
         _positive(self.step_timeout_s, "env.step_timeout_s")
         _positive(self.num_workers, "env.num_workers")
+        _check(self.max_consecutive_errors >= 0, "env.max_consecutive_errors",
+               f"must be >= 0 (0: never stop), got {self.max_consecutive_errors}")
 
     @property
     def enabled(self) -> bool:

@@ -42,6 +42,13 @@ class EnvError(ValueError):
     that returned something other than the protocol's types (the message names which)."""
 
 
+class EnvFailureError(RuntimeError):
+    """An environment failed ``env.max_consecutive_errors`` times in a row without one
+    success: every prompt's factory / ``reset`` (each such prompt is dropped), or every
+    ``step`` (each such episode ends with reward 0). A broken environment or data set, not
+    a hard episode; the message names the environment, the count and the last error."""
+
+
 @dataclass(frozen=True)
 class EnvStep:
     """What :meth:`Environment.step` returns.

@@ -52,9 +52,10 @@ def is_input_error(exception_line: str) -> bool:
     """True when ``exception_line`` (as :func:`last_exception_line` returns it) names an
     rlflow error about the user's input: a :class:`rlflow.data.sources.DataError` (a bad or
     missing record, an empty data set), a :class:`rlflow.config.ConfigError`, or an error of
-    the user's reward function (:class:`rlflow.data.rewards.NonFiniteRewardError`,
-    :class:`rlflow.data.rewards.RewardFunctionError`). Their messages name the file, line,
-    field or function and sample; rlflow's traceback adds nothing for the user."""
+    the user's reward function or environment (:class:`rlflow.data.rewards.NonFiniteRewardError`,
+    :class:`rlflow.data.rewards.RewardFunctionError`, :class:`rlflow.envs.EnvFailureError`).
+    Their messages name the file, line, field or function and sample; rlflow's traceback adds
+    nothing for the user."""
     name = exception_line.split(":", 1)[0].strip()
     module, _, cls_name = name.rpartition(".")
     if not module.startswith("rlflow."):
@@ -66,6 +67,7 @@ def is_input_error(exception_line: str) -> bool:
     from rlflow.config.validation import ConfigError
     from rlflow.data.rewards import NonFiniteRewardError, RewardFunctionError
     from rlflow.data.sources import DataError
+    from rlflow.envs.base import EnvFailureError
 
     return isinstance(cls, type) and issubclass(
-        cls, (DataError, ConfigError, NonFiniteRewardError, RewardFunctionError))
+        cls, (DataError, ConfigError, NonFiniteRewardError, RewardFunctionError, EnvFailureError))

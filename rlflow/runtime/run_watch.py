@@ -130,7 +130,10 @@ DROP_COUNTS = {"learner/stale_groups_dropped": "stale group{s} dropped",
                "learner/zero_variance_groups_dropped": "zero-variance group{s} dropped",
                "buffer/dropped_full": "group{s} dropped by a full buffer",
                "sampler/dropped_bad_reward_groups": "group{s} dropped for a NaN/inf reward",
-               "learner/skipped_steps": "learner step{s} skipped (no sample for the loss)"}
+               "learner/skipped_steps": "learner step{s} skipped (no sample for the loss)",
+               "sampler/env_reset_errors": "prompt{s} dropped (environment could not start)",
+               "sampler/env_errors": "environment step error{s} (episode reward 0)",
+               "sampler/env_timeouts": "environment step timeout{s} (episode reward 0)"}
 COUNT_PREFIXES = ("reward/errors/", "reward/timeouts/")
 
 

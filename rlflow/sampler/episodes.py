@@ -19,7 +19,8 @@ the model's chat template as the group's prompt ids. Then, per episode:
   re-tokenized). An environment that raises, times out (``env.step_timeout_s``), dies or
   returns something other than an :class:`rlflow.envs.EnvStep` ends its episode with
   reward 0, counted (``sampler/env_errors``, ``sampler/env_timeouts``) and logged; the run
-  goes on.
+  goes on, unless ``env.max_consecutive_errors`` steps in a row failed (timeouts aside):
+  then :meth:`EpisodeDriver.poll` raises :class:`rlflow.envs.EnvFailureError`.
 
 The renderer is :class:`rlflow.envs.chat.ChatRenderer` (``prompt_ids(messages, tools)``,
 ``continuation_ids(messages, new_messages, tools)``, ``assistant_text(ids)``,
@@ -35,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlflow.envs.base import EnvStep, bind_options, get_environment
+from rlflow.envs.base import EnvFailureError, EnvStep, bind_options, get_environment
 from rlflow.sampler.episode_slots import EpisodeOutcome
 
 log = logging.getLogger("rlflow.sampler.episodes")
@@ -79,6 +80,7 @@ class EpisodeDriver:
         self.counts = {"env_steps": 0, "env_errors": 0, "env_timeouts": 0,
                        "episodes": 0, "episodes_cut_turns": 0}
         self.info: Dict[str, float] = {}
+        self._error_run = 0             # failed steps since the last successful one
 
     # ------------------------------------------------------------------ groups
     def new_group(self, record: dict, group_size: int) -> tuple:
@@ -126,7 +128,11 @@ class EpisodeDriver:
 
     def poll(self, timeout: float = 0.0) -> list:
         """Answers that arrived (waiting at most ``timeout`` s for the first):
-        ``[(group, index, EpisodeOutcome)]``."""
+        ``[(group, index, EpisodeOutcome)]``.
+
+        Raises:
+          rlflow.envs.EnvFailureError: ``env.max_consecutive_errors`` steps in a row failed.
+        """
         answers, self._answers = self._answers, []
         if self.pool is not None and self._tasks:
             for task_id, status, value in self.pool.poll(0.0 if answers else timeout):
@@ -152,6 +158,8 @@ class EpisodeDriver:
         for k, v in step.info.items():
             self.info[k] = self.info.get(k, 0.0) + float(v)
         reward = float(step.reward or 0.0)
+        if step.done or group.turns[index] >= self.cfg.max_turns:
+            self._error_run = 0
         if step.done:
             return EpisodeOutcome(None, reward, False)
         if group.turns[index] >= self.cfg.max_turns:
@@ -164,6 +172,7 @@ class EpisodeDriver:
             return self._failed("env_errors", where, f"rendering its messages: "
                                 f"{type(e).__name__}: {e}")
         group.messages[index].extend(step.messages)
+        self._error_run = 0
         return EpisodeOutcome(np.asarray(cont, np.int32), reward, False)
 
     def _failed(self, kind: str, where: str, what: str) -> EpisodeOutcome:
@@ -172,6 +181,14 @@ class EpisodeDriver:
         if n <= LOG_FIRST or n % 1000 == 0:
             log.warning("environment %r, %s: %s; the episode ends with reward 0 (%d failures "
                         "so far)", self.cfg.name, where, what, n)
+        if kind == "env_errors":
+            self._error_run += 1
+            limit = self.cfg.max_consecutive_errors
+            if limit and self._error_run >= limit:
+                raise EnvFailureError(
+                    f"environment {self.cfg.name!r} failed on its last {self._error_run} "
+                    f"steps in a row (env.max_consecutive_errors={limit}), the last at "
+                    f"{where}: {what}. Fix the environment (or raise the limit; 0: never stop)")
         return EpisodeOutcome(None, 0.0, False)
 
     def metrics(self) -> Dict[str, float]:

@@ -29,7 +29,8 @@ environments' rewards and its ``loss_mask`` (no reward workers). A prompt whose 
 cannot be created or reset, or whose first messages render longer than
 ``sampler.max_prefill_length``, is dropped (logged, counted as ``sampler/env_reset_errors``,
 reported to the ledger as dropped); environment step errors and timeouts end their episode
-with reward 0 (counted) and never stop the run.
+with reward 0 (counted). Neither stops the run unless ``env.max_consecutive_errors`` prompts
+(or steps) in a row failed: then :class:`rlflow.envs.EnvFailureError` does.
 
 Each request's seed comes with its lease (derived from the prompt's position in the prompt
 stream), so a prompt re-dispatched to another replica, or after a resume, is drawn with the
@@ -54,6 +55,7 @@ import numpy as np
 from rlflow import programs_common as pc
 from rlflow.data.rewarder import Rewarder
 from rlflow.data.rewards import NonFiniteRewardError
+from rlflow.envs.base import EnvFailureError
 from rlflow.exchange.buffer import BufferClient
 from rlflow.exchange.host_shards import log_weights_digest
 from rlflow.exchange.ring import BufferClosedError
@@ -114,6 +116,7 @@ class SamplerProgram:
 
     episodes = None          # the episode driver (env.name set), else None
     env_reset_errors = 0     # prompts dropped because their environments could not start
+    env_reset_run = 0        # of them, since the last prompt whose environments started
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
@@ -162,6 +165,7 @@ class SamplerProgram:
                                                name=self.name)
         self.episodes = self._episode_driver() if cfg.env.enabled else None
         self.env_reset_errors = 0
+        self.env_reset_run = 0
         self.rewarder = None if self.episodes is not None else \
             Rewarder(cfg.reward, plugins=cfg.plugins)
         # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
@@ -297,7 +301,12 @@ class SamplerProgram:
 
     def _new_episodes(self, element, sampling):
         """``(prompt ids, episode group, sampling)`` for a leased prompt, or None when its
-        environments cannot be created (the prompt is dropped, logged and counted)."""
+        environments cannot be created (the prompt is dropped, logged and counted).
+
+        Raises:
+          rlflow.envs.EnvFailureError: this is the ``env.max_consecutive_errors``-th prompt
+            in a row whose environments could not start.
+        """
         from rlflow.sampler.episodes import episode_record, sampling_for_episodes
 
         limit = self.cfg.sampler.max_prefill_length
@@ -307,13 +316,23 @@ class SamplerProgram:
             if prompt.size > limit:      # never cut: the system turn comes first
                 raise ValueError(f"the rendered first messages are {prompt.size} tokens, "
                                  f"longer than sampler.max_prefill_length={limit}")
-        except Exception as e:  # noqa: BLE001 - a bad record never stops the run
+        except Exception as e:  # noqa: BLE001 - a bad record never stops the run ...
             self.env_reset_errors += 1
+            self.env_reset_run += 1
             self.dropped_leases.append([int(element["stream_index"]), int(element["lease_id"])])
             log.warning("prompt_id %d: environment %r could not start (%s: %s); the prompt "
                         "is dropped (%d so far)", int(element["prompt_id"]), self.cfg.env.name,
                         type(e).__name__, e, self.env_reset_errors)
+            most = self.cfg.env.max_consecutive_errors
+            if most and self.env_reset_run >= most:          # ... a broken environment does
+                raise EnvFailureError(
+                    f"environment {self.cfg.env.name!r} could not start for the last "
+                    f"{self.env_reset_run} prompts in a row (env.max_consecutive_errors="
+                    f"{most}), the last prompt_id {int(element['prompt_id'])}: "
+                    f"{type(e).__name__}: {e}. Fix the environment or the data (or raise the "
+                    f"limit; 0: never stop)") from e
             return None
+        self.env_reset_run = 0
         return prompt, group, sampling_for_episodes(sampling, self.cfg.env,
                                                     self.cfg.sampler.max_tokens,
                                                     self.renderer.end_of_turn_ids)
@@ -478,6 +497,8 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
         ``learner.on_bad_reward="error"``.
       rlflow.data.rewards.RewardFunctionError: a reward function failed on
         ``reward.max_consecutive_errors`` calls in a row.
+      rlflow.envs.EnvFailureError: ``env.max_consecutive_errors`` prompts (or environment
+        steps) in a row failed.
       rlflow.exchange.ring.BufferTimeoutError / rlflow.exchange.wire.PeerTimeoutError: the
         learner stopped answering.
     """
