@@ -215,3 +215,29 @@ def test_replica_table_timeouts_restarts_and_none_alive():
         t.check(26.5)
     t.beat("b", 0, 27.0)                              # a replica comes back
     t.check(1000.0 if not t.expire(27.0) else 0.0)
+
+
+@pytest.mark.parametrize("new_gps", [1, 4])
+def test_a_resume_with_another_groups_per_step_leases_within_the_new_budget(new_gps):
+    """A run checkpointed with groups_per_step 2 and resumed with another value: admission
+    counts the resumed steps at the new value ((v + 1 + k) * gps - v * gps - active), the
+    untrained prompts come first, and the budget is never stuck at 0 (it was, for a smaller
+    value, when the checkpoint's trained count was read back)."""
+    a = _ledger(None, gps=2, k=1)
+    version = 0
+    for _ in range(3):                                   # 3 steps of 2 groups each
+        leased = a.lease("r0", version, 10)
+        keys = [(e["stream_index"], e["lease_id"]) for e in leased]
+        for key in keys:
+            assert a.stored(key)
+        assert all(a.take(k) for k in keys[:2])
+        a.trained(keys[:2])
+        version += 1
+    state = a.state()
+    untrained = [i for i, _ in state["ledger"]["untrained"]]
+    assert len(untrained) == 2 and state["ledger"]["trained_groups"] == 6
+    b = _ledger(None, gps=new_gps, k=1, trained_groups=version * new_gps)
+    b.restore(state)
+    again = b.lease("r0", version, 10)
+    assert len(again) == 2 * new_gps                      # (1 + k) * gps, nothing active
+    assert [e["stream_index"] for e in again][:2] == untrained   # untrained ones first

@@ -81,7 +81,10 @@ class PromptLedger:
       groups_per_step: ``learner.groups_per_step``.
       max_staleness: ``runtime.max_staleness`` (k >= 0).
       seed_of: ``stream_index -> request seed`` (``sampling.derive_seed``).
-      trained_groups: groups of the learner steps already taken (resume: step x gps).
+      trained_groups: groups of the learner steps already taken (resume: step x gps, with
+        this run's gps: the admission rule and :meth:`check_enough` count a step as
+        ``groups_per_step`` groups, so a run resumed with another ``learner.groups_per_step``
+        starts from ``step x`` the new value; :meth:`restore` keeps it).
 
     Raises:
       ValueError: a bad argument (named).
@@ -141,7 +144,8 @@ class PromptLedger:
                                   f"{s.get('format') if isinstance(s, dict) else s!r}")
             try:
                 self.next_index = int(s["next_index"])
-                self.trained_groups = int(s.get("trained_groups", self.trained_groups))
+                # "trained_groups" is not read back: with another learner.groups_per_step
+                # the checkpoint's count (old gps x steps) would hold admission at 0 for good
                 self._lease_ids = int(s.get("lease_ids", 0))
                 untrained = [(int(i), int(seed)) for i, seed in s["untrained"]]
                 self.counts.update({k: int(v) for k, v in s.get("counts", {}).items()
