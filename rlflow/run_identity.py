@@ -14,8 +14,10 @@ TensorBoard events, summary and report never mix two runs:
   and the run starts in a clean one.
 * ``checkpoint.resume="auto"`` continues the run in the folder; it is refused when the
   folder's config differs from the new one in an :data:`IDENTITY_FIELDS` field (another
-  run's folder). Other differences are allowed and listed in the warning returned: the
-  operational settings (``reward.num_workers`` / ``timeout_s`` / ``memory_limit_mb``,
+  run's folder; or other LoRA adapters: ``learner.lora`` rank, targets,
+  ``train_final_norm`` / ``train_embeddings``, LoRA switched on or off: the checkpoint holds
+  another parameter tree). Other differences are allowed and listed in the warning returned:
+  the operational settings (``reward.num_workers`` / ``timeout_s`` / ``memory_limit_mb``,
   ``data.on_bad_record``, ``data.max_prompt_tokens``, ``data.num_epochs``, logging,
   checkpoint cadence, meshes, ports) and the training settings a user tunes or extends
   mid-run (``learner.num_steps``, a learning rate).
@@ -35,14 +37,17 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 RUN_FILE = "run.json"
-IDENTITY_SECTIONS: tuple[str, ...] = ("model", "data", "reward")
-# The fields that define a run (section -> field names; "*" = every field of the section).
-# A resume that changes one is another run's start; every other field may change on resume.
+IDENTITY_SECTIONS: tuple[str, ...] = ("model", "data", "reward", "LoRA adapters")
+# The fields that define a run (section -> field names, dotted for a nested one; "*" = every
+# field of the section). A resume that changes one is another run's start (for the LoRA
+# fields: a checkpoint of another parameter tree, which cannot be restored); every other
+# field may change on resume.
 IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
     "model": ("*",),                      # path, or the random model's architecture and seed
     "data": ("source", "path", "task", "prompt_field", "answer_field", "chat_template",
              "plain_template", "shuffle_seed"),
     "reward": ("functions", "weights"),
+    "learner": ("lora.rank", "lora.targets", "lora.train_final_norm", "lora.train_embeddings"),
 }
 # Files / folders of a run folder that hold a run's results, listed when the folder holds a
 # trained step (:func:`has_trained`; a start that failed before its first step holds none).
@@ -124,14 +129,24 @@ def identity_of(config: Mapping[str, Any]) -> dict:
         elif fields == ("*",):
             out[section] = dict(values)
         else:
-            out[section] = {f: values.get(f) for f in fields}
+            out[section] = {f: _lookup(values, f) for f in fields}
     return out
+
+
+def _lookup(values: Mapping[str, Any], dotted: str) -> Any:
+    """``values["lora"]["rank"]`` for ``"lora.rank"``; None where a level is missing (a
+    config.json written before the field existed)."""
+    for key in dotted.split("."):
+        if not isinstance(values, Mapping):
+            return None
+        values = values.get(key)
+    return values
 
 
 def _is_identity_field(dotted: str) -> bool:
     section, _, field = dotted.partition(".")
     fields = IDENTITY_FIELDS.get(section, ())
-    return fields == ("*",) or field.split(".")[0] in fields
+    return fields == ("*",) or any(field == f or field.startswith(f + ".") for f in fields)
 
 
 def config_differences(old: Mapping[str, Any], new: Mapping[str, Any],

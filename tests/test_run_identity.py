@@ -5,6 +5,7 @@ operations is checked on a :class:`LearnerProgram` built around fakes."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -150,6 +151,31 @@ def test_resume_auto_refuses_another_reward_or_prompt_format(tmp_path):
             ({"data": C.DataConfig(plain_template="Q: {prompt}")}, "data.plain_template")]:
         with pytest.raises(RunFolderConflict, match=rf"differs in {field}\b"):
             check_run_folder(_cfg(tmp_path, num_steps=20, **changes))
+
+
+def _lora_cfg(tmp_path, **lora):
+    cfg = _cfg(tmp_path, num_steps=20)
+    return dataclasses.replace(cfg, learner=dataclasses.replace(
+        cfg.learner, lora=C.LoraConfig(**{"rank": 8, **lora})))
+
+
+def test_resume_auto_refuses_other_lora_adapters_and_allows_their_tuning(tmp_path):
+    """Another adapter structure (rank, targets, what else is trained, LoRA on or off) has
+    another checkpointed parameter tree: refused up front, the field named (before: the
+    learner failed restoring the checkpoint); alpha / the adapters' lr / the swap mode may
+    change."""
+    _earlier_run(tmp_path, _lora_cfg(tmp_path))
+    for cfg, field in [(_lora_cfg(tmp_path, rank=4), "learner.lora.rank"),
+                       (_lora_cfg(tmp_path, rank=0), "learner.lora.rank"),
+                       (_lora_cfg(tmp_path, targets=("q_proj",)), "learner.lora.targets"),
+                       (_lora_cfg(tmp_path, train_final_norm=True),
+                        "learner.lora.train_final_norm")]:
+        with pytest.raises(RunFolderConflict, match=rf"LoRA adapters \(differs in {field}\)"):
+            check_run_folder(cfg)
+    _, warnings = check_run_folder(_lora_cfg(tmp_path, alpha=32.0, lr=1e-4, swap="forward"))
+    assert len(warnings) == 1
+    for field in ("learner.lora.alpha", "learner.lora.lr", "learner.lora.swap"):
+        assert field in warnings[0]
 
 
 def test_a_folder_with_only_config_and_logs_is_not_an_earlier_run(tmp_path):
