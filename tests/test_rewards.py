@@ -315,6 +315,20 @@ def test_a_function_failing_every_call_stops_at_max_consecutive_errors(num_worke
                        [str(i) for i in range(5)]).total.tolist() == [0.0] * 5
 
 
+def test_nan_rewards_in_a_row_stop_at_max_consecutive_errors():
+    """A NaN is no usable reward: with learner.on_bad_reward="drop" the sampler drops its
+    group, so a function returning NaN every time would leave the learner waiting for ever;
+    a run of them counts toward reward.max_consecutive_errors (a finite value resets it)."""
+    r = rewarder("test_nan", num_workers=0, max_consecutive_errors=3)
+    r.submit("g1", ["bad", "ok", "bad", "bad"], ["a"] * 4, [f"p1 s{i}" for i in range(4)])
+    (_, batch), = r.collect()
+    assert len(batch.nonfinite) == 3                 # reported for on_bad_reward; run of 2
+    with pytest.raises(RewardFunctionError, match=r"'test_nan' failed on its last 3 calls in "
+                       r"a row \(reward.max_consecutive_errors=3\), the last on sample p2 s0: "
+                       r"returned nan"):
+        r.submit("g2", ["bad"], ["a"], ["p2 s0"])
+
+
 def test_non_number_is_a_counted_failure():
     r = rewarder("test_not_a_number")
     assert r.score(["a"], ["a"], ["id"]).total.tolist() == [0.0]

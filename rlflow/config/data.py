@@ -71,9 +71,9 @@ class RewardConfig:
       memory_limit_mb: memory one reward call may allocate, MiB: each reward worker's
         address space (RLIMIT_AS) is capped at what it maps after loading the functions plus
         this; a call past it scores 0 (counted as an error). 0: no limit.
-      max_consecutive_errors: a function that fails (raises, returns a non-number, runs out
-        of memory) on this many calls in a row, without one success between, stops the run
-        with its last error (``rlflow.data.rewards.RewardFunctionError``): it is broken, and
+      max_consecutive_errors: a function that fails (raises, returns a non-number or a
+        NaN/inf one, runs out of memory) on this many calls in a row, without one success
+        between, stops the run with its last error (``rlflow.data.rewards.RewardFunctionError``): it is broken, and
         training on its zeros would waste the run. Timeouts neither count nor reset the run
         of failures. 0: never stop.
     """
