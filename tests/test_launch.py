@@ -118,6 +118,48 @@ def test_run_watcher_reads_only_complete_step_records(tmp_path):
     assert json.load(open(run / "summary.json"))["reward_last"] == 1.0
 
 
+def test_a_run_without_new_steps_prints_a_stall_notice_with_each_logs_last_line(tmp_path):
+    """No step for stall_notice_s: one notice naming the wait and the last line of every
+    program's log; the next after twice as long; a new step restarts the count."""
+    from rlflow.runtime.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=3),
+                             metrics=C.MetricsConfig(progress="plain"))
+    run = tmp_path / "w"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "learner.log").write_text("start\nlearner ready at version 0\n\n")
+    (run / "logs" / "sampler.log").write_text("WARNING environment 'e' ... (7 failures so far)\n")
+    now = [0.0]
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, str(run), stream=out, stall_notice_s=100.0, clock=lambda: now[0])
+
+    def notices():
+        return [x for x in out.getvalue().splitlines() if "no learner step" in x]
+
+    now[0] = 99.0
+    watcher.poll()
+    assert notices() == []
+    now[0] = 100.0
+    watcher.poll()
+    assert notices() == ["rlflow train: no learner step for 100 s since the start (a compile, "
+                         "or the learner waiting for rollouts); the last line of each log:"]
+    assert "  [learner] learner ready at version 0" in out.getvalue().splitlines()
+    assert "  [sampler] WARNING environment 'e' ... (7 failures so far)" in \
+        out.getvalue().splitlines()
+    now[0] = 199.0
+    watcher.poll()
+    assert len(notices()) == 1                       # the next one after 200 s
+    (run / "metrics.jsonl").write_text('{"step": 1, "learner/step_time_s": 0.1}\n')
+    watcher.poll()                                    # a step at 199 s: the count restarts
+    now[0] = 298.0
+    watcher.poll()
+    assert len(notices()) == 1
+    now[0] = 299.0
+    watcher.poll()
+    assert notices()[-1].startswith("rlflow train: no learner step for 100 s since step 1 of 3")
+
+
 def test_summary_of_a_run_stopped_before_its_first_step_is_strict_json(tmp_path):
     """No step, so no reward figures: summary.json holds null for them, not NaN (which
     strict JSON readers reject)."""

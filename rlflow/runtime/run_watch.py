@@ -6,7 +6,9 @@ each new step to :class:`rlflow.progress.ProgressReporter`, and at the end write
 ``summary.json`` with the reward rise of the run, the learner step reached
 (``steps_completed``), the step the invocation resumed from (``resumed_from_step``, 0 for a
 fresh run) and the steps it ran (``steps_this_run``) (:func:`reward_rise`), prints it and the
-path of the ``rlflow report`` page.
+path of the ``rlflow report`` page. When no new step arrives for ``STALL_NOTICE_S`` (then
+twice as long, and so on), it prints how long, and the last line of each program's log, so a
+run that waits (a compile, rollouts that never come) never waits silently.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from rlflow.metrics import METRICS_FILE
 from rlflow.run_folder import metrics_by_step, read_jsonl
 
 SUMMARY_FILE = "summary.json"
+LOGS_SUBDIR = "logs"       # rlflow.runtime.supervisor's per-program logs: <role>.log
+STALL_NOTICE_S = 300.0     # seconds without a new step before the first notice (then x2)
 CHECKPOINTS_SUBDIR = "checkpoints"  # rlflow.checkpoint.checkpoint_dir(run) (not imported: JAX)
 
 
@@ -199,6 +203,19 @@ def mark_complete(run_path: str, step: int, stream=None) -> Optional[str]:
     return _write_report(run_path, stream)
 
 
+def _last_line(path: str) -> str:
+    """The last non-empty line of a text file (its last 8 KiB), "" when none or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
 class RunWatcher:
     """Tails ``<run>/metrics.jsonl`` and reports progress (a thin shell, no JAX).
 
@@ -207,12 +224,16 @@ class RunWatcher:
       run_path: the run folder.
       stream: where progress goes (default stderr).
       resumed_from: learner step of the checkpoint this invocation resumes from (0: fresh).
+      stall_notice_s: seconds without a new step before a notice (doubling after each;
+        0: never).
+      clock: monotonic seconds (a test's fake clock).
 
     Raises:
       ValueError: ``resumed_from`` outside ``[0, learner.num_steps]``.
     """
 
-    def __init__(self, cfg, run_path: str, stream=None, resumed_from: int = 0):
+    def __init__(self, cfg, run_path: str, stream=None, resumed_from: int = 0,
+                 stall_notice_s: float = STALL_NOTICE_S, clock=time.monotonic):
         from rlflow.progress import ProgressReporter
 
         self.cfg = cfg
@@ -223,7 +244,10 @@ class RunWatcher:
         # its checkpoint removed); steps <= resumed_from are skipped below.
         self._offset = 0
         self._partial = b""
-        self._t0 = time.monotonic()
+        self._clock = clock
+        self._t0 = clock()
+        self._stall_after = self._stall_first = float(stall_notice_s)
+        self._last_new_step_t = self._t0
         if not 0 <= resumed_from <= cfg.learner.num_steps:
             raise ValueError(f"resumed_from must be in [0, learner.num_steps="
                              f"{cfg.learner.num_steps}], got {resumed_from}")
@@ -243,7 +267,8 @@ class RunWatcher:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
                 chunk = f.read()
-        except OSError:
+        except OSError:                    # no metrics yet
+            self._stall_notice()
             return self.last_step
         self._offset += len(chunk)
         data = self._partial + chunk
@@ -257,6 +282,7 @@ class RunWatcher:
             step = rec.get("step")
             if isinstance(step, int) and step > self.last_step and "learner/step_time_s" in rec:
                 self.last_step = step
+                self._last_new_step_t, self._stall_after = self._clock(), self._stall_first
                 self._note_counts(rec)
                 at = rec.get("time")
                 # run-wide counts (newest seen) too: not every record carries them
@@ -264,7 +290,30 @@ class RunWatcher:
                     **self.counts, **{k: v for k, v in rec.items()
                                       if isinstance(v, (int, float))}},
                     at=at if isinstance(at, (int, float)) else None)
+        self._stall_notice()
         return self.last_step
+
+    def _stall_notice(self) -> None:
+        """After ``stall_notice_s`` (then 2x, 4x ...) without a new step: how long, and the
+        last line of each program's log (``<run>/logs/*.log``)."""
+        waited = self._clock() - self._last_new_step_t
+        if not self._stall_after or waited < self._stall_after:
+            return
+        self._stall_after *= 2
+        since = (f"since step {self.last_step} of {self.cfg.learner.num_steps}"
+                 if self.last_step > self.resumed_from else "since the start")
+        took = f"{waited:.0f} s" if waited < 120 else f"{waited / 60:.0f} min"
+        lines = [f"rlflow train: no learner step for {took} {since} (a compile, or the "
+                 f"learner waiting for rollouts); the last line of each log:"]
+        logs = os.path.join(self.run_path, LOGS_SUBDIR)
+        try:
+            names = sorted(n for n in os.listdir(logs) if n.endswith(".log"))
+        except OSError:
+            names = []
+        for name in names:
+            last = _last_line(os.path.join(logs, name))
+            lines.append(f"  [{name[:-4]}] {last[:300]}" if last else f"  [{name[:-4]}] (empty)")
+        self.progress.message("\n".join(lines))
 
     def _note_counts(self, rec: Mapping) -> None:
         """Keep the newest value of each count of :func:`count_metrics`; print the prompt
@@ -291,7 +340,7 @@ class RunWatcher:
         out.update(success=bool(success), steps_completed=self.last_step,
                    resumed_from_step=self.resumed_from,
                    steps_this_run=self.last_step - self.resumed_from,
-                   wall_s=time.monotonic() - self._t0)
+                   wall_s=self._clock() - self._t0)
         return out
 
     def close(self, success: bool, report: bool = True) -> Optional[dict]:
