@@ -235,3 +235,56 @@ def test_a_thread_stuck_at_exit_does_not_keep_the_program_alive():
     dump = done.stderr.split("Timeout (0:00:00.500000)!", 1)
     assert len(dump) == 2, done.stderr                    # the watchdog fired, then dumped:
     assert "in _shutdown" in dump[1] and "in wait" in dump[1]   # the exit join, the stuck thread
+
+
+@pytest.mark.parametrize("trained_last_step", [True, False])
+def test_a_sampler_dying_after_the_last_step_is_a_warning_not_a_failed_run(
+        tmp_path, capsys, trained_last_step):
+    """The sampler stops with an error while the learner saves its final checkpoint: with
+    every step in metrics.jsonl the run ends 0 and one warning names the sampler's error;
+    one step short, it is a failure (exit 1, the sampler's error first). Real child
+    processes: the sampler exits 1 with a traceback, the learner exits 0 a moment later."""
+    import subprocess
+    import sys
+
+    from rlflow.runtime.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=2),
+                             metrics=C.MetricsConfig(progress="plain"))
+    run = tmp_path / "w"
+    (run / "logs").mkdir(parents=True)
+    steps = 2 if trained_last_step else 1
+    (run / "metrics.jsonl").write_text("".join(
+        f'{{"step": {i}, "learner/step_time_s": 0.1}}\n' for i in range(1, steps + 1)))
+    sup = supervisor.Supervisor(cfg, str(run), str(run / "config.json"),
+                                pc.Endpoints("127.0.0.1:1", "127.0.0.1:2"))
+
+    def child(name, code):
+        log = run / "logs" / f"{name}.log"
+        role = name.split("-")[0]
+        with open(log, "w") as f:
+            f.write(f"--- rlflow {role} start #0 ---\n")
+            f.flush()
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=f,
+                                    stderr=subprocess.STDOUT)
+        sup.children[name] = supervisor.Child(name, proc, str(log))
+
+    child("sampler", "raise RuntimeError('env e: 3 steps in a row failed')")
+    child("learner", "import time; time.sleep(1.5)")
+    watcher = RunWatcher(cfg, str(run), stream=io.StringIO())
+    try:
+        code = supervisor._supervise(cfg, sup, watcher)
+    finally:
+        sup.stop_all(grace_s=5.0)
+    err = capsys.readouterr().err
+    if trained_last_step:
+        assert code == 0
+        assert (f"rlflow train: warning: the sampler process stopped after the learner's last "
+                f"step (RuntimeError: env e: 3 steps in a row failed); every step trained and "
+                f"the final checkpoint is saved. Its log is {run}/logs/sampler.log") in err
+        assert sup.children["learner"].proc.returncode == 0    # not stopped: it finished
+    else:
+        assert code == 1
+        assert "the sampler failed: RuntimeError: env e: 3 steps in a row failed" in err
+        assert "warning" not in err

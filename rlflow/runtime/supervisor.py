@@ -31,11 +31,14 @@ programs in their environment (``RLFLOW_BUFFER_TOKEN``), never in argv; their
 Shutdown: when the learner finishes, the sampler is told to stop (the coordinator's "done"
 flag, then SIGTERM after a grace period) and the exit code is 0. When either child dies
 first (with several replicas: when every replica died), or on Ctrl-C / SIGTERM, all are
-stopped (SIGTERM, which the learner answers with its
-exit checkpoint, then SIGKILL after ``STOP_GRACE_S``) and the exit code is not 0;
-the message names the side that died, puts its last exception line first (``rlflow train:
-the sampler failed: ValueError: .../bad.jsonl:7: ...``) and then shows the end of its log (for
-an error about the user's input, a ``DataError`` or ``ConfigError``, only the log's path). With
+stopped (SIGTERM, which the learner answers with its exit checkpoint, then SIGKILL after
+``STOP_GRACE_S``) and the exit code is not 0; the message names the side that died, puts
+its last exception line first (``rlflow train: the sampler failed: ValueError:
+.../bad.jsonl:7: ...``) and then shows the end of its log (for an error about the user's
+input, a ``DataError`` or ``ConfigError``, only the log's path). Samplers that die after the
+learner's last step (``metrics.jsonl`` has it) end the run with 0 when the learner then exits
+0 within ``LEARNER_FINISH_S`` (its final checkpoint saved): one warning line names their
+error (``the sampler process stopped after the learner's last step (...)``). With
 ``runtime.restart_sampler`` a dead replica is started again (it pulls the newest weights
 from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times; without
 it a dead replica stays dead and the others carry the run (the learner hands its leased
@@ -75,6 +78,7 @@ STOP_GRACE_S = 20.0       # seconds a child gets between the stop request and SI
 POLL_S = 0.2
 PROCESSES_FILE = "processes.json"   # {"learner": pid, "sampler": pid} in the run folder
 BOTH_DIED_WINDOW_S = 2.0  # a second death this soon after the first is reported as well
+LEARNER_FINISH_S = 60.0   # seconds a learner past its last step gets to exit once the samplers died
 
 
 def child_env(role: str, num_devices: int, endpoints: pc.Endpoints, config_path: str,
@@ -191,6 +195,21 @@ class Supervisor:
                 c.proc.kill()
                 c.proc.wait()
 
+    def after_last_step(self, role: str) -> str:
+        """The warning for sampler ``role`` dying after the learner's last step (every step
+        trained, final checkpoint saved: the run succeeds): its last exception line, or its
+        exit status when its log has no traceback, and its log's path."""
+        from rlflow.progress import plain_text
+
+        c = self.children[role]
+        lines = tail(c.log_path, ERROR_SCAN_LINES).splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("--- rlflow sampler start")]
+        error = last_exception_line(lines[starts[-1]:] if starts else lines)
+        what = plain_text(error) if error else exit_text(c.proc.returncode)
+        return (f"rlflow train: warning: the {role} process stopped after the learner's last "
+                f"step ({what}); every step trained and the final checkpoint is saved. Its log "
+                f"is {c.log_path}")
+
     def failure(self, role: str) -> str:
         """The failure report of child ``role``: its last exception line first (when its log
         has a traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its
@@ -227,7 +246,8 @@ def run_train(cfg) -> int:
     Returns:
       0 when the learner completed ``learner.num_steps`` (also when the run folder's
       checkpoint already had, with ``checkpoint.resume="auto"``: then nothing is started);
-      1 when a program died (the message on stderr names it and shows its log); 2 when the
+      1 when a program died (the message on stderr names it and shows its log; samplers that
+      die after the learner's last step are a warning, see the module docstring); 2 when the
       run folder cannot be used (another run's, a file in the way, read-only: nothing started);
       130 on Ctrl-C.
     """
@@ -371,6 +391,13 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
                         f"rlflow train: the {name} process died ({exit_text(code)}); "
                         f"going on with {len(names) - len(dead)} sampler replica(s)")
         if dead and len(dead) == len(names):
+            watcher.poll()
+            if (watcher.last_step >= cfg.learner.num_steps
+                    and _learner_finishes(sup, hosts, LEARNER_FINISH_S)):
+                # every step trained before the samplers died: the run did its work
+                watcher.progress.close()
+                print(sup.after_last_step(sorted(dead)[-1]), file=sys.stderr, flush=True)
+                return 0
             watcher.progress.close()
             if len(names) > 1:
                 print(f"rlflow train: every sampler replica died ({len(names)}); stopping "
@@ -378,6 +405,21 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
             _report_failures(sup, sorted(dead)[-1])
             return 1
         time.sleep(POLL_S)
+
+
+def _learner_finishes(sup: Supervisor, hosts: Sequence[str], timeout_s: float) -> bool:
+    """Whether every learner host exits 0 within ``timeout_s`` seconds (all of them
+    together): after its last step the learner saves its final checkpoint and then waits up
+    to ``rlflow.learner.program.DONE_GRACE_S`` for samplers that will not answer."""
+    deadline = time.monotonic() + timeout_s
+    for h in hosts:
+        try:
+            code = sup.children[h].proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+        if code != 0:
+            return False
+    return True
 
 
 def _report_failures(sup: Supervisor, first: str) -> None:
