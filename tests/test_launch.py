@@ -288,3 +288,24 @@ def test_a_sampler_dying_after_the_last_step_is_a_warning_not_a_failed_run(
         assert code == 1
         assert "the sampler failed: RuntimeError: env e: 3 steps in a row failed" in err
         assert "warning" not in err
+
+
+def test_the_printed_rise_is_the_difference_of_the_printed_means(tmp_path):
+    """Means 0.0734 -> 0.0726 print as 0.073 -> 0.073, so the rise shown is +0.000 (the
+    exact -0.0008 would print as -0.001 beside two equal figures); summary.json keeps it."""
+    from rlflow.runtime.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=2),
+                             metrics=C.MetricsConfig(progress="plain"))
+    run = tmp_path / "w"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "learner/step_time_s": 0.1, "reward/mean": 0.0734}\n'
+        '{"step": 2, "learner/step_time_s": 0.1, "reward/mean": 0.0726}\n')
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, str(run), stream=out)
+    watcher.poll()
+    summary = watcher.close(success=True, report=False)
+    assert "0.073 -> last 1 step(s) 0.073 (rise +0.000)" in out.getvalue()
+    assert summary["reward_rise"] == pytest.approx(0.0726 - 0.0734)

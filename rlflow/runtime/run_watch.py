@@ -354,11 +354,15 @@ class RunWatcher:
             resumed = (f" (resumed from step {self.resumed_from}, now at step "
                        f"{summary['steps_completed']})" if self.resumed_from else "")
             ended = "" if success else " before the run stopped (see the lines above)"
+            first, last = (f"{summary[k]:.3f}" for k in ("reward_first", "reward_last"))
+            # the rise of the figures shown (summary.json keeps the exact one): never
+            # "0.073 -> 0.073 (rise -0.001)"
+            rise = float(last) - float(first) + 0.0       # + 0.0: no "-0.000"
             print(f"rlflow train: {summary['steps_this_run']} steps in "
                   f"{summary['wall_s']:.0f} s{resumed}{ended}; mean reward first "
-                  f"{summary['window']} step(s) {summary['reward_first']:.3f} -> last "
-                  f"{summary['window']} step(s) {summary['reward_last']:.3f} (rise "
-                  f"{summary['reward_rise']:+.3f}); written to {path}", file=self.stream, flush=True)
+                  f"{summary['window']} step(s) {first} -> last "
+                  f"{summary['window']} step(s) {last} (rise "
+                  f"{rise:+.3f}); written to {path}", file=self.stream, flush=True)
         counts = counts_line(summary["counts"])
         if counts:
             print(f"rlflow train: {counts}", file=self.stream, flush=True)
