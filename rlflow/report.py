@@ -256,9 +256,11 @@ def _plot_metrics(spec: PlotSpec) -> list[str]:
 
 
 def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
-                max_samples: int = 20) -> str:
+                max_samples: int = 20, problems_out: Optional[list] = None) -> str:
     """Write the plots and the page(s) of ``run_dir``; return the page's path (the HTML
-    page when ``fmt == "both"``).
+    page when ``fmt == "both"``). ``problems_out``, when given, receives the problems the
+    page lists under "Problems reading the run folder" (one string each: file, line or
+    step, what is wrong).
 
     Raises:
       RunFolderError: ``run_dir`` is not a folder, or has no ``metrics.jsonl`` or no valid
@@ -307,6 +309,8 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
             f"({len(steps)} logged)"), ("generated", time.strftime("%Y-%m-%d %H:%M:%S"))]
     title = f"rlflow run report: {name}"
     summary = _summary_rows(by_step)
+    if problems_out is not None:
+        problems_out.extend(problems)
     page = ""
     if fmt in ("md", "both"):
         page = os.path.join(out_dir, "report.md")
@@ -324,12 +328,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``rlflow report`` entry point: prints the page path; 2 on a bad run folder."""
     args = tyro.cli(ReportArgs, args=list(sys.argv[1:] if argv is None else argv),
                     prog="rlflow report")
+    problems: list = []
     try:
         page = make_report(args.run_dir, out_dir=args.out_dir, fmt=args.format,
-                           max_samples=args.max_samples)
+                           max_samples=args.max_samples, problems_out=problems)
     except (RunFolderError, ValueError) as err:
         print(f"rlflow report: {err}", file=sys.stderr)
         return 2
+    for problem in problems:        # on the page too; here so that they are not missed
+        print(f"rlflow report: {problem}", file=sys.stderr)
     print(page)
     return 0
 

@@ -108,6 +108,21 @@ def test_partial_metrics_draw_what_exists_and_name_the_rest(tmp_path):
     assert "config.json: file not found" in text
 
 
+def test_cli_prints_the_pages_problems_on_stderr(tmp_path, capsys):
+    """The problems listed on the page reach the console too, one line each."""
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:
+        w.log(1, {"reward/mean": 0.5})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward/mean": 0.')  # a crash mid-line
+    assert cli_main(["report", str(tmp_path), "--format", "md"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(tmp_path / "report" / "report.md")
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"rlflow report: {tmp_path}/metrics.jsonl:2: not valid JSON")
+    assert lines[1] == f"rlflow report: {tmp_path}/config.json: file not found"
+    assert len(lines) == 2
+
+
 def test_bad_run_folders_fail_with_a_named_error(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path / "nope")]) == 2
     assert "nope: not a folder" in capsys.readouterr().err
