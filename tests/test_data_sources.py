@@ -47,7 +47,7 @@ def test_malformed_line_names_file_and_line(tmp_path, tok):
     lines = [json.dumps(r) for r in RECORDS[:3]]
     lines.insert(2, '{"question": "broken", ')  # line 3
     path = write_jsonl(tmp_path / "bad.jsonl", lines)
-    with pytest.raises(BadRecordError, match=rf"bad\.jsonl:3: malformed JSON.*on_bad_record='skip'"):
+    with pytest.raises(BadRecordError, match=r"bad\.jsonl:3: malformed JSON.*on_bad_record='skip'"):
         build_prompt_pipeline(cfg(path, num_epochs=1), tok, seed=0)
 
 

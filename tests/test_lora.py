@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 
 from rlflow.config import (ConfigError, ExperimentConfig, LearnerConfig, LoraConfig,
-                           ModelConfig, replace)
+                           ModelConfig)
 from rlflow.learner.batch import BatchSpec, TrainBatch, build_batch
 from rlflow.learner.step import StepSettings, make_grad_fn
 from rlflow.learner.trainer import Learner
-from rlflow.models.decoder import Decoder, positions_from_mask
+from rlflow.models.decoder import positions_from_mask
 from rlflow.models.hf import build_model
-from rlflow.models.lora import LoraSpec, adapter_pairs, merged_params, split_lora, tree_bytes
+from rlflow.models.lora import LoraSpec, adapter_pairs, merged_params, tree_bytes
 from rlflow.models.lora_decoder import lora_model_parts
 from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
 from tolerances import MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol

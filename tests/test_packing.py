@@ -258,6 +258,7 @@ def test_packed_step_equals_unpacked_and_numpy_oracle(tiny_model, mode, shared):
     seq = max(batch.tokens.shape[1], packed.tokens.shape[1])
     chain, n = model_chain_len(MODEL, seq), batch.tokens.size
     lp_tol = 2 * chain * F32_EPS * (np.abs(lpu[batch.loss_mask]).max() + 1)
+    ref_tol = 2 * chain * F32_EPS * (np.abs(refu[batch.loss_mask]).max() + 1)
     for r in range(batch.tokens.shape[0]):
         at = packed.segment_ids == r + 1
         if not at.any():
@@ -267,6 +268,9 @@ def test_packed_step_equals_unpacked_and_numpy_oracle(tiny_model, mode, shared):
         # they had alone; its last position's target lies past the sample
         np.testing.assert_allclose(lpp[at][:-1], lpu[r][row][packed.positions[at]][:-1],
                                    atol=lp_tol)
+        # and the reference policy's (the KL term's), same tolerance by its own scale
+        np.testing.assert_allclose(refp[at][:-1], refu[r][row][packed.positions[at]][:-1],
+                                   atol=ref_tol)
     # numpy oracle of the loss from the unpacked logprobs
     m = batch.loss_mask
     lp64, mu, adv = lpu.astype(np.float64), batch.behaviour_logprobs, batch.advantages
