@@ -213,11 +213,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from rlflow.secrets import SecretError
         try:
             cfg = parse_train_args(rest)
-            from rlflow.config_checks import check_runnable
+            from rlflow.config_checks import check_runnable, config_warnings
             check_runnable(cfg)         # files, plugins, reward names: before any program
+            warnings = config_warnings(cfg)
         except (ConfigError, FileNotFoundError, SecretError) as e:
             print(f"rlflow train: {e}", file=sys.stderr)
             return 2
+        for warning in warnings:
+            print(f"rlflow train: warning: {warning}", file=sys.stderr, flush=True)
         from rlflow.runtime.supervisor import run_train
         return run_train(cfg)
     if command == "export":

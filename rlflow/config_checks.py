@@ -8,7 +8,8 @@ loaded by the other programs), the data files (files, not folders) and the model
 required for non-built-in data) exist, the built-in task is known, and the sampler can take
 the learner's weight layout (a learner-only config, as tests build, need not).
 ``rlflow train`` runs it before it starts any program, so a mistake is refused in seconds
-with the field named instead of after the programs have started.
+with the field named instead of after the programs have started. :func:`config_warnings`
+names settings that run but waste something (printed as warnings; nothing is refused).
 """
 
 from __future__ import annotations
@@ -34,6 +35,40 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_env(cfg)
     _check_data(cfg)
     _check_model(cfg)
+
+
+def config_warnings(cfg: ExperimentConfig) -> list[str]:
+    """Settings that run but waste something, one sentence each (``rlflow train`` prints
+    them before it starts): a LoRA rank above a targeted projection's smaller side, whose
+    update ``A @ B`` cannot have a higher rank than ``min(in, out)`` (Hu et al. 2021, sec. 4.1),
+    so the extra rank only costs memory and compute (PEFT allows it too). The model's sizes
+    come from ``model.path``'s config.json (no weight is read) or the built-in fields; an
+    unreadable config.json gives no warning here (loading the model reports it, naming the
+    field).
+    """
+    lora = cfg.learner.lora
+    if not lora.enabled:
+        return []
+    from rlflow.models.config import DecoderConfig
+    from rlflow.models.hf import read_decoder_config
+    try:
+        m = (read_decoder_config(cfg.model.path) if cfg.model.path
+             else DecoderConfig.from_model_config(cfg.model))
+    except ValueError:                  # ModelFormatError: the learner reports it, in full
+        return []
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    sides = {"q_proj": (m.hidden_size, q), "k_proj": (m.hidden_size, kv),
+             "v_proj": (m.hidden_size, kv), "o_proj": (q, m.hidden_size),
+             "gate_proj": (m.hidden_size, m.intermediate_size),
+             "up_proj": (m.hidden_size, m.intermediate_size),
+             "down_proj": (m.intermediate_size, m.hidden_size)}
+    over = [f"{p} [{sides[p][0]} -> {sides[p][1]}]" for p in lora.projections
+            if lora.rank > min(sides[p])]
+    if not over:
+        return []
+    return [f"learner.lora.rank {lora.rank} is above the smaller side of {', '.join(over)}: "
+            f"an adapter's update there has rank at most that side, so the rest of the rank "
+            f"only costs memory and compute"]
 
 
 def _check_weight_layout(cfg) -> None:

@@ -224,3 +224,47 @@ def test_layouts_a_one_device_sampler_can_take_from_a_two_device_learner():
                                                                     mesh=MeshConfig(tensor=2))),
                 ExperimentConfig(learner=replace(two, num_hosts=2))):
         check_runnable(cfg)
+
+
+def test_a_lora_rank_above_a_projections_smaller_side_is_a_warning(monkeypatch, tmp_path, capsys):
+    """rank 48 on the demo model: k_proj (hidden -> kv heads x head_dim = 32) and down_proj
+    are named, q_proj (64 -> 64) is not; the run still starts (exit code of run_train)."""
+    import rlflow.runtime.supervisor
+
+    monkeypatch.setattr(rlflow.runtime.supervisor, "run_train", lambda cfg: 0)
+    monkeypatch.chdir(tmp_path)
+    m = ExperimentConfig().model
+    kv = m.num_kv_heads * m.head_dim
+    assert kv < 48 <= m.hidden_size          # the sizes this test's expectations rest on
+    code = cli.main(["train", "--run-dir", "runs", "--learner.lora.rank", "48",
+                     "--learner.lora.targets", "q_proj", "k_proj", "down_proj"])
+    err = capsys.readouterr().err
+    assert code == 0
+    warned = [x for x in err.splitlines() if x.startswith("rlflow train: warning:")]
+    assert len(warned) == 1
+    assert f"k_proj [{m.hidden_size} -> {kv}]" in warned[0]
+    assert "q_proj" not in warned[0]
+    assert ("down_proj" in warned[0]) == (48 > min(m.intermediate_size, m.hidden_size))
+    code = cli.main(["train", "--run-dir", "runs", "--learner.lora.rank", str(kv),
+                     "--learner.lora.targets", "k_proj"])
+    assert code == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_lora_rank_warning_reads_a_model_folders_config(tmp_path):
+    """With model.path the sizes come from its config.json (no weights read)."""
+    from rlflow.config import LearnerConfig, LoraConfig, ModelConfig
+    from rlflow.config_checks import config_warnings
+
+    spec = ModelConfig(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
+                       head_dim=16, vocab_size=128)
+    hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+          "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "head_dim": 16, "num_hidden_layers": 1, "vocab_size": 128, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    for path, model in ((str(tmp_path), ModelConfig(path=str(tmp_path))), ("", spec)):
+        cfg = ExperimentConfig(model=model, learner=LearnerConfig(
+            lora=LoraConfig(rank=20, targets=("v_proj", "up_proj"))))
+        (warning,) = config_warnings(cfg)
+        assert "v_proj [32 -> 16]" in warning and "up_proj" not in warning, (path, warning)
+    assert config_warnings(ExperimentConfig(model=spec)) == []          # LoRA off
