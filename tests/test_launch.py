@@ -271,8 +271,9 @@ def test_a_sampler_dying_after_the_last_step_is_a_warning_not_a_failed_run(
         sup.children[name] = supervisor.Child(name, proc, str(log))
 
     child("sampler", "raise RuntimeError('env e: 3 steps in a row failed')")
-    child("learner", "import time; time.sleep(1.5)")
-    watcher = RunWatcher(cfg, str(run), stream=io.StringIO())
+    child("learner", "import time; time.sleep(3)")
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, str(run), stream=out)
     try:
         code = supervisor._supervise(cfg, sup, watcher)
     finally:
@@ -284,6 +285,8 @@ def test_a_sampler_dying_after_the_last_step_is_a_warning_not_a_failed_run(
                 f"step (RuntimeError: env e: 3 steps in a row failed); every step trained and "
                 f"the final checkpoint is saved. Its log is {run}/logs/sampler.log") in err
         assert sup.children["learner"].proc.returncode == 0    # not stopped: it finished
+        assert ("every sampler stopped after the learner's last step; waiting for the learner "
+                "to save its final checkpoint") in out.getvalue()
     else:
         assert code == 1
         assert "the sampler failed: RuntimeError: env e: 3 steps in a row failed" in err

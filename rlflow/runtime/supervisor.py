@@ -78,7 +78,7 @@ STOP_GRACE_S = 20.0       # seconds a child gets between the stop request and SI
 POLL_S = 0.2
 PROCESSES_FILE = "processes.json"   # {"learner": pid, "sampler": pid} in the run folder
 BOTH_DIED_WINDOW_S = 2.0  # a second death this soon after the first is reported as well
-LEARNER_FINISH_S = 60.0   # seconds a learner past its last step gets to exit once the samplers died
+LEARNER_FINISH_S = 600.0  # seconds a learner past its last step gets to exit once the samplers died
 
 
 def child_env(role: str, num_devices: int, endpoints: pc.Endpoints, config_path: str,
@@ -392,8 +392,13 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
                         f"going on with {len(names) - len(dead)} sampler replica(s)")
         if dead and len(dead) == len(names):
             watcher.poll()
-            if (watcher.last_step >= cfg.learner.num_steps
-                    and _learner_finishes(sup, hosts, LEARNER_FINISH_S)):
+            past_last = watcher.last_step >= cfg.learner.num_steps
+            if past_last and any(sup.children[h].proc.poll() is None for h in hosts):
+                watcher.progress.message(
+                    f"rlflow train: every sampler stopped after the learner's last step; "
+                    f"waiting for the learner to save its final checkpoint and exit (up to "
+                    f"{LEARNER_FINISH_S:.0f} s)")
+            if past_last and _learner_finishes(sup, hosts, LEARNER_FINISH_S):
                 # every step trained before the samplers died: the run did its work
                 watcher.progress.close()
                 print(sup.after_last_step(sorted(dead)[-1]), file=sys.stderr, flush=True)
