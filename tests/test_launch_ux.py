@@ -58,6 +58,31 @@ def test_unusable_run_folder_is_a_clear_error_before_any_program(tmp_path, monke
     assert (tmp_path / "demo").read_text() == "a file, not a folder"
 
 
+def test_a_second_launcher_on_a_run_folder_in_use_is_refused(tmp_path, monkeypatch, capsys):
+    """Another process holds runs/demo (as a running rlflow train does): exit 2 naming its
+    pid, nothing started or written; once it is killed (-9), the same call goes ahead."""
+    from rlflow.runtime.run_lock import lock_path
+
+    (tmp_path / "demo" / "checkpoints" / "3").mkdir(parents=True)       # a finished run
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from rlflow.runtime.run_lock import RunLock; "
+         f"RunLock({str(tmp_path / 'demo')!r}).acquire(); print('held', flush=True); "
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(supervisor.Supervisor, "start", _no_spawn)
+        assert supervisor.run_train(_cfg(tmp_path, num_steps=3)) == 2
+        err = capsys.readouterr().err
+        assert (f"rlflow train: run folder {tmp_path / 'demo'} is in use by another rlflow "
+                f"train (pid {holder.pid}, lock {lock_path(str(tmp_path / 'demo'))})") in err
+        assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == ["checkpoints"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert supervisor.run_train(_cfg(tmp_path, num_steps=3)) == 0       # the lock went with it
+    assert "already complete" in capsys.readouterr().out
+
+
 def test_finished_run_exits_at_once_without_touching_the_run(tmp_path, monkeypatch, capsys):
     run = tmp_path / "demo"
     (run / "checkpoints" / "300").mkdir(parents=True)

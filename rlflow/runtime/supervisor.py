@@ -248,15 +248,35 @@ def run_train(cfg) -> int:
       checkpoint already had, with ``checkpoint.resume="auto"``: then nothing is started);
       1 when a program died (the message on stderr names it and shows its log; samplers that
       die after the learner's last step are a warning, see the module docstring); 2 when the
-      run folder cannot be used (another run's, a file in the way, read-only: nothing started);
+      run folder cannot be used (another run's, a file in the way, read-only, or in use by
+      another ``rlflow train``: :mod:`rlflow.runtime.run_lock`; nothing started);
       130 on Ctrl-C.
     """
+    from rlflow.runtime.run_lock import RunFolderInUse, RunLock
+
+    run_path = os.path.abspath(cfg.run_path)
+    try:                                  # one launcher per run folder (rlflow.runtime.run_lock)
+        lock = RunLock(run_path).acquire()
+    except RunFolderInUse as e:
+        print(f"rlflow train: {e}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as e:                  # a read-only --run-dir, no space
+        print(f"rlflow train: cannot use the run folder {run_path} (--run-dir / --name): "
+              f"{e.strerror or e}: {e.filename or run_path}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return _run_train(cfg, run_path)
+    finally:
+        lock.release()
+
+
+def _run_train(cfg, run_path: str) -> int:
+    """:func:`run_train` with the run folder's lock held."""
     from rlflow.run_identity import RunFolderConflict, check_run_folder, prepare_run_folder
     from rlflow.runtime.run_watch import (RunWatcher, discard_records_after,
                                           latest_checkpoint_step, mark_complete)
     from rlflow.secrets import SecretError, resolve_secrets
 
-    run_path = os.path.abspath(cfg.run_path)
     try:
         cfg = resolve_secrets(cfg)
         check_run_folder(cfg)                 # another run's folder: refuse, touch nothing
