@@ -177,12 +177,56 @@ def test_empty_prompt_is_a_bad_record(tmp_path):
     no_bos = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")  # adds nothing
     p = tmp_path / "e.jsonl"
     p.write_text(json.dumps({"question": "a b", "answer": "1"}) + "\n"
-                 + json.dumps({"question": "", "answer": "2"}) + "\n")
-    with pytest.raises(DataError, match=r"e\.jsonl:2: the prompt is empty \(0 tokens\)"):
-        build_prompt_pipeline(cfg(str(p)), no_bos, seed=0)
-    it, stats = build_prompt_pipeline(cfg(str(p), num_epochs=1, on_bad_record="skip"), no_bos,
-                                      seed=0)
-    assert stats.num_bad == 1 and [e["prompt_tokens"].tolist() for e in it] == [[1, 2]]
+                 + json.dumps({"question": "", "answer": "2"}) + "\n"
+                 + json.dumps({"question": " \n ", "answer": "3"}) + "\n")
+    for template in ("none", "plain", "hf"):
+        with pytest.raises(DataError, match=r"e\.jsonl:2: field 'question' is empty"):
+            build_prompt_pipeline(cfg(str(p), chat_template=template), tok_with_template(no_bos),
+                                  seed=0)
+    it, stats = build_prompt_pipeline(cfg(str(p), num_epochs=1, on_bad_record="skip",
+                                          chat_template="none"), no_bos, seed=0)
+    assert stats.num_bad == 2 and [e["prompt_tokens"].tolist() for e in it] == [[1, 2]]
+
+
+def tok_with_template(tokenizer):
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def test_a_prompt_too_long_in_characters_is_never_tokenized(tmp_path, tok):
+    """A 2M-character line is counted as too long without reaching the tokenizer (which
+    needs hundreds of times a text's size); the other records are measured as usual."""
+    from rlflow.data.pipeline import char_bound
+
+    seen = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, text, **kw):
+            seen.append(len(text))
+            return self.inner(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    p = tmp_path / "huge.jsonl"
+    p.write_text(json.dumps({"question": "what is the sum?", "answer": "1"}) + "\n"
+                 + json.dumps({"question": "a" * 2_000_000, "answer": "2"}) + "\n")
+    limit = 64
+    assert char_bound(tok, limit) < 2_000_000
+    it, stats = build_prompt_pipeline(cfg(str(p), num_epochs=1, max_prompt_tokens=limit,
+                                          chat_template="none"), Spy(tok), seed=0)
+    assert stats.num_too_long == 1 and stats.num_kept == 1
+    assert [e["prompt_id"] for e in it] == [0]
+    assert max(seen) < 100                          # the long text was never tokenized
+    only = tmp_path / "only_huge.jsonl"
+    only.write_text(p.read_text().splitlines()[1] + "\n")
+    with pytest.raises(AllPromptsFilteredError, match=rf"\(each over "
+                                                      rf"{char_bound(tok, limit)} characters\)"):
+        build_prompt_pipeline(cfg(str(only), max_prompt_tokens=limit, chat_template="none"),
+                              Spy(tok), seed=0)
 
 
 def test_numeric_answers_become_strings_and_no_answer_field_gives_empty(tmp_path, tok):

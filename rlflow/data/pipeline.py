@@ -33,7 +33,9 @@ Templates (``data.chat_template``):
 Errors (``rlflow.data.sources``): BadRecordError / MissingFieldError (file:line, field name;
 with ``data.on_bad_record="skip"`` the record is skipped and counted instead),
 EmptyDatasetError (no records, or every record bad), AllPromptsFilteredError (every prompt
-longer than ``data.max_prompt_tokens``; says how many and the shortest length).
+longer than ``data.max_prompt_tokens``; says how many and the shortest length). An empty
+prompt field (whitespace only) is a bad record. A prompt whose text is longer than
+:func:`char_bound` characters is counted as too long without being tokenized.
 """
 
 from __future__ import annotations
@@ -118,13 +120,29 @@ class PromptFormatter:
             raise BadRecordError(f"{where}: field {self.answer_key!r} must be a string or a "
                                  f"number, got {type(answer).__name__}")
         text, special = self._render(prompt, where)
+        return {"prompt_id": index, "prompt_tokens": self.tokenize(text, special, where),
+                "prompt_text": text, "answer": answer}
+
+    def render(self, index) -> Tuple[str, bool, str]:
+        """Record ``index``'s prompt text as the model sees it, whether the tokenizer adds
+        its special tokens, and the record's location; errors as :meth:`__call__`."""
+        where = self.source.location(int(index))
+        prompt = self._field(self.source[int(index)], self.prompt_key, self._field_names[0],
+                             where)
+        text, special = self._render(prompt, where)
+        return text, special, where
+
+    def tokenize(self, text: str, special: bool, where: str) -> np.ndarray:
+        """int32 ``[P]`` ids of a rendered prompt; BadRecordError when there are none."""
         ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
         if len(ids) == 0:
             raise BadRecordError(f"{where}: the prompt is empty (0 tokens)")
-        return {"prompt_id": index, "prompt_tokens": np.asarray(ids, dtype=np.int32),
-                "prompt_text": text, "answer": answer}
+        return np.asarray(ids, dtype=np.int32)
 
     def _render(self, prompt: Any, where: str) -> Tuple[str, bool]:
+        if isinstance(prompt, str) and not prompt.strip():
+            raise BadRecordError(f"{where}: field {self.prompt_key!r} is empty (expected the "
+                                 f"prompt's text)")
         if self.chat_template == "hf":
             if _is_messages(prompt):
                 messages = prompt
@@ -162,15 +180,36 @@ def _is_messages(value: Any) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
-class _Measure:
-    """Pre-scan map: index -> prompt length, or the DataError of a bad record."""
+OVER_CHAR_BOUND = np.iinfo(np.int64).max   # a prompt's length when its text alone is too long
 
-    def __init__(self, formatter: PromptFormatter):
-        self.formatter = formatter
+
+def char_bound(tokenizer, max_prompt_tokens: int) -> int:
+    """Characters above which a rendered prompt cannot fit in ``max_prompt_tokens`` tokens.
+
+    No token decodes to more characters than its vocabulary entry has (byte-level BPE: one
+    character per byte; SentencePiece: ``▁`` for a space, ``<0x0A>`` for one byte), so ``n``
+    tokens cover at most ``n * L`` characters, ``L`` the longest entry; twice that (and
+    1024 more) leaves room for a normaliser that shortens text. Records over it are counted
+    as too long without being tokenized: a tokenizer needs hundreds of times a text's size in
+    memory (a 50 MB line took a learner past 24 GB).
+    """
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 2 * max_prompt_tokens * max(longest, 1) + 1024
+
+
+class _Measure:
+    """Pre-scan map: index -> prompt length in tokens (:data:`OVER_CHAR_BOUND` for a text
+    over ``max_chars`` characters, not tokenized), or the DataError of a bad record."""
+
+    def __init__(self, formatter: PromptFormatter, max_chars: int):
+        self.formatter, self.max_chars = formatter, max_chars
 
     def __call__(self, index):
         try:
-            return len(self.formatter(index)["prompt_tokens"])
+            text, special, where = self.formatter.render(index)
+            if len(text) > self.max_chars:
+                return OVER_CHAR_BOUND
+            return len(self.formatter.tokenize(text, special, where))
         except DataError as e:
             return e
 
@@ -227,7 +266,8 @@ def scan(formatter: PromptFormatter, data_cfg, origin: str,
     n = len(formatter.source)
     if n == 0:
         raise EmptyDatasetError(f"the dataset is empty: no records in {origin}")
-    measured = grain.MapDataset.range(n).map(_Measure(formatter)).to_iter_dataset(
+    max_chars = char_bound(formatter.tokenizer, data_cfg.max_prompt_tokens)
+    measured = grain.MapDataset.range(n).map(_Measure(formatter, max_chars)).to_iter_dataset(
         read_options or _read_options())
     lengths = np.full(n, -1, np.int64)
     bad = []
@@ -247,9 +287,12 @@ def scan(formatter: PromptFormatter, data_cfg, origin: str,
     kept = good & (lengths <= data_cfg.max_prompt_tokens)
     num_too_long = int(good.sum() - kept.sum())
     if not kept.any():
+        shortest = int(lengths[good].min())
+        shortest = (f"shortest: {shortest} tokens" if shortest != OVER_CHAR_BOUND else
+                    f"each over {max_chars} characters")
         raise AllPromptsFilteredError(
             f"all {num_too_long} prompts in {origin} are longer than data.max_prompt_tokens="
-            f"{data_cfg.max_prompt_tokens} tokens (shortest: {int(lengths[good].min())} tokens); "
+            f"{data_cfg.max_prompt_tokens} tokens ({shortest}); "
             f"raise data.max_prompt_tokens (and sampler.max_prefill_length)")
     stats = PromptStats(origin=origin, num_records=n, num_bad=len(bad), num_too_long=num_too_long,
                         num_kept=int(kept.sum()), max_prompt_tokens=data_cfg.max_prompt_tokens,
