@@ -25,7 +25,8 @@ def check_runnable(cfg: ExperimentConfig) -> None:
 
     Raises:
       ConfigError: the message names the field (``plugins``, ``reward.functions``,
-        ``env.name``, ``env.options``,
+        ``env.name``, ``env.options``, ``data.max_prompt_tokens`` (above
+        ``sampler.max_prefill_length`` with ``sampler.on_long_prompt='error'``),
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
         ``runtime.transfer_layout``) and what was expected.
     """
@@ -39,13 +40,31 @@ def check_runnable(cfg: ExperimentConfig) -> None:
 
 def config_warnings(cfg: ExperimentConfig) -> list[str]:
     """Settings that run but waste something, one sentence each (``rlflow train`` prints
-    them before it starts): a LoRA rank above a targeted projection's smaller side, whose
-    update ``A @ B`` cannot have a higher rank than ``min(in, out)`` (Hu et al. 2021, sec. 4.1),
-    so the extra rank only costs memory and compute (PEFT allows it too). The model's sizes
-    come from ``model.path``'s config.json (no weight is read) or the built-in fields; an
-    unreadable config.json gives no warning here (loading the model reports it, naming the
-    field).
+    them before it starts; nothing is refused):
+
+    * greedy sampling (``sampler.temperature=0``) with a group-relative advantage
+      (``grpo``, ``drgrpo``, ``rloo``) and ``sampler.group_size > 1``: a group's samples
+      are one completion repeated, its advantages are all 0 (GRPO, Shao et al. 2024, eq. 3:
+      reward minus the group mean), so no step has a gradient;
+    * a LoRA rank above a targeted projection's smaller side, whose update ``A @ B``
+      cannot have a higher rank than ``min(in, out)`` (Hu et al. 2021, sec. 4.1): the extra
+      rank only costs memory and compute (PEFT allows it too). The model's sizes come from
+      ``model.path``'s config.json (no weight is read) or the built-in fields; an
+      unreadable config.json gives no warning here (loading the model reports it).
     """
+    return _greedy_group_warnings(cfg) + _lora_rank_warnings(cfg)
+
+
+def _greedy_group_warnings(cfg) -> list[str]:
+    sp, adv = cfg.sampler, cfg.learner.advantage
+    if sp.temperature > 0 or sp.group_size < 2 or adv == "gae":
+        return []
+    return [f"sampler.temperature 0 (greedy) gives the {sp.group_size} samples of a group the "
+            f"same completion, so learner.advantage={adv!r} (reward minus the group's mean) "
+            f"is 0 for every sample and nothing is learned; sample with a temperature > 0"]
+
+
+def _lora_rank_warnings(cfg) -> list[str]:
     lora = cfg.learner.lora
     if not lora.enabled:
         return []
@@ -128,6 +147,16 @@ def _check_rewards(cfg) -> None:
 
 def _check_data(cfg) -> None:
     d = cfg.data
+    sp = cfg.sampler
+    if d.max_prompt_tokens > sp.max_prefill_length and sp.on_long_prompt == "error":
+        raise ConfigError(
+            f"data.max_prompt_tokens: {d.max_prompt_tokens} is above sampler.max_prefill_length="
+            f"{sp.max_prefill_length}, so prompts of {sp.max_prefill_length + 1}-"
+            f"{d.max_prompt_tokens} tokens would pass the data filter and stop the sampler "
+            f"(sampler.on_long_prompt='error'); set --data.max-prompt-tokens "
+            f"{sp.max_prefill_length} (longer prompts are dropped and counted), or raise "
+            f"--sampler.max-prefill-length (and --sampler.prefill-buckets), or set "
+            f"--sampler.on-long-prompt truncate")
     if d.source == "builtin":
         from rlflow.data.tasks import TASKS
 

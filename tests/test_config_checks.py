@@ -55,6 +55,9 @@ def _train(args, capsys):
     (["--model.path", "nowhere"], "model.path", "must be an existing Hugging Face folder"),
     (["--learner.num-devices", "2", "--learner.mesh.fsdp", "2"], "runtime.transfer_layout",
      "needs at least learner.num_devices=2 sampler devices, got sampler.num_devices=1"),
+    (["--data.max-prompt-tokens", "100"], "data.max_prompt_tokens",
+     "100 is above sampler.max_prefill_length=8, so prompts of 9-100 tokens would pass the "
+     "data filter and stop the sampler"),
 ])
 def test_train_refuses_before_starting_anything(no_programs, capsys, args, field, detail):
     code, text = _train(args, capsys)
@@ -268,3 +271,23 @@ def test_lora_rank_warning_reads_a_model_folders_config(tmp_path):
         (warning,) = config_warnings(cfg)
         assert "v_proj [32 -> 16]" in warning and "up_proj" not in warning, (path, warning)
     assert config_warnings(ExperimentConfig(model=spec)) == []          # LoRA off
+
+
+def test_greedy_sampling_with_group_relative_advantages_is_a_warning(monkeypatch, tmp_path,
+                                                                      capsys):
+    """temperature 0, group of 8, GRPO: one warning, the run starts; with a temperature, or a
+    truncating sampler over a longer data limit, none."""
+    import rlflow.runtime.supervisor
+
+    monkeypatch.setattr(rlflow.runtime.supervisor, "run_train", lambda cfg: 0)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--run-dir", "runs", "--sampler.temperature", "0"]) == 0
+    warned = [x for x in capsys.readouterr().err.splitlines() if "warning:" in x]
+    assert warned == ["rlflow train: warning: sampler.temperature 0 (greedy) gives the 8 samples "
+                      "of a group the same completion, so learner.advantage='grpo' (reward minus "
+                      "the group's mean) is 0 for every sample and nothing is learned; sample "
+                      "with a temperature > 0"]
+    assert cli.main(["train", "--run-dir", "runs", "--sampler.temperature", "0.7",
+                     "--data.max-prompt-tokens", "100", "--sampler.on-long-prompt",
+                     "truncate"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -20,7 +20,10 @@ class DataConfig:
       chat_template: "hf" (the tokenizer's chat template), "plain" (``plain_template``) or "none".
       plain_template: Python format string with ``{prompt}``: the whole prompt text for
         "plain", the user message inside the chat template for "hf"; unused for "none".
-      max_prompt_tokens: prompts longer than this (in tokens) are filtered out and counted.
+      max_prompt_tokens: prompts longer than this (in tokens) are filtered out and counted;
+        at most ``sampler.max_prefill_length`` (the longest prompt the sampler takes; the
+        default equals the sampler's default) unless ``sampler.on_long_prompt='truncate'``
+        (``rlflow train`` refuses it otherwise, :mod:`rlflow.config_checks`).
       shuffle_seed: seed of the deterministic shuffle.
       num_epochs: passes over the dataset (0: unlimited).
       on_bad_record: "error" stops with file and line; "skip" skips and counts.
@@ -33,7 +36,7 @@ class DataConfig:
     answer_field: str = "answer"
     chat_template: Literal["hf", "plain", "none"] = "none"
     plain_template: str = "{prompt}"
-    max_prompt_tokens: int = 256
+    max_prompt_tokens: int = 64
     shuffle_seed: int = 0
     num_epochs: int = 0
     on_bad_record: Literal["error", "skip"] = "error"
