@@ -28,8 +28,8 @@ import os
 
 import jax
 import numpy as np
-from safetensors.numpy import save_file
 
+from rlflow.models.hf import save_safetensors
 from rlflow.models.lora import LoraSpec, adapter_pairs, full_trained
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -117,6 +117,6 @@ def write_peft_adapter(adapters, spec: LoraSpec, out: str, *, base_model: str,
     if not tensors:
         raise ValueError("the adapter tree holds no adapters")
     os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, os.path.join(out, ADAPTER_WEIGHTS), {"format": "pt"})
     with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
         json.dump(adapter_config(spec, base_model, adapters), f, indent=2, sort_keys=True)

@@ -184,6 +184,9 @@ def test_export_of_trained_run_loads_in_transformers_with_equal_logits(trained, 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         with open(os.path.join(out, name)) as a, open(os.path.join(t["base"], name)) as b:
             assert a.read() == b.read()
+    # every file readable as any file this process writes (safetensors' writer made 0600)
+    modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+    assert set(modes.values()) == {modes["config.json"]}, modes
 
 
 def test_step_flag_picks_that_checkpoint(trained, tmp_path, capsys):

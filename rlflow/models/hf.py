@@ -320,6 +320,16 @@ def save_hf(model: Decoder, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: 
              source_dir=source_dir)
 
 
+def save_safetensors(tensors: dict, path: str, metadata: dict) -> None:
+    """``safetensors.numpy.save_file``, then the file's mode as any file this process
+    creates (``0o666`` less the umask: usually ``-rw-r--r--``): save_file leaves it
+    ``0o600``, so another user could not load an export beside its readable config.json."""
+    save_file(tensors, path, metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _write_safetensors(tensors: dict, out_dir: str, max_shard_bytes: int) -> None:
     for old in os.listdir(out_dir):
         if old.endswith(".safetensors") or old == INDEX_FILE:
@@ -334,12 +344,12 @@ def _write_safetensors(tensors: dict, out_dir: str, max_shard_bytes: int) -> Non
         size += arr.nbytes
     shards.append(current)
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata=meta)
+        save_safetensors(shards[0], os.path.join(out_dir, SINGLE_FILE), meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+        save_safetensors(shard, os.path.join(out_dir, fname), meta)
         weight_map.update({name: fname for name in shard})
     total = sum(a.nbytes for a in tensors.values())
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
