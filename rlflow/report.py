@@ -325,7 +325,8 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``rlflow report`` entry point: prints the page path; 2 on a bad run folder."""
+    """``rlflow report`` entry point: prints the page path; 2 on a bad run folder or one
+    it cannot write the report in (``--out-dir`` to write it elsewhere)."""
     args = tyro.cli(ReportArgs, args=list(sys.argv[1:] if argv is None else argv),
                     prog="rlflow report")
     problems: list = []
@@ -334,6 +335,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            max_samples=args.max_samples, problems_out=problems)
     except (RunFolderError, ValueError) as err:
         print(f"rlflow report: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:            # a read-only run folder, no space: name where it wrote
+        where = args.out_dir or os.path.join(args.run_dir, "report")
+        print(f"rlflow report: cannot write the report in {where}: {err.strerror or err}"
+              f"{': ' + str(err.filename) if err.filename else ''} (--out-dir writes it "
+              f"elsewhere)", file=sys.stderr)
         return 2
     for problem in problems:        # on the page too; here so that they are not missed
         print(f"rlflow report: {problem}", file=sys.stderr)

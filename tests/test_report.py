@@ -123,6 +123,20 @@ def test_cli_prints_the_pages_problems_on_stderr(tmp_path, capsys):
     assert len(lines) == 2
 
 
+def test_a_report_folder_it_cannot_write_is_one_line_not_a_traceback(tmp_path, capsys):
+    """A file where report/ goes (a read-only run folder takes the same path; as root a
+    read-only mode is not enforced): exit 2, the folder named, the way out given."""
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:
+        w.log(1, {"reward/mean": 0.5})
+    (tmp_path / "report").write_text("in the way")
+    assert cli_main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlflow report: cannot write the report in {tmp_path}/report: ")
+    assert "(--out-dir writes it elsewhere)" in err and "Traceback" not in err
+    assert cli_main(["report", str(tmp_path), "--out-dir", str(tmp_path / "elsewhere")]) == 0
+    assert (tmp_path / "elsewhere" / "report.html").is_file()
+
+
 def test_bad_run_folders_fail_with_a_named_error(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path / "nope")]) == 2
     assert "nope: not a folder" in capsys.readouterr().err
