@@ -36,9 +36,9 @@ import os
 import shutil
 import tempfile
 
-from rlflow.config import (BufferConfig, CheckpointConfig, DataConfig, ExperimentConfig,
-                           LearnerConfig, LoraConfig, MetricsConfig, ModelConfig, RewardConfig,
-                           RuntimeConfig, SamplerConfig)
+from rlflow.config import (BufferConfig, CheckpointConfig, ConfigError, DataConfig,
+                           ExperimentConfig, LearnerConfig, LoraConfig, MetricsConfig, ModelConfig,
+                           RewardConfig, RuntimeConfig, SamplerConfig)
 
 TASK = "digits"
 ARCH = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_layers=2,
@@ -57,6 +57,9 @@ def build_model_folder(out_dir: str, *, task: str = TASK, arch: dict = ARCH,
 
     Written into a temporary sibling and renamed, so a reader never sees half a folder.
     Returns ``out_dir``.
+
+    Raises:
+      ConfigError: the parent folder cannot be written (names it and RLFLOW_CACHE_DIR).
     """
     from flax import nnx
 
@@ -64,8 +67,13 @@ def build_model_folder(out_dir: str, *, task: str = TASK, arch: dict = ARCH,
     from rlflow.models import Decoder, DecoderConfig, save_hf
 
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".demo-model-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".demo-model-", dir=parent)
+    except OSError as e:               # a read-only cache folder: one line, the way out
+        raise ConfigError(f"cannot write the demo model to {parent} ({e.strerror or e}); set "
+                          f"RLFLOW_CACHE_DIR to a writable folder (default ~/.cache/rlflow)"
+                          ) from None
     tok = get_task(task).build_tokenizer(os.path.join(tmp, "tokenizer"))
     cfg = DecoderConfig.from_model_config(ModelConfig(vocab_size=len(tok), init_seed=init_seed,
                                                       **arch))

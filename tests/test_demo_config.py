@@ -43,3 +43,18 @@ def test_demo_builds_a_transformers_readable_model_with_its_tokenizer(tmp_path, 
     assert spec.rank == 8 and len(spec.projections) == 7
     assert spec.full_modules() == ("final_norm", "embed", "lm_head")
     assert lora.learner.lora.lr is None and not cfg.learner.lora.enabled
+
+
+def test_an_unwritable_cache_folder_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """RLFLOW_CACHE_DIR under a file (as a read-only folder, which root ignores): rlflow train
+    exits 2 naming the folder and the variable, no traceback."""
+    from rlflow import cli
+
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--learner.num-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlflow train: cannot write the demo model to {tmp_path}/file/cache "
+                          f"(Not a directory); set RLFLOW_CACHE_DIR to a writable folder")
+    assert "Traceback" not in err
