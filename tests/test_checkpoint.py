@@ -150,6 +150,32 @@ def test_errors_name_what_is_wrong(tmp_path):
     assert checkpoint_dir("runs/x").endswith(os.path.join("runs", "x", "checkpoints"))
 
 
+def test_a_checkpoint_damaged_on_disk_names_its_folder_and_the_way_out(tmp_path):
+    """The array files of a committed checkpoint emptied: restore raises
+    DamagedCheckpointError naming the step folder and the underlying read error (one line,
+    not tensorstore's spec), which the launcher shows as the failure's one line."""
+    from rlflow.checkpoint.state import DamagedCheckpointError
+    from rlflow.runtime.child_logs import is_input_error
+
+    params, _ = _tiny_params_and_opt()
+    ckdir = str(tmp_path / "ck")
+    with Checkpointer(ckdir, async_save=False) as ck:
+        ck.save(LearnerCheckpoint(step=2, params=params), force=True)
+    files = [f for f in glob.glob(f"{ckdir}/2/params/**/d/*", recursive=True) if os.path.isfile(f)]
+    assert files
+    for f in files:
+        open(f, "wb").close()
+    with Checkpointer(ckdir) as ck:
+        with pytest.raises(DamagedCheckpointError) as err:
+            ck.restore(params_target=params)
+    text = str(err.value)
+    assert text.startswith(f"{ckdir}/2: checkpoint step 2 cannot be read (")
+    assert f"mv {ckdir}/2 {ckdir}.damaged-2" in text and "\n" not in text
+    assert len(text) < 800
+    assert isinstance(err.value, CheckpointError)
+    assert is_input_error(f"rlflow.checkpoint.state.DamagedCheckpointError: {text}")
+
+
 # --- restore onto a different mesh ---------------------------------------------------------------
 
 def _toy_logits(p, tokens):

@@ -17,7 +17,8 @@ from rlflow.checkpoint.json_items import (decode_data_state, decode_rngs, encode
                                           encode_rngs)
 from rlflow.checkpoint.metadata import run_metadata
 from rlflow.checkpoint.retention import preservation
-from rlflow.checkpoint.state import CheckpointError, LearnerCheckpoint, PyTree
+from rlflow.checkpoint.state import (CheckpointError, DamagedCheckpointError,
+                                     LearnerCheckpoint, PyTree)
 from rlflow.checkpoint.targets import abstract_target, check_target, host_target
 from rlflow.config import CheckpointConfig
 
@@ -28,6 +29,21 @@ ARRAY_ITEMS = ("params", "opt_state", "value")
 def _absolute(path: str) -> str:
     """Local paths made absolute; ``gs://`` (any ``scheme://``) paths kept as given."""
     return path if "://" in path else os.path.abspath(path)
+
+
+def _damaged(directory: str, step: int, error: BaseException) -> str:
+    """The message of a checkpoint whose files cannot be read: the innermost error of the
+    chain (tensorstore's names the file and byte range; the outer ones repeat a spec of
+    hundreds of lines), its first line cut at 300 characters."""
+    inner = error
+    while (inner.__cause__ or inner.__context__) is not None:
+        inner = inner.__cause__ or inner.__context__
+    line = (str(inner).strip().splitlines() or [""])[0].split(" [tensorstore_spec=")[0][:300]
+    folder = f"{directory.rstrip('/')}/{step}"
+    return (f"{folder}: checkpoint step {step} cannot be read ({type(inner).__name__}: {line}); "
+            f"its files are damaged. To resume from the checkpoint before it, move this one "
+            f"aside (mv {folder} {directory.rstrip('/')}.damaged-{step}) and rerun; or start "
+            f"over with --checkpoint.resume never --checkpoint.overwrite true")
 
 
 def checkpoint_dir(run_path: str) -> str:
@@ -204,8 +220,20 @@ class Checkpointer:
           CheckpointError: no such step, a target's tree or shapes differ from what
             was saved (names the array), or ``value_target`` is given but the checkpoint
             has no value head (saved by a run without ``learner.advantage="gae"``).
+          DamagedCheckpointError: its files cannot be read (names the step folder, the
+            innermost error, and how to resume from the checkpoint before it).
         """
         step = self._step_or_latest(step)
+        try:
+            return self._restore(step, params_target, opt_state_target, restore_opt_state,
+                                 value_target, restore_value)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - tensorstore / orbax raise many kinds
+            raise DamagedCheckpointError(_damaged(self.directory, step, e)) from e
+
+    def _restore(self, step, params_target, opt_state_target, restore_opt_state, value_target,
+                 restore_value) -> LearnerCheckpoint:
         saved_items = self._manager.item_metadata(step)
         want_opt = restore_opt_state and saved_items.get("opt_state") is not None
         args = {"params": self._array_restore_args(step, "params", params_target),

@@ -18,6 +18,11 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, or does not fit what the caller restores it into."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A committed checkpoint's files cannot be read (truncated, emptied, altered on disk):
+    the message names the step folder, the underlying error and the ways out."""
+
+
 @dataclass
 class LearnerCheckpoint:
     """What one learner checkpoint holds (see :mod:`rlflow.checkpoint` for the on-disk items).

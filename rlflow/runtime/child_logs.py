@@ -53,7 +53,8 @@ def is_input_error(exception_line: str) -> bool:
     rlflow error about the user's input: a :class:`rlflow.data.sources.DataError` (a bad or
     missing record, an empty data set), a :class:`rlflow.config.ConfigError`, or an error of
     the user's reward function or environment (:class:`rlflow.data.rewards.NonFiniteRewardError`,
-    :class:`rlflow.data.rewards.RewardFunctionError`, :class:`rlflow.envs.EnvFailureError`).
+    :class:`rlflow.data.rewards.RewardFunctionError`, :class:`rlflow.envs.EnvFailureError`), or a
+    checkpoint damaged on disk (:class:`rlflow.checkpoint.state.DamagedCheckpointError`).
     Their messages name the file, line, field or function and sample; rlflow's traceback adds
     nothing for the user."""
     name = exception_line.split(":", 1)[0].strip()
@@ -64,10 +65,12 @@ def is_input_error(exception_line: str) -> bool:
         cls = getattr(importlib.import_module(module), cls_name)
     except (ImportError, AttributeError):
         return False
+    from rlflow.checkpoint.state import DamagedCheckpointError
     from rlflow.config.validation import ConfigError
     from rlflow.data.rewards import NonFiniteRewardError, RewardFunctionError
     from rlflow.data.sources import DataError
     from rlflow.envs.base import EnvFailureError
 
     return isinstance(cls, type) and issubclass(
-        cls, (DataError, ConfigError, NonFiniteRewardError, RewardFunctionError, EnvFailureError))
+        cls, (DataError, ConfigError, NonFiniteRewardError, RewardFunctionError, EnvFailureError,
+              DamagedCheckpointError))
