@@ -10,4 +10,5 @@
 * :mod:`rlflow.runtime.replicas`: liveness of the sampler replicas.
 * :mod:`rlflow.runtime.metrics`: replica figures as learner metrics.
 * :mod:`rlflow.runtime.run_watch`: the launcher's view of a run (progress, summary).
+* :mod:`rlflow.runtime.run_lock`: one ``rlflow train`` per run folder at a time.
 """
