@@ -169,3 +169,33 @@ def test_reward_worker_leaves_quietly_when_its_parent_is_gone(error, on):
     report as the sampler's own error)."""
     from rlflow.data.reward_workers import serve
     serve(_GoneParent(error, on=on), lambda *a: 1.0)        # returns; raising fails the test
+
+
+@pytest.mark.parametrize("failures", [1, 3])
+def test_a_prompt_the_batcher_refuses_is_retried_then_stops_the_sampler(failures):
+    """The batcher refuses a prompt (e.g. longer than the prefill bucket, as an environment's
+    rendered first turn can be): retried, and after MAX_PROMPT_RETRIES + 1 refusals the
+    sampler stops with SamplerError naming the prompt and the batcher's error."""
+    from rlflow.sampler.program import MAX_PROMPT_RETRIES, SamplerError
+
+    calls = []
+
+    class Batcher:
+        def submit(self, request):
+            calls.append(request.prompt_id)
+            if len(calls) <= failures:
+                raise ValueError("prompt of 3 tokens is longer than the largest prefill bucket")
+
+    p = object.__new__(SamplerProgram)
+    p.cfg, p.episodes, p.batcher = ExperimentConfig(), None, Batcher()
+    p.in_flight, p.prompts_started = {}, 0
+    element = {"seed": 5, "prompt_tokens": [1, 2, 3], "prompt_id": 7}
+    if failures <= MAX_PROMPT_RETRIES:
+        p._submit(element)
+        assert calls == [7] * (failures + 1) and p.prompts_started == 1
+        assert list(p.in_flight.values()) == [element]
+    else:
+        with pytest.raises(SamplerError, match=rf"^prompt_id 7 failed {MAX_PROMPT_RETRIES + 1} "
+                                               r"times: prompt of 3 tokens is longer"):
+            p._submit(element)
+        assert calls == [7] * (MAX_PROMPT_RETRIES + 1) and p.in_flight == {}

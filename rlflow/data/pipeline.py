@@ -108,6 +108,14 @@ class PromptFormatter:
         self._field_names = field_names  # config names for messages ("data.prompt_field")
 
     def __call__(self, index) -> dict:
+        text, special, where, answer = self.render(index)
+        return {"prompt_id": int(index), "prompt_tokens": self.tokenize(text, special, where),
+                "prompt_text": text, "answer": answer}
+
+    def render(self, index) -> Tuple[str, bool, str, str]:
+        """Record ``index`` checked and rendered, not tokenized: the prompt text as the model
+        sees it, whether the tokenizer adds its special tokens, the record's location, and
+        the answer (a string); errors as :meth:`__call__`."""
         index = int(index)
         where = self.source.location(index)
         record = self.source[index]
@@ -120,17 +128,7 @@ class PromptFormatter:
             raise BadRecordError(f"{where}: field {self.answer_key!r} must be a string or a "
                                  f"number, got {type(answer).__name__}")
         text, special = self._render(prompt, where)
-        return {"prompt_id": index, "prompt_tokens": self.tokenize(text, special, where),
-                "prompt_text": text, "answer": answer}
-
-    def render(self, index) -> Tuple[str, bool, str]:
-        """Record ``index``'s prompt text as the model sees it, whether the tokenizer adds
-        its special tokens, and the record's location; errors as :meth:`__call__`."""
-        where = self.source.location(int(index))
-        prompt = self._field(self.source[int(index)], self.prompt_key, self._field_names[0],
-                             where)
-        text, special = self._render(prompt, where)
-        return text, special, where
+        return text, special, where, answer
 
     def tokenize(self, text: str, special: bool, where: str) -> np.ndarray:
         """int32 ``[P]`` ids of a rendered prompt; BadRecordError when there are none."""
@@ -206,7 +204,7 @@ class _Measure:
 
     def __call__(self, index):
         try:
-            text, special, where = self.formatter.render(index)
+            text, special, where, _ = self.formatter.render(index)
             if len(text) > self.max_chars:
                 return OVER_CHAR_BOUND
             return len(self.formatter.tokenize(text, special, where))
