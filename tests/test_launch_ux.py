@@ -369,6 +369,32 @@ def test_last_exception_line_takes_the_outermost_of_chained_tracebacks():
     assert child_logs.last_exception_line(log[:1]) is None
 
 
+def test_the_programs_fatal_line_wins_over_errors_logged_after_it(tmp_path):
+    """A program that dies prints its error as a fatal line after the traceback; tracebacks
+    printed later (threads torn down at interpreter exit) do not become the headline. The
+    line comes from the real entry point (a config file that does not exist)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "rlflow.runtime.launch", "--role", "learner",
+                           "--config", str(tmp_path / "missing.json")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert lines[-1] == (f"rlflow fatal: FileNotFoundError: [Errno 2] No such file or "
+                         f"directory: '{tmp_path / 'missing.json'}'")
+    noise = ["Traceback (most recent call last):", '  File "threading.py", line 1',
+             "ImportError: sys.meta_path is None, Python is likely shutting down"]
+    assert child_logs.last_exception_line(lines + noise) == lines[-1][len("rlflow fatal: "):]
+    assert child_logs.last_exception_line(noise) == noise[-1]      # no fatal line: as before
+    err = ValueError("first line\nsecond")
+    assert child_logs.fatal_line(err) == "rlflow fatal: ValueError: first line"
+    from rlflow.checkpoint.state import DamagedCheckpointError
+    assert child_logs.fatal_line(DamagedCheckpointError("x")) == (
+        "rlflow fatal: rlflow.checkpoint.state.DamagedCheckpointError: x")
+
+
 class _SharedTTY:
     """stdout and stderr of a terminal: one screen, both TTYs."""
 

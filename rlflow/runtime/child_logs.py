@@ -15,6 +15,19 @@ from rlflow.process_limits import exit_text  # noqa: F401  (part of the failure 
 LOG_TAIL_LINES = 30
 ERROR_SCAN_LINES = 400    # log lines searched for the last exception (tracebacks can be long)
 TRACEBACK_HEADER = "Traceback (most recent call last):"
+FATAL_PREFIX = "rlflow fatal: "   # the line a program prints last for the error that ends it
+
+
+def fatal_line(error: BaseException) -> str:
+    """The line a program (:mod:`rlflow.runtime.launch`) prints after the traceback of the
+    exception that ends it: :data:`FATAL_PREFIX` + its exception line, as a traceback ends
+    (``module.Class: message``, first line of the message). Errors printed after it (threads
+    and asyncio loops torn down at interpreter exit) cannot take the failure's headline."""
+    cls = type(error)
+    name = (cls.__qualname__ if cls.__module__ == "builtins"
+            else f"{cls.__module__}.{cls.__qualname__}")
+    message = (str(error).strip().splitlines() or [""])[0]
+    return f"{FATAL_PREFIX}{name}: {message}" if message else f"{FATAL_PREFIX}{name}"
 
 
 def tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
@@ -34,8 +47,13 @@ def last_exception_line(lines: Sequence[str]) -> Optional[str]:
     That is the first non-indented, non-empty line after the last ``Traceback (most recent
     call last):`` header, e.g. ``ValueError: /data/bad.jsonl:7: malformed JSON ...``; with
     chained exceptions, the last (outermost) one. None when there is no traceback (a
-    program killed by a signal, or one that exited with a plain message).
+    program killed by a signal, or one that exited with a plain message). A
+    :func:`fatal_line` in ``lines`` wins over any traceback: the program named the error
+    that ended it.
     """
+    fatal = [line for line in lines if line.startswith(FATAL_PREFIX)]
+    if fatal:
+        return fatal[-1][len(FATAL_PREFIX):].strip()
     start = None
     for i, line in enumerate(lines):
         if line.rstrip().endswith(TRACEBACK_HEADER):

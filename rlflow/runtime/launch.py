@@ -30,10 +30,12 @@ import faulthandler
 import os
 import signal
 import sys
+import traceback
 from typing import Optional, Sequence
 
 from rlflow import programs_common as pc
 from rlflow.runtime import host_memory, learner_hosts
+from rlflow.runtime.child_logs import fatal_line
 from rlflow.secrets import install_log_redaction, secret_values
 
 
@@ -138,6 +140,10 @@ if __name__ == "__main__":
     try:
         exit_code = child_main()
         learner_hosts.leave_background_compiles(exit_code)   # returns unless only they're left
+    except Exception as e:              # the traceback, then the line the launcher reports
+        traceback.print_exc()
+        print(fatal_line(e), file=sys.stderr, flush=True)
+        exit_code = 1
     finally:
         pc.arm_exit_watchdog()          # no thread stuck at exit keeps this process alive
     sys.exit(exit_code)
