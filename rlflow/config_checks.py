@@ -149,11 +149,12 @@ def _check_data(cfg) -> None:
     d = cfg.data
     sp = cfg.sampler
     if d.max_prompt_tokens > sp.max_prefill_length and sp.on_long_prompt == "error":
+        lo, hi = sp.max_prefill_length + 1, d.max_prompt_tokens
+        too_long = f"{lo} tokens" if lo == hi else f"{lo}-{hi} tokens"
         raise ConfigError(
             f"data.max_prompt_tokens: {d.max_prompt_tokens} is above sampler.max_prefill_length="
-            f"{sp.max_prefill_length}, so prompts of {sp.max_prefill_length + 1}-"
-            f"{d.max_prompt_tokens} tokens would pass the data filter and stop the sampler "
-            f"(sampler.on_long_prompt='error'); set --data.max-prompt-tokens "
+            f"{sp.max_prefill_length}, so prompts of {too_long} would pass the data filter and "
+            f"stop the sampler (sampler.on_long_prompt='error'); set --data.max-prompt-tokens "
             f"{sp.max_prefill_length} (longer prompts are dropped and counted), or raise "
             f"--sampler.max-prefill-length (and --sampler.prefill-buckets), or set "
             f"--sampler.on-long-prompt truncate")

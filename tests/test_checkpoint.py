@@ -158,22 +158,29 @@ def test_a_checkpoint_damaged_on_disk_names_its_folder_and_the_way_out(tmp_path)
     from rlflow.runtime.child_logs import is_input_error
 
     params, _ = _tiny_params_and_opt()
-    ckdir = str(tmp_path / "ck")
-    with Checkpointer(ckdir, async_save=False) as ck:
-        ck.save(LearnerCheckpoint(step=2, params=params), force=True)
-    files = [f for f in glob.glob(f"{ckdir}/2/params/**/d/*", recursive=True) if os.path.isfile(f)]
-    assert files
-    for f in files:
-        open(f, "wb").close()
-    with Checkpointer(ckdir) as ck:
-        with pytest.raises(DamagedCheckpointError) as err:
-            ck.restore(params_target=params)
-    text = str(err.value)
-    assert text.startswith(f"{ckdir}/2: checkpoint step 2 cannot be read (")
-    assert f"mv {ckdir}/2 {ckdir}.damaged-2" in text and "\n" not in text
-    assert len(text) < 800
-    assert isinstance(err.value, CheckpointError)
-    assert is_input_error(f"rlflow.checkpoint.state.DamagedCheckpointError: {text}")
+    for earlier in ([], [1]):
+        ckdir = str(tmp_path / f"ck{len(earlier)}")
+        with Checkpointer(ckdir, CheckpointConfig(keep_last=5), async_save=False) as ck:
+            for step in earlier + [2]:
+                ck.save(LearnerCheckpoint(step=step, params=params), force=True)
+        files = [f for f in glob.glob(f"{ckdir}/2/params/**/d/*", recursive=True)
+                 if os.path.isfile(f)]
+        assert files
+        for f in files:
+            open(f, "wb").close()
+        with Checkpointer(ckdir) as ck:
+            with pytest.raises(DamagedCheckpointError) as err:
+                ck.restore(params_target=params)
+            if earlier:                                   # the advice holds: step 1 restores
+                _leaves_equal(ck.restore(1, params_target=params).params, params)
+        text = str(err.value)
+        assert text.startswith(f"{ckdir}/2: checkpoint step 2 cannot be read (")
+        assert f"mv {ckdir}/2 {ckdir}.damaged-2" in text and "\n" not in text
+        assert ("to resume from step 1, the checkpoint before it" in text) == bool(earlier)
+        assert ("there is no earlier checkpoint" in text) != bool(earlier)
+        assert len(text) < 900
+        assert isinstance(err.value, CheckpointError)
+        assert is_input_error(f"rlflow.checkpoint.state.DamagedCheckpointError: {text}")
 
 
 # --- restore onto a different mesh ---------------------------------------------------------------

@@ -58,6 +58,8 @@ def _train(args, capsys):
     (["--data.max-prompt-tokens", "100"], "data.max_prompt_tokens",
      "100 is above sampler.max_prefill_length=8, so prompts of 9-100 tokens would pass the "
      "data filter and stop the sampler"),
+    (["--data.max-prompt-tokens", "9"], "data.max_prompt_tokens",
+     "9 is above sampler.max_prefill_length=8, so prompts of 9 tokens would pass"),
 ])
 def test_train_refuses_before_starting_anything(no_programs, capsys, args, field, detail):
     code, text = _train(args, capsys)

@@ -395,6 +395,27 @@ def test_the_programs_fatal_line_wins_over_errors_logged_after_it(tmp_path):
         "rlflow fatal: rlflow.checkpoint.state.DamagedCheckpointError: x")
 
 
+def test_program_error_finds_the_fatal_line_under_any_amount_of_later_noise(tmp_path):
+    """The fatal line of the latest start is found however many lines follow it (orbax's
+    failed reads logged ~70 lines each at exit); an earlier start's fatal line never counts."""
+    log = tmp_path / "learner.log"
+    noise = ["Traceback (most recent call last):", '  File "x.py", line 1',
+             "RuntimeError: Event loop is closed"] * 400
+    log.write_text("\n".join(
+        ["--- rlflow learner start #0 ---", "rlflow fatal: ValueError: old start"]
+        + ["--- rlflow learner start #0 ---", "Traceback (most recent call last):",
+           '  File "y.py", line 2', "rlflow.x.DamagedCheckpointError: the real one",
+           "rlflow fatal: rlflow.x.DamagedCheckpointError: the real one"] + noise) + "\n")
+    assert len(noise) > child_logs.ERROR_SCAN_LINES
+    marker = "--- rlflow learner start"
+    assert (child_logs.program_error(str(log), marker)
+            == "rlflow.x.DamagedCheckpointError: the real one")
+    log.write_text("--- rlflow learner start #0 ---\nrlflow fatal: ValueError: old start\n"
+                   "--- rlflow learner start #1 ---\n" + "\n".join(noise[:3]) + "\n")
+    assert child_logs.program_error(str(log), marker) == "RuntimeError: Event loop is closed"
+    assert child_logs.program_error(str(tmp_path / "missing.log"), marker) is None
+
+
 class _SharedTTY:
     """stdout and stderr of a terminal: one screen, both TTYs."""
 

@@ -31,19 +31,27 @@ def _absolute(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
-def _damaged(directory: str, step: int, error: BaseException) -> str:
+def _damaged(directory: str, step: int, error: BaseException, earlier: list[int]) -> str:
     """The message of a checkpoint whose files cannot be read: the innermost error of the
     chain (tensorstore's names the file and byte range; the outer ones repeat a spec of
-    hundreds of lines), its first line cut at 300 characters."""
+    hundreds of lines), its first line cut at 300 characters, and the way out: resume from
+    the newest of the ``earlier`` steps, or, with none, start over."""
     inner = error
     while (inner.__cause__ or inner.__context__) is not None:
         inner = inner.__cause__ or inner.__context__
     line = (str(inner).strip().splitlines() or [""])[0].split(" [tensorstore_spec=")[0][:300]
-    folder = f"{directory.rstrip('/')}/{step}"
-    return (f"{folder}: checkpoint step {step} cannot be read ({type(inner).__name__}: {line}); "
-            f"its files are damaged. To resume from the checkpoint before it, move this one "
-            f"aside (mv {folder} {directory.rstrip('/')}.damaged-{step}) and rerun; or start "
-            f"over with --checkpoint.resume never --checkpoint.overwrite true")
+    base = directory.rstrip("/")
+    aside = f"mv {base}/{step} {base}.damaged-{step}"
+    if earlier:
+        way = (f"to resume from step {earlier[-1]}, the checkpoint before it, move this one "
+               f"aside ({aside}) and rerun")
+    else:
+        way = (f"there is no earlier checkpoint in {base}, so a rerun after moving it aside "
+               f"({aside}) starts over from step 0 (its records after step 0 are removed); or "
+               f"start over in a clean folder with --checkpoint.resume never "
+               f"--checkpoint.overwrite true")
+    return (f"{base}/{step}: checkpoint step {step} cannot be read ({type(inner).__name__}: "
+            f"{line}); its files are damaged: {way}")
 
 
 def checkpoint_dir(run_path: str) -> str:
@@ -230,7 +238,8 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - tensorstore / orbax raise many kinds
-            raise DamagedCheckpointError(_damaged(self.directory, step, e)) from e
+            earlier = [s for s in self.all_steps() if s < step]
+            raise DamagedCheckpointError(_damaged(self.directory, step, e, earlier)) from e
 
     def _restore(self, step, params_target, opt_state_target, restore_opt_state, value_target,
                  restore_value) -> LearnerCheckpoint:

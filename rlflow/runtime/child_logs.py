@@ -66,6 +66,29 @@ def last_exception_line(lines: Sequence[str]) -> Optional[str]:
     return None
 
 
+def program_error(log_path: str, start_marker: str) -> Optional[str]:
+    """The error that ended the program's latest start in ``log_path``: its
+    :func:`fatal_line` (searched in the whole log after the last line starting with
+    ``start_marker``, as errors logged after it at interpreter exit can fill more than
+    :data:`ERROR_SCAN_LINES` lines), else :func:`last_exception_line` of the log's end (that
+    start's part only). None when neither is there (a program killed by a signal)."""
+    marker, prefix, fatal = start_marker.encode(), FATAL_PREFIX.encode(), None
+    try:
+        with open(log_path, "rb") as f:
+            for raw in f:
+                if raw.startswith(marker):
+                    fatal = None
+                elif raw.startswith(prefix):
+                    fatal = raw
+    except OSError:
+        return None
+    if fatal is not None:
+        return fatal.decode("utf-8", "replace")[len(FATAL_PREFIX):].strip()
+    lines = tail(log_path, ERROR_SCAN_LINES).splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(start_marker)]
+    return last_exception_line(lines[starts[-1]:] if starts else lines)
+
+
 def is_input_error(exception_line: str) -> bool:
     """True when ``exception_line`` (as :func:`last_exception_line` returns it) names an
     rlflow error about the user's input: a :class:`rlflow.data.sources.DataError` (a bad or

@@ -69,7 +69,7 @@ from rlflow import programs_common as pc
 from rlflow.exchange.ring import ProducerError
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import (ERROR_SCAN_LINES, LOG_TAIL_LINES, exit_text,
-                                       is_input_error, last_exception_line, tail)
+                                       is_input_error, program_error, tail)
 from rlflow.runtime.ports import free_port
 from rlflow.secrets import ENV_BUFFER_TOKEN
 
@@ -202,9 +202,7 @@ class Supervisor:
         from rlflow.progress import plain_text
 
         c = self.children[role]
-        lines = tail(c.log_path, ERROR_SCAN_LINES).splitlines()
-        starts = [i for i, line in enumerate(lines) if line.startswith("--- rlflow sampler start")]
-        error = last_exception_line(lines[starts[-1]:] if starts else lines)
+        error = program_error(c.log_path, "--- rlflow sampler start")
         what = plain_text(error) if error else exit_text(c.proc.returncode)
         return (f"rlflow train: warning: the {role} process stopped after the learner's last "
                 f"step ({what}); every step trained and the final checkpoint is saved. Its log "
@@ -222,8 +220,7 @@ class Supervisor:
         c = self.children[role]
         lines = tail(c.log_path, ERROR_SCAN_LINES).splitlines()
         kind = "learner" if role.startswith("learner") else "sampler"
-        starts = [i for i, line in enumerate(lines) if line.startswith(f"--- rlflow {kind} start")]
-        error = last_exception_line(lines[starts[-1]:] if starts else lines)  # this start's only
+        error = program_error(c.log_path, f"--- rlflow {kind} start")    # this start's only
         what = role if kind == "sampler" else \
             learner_hosts.host_label(role, c.proc.pid, self.cfg.learner.num_hosts)
         head = f"rlflow train: the {what} failed: {plain_text(error)}\n" if error else ""
