@@ -386,8 +386,12 @@ def test_the_programs_fatal_line_wins_over_errors_logged_after_it(tmp_path):
                          f"directory: '{tmp_path / 'missing.json'}'")
     noise = ["Traceback (most recent call last):", '  File "threading.py", line 1',
              "ImportError: sys.meta_path is None, Python is likely shutting down"]
-    assert child_logs.last_exception_line(lines + noise) == lines[-1][len("rlflow fatal: "):]
-    assert child_logs.last_exception_line(noise) == noise[-1]      # no fatal line: as before
+    marker = "--- rlflow learner start"
+    log = tmp_path / "learner.log"
+    log.write_text("\n".join([marker + " #0 ---"] + lines + noise) + "\n")
+    assert child_logs.program_error(str(log), marker) == lines[-1][len("rlflow fatal: "):]
+    log.write_text("\n".join([marker + " #0 ---"] + noise) + "\n")
+    assert child_logs.program_error(str(log), marker) == noise[-1]   # no fatal line: as before
     err = ValueError("first line\nsecond")
     assert child_logs.fatal_line(err) == "rlflow fatal: ValueError: first line"
     from rlflow.checkpoint.state import DamagedCheckpointError

@@ -47,13 +47,9 @@ def last_exception_line(lines: Sequence[str]) -> Optional[str]:
     That is the first non-indented, non-empty line after the last ``Traceback (most recent
     call last):`` header, e.g. ``ValueError: /data/bad.jsonl:7: malformed JSON ...``; with
     chained exceptions, the last (outermost) one. None when there is no traceback (a
-    program killed by a signal, or one that exited with a plain message). A
-    :func:`fatal_line` in ``lines`` wins over any traceback: the program named the error
-    that ended it.
+    program killed by a signal, or one that exited with a plain message). A program's own
+    :func:`fatal_line` is looked up first by :func:`program_error`.
     """
-    fatal = [line for line in lines if line.startswith(FATAL_PREFIX)]
-    if fatal:
-        return fatal[-1][len(FATAL_PREFIX):].strip()
     start = None
     for i, line in enumerate(lines):
         if line.rstrip().endswith(TRACEBACK_HEADER):
