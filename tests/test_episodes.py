@@ -215,7 +215,10 @@ def test_prompts_whose_environments_cannot_start_stop_at_env_max_consecutive_err
                 raise EnvError(f"field 'start' missing in prompt {record['prompt_id']}")
             return np.asarray(PROMPT, np.int32), "group"
 
-    program = NS(episodes=Driver(), dropped_leases=[], env_reset_errors=0, env_reset_run=0,
+    from rlflow.sampler.delivery import GroupDelivery
+
+    program = NS(episodes=Driver(), delivery=GroupDelivery(None, None, None, None),
+                 env_reset_errors=0, env_reset_run=0,
                  renderer=FakeRenderer([0]),
                  cfg=NS(sampler=NS(max_prefill_length=8, group_size=2, max_tokens=8),
                         env=EnvConfig(name="rejects", max_consecutive_errors=3)))
@@ -234,4 +237,5 @@ def test_prompts_whose_environments_cannot_start_stop_at_env_max_consecutive_err
         "environment 'rejects' could not start for the last 3 prompts in a row "
         "(env.max_consecutive_errors=3), the last prompt_id 6: EnvError: field 'start' "
         "missing in prompt 6")
-    assert program.env_reset_errors == 5 and len(program.dropped_leases) == 5
+    assert program.env_reset_errors == 5
+    assert program.delivery.take_dropped() == [[i, i] for i in (1, 2, 4, 5, 6)]

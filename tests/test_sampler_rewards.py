@@ -3,9 +3,10 @@ by reward workers while decoding goes on, delivered whole and in order; a NaN/in
 follows ``learner.on_bad_reward``; a user's reward function named ``file.py:function``
 reaches the program and its workers.
 
-The program is driven through its own ``_score`` / ``_collect`` / ``_status`` methods with
-stand-ins for the engine-side objects (tokenizer, buffer, run control), so no JAX runtime
-is needed; the Rewarder and its worker processes are the real ones.
+The program's :class:`rlflow.sampler.delivery.GroupDelivery` is driven through its
+``score`` / ``collect`` methods and the program's ``_status``, with stand-ins for the
+engine-side objects (tokenizer, buffer, run control), so no JAX runtime is needed; the
+Rewarder and its worker processes are the real ones.
 """
 
 import textwrap
@@ -19,6 +20,7 @@ from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.sampler.batching import CompletedGroup, Completion, Request
 from rlflow.runtime.control import ControlReply
 from rlflow.sampler.background import RateWindow
+from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.program import SamplerProgram
 
 
@@ -47,11 +49,6 @@ class _Control:
         return ControlReply()
 
 
-class _Prompts:
-    def get_state(self):
-        return {}
-
-
 @pytest.fixture
 def plugin_file(tmp_path):
     path = tmp_path / "my_rewards.py"
@@ -67,15 +64,12 @@ def _program(plugin_file, on_bad_reward):
         reward=RewardConfig(functions=(f"{plugin_file}:nan_on_bad",), weights=(1.0,),
                             num_workers=2),
         learner=LearnerConfig(on_bad_reward=on_bad_reward))
-    p = object.__new__(SamplerProgram)
-    p.cfg, p.tokenizer, p.buffer = cfg, _Tok(), _Buffer()
-    p.rewarder = Rewarder(cfg.reward, plugins=cfg.plugins)
-    p.scoring, p.in_flight, p.bad_reward_groups = {}, {}, 0
-    p.dropped_leases, p.groups_delivered = [], 0
-    p.window, p.rejected, p.delivered_since_status = RateWindow(), 0, 0
-    p.control, p.prompts, p.prompts_started = _Control(), _Prompts(), 0
+    p = object.__new__(SamplerProgram)      # only what _status reads
+    p.cfg, p.window = cfg, RateWindow()
+    p.delivery = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg.reward, plugins=cfg.plugins),
+                               p.window, on_bad_reward=cfg.learner.on_bad_reward)
+    p.control, p.prompts_started = _Control(), 0
     p.swap, p.pause_s, p.version = {}, 0.0, 0
-    p.prompt_counts = {}
     return p
 
 
@@ -88,61 +82,63 @@ def _group(prompt_id, texts):
                           max_tokens=8, completions=comps)
 
 
-def _admit(p, groups):
+def _admit(d, groups):
     for g in groups:       # leased prompts (the ledger's keys travel with each group)
-        p.in_flight[id(g.request)] = {"answer": "x", "stream_index": 10 + g.request.prompt_id,
-                                      "lease_id": 100 + g.request.prompt_id}
-    p._score(groups)
+        d.admit(g.request, {"answer": "x", "stream_index": 10 + g.request.prompt_id,
+                            "lease_id": 100 + g.request.prompt_id})
+    d.score(groups)
 
 
-def _drain(p):
-    while p.scoring:
-        p._collect(0.1)
+def _drain(d):
+    while d.waiting_for_rewards:
+        d.collect(0.1)
 
 
 def test_groups_are_scored_off_the_decode_loop_and_delivered_whole_in_order(plugin_file):
-    p = _program(plugin_file, "error")
+    d = _program(plugin_file, "error").delivery
     try:
         groups = [_group(i, ["a" * (i + 1), "b" * (i + 2)]) for i in range(4)]
-        _admit(p, groups)
-        assert len(p.in_flight) == 4            # scoring groups still count for admission
-        _drain(p)
-        assert [int(r["prompt_id"]) for r in p.buffer.records] == [0, 1, 2, 3]
-        for i, rec in enumerate(p.buffer.records):
+        _admit(d, groups)
+        assert len(d.in_flight) == 4            # scoring groups still count for admission
+        _drain(d)
+        assert [int(r["prompt_id"]) for r in d.buffer.records] == [0, 1, 2, 3]
+        for i, rec in enumerate(d.buffer.records):
             np.testing.assert_array_equal(rec["rewards"], [i + 1, i + 2])
             assert rec["rewards"].dtype == np.float32
             assert (int(rec["stream_index"]), int(rec["lease_id"])) == (10 + i, 100 + i)
-        assert p.in_flight == {} and p.delivered_since_status == 4
+        assert d.in_flight == {} and d.groups_delivered == 4
     finally:
-        p.rewarder.close()
+        d.close()
 
 
 def test_nan_reward_with_drop_drops_the_group_and_counts_it_in_the_status(plugin_file):
     p = _program(plugin_file, "drop")
+    d = p.delivery
     try:
-        _admit(p, [_group(3, ["ok", "bad"]), _group(4, ["ok", "fine"])])
-        _drain(p)
-        assert [int(r["prompt_id"]) for r in p.buffer.records] == [4]
-        assert p.bad_reward_groups == 1 and p.in_flight == {}
+        _admit(d, [_group(3, ["ok", "bad"]), _group(4, ["ok", "fine"])])
+        _drain(d)
+        assert [int(r["prompt_id"]) for r in d.buffer.records] == [4]
+        assert d.bad_reward_groups == 1 and d.in_flight == {}
         p._status()
         assert p.control.metrics["sampler/dropped_bad_reward_groups"] == 1.0
+        assert p.control.metrics["sampler/groups_delivered"] == 1.0
         assert p.control.dropped == [[13, 103]]     # the ledger resolves the prompt
-        assert p.dropped_leases == []
+        assert d.dropped_leases == []
     finally:
-        p.rewarder.close()
+        d.close()
 
 
 def test_nan_reward_with_error_stops_naming_function_and_sample(plugin_file):
-    p = _program(plugin_file, "error")
+    d = _program(plugin_file, "error").delivery
     try:
-        _admit(p, [_group(3, ["ok", "bad"])])
+        _admit(d, [_group(3, ["ok", "bad"])])
         with pytest.raises(NonFiniteRewardError,
                            match=r"'.*my_rewards.py:nan_on_bad' returned nan for sample "
                                  r"prompt 3 sample 1"):
-            _drain(p)
-        assert p.buffer.records == []
+            _drain(d)
+        assert d.buffer.records == []
     finally:
-        p.rewarder.close()
+        d.close()
 
 
 class _GoneParent:
@@ -188,14 +184,14 @@ def test_a_prompt_the_batcher_refuses_is_retried_then_stops_the_sampler(failures
 
     p = object.__new__(SamplerProgram)
     p.cfg, p.episodes, p.batcher = ExperimentConfig(), None, Batcher()
-    p.in_flight, p.prompts_started = {}, 0
+    p.delivery, p.prompts_started = GroupDelivery(None, None, None, None), 0
     element = {"seed": 5, "prompt_tokens": [1, 2, 3], "prompt_id": 7}
     if failures <= MAX_PROMPT_RETRIES:
         p._submit(element)
         assert calls == [7] * (failures + 1) and p.prompts_started == 1
-        assert list(p.in_flight.values()) == [element]
+        assert list(p.delivery.in_flight.values()) == [element]
     else:
         with pytest.raises(SamplerError, match=rf"^prompt_id 7 failed {MAX_PROMPT_RETRIES + 1} "
                                                r"times: prompt of 3 tokens is longer"):
             p._submit(element)
-        assert calls == [7] * (MAX_PROMPT_RETRIES + 1) and p.in_flight == {}
+        assert calls == [7] * (MAX_PROMPT_RETRIES + 1) and p.delivery.in_flight == {}

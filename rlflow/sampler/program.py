@@ -20,6 +20,7 @@ processes on one machine), its own JAX runtime, mesh and engine::
           (rlflow.data.rewarder, on this host) and decoding goes on; groups whose rewards
           are in go, whole and in the order they finished, to the learner's ring buffer
           (rlflow.exchange.buffer), tagged with their prompt's stream_index and lease_id
+          (rlflow.sampler.delivery owns the leases in flight, the scoring and the delivery)
 
 Multi-turn episodes (``env.name`` set, :mod:`rlflow.sampler.episodes`): each leased prompt
 becomes ``G`` environments (reset here; the prompt ids are their first messages rendered by
@@ -54,7 +55,6 @@ import numpy as np
 
 from rlflow import programs_common as pc
 from rlflow.data.rewarder import Rewarder
-from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.envs.base import EnvFailureError
 from rlflow.exchange.buffer import BufferClient
 from rlflow.exchange.host_shards import log_weights_digest
@@ -66,6 +66,7 @@ from rlflow.models.lora import LoraSpec
 from rlflow.runtime.control import ControlClient
 from rlflow.sampler.background import Heartbeat, RateWindow, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
+from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.lanes import DecodeLanes, available_cpus, lane_count
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
@@ -88,13 +89,6 @@ class SamplerError(RuntimeError):
 def _endpoint(address: str) -> str:
     host, port = pc.split_address(address)
     return tcp_endpoint(host, port)
-
-
-def _leased(record: dict, element) -> dict:
-    """``record`` tagged with its prompt's ``stream_index`` and ``lease_id`` (the ledger's)."""
-    record["stream_index"] = np.asarray(element["stream_index"], np.int64)
-    record["lease_id"] = np.asarray(element["lease_id"], np.int64)
-    return record
 
 
 def replica_name(env=None) -> str:
@@ -166,19 +160,12 @@ class SamplerProgram:
         self.episodes = self._episode_driver() if cfg.env.enabled else None
         self.env_reset_errors = 0
         self.env_reset_run = 0
-        self.rewarder = None if self.episodes is not None else \
-            Rewarder(cfg.reward, plugins=cfg.plugins)
-        # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
-        # that its id is not reused while the group is scored)
-        self.scoring: dict[int, tuple] = {}
-        self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
-        self.prompts_started = 0
-        self.in_flight: dict[int, dict] = {}     # id(Request) -> leased prompt
-        self.dropped_leases: list = []   # [stream_index, lease_id] of groups dropped here
-        self.delivered_since_status = 0
-        self.groups_delivered = 0  # groups this replica put into the buffer, in total
-        self.rejected = 0          # groups the buffer refused (a bug if ever > 0)
         self.window = RateWindow()
+        self.delivery = GroupDelivery(
+            self.tokenizer, self.buffer,
+            None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),
+            self.window, on_bad_reward=cfg.learner.on_bad_reward)
+        self.prompts_started = 0
         self.swap = {"sync/pull_s": 0.0}
         self.pause_s = 0.0
         self.step_ema = None       # seconds per decode step without a swap
@@ -248,29 +235,22 @@ class SamplerProgram:
         metrics = dict(self.window.figures(), **self.swap)
         metrics["sync/sampler_pause_s"] = self.pause_s
         metrics["sampler/instance"] = float(self.control.instance)
-        metrics["sampler/rejected_groups"] = float(self.rejected)
-        metrics["sampler/dropped_bad_reward_groups"] = float(self.bad_reward_groups)
-        # reward functions / environments that raised or timed out (scored 0): counted
-        if self.rewarder is not None:
-            metrics.update({k: float(v) for k, v in self.rewarder.metrics().items()})
-        if self.episodes is not None:
+        metrics.update(self.delivery.metrics())
+        if self.episodes is not None:    # environments that raised or timed out: counted
             metrics.update(self.episodes.metrics())
             metrics["sampler/env_reset_errors"] = float(self.env_reset_errors)
             c = self.batcher.counters if hasattr(self, "batcher") else None
             metrics["sampler/episodes_cut_tokens"] = float(c.episodes_cut_tokens if c else 0)
-        metrics["sampler/in_flight"] = float(len(self.in_flight))
-        metrics["sampler/groups_delivered"] = float(self.groups_delivered)
-        dropped, self.dropped_leases = self.dropped_leases, []
         reply = self.control.status(
             version=self.version, prompts_started=self.prompts_started,
-            want=want if self.version >= 0 else 0, metrics=metrics, dropped=dropped)
-        self.delivered_since_status = 0
+            want=want if self.version >= 0 else 0, metrics=metrics,
+            dropped=self.delivery.take_dropped())
         for element in reply.prompts:
             self._submit(element)
         return reply
 
     def _want(self) -> int:
-        return max(0, self.cap - len(self.in_flight))
+        return max(0, self.cap - len(self.delivery.in_flight))
 
     def _submit(self, element) -> None:
         # The seed comes with the lease: derived by the ledger from the element's position
@@ -296,7 +276,7 @@ class SamplerProgram:
                     raise SamplerError(f"prompt_id {request.prompt_id} failed "
                                        f"{MAX_PROMPT_RETRIES + 1} times: {e}") from e
                 log.warning("prompt_id %d: %s (retrying)", request.prompt_id, e)
-        self.in_flight[id(request)] = element
+        self.delivery.admit(request, element)
         self.prompts_started += 1
 
     def _new_episodes(self, element, sampling):
@@ -319,7 +299,7 @@ class SamplerProgram:
         except Exception as e:  # noqa: BLE001 - a bad record never stops the run ...
             self.env_reset_errors += 1
             self.env_reset_run += 1
-            self.dropped_leases.append([int(element["stream_index"]), int(element["lease_id"])])
+            self.delivery.drop(element)
             log.warning("prompt_id %d: environment %r could not start (%s: %s); the prompt "
                         "is dropped (%d so far)", int(element["prompt_id"]), self.cfg.env.name,
                         type(e).__name__, e, self.env_reset_errors)
@@ -336,69 +316,6 @@ class SamplerProgram:
         return prompt, group, sampling_for_episodes(sampling, self.cfg.env,
                                                     self.cfg.sampler.max_tokens,
                                                     self.renderer.end_of_turn_ids)
-
-    # ------------------------------------------------------------------ groups out
-    def _score(self, groups) -> None:
-        """Hand the groups a decode step finished to the reward workers (no wait); they stay
-        in ``in_flight`` (admission counts them) until delivered or dropped."""
-        if self.episodes is not None:        # rewards from the environments: deliver
-            records = []
-            for group in groups:
-                element = self.in_flight.pop(id(group.request))
-                records.append(_leased(group.to_record(), element))
-            self._deliver(records)
-            return
-        for group in groups:
-            key = id(group.request)
-            element = self.in_flight[key]
-            texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
-                     for c in group.completions]
-            self.scoring[key] = (group.request, group.to_record())
-            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"])
-
-    def _collect(self, timeout: float = 0.0) -> None:
-        """Deliver the groups whose rewards are in; a group with a NaN/inf reward follows
-        ``learner.on_bad_reward``.
-
-        Raises:
-          NonFiniteRewardError: a NaN/inf reward with ``on_bad_reward="error"`` (names the
-            function and sample).
-        """
-        records = []
-        if self.rewarder is None:
-            return
-        for key, batch in self.rewarder.collect(timeout):
-            _, record = self.scoring.pop(key)
-            element = self.in_flight.pop(key)
-            record = _leased(record, element)
-            if batch.nonfinite:
-                if self.cfg.learner.on_bad_reward == "error":
-                    raise NonFiniteRewardError(
-                        f"{batch.nonfinite[0]}; rewards must be finite numbers "
-                        f"(learner.on_bad_reward='drop' drops such groups)")
-                self.bad_reward_groups += 1
-                self.dropped_leases.append([int(element["stream_index"]),
-                                            int(element["lease_id"])])
-                log.warning("%s: group of prompt_id %d dropped (learner.on_bad_reward='drop'; "
-                            "%d dropped so far)", batch.nonfinite[0], int(record["prompt_id"]),
-                            self.bad_reward_groups)
-                continue
-            record["rewards"] = np.asarray(batch.total, np.float32)
-            records.append(record)
-        if records:
-            self._deliver(records)
-
-    def _deliver(self, records) -> None:
-        """Send scored groups in one request to the buffer."""
-        t0 = time.monotonic()
-        rejected = self.buffer.put_groups(records)
-        self.window.add(idle=time.monotonic() - t0)
-        for i, err in rejected.items():      # never expected: a bug, logged and counted
-            self.rejected += 1
-            log.error("the buffer rejected the group of prompt_id %d: %s",
-                      int(records[i]["prompt_id"]), err)
-        self.delivered_since_status += len(records) - len(rejected)
-        self.groups_delivered += len(records) - len(rejected)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -426,15 +343,15 @@ class SamplerProgram:
                     self.puller.request()
             self.puller.check()
             try:
-                self._collect()
+                self.delivery.collect()
             except BufferClosedError:
                 log.info("the learner closed the buffer: the run is ending; stopping")
                 return
             if not self.batcher.has_work:
-                if self.scoring:                    # only rewards pending: wait for them
+                if self.delivery.waiting_for_rewards:   # only rewards pending: wait
                     t0 = time.monotonic()
                     try:
-                        self._collect(IDLE_POLL_S)
+                        self.delivery.collect(IDLE_POLL_S)
                     except BufferClosedError:
                         log.info("the learner closed the buffer: the run is ending; stopping")
                         return
@@ -453,7 +370,7 @@ class SamplerProgram:
             groups = self.batcher.step()
             self._time_step(time.monotonic() - t0, swapped=c.weight_swaps > swaps)
             if groups:
-                self._score(groups)
+                self.delivery.score(groups)
             self.window.add(tokens=c.slot_steps_used - used, slots_used=c.slot_steps_used - used,
                             slots_total=c.slot_steps_available - avail)
 
@@ -476,7 +393,7 @@ class SamplerProgram:
     def close(self) -> None:
         closers = [self.heartbeat.close, self.control.close, self.buffer.close,
                    self.subscriber.close]
-        closers += [x.close for x in (self.rewarder, self.episodes) if x is not None]
+        closers += [x.close for x in (self.delivery, self.episodes) if x is not None]
         if hasattr(self, "puller"):
             closers.insert(0, self.puller.close)
         if isinstance(getattr(self, "batcher", None), DecodeLanes):

@@ -1,0 +1,166 @@
+"""One sampler replica's groups out: leased prompts in flight -> rewards -> the learner's
+ring buffer.
+
+:class:`GroupDelivery` holds the leases of the prompts this replica admitted to its batcher
+and has not yet delivered or dropped (the ledger's admission counts them), hands each finished
+group to the reward workers without waiting (:class:`rlflow.data.rewarder.Rewarder`), and puts
+the groups whose rewards are in into the buffer, whole and in the order they finished, each
+tagged with its prompt's ``stream_index`` and ``lease_id``. Multi-turn episodes come with their
+environments' rewards: their groups go to the buffer as they finish (no reward workers).
+
+A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it (logged with
+the function and sample, counted as ``sampler/dropped_bad_reward_groups``, its lease reported
+to the ledger as dropped), "error" raises :class:`rlflow.data.rewards.NonFiniteRewardError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from rlflow.data.rewards import NonFiniteRewardError
+
+log = logging.getLogger("rlflow.sampler")
+
+
+def _leased(record: dict, element) -> dict:
+    """``record`` tagged with its prompt's ``stream_index`` and ``lease_id`` (the ledger's)."""
+    record["stream_index"] = np.asarray(element["stream_index"], np.int64)
+    record["lease_id"] = np.asarray(element["lease_id"], np.int64)
+    return record
+
+
+def lease_key(element) -> list[int]:
+    """``[stream_index, lease_id]`` of a leased prompt: how the ledger names a lease."""
+    return [int(element["stream_index"]), int(element["lease_id"])]
+
+
+class GroupDelivery:
+    """Leases in flight, reward scoring and buffer delivery of one sampler replica.
+
+    Args:
+      tokenizer: decodes completion tokens for the reward functions (``decode(ids,
+        skip_special_tokens=True)``).
+      buffer: the learner's ring buffer client (``put_groups(records) -> {index: error}``).
+      rewarder: the reward workers; ``None`` for multi-turn episodes (rewards come from the
+        environments).
+      window: the replica's :class:`rlflow.sampler.background.RateWindow` (time spent in
+        the buffer call counts as idle).
+      on_bad_reward: ``learner.on_bad_reward`` ("drop" or "error").
+    """
+
+    def __init__(self, tokenizer, buffer, rewarder, window, *, on_bad_reward: str = "drop"):
+        self.tokenizer = tokenizer
+        self.buffer = buffer
+        self.rewarder = rewarder
+        self.window = window
+        self.on_bad_reward = on_bad_reward
+        self.in_flight: dict[int, dict] = {}     # id(Request) -> leased prompt
+        # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
+        # that its id is not reused while the group is scored)
+        self.scoring: dict[int, tuple] = {}
+        self.dropped_leases: list[list[int]] = []   # [stream_index, lease_id] dropped here
+        self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
+        self.groups_delivered = 0    # groups put into the buffer, in total
+        self.rejected = 0            # groups the buffer refused (a bug if ever > 0)
+
+    # ------------------------------------------------------------------ leases
+    def admit(self, request, element) -> None:
+        """``request`` (a :class:`rlflow.sampler.batching.Request`) was submitted to the
+        batcher for the leased prompt ``element``; it counts as in flight until delivered
+        or dropped."""
+        self.in_flight[id(request)] = element
+
+    def drop(self, element) -> None:
+        """A leased prompt never started (e.g. its environments could not be created): the
+        ledger hears of it with the next status."""
+        self.dropped_leases.append(lease_key(element))
+
+    def take_dropped(self) -> list[list[int]]:
+        """The leases dropped since the last call (for the status to the ledger)."""
+        dropped, self.dropped_leases = self.dropped_leases, []
+        return dropped
+
+    @property
+    def waiting_for_rewards(self) -> bool:
+        """Some finished groups are still being scored."""
+        return bool(self.scoring)
+
+    # ------------------------------------------------------------------ groups out
+    def score(self, groups) -> None:
+        """Hand the groups a decode step finished to the reward workers (no wait); they stay
+        in ``in_flight`` (admission counts them) until delivered or dropped. Episode groups
+        (no rewarder) are delivered at once."""
+        if self.rewarder is None:
+            self.deliver([_leased(g.to_record(), self.in_flight.pop(id(g.request)))
+                          for g in groups])
+            return
+        for group in groups:
+            key = id(group.request)
+            element = self.in_flight[key]
+            texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
+                     for c in group.completions]
+            self.scoring[key] = (group.request, group.to_record())
+            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"])
+
+    def collect(self, timeout: float = 0.0) -> None:
+        """Deliver the groups whose rewards are in (waiting up to ``timeout`` seconds for the
+        first); a group with a NaN/inf reward follows ``on_bad_reward``.
+
+        Raises:
+          NonFiniteRewardError: a NaN/inf reward with ``on_bad_reward="error"`` (names the
+            function and sample).
+          rlflow.exchange.ring.BufferClosedError: the learner closed the buffer.
+        """
+        if self.rewarder is None:
+            return
+        records = []
+        for key, batch in self.rewarder.collect(timeout):
+            _, record = self.scoring.pop(key)
+            element = self.in_flight.pop(key)
+            record = _leased(record, element)
+            if batch.nonfinite:
+                if self.on_bad_reward == "error":
+                    raise NonFiniteRewardError(
+                        f"{batch.nonfinite[0]}; rewards must be finite numbers "
+                        f"(learner.on_bad_reward='drop' drops such groups)")
+                self.bad_reward_groups += 1
+                self.drop(element)
+                log.warning("%s: group of prompt_id %d dropped (learner.on_bad_reward='drop'; "
+                            "%d dropped so far)", batch.nonfinite[0], int(record["prompt_id"]),
+                            self.bad_reward_groups)
+                continue
+            record["rewards"] = np.asarray(batch.total, np.float32)
+            records.append(record)
+        if records:
+            self.deliver(records)
+
+    def deliver(self, records) -> None:
+        """Send scored groups in one request to the buffer."""
+        if not records:
+            return
+        t0 = time.monotonic()
+        rejected = self.buffer.put_groups(records)
+        self.window.add(idle=time.monotonic() - t0)
+        for i, err in rejected.items():      # never expected: a bug, logged and counted
+            self.rejected += 1
+            log.error("the buffer rejected the group of prompt_id %d: %s",
+                      int(records[i]["prompt_id"]), err)
+        self.groups_delivered += len(records) - len(rejected)
+
+    def metrics(self) -> dict[str, float]:
+        """This replica's delivery figures for its status (``sampler/...``), with the reward
+        workers' error and timeout counts."""
+        out = {"sampler/rejected_groups": float(self.rejected),
+               "sampler/dropped_bad_reward_groups": float(self.bad_reward_groups),
+               "sampler/in_flight": float(len(self.in_flight)),
+               "sampler/groups_delivered": float(self.groups_delivered)}
+        if self.rewarder is not None:   # reward functions that raised or timed out (scored 0)
+            out.update({k: float(v) for k, v in self.rewarder.metrics().items()})
+        return out
+
+    def close(self) -> None:
+        if self.rewarder is not None:
+            self.rewarder.close()
