@@ -253,6 +253,11 @@ def test_environment_messages_are_checked(chat):
         renderer.continuation_ids(convo, [{"role": "user", "content": 3}])
     with pytest.raises(EnvError, match="expected a list of messages"):
         renderer.prompt_ids("hi")
+    raw = b"result: \xff\xfe".decode("utf-8", errors="surrogateescape")   # not valid text
+    with pytest.raises(EnvError, match=r"message 1 field 'content' is not valid Unicode text "
+                                       r"\(surrogates not allowed at character 8: 'result: "):
+        renderer.continuation_ids(convo, [{"role": "user", "content": "ok"},
+                                          {"role": "tool", "content": raw}])
 
 
 def test_env_options_convert_by_the_factorys_annotations():

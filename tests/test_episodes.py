@@ -3,6 +3,7 @@ appended to its KV cache, every sampled token keeps its logprob and version (acr
 swap inside a turn), and the group record's loss_mask is 1 exactly on sampled tokens."""
 
 import jax.numpy as jnp
+import pytest
 import numpy as np
 
 from rlflow.config import EnvConfig
@@ -169,8 +170,6 @@ def test_env_step_errors_and_timeouts_end_the_episode_counted():
 def test_a_run_of_failed_steps_stops_at_env_max_consecutive_errors():
     """Failed steps in a row count up to env.max_consecutive_errors, then poll raises with
     the last error; a successful step resets the count; 0: never stop."""
-    import pytest
-
     from rlflow.envs import EnvFailureError
 
     cfg = EnvConfig(name="episode_envs:make_flaky", max_consecutive_errors=2)
@@ -203,8 +202,6 @@ def test_prompts_whose_environments_cannot_start_stop_at_env_max_consecutive_err
     prompt whose environments start resets the count; at the limit the sampler stops with
     the last error (every prompt dropped would leave the learner waiting for ever)."""
     from types import SimpleNamespace as NS
-
-    import pytest
 
     from rlflow.envs import EnvError, EnvFailureError
     from rlflow.sampler.program import SamplerProgram
@@ -239,3 +236,112 @@ def test_prompts_whose_environments_cannot_start_stop_at_env_max_consecutive_err
         "missing in prompt 6")
     assert program.env_reset_errors == 5
     assert program.delivery.take_dropped() == [[i, i] for i in (1, 2, 4, 5, 6)]
+
+
+class Contract:
+    """``step`` returns what the assistant text names: an EnvStep that breaks the contract
+    (reward or info not numbers), or a user message of ``n`` characters (``"chars <n>"``)."""
+
+    def reset(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, assistant):
+        if assistant == "text reward":
+            return EnvStep(done=True, reward="high")
+        if assistant == "array reward":
+            return EnvStep(done=True, reward=np.ones(2))
+        if assistant == "text info":
+            return EnvStep(done=True, reward=1.0, info={"calls": "many"})
+        if assistant == "nan info":
+            return EnvStep(done=True, reward=1.0, info={"calls": float("nan")})
+        if assistant == "list info":
+            return EnvStep(done=True, reward=1.0, info=[1])
+        if assistant == "numpy":
+            return EnvStep(done=True, reward=np.float32(0.5), info={"calls": np.int64(2)})
+        return EnvStep(messages=[{"role": "user", "content": "x" * int(assistant.split()[1])}])
+
+
+register_environment("test_contract")(lambda record, **kw: Contract())
+
+
+class VocabTokenizer(CharTokenizer):
+    def get_vocab(self):                  # one character per token: char_bound = 2n + 1024
+        return {chr(i): i for i in range(32, 127)}
+
+
+class RecordingRenderer(FakeRenderer):
+    def __init__(self):
+        super().__init__([0], CharTokenizer())
+        self.rendered = []
+
+    def continuation_ids(self, messages, new_messages, tools=None):
+        self.rendered.append(len(new_messages[0]["content"]))
+        return list(CONT)
+
+
+def _contract_driver(**kw):
+    renderer = RecordingRenderer()
+    driver = EpisodeDriver(EnvConfig(name="test_contract", max_consecutive_errors=0),
+                           VocabTokenizer(), renderer, **kw)
+    return driver, renderer
+
+
+def _answers(driver, texts):
+    _, group = driver.new_group({"prompt_id": 5}, len(texts))
+    for i, text in enumerate(texts):
+        driver.turn_ended(group, i, np.asarray([ord(c) for c in text] + [0]), 0)
+    return [out for _, _, out in driver.poll()]
+
+
+def test_a_step_whose_reward_or_info_is_not_a_number_ends_the_episode_counted(caplog):
+    """A reward or info value that is not a number is a bad step (reward 0, counted, the log
+    names the environment, the episode and the field), not a crash of the sampler; numpy
+    numbers are numbers."""
+    driver, _ = _contract_driver()
+    bad = ["text reward", "array reward", "text info", "nan info", "list info"]
+    with caplog.at_level("WARNING", logger="rlflow.sampler.episodes"):
+        outs = _answers(driver, bad + ["numpy"])
+    assert [(o.continuation, o.reward, o.truncated) for o in outs[:5]] == \
+        [(None, 0.0, False)] * 5
+    assert outs[5].reward == 0.5 and outs[5].continuation is None
+    m = driver.metrics()
+    assert m["sampler/env_errors"] == 5 and m["env/calls"] == 2.0
+    text = caplog.text
+    assert "environment 'test_contract', prompt_id 5 episode 0: EnvStep.reward must be a " \
+           "number (or None), got str 'high'" in text
+    assert "episode 1: EnvStep.reward must be a number (or None), got ndarray" in text
+    assert "episode 2: EnvStep.info['calls'] must be a finite number, got str 'many'" in text
+    assert "episode 3: EnvStep.info['calls'] must be a finite number, got float nan" in text
+    assert "episode 4: EnvStep.info must be a dict of numbers, got list" in text
+
+
+def test_messages_too_long_for_the_episode_end_it_truncated_without_rendering():
+    """New messages whose text exceeds what the episode's token limit can hold (here 2 x 16
+    + 1024 characters: one character per token) end the episode as truncated, reward 0,
+    counted in sampler/episodes_cut_tokens, and are never handed to the renderer; messages
+    at the bound are rendered. First messages over the prompt's bound drop the prompt."""
+    from rlflow.data.tokenizer import char_bound
+    from rlflow.envs import EnvError
+
+    bound = char_bound(VocabTokenizer(), 16)
+    assert bound == 2 * 16 + 1024
+    driver, renderer = _contract_driver(max_episode_tokens=16)
+    outs = _answers(driver, [f"chars {bound}", f"chars {bound + 1}", "chars 5000000"])
+    assert outs[0].continuation.tolist() == CONT
+    assert [(o.continuation, o.reward, o.truncated) for o in outs[1:]] == \
+        [(None, 0.0, True)] * 2
+    assert renderer.rendered == [bound]
+    m = driver.metrics()
+    assert m["sampler/episodes_cut_tokens"] == 2 and m["sampler/env_errors"] == 0
+
+    class LongReset(Contract):
+        def reset(self):
+            return [{"role": "user", "content": "y" * (char_bound(VocabTokenizer(), 8) + 1)}]
+
+    register_environment("test_long_reset")(lambda record, **kw: LongReset())
+    long_reset = EpisodeDriver(EnvConfig(name="test_long_reset"), VocabTokenizer(),
+                               RecordingRenderer(), max_prompt_tokens=8)
+    with pytest.raises(EnvError, match=r"^environment 'test_long_reset', prompt_id 3: reset\(\) "
+                                       r"returned 1041 characters of messages, more than "
+                                       r"sampler.max_prefill_length tokens can hold"):
+        long_reset.new_group({"prompt_id": 3}, 2)

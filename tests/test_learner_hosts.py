@@ -27,11 +27,8 @@ def test_num_hosts_must_divide_the_devices_and_fit_the_weight_path():
     with pytest.raises(ConfigError, match="runtime.weight_transfer: must be 'transfer' with "
                                           "learner.num_hosts=2"):
         two_hosts(weight_transfer="orbax")
-    cfg = two_hosts(relay_fanout=2)             # one replica: nothing to relay, accepted
-    with pytest.raises(ConfigError, match=r"runtime.relay_fanout: must be 0 with "
-                                          r"learner.num_hosts=2 and sampler.num_replicas=2"):
-        replace(cfg, sampler=SamplerConfig(num_replicas=2))
-    replace(two_hosts(relay_fanout=0), sampler=SamplerConfig(num_replicas=2))
+    for fanout in (0, 2):        # relayed per learner host (tests/test_relay.py) or not
+        replace(two_hosts(relay_fanout=fanout), sampler=SamplerConfig(num_replicas=2))
     with pytest.raises(ConfigError, match="checkpoint.keep_best_metric: is not supported with "
                                           "learner.num_hosts=2"):
         replace(two_hosts(), checkpoint=CheckpointConfig(keep_best_metric="reward/mean"))

@@ -44,8 +44,63 @@ def replica_peer(name, address, out_dir):
     sub.close()
 
 
+def host_units_oracle(version):
+    """Numpy oracle of a 2-host learner's params at ``version``: ``w`` split by rows
+    between the hosts, ``b`` on host 1 only (what ``host_shards.host_units`` gives)."""
+    rng = np.random.default_rng(100 + version)
+    return {"b": rng.standard_normal(16).astype(np.float32),
+            "w": rng.standard_normal((48, 16)).astype(np.float32)}
+
+
+def host_units_of(version, host):
+    """Learner host ``host``'s unit of :func:`host_units_oracle` (flatten order b, w)."""
+    from rlflow.exchange.host_shards import unit_key
+
+    p = host_units_oracle(version)
+    if host == 0:
+        return {unit_key(1, ((0, 24), (0, 16))): p["w"][:24]}
+    return {unit_key(0, ((0, 16),)): p["b"], unit_key(1, ((24, 48), (0, 16))): p["w"][24:]}
+
+
+def replica_of_hosts_peer(name, addresses, out_dir):
+    """A replica process (1 device) of a 2-host learner: pulls both hosts' units (relaying
+    each, fan-out 2) and assembles them, as ``rlflow.sampler.subscribe`` does; on "pull"
+    saves the version to OUT_DIR/<name>-v<version>.npz and prints PULLED."""
+    import time
+
+    import jax
+
+    from rlflow.exchange.host_shards import HostShardPuller
+    from rlflow.exchange.transfer import WeightSubscriber
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+              for k, v in host_units_oracle(0).items()}
+    puller = HostShardPuller([WeightSubscriber(a, consumer_id=name, timeout_s=5, retries=3,
+                                               relay_fanout=2, relay_timeout_s=60)
+                              for a in addresses.split(",")], target)
+    for line in sys.stdin:
+        if line.strip() == "pull":
+            have = puller.version
+            while True:
+                got = puller.poll()
+                if got is not None and got[0] > have:
+                    break
+                time.sleep(0.02)
+            v, params = got
+            np.savez(os.path.join(out_dir, f"{name}-v{v}.npz"),
+                     **{k: np.asarray(x) for k, x in params.items()})
+            print("PULLED", v, flush=True)
+        elif line.strip() == "quit":
+            break
+    puller.close()
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["replica"]:
     replica_peer(*sys.argv[2:])
+    sys.exit(0)
+if __name__ == "__main__" and sys.argv[1:2] == ["replica_of_hosts"]:
+    replica_of_hosts_peer(*sys.argv[2:])
     sys.exit(0)
 
 from rlflow.exchange.relay import RelayOffers  # noqa: E402
@@ -112,10 +167,10 @@ def test_demand_driven_relays_register_only_needed_slots():
     assert relay.learner_bytes_by_version == {0: 200}               # 2x the model for 4
 
 
-def _replica(name, address, out_dir):
+def _replica(name, address, out_dir, role="replica"):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    return subprocess.Popen([sys.executable, __file__, "replica", name, address, str(out_dir)],
+    return subprocess.Popen([sys.executable, __file__, role, name, address, str(out_dir)],
                             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
 
@@ -172,3 +227,58 @@ def test_four_replicas_learner_egress_and_bitwise_equal_with_a_dead_relay(tmp_pa
             except (OSError, subprocess.TimeoutExpired):
                 p.kill()
         coord.close()
+
+
+def _quit(peers):
+    for p in peers:
+        try:
+            p.stdin.write("quit\n")
+            p.stdin.flush()
+            p.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            p.kill()
+
+
+@pytest.mark.slow
+def test_each_host_of_a_multi_host_learner_relays_its_shards(tmp_path):
+    """A 2-host learner (two publishers, each serving its own shards behind its own relay
+    tree, as rlflow.learner.hosts sets them up) and 4 replica processes pulling from both:
+    each host sends at most fan-out (2) x its shards' bytes per version, the other 2 pulls
+    of each host's shards come from replicas, and every replica assembles the learner's
+    params bit for bit."""
+    import jax
+
+    from rlflow.exchange.coordinator import Coordinator
+    from rlflow.exchange.transfer import WeightPublisher
+
+    pubs = [WeightPublisher(pull_timeout_s=60, layout="single_device") for _ in range(2)]
+    relays = [RelayOffers(p, fanout=2, assign_timeout_s=60, num_consumers=4) for p in pubs]
+    coords = [Coordinator(r).start() for r in relays]
+    names = [f"sampler-{i}" for i in range(4)]
+    peers = [_replica(n, ",".join(c.address for c in coords), tmp_path, "replica_of_hosts")
+             for n in names]
+    try:
+        for version in (1, 2):
+            for host, pub in enumerate(pubs):
+                pub.publish(version, {k: jax.numpy.asarray(v)
+                                      for k, v in host_units_of(version, host).items()})
+            for p in peers:
+                p.stdin.write("pull\n")
+                p.stdin.flush()
+            lines = [p.stdout.readline().split() for p in peers]
+            assert all(line == ["PULLED", str(version)] for line in lines), lines
+            for pub, relay in zip(pubs, relays):
+                assert relay.learner_bytes_by_version[version] <= 2 * pub.nbytes
+            want = host_units_oracle(version)
+            for n in names:
+                got = np.load(os.path.join(tmp_path, f"{n}-v{version}.npz"))
+                assert sorted(got.files) == sorted(want)
+                for k, w in want.items():
+                    np.testing.assert_array_equal(got[k], w)      # bit for bit
+        for pub, relay in zip(pubs, relays):      # 2 versions x 2 relayed pulls per host
+            relayed = sum(v for k, v in relay.bytes_sent.items() if k != "learner")
+            assert relayed == 2 * 2 * pub.nbytes
+    finally:
+        _quit(peers)
+        for c in coords:
+            c.close()

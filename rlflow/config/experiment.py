@@ -83,10 +83,6 @@ class ExperimentConfig:
             _check(rt.weight_transfer == "transfer", "runtime.weight_transfer",
                    f"must be 'transfer' with learner.num_hosts={lr.num_hosts} (each learner "
                    "host serves its own shards; the orbax folder fallback is one-host only)")
-            _check(sp.num_replicas == 1 or rt.relay_fanout == 0, "runtime.relay_fanout",
-                   f"must be 0 with learner.num_hosts={lr.num_hosts} and sampler.num_replicas="
-                   f"{sp.num_replicas}: relaying a multi-host learner's shards is not "
-                   "supported yet (each replica pulls from every learner host)")
             _check(not self.checkpoint.keep_best_metric, "checkpoint.keep_best_metric",
                    f"is not supported with learner.num_hosts={lr.num_hosts} (the step's "
                    "metrics live on learner host 0 only; every host must save alike)")

@@ -35,7 +35,7 @@ with ``data.on_bad_record="skip"`` the record is skipped and counted instead),
 EmptyDatasetError (no records, or every record bad), AllPromptsFilteredError (every prompt
 longer than ``data.max_prompt_tokens``; says how many and the shortest length). An empty
 prompt field (whitespace only) is a bad record. A prompt whose text is longer than
-:func:`char_bound` characters is counted as too long without being tokenized.
+:func:`rlflow.data.tokenizer.char_bound` characters is counted as too long without being tokenized.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any, Optional, Tuple
 import grain
 import numpy as np
 
+from rlflow.data.tokenizer import char_bound
 from rlflow.data.sources import (BadRecordError, DataError, EmptyDatasetError,
                                  MissingFieldError, open_source, source_files)
 
@@ -179,20 +180,6 @@ def _is_messages(value: Any) -> bool:
 
 
 OVER_CHAR_BOUND = np.iinfo(np.int64).max   # a prompt's length when its text alone is too long
-
-
-def char_bound(tokenizer, max_prompt_tokens: int) -> int:
-    """Characters above which a rendered prompt cannot fit in ``max_prompt_tokens`` tokens.
-
-    No token decodes to more characters than its vocabulary entry has (byte-level BPE: one
-    character per byte; SentencePiece: ``▁`` for a space, ``<0x0A>`` for one byte), so ``n``
-    tokens cover at most ``n * L`` characters, ``L`` the longest entry; twice that (and
-    1024 more) leaves room for a normaliser that shortens text. Records over it are counted
-    as too long without being tokenized: a tokenizer needs hundreds of times a text's size in
-    memory (a 50 MB line took a learner past 24 GB).
-    """
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    return 2 * max_prompt_tokens * max(longest, 1) + 1024
 
 
 class _Measure:

@@ -97,6 +97,21 @@ def build_bpe_tokenizer(texts: Iterable[str], out_dir: str, *, vocab_size: int =
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+def char_bound(tokenizer, max_tokens: int) -> int:
+    """Characters above which a text cannot fit in ``max_tokens`` tokens of ``tokenizer``.
+
+    No token decodes to more characters than its vocabulary entry has (byte-level BPE: one
+    character per byte; SentencePiece: ``▁`` for a space, ``<0x0A>`` for one byte), so ``n``
+    tokens cover at most ``n * L`` characters, ``L`` the longest entry; twice that (and
+    1024 more) leaves room for a normaliser that shortens text. Texts over it are counted as
+    too long without being tokenized (the data pipeline's prompts, an environment's
+    messages): a tokenizer needs hundreds of times a text's size in memory (a 50 MB line
+    took a learner past 24 GB).
+    """
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 2 * max_tokens * max(longest, 1) + 1024
+
+
 def load_tokenizer(path: str):
     """``AutoTokenizer.from_pretrained(path)`` for a local folder, with a clear error.
 

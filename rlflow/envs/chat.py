@@ -58,8 +58,9 @@ def check_messages(messages, where: str) -> List[Message]:
       where: names the caller in the error (e.g. ``"guess_digit.step"``).
 
     Raises:
-      EnvError: not a list of dicts with string ``role`` and ``content`` (the message names
-        the index and what was found).
+      EnvError: not a list of dicts with string ``role`` and ``content``, or a string that
+        is not valid Unicode (lone surrogates); the message names the index and what was
+        found.
     """
     if not isinstance(messages, (list, tuple)):
         raise EnvError(f"{where}: expected a list of messages, got {type(messages).__name__}")
@@ -71,6 +72,13 @@ def check_messages(messages, where: str) -> List[Message]:
             if not isinstance(m.get(key), str):
                 raise EnvError(f"{where}: message {i} field {key!r} must be a str, got "
                                f"{type(m.get(key)).__name__}")
+            try:
+                m[key].encode("utf-8")
+            except UnicodeEncodeError as e:     # e.g. bytes decoded with surrogateescape
+                raise EnvError(f"{where}: message {i} field {key!r} is not valid Unicode "
+                               f"text ({e.reason} at character {e.start}: "
+                               f"{m[key][max(0, e.start - 20):e.start + 1]!r}); decode "
+                               f"bytes with errors='replace'") from None
     return list(messages)
 
 

@@ -112,7 +112,9 @@ class LearnerHosts:
         self.coordinator = None
         address = ""
         if not self.commands.leader:
-            self.coordinator = Coordinator(publisher, bind_address=bind_host,
+            from rlflow.learner.publish import relay_offers
+
+            self.coordinator = Coordinator(relay_offers(cfg, publisher), bind_address=bind_host,
                                            token=cfg.buffer.token).start()
             address = f"{advertised_host(bind_host)}:{self.coordinator.port}"
         self.weight_hosts = gather_addresses(address)[1:]

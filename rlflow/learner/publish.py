@@ -9,7 +9,8 @@ the samplers.
   (:mod:`rlflow.exchange.orbax_fallback`); the coordinator only reports versions.
 
 A multi-host learner (``learner.num_hosts > 1``) publishes through its
-:class:`rlflow.learner.hosts.LearnerHosts`: every host serves its own weight shards.
+:class:`rlflow.learner.hosts.LearnerHosts`: every host serves its own weight shards, each
+behind the same choice of offers (:func:`relay_offers`: one relay tree per host).
 
 With ``"transfer"`` the learner's step keeps its params (:func:`keeps_params`): the transfer
 server sends a version straight from the step's output buffers, with no publish copy.
@@ -41,6 +42,22 @@ class _NoOffers:
         return {"version": self.version}
 
 
+def relay_offers(cfg, publisher):
+    """What a weight coordinator offers from ``publisher``: with several sampler replicas and
+    ``runtime.relay_fanout > 0`` a :class:`rlflow.exchange.relay.RelayOffers` (a relay tree
+    per version: this host sends ~fanout x its shards' bytes, whatever the replica count),
+    else the publisher itself (every replica pulls from it). Learner host 0's run
+    coordinator and the followers' weight coordinators use the same rule."""
+    rt = cfg.runtime
+    if cfg.sampler.num_replicas > 1 and rt.relay_fanout > 0:
+        from rlflow.exchange.relay import RelayOffers
+
+        return RelayOffers(publisher, fanout=rt.relay_fanout,
+                           assign_timeout_s=rt.transfer_timeout_s,
+                           num_consumers=cfg.sampler.num_replicas)
+    return publisher
+
+
 class Publisher:
     """Publishes each version by ``cfg.runtime.weight_transfer`` (see the module docstring).
 
@@ -65,13 +82,7 @@ class Publisher:
                                         pull_timeout_s=rt.transfer_timeout_s,
                                         donated=not params_kept,
                                         layout=rt.transfer_layout)
-            self.offers = self.impl
-            if cfg.sampler.num_replicas > 1 and rt.relay_fanout > 0:
-                from rlflow.exchange.relay import RelayOffers
-
-                self.offers = RelayOffers(self.impl, fanout=rt.relay_fanout,
-                                          assign_timeout_s=rt.transfer_timeout_s,
-                                          num_consumers=cfg.sampler.num_replicas)
+            self.offers = relay_offers(cfg, self.impl)
         else:
             from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, weights_dir
 

@@ -17,10 +17,16 @@ the model's chat template as the group's prompt ids. Then, per episode:
   messages rendered as continuation ids (``renderer.continuation_ids``: the suffix after
   the sampled ids, the next assistant header included; past turns are never
   re-tokenized). An environment that raises, times out (``env.step_timeout_s``), dies or
-  returns something other than an :class:`rlflow.envs.EnvStep` ends its episode with
-  reward 0, counted (``sampler/env_errors``, ``sampler/env_timeouts``) and logged; the run
-  goes on, unless ``env.max_consecutive_errors`` steps in a row failed (timeouts aside):
-  then :meth:`EpisodeDriver.poll` raises :class:`rlflow.envs.EnvFailureError`.
+  returns something other than an :class:`rlflow.envs.EnvStep` (a reward that is not a
+  finite number, an ``info`` value that is not a number, messages that are not message
+  dicts) ends its episode with reward 0, counted (``sampler/env_errors``,
+  ``sampler/env_timeouts``) and logged; the run goes on, unless
+  ``env.max_consecutive_errors`` steps in a row failed (timeouts aside): then
+  :meth:`EpisodeDriver.poll` raises :class:`rlflow.envs.EnvFailureError`. New messages whose
+  text alone is longer than the episode's token limit could hold
+  (:func:`rlflow.data.tokenizer.char_bound`) are not rendered: the episode ends as truncated
+  with reward 0 (counted with ``sampler/episodes_cut_tokens``), as a continuation past the
+  limit does; a tokenizer would take minutes and gigabytes over a message of megabytes.
 
 The renderer is :class:`rlflow.envs.chat.ChatRenderer` (``prompt_ids(messages, tools)``,
 ``continuation_ids(messages, new_messages, tools)``, ``assistant_text(ids)``,
@@ -31,6 +37,7 @@ may expose ``tools`` (a list of JSON tool schemas) for the template.
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -63,22 +70,38 @@ class EpisodeDriver:
       renderer: a chat renderer (``rlflow.envs.chat.ChatRenderer(tokenizer)``).
       pool: a worker pool (``rlflow.sampler.env_workers.env_pool``); ``None``: steps run
         in this process (tests and debugging only: a hanging step is not stopped).
+      max_prompt_tokens: the prompt's token limit (``sampler.max_prefill_length``): first
+        messages whose text is longer than it could hold are refused before rendering.
+      max_episode_tokens: the episode's token limit after the prompt
+        (``env.episode_tokens(sampler.max_tokens)``): new messages whose text is longer than
+        it could hold end the episode, truncated, before rendering. ``None`` (either): no
+        bound (the tokenizer needs a ``get_vocab()`` otherwise).
 
     Raises:
       rlflow.envs.EnvError: ``env.name`` is not registered or cannot be imported, or an
         ``env.options`` entry is not one of its options or does not convert.
     """
 
-    def __init__(self, env_cfg, tokenizer, renderer, pool=None):
+    def __init__(self, env_cfg, tokenizer, renderer, pool=None, *,
+                 max_prompt_tokens: Optional[int] = None,
+                 max_episode_tokens: Optional[int] = None):
+        from rlflow.data.tokenizer import char_bound
+
         self.cfg = env_cfg
+        self.max_prompt_chars = None if max_prompt_tokens is None else \
+            char_bound(tokenizer, max_prompt_tokens)
+        self.max_step_chars = None if max_episode_tokens is None else \
+            char_bound(tokenizer, max_episode_tokens)
         self.factory = get_environment(env_cfg.name)
         self.options = bind_options(self.factory, env_cfg.option_dict())
         self.tokenizer, self.renderer, self.pool = tokenizer, renderer, pool
         self.stop_ids = tuple(int(i) for i in renderer.end_of_turn_ids)
         self._tasks: Dict[int, tuple] = {}
         self._answers: list = []          # (group, index, status, value) answered in-process
+        # episodes_cut_tokens: here, those whose new messages were too long to render
+        # (the batcher counts the continuations past the limit; the program adds both)
         self.counts = {"env_steps": 0, "env_errors": 0, "env_timeouts": 0,
-                       "episodes": 0, "episodes_cut_turns": 0}
+                       "episodes": 0, "episodes_cut_turns": 0, "episodes_cut_tokens": 0}
         self.info: Dict[str, float] = {}
         self._error_run = 0             # failed steps since the last successful one
 
@@ -99,6 +122,11 @@ class EpisodeDriver:
                 not all(isinstance(m, dict) and "role" in m for m in first[0]):
             raise EnvError(f"{where}: reset() must return a non-empty list of message dicts "
                            f"with 'role' and 'content', got {first[0]!r:.200}")
+        chars = _text_chars(first[0])
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise EnvError(f"{where}: reset() returned {chars} characters of messages, more "
+                           f"than sampler.max_prefill_length tokens can hold (at most "
+                           f"{self.max_prompt_chars} characters with this tokenizer)")
         if any(m != first[0] for m in first[1:]):
             raise EnvError(f"{where}: the {group_size} resets of one prompt gave different "
                            f"messages (a group shares one prompt: make reset deterministic "
@@ -165,6 +193,16 @@ class EpisodeDriver:
         if group.turns[index] >= self.cfg.max_turns:
             self.counts["episodes_cut_turns"] += 1
             return EpisodeOutcome(None, reward, True)
+        chars = _text_chars(step.messages)
+        if self.max_step_chars is not None and chars > self.max_step_chars:
+            self.counts["episodes_cut_tokens"] += 1
+            self._error_run = 0          # the environment answered; the episode is too long
+            if self.counts["episodes_cut_tokens"] <= LOG_FIRST:
+                log.warning("environment %r, %s: step() returned %d characters of messages, "
+                            "more than the episode's token limit can hold (at most %d "
+                            "characters); the episode ends as truncated, reward 0", self.cfg.name,
+                            where, chars, self.max_step_chars)
+            return EpisodeOutcome(None, 0.0, True)
         try:
             cont = self.renderer.continuation_ids(group.messages[index], step.messages,
                                                   tools=group.tools)
@@ -213,9 +251,25 @@ def _bad_step(step) -> Optional[str]:
         return f"EnvStep.messages must be a list of message dicts, got {step.messages!r:.200}"
     if not step.done and not step.messages:
         return "EnvStep has no messages and done=False (nothing for the policy to answer)"
-    if step.reward is not None and not np.isfinite(float(step.reward)):
-        return f"EnvStep.reward {step.reward} is not finite"
+    if step.reward is not None:
+        if not isinstance(step.reward, numbers.Real):
+            return (f"EnvStep.reward must be a number (or None), got "
+                    f"{type(step.reward).__name__} {step.reward!r:.100}")
+        if not np.isfinite(float(step.reward)):
+            return f"EnvStep.reward {step.reward} is not finite"
+    if not isinstance(step.info, dict):
+        return f"EnvStep.info must be a dict of numbers, got {type(step.info).__name__}"
+    for key, value in step.info.items():
+        if not isinstance(value, numbers.Real) or not np.isfinite(float(value)):
+            return (f"EnvStep.info[{key!r}] must be a finite number, got "
+                    f"{type(value).__name__} {value!r:.100}")
     return None
+
+
+def _text_chars(messages) -> int:
+    """Characters of the string contents of ``messages`` (other entries are not counted)."""
+    return sum(len(m["content"]) for m in messages
+               if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def episode_record(element: dict) -> dict:

@@ -179,8 +179,11 @@ class SamplerProgram:
         from rlflow.sampler.env_workers import env_pool
         from rlflow.sampler.episodes import EpisodeDriver
 
+        sc = self.cfg.sampler
         return EpisodeDriver(self.cfg.env, self.tokenizer, self.renderer,
-                             pool=env_pool(self.cfg.env, self.cfg.plugins))
+                             pool=env_pool(self.cfg.env, self.cfg.plugins),
+                             max_prompt_tokens=sc.max_prefill_length,
+                             max_episode_tokens=self.cfg.env.episode_tokens(sc.max_tokens))
 
     # ------------------------------------------------------------------ weights
     def _subscriber(self, coord: str, model):
@@ -240,7 +243,9 @@ class SamplerProgram:
             metrics.update(self.episodes.metrics())
             metrics["sampler/env_reset_errors"] = float(self.env_reset_errors)
             c = self.batcher.counters if hasattr(self, "batcher") else None
-            metrics["sampler/episodes_cut_tokens"] = float(c.episodes_cut_tokens if c else 0)
+            # cut by the batcher (continuation past the limit) or the driver (messages too
+            # long to render)
+            metrics["sampler/episodes_cut_tokens"] += float(c.episodes_cut_tokens if c else 0)
         reply = self.control.status(
             version=self.version, prompts_started=self.prompts_started,
             want=want if self.version >= 0 else 0, metrics=metrics,

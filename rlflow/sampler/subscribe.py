@@ -5,7 +5,8 @@ version (the counterpart of :mod:`rlflow.learner.publish`).
   learner's coordinator for offers and pulls them (``jax.experimental.transfer``); with
   ``sampler.num_replicas > 1`` it relays each version to ``runtime.relay_fanout`` other
   replicas. A multi-host learner (``learner.num_hosts > 1``) serves its shards from every
-  host: :func:`rlflow.exchange.host_shards.host_shard_puller` pulls and assembles them.
+  host: :func:`rlflow.exchange.host_shards.host_shard_puller` pulls and assembles them (and
+  relays each host's shards the same way: one relay tree per learner host).
 * ``"orbax"``: :class:`rlflow.exchange.orbax_fallback.OrbaxWeightSubscriber` restores the
   versions the learner writes under the run folder.
 
@@ -41,15 +42,15 @@ def weight_subscriber(cfg, coordinator: str, target, *, consumer_id: str, weight
         from rlflow.exchange.host_shards import host_shard_puller
         from rlflow.exchange.transfer import WeightSubscriber
 
+        relay = rt.relay_fanout if cfg.sampler.num_replicas > 1 else 0
         kw = dict(consumer_id=consumer_id, token=cfg.buffer.token,
                   timeout_s=rt.transfer_timeout_s, retries=rt.transfer_retries,
-                  bind_address=rt.bind_address)
+                  bind_address=rt.bind_address, relay_fanout=relay,
+                  relay_timeout_s=rt.transfer_timeout_s)
         if cfg.learner.num_hosts > 1:            # pull every learner host's shards
             return host_shard_puller(coordinator, weight_hosts, target,
                                      num_hosts=cfg.learner.num_hosts, **kw)
-        relay = rt.relay_fanout if cfg.sampler.num_replicas > 1 else 0
-        return WeightSubscriber(coordinator, target=target, relay_fanout=relay,
-                                relay_timeout_s=rt.transfer_timeout_s, **kw)
+        return WeightSubscriber(coordinator, target=target, **kw)
     from rlflow.exchange.orbax_fallback import OrbaxWeightSubscriber
 
     return OrbaxWeightSubscriber(cfg.run_path, target=target)
