@@ -330,6 +330,35 @@ def test_a_learner_stopped_by_a_samplers_reported_error_is_one_line(tmp_path):
         f"its log is {log}"]
 
 
+LEFT_SLICE_PROGRAM = """
+import logging
+from rlflow.runtime import learner_hosts
+logging.basicConfig()
+for i in range(60):
+    print("step", i, "of the learner's own log")
+learner_hosts._leave_slice("the launcher reports that another host of the learner slice died")
+"""
+
+
+def test_a_learner_host_that_left_after_another_died_is_one_line(tmp_path):
+    """Learner host 0 leaves its slice when host 1 dies (a failed collective, or the
+    launcher's signal): the report of host 1 comes first, host 0 adds one line with its
+    log, not its log's tail (the same story a second time)."""
+    log = tmp_path / "learner.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", LEFT_SLICE_PROGRAM], stdout=f,
+                                stderr=subprocess.STDOUT)
+        proc.wait()
+    assert proc.returncode == 1
+    cfg = types.SimpleNamespace(learner=types.SimpleNamespace(num_hosts=2))
+    sup = supervisor.Supervisor(cfg=cfg, run_path=str(tmp_path), config_path="",
+                                endpoints=pc.Endpoints("127.0.0.1:1", "127.0.0.1:2"))
+    sup.children["learner"] = supervisor.Child("learner", proc, str(log))
+    assert sup.failure("learner").splitlines() == [
+        f"rlflow train: the learner host 0 (pid {proc.pid}) stopped because another learner "
+        f"host died (above; exit code 1); its log is {log}"]
+
+
 def test_failure_report_ignores_a_traceback_of_an_earlier_start(tmp_path):
     sup, log = _supervisor_with(tmp_path, "import os, signal; os.kill(os.getpid(), 9)")
     log.write_text("--- rlflow sampler start #0 ---\nTraceback (most recent call last):\n"

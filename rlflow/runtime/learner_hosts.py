@@ -93,6 +93,21 @@ def join_slice(cfg, env=None) -> int:
     return jax.process_index()
 
 
+class PeerLostError(RuntimeError):
+    """This learner host stopped because another host of its slice died (never raised: its
+    :func:`rlflow.runtime.child_logs.fatal_line` ends the host's log, so the launcher reports
+    the host that died, not this consequence of it, with a traceback)."""
+
+
+def _leave_slice(why: str) -> None:
+    """Log ``why``, print the :class:`PeerLostError` fatal line and exit with code 1."""
+    from rlflow.runtime.child_logs import fatal_line
+
+    log.error("%s; exiting without the slice's shutdown", why)
+    print(fatal_line(PeerLostError(why)), file=sys.stderr, flush=True)
+    _exit_now(1)
+
+
 def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> None:
     """The learner program on this host (see the module docstring).
 
@@ -115,9 +130,8 @@ def run_learner(cfg, endpoints: pc.Endpoints, env: Optional[dict] = None) -> Non
     except BaseException as e:
         failed = failed_collective(e) if cfg.learner.num_hosts > 1 else None
         if failed is not None:
-            log.error("a collective of the learner slice failed (%s): a learner host is "
-                         "gone; exiting without the slice's shutdown", _first_line(failed))
-            _exit_now(1)
+            _leave_slice(f"a collective of the learner slice failed ({_first_line(failed)}): "
+                         f"a learner host is gone")
         raise
 
 
@@ -149,9 +163,8 @@ def watch_for_lost_peer() -> None:
             if not data:
                 return
             if int(PEER_LOST_SIGNAL) in data:
-                log.error("the launcher reports that another host of the learner slice died; "
-                          "exiting without the slice's shutdown")
-                _exit_now(1)
+                _leave_slice("the launcher reports that another host of the learner slice "
+                             "died")
 
     threading.Thread(target=watch, name="rlflow-lost-peer-watch", daemon=True).start()
 

@@ -214,7 +214,8 @@ class Supervisor:
         log; for an error about the user's input (:func:`child_logs.is_input_error`: a bad
         data record, a config field, a broken reward function) the exception line and the
         log's path only; the same for a learner that stopped on a sampler's reported error
-        (``ProducerError``: that sampler's own report comes first)."""
+        (``ProducerError``: that sampler's own report comes first), or a learner host that
+        left its slice because another host died (``learner_hosts.PeerLostError``)."""
         from rlflow.progress import plain_text     # no control characters in CI logs
 
         c = self.children[role]
@@ -231,6 +232,10 @@ class Supervisor:
         if error and error.startswith(f"{ProducerError.__module__}.{ProducerError.__name__}:"):
             return (f"rlflow train: the {what} stopped because a sampler failed (above; "
                     f"{exit_text(c.proc.returncode)}); its log is {c.log_path}")
+        lost = learner_hosts.PeerLostError
+        if error and error.startswith(f"{lost.__module__}.{lost.__name__}:"):
+            return (f"rlflow train: the {what} stopped because another learner host died "
+                    f"(above; {exit_text(c.proc.returncode)}); its log is {c.log_path}")
         text = (f"rlflow train: the {what} process died ({exit_text(c.proc.returncode)}); "
                 f"stopping the run. Last lines of {c.log_path}:\n")
         return head + text + "\n".join(f"  [{role}] {plain_text(line)}"
