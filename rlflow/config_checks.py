@@ -6,7 +6,10 @@ what needs the machine: the plugins import, every reward function resolves (and 
 loaded by the other programs), the data files (files, not folders) and the model folder
 (config.json, safetensors, tokenizer files, a chat template with ``data.chat_template='hf'``;
 required for non-built-in data) exist, the built-in task is known, and the sampler can take
-the learner's weight layout (a learner-only config, as tests build, need not).
+the learner's weight layout (a learner-only config, as tests build, need not). The model
+folder's config.json must describe a supported architecture, and its tokenizer's ids must
+fit the model's vocabulary (a tokenizer larger than the embedding would fail on the first
+prompt that uses a new token).
 ``rlflow train`` runs it before it starts any program, so a mistake is refused in seconds
 with the field named instead of after the programs have started. :func:`config_warnings`
 names settings that run but waste something (printed as warnings; nothing is refused).
@@ -197,6 +200,18 @@ def _check_model(cfg) -> None:
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise ConfigError(f"model.path: {path!r} has no tokenizer files (one of "
                           f"{', '.join(TOKENIZER_FILES)}); both programs tokenize with it")
+    from rlflow.models.hf import read_decoder_config
+
+    try:
+        vocab = read_decoder_config(path).vocab_size
+    except ValueError as e:         # ModelFormatError: names the file and the field
+        raise ConfigError(f"model.path: {e}") from None
+    ids = tokenizer_id_count(path)
+    if ids is not None and ids > vocab:
+        raise ConfigError(f"model.path: the tokenizer of {path!r} has ids up to {ids - 1}, "
+                          f"but the model's vocab_size is {vocab} (config.json): token ids "
+                          f">= {vocab} have no embedding row. Use the tokenizer the model was "
+                          f"trained with, or a model whose vocabulary covers it")
     if cfg.data.chat_template == "hf" and not has_chat_template(path):
         raise ConfigError(f"data.chat_template: 'hf' needs the model folder's chat template, "
                           f"and model.path {path!r} has none (no 'chat_template' in "
@@ -206,6 +221,22 @@ def _check_model(cfg) -> None:
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def tokenizer_id_count(path: str):
+    """1 + the largest token id of the folder's ``tokenizer.json`` (added tokens included),
+    read with the ``tokenizers`` library (no ``transformers`` import); None when the folder
+    has no ``tokenizer.json`` or it cannot be read (loading the tokenizer reports that)."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(file).get_vocab(with_added_tokens=True).values()
+    except Exception:  # noqa: BLE001 - a broken file is the tokenizer loader's to report
+        return None
+    return max(ids, default=-1) + 1
 
 
 def has_chat_template(path: str) -> bool:

@@ -263,8 +263,9 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
     step, what is wrong).
 
     Raises:
-      RunFolderError: ``run_dir`` is not a folder, or has no ``metrics.jsonl`` or no valid
-        metric record in it (bad lines are listed on the page instead of failing).
+      RunFolderError: ``run_dir`` is not a folder, or has no ``metrics.jsonl`` (a run folder
+        whose run has not finished a step says so) or no valid metric record in it (bad
+        lines are listed on the page instead of failing).
       ValueError: ``fmt`` not "html" / "md" / "both", or ``max_samples < 0``.
     """
     if fmt not in ("html", "md", "both"):
@@ -273,7 +274,14 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
         raise ValueError(f"max_samples must be >= 0, got {max_samples}")
     if not os.path.isdir(run_dir):
         raise RunFolderError(f"{run_dir}: not a folder (expected a run folder runs/<name>)")
-    records, problems = read_jsonl(os.path.join(run_dir, METRICS_FILE))
+    metrics_path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(metrics_path) and os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
+        logs = os.path.join(run_dir, "logs")
+        raise RunFolderError(f"{metrics_path}: file not found: the run in {run_dir} has not "
+                             f"finished a step (still starting, or it stopped before its "
+                             f"first step" + (f"; its programs' logs are in {logs})"
+                                              if os.path.isdir(logs) else ")"))
+    records, problems = read_jsonl(metrics_path)
     by_step = metrics_by_step(records)
     problems += [f"{METRICS_FILE}: step {r['step']}: non-finite values {r['non_finite']} "
                  "(recorded as null)" for r in records if r.get("non_finite")]

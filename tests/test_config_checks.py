@@ -87,10 +87,49 @@ def test_a_folder_as_data_path_is_refused(no_programs, capsys):
     assert code == 2 and "data.path: no file matches 'd*' (data is a folder" in text, text
 
 
+HF_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+            "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 16, "num_hidden_layers": 1, "vocab_size": 128, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "max_position_embeddings": 64,
+            "tie_word_embeddings": False}
+
+
+def _word_tokenizer(folder, n):
+    """A ``tokenizer.json`` of ``n`` tokens (ids 0..n-1) in ``folder``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0")).save(
+        str(folder / "tokenizer.json"))
+
+
+def test_an_unsupported_architecture_or_a_tokenizer_past_the_vocabulary_is_refused(
+        no_programs, capsys):
+    """config.json's model_type must be one rlflow builds, and the tokenizer's largest id
+    must have an embedding row (a larger vocabulary, the padded case, is fine)."""
+    folder = no_programs / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    _word_tokenizer(folder, 129)
+    (folder / "config.json").write_text(json.dumps(dict(HF_LLAMA, model_type="mistral")))
+    code, text = _train(["--model.path", str(folder)], capsys)
+    assert code == 2 and "model.path:" in text and "unsupported model_type 'mistral'" in text, \
+        text
+    (folder / "config.json").write_text(json.dumps(HF_LLAMA))
+    code, text = _train(["--model.path", str(folder)], capsys)
+    assert code == 2 and (f"model.path: the tokenizer of '{folder}' has ids up to 128, but the "
+                          f"model's vocab_size is 128 (config.json)") in text, text
+    from rlflow.config_checks import tokenizer_id_count
+    _word_tokenizer(folder, 100)
+    assert tokenizer_id_count(str(folder)) == 100
+    from rlflow.config import ModelConfig
+    check_runnable(ExperimentConfig(model=ModelConfig(path=str(folder))))
+
+
 def test_hf_chat_template_without_one_in_the_model_folder_is_refused(no_programs, capsys):
     folder = no_programs / "model"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text(json.dumps(HF_LLAMA))
     (folder / "model.safetensors").write_bytes(b"")
     (folder / "tokenizer_config.json").write_text('{"model_max_length": 512}')
     (no_programs / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')

@@ -51,6 +51,16 @@ def test_malformed_line_names_file_and_line(tmp_path, tok):
         build_prompt_pipeline(cfg(path, num_epochs=1), tok, seed=0)
 
 
+def test_malformed_json_message_reads_as_one_sentence(tmp_path):
+    """json's own message ("Invalid control character at") is not followed by a second
+    "at": the record's message says where once."""
+    path = write_jsonl(tmp_path / "ctl.jsonl", ['{"question": "a\tb"}'])
+    with pytest.raises(BadRecordError) as e:
+        open_source("jsonl", path)[0]
+    assert str(e.value) == (f"{path}:1: malformed JSON (Invalid control character at "
+                            f"character 15 of the record)")
+
+
 def test_non_object_line_is_a_bad_record(tmp_path):
     path = write_jsonl(tmp_path / "list.jsonl", [json.dumps(RECORDS[0]), "[1, 2]"])
     src = open_source("jsonl", path)

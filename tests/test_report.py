@@ -142,6 +142,13 @@ def test_bad_run_folders_fail_with_a_named_error(tmp_path, capsys):
     assert "nope: not a folder" in capsys.readouterr().err
     assert cli_main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl: file not found" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")      # a run that never finished a step
+    (tmp_path / "logs").mkdir()
+    assert cli_main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"rlflow report: {tmp_path}/metrics.jsonl: file not found: the run in {tmp_path} has "
+        f"not finished a step (still starting, or it stopped before its first step; its "
+        f"programs' logs are in {tmp_path}/logs)")
     (tmp_path / "metrics.jsonl").write_text("garbage\n")
     assert cli_main(["report", str(tmp_path)]) == 2
     assert "no valid metric records (" in capsys.readouterr().err

@@ -179,8 +179,9 @@ def test_a_prompt_the_batcher_refuses_is_retried_then_stops_the_sampler(failures
     class Batcher:
         def submit(self, request):
             calls.append(request.prompt_id)
-            if len(calls) <= failures:
-                raise ValueError("prompt of 3 tokens is longer than the largest prefill bucket")
+            if len(calls) <= failures:      # the batcher's errors name the prompt
+                raise ValueError(f"prompt_id {request.prompt_id}: prompt of 3 tokens is longer "
+                                 f"than the largest prefill bucket")
 
     p = object.__new__(SamplerProgram)
     p.cfg, p.episodes, p.batcher = ExperimentConfig(), None, Batcher()

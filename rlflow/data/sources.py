@@ -90,8 +90,10 @@ class JsonlSource:
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise BadRecordError(f"{self.location(index)}: malformed JSON ({e.msg} at character "
-                                 f"{e.pos} of the record)") from None
+            # some of json's messages end in "at" ("Invalid control character at")
+            raise BadRecordError(f"{self.location(index)}: malformed JSON "
+                                 f"({e.msg.removesuffix(' at')} at character {e.pos} of the "
+                                 f"record)") from None
         except UnicodeDecodeError as e:
             raise BadRecordError(f"{self.location(index)}: malformed JSON (not UTF-8: {e.reason} "
                                  f"at byte {e.start} of the record)") from None

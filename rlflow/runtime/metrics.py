@@ -3,11 +3,14 @@
 Per replica ``i`` (``sampler-<i>``): ``replica/<i>/tokens_per_s``, ``slot_occupancy``,
 ``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version
 of its weights), ``restarts``. Over the live replicas: ``sampler/tokens_per_s`` (sum),
-``sampler/slot_occupancy`` and ``sampler/idle_frac`` (means), the multi-turn episode
+``sampler/slot_occupancy`` and ``sampler/idle_frac`` (means), the groups dropped for a
+NaN/inf reward (``sampler/dropped_bad_reward_groups``), the reward functions' error and
+timeout counts (``reward/errors/<fn>``, ``reward/timeouts/<fn>``), the multi-turn episode
 counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
-(sums), ``sampler/version`` (newest), ``sampler/replicas_alive``, and the ``sync/*`` swap
-figures of the replica that reported last, with ``sync/weight_sync_s`` = its swap time minus
-the publish time of the version it swapped in.
+(sums: each a total of the replica's current instance), ``sampler/version`` (newest),
+``sampler/replicas_alive``, and the ``sync/*`` swap figures of the replica that reported
+last, with ``sync/weight_sync_s`` = its swap time minus the publish time of the version it
+swapped in.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Mapping
 
 _MEAN = ("sampler/slot_occupancy", "sampler/idle_frac")
 _SUM = ("sampler/tokens_per_s", "sampler/rejected_groups", "sampler/in_flight",
-        "sampler/groups_delivered",
+        "sampler/groups_delivered", "sampler/dropped_bad_reward_groups",
         # multi-turn episodes (totals per replica instance): environment steps, failures
         # (reward 0, counted), episodes started and cut by a limit
         "sampler/env_steps", "sampler/env_errors", "sampler/env_timeouts",
@@ -41,8 +44,9 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
         vals = [f[key] for f in figures.values() if key in f]
         if vals:
             out[key] = float(sum(vals))
-    for key in sorted({k for f in figures.values() for k in f if k.startswith("env/")}):
-        out[key] = float(sum(f.get(key, 0.0) for f in figures.values()))  # environments' info
+    summed = ("env/", "reward/errors/", "reward/timeouts/")   # environments' info, rewards'
+    for key in sorted({k for f in figures.values() for k in f if k.startswith(summed)}):
+        out[key] = float(sum(f.get(key, 0.0) for f in figures.values()))
     for key in _MEAN:
         vals = [f[key] for f in figures.values() if key in f]
         if vals:
@@ -61,8 +65,7 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
     last = max(statuses.values(), key=lambda s: s.received)
     lf = figures[last.consumer]
     out.update({k: v for k, v in lf.items()
-                if k.startswith(("sync/", "reward/errors/", "reward/timeouts/"))
-                or k == "sampler/instance"})
+                if k.startswith("sync/") or k == "sampler/instance"})
     swap_v, swap_t = out.get("sync/swap_version"), out.pop("sync/swap_time", None)
     if swap_v is not None and swap_t is not None and int(swap_v) in publish_time:
         out["sync/weight_sync_s"] = max(0.0, swap_t - publish_time[int(swap_v)])

@@ -277,10 +277,12 @@ class SamplerProgram:
                 self.batcher.submit(request)
                 break
             except Exception as e:  # noqa: BLE001 - reported below with the prompt id
+                named = f"prompt_id {request.prompt_id}: "
+                why = str(e).removeprefix(named)       # the batcher's errors name it too
                 if attempt == MAX_PROMPT_RETRIES:
                     raise SamplerError(f"prompt_id {request.prompt_id} failed "
-                                       f"{MAX_PROMPT_RETRIES + 1} times: {e}") from e
-                log.warning("prompt_id %d: %s (retrying)", request.prompt_id, e)
+                                       f"{MAX_PROMPT_RETRIES + 1} times: {why}") from e
+                log.warning("%s%s (retrying)", named, why)
         self.delivery.admit(request, element)
         self.prompts_started += 1
 
