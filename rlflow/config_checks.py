@@ -139,6 +139,7 @@ def _check_rewards(cfg) -> None:
             msg = str(e.args[0]) if e.args else str(e)
             raise ConfigError(msg if msg.startswith("reward.functions") else
                               f"reward.functions: {msg}") from None
+        _check_reward_signature(name, fn)
         module = getattr(fn, "__module__", "") or ""
         if not importable_elsewhere(module):
             raise ConfigError(
@@ -146,6 +147,22 @@ def _check_rewards(cfg) -> None:
                 f"or __main__), which the sampler program and the reward workers never "
                 f"import; move it into a module and list that module in `plugins`, or name "
                 f"it 'package.module:function'")
+
+
+def _check_reward_signature(name: str, fn) -> None:
+    """``fn`` must take ``(completion, answer)`` positionally (how the reward workers call
+    it); a callable whose signature cannot be read (a builtin, some C extensions) passes."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind("completion", "answer")
+    except TypeError as e:
+        raise ConfigError(f"reward.functions: {name!r} cannot be called as fn(completion, "
+                          f"answer) ({e}; its signature is {inspect.signature(fn)}); a reward "
+                          f"function takes the decoded completion and the record's answer and "
+                          f"returns a float") from None
+    except ValueError:              # no signature to read: the workers will tell
+        pass
 
 
 def _check_data(cfg) -> None:

@@ -185,6 +185,23 @@ def test_reward_registered_in_the_config_file_is_refused(no_programs, capsys):
     assert "plugins" in text and "package.module:function" in text
 
 
+@pytest.mark.parametrize("signature, ok", [
+    ("completion", False), ("*, completion, answer", False), ("a, b, c", False),
+    ("completion, answer", True), ("completion, answer, bonus=0.0", True), ("*args", True),
+    ("completion, *rest, **kw", True)])
+def test_a_reward_function_that_cannot_take_completion_and_answer_is_refused(
+        no_programs, capsys, signature, ok):
+    (no_programs / "sig_rewards.py").write_text(f"def f({signature}):\n    return 1.0\n")
+    args = ["--reward.functions", "sig_rewards.py:f", "--reward.weights", "1.0"]
+    if ok:                              # every check passed: the programs would start
+        with pytest.raises(AssertionError, match="rlflow train started the programs"):
+            _train(args, capsys)
+        return
+    code, text = _train(args, capsys)
+    assert code == 2 and ("reward.functions: 'sig_rewards.py:f' cannot be called as "
+                          f"fn(completion, answer)") in text and f"({signature})" in text, text
+
+
 USER_MODULE = textwrap.dedent("""
     from rlflow.data.rewards import register_reward
 
