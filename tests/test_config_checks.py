@@ -199,7 +199,7 @@ def test_a_reward_function_that_cannot_take_completion_and_answer_is_refused(
         return
     code, text = _train(args, capsys)
     assert code == 2 and ("reward.functions: 'sig_rewards.py:f' cannot be called as "
-                          f"fn(completion, answer)") in text and f"({signature})" in text, text
+                          "fn(completion, answer)") in text and f"({signature})" in text, text
 
 
 USER_MODULE = textwrap.dedent("""
