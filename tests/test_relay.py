@@ -18,30 +18,37 @@ def expected(version):
             "w": [rng.standard_normal((32, 32)).astype(np.float32) for _ in range(3)]}
 
 
-def replica_peer(name, address, out_dir):
-    """A replica process (1 device): on "pull", poll until it holds a newer version (a
-    relay may make it wait), save it to OUT_DIR/<name>-v<version>.npz, print PULLED."""
+def serve_pulls(client, name, out_dir, extra=lambda: ()):
+    """A replica process's loop: on "pull", poll ``client`` until it holds a newer version
+    (a relay may make it wait), save it ({path or name: array}) to
+    OUT_DIR/<name>-v<version>.npz and print PULLED <version> [extra()...]; "quit" ends it."""
     import time
 
-    from rlflow.exchange.transfer import WeightSubscriber
-
-    sub = WeightSubscriber(address, consumer_id=name, timeout_s=5, retries=3,
-                           relay_fanout=2, relay_timeout_s=60)
     for line in sys.stdin:
         if line.strip() == "pull":
-            have = sub.version
+            have = client.version
             while True:
-                got = sub.poll()
+                got = client.poll()
                 if got is not None and got[0] > have:
                     break
                 time.sleep(0.02)
             v, params = got
-            flat = {k: np.asarray(x) for k, x in params.items()}   # {path: array}
-            np.savez(os.path.join(out_dir, f"{name}-v{v}.npz"), **flat)
-            print("PULLED", v, sub.metrics["failed_pulls"], flush=True)
+            np.savez(os.path.join(out_dir, f"{name}-v{v}.npz"),
+                     **{k: np.asarray(x) for k, x in params.items()})
+            print("PULLED", v, *extra(), flush=True)
         elif line.strip() == "quit":
             break
-    sub.close()
+    client.close()
+
+
+def replica_peer(name, address, out_dir):
+    """A replica process (1 device) of a one-host learner, relaying with fan-out 2; its
+    PULLED line adds the failed pulls so far."""
+    from rlflow.exchange.transfer import WeightSubscriber
+
+    sub = WeightSubscriber(address, consumer_id=name, timeout_s=5, retries=3,
+                           relay_fanout=2, relay_timeout_s=60)
+    serve_pulls(sub, name, out_dir, extra=lambda: [sub.metrics["failed_pulls"]])
 
 
 def host_units_oracle(version):
@@ -64,10 +71,7 @@ def host_units_of(version, host):
 
 def replica_of_hosts_peer(name, addresses, out_dir):
     """A replica process (1 device) of a 2-host learner: pulls both hosts' units (relaying
-    each, fan-out 2) and assembles them, as ``rlflow.sampler.subscribe`` does; on "pull"
-    saves the version to OUT_DIR/<name>-v<version>.npz and prints PULLED."""
-    import time
-
+    each, fan-out 2) and assembles them, as ``rlflow.sampler.subscribe`` does."""
     import jax
 
     from rlflow.exchange.host_shards import HostShardPuller
@@ -79,21 +83,7 @@ def replica_of_hosts_peer(name, addresses, out_dir):
     puller = HostShardPuller([WeightSubscriber(a, consumer_id=name, timeout_s=5, retries=3,
                                                relay_fanout=2, relay_timeout_s=60)
                               for a in addresses.split(",")], target)
-    for line in sys.stdin:
-        if line.strip() == "pull":
-            have = puller.version
-            while True:
-                got = puller.poll()
-                if got is not None and got[0] > have:
-                    break
-                time.sleep(0.02)
-            v, params = got
-            np.savez(os.path.join(out_dir, f"{name}-v{v}.npz"),
-                     **{k: np.asarray(x) for k, x in params.items()})
-            print("PULLED", v, flush=True)
-        elif line.strip() == "quit":
-            break
-    puller.close()
+    serve_pulls(puller, name, out_dir)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["replica"]:
@@ -219,23 +209,22 @@ def test_four_replicas_learner_egress_and_bitwise_equal_with_a_dead_relay(tmp_pa
                     np.testing.assert_array_equal(got[k], w)      # bit for bit
         assert sum(int(line[2]) for line in lines) >= 1          # the ghost's children failed
     finally:
-        for p in peers:
-            try:
-                p.stdin.write("quit\n")
-                p.stdin.flush()
-                p.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                p.kill()
+        _quit(peers)
         coord.close()
 
 
 def _quit(peers):
+    """Tell every replica process to quit, then wait for them all (killing a stuck one)."""
     for p in peers:
         try:
             p.stdin.write("quit\n")
             p.stdin.flush()
+        except OSError:                 # already gone
+            pass
+    for p in peers:
+        try:
             p.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             p.kill()
 
 
