@@ -164,3 +164,49 @@ def test_a_host_waiting_in_a_barrier_leaves_when_told_a_peer_died():
             child.kill()
     assert child.returncode == 1, err
     assert "another host of the learner slice died" in err
+
+
+@pytest.mark.parametrize("replicas, fanout, relayed", [(3, 2, True), (3, 0, False),
+                                                       (1, 2, False)])
+def test_every_learner_host_and_every_replica_use_the_same_relay_rule(monkeypatch, replicas,
+                                                                      fanout, relayed):
+    """With several replicas and relay_fanout > 0, learner host 0's offers, a follower
+    host's weight coordinator and each replica's per-host subscribers all relay (one relay
+    tree per learner host, tests/test_relay.py); otherwise none of them does."""
+    from rlflow.exchange.host_shards import HostShardPuller
+    from rlflow.exchange.relay import RelayOffers
+    from rlflow.learner import hosts
+    from rlflow.learner.publish import relay_offers
+    from rlflow.sampler.subscribe import weight_subscriber
+
+    cfg = replace(two_hosts(relay_fanout=fanout), sampler=SamplerConfig(num_replicas=replicas))
+
+    class Publisher:
+        version, nbytes, layout_desc = -1, 0, {}
+
+        def offer(self, consumer, have_version):
+            return {"version": self.version}
+
+    pub = Publisher()
+    assert isinstance(relay_offers(cfg, pub), RelayOffers) == relayed
+    if relayed:
+        assert relay_offers(cfg, pub).fanout == fanout
+        assert relay_offers(cfg, pub).num_consumers == replicas
+    else:
+        assert relay_offers(cfg, pub) is pub
+    # a follower host (jax.process_index() 1): its weight coordinator serves the same offers
+    monkeypatch.setattr(hosts.HostCommands, "__init__", lambda self: setattr(self, "leader", False))
+    monkeypatch.setattr(hosts, "gather_addresses", lambda address: ["", address])
+    follower = hosts.LearnerHosts(cfg, "127.0.0.1", pub)
+    try:
+        assert isinstance(follower.coordinator.publisher, RelayOffers) == relayed
+    finally:
+        follower.coordinator.close()
+    # a replica: one subscriber per learner host, each relaying what it pulls
+    puller = weight_subscriber(cfg, "tcp://127.0.0.1:1", None, consumer_id="sampler-0#0",
+                               weight_hosts=["127.0.0.1:2"])
+    try:
+        assert isinstance(puller, HostShardPuller) and len(puller.subscribers) == 2
+        assert [s.relay_fanout for s in puller.subscribers] == [fanout if relayed else 0] * 2
+    finally:
+        puller.close()
