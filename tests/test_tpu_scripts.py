@@ -232,10 +232,40 @@ def test_up_prints_create_install_start_in_order():
     (["--zone", "z", "--buffer-port", "70000"], "ports must be integers"),
     (["--zone", "z", "--name", "Bad_Name"], "--name must be lowercase"),
     (["--zone", "z", "--role", "both2"], "--role must be"),
+    (["--zone"], "--zone needs a value"),
+    (["--zone", "--name", "x"], "--zone needs a value"),      # never takes a flag as a value
+    (["--zone", "z", "--worker", ""], "--worker needs a value"),
 ])
 def test_bad_flags_are_named(args, message):
     _, _, proc = dry("stop.sh", *args, ok=False)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_a_flag_missing_its_value_never_drops_the_dry_run():
+    """``--zone --dry-run`` once ran gcloud for real (the zone swallowed --dry-run)."""
+    proc = subprocess.run(["bash", os.path.join(TPU, "create.sh"), "--zone", "--dry-run"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "--zone needs a value" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_create_stops_on_an_accelerator_type_without_a_runtime():
+    """An unknown type (v5e-8 is the marketing name of v5litepod-8) stops create.sh before
+    any command, instead of printing one with an empty --runtime-version."""
+    _, _, proc = dry("create.sh", *BASE, "--learner-type", "v5e-8", ok=False)
+    assert proc.returncode == 2 and "no default runtime for accelerator type v5e-8" in proc.stderr
+    assert "queued-resources create" not in proc.stdout
+
+
+def test_stop_and_logs_name_the_program_of_every_sampler_slice():
+    """With --sampler-slices K the slices are NAME-sampler-<k>: stop.sh and logs.sh still
+    act on the sampler program of each (not on a program named after the slice index)."""
+    cmds, _, _ = dry("stop.sh", *BASE, "--sampler-slices", "2")
+    assert [c[5] for c in cmds] == ["exp7-sampler-0", "exp7-sampler-1", "exp7-learner"]
+    assert [_remote_words(c)[-2:] for c in cmds] == [["stop", "sampler"]] * 2 + [
+        ["stop", "learner"]]
+    cmds, _, _ = dry("logs.sh", *BASE, "--sampler-slices", "3", "--role", "sampler")
+    assert [_remote_words(c)[-2:] for c in cmds] == [["logs", "sampler"]] * 3
 
 
 # --- the printed gcloud commands parse with the real gcloud (when installed) -------------------

@@ -113,7 +113,8 @@ def test_xpk_delete_and_named_errors():
               "v5p-16"], "--run-dir must be shared storage (gs://...) when the learner slice "
                          "(v5p-16) has 2 hosts"),
             (["--zone", "z", "--cluster", "c", "--docker-image", "i", "--learner-type",
-              "v7x-12"], "unknown accelerator type v7x-12")):
+              "v7x-12"], "unknown accelerator type v7x-12"),
+            (["--zone", "z", "--cluster", "--docker-image", "i"], "--cluster needs a value")):
         _, _, proc = dry(start, *args, ok=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 

@@ -70,33 +70,39 @@ EOF
 
 die() { echo "error: $*" >&2; exit 2; }
 
+# need_value FLAG [VALUE ...]: VALUE must be there and must not be another flag (a missing
+# value must never swallow the next flag, e.g. "--zone --dry-run" running for real).
+need_value() {
+  if [ $# -lt 2 ] || [ -z "$2" ] || [[ "$2" == --* ]]; then die "$1 needs a value"; fi
+}
+
 parse_flags() {
   while [ $# -gt 0 ]; do
     case "$1" in
-      --name) NAME="${2:?--name needs a value}"; shift 2 ;;
-      --project) PROJECT="${2:?--project needs a value}"; shift 2 ;;
-      --zone) ZONE="${2:?--zone needs a value}"; shift 2 ;;
-      --learner-type) LEARNER_TYPE="${2:?--learner-type needs a value}"; shift 2 ;;
-      --sampler-type) SAMPLER_TYPE="${2:?--sampler-type needs a value}"; shift 2 ;;
-      --sampler-slices) SAMPLER_SLICES="${2:?--sampler-slices needs a value}"; shift 2 ;;
-      --runtime-version) RUNTIME_VERSION="${2:?--runtime-version needs a value}"; shift 2 ;;
+      --name) need_value "$@"; NAME="$2"; shift 2 ;;
+      --project) need_value "$@"; PROJECT="$2"; shift 2 ;;
+      --zone) need_value "$@"; ZONE="$2"; shift 2 ;;
+      --learner-type) need_value "$@"; LEARNER_TYPE="$2"; shift 2 ;;
+      --sampler-type) need_value "$@"; SAMPLER_TYPE="$2"; shift 2 ;;
+      --sampler-slices) need_value "$@"; SAMPLER_SLICES="$2"; shift 2 ;;
+      --runtime-version) need_value "$@"; RUNTIME_VERSION="$2"; shift 2 ;;
       --spot) PROVISIONING="spot"; shift ;;
       --reserved) PROVISIONING="reserved"; shift ;;
-      --config) CONFIG="${2:?--config needs a value}"; shift 2 ;;
-      --model-dir) MODEL_DIR="${2:?--model-dir needs a value}"; shift 2 ;;
-      --model-gcs) MODEL_GCS="${2:?--model-gcs needs a value}"; shift 2 ;;
-      --run-dir) RUN_DIR="${2:?--run-dir needs a value}"; shift 2 ;;
-      --buffer-port) BUFFER_PORT="${2:?--buffer-port needs a value}"; shift 2 ;;
-      --coordinator-port) COORDINATOR_PORT="${2:?--coordinator-port needs a value}"; shift 2 ;;
-      --jax-port) JAX_PORT="${2:?--jax-port needs a value}"; shift 2 ;;
+      --config) need_value "$@"; CONFIG="$2"; shift 2 ;;
+      --model-dir) need_value "$@"; MODEL_DIR="$2"; shift 2 ;;
+      --model-gcs) need_value "$@"; MODEL_GCS="$2"; shift 2 ;;
+      --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
+      --buffer-port) need_value "$@"; BUFFER_PORT="$2"; shift 2 ;;
+      --coordinator-port) need_value "$@"; COORDINATOR_PORT="$2"; shift 2 ;;
+      --jax-port) need_value "$@"; JAX_PORT="$2"; shift 2 ;;
       --token|--token=*)
         die "--token puts the secret in argv (visible in ps); export RLFLOW_BUFFER_TOKEN instead" ;;
-      --learner-ip) LEARNER_IP="${2:?--learner-ip needs a value}"; shift 2 ;;
-      --git-ref) GIT_REF="${2:?--git-ref needs a value}"; shift 2 ;;
-      --python) PYTHON="${2:?--python needs a value}"; shift 2 ;;
-      --jax-version) JAX_VERSION="${2:?--jax-version needs a value}"; shift 2 ;;
-      --role) ROLE="${2:?--role needs a value}"; shift 2 ;;
-      --worker) WORKER="${2:?--worker needs a value}"; shift 2 ;;
+      --learner-ip) need_value "$@"; LEARNER_IP="$2"; shift 2 ;;
+      --git-ref) need_value "$@"; GIT_REF="$2"; shift 2 ;;
+      --python) need_value "$@"; PYTHON="$2"; shift 2 ;;
+      --jax-version) need_value "$@"; JAX_VERSION="$2"; shift 2 ;;
+      --role) need_value "$@"; ROLE="$2"; shift 2 ;;
+      --worker) need_value "$@"; WORKER="$2"; shift 2 ;;
       --no-wait) NO_WAIT=1; shift ;;
       --dry-run) DRY_RUN=1; shift ;;
       -h|--help) usage; exit 0 ;;
@@ -212,6 +218,11 @@ ssh_cmd() {
   local node="$1" worker="$2" remote="$3"
   run gcloud compute tpus tpu-vm ssh "$node" "${GCLOUD_COMMON[@]}" --worker="$worker" \
     --command="$remote"
+}
+
+# The program a slice runs: learner or sampler (NAME-sampler, NAME-sampler-<k>).
+node_role() {
+  if [ "$1" = "$LEARNER_NODE" ]; then echo learner; else echo sampler; fi
 }
 
 # Slices the current --role selects.

@@ -10,13 +10,14 @@ usage() { sed -n '2,5p' "${BASH_SOURCE[0]}"; usage_common; }
 parse_flags "$@"
 
 create_qr() {
-  local qr="$1" node="$2" type="$3" extra=()
+  local qr="$1" node="$2" type="$3" extra=() runtime
+  runtime="$(runtime_for "$type")" || exit 2     # die inside $(...) ends only the subshell
   case "$PROVISIONING" in
     spot) extra+=(--spot) ;;
     reserved) extra+=(--reserved) ;;
   esac
   run gcloud compute tpus queued-resources create "$qr" "${GCLOUD_COMMON[@]}" \
-    --node-id="$node" --accelerator-type="$type" --runtime-version="$(runtime_for "$type")" \
+    --node-id="$node" --accelerator-type="$type" --runtime-version="$runtime" \
     "${extra[@]}"
 }
 

@@ -10,7 +10,7 @@ parse_flags "$@"
 
 pids=()
 for node in $(selected_nodes); do
-  role="${node##*-}"
+  role="$(node_role "$node")"
   remote="bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\" logs $role"
   if [ "$DRY_RUN" = 1 ]; then
     ssh_cmd "$node" "$WORKER" "$remote"

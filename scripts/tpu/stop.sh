@@ -9,6 +9,6 @@ usage() { sed -n '2,4p' "${BASH_SOURCE[0]}"; usage_common; }
 parse_flags "$@"
 
 for node in $(selected_nodes); do
-  role="${node##*-}"
+  role="$(node_role "$node")"
   ssh_cmd "$node" all "bash \"$REMOTE_DIR/scripts/tpu/host_run.sh\" stop $role"
 done

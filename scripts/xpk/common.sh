@@ -39,9 +39,9 @@ parse_xpk_flags() {
   local rest=()
   while [ $# -gt 0 ]; do
     case "$1" in
-      --cluster) CLUSTER="${2:?--cluster needs a value}"; shift 2 ;;
-      --docker-image) DOCKER_IMAGE="${2:?--docker-image needs a value}"; shift 2 ;;
-      --xpk) XPK="${2:?--xpk needs a value}"; shift 2 ;;
+      --cluster) need_value "$@"; CLUSTER="$2"; shift 2 ;;
+      --docker-image) need_value "$@"; DOCKER_IMAGE="$2"; shift 2 ;;
+      --xpk) need_value "$@"; XPK="$2"; shift 2 ;;
       --) rest+=("$@"); break ;;
       *) rest+=("$1"); shift ;;
     esac
