@@ -98,12 +98,25 @@ def render_markdown() -> str:
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 continue
-            section = prefix.split(" ")[0] + "." if prefix else ""
-            flag = f"--{section}{f.name.replace('_', '-')}"
+            flags = ", ".join(f"`{flag}`" for flag in _flags(prefix, f.name))
             text = desc.get(f.name, "").replace("|", "\\|")
-            out.append(f"| `{flag}` | {_type_name(hints[f.name])} | `{_default(f)}` | {text} |")
+            out.append(f"| {flags} | {_type_name(hints[f.name])} | `{_default(f)}` | {text} |")
         out.append("")
     return "\n".join(out)
+
+
+def _flags(prefix: str, name: str) -> list[str]:
+    """The command-line flags of field ``name`` of section ``prefix`` (a section shared by
+    several places, "sampler.mesh / learner.mesh", has one flag per place)."""
+    places = [p.strip() for p in prefix.split("/")] if prefix else [""]
+    return [f"--{p + '.' if p else ''}{name.replace('_', '-')}" for p in places]
+
+
+def flag_count() -> int:
+    """How many ``--section.field`` flags ``rlflow train`` takes (the reference's rows)."""
+    return sum(len(_flags(prefix, f.name)) for prefix, cls in SECTIONS
+               for f in dataclasses.fields(cls)
+               if not dataclasses.is_dataclass(typing.get_type_hints(cls)[f.name]))
 
 
 def undocumented_fields() -> list[str]:

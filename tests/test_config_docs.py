@@ -48,3 +48,28 @@ def test_reference_lists_every_section_and_flag():
     sections = {cls for _, cls in SECTIONS}
     assert config_mod.LearnerConfig in sections and config_mod.SamplerConfig in sections
     assert "`--learner.lr`" in text and "`--sampler.group-size`" in text
+
+
+def test_reference_and_help_all_list_the_same_flags():
+    """Every flag of ``rlflow train --help-all`` is in the reference (both places of a shared
+    section: sampler.mesh and learner.mesh) and the other way round; flag_count (shown by
+    ``--help``) is their number."""
+    import re
+
+    import tyro
+
+    from rlflow.cli import help_all
+    from rlflow.config import ExperimentConfig
+    from rlflow.config_docs import flag_count
+
+    text = help_all(tyro, ExperimentConfig(), ["--help"])
+    in_help = {f.replace("_", "-")
+               for f in re.findall(r"^[\s│]*(--[a-z][a-z0-9_.-]*)", text, re.MULTILINE)}
+    in_help -= {"--help"}
+    rows = [line.split("|")[1] for line in render_markdown().splitlines()
+            if line.startswith("| `--")]
+    in_doc = [f.strip().strip("`") for row in rows for f in row.split(",")]
+    assert set(in_doc) == in_help, (sorted(set(in_doc) - in_help),
+                                    sorted(in_help - set(in_doc)))
+    assert {"--learner.mesh.fsdp", "--sampler.mesh.fsdp", "--seed"} <= in_help
+    assert flag_count() == len(in_doc) == len(set(in_doc))
