@@ -68,7 +68,7 @@ from typing import Optional, Sequence
 from rlflow import programs_common as pc
 from rlflow.exchange.ring import ProducerError
 from rlflow.runtime import host_memory, learner_hosts
-from rlflow.runtime.child_logs import (ERROR_SCAN_LINES, LOG_TAIL_LINES, exit_text,
+from rlflow.runtime.child_logs import (LOG_TAIL_LINES, exit_text,
                                        is_input_error, program_error, tail)
 from rlflow.runtime.ports import free_port
 from rlflow.secrets import ENV_BUFFER_TOKEN
@@ -219,7 +219,6 @@ class Supervisor:
         from rlflow.progress import plain_text     # no control characters in CI logs
 
         c = self.children[role]
-        lines = tail(c.log_path, ERROR_SCAN_LINES).splitlines()
         kind = "learner" if role.startswith("learner") else "sampler"
         error = program_error(c.log_path, f"--- rlflow {kind} start")    # this start's only
         what = role if kind == "sampler" else \
@@ -239,7 +238,7 @@ class Supervisor:
         text = (f"rlflow train: the {what} process died ({exit_text(c.proc.returncode)}); "
                 f"stopping the run. Last lines of {c.log_path}:\n")
         return head + text + "\n".join(f"  [{role}] {plain_text(line)}"
-                                       for line in lines[-LOG_TAIL_LINES:])
+                                       for line in tail(c.log_path, LOG_TAIL_LINES).splitlines())
 
 
 def run_train(cfg) -> int:

@@ -134,8 +134,7 @@ class GroupDelivery:
                 continue
             record["rewards"] = np.asarray(batch.total, np.float32)
             records.append(record)
-        if records:
-            self.deliver(records)
+        self.deliver(records)
 
     def deliver(self, records) -> None:
         """Send scored groups in one request to the buffer."""
