@@ -37,6 +37,8 @@ requests and baseline. ``decode_lanes_default`` is the lane count ``sampler.deco
 (the default) resolves to for this model on this host (``rlflow.sampler.lanes.lane_count``),
 and ``decode_speedup_default`` the speedup of that configuration (the one-lane or the
 ``_lanes<L>`` figure); the ``target>=3`` mark sits on the line of the default.
+``decode_tokens_per_s_bf16_lanes<L>`` / ``decode_speedup_bf16_lanes<L>``: the same lane split
+with ``sampler.dtype="bfloat16"``, against transformers at its faster dtype (as ``_bf16``).
 ``decode_tokens_per_s_in_out`` / ``decode_device_ms_per_step_in_out``: the default engine with
 ``sampler.kernel_layout="in_out"`` (wide kernels as the model holds them; the default resolves
 to "out_in" on CPU, ``rlflow.sampler.kernel_layout``), and ``kernel_layout_default_over_in_out``
@@ -149,10 +151,11 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     # One batcher per engine, made once (it places the weights on the engine's mesh, as
     # loading the model does for transformers); each timed run submits the requests.
     batchers = {k: ContinuousBatcher(e) for k, e in engines.items()}
-    lane_engine = RlflowEngine(model, dataclasses.replace(
+    # the lane split in both dtypes (bf16: sampler.dtype="bfloat16", as the _bf16 line)
+    lanes = {dt: DecodeLanes(RlflowEngine(m, dataclasses.replace(
         engines[(default_k, "float32")].sampler_cfg, num_slots=batch // LANES),
-        mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
-    lanes = DecodeLanes(lane_engine, lanes=LANES)
+        mesh=make_mesh(MeshConfig(), jax.devices()[:1])), lanes=LANES)
+        for dt, m in (("float32", model), ("bfloat16", bf16_model))}
 
     def run_all(batcher, seed=0):
         groups = batcher.run([Request(i, prompts[i], 1, sampling.replace(seed=seed + i))
@@ -163,8 +166,8 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     def ours(k):
         run_all(batchers[k])
 
-    def ours_lanes():
-        run_all(lanes)
+    def ours_lanes(dt):
+        run_all(lanes[dt])
 
     def device_only(k):
         """The decode calls alone: every slot busy, calls back to back, one copy each."""
@@ -201,7 +204,8 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     for k in ks + ["in_out"]:
         ours(k)                                              # compile
         device_only(k)
-    ours_lanes()
+    for dt in lanes:
+        ours_lanes(dt)
     for dt in hfs:
         theirs(dt)                                           # warm-up
     # Interleaved bursts, REPEATS of each side: both sides see the same machine load. A
@@ -215,13 +219,14 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     t_ours = {k: float("inf") for k in ks}
     t_dev = {k: float("inf") for k in ks}
     t_hfs = {dt: float("inf") for dt in hfs}
-    t_lanes = float("inf")
+    t_lanes = {dt: float("inf") for dt in lanes}
     t_ours["in_out"] = t_dev["in_out"] = float("inf")
     for _ in range(REPEATS):
         for k in ks + ["in_out"]:
             t_ours[k] = min(t_ours[k], timed(lambda: ours(k)))
             t_dev[k] = min(t_dev[k], min(device_only(k) for _ in range(BURST)))
-        t_lanes = min(t_lanes, timed(ours_lanes))
+        for dt in lanes:
+            t_lanes[dt] = min(t_lanes[dt], timed(lambda: ours_lanes(dt)))
         for dt in hfs:
             t_hfs[dt] = min(t_hfs[dt], timed(lambda: theirs(dt)))
     t_hf = t_hfs["float32"]
@@ -255,7 +260,7 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     print(f"RESULT kernel_layout_default_over_in_out{suffix} "
           f"{t_dev['in_out'] / t_dev[(default_k, 'float32')]:.2f} x device step, "
           f"kernel_layout={default_layout!r} over 'in_out' (>1: the default is faster)")
-    sfx, tps = f"_lanes{LANES}{suffix}", batch * new / t_lanes
+    sfx, tps = f"_lanes{LANES}{suffix}", batch * new / t_lanes["float32"]
     speedups = {1: batch * new / t_ours[(default_k, "float32")] / hf_tps, LANES: tps / hf_tps}
     print(f"RESULT decode_tokens_per_s{sfx} {tps:.1f} tokens/s rlflow engine, "
           f"sampler.decode_lanes={LANES} ({LANES} batchers of {batch // LANES} slots decoding at "
@@ -263,9 +268,16 @@ def measure(size: str, suffix: str, tmp: str) -> None:
     print(f"RESULT decode_speedup{sfx} {tps / hf_tps:.2f} x "
           f"{'target>=3 ' if headline and auto_lanes == LANES else ''}vs transformers generate "
           f"(float32), sampler.decode_lanes={LANES}")
-    print(f"RESULT decode_loop_ms_per_step{sfx} {t_lanes / new * 1e3:.2f} ms whole loop per "
-          f"decode step of {batch} slots in {LANES} lanes")
-    lanes.close()
+    print(f"RESULT decode_loop_ms_per_step{sfx} {t_lanes['float32'] / new * 1e3:.2f} ms whole "
+          f"loop per decode step of {batch} slots in {LANES} lanes")
+    sfx, tps = f"_bf16_lanes{LANES}{suffix}", batch * new / t_lanes["bfloat16"]
+    print(f"RESULT decode_tokens_per_s{sfx} {tps:.1f} tokens/s rlflow engine, "
+          f"sampler.decode_lanes={LANES}, sampler.dtype=bfloat16, {config}")
+    print(f"RESULT decode_speedup{sfx} {tps * t_hfs[hf_best] / (batch * new):.2f} x vs "
+          f"transformers generate at its faster dtype here ({hf_best}), "
+          f"sampler.decode_lanes={LANES}, rlflow bfloat16")
+    for one in lanes.values():
+        one.close()
     print(f"RESULT decode_lanes_default{suffix} {auto_lanes} lanes sampler.decode_lanes=0 (the "
           f"default) here: backend {jax.default_backend()}, {available_cpus()} CPUs, hidden "
           f"{model_cfg.hidden_size}, {batch} slots")

@@ -31,6 +31,12 @@ BAD = [
     (CheckpointConfig, dict(keep_last=0), "checkpoint.keep_last"),
     (MetricsConfig, dict(progress="fancy"), "metrics.progress"),
     (ExperimentConfig, dict(name="a/b"), "name"),
+    # an infinite timeout would let one hung call, peer or replica stall the run silently
+    (RuntimeConfig, dict(replica_timeout_s=float("inf")), "runtime.replica_timeout_s"),
+    (RuntimeConfig, dict(transfer_timeout_s=float("inf")), "runtime.transfer_timeout_s"),
+    (BufferConfig, dict(timeout_s=float("inf")), "buffer.timeout_s"),
+    (RewardConfig, dict(timeout_s=float("inf")), "reward.timeout_s"),
+    (RewardConfig, dict(timeout_s=float("nan")), "reward.timeout_s"),
 ]
 
 

@@ -182,6 +182,37 @@ def test_watcher_keeps_showing_counts_from_earlier_records(tmp_path):
     assert len(lines) == 2 and all(x.endswith("| reward timeouts 5") for x in lines), lines
 
 
+def test_watcher_says_when_the_learner_declares_a_replica_lost(tmp_path):
+    import json
+
+    from rlflow import config as C
+    from rlflow.runtime.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=4),
+                             runtime=C.RuntimeConfig(replica_timeout_s=7.0),
+                             metrics=C.MetricsConfig(progress="plain"))
+    os.makedirs(os.path.join(cfg.run_path, "logs"))
+    with open(os.path.join(cfg.run_path, "logs", "sampler-1.log"), "w") as f:
+        f.write("started\nwaiting for version 3\n")
+    recs = [{"step": 1}, {"step": 2, "replica/1/lost": 1}, {"step": 3, "replica/1/lost": 1},
+            {"step": 4, "replica/1/lost": 2, "replica/0/lost": 1, "sampler/replicas_lost": 3}]
+    with open(os.path.join(cfg.run_path, "metrics.jsonl"), "w") as f:
+        for r in recs:
+            f.write(json.dumps({**r, "learner/step_time_s": 1.0}) + "\n")
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, cfg.run_path, stream=out)
+    watcher.progress.plain_every = 100
+    watcher.poll()
+    lost = [x for x in out.getvalue().splitlines() if "lost" in x]
+    assert len(lost) == 3, lost          # step 2 (sampler-1), step 4 (sampler-0, sampler-1)
+    assert "declared sampler-1 lost" in lost[0] and "replica_timeout_s=7 s" in lost[0]
+    assert lost[0].endswith("the last line of its log: waiting for version 3")
+    assert "declared sampler-0 lost" in lost[1] and "its log" not in lost[1]
+    assert "declared sampler-1 lost" in lost[2]
+    assert watcher.counts["sampler/replicas_lost"] == 3.0
+
+
 @pytest.mark.parametrize("kwargs", [dict(total_steps=0), dict(total_steps=5, start_step=6),
                                     dict(total_steps=5, plain_every=0),
                                     dict(total_steps=5, mode="quiet")])

@@ -43,6 +43,18 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
     assert m["sampler/dropped_bad_reward_groups"] == 3.0
     assert (m["reward/errors/f"], m["reward/errors/g"], m["reward/timeouts/f"]) == (4.0, 1.0, 4.0)
     assert replica_metrics({}, {}, {}) == {"sampler/replicas_alive": 0.0}
+    assert "sampler/replicas_lost" not in m
+
+
+def test_replicas_lost_for_silence_are_counted_live_or_not():
+    live = {"sampler-0": _status("sampler-0", 1, 5.0)}
+    m = replica_metrics(live, {}, {}, {"sampler-0": 1, "sampler-1": 2, "sampler-2": 0})
+    assert m["sampler/replicas_lost"] == 3.0
+    assert (m["replica/0/lost"], m["replica/1/lost"]) == (1.0, 2.0)
+    assert "replica/2/lost" not in m
+    m = replica_metrics({}, {}, {}, {"sampler-1": 1})
+    assert m == {"sampler/replicas_alive": 0.0, "sampler/replicas_lost": 1.0,
+                 "replica/1/lost": 1.0}
 
 
 def test_replica_plots_only_for_runs_with_replicas(tmp_path):

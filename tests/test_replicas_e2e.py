@@ -83,16 +83,23 @@ def _wait_for_log(path, pattern, proc, count=1, limit_s=HANG_GUARD_S):
     raise AssertionError(f"{pattern!r} not {count} times in {path} within {limit_s} s")
 
 
-def _wait_holding(run, replica, proc, limit_s=60):
-    """Until the newest metrics record says ``replica`` holds leased groups (or limit_s)."""
+def _wait_for_metric(run, key, proc, limit_s=60):
+    """Step of the newest metrics record whose ``key`` is >= 1, once there is one (None
+    after ``limit_s``)."""
     path = os.path.join(run, "metrics.jsonl")
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         assert proc.poll() is None
         lines = [json.loads(x) for x in open(path) if x.strip().endswith("}")]
-        if lines and lines[-1].get(f"replica/{replica}/in_flight", 0) >= 1:
-            return
+        if lines and lines[-1].get(key, 0) >= 1:
+            return lines[-1]["step"]
         time.sleep(0.01)
+    return None
+
+
+def _wait_holding(run, replica, proc, limit_s=60):
+    """Until the newest metrics record says ``replica`` holds leased groups (or limit_s)."""
+    _wait_for_metric(run, f"replica/{replica}/in_flight", proc, limit_s)
 
 
 def test_three_replicas_one_killed_and_restarted(env, tmp_path):
@@ -156,7 +163,10 @@ def test_replica_lost_run_goes_on_then_every_replica_dead_is_named(env, tmp_path
         os.kill(pids["sampler-0"], signal.SIGKILL)
         _wait_for_log(os.path.join(run, "logs", "learner.log"),
                       r"replica sampler-0 silent for over 5 s \(lost\)", proc)
-        _wait_for_step(run, step + 3, proc)             # the other replica carries the run
+        # the verdict reaches the step records; the other replica carries the run
+        lost_at = _wait_for_metric(run, "replica/0/lost", proc, limit_s=HANG_GUARD_S)
+        assert lost_at is not None
+        _wait_for_step(run, max(step, lost_at) + 2, proc)
         os.kill(pids["sampler-1"], signal.SIGKILL)
         _, err = _finish(proc)
     finally:
@@ -164,6 +174,9 @@ def test_replica_lost_run_goes_on_then_every_replica_dead_is_named(env, tmp_path
             proc.kill()
     assert proc.returncode == 1
     assert "the sampler-0 process died (killed by SIGKILL); going on with 1 sampler" in err
+    # the learner's verdict reaches the console too (not only logs/learner.log)
+    assert ("the learner declared sampler-0 lost (no heartbeat for over "
+            "runtime.replica_timeout_s=5 s") in err
     assert "every sampler replica died (2)" in err
 
 

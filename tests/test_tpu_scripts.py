@@ -235,6 +235,9 @@ def test_up_prints_create_install_start_in_order():
     (["--zone"], "--zone needs a value"),
     (["--zone", "--name", "x"], "--zone needs a value"),      # never takes a flag as a value
     (["--zone", "z", "--worker", ""], "--worker needs a value"),
+    # set from the slices by start.sh: a user's value would silently lose to it
+    (["--zone", "z", "--", "--sampler.num_replicas", "3"], "--sampler.num_replicas after --"),
+    (["--zone", "z", "--", "--lr", "1", "--learner.num-hosts=2"], "--learner.num-hosts=2 after --"),
 ])
 def test_bad_flags_are_named(args, message):
     _, _, proc = dry("stop.sh", *args, ok=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Tuple
 
-from rlflow.config.validation import _check, _positive, _one_of
+from rlflow.config.validation import _check, _positive, _one_of, _timeout
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class RewardConfig:
         _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
         _check(len(self.functions) == len(self.weights), "reward.weights",
                f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")
-        _positive(self.timeout_s, "reward.timeout_s")
+        _timeout(self.timeout_s, "reward.timeout_s")
         _check(self.num_workers >= 0, "reward.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(self.memory_limit_mb >= 0, "reward.memory_limit_mb",
                f"must be >= 0 (0: no limit), got {self.memory_limit_mb}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-from rlflow.config.validation import _check, _positive
+from rlflow.config.validation import _check, _positive, _timeout
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class EnvConfig:
         _positive(self.max_turns, "env.max_turns")
         _check(self.max_episode_tokens >= 0, "env.max_episode_tokens",
                f"must be >= 0 (0: sampler.max_tokens), got {self.max_episode_tokens}")
-        _positive(self.step_timeout_s, "env.step_timeout_s")
+        _timeout(self.step_timeout_s, "env.step_timeout_s")
         _positive(self.num_workers, "env.num_workers")
         _check(self.max_consecutive_errors >= 0, "env.max_consecutive_errors",
                f"must be >= 0 (0: never stop), got {self.max_consecutive_errors}")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlflow.secrets import ENV_BUFFER_TOKEN, token_source_given
-from rlflow.config.validation import _check, _positive, _one_of
+from rlflow.config.validation import _check, _positive, _one_of, _timeout
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class BufferConfig:
     def __post_init__(self):
         _positive(self.capacity, "buffer.capacity")
         _one_of(self.when_full, ("block", "drop_oldest"), "buffer.when_full")
-        _positive(self.timeout_s, "buffer.timeout_s")
+        _timeout(self.timeout_s, "buffer.timeout_s")
         _check(0 <= self.port < 65536, "buffer.port", f"must be in [0, 65535], got {self.port}")
         loopback = self.bind_address in ("127.0.0.1", "localhost", "::1") or \
             self.bind_address.startswith("127.")
@@ -127,14 +127,14 @@ class RuntimeConfig:
         _check(self.max_staleness >= self.publish_every - 1, "runtime.publish_every",
                f"must be <= runtime.max_staleness + 1 = {self.max_staleness + 1} (samples "
                f"between publishes are publish_every - 1 versions old), got {self.publish_every}")
-        _positive(self.transfer_timeout_s, "runtime.transfer_timeout_s")
+        _timeout(self.transfer_timeout_s, "runtime.transfer_timeout_s")
         _check(self.transfer_retries >= 0, "runtime.transfer_retries", "must be >= 0")
         _one_of(self.transfer_layout, ("native", "single_device"), "runtime.transfer_layout")
         _check(bool(self.bind_address), "runtime.bind_address", "must not be empty")
         _check(0 <= self.coordinator_port < 65536, "runtime.coordinator_port",
                f"must be in [0, 65535], got {self.coordinator_port}")
         _positive(self.weights_keep_last, "runtime.weights_keep_last")
-        _positive(self.replica_timeout_s, "runtime.replica_timeout_s")
+        _timeout(self.replica_timeout_s, "runtime.replica_timeout_s")
         _check(self.relay_fanout >= 0, "runtime.relay_fanout",
                f"must be >= 0, got {self.relay_fanout}")
 

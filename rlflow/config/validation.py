@@ -16,6 +16,13 @@ def _positive(value, where: str) -> None:
     _check(value > 0, where, f"must be > 0, got {value!r}")
 
 
+def _timeout(value, where: str) -> None:
+    """A timeout in seconds: finite and > 0 (an infinite one would let one hung call, peer
+    or replica stall the run with no message)."""
+    _check(value > 0 and value != float("inf"), where,
+           f"must be a finite number of seconds > 0, got {value!r}")
+
+
 def _one_of(value, allowed, where: str) -> None:
     _check(value in allowed, where, f"must be one of {sorted(allowed)}, got {value!r}")
 

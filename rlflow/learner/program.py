@@ -406,7 +406,7 @@ class LearnerProgram:
         from rlflow.runtime.metrics import replica_metrics
 
         return replica_metrics(self.coordinator.live_statuses(), self.coordinator.restarts(),
-                               self.publisher.publish_time)
+                               self.publisher.publish_time, self.coordinator.timeouts())
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, metrics=None, *, final: bool = False) -> None:

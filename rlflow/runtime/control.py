@@ -198,6 +198,14 @@ class RunCoordinator(Coordinator):
         with self._lock:
             return {n: r.restarts for n, r in self.replicas.replicas.items()}
 
+    def timeouts(self) -> dict[str, int]:
+        """Replica name -> times the learner declared it lost for silence
+        (``runtime.replica_timeout_s``)."""
+        if self.replicas is None:
+            return {}
+        with self._lock:
+            return {n: r.timeouts for n, r in self.replicas.replicas.items()}
+
     def acknowledged_done(self, *, silent_s: float = DONE_ACK_SILENCE_S) -> bool:
         """Every live replica that reported has received a ``done`` reply since it was set.
 

@@ -8,7 +8,9 @@ NaN/inf reward (``sampler/dropped_bad_reward_groups``), the reward functions' er
 timeout counts (``reward/errors/<fn>``, ``reward/timeouts/<fn>``), the multi-turn episode
 counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
 (sums: each a total of the replica's current instance), ``sampler/version`` (newest),
-``sampler/replicas_alive``, and the ``sync/*`` swap figures of the replica that reported
+``sampler/replicas_alive``, ``replica/<i>/lost`` for every replica the learner has
+declared lost for silence (times, ``runtime.replica_timeout_s``; live or not) and their sum
+``sampler/replicas_lost``, and the ``sync/*`` swap figures of the replica that reported
 last, with ``sync/weight_sync_s`` = its swap time minus the publish time of the version it
 swapped in.
 """
@@ -32,11 +34,17 @@ def _index(name: str) -> str:
 
 
 def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
-                    publish_time: Mapping[int, float]) -> dict:
-    """Metrics of the live replicas' latest statuses (``SamplerStatus`` by name)."""
-    if not statuses:
-        return {"sampler/replicas_alive": 0.0}
+                    publish_time: Mapping[int, float],
+                    timeouts: Mapping[str, int] | None = None) -> dict:
+    """Metrics of the live replicas' latest statuses (``SamplerStatus`` by name);
+    ``timeouts``: replica name -> times declared lost for silence (any replica)."""
+    lost = {n: k for n, k in (timeouts or {}).items() if k}
     out: dict = {"sampler/replicas_alive": float(len(statuses))}
+    if lost:
+        out["sampler/replicas_lost"] = float(sum(lost.values()))
+        out.update({f"replica/{_index(n)}/lost": float(k) for n, k in lost.items()})
+    if not statuses:
+        return out
     figures = {name: {k: float(v) for k, v in st.metrics.items()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
                for name, st in statuses.items()}

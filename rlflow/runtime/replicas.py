@@ -36,6 +36,7 @@ class ReplicaState:
     last_seen: float
     alive: bool = True
     restarts: int = 0      # instances seen after the first (restarts the learner noticed)
+    timeouts: int = 0      # times declared lost for silence (``timeout_s``)
 
 
 class ReplicaTable:
@@ -82,6 +83,7 @@ class ReplicaTable:
                 if r.alive and now - r.last_seen > self.timeout_s]
         for name in lost:
             self.replicas[name].alive = False
+            self.replicas[name].timeouts += 1
             self.lost_total += 1
         if lost and not self.alive() and self._none_since is None:
             self._none_since = max(self.replicas[n].last_seen for n in lost) + self.timeout_s

@@ -137,7 +137,9 @@ DROP_COUNTS = {"learner/stale_groups_dropped": "stale group{s} dropped",
                "learner/skipped_steps": "learner step{s} skipped (no sample for the loss)",
                "sampler/env_reset_errors": "prompt{s} dropped (environment could not start)",
                "sampler/env_errors": "environment step error{s} (episode reward 0)",
-               "sampler/env_timeouts": "environment step timeout{s} (episode reward 0)"}
+               "sampler/env_timeouts": "environment step timeout{s} (episode reward 0)",
+               "sampler/replicas_lost": "time{s} a sampler replica was declared lost "
+                                        "(no heartbeat for runtime.replica_timeout_s)"}
 COUNT_PREFIXES = ("reward/errors/", "reward/timeouts/")
 
 
@@ -254,6 +256,7 @@ class RunWatcher:
         self.resumed_from = resumed_from
         self.last_step = resumed_from
         self.counts: dict[str, float] = {}
+        self._lost: dict[str, float] = {}       # replica/<i>/lost seen so far
         self._prompts_shown = False
         self.progress = ProgressReporter(cfg.learner.num_steps, mode=cfg.metrics.progress,
                                          stream=self.stream, start_step=resumed_from)
@@ -319,11 +322,29 @@ class RunWatcher:
         """Keep the newest value of each count of :func:`count_metrics`; print the prompt
         filter counts once, when they first arrive (they are fixed for the run)."""
         new = count_metrics(rec)
+        self._note_lost_replicas(rec)
         self.counts.update(new)
         if not self._prompts_shown and any(k in new for k in PROMPT_COUNTS):
             self._prompts_shown = True
             self.progress.message("rlflow train: " + prompt_counts_line(
                 self.counts, self.cfg.data.max_prompt_tokens))
+
+    def _note_lost_replicas(self, rec: Mapping) -> None:
+        """One console line each time the learner declares a sampler replica lost for
+        silence (``replica/<i>/lost`` rises, :func:`rlflow.runtime.metrics.replica_metrics`):
+        a hung or unreachable replica, whose process the launcher still sees running."""
+        for key, value in sorted(rec.items()):
+            if not (key.startswith("replica/") and key.endswith("/lost")
+                    and isinstance(value, (int, float)) and value > self._lost.get(key, 0)):
+                continue
+            self._lost[key] = value
+            name = f"sampler-{key.split('/')[1]}"
+            last = _last_line(os.path.join(self.run_path, LOGS_SUBDIR, f"{name}.log"))
+            self.progress.message(
+                f"rlflow train: the learner declared {name} lost (no heartbeat for over "
+                f"runtime.replica_timeout_s={self.cfg.runtime.replica_timeout_s:g} s: hung, "
+                f"stopped or unreachable); its leased prompts go to the other replicas"
+                + (f"; the last line of its log: {last[:300]}" if last else ""))
 
     def summary(self, success: bool) -> dict:
         """Reward rise over the run's whole ``metrics.jsonl`` (``reward/mean`` per step), wall

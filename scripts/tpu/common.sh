@@ -76,6 +76,20 @@ need_value() {
   if [ $# -lt 2 ] || [ -z "$2" ] || [[ "$2" == --* ]]; then die "$1 needs a value"; fi
 }
 
+# rlflow train flags the slices decide (start.sh sets them from the slice types): after
+# "--" they would silently lose to, or override, what the slices hold.
+refuse_slice_flags() {
+  local arg
+  for arg in "${TRAIN_ARGS[@]}"; do
+    case "$arg" in
+      --sampler.num_replicas|--sampler.num_replicas=*|--sampler.num-replicas|--sampler.num-replicas=*)
+        die "$arg after --: the replica count is the sampler hosts (--sampler-slices x hosts of --sampler-type), set by start.sh" ;;
+      --learner.num_hosts|--learner.num_hosts=*|--learner.num-hosts|--learner.num-hosts=*)
+        die "$arg after --: the learner hosts are those of --learner-type's slice, set by start.sh" ;;
+    esac
+  done
+}
+
 parse_flags() {
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -106,7 +120,7 @@ parse_flags() {
       --no-wait) NO_WAIT=1; shift ;;
       --dry-run) DRY_RUN=1; shift ;;
       -h|--help) usage; exit 0 ;;
-      --) shift; TRAIN_ARGS=("$@"); break ;;
+      --) shift; TRAIN_ARGS=("$@"); refuse_slice_flags; break ;;
       *) die "unknown flag $1 (see --help)" ;;
     esac
   done
