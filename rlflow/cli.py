@@ -162,11 +162,8 @@ def parse_train_args(argv: Sequence[str]):
     """
     import tyro
 
-    from rlflow.config import ExperimentConfig, load_config_file
-
-    import dataclasses
-
-    from rlflow.secrets import REDACTED, refuse_secret_flags
+    from rlflow.config import load_config_file
+    from rlflow.secrets import refuse_secret_flags
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
@@ -175,20 +172,51 @@ def parse_train_args(argv: Sequence[str]):
     path = known.config or DEFAULT_CONFIG
     default = load_config_file(path)
     if any(a in ("-h", "--help") for a in rest):
-        print(train_help(default))
+        # "(now: ...)" shows the config the other flags make (the file's, if they fail)
+        others = [a for a in rest if a not in ("-h", "--help", "--help-all")]
+        shown, note = default, ""
+        if others:
+            import contextlib
+            import io
+
+            try:
+                with contextlib.redirect_stderr(io.StringIO()), \
+                        contextlib.redirect_stdout(io.StringIO()):
+                    shown = _parse(tyro, default, normalize_bools(others))
+            except (SystemExit, ValueError):
+                note = ("(the other flags given do not parse: the values shown are the "
+                        "config file's)")
+        print(train_help(shown) + (f"\n{note}" if note else ""))
         raise SystemExit(0)
     rest = ["--help" if a == "--help-all" else a for a in normalize_bools(rest)]
-    # tyro prints defaults in --help-all and in its error messages: a token set in the
-    # config file goes in redacted and is put back after parsing (--buffer.token is refused
-    # above, so the parsed value is always the default).
-    token = default.buffer.token
-    if token:
-        default = dataclasses.replace(default, buffer=dataclasses.replace(
-            default.buffer, token=REDACTED))
-    if "--help" in rest:                 # --help-all: booleans as --help and the README
-        print(help_all(tyro, default, rest))
+    if "--help" in rest:
+        print(help_all(tyro, _redacted(default), rest))
         raise SystemExit(0)
-    cfg = tyro.cli(ExperimentConfig, default=default, args=rest,
+    return _parse(tyro, default, rest)
+
+
+def _redacted(cfg):
+    """``cfg`` with its buffer token (if any) replaced by ``REDACTED``: tyro prints defaults
+    in ``--help-all`` and in its error messages."""
+    import dataclasses
+
+    from rlflow.secrets import REDACTED
+
+    if not cfg.buffer.token:
+        return cfg
+    return dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, token=REDACTED))
+
+
+def _parse(tyro, default, rest):
+    """tyro's parse of the overrides ``rest`` over ``default``; a token set in the config
+    file goes in redacted and is put back after parsing (``--buffer.token`` is refused
+    before, so the parsed value is always the default)."""
+    import dataclasses
+
+    from rlflow.config import ExperimentConfig
+
+    token = default.buffer.token
+    cfg = tyro.cli(ExperimentConfig, default=_redacted(default), args=list(rest),
                    prog="rlflow train", config=(tyro.conf.FlagConversionOff,))
     if token:
         cfg = dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, token=token))

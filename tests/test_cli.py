@@ -99,6 +99,23 @@ def test_train_help_is_short_and_starts_with_config(config_file, capsys):
     assert any("--help-all" in ln and "docs/config.md" in ln for ln in lines)
 
 
+def test_train_help_shows_the_values_the_other_flags_make(config_file, capsys):
+    def now(args, flag):
+        with pytest.raises(SystemExit):
+            cli.main(["train", "--config", config_file, *args])
+        out = capsys.readouterr().out
+        return [ln for ln in out.splitlines() if ln.startswith(f"  {flag} ")][0], out
+
+    line, out = now(["--learner.num-steps", "7", "--checkpoint.overwrite", "--help"],
+                    "--learner.num-steps")
+    assert line.endswith("(now: 7)") and "do not parse" not in out
+    line, _ = now(["--checkpoint.overwrite", "--help"], "--checkpoint.overwrite")
+    assert line.endswith("(now: true)")
+    line, out = now(["-h", "--learner.num-steps", "seven"], "--learner.num-steps")
+    assert line.endswith("(now: 3)")                             # the file's
+    assert out.rstrip().endswith("the values shown are the config file's)")
+
+
 def test_help_all_writes_booleans_as_help_does(config_file, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--config", config_file, "--help-all"])
