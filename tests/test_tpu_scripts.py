@@ -252,6 +252,14 @@ def test_a_flag_missing_its_value_never_drops_the_dry_run():
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("typ", ["v5litepod-6", "v6e-12", "v5litepod-512", "v5p-12"])
+def test_slice_sizes_cloud_tpu_does_not_offer_are_refused(typ):
+    _, _, proc = dry("start.sh", *BASE, "--learner-ip", "10.0.0.7", "--sampler-type", typ,
+                     ok=False)
+    assert proc.returncode == 2 and f"accelerator type {typ}: size must be" in proc.stderr
+    assert proc.stdout == ""
+
+
 def test_create_stops_on_an_accelerator_type_without_a_runtime():
     """An unknown type (v5e-8 is the marketing name of v5litepod-8) stops create.sh before
     any command, instead of printing one with an empty --runtime-version."""

@@ -167,11 +167,12 @@ slice_shape() {
       [ "$n" -ge 8 ] && [ $((n % 8)) = 0 ] || die "accelerator type $type: size must be a multiple of 8"
       echo "$((n / 8)) 4" ;;
     v5litepod-*|v6e-*)
-      if [ "$n" -le 8 ]; then echo "1 $n"
-      else
-        [ $((n % 4)) = 0 ] || die "accelerator type $type: size above 8 must be a multiple of 4"
-        echo "$((n / 4)) 4"
-      fi ;;
+      # the slice shapes Cloud TPU offers: 1x1, 2x2, 2x4 on one host; 4x4 ... 16x16 (4 chips a host)
+      case "$n" in
+        1|4|8) echo "1 $n" ;;
+        16|32|64|128|256) echo "$((n / 4)) 4" ;;
+        *) die "accelerator type $type: size must be one of 1, 4, 8 (one host) or 16, 32, 64, 128, 256" ;;
+      esac ;;
     *) die "unknown accelerator type $type (v4-N, v5p-N, v5litepod-N or v6e-N)" ;;
   esac
 }
