@@ -142,6 +142,39 @@ def test_offer_rules_learner_fanout_then_relays_then_fallback():
     pub.version = 1                                   # a new version starts a new tree
     assert relay.offer("e", 0)["source"] == "learner"
     assert relay.metrics()["transfer/learner_bytes_last_version"] == 100
+    assert relay.totals().tolist() == [400, 200, 100, 100, relay.waits]
+
+
+def test_all_hosts_relay_metrics_sum_each_host_tree():
+    """A 2-host learner: each host's tree (here: different traffic) adds up, and the
+    egress per model is the learner's last-version bytes over the sum of the hosts' shards."""
+    from rlflow.exchange.relay import TOTALS, all_hosts_metrics
+
+    trees = []
+    for nbytes, consumers in ((100, "abc"), (60, "abcd")):
+        pub = _FakePublisher()
+        pub.nbytes, pub.version = nbytes, 0
+        relay = RelayOffers(pub, fanout=2, assign_timeout_s=10, clock=_Clock())
+        relay.offer(consumers[0], -1)
+        relay.offer(consumers[1], -1)
+        relay.register(consumers[0], 0, "x:1", 1, list(range(len(consumers) - 2)))
+        for c in consumers[2:]:
+            relay.offer(c, -1)
+        trees.append(relay)
+    rows = np.stack([r.totals() for r in trees])
+    m = all_hosts_metrics(rows)
+    # oracle from each tree's own counters
+    learner = [r.bytes_sent["learner"] for r in trees]
+    relayed = [sum(r.bytes_sent.values()) - r.bytes_sent["learner"] for r in trees]
+    assert (learner, relayed) == ([200, 120], [100, 120])
+    assert m["transfer/bytes_sent/learner"] == 320 and m["transfer/bytes_sent/relays"] == 220
+    assert m["transfer/learner_bytes_last_version"] == 320
+    assert m["transfer/learner_egress_per_model"] == pytest.approx(320 / 160)
+    assert (m["transfer/host/0/learner_bytes_last_version"],
+            m["transfer/host/1/learner_bytes_last_version"]) == (200, 120)
+    assert all_hosts_metrics(np.zeros((2, len(TOTALS)))) == {}      # star: no relay figures
+    with pytest.raises(ValueError, match="rows must be"):
+        all_hosts_metrics(np.zeros((2, 3)))
 
 
 def test_demand_driven_relays_register_only_needed_slots():

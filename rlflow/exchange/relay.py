@@ -41,7 +41,13 @@ import threading
 import time
 from typing import Callable, Optional
 
+import numpy as np
+
 FANOUT = 2
+# One learner host's relay figures, as gathered over the hosts of a multi-host learner
+# (RelayOffers.totals, all_hosts_metrics): bytes, except waits (a count).
+TOTALS = ("learner_bytes", "relayed_bytes", "learner_bytes_last_version", "unit_bytes",
+          "waits")
 
 
 class RelayOffers:
@@ -167,6 +173,18 @@ class RelayOffers:
                                       "uuids": [int(u) for u in uuids]}
             return True
 
+    def totals(self) -> np.ndarray:
+        """float64 ``[len(TOTALS)]``: bytes this host's learner sent (all versions), bytes
+        its relays sent, the learner's bytes for the newest version, the bytes of one
+        version of what it serves (its shards), asks that waited for a relay."""
+        with self._lock:
+            last = (self.learner_bytes_by_version[max(self.learner_bytes_by_version)]
+                    if self.learner_bytes_by_version else 0)
+            learner = self.bytes_sent.get("learner", 0)
+            relayed = sum(self.bytes_sent.values()) - learner
+            return np.array([learner, relayed, last, self.publisher.nbytes, self.waits],
+                            np.float64)
+
     def metrics(self) -> dict:
         """``transfer/bytes_sent/<source>`` totals, the learner's bytes for the newest
         version, and how many asks had to wait for a relay."""
@@ -181,3 +199,30 @@ class RelayOffers:
                         self.learner_bytes_by_version[last] / self.publisher.nbytes
             out["transfer/relay_waits"] = float(self.waits)
             return out
+
+
+def all_hosts_metrics(rows) -> dict:
+    """The ``transfer/*`` relay figures of a multi-host learner from every host's
+    :meth:`RelayOffers.totals` (``rows``: ``[hosts, len(TOTALS)]``, host order; each host
+    runs its own relay tree for its shards): ``transfer/bytes_sent/learner`` and
+    ``transfer/bytes_sent/relays`` (all hosts, all versions), ``transfer/learner_bytes_last_
+    version`` (all hosts), ``transfer/learner_egress_per_model`` (that over the model's
+    bytes, the sum of the hosts' shards: ~fanout with relays), ``transfer/relay_waits``, and
+    per host ``transfer/host/<h>/learner_bytes_last_version``. ``{}`` when no host relays
+    (every row zero)."""
+    rows = np.asarray(rows, np.float64)
+    if rows.ndim != 2 or rows.shape[1] != len(TOTALS):
+        raise ValueError(f"rows must be [hosts, {len(TOTALS)}], got shape {rows.shape}")
+    if not rows.any():
+        return {}
+    col = {k: rows[:, i] for i, k in enumerate(TOTALS)}
+    out = {"transfer/bytes_sent/learner": float(col["learner_bytes"].sum()),
+           "transfer/bytes_sent/relays": float(col["relayed_bytes"].sum()),
+           "transfer/learner_bytes_last_version": float(col["learner_bytes_last_version"].sum()),
+           "transfer/relay_waits": float(col["waits"].sum())}
+    if col["unit_bytes"].sum() > 0:
+        out["transfer/learner_egress_per_model"] = float(
+            col["learner_bytes_last_version"].sum() / col["unit_bytes"].sum())
+    for h, v in enumerate(col["learner_bytes_last_version"]):
+        out[f"transfer/host/{h}/learner_bytes_last_version"] = float(v)
+    return out

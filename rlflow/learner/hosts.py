@@ -89,6 +89,19 @@ def gather_addresses(address: str) -> list[str]:
     return [bytes(row.astype(np.uint8)).rstrip(b"\0").decode() for row in every]
 
 
+def gather_relay_totals(offers) -> np.ndarray:
+    """Every host's ``offers.totals()`` (a collective; zeros for a host without relays):
+    float64 ``[hosts, len(rlflow.exchange.relay.TOTALS)]``, host order."""
+    from rlflow.exchange.relay import TOTALS
+
+    mine = (offers.totals() if hasattr(offers, "totals")
+            else np.zeros(len(TOTALS), np.float64))
+    # float32 on the wire (jax without x64 would cut int64 byte counts to int32): metrics
+    # only, 1e-7 relative rounding
+    every = multihost_utils.process_allgather(np.asarray(mine, np.float32))
+    return np.asarray(every, np.float64).reshape(-1, len(TOTALS))
+
+
 class LearnerHosts:
     """One learner host's part in the multi-host program (built on every host, at the same
     point: after the learner and its resume).
@@ -98,23 +111,29 @@ class LearnerHosts:
       bind_host: host the followers' weight coordinators bind.
       publisher: this host's ``WeightPublisher`` (host 0: the one its run coordinator
         offers; followers: served here by a plain coordinator).
+      offers: host 0: what its run coordinator offers from (``Publisher.offers``, a
+        ``RelayOffers`` with relays); followers make their own (None).
 
     Attributes:
       weight_hosts: ``host:port`` of the weight coordinators of hosts 1..N-1 (what the
         samplers pull the other shards from).
+      relay_totals: float64 ``[hosts, len(rlflow.exchange.relay.TOTALS)]``, every host's
+        relay figures as of the last publish (zero rows: no relays), or None before it.
     """
 
-    def __init__(self, cfg, bind_host: str, publisher):
+    def __init__(self, cfg, bind_host: str, publisher, offers=None):
         from rlflow.exchange.coordinator import Coordinator
 
-        self.cfg, self.publisher = cfg, publisher
+        self.cfg, self.publisher, self.offers = cfg, publisher, offers
         self.commands = HostCommands()
         self.coordinator = None
+        self.relay_totals = None
         address = ""
         if not self.commands.leader:
             from rlflow.learner.publish import relay_offers
 
-            self.coordinator = Coordinator(relay_offers(cfg, publisher), bind_address=bind_host,
+            self.offers = relay_offers(cfg, publisher)
+            self.coordinator = Coordinator(self.offers, bind_address=bind_host,
                                            token=cfg.buffer.token).start()
             address = f"{advertised_host(bind_host)}:{self.coordinator.port}"
         self.weight_hosts = gather_addresses(address)[1:]
@@ -128,6 +147,7 @@ class LearnerHosts:
 
         if self.commands.leader:
             self.commands.send(PUBLISH, version)
+        self.relay_totals = gather_relay_totals(self.offers)
         self.publisher.publish(version, host_units(params))
 
     def dispatch(self, learner, batch, *, checked: bool = False) -> tuple[dict, dict]:

@@ -124,7 +124,8 @@ class LearnerProgram:
         if cfg.learner.num_hosts > 1:
             from rlflow.learner.hosts import LearnerHosts
 
-            self.hosts = self.publisher.hosts = LearnerHosts(cfg, chost, self.publisher.impl)
+            self.hosts = self.publisher.hosts = LearnerHosts(
+                cfg, chost, self.publisher.impl, offers=getattr(self.publisher, "offers", None))
         self.coordinator = RunCoordinator(
             self.publisher.offers, buffer_counts=self._buffer_counts, ledger=self.ledger,
             replicas=ReplicaTable(cfg.runtime.replica_timeout_s, time.monotonic()),
@@ -387,7 +388,12 @@ class LearnerProgram:
         metrics.update(self.ledger.metrics())
         metrics.update(self.prompt_counts)
         offers = getattr(self.publisher, "offers", None)
-        if hasattr(offers, "metrics"):
+        totals = getattr(self.hosts, "relay_totals", None)
+        if totals is not None:        # every learner host's relay tree, as of the last publish
+            from rlflow.exchange.relay import all_hosts_metrics
+
+            metrics.update(all_hosts_metrics(totals))
+        elif hasattr(offers, "metrics"):
             metrics.update(offers.metrics())
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
