@@ -175,11 +175,18 @@ def install_signal_handlers() -> None:
     The request is also remembered: Python runs the handler wherever the main thread is,
     and an exception raised inside a finaliser (e.g. a ZeroMQ frame's ``__dealloc__``) is
     printed and dropped. Program loops call :func:`raise_if_stopped` so such a request
-    still stops the program (with its exit checkpoint) instead of waiting for SIGKILL."""
+    still stops the program (with its exit checkpoint) instead of waiting for SIGKILL.
+
+    Only the first request raises: later ones are recorded and ignored, so they cannot cut
+    the exit checkpoint short. A launcher killed with SIGKILL sends several (Linux sends
+    ``PR_SET_PDEATHSIG`` again each time the child is handed to the next thread of the dying
+    parent), and the second used to abort the learner's final save half-written."""
 
     def _stop(signum, frame):
+        first = not _stop_requested
         _stop_requested.append(signum)
-        raise Stopped(f"received {signal.Signals(signum).name}")
+        if first:
+            raise Stopped(f"received {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, _stop)
 

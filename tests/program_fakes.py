@@ -83,6 +83,9 @@ class _Coordinator:
     def restarts(self):
         return {}
 
+    def timeouts(self):
+        return {}
+
 
 class _Writer:
     def __init__(self):

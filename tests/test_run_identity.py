@@ -262,6 +262,25 @@ def test_a_stop_swallowed_by_a_finaliser_still_stops_the_loop(fresh_stop_state):
         pc.raise_if_stopped()
 
 
+def test_only_the_first_stop_request_raises(fresh_stop_state):
+    """A launcher killed with SIGKILL sends its children several SIGTERMs (PDEATHSIG each
+    time a child is handed to the next dying thread): the second must not cut the exit
+    checkpoint (run in the handler of the first) short."""
+    pc.install_signal_handlers()
+    saved = []
+    with pytest.raises(pc.Stopped, match="SIGTERM"):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))
+        finally:                                 # the exit checkpoint
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))
+            saved.append("whole")
+    assert saved == ["whole"] and pc._stop_requested == [signal.SIGTERM] * 2
+    with pytest.raises(pc.Stopped):
+        pc.raise_if_stopped()                    # still stopping
+
+
 def test_deferred_stop_raises_after_the_block(fresh_stop_state):
     done = []
     with pytest.raises(pc.Stopped, match="SIGTERM"):

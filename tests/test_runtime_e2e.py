@@ -154,6 +154,40 @@ def test_ctrl_c_stops_both_programs_and_saves_the_exit_checkpoint(env, tmp_path)
     assert "stopped: received SIGTERM" in open(os.path.join(run, "logs", "sampler.log")).read()
 
 
+def test_kill_9_of_the_launcher_still_leaves_a_whole_exit_checkpoint(env, tmp_path):
+    """The children get SIGTERM from the kernel (PDEATHSIG), several times over as the
+    dying launcher's threads go; a later one once cut the learner's exit save short (a LoRA
+    run kept only ``<step>.orbax-checkpoint-tmp``: everything trained was lost)."""
+    proc = _start(env, tmp_path, "kill9", "--learner.num_steps", "100000",
+                  "--learner.lora.rank", "4")
+    run = os.path.join(str(tmp_path), "kill9")
+    try:
+        _wait_for_step(run, 3, proc)
+        pids = json.load(open(os.path.join(run, "processes.json")))
+        proc.kill()
+        proc.communicate(timeout=HANG_GUARD_S)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not any(_alive(p) for p in pids.values())
+    names = os.listdir(os.path.join(run, "checkpoints"))
+    saved = [int(d) for d in names if d.isdigit()]
+    assert saved and max(saved) >= 3, names              # the learner's exit checkpoint
+    assert not [d for d in names if "tmp" in d], names   # none left half-written
+    assert "stopped: received SIGTERM" in open(os.path.join(run, "logs", "learner.log")).read()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_restarted_sampler_generates_with_last_synced_version(env, tmp_path):
     proc = _start(env, tmp_path, "restart", "--learner.num_steps", "10",
                   "--runtime.restart_sampler", "True", "--runtime.mode", "sync",
