@@ -224,6 +224,7 @@ def _parse(tyro, default, rest):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    console = argv is None              # the console script: the process exits after this
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("train", "export", "report")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
@@ -255,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_train(cfg)
     if command == "export":
         from rlflow.export import main as export_main
-        return export_main(rest)
+        return export_main(rest, process_exits=console)
     if command == "report":
         from rlflow.report import main as report_main
         return report_main(rest)

@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Optional, Sequence
 
-from rlflow.checkpoint import CheckpointError
+from rlflow.checkpoint import CheckpointError, DamagedCheckpointError
 from rlflow.models.config import DecoderConfig, ModelFormatError
 from rlflow.models.hf import (CONFIG_FILE, TOKENIZER_FILES, read_decoder_config, read_hf_config,
                               write_hf)
@@ -39,6 +39,11 @@ from rlflow.models.hf import (CONFIG_FILE, TOKENIZER_FILES, read_decoder_config,
 class ExportError(ValueError):
     """``rlflow export --run``: the run folder, the step or its checkpoint cannot be exported
     (the message names the folder, the step or the tensor, and what was expected)."""
+
+
+class DamagedExportError(ExportError):
+    """The checkpoint to export cannot be read (its files are damaged): the message names
+    the step folder, the underlying error and the earlier step to export instead."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,12 @@ def params_from_run(run: str, step: int | None = None, *, base_model: str = "") 
         target = _params_target(cfg) if lora is None else _adapters_target(cfg, lora)
         try:
             restored = ck.restore(step, params_target=target, restore_opt_state=False)
+        except DamagedCheckpointError as e:
+            way = (f"export an earlier one with --step {e.earlier[-1]} (complete steps "
+                   f"before it: {list(e.earlier)})" if e.earlier else
+                   "the run has no earlier checkpoint to export")
+            raise DamagedExportError(f"{e.folder}: checkpoint step {e.step} cannot be read "
+                                     f"({e.reason}); its files are damaged: {way}") from None
         except CheckpointError as e:
             raise ExportError(f"{where}: the saved parameters do not match the base model "
                               f"{os.path.join(base, CONFIG_FILE)}: {e}") from None
@@ -339,17 +350,70 @@ def run_export(args: ExportArgs) -> str:
     return args.out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+class _library_stderr_held:
+    """File descriptor 2 goes to a temporary file inside the block and is written back to
+    the real stderr at its end, unless ``drop`` was set: then (``process_exits``: the
+    console script, about to exit) it stays pointed at ``/dev/null`` for the rest of the
+    process, and ``real`` is a stream to the real stderr (for the one line); in-process
+    callers get fd 2 back at once. Why: after a failed checkpoint read, orbax's event loop closes while
+    tensorstore's reads still finish on their own threads, and each prints a
+    ``RuntimeError: Event loop is closed`` traceback through ``sys.stderr`` (no Python
+    hook sees it): hundreds of lines around the one that says which file is damaged."""
+
+    def __init__(self, process_exits: bool):
+        self.process_exits = process_exits
+
+    def __enter__(self):
+        import tempfile
+
+        sys.stderr.flush()
+        self.drop, self.real = False, sys.stderr
+        self._real = os.dup(2)
+        self._held = tempfile.TemporaryFile()
+        os.dup2(self._held.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stderr.flush()
+        if self.drop and self.process_exits:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 2)
+            os.close(null)
+            self.real = os.fdopen(self._real, "w", buffering=1)
+        else:
+            os.dup2(self._real, 2)
+            os.close(self._real)
+            self._held.seek(0)
+            held = self._held.read()
+            if held and not self.drop:
+                sys.stderr.buffer.write(held) if hasattr(sys.stderr, "buffer") else \
+                    sys.stderr.write(held.decode(errors="replace"))
+                sys.stderr.flush()
+        self._held.close()
+        return False
+
+
+def main(argv: Sequence[str] | None = None, *, process_exits: Optional[bool] = None) -> int:
     """Console entry: ``rlflow export (--model-path DIR | --run DIR [--step N]) --out DIR
-    [--dtype bfloat16]``; returns the exit status (2 with the message on stderr on bad input)."""
+    [--dtype bfloat16]``; returns the exit status (2 with the message on stderr on bad input).
+    ``process_exits`` (default: ``argv`` is None, the console script): the process ends
+    after this returns (see :class:`_library_stderr_held`)."""
     import tyro
 
+    process_exits = argv is None if process_exits is None else process_exits
     argv = list(sys.argv[1:] if argv is None else argv)
+    held = None
     try:
         args = tyro.cli(ExportArgs, args=argv, prog="rlflow export")
-        out = run_export(args)
+        with _library_stderr_held(process_exits) as held:
+            try:
+                out = run_export(args)
+            except DamagedExportError:
+                held.drop = True
+                raise
     except (ModelFormatError, ExportError, CheckpointError, FileNotFoundError) as e:
-        print(f"rlflow export: {e}", file=sys.stderr)
+        print(f"rlflow export: {e}", file=held.real if held is not None else sys.stderr,
+              flush=True)
         return 2
     except OSError as e:                # --out on a read-only mount, no space, ...
         where = e.filename or "the --out folder"

@@ -261,6 +261,43 @@ def test_unknown_step_lists_the_available_steps(trained, tmp_path, capsys):
     assert rc == 2 and "--out must differ from the run's base model folder" in text
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop
+def test_a_damaged_checkpoint_is_named_with_the_step_to_export_instead(trained, tmp_path,
+                                                                         capfd):
+    """Its files altered on disk: one line naming the step folder, the file and the earlier
+    step (not "do not match the base model", nor resume advice, nor the hundreds of lines
+    of closed-event-loop tracebacks the failed read leaves behind)."""
+    import glob
+    import subprocess
+    import sys
+
+    t = trained("llama", False)
+    run = str(tmp_path / "run")
+    shutil.copytree(t["run"], run)
+    for path in glob.glob(os.path.join(run, "checkpoints", "2", "params", "**", "d", "*"),
+                          recursive=True):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+    rc = cli.main(["export", "--run", run, "--base-model", t["base"], "--out",
+                   str(tmp_path / "o")])
+    err = capfd.readouterr().err
+    assert rc == 2
+    assert f"{run}/checkpoints/2: checkpoint step 2 cannot be read (" in err
+    assert "its files are damaged: export an earlier one with --step 1" in err
+    assert "do not match the base model" not in err and "rerun" not in err
+    assert not os.path.exists(tmp_path / "o")
+    # the console script: that one line and nothing else
+    proc = subprocess.run([sys.executable, "-m", "rlflow.cli", "export", "--run", run,
+                           "--base-model", t["base"], "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("rlflow export: ") and proc.stderr.count("\n") == 1, \
+        proc.stderr[:3000]
+    rc = cli.main(["export", "--run", run, "--base-model", t["base"], "--step", "1",
+                   "--out", str(tmp_path / "o1")])
+    assert rc == 0, capfd.readouterr().err          # the earlier step still exports
+
+
 def _edited_base(src: str, dst: str, **changes) -> str:
     shutil.copytree(src, dst)
     path = os.path.join(dst, "config.json")

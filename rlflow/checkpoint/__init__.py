@@ -42,9 +42,11 @@ Modules, one concept each:
 from rlflow.checkpoint.manager import (ARRAY_ITEMS, ITEMS, Checkpointer, checkpoint_dir,
                                        restore_params, resume)
 from rlflow.checkpoint.metadata import FORMAT_VERSION, run_metadata
-from rlflow.checkpoint.state import CheckpointError, LearnerCheckpoint, PyTree
+from rlflow.checkpoint.state import (CheckpointError, DamagedCheckpointError,
+                                     LearnerCheckpoint, PyTree)
 from rlflow.checkpoint.targets import abstract_target
 
 __all__ = ["ARRAY_ITEMS", "FORMAT_VERSION", "ITEMS", "CheckpointError", "Checkpointer",
+           "DamagedCheckpointError",
            "LearnerCheckpoint", "PyTree", "abstract_target", "checkpoint_dir", "restore_params",
            "resume", "run_metadata"]

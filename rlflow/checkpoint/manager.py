@@ -31,15 +31,17 @@ def _absolute(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
-def _damaged(directory: str, step: int, error: BaseException, earlier: list[int]) -> str:
-    """The message of a checkpoint whose files cannot be read: the innermost error of the
+def _damaged(directory: str, step: int, error: BaseException,
+             earlier: list[int]) -> DamagedCheckpointError:
+    """The error of a checkpoint whose files cannot be read: the innermost error of the
     chain (tensorstore's names the file and byte range; the outer ones repeat a spec of
-    hundreds of lines), its first line cut at 300 characters, and the way out: resume from
-    the newest of the ``earlier`` steps, or, with none, start over."""
+    hundreds of lines), its first line cut at 300 characters, and the way out of a training
+    run: resume from the newest of the ``earlier`` steps, or, with none, start over."""
     inner = error
     while (inner.__cause__ or inner.__context__) is not None:
         inner = inner.__cause__ or inner.__context__
     line = (str(inner).strip().splitlines() or [""])[0].split(" [tensorstore_spec=")[0][:300]
+    reason = f"{type(inner).__name__}: {line}"
     base = directory.rstrip("/")
     aside = f"mv {base}/{step} {base}.damaged-{step}"
     if earlier:
@@ -50,8 +52,9 @@ def _damaged(directory: str, step: int, error: BaseException, earlier: list[int]
                f"({aside}) starts over from step 0 (its records after step 0 are removed); or "
                f"start over in a clean folder with --checkpoint.resume never "
                f"--checkpoint.overwrite true")
-    return (f"{base}/{step}: checkpoint step {step} cannot be read ({type(inner).__name__}: "
-            f"{line}); its files are damaged: {way}")
+    return DamagedCheckpointError(
+        f"{base}/{step}: checkpoint step {step} cannot be read ({reason}); its files are "
+        f"damaged: {way}", folder=f"{base}/{step}", step=step, reason=reason, earlier=earlier)
 
 
 def checkpoint_dir(run_path: str) -> str:
@@ -239,7 +242,7 @@ class Checkpointer:
             raise
         except Exception as e:  # noqa: BLE001 - tensorstore / orbax raise many kinds
             earlier = [s for s in self.all_steps() if s < step]
-            raise DamagedCheckpointError(_damaged(self.directory, step, e, earlier)) from e
+            raise _damaged(self.directory, step, e, earlier) from e
 
     def _restore(self, step, params_target, opt_state_target, restore_opt_state, value_target,
                  restore_value) -> LearnerCheckpoint:

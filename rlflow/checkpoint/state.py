@@ -20,7 +20,17 @@ class CheckpointError(ValueError):
 
 class DamagedCheckpointError(CheckpointError):
     """A committed checkpoint's files cannot be read (truncated, emptied, altered on disk):
-    the message names the step folder, the underlying error and the ways out."""
+    the message names the step folder, the underlying error and the ways out.
+
+    Attributes:
+      folder: the step folder; step: its step; reason: the underlying error in one line
+        (``Type: first line``); earlier: the complete steps before it, ascending.
+    """
+
+    def __init__(self, message: str, *, folder: str = "", step: int = -1, reason: str = "",
+                 earlier: tuple = ()):
+        super().__init__(message)
+        self.folder, self.step, self.reason, self.earlier = folder, step, reason, tuple(earlier)
 
 
 @dataclass
