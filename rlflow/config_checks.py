@@ -31,7 +31,8 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``env.name``, ``env.options``, ``data.max_prompt_tokens`` (above
         ``sampler.max_prefill_length`` with ``sampler.on_long_prompt='error'``),
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
-        ``runtime.transfer_layout``) and what was expected.
+        ``runtime.transfer_layout``, ``sampler.max_tokens`` (a KV cache larger than this
+        machine's memory)) and what was expected.
     """
     _check_weight_layout(cfg)
     _check_plugins(cfg)
@@ -39,6 +40,7 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_env(cfg)
     _check_data(cfg)
     _check_model(cfg)
+    _check_kv_cache(cfg)
 
 
 def config_warnings(cfg: ExperimentConfig) -> list[str]:
@@ -91,6 +93,49 @@ def _lora_rank_warnings(cfg) -> list[str]:
     return [f"learner.lora.rank {lora.rank} is above the smaller side of {', '.join(over)}: "
             f"an adapter's update there has rank at most that side, so the rest of the rank "
             f"only costs memory and compute"]
+
+
+def kv_cache_bytes(cfg, m) -> int:
+    """Bytes of one sampler replica's KV cache (``rlflow.models.kv_cache.init_cache``):
+    ``num_slots x (max_prefill_length + max_tokens)`` positions x layers x keys and values x
+    ``num_kv_heads x head_dim`` x the sampler dtype's bytes (``m``: the model's
+    ``DecoderConfig``)."""
+    sp = cfg.sampler
+    dtype = sp.dtype or cfg.model.dtype
+    per = 2 if dtype == "bfloat16" else 4
+    positions = sp.num_slots * (sp.max_prefill_length + sp.max_tokens)
+    return positions * m.num_layers * 2 * m.num_kv_heads * m.head_dim * per
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_kv_cache(cfg) -> None:
+    """A sampler KV cache larger than this machine's whole memory (spread over the
+    replica's devices) cannot be allocated on any of its devices: refuse it before start-up
+    instead of an out-of-memory error from inside the sampler that names no field."""
+    from rlflow.models.config import DecoderConfig
+    from rlflow.models.hf import read_decoder_config
+    try:
+        m = (read_decoder_config(cfg.model.path) if cfg.model.path
+             else DecoderConfig.from_model_config(cfg.model))
+    except ValueError:                  # ModelFormatError: _check_model / the programs say it
+        return
+    need, have = kv_cache_bytes(cfg, m), _physical_memory_bytes()
+    sp = cfg.sampler
+    if have is None or need / sp.num_devices <= have:
+        return
+    raise ConfigError(
+        f"sampler.max_tokens: a sampler's KV cache would take {need / 1e9:.1f} GB "
+        f"(sampler.num_slots={sp.num_slots} x (max_prefill_length {sp.max_prefill_length} + "
+        f"max_tokens {sp.max_tokens}) positions x {m.num_layers} layers x keys and values x "
+        f"{m.num_kv_heads} KV heads x head_dim {m.head_dim}), more than this machine's "
+        f"{have / 1e9:.1f} GB of memory over its {sp.num_devices} device(s): lower "
+        f"sampler.max_tokens or sampler.num_slots")
 
 
 def _check_weight_layout(cfg) -> None:

@@ -60,6 +60,9 @@ def _train(args, capsys):
      "data filter and stop the sampler"),
     (["--data.max-prompt-tokens", "9"], "data.max_prompt_tokens",
      "9 is above sampler.max_prefill_length=8, so prompts of 9 tokens would pass"),
+    # ~16 TB of KV cache for the demo model: more than any machine this runs on
+    (["--sampler.max-tokens", "1000000000"], "sampler.max_tokens",
+     "a sampler's KV cache would take"),
 ])
 def test_train_refuses_before_starting_anything(no_programs, capsys, args, field, detail):
     code, text = _train(args, capsys)
@@ -349,3 +352,18 @@ def test_greedy_sampling_with_group_relative_advantages_is_a_warning(monkeypatch
                      "--data.max-prompt-tokens", "100", "--sampler.on-long-prompt",
                      "truncate"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_kv_cache_bytes_are_those_the_engine_allocates(dtype):
+    from rlflow.config import SamplerConfig, replace
+    from rlflow.config_checks import kv_cache_bytes
+    from rlflow.models.config import DecoderConfig
+    from rlflow.models.kv_cache import init_cache
+
+    cfg = replace(ExperimentConfig(), sampler=SamplerConfig(
+        num_slots=4, max_prefill_length=8, prefill_buckets=(8,), max_tokens=24, dtype=dtype))
+    m = DecoderConfig.from_model_config(cfg.model)
+    cache = init_cache(DecoderConfig.from_model_config(
+        cfg.model if dtype is None else replace(cfg.model, dtype=dtype)), 4, 8 + 24)
+    assert kv_cache_bytes(cfg, m) == sum(x.nbytes for x in (*cache.k, *cache.v))
