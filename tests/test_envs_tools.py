@@ -56,7 +56,7 @@ def listener():
 def test_sandbox_limits_return_errors_and_are_counted(listener):
     make = get_environment("gsm8k_calculator")
     # wall clock far above the CPU limit: the loop can only end by RLIMIT_CPU
-    env = make({"question": "What is 6 times 7?", "answer": "#### 42"}, max_tool_calls=10,
+    env = make({"question": "What is 6 times 7?", "answer": "#### 42"}, max_tool_calls=20,
                timeout_s=120.0, cpu_s=1, memory_mb=256)
     assert env.reset()[1] == {"role": "user", "content": "What is 6 times 7?"}
     cases = [
@@ -68,6 +68,14 @@ def test_sandbox_limits_return_errors_and_are_counted(listener):
         ("import ctypes\nctypes.string_at(0)", "tool_errors", "crashed (killed by SIGSEGV)"),
         ("import subprocess\nsubprocess.run(['true'])", "tool_errors",
          "starting processes is disabled"),
+        # the worker that runs the tool (its parent), or every process of the user
+        ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "tool_errors",
+         "signalling other processes is disabled"),
+        ("import os\nos.kill(-1, 9)", "tool_errors", "signalling other processes is disabled"),
+        ("import os\nos.killpg(1, 9)", "tool_errors", "signalling other processes is disabled"),
+        # its own process: allowed (a crash of the tool call, nothing else)
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", "tool_errors",
+         "killed by SIGTERM"),
     ]
     for code, counter, text in cases:
         step = env.step(call(code))

@@ -13,7 +13,10 @@ Before the program runs, in this order:
   * an audit hook (PEP 578) that raises ``PermissionError`` on every ``socket.*`` event
     (creating, connecting, binding a socket, name resolution) and on starting processes
     (``subprocess.Popen``, ``os.system``, ``os.exec*``, ``os.posix_spawn``, ``os.spawn*``,
-    ``os.fork``). Audit hooks cannot be removed once added.
+    ``os.fork``) and on signalling any process but its own (``os.kill`` / ``os.killpg`` of
+    another pid or group, ``signal.pthread_kill`` is its own threads: allowed): the tool's
+    code could otherwise kill the environment worker that runs it, or with ``os.kill(-1,
+    9)`` every process of the user. Audit hooks cannot be removed once added.
 
 Limits of the audit hook: it stops Python-level calls only. Native code (``ctypes`` calling
 libc's ``socket``/``connect``, a C extension) bypasses it. :mod:`rlflow.envs.sandbox` adds a
@@ -38,6 +41,17 @@ def _audit(event, args):
         raise PermissionError(f"network access is disabled in the python tool ({event})")
     if event in BLOCKED_EVENTS:
         raise PermissionError(f"starting processes is disabled in the python tool ({event})")
+    if event in ("os.kill", "os.killpg") and not _own(event, int(args[0])):
+        raise PermissionError(f"signalling other processes is disabled in the python tool "
+                              f"({event} {args[0]})")
+
+
+def _own(event: str, target: int) -> bool:
+    """``target`` (a pid of ``os.kill``, a group of ``os.killpg``) is this process or its
+    own process group (the sandbox runs in its own session)."""
+    if event == "os.killpg":
+        return target in (0, os.getpgrp())
+    return target in (0, os.getpid(), -os.getpgrp())
 
 
 def _load_limits_module():
