@@ -174,6 +174,26 @@ def _fmt(x: float) -> str:
     return "–" if not math.isfinite(x) else f"{x:.4g}"
 
 
+def _outcome(run_dir: str, last_step: int, planned) -> str:
+    """How the run's last ``rlflow train`` ended, from its ``summary.json`` (written when the
+    launcher ends): finished, stopped early, or, without that file, still running or ended
+    without its launcher (``kill -9``, a lost machine)."""
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        summary = None
+    if not isinstance(summary, dict):
+        done = isinstance(planned, int) and last_step >= planned
+        return ("all planned steps logged; no summary.json" if done else
+                "not finished: no summary.json (still running, or ended without its launcher: "
+                "killed, or the machine was lost)")
+    reached = summary.get("steps_completed", last_step)
+    if summary.get("success"):
+        return f"finished (step {reached})"
+    return f"stopped early at step {reached} (see logs/ for why)"
+
+
 def _summary_rows(by_step) -> list[tuple[str, str, str, str, str]]:
     names = sorted({k for row in by_step.values() for k in row})
     rows = []
@@ -313,8 +333,11 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
          else missing).append(spec)
     name = (config or {}).get("name") or os.path.basename(os.path.abspath(run_dir))
     steps = list(by_step)
+    planned = ((config or {}).get("learner") or {}).get("num_steps")
+    of = f" of {planned} planned" if isinstance(planned, int) else ""
     meta = [("run folder", os.path.abspath(run_dir)), ("steps", f"{steps[0]} … {steps[-1]} "
-            f"({len(steps)} logged)"), ("generated", time.strftime("%Y-%m-%d %H:%M:%S"))]
+            f"({len(steps)} logged{of})"), ("outcome", _outcome(run_dir, steps[-1], planned)),
+            ("generated", time.strftime("%Y-%m-%d %H:%M:%S"))]
     title = f"rlflow run report: {name}"
     summary = _summary_rows(by_step)
     if problems_out is not None:

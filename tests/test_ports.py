@@ -3,6 +3,8 @@ unrelated outgoing connection cannot take one between the launcher's pick and th
 
 import socket
 
+import pytest
+
 from rlflow.runtime import ports
 
 
@@ -51,3 +53,39 @@ def test_advertised_host_names_this_machine_only_for_wildcard_binds():
         assert is_wildcard(host) and advertised_host(host) == here
     for host in ("127.0.0.1", "localhost", "::1", "10.0.0.5", ""):
         assert not is_wildcard(host) and advertised_host(host) == host
+
+
+def test_port_taken_sees_a_listener_not_a_closed_port():
+    import socket
+
+    from rlflow.runtime.ports import port_taken
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_taken("127.0.0.1", port)
+    assert not port_taken("127.0.0.1", port)
+
+
+@pytest.mark.parametrize("flag, field", [("--buffer.port", "buffer.port"),
+                                         ("--runtime.coordinator-port",
+                                          "runtime.coordinator_port")])
+def test_train_refuses_a_port_in_use_naming_the_field(monkeypatch, tmp_path, capsys, flag,
+                                                      field):
+    import socket
+
+    from rlflow import cli
+    from rlflow.runtime import supervisor
+
+    monkeypatch.setattr(supervisor.Supervisor, "start",
+                        lambda *a, **k: pytest.fail("a program was started"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code = cli.main(["train", "--run-dir", str(tmp_path), flag, str(port)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"rlflow train: {field}: port {port} on 127.0.0.1 is in use" in err
+    assert "Traceback" not in err

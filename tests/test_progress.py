@@ -211,6 +211,14 @@ def test_watcher_says_when_the_learner_declares_a_replica_lost(tmp_path):
     assert "declared sampler-0 lost" in lost[1] and "its log" not in lost[1]
     assert "declared sampler-1 lost" in lost[2]
     assert watcher.counts["sampler/replicas_lost"] == 3.0
+    # a replica whose death the launcher printed already: counted, not told again
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, cfg.run_path, stream=out)
+    watcher.progress.plain_every = 100
+    watcher.reported_dead.add("sampler-1")
+    watcher.poll()
+    lost = [x for x in out.getvalue().splitlines() if "lost" in x]
+    assert len(lost) == 1 and "declared sampler-0 lost" in lost[0], lost
 
 
 @pytest.mark.parametrize("kwargs", [dict(total_steps=0), dict(total_steps=5, start_step=6),

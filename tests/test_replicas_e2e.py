@@ -174,9 +174,8 @@ def test_replica_lost_run_goes_on_then_every_replica_dead_is_named(env, tmp_path
             proc.kill()
     assert proc.returncode == 1
     assert "the sampler-0 process died (killed by SIGKILL); going on with 1 sampler" in err
-    # the learner's verdict reaches the console too (not only logs/learner.log)
-    assert ("the learner declared sampler-0 lost (no heartbeat for over "
-            "runtime.replica_timeout_s=5 s") in err
+    # the learner's verdict is in the records; the console said it once (the death)
+    assert "declared sampler-0 lost" not in err
     assert "every sampler replica died (2)" in err
 
 

@@ -154,3 +154,36 @@ def test_bad_run_folders_fail_with_a_named_error(tmp_path, capsys):
     assert "no valid metric records (" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["report", str(tmp_path), "--format", "pdf"])
+
+
+def test_the_header_says_how_far_the_run_got_and_how_it_ended(tmp_path):
+    import json
+
+    from _synthetic_run import NUM_STEPS
+
+    run_dir = write_run(str(tmp_path)).run_path
+
+    def header():
+        page = make_report(run_dir, fmt="md")
+        text = open(page, encoding="utf-8").read()
+        return [ln for ln in text.splitlines() if ln.startswith(("- steps:", "- outcome:"))]
+
+    steps, outcome = header()
+    assert steps.endswith(f"({NUM_STEPS} logged of {NUM_STEPS} planned)")
+    assert outcome == "- outcome: all planned steps logged; no summary.json"
+    summary = os.path.join(run_dir, "summary.json")
+    with open(summary, "w") as f:
+        json.dump({"success": False, "steps_completed": 3}, f)
+    assert header()[1] == "- outcome: stopped early at step 3 (see logs/ for why)"
+    with open(summary, "w") as f:
+        json.dump({"success": True, "steps_completed": NUM_STEPS}, f)
+    assert header()[1] == f"- outcome: finished (step {NUM_STEPS})"
+    os.remove(summary)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["learner"]["num_steps"] = NUM_STEPS + 10                # killed before the end
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    steps, outcome = header()
+    assert steps.endswith(f"({NUM_STEPS} logged of {NUM_STEPS + 10} planned)")
+    assert outcome.startswith("- outcome: not finished: no summary.json")

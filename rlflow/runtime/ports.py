@@ -45,6 +45,18 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Another socket listens on ``host:port`` now (a bind with ``SO_REUSEADDR``, as ZeroMQ's
+    listeners use, fails; a port only in TIME_WAIT after an earlier run counts free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def free_port(host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> int:
     """A TCP port that nothing on ``host`` is bound to now, outside the ephemeral range.
 

@@ -257,6 +257,7 @@ class RunWatcher:
         self.last_step = resumed_from
         self.counts: dict[str, float] = {}
         self._lost: dict[str, float] = {}       # replica/<i>/lost seen so far
+        self.reported_dead: set[str] = set()    # replicas whose death the launcher printed
         self._prompts_shown = False
         self.progress = ProgressReporter(cfg.learner.num_steps, mode=cfg.metrics.progress,
                                          stream=self.stream, start_step=resumed_from)
@@ -332,13 +333,16 @@ class RunWatcher:
     def _note_lost_replicas(self, rec: Mapping) -> None:
         """One console line each time the learner declares a sampler replica lost for
         silence (``replica/<i>/lost`` rises, :func:`rlflow.runtime.metrics.replica_metrics`):
-        a hung or unreachable replica, whose process the launcher still sees running."""
+        a hung or unreachable replica, whose process the launcher still sees running (one
+        whose death the launcher already printed, ``reported_dead``, is not told again)."""
         for key, value in sorted(rec.items()):
             if not (key.startswith("replica/") and key.endswith("/lost")
                     and isinstance(value, (int, float)) and value > self._lost.get(key, 0)):
                 continue
             self._lost[key] = value
             name = f"sampler-{key.split('/')[1]}"
+            if name in self.reported_dead:
+                continue
             last = _last_line(os.path.join(self.run_path, LOGS_SUBDIR, f"{name}.log"))
             self.progress.message(
                 f"rlflow train: the learner declared {name} lost (no heartbeat for over "

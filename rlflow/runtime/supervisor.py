@@ -70,7 +70,7 @@ from rlflow.exchange.ring import ProducerError
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import (LOG_TAIL_LINES, exit_text,
                                        is_input_error, program_error, tail)
-from rlflow.runtime.ports import free_port
+from rlflow.runtime.ports import free_port, port_taken
 from rlflow.secrets import ENV_BUFFER_TOKEN
 
 MAX_SAMPLER_RESTARTS = 3
@@ -284,6 +284,14 @@ def _run_train(cfg, run_path: str) -> int:
     except (SecretError, RunFolderConflict) as e:
         print(f"rlflow train: {e}", file=sys.stderr, flush=True)
         return 2
+    for field, host, port in (("buffer.port", cfg.buffer.bind_address, cfg.buffer.port),
+                              ("runtime.coordinator_port", cfg.runtime.bind_address,
+                               cfg.runtime.coordinator_port)):
+        if port and port_taken(host, port):   # else the learner fails with a zmq traceback
+            print(f"rlflow train: {field}: port {port} on {host} is in use (another run or "
+                  f"program listens there): choose a free port, or 0 (the default) to let "
+                  f"rlflow pick one", file=sys.stderr, flush=True)
+            return 2
     resumed_from = 0
     if cfg.checkpoint.resume == "auto":
         step = latest_checkpoint_step(run_path)
@@ -400,6 +408,7 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
                 continue      # 0: the replica saw the coordinator's "done"
             child = sup.children[name]
             n = child.restarts
+            watcher.reported_dead.add(name)     # said here: not again when the learner notices
             if cfg.runtime.restart_sampler and n < MAX_SAMPLER_RESTARTS:
                 watcher.progress.message(    # above a live bar, never through it
                     f"rlflow train: the {name} process died ({exit_text(code)}); "
