@@ -284,11 +284,11 @@ def _run_train(cfg, run_path: str) -> int:
     except (SecretError, RunFolderConflict) as e:
         print(f"rlflow train: {e}", file=sys.stderr, flush=True)
         return 2
-    for field, host, port in (("buffer.port", cfg.buffer.bind_address, cfg.buffer.port),
+    for name, host, port in (("buffer.port", cfg.buffer.bind_address, cfg.buffer.port),
                               ("runtime.coordinator_port", cfg.runtime.bind_address,
                                cfg.runtime.coordinator_port)):
         if port and port_taken(host, port):   # else the learner fails with a zmq traceback
-            print(f"rlflow train: {field}: port {port} on {host} is in use (another run or "
+            print(f"rlflow train: {name}: port {port} on {host} is in use (another run or "
                   f"program listens there): choose a free port, or 0 (the default) to let "
                   f"rlflow pick one", file=sys.stderr, flush=True)
             return 2
