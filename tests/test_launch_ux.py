@@ -428,6 +428,15 @@ def test_the_programs_fatal_line_wins_over_errors_logged_after_it(tmp_path):
         "rlflow fatal: rlflow.checkpoint.state.DamagedCheckpointError: x")
 
 
+def test_a_log_tail_shows_the_fatal_line_only_where_it_adds_something():
+    tb_end = "rlflow.runtime.replicas.NoReplicaError: no sampler replica for 10 s"
+    lines = ["Traceback (most recent call last):", '  File "x.py", line 1', tb_end,
+             "rlflow fatal: " + tb_end, "rlflow fatal: ValueError: other", "after"]
+    assert child_logs.without_repeated_fatal(lines) == (
+        lines[:3] + ["rlflow fatal: ValueError: other", "after"])
+    assert child_logs.without_repeated_fatal(["rlflow fatal: X"]) == ["rlflow fatal: X"]
+
+
 def test_program_error_finds_the_fatal_line_under_any_amount_of_later_noise(tmp_path):
     """The fatal line of the latest start is found however many lines follow it (orbax's
     failed reads logged ~70 lines each at exit); an earlier start's fatal line never counts."""

@@ -18,6 +18,17 @@ TRACEBACK_HEADER = "Traceback (most recent call last):"
 FATAL_PREFIX = "rlflow fatal: "   # the line a program prints last for the error that ends it
 
 
+def without_repeated_fatal(lines: Sequence[str]) -> list[str]:
+    """``lines`` without each :data:`FATAL_PREFIX` line that repeats the line before it
+    (the traceback's own last line): a log tail shown to the user says it once."""
+    out: list[str] = []
+    for line in lines:
+        if not (line.startswith(FATAL_PREFIX) and out
+                and out[-1].strip() == line[len(FATAL_PREFIX):].strip()):
+            out.append(line)
+    return out
+
+
 def fatal_line(error: BaseException) -> str:
     """The line a program (:mod:`rlflow.runtime.launch`) prints after the traceback of the
     exception that ends it: :data:`FATAL_PREFIX` + its exception line, as a traceback ends

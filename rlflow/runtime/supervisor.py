@@ -69,7 +69,8 @@ from rlflow import programs_common as pc
 from rlflow.exchange.ring import ProducerError
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import (LOG_TAIL_LINES, exit_text,
-                                       is_input_error, program_error, tail)
+                                       is_input_error, program_error, tail,
+                                       without_repeated_fatal)
 from rlflow.runtime.ports import free_port, port_taken
 from rlflow.secrets import ENV_BUFFER_TOKEN
 
@@ -237,8 +238,8 @@ class Supervisor:
                     f"(above; {exit_text(c.proc.returncode)}); its log is {c.log_path}")
         text = (f"rlflow train: the {what} process died ({exit_text(c.proc.returncode)}); "
                 f"stopping the run. Last lines of {c.log_path}:\n")
-        return head + text + "\n".join(f"  [{role}] {plain_text(line)}"
-                                       for line in tail(c.log_path, LOG_TAIL_LINES).splitlines())
+        lines = without_repeated_fatal(tail(c.log_path, LOG_TAIL_LINES).splitlines())
+        return head + text + "\n".join(f"  [{role}] {plain_text(line)}" for line in lines)
 
 
 def run_train(cfg) -> int:
