@@ -69,16 +69,23 @@ def _greedy_group_warnings(cfg) -> list[str]:
             f"is 0 for every sample and nothing is learned; sample with a temperature > 0"]
 
 
-def _lora_rank_warnings(cfg) -> list[str]:
-    lora = cfg.learner.lora
-    if not lora.enabled:
-        return []
+def _model_sizes(cfg):
+    """The model's ``DecoderConfig`` from ``model.path``'s config.json (no weight is read)
+    or the built-in fields; None when that config.json cannot be read (``_check_model`` and
+    the programs report it, in full)."""
     from rlflow.models.config import DecoderConfig
     from rlflow.models.hf import read_decoder_config
     try:
-        m = (read_decoder_config(cfg.model.path) if cfg.model.path
-             else DecoderConfig.from_model_config(cfg.model))
-    except ValueError:                  # ModelFormatError: the learner reports it, in full
+        return (read_decoder_config(cfg.model.path) if cfg.model.path
+                else DecoderConfig.from_model_config(cfg.model))
+    except ValueError:                  # ModelFormatError
+        return None
+
+
+def _lora_rank_warnings(cfg) -> list[str]:
+    lora = cfg.learner.lora
+    m = _model_sizes(cfg) if lora.enabled else None
+    if m is None:
         return []
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     sides = {"q_proj": (m.hidden_size, q), "k_proj": (m.hidden_size, kv),
@@ -118,12 +125,8 @@ def _check_kv_cache(cfg) -> None:
     """A sampler KV cache larger than this machine's whole memory (spread over the
     replica's devices) cannot be allocated on any of its devices: refuse it before start-up
     instead of an out-of-memory error from inside the sampler that names no field."""
-    from rlflow.models.config import DecoderConfig
-    from rlflow.models.hf import read_decoder_config
-    try:
-        m = (read_decoder_config(cfg.model.path) if cfg.model.path
-             else DecoderConfig.from_model_config(cfg.model))
-    except ValueError:                  # ModelFormatError: _check_model / the programs say it
+    m = _model_sizes(cfg)
+    if m is None:
         return
     need, have = kv_cache_bytes(cfg, m), _physical_memory_bytes()
     sp = cfg.sampler

@@ -243,8 +243,7 @@ def params_from_run(run: str, step: int | None = None, *, base_model: str = "") 
             way = (f"export an earlier one with --step {e.earlier[-1]} (complete steps "
                    f"before it: {list(e.earlier)})" if e.earlier else
                    "the run has no earlier checkpoint to export")
-            raise DamagedExportError(f"{e.folder}: checkpoint step {e.step} cannot be read "
-                                     f"({e.reason}); its files are damaged: {way}") from None
+            raise DamagedExportError(f"{e.headline}: {way}") from None
         except CheckpointError as e:
             raise ExportError(f"{where}: the saved parameters do not match the base model "
                               f"{os.path.join(base, CONFIG_FILE)}: {e}") from None

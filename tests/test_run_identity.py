@@ -360,7 +360,7 @@ def _stand_in_program(tmp_path, learner):
     program.batch_keys, program.steps_marked, program.prompts_per_epoch = [], 12, 1
     program.trained_log = TrainedPromptsLog(str(tmp_path), 12)
     program.prompt_counts, program._sampler_metrics = {}, lambda: {}
-    program.publisher = SimpleNamespace(offers=None, bytes=0)
+    program.publisher = SimpleNamespace(offers=None, bytes=0, transfer_metrics=dict)
     return program
 
 

@@ -52,9 +52,8 @@ def _damaged(directory: str, step: int, error: BaseException,
                f"({aside}) starts over from step 0 (its records after step 0 are removed); or "
                f"start over in a clean folder with --checkpoint.resume never "
                f"--checkpoint.overwrite true")
-    return DamagedCheckpointError(
-        f"{base}/{step}: checkpoint step {step} cannot be read ({reason}); its files are "
-        f"damaged: {way}", folder=f"{base}/{step}", step=step, reason=reason, earlier=earlier)
+    return DamagedCheckpointError(folder=f"{base}/{step}", step=step, reason=reason,
+                                  earlier=earlier, way=way)
 
 
 def checkpoint_dir(run_path: str) -> str:

@@ -25,12 +25,20 @@ class DamagedCheckpointError(CheckpointError):
     Attributes:
       folder: the step folder; step: its step; reason: the underlying error in one line
         (``Type: first line``); earlier: the complete steps before it, ascending.
+
+    Without ``message`` the message is :attr:`headline` + ": " + ``way`` (the way out).
     """
 
-    def __init__(self, message: str, *, folder: str = "", step: int = -1, reason: str = "",
-                 earlier: tuple = ()):
-        super().__init__(message)
+    def __init__(self, message: str = "", *, folder: str = "", step: int = -1,
+                 reason: str = "", earlier: tuple = (), way: str = ""):
         self.folder, self.step, self.reason, self.earlier = folder, step, reason, tuple(earlier)
+        super().__init__(message or f"{self.headline}: {way}")
+
+    @property
+    def headline(self) -> str:
+        """What is damaged, without the way out (which depends on who reads it)."""
+        return (f"{self.folder}: checkpoint step {self.step} cannot be read ({self.reason}); "
+                f"its files are damaged")
 
 
 @dataclass

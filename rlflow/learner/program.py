@@ -125,7 +125,7 @@ class LearnerProgram:
             from rlflow.learner.hosts import LearnerHosts
 
             self.hosts = self.publisher.hosts = LearnerHosts(
-                cfg, chost, self.publisher.impl, offers=getattr(self.publisher, "offers", None))
+                cfg, chost, self.publisher.impl, offers=self.publisher.offers)
         self.coordinator = RunCoordinator(
             self.publisher.offers, buffer_counts=self._buffer_counts, ledger=self.ledger,
             replicas=ReplicaTable(cfg.runtime.replica_timeout_s, time.monotonic()),
@@ -387,14 +387,7 @@ class LearnerProgram:
         metrics.update(self._sampler_metrics())
         metrics.update(self.ledger.metrics())
         metrics.update(self.prompt_counts)
-        offers = getattr(self.publisher, "offers", None)
-        totals = getattr(self.hosts, "relay_totals", None)
-        if totals is not None:        # every learner host's relay tree, as of the last publish
-            from rlflow.exchange.relay import all_hosts_metrics
-
-            metrics.update(all_hosts_metrics(totals))
-        elif hasattr(offers, "metrics"):
-            metrics.update(offers.metrics())
+        metrics.update(self.publisher.transfer_metrics())
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
             self.writer.log_samples(self.version, completion_samples(groups, self.tokenizer))

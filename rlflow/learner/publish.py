@@ -106,6 +106,17 @@ class Publisher:
         self.offers.version = version
         self.publish_time[version] = time.time()
 
+    def transfer_metrics(self) -> dict:
+        """The ``transfer/*`` relay figures: every learner host's relay tree as of the last
+        publish (``rlflow.exchange.relay.all_hosts_metrics``) on a multi-host learner, else
+        this host's offers' own; ``{}`` without relays."""
+        totals = getattr(self.hosts, "relay_totals", None)
+        if totals is not None:
+            from rlflow.exchange.relay import all_hosts_metrics
+
+            return all_hosts_metrics(totals)
+        return self.offers.metrics() if hasattr(self.offers, "metrics") else {}
+
     def close(self) -> None:
         if hasattr(self.impl, "close"):
             self.impl.close()

@@ -36,8 +36,10 @@ def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> Tup
         return _DEFAULT_EPHEMERAL_LOW, 65535
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bindable(host: str, port: int, *, reuse_address: bool = False) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -48,13 +50,7 @@ def _bindable(host: str, port: int) -> bool:
 def port_taken(host: str, port: int) -> bool:
     """Another socket listens on ``host:port`` now (a bind with ``SO_REUSEADDR``, as ZeroMQ's
     listeners use, fails; a port only in TIME_WAIT after an earlier run counts free)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
+    return not _bindable(host, port, reuse_address=True)
 
 
 def free_port(host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> int:
