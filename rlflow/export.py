@@ -385,7 +385,9 @@ class _library_stderr_held:
             self._held.seek(0)
             held = self._held.read()
             if held and not self.drop:
-                sys.stderr.buffer.write(held) if hasattr(sys.stderr, "buffer") else \
+                if hasattr(sys.stderr, "buffer"):
+                    sys.stderr.buffer.write(held)
+                else:
                     sys.stderr.write(held.decode(errors="replace"))
                 sys.stderr.flush()
         self._held.close()
