@@ -17,7 +17,7 @@ def steady_steps(cfg, warmup: int) -> tuple[list, dict, dict]:
         malformed, or fewer than 2 steps remain after ``warmup``.
     """
     from rlflow.metrics import METRICS_FILE
-    from rlflow.run_folder import metrics_by_step, read_jsonl
+    from rlflow.run.folder import metrics_by_step, read_jsonl
     from rlflow.runtime.supervisor import run_train
 
     code = run_train(cfg)

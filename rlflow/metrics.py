@@ -15,7 +15,7 @@ One writer per run: the process that owns the run folder (the launcher or the le
 logs both programs' metrics; the sampler's figures travel to it with the rollouts.
 Metric names are ``section/name``; :data:`REQUIRED_METRICS` lists those every
 ``rlflow train`` step must log (the runtime's end-to-end test checks them with
-:func:`rlflow.run_folder.validate_run_folder`). Any other name may be logged as well.
+:func:`rlflow.run.folder.validate_run_folder`). Any other name may be logged as well.
 """
 
 from __future__ import annotations

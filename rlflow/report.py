@@ -32,7 +32,7 @@ import numpy as np
 import tyro
 
 from rlflow.metrics import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST
-from rlflow.run_folder import RunFolderError, metrics_by_step, read_jsonl
+from rlflow.run.folder import RunFolderError, metrics_by_step, read_jsonl
 
 FIGSIZE = (8.0, 5.5)  # inches
 DPI = 100

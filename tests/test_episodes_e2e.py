@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from rlflow.run_folder import metrics_by_step, read_jsonl
+from rlflow.run.folder import metrics_by_step, read_jsonl
 
 from test_gsm8k_e2e import GSM8K_TEST, HANG_GUARD_S, REPO
 

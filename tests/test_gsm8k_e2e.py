@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from rlflow.run_folder import metrics_by_step, read_jsonl
+from rlflow.run.folder import metrics_by_step, read_jsonl
 
 from conftest import GSM8K_TEST, gsm8k_records
 

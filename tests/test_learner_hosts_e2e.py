@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from rlflow.run_folder import metrics_by_step, read_jsonl
+from rlflow.run.folder import metrics_by_step, read_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from rlflow.metrics import (REQUIRED_METRICS, MetricsWriter, NonFiniteMetricError,
                             staleness_histogram, truncate_after)
-from rlflow.run_folder import RunFolderError, metrics_by_step, read_jsonl, validate_run_folder
+from rlflow.run.folder import RunFolderError, metrics_by_step, read_jsonl, validate_run_folder
 
 from _synthetic_run import (GROUP, NUM_SAMPLES, NUM_STEPS, SAMPLES_EVERY, expected_metrics,
                             sample, write_run)
@@ -264,7 +264,7 @@ def test_truncate_after_drops_later_steps_and_a_cut_last_line(tmp_path):
 
 def test_importing_the_writer_and_progress_stays_light():
     # Every program imports these; torch (behind tensorboardX) loads only with a TB writer.
-    code = ("import sys, rlflow.metrics, rlflow.progress, rlflow.run_folder; "
+    code = ("import sys, rlflow.metrics, rlflow.progress, rlflow.run.folder; "
             "print(sorted(m for m in ('torch', 'tensorboardX', 'jax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout

@@ -6,7 +6,7 @@ stdout/stderr to files (not a TTY), then
   it started holds the token (issue 18.2);
 
 * its terminal output holds no control characters (no ANSI colours, no carriage returns);
-* the run folder (``rlflow.run_folder.validate_run_folder``: config, every required metric,
+* the run folder (``rlflow.run.folder.validate_run_folder``: config, every required metric,
   a TensorBoard file, samples) and, beyond what that checks: every metric value finite in
   every record, the TensorBoard file read back by TensorBoard's ``EventAccumulator`` with
   every required metric as a scalar tag, and sample completions with their fields;
@@ -32,7 +32,7 @@ import pytest
 from PIL import Image
 
 from rlflow.metrics import REQUIRED_METRICS, RESERVED_KEYS
-from rlflow.run_folder import metrics_by_step, read_jsonl, validate_run_folder
+from rlflow.run.folder import metrics_by_step, read_jsonl, validate_run_folder
 from rlflow.secrets import ENV_BUFFER_TOKEN, REDACTED
 from tolerances import F32_EPS
 

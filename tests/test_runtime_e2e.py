@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from rlflow.run_folder import metrics_by_step, read_jsonl
+from rlflow.run.folder import metrics_by_step, read_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ import time
 from typing import Mapping, Optional
 
 from rlflow.metrics import METRICS_FILE
-from rlflow.run_folder import metrics_by_step, read_jsonl
+from rlflow.run.folder import metrics_by_step, read_jsonl
 
 SUMMARY_FILE = "summary.json"
 LOGS_SUBDIR = "logs"       # rlflow.runtime.supervisor's per-program logs: <role>.log
