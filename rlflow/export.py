@@ -310,7 +310,7 @@ def export_lora_run(got: RunParams, out: str, *, merge: bool, tokenizer_dir: str
 
 def _check_out(out: str) -> None:
     """Refuse an ``--out`` the export would damage or cannot use (nothing written yet)."""
-    from rlflow.run_identity import RUN_FILE
+    from rlflow.run.identity import RUN_FILE
 
     if os.path.exists(out) and not os.path.isdir(out):
         raise ExportError(f"--out {out} is a file; give a folder (created if missing)")

@@ -28,7 +28,7 @@ sys.exit(1 if failed else 0)
 # data side, where the cycle was).
 ENTRY_POINTS = ["rlflow.data.rewarder", "rlflow.data.rewards", "rlflow.data.reward_workers",
                 "rlflow.data.pipeline", "rlflow.plugins", "rlflow.config", "rlflow.cli",
-                "rlflow.run_identity", "rlflow.runtime.run_watch", "rlflow.runtime.launch",
+                "rlflow.run.identity", "rlflow.runtime.run_watch", "rlflow.runtime.launch",
                 "rlflow.runtime.supervisor", "rlflow.metrics", "rlflow.secrets", "rlflow.config_checks", "rlflow.progress"]
 
 

@@ -20,7 +20,7 @@ from rlflow import config as C
 from rlflow.runtime import supervisor
 from rlflow import programs_common as pc
 from rlflow.learner.skips import SkipCounter
-from rlflow.run_identity import (RUN_FILE, RunFolderConflict, check_run_folder,
+from rlflow.run.identity import (RUN_FILE, RunFolderConflict, check_run_folder,
                                  earlier_run_records, prepare_run_folder)
 
 NOW = datetime.datetime(2026, 11, 30, 21, 0, 5, tzinfo=datetime.timezone.utc)

@@ -151,7 +151,7 @@ class CheckpointConfig:
       resume: "auto" resumes when the run folder has checkpoints (refused when the folder's
         config.json differs in model, data or reward: another run); "never" starts fresh
         and is refused on a folder holding an earlier run's checkpoints or records, unless
-        ``overwrite`` (a run folder belongs to one run: ``rlflow/run_identity.py``).
+        ``overwrite`` (a run folder belongs to one run: ``rlflow/run/identity.py``).
       overwrite: with ``resume="never"``, move an earlier run's folder aside to
         ``<run>.replaced-<UTC time>`` and start clean instead of refusing.
     """

@@ -83,7 +83,7 @@ class LearnerProgram:
         if "://" not in cfg.run_path:
             # A run folder holds one run: what rlflow train checked, checked again for a
             # learner started without it (scripts/tpu); idempotent after the launcher.
-            from rlflow.run_identity import prepare_run_folder
+            from rlflow.run.identity import prepare_run_folder
 
             prepare_run_folder(cfg)
         self.gps = cfg.learner.groups_per_step
@@ -143,7 +143,7 @@ class LearnerProgram:
         if self.cfg.checkpoint.resume == "never" and self.checkpointer.latest_step() is not None:
             # rlflow train moved an earlier run aside (or refused) before starting this
             # program; here (e.g. started by the TPU scripts) a folder is never mixed.
-            from rlflow.run_identity import RunFolderConflict
+            from rlflow.run.identity import RunFolderConflict
 
             raise RunFolderConflict(
                 f"run folder {self.cfg.run_path} holds an earlier run's checkpoints (steps "

@@ -22,7 +22,7 @@ no JAX): at or past ``learner.num_steps`` it says the run is already complete an
 without starting anything or touching the run folder; below it, it prints ``resuming run
 <name> from step N`` and the summary counts the steps run by this invocation
 (``steps_this_run``, ``resumed_from_step`` in ``summary.json``). A run folder holds one run
-(:mod:`rlflow.run_identity`): ``resume="never"`` on an earlier run's folder is refused (exit 2,
+(:mod:`rlflow.run.identity`): ``resume="never"`` on an earlier run's folder is refused (exit 2,
 the folder named) unless ``checkpoint.overwrite`` moves it aside; ``resume="auto"`` on a
 folder of another model / data / reward is refused. The ring-buffer token reaches the
 programs in their environment (``RLFLOW_BUFFER_TOKEN``), never in argv; their
@@ -274,7 +274,7 @@ def run_train(cfg) -> int:
 
 def _run_train(cfg, run_path: str) -> int:
     """:func:`run_train` with the run folder's lock held."""
-    from rlflow.run_identity import RunFolderConflict, check_run_folder, prepare_run_folder
+    from rlflow.run.identity import RunFolderConflict, check_run_folder, prepare_run_folder
     from rlflow.runtime.run_watch import (RunWatcher, discard_records_after,
                                           latest_checkpoint_step, mark_complete)
     from rlflow.secrets import SecretError, resolve_secrets
