@@ -16,7 +16,7 @@ def steady_steps(cfg, warmup: int) -> tuple[list, dict, dict]:
       RuntimeError: the run exited non-zero (names the logs folder), a metrics line is
         malformed, or fewer than 2 steps remain after ``warmup``.
     """
-    from rlflow.metrics import METRICS_FILE
+    from rlflow.run.metrics import METRICS_FILE
     from rlflow.run.folder import metrics_by_step, read_jsonl
     from rlflow.runtime.supervisor import run_train
 

@@ -12,7 +12,7 @@ returns), e.g.::
 
     step 12/100 (12%) elapsed 0:01:05 eta 0:07:58 | reward 0.412 | kl 1.2e-03 | tok/s 1520 ...
 
-Metric names are those of :mod:`rlflow.metrics`.
+Metric names are those of :mod:`rlflow.run.metrics`.
 """
 
 from __future__ import annotations

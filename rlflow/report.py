@@ -1,6 +1,6 @@
 """``rlflow report <run folder>``: PNG plots and one HTML and/or Markdown page of a run.
 
-Reads what :class:`rlflow.metrics.MetricsWriter` wrote (``metrics.jsonl``,
+Reads what :class:`rlflow.run.metrics.MetricsWriter` wrote (``metrics.jsonl``,
 ``samples.jsonl``, ``config.json``) and writes into ``<run folder>/report/`` (or ``--out-dir``)::
 
     plots/reward.png      reward mean (+/- std band), min, max; verifier accuracy
@@ -31,7 +31,7 @@ from typing import Annotated, Literal, Optional, Sequence
 import numpy as np
 import tyro
 
-from rlflow.metrics import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST
+from rlflow.run.metrics import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST
 from rlflow.run.folder import RunFolderError, metrics_by_step, read_jsonl
 
 FIGSIZE = (8.0, 5.5)  # inches

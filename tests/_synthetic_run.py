@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlflow.config import ExperimentConfig, LearnerConfig, MetricsConfig
-from rlflow.metrics import REQUIRED_METRICS, STALENESS_HIST, MetricsWriter
+from rlflow.run.metrics import REQUIRED_METRICS, STALENESS_HIST, MetricsWriter
 
 NUM_STEPS = 6
 SAMPLES_EVERY = 2

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rlflow.metrics import (REQUIRED_METRICS, MetricsWriter, NonFiniteMetricError,
+from rlflow.run.metrics import (REQUIRED_METRICS, MetricsWriter, NonFiniteMetricError,
                             staleness_histogram, truncate_after)
 from rlflow.run.folder import RunFolderError, metrics_by_step, read_jsonl, validate_run_folder
 
@@ -107,7 +107,7 @@ def test_non_finite_error_mode_writes_nothing(tmp_path):
 
 
 def test_non_finite_flag_mode_records_null_and_warns(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="rlflow.metrics"):
+    with caplog.at_level(logging.WARNING, logger="rlflow.run.metrics"):
         with MetricsWriter(str(tmp_path), on_non_finite="flag") as w:
             w.log(1, {"reward/mean": 0.5, "policy/kl": 0.1})
             w.log(2, {"reward/mean": 0.7, "policy/kl": float("-inf")})
@@ -167,7 +167,7 @@ def test_samples_validation_and_schedule(tmp_path, caplog):
             w.log_samples(3, [good | {"version": 1.0}])
         with pytest.raises(TypeError, match="sample 0 at step 3: 'reward' must be a real scalar"):
             w.log_samples(3, [good | {"reward": "high"}])
-        with caplog.at_level(logging.WARNING, logger="rlflow.metrics"):
+        with caplog.at_level(logging.WARNING, logger="rlflow.run.metrics"):
             assert w.log_samples(6, [good | {"reward": float("nan")}, good, good]) == 2
     rows = _read(tmp_path / "samples.jsonl")
     assert len(rows) == 2 and rows[0]["reward"] is None and rows[0]["non_finite"] == ["reward"]
@@ -264,7 +264,7 @@ def test_truncate_after_drops_later_steps_and_a_cut_last_line(tmp_path):
 
 def test_importing_the_writer_and_progress_stays_light():
     # Every program imports these; torch (behind tensorboardX) loads only with a TB writer.
-    code = ("import sys, rlflow.metrics, rlflow.progress, rlflow.run.folder; "
+    code = ("import sys, rlflow.run.metrics, rlflow.progress, rlflow.run.folder; "
             "print(sorted(m for m in ('torch', 'tensorboardX', 'jax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout

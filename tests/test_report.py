@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from rlflow.cli import main as cli_main
-from rlflow.metrics import MetricsWriter
+from rlflow.run.metrics import MetricsWriter
 from rlflow.report import make_report
 
 from _synthetic_run import NUM_SAMPLES, write_run

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rlflow.metrics import REQUIRED_METRICS, RESERVED_KEYS
+from rlflow.run.metrics import REQUIRED_METRICS, RESERVED_KEYS
 from rlflow.run.folder import metrics_by_step, read_jsonl, validate_run_folder
 from rlflow.secrets import ENV_BUFFER_TOKEN, REDACTED
 from tolerances import F32_EPS

@@ -211,7 +211,7 @@ def policy_version_range(group: Mapping[str, np.ndarray]) -> tuple[int, int]:
 
 def completion_samples(groups: Sequence[Mapping[str, np.ndarray]], tokenizer) -> list[dict]:
     """One dict per completion of ``groups``, for the samples log
-    (:meth:`rlflow.metrics.MetricsWriter.log_samples`): ``prompt`` and ``completion`` (text,
+    (:meth:`rlflow.run.metrics.MetricsWriter.log_samples`): ``prompt`` and ``completion`` (text,
     ``tokenizer.decode``; special tokens dropped from the completion), ``reward`` (float),
     ``version`` (the oldest policy version that sampled a token of it; -1 when none did),
     ``prompt_id`` (int) and ``truncated`` (bool)."""

@@ -40,7 +40,7 @@ from typing import Literal, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from rlflow.learner import advantages as adv_lib
-from rlflow.metrics import staleness_histogram
+from rlflow.run.metrics import staleness_histogram
 
 FIELDS_2D = ("completion_tokens", "behaviour_logprobs", "policy_versions")
 FIELDS_1D = ("completion_lengths", "rewards", "truncated")
@@ -270,7 +270,7 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
 
     Returns:
       ``(batch, info)``: a :class:`TrainBatch` of numpy arrays ``[num_rows, L]`` and a dict of
-      host-side metrics named as in :mod:`rlflow.metrics`: ``batch/*`` counts (samples, loss
+      host-side metrics named as in :mod:`rlflow.run.metrics`: ``batch/*`` counts (samples, loss
       tokens, drops by reason, bucket length), ``reward/*`` (raw finite rewards),
       ``response/*`` and the staleness histogram of every sample in the records.
 

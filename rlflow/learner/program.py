@@ -24,7 +24,7 @@ learner's hosts, which follow its commands and serve their own weight shards,
           against version v + 1, and build and check its batch when they are all there
           (LearnerProgram.prefetch, rlflow.learner.prefetch)
         publish every runtime.publish_every steps (rlflow.learner.publish); log one metrics
-          record (rlflow.metrics);
+          record (rlflow.run.metrics);
         write sample completions and the step's prompts (trained_prompts.jsonl);
         checkpoint every checkpoint.every_steps (with the ledger)
     tell the samplers the run is done; save the exit checkpoint.
@@ -58,7 +58,7 @@ from rlflow.learner.prefetch import NextGroups, build_ahead, take_waiting
 from rlflow.learner.publish import Publisher, keeps_params
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner, pull_metrics
-from rlflow.metrics import MetricsWriter
+from rlflow.run.metrics import MetricsWriter
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
 from rlflow.runtime.replicas import ReplicaTable
 from rlflow.runtime.control import RunCoordinator

@@ -1,4 +1,4 @@
-"""Reading and checking run folders written by :class:`rlflow.metrics.MetricsWriter`.
+"""Reading and checking run folders written by :class:`rlflow.run.metrics.MetricsWriter`.
 
 Readers never raise on a bad line (a crash can leave a half-written last line): they
 return the problems found as ``file:line: why`` strings for the caller to show.
@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
-from rlflow.metrics import (CONFIG_FILE, METRICS_FILE, REQUIRED_METRICS, RESERVED_KEYS,
+from rlflow.run.metrics import (CONFIG_FILE, METRICS_FILE, REQUIRED_METRICS, RESERVED_KEYS,
                             SAMPLES_FILE, TB_GLOB)
 
 

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Mapping, Optional
 
-from rlflow.metrics import METRICS_FILE
+from rlflow.run.metrics import METRICS_FILE
 from rlflow.run.folder import metrics_by_step, read_jsonl
 
 SUMMARY_FILE = "summary.json"
@@ -49,7 +49,7 @@ def latest_checkpoint_step(run_path: str) -> Optional[int]:
 
 def discard_records_after(run_path: str, step: int) -> dict[str, int]:
     """Remove the records of steps > ``step`` from the run folder's ``metrics.jsonl`` and
-    ``samples.jsonl`` (:func:`rlflow.metrics.truncate_after`, an atomic rewrite).
+    ``samples.jsonl`` (:func:`rlflow.run.metrics.truncate_after`, an atomic rewrite).
 
     The launcher calls it before it starts the programs of an invocation that resumes from
     checkpoint ``step`` (0: no checkpoint): records an interrupted invocation wrote after
@@ -57,7 +57,7 @@ def discard_records_after(run_path: str, step: int) -> dict[str, int]:
     summary nor the report may read them (the learner's own truncation at start-up stays as
     a second guard). Returns ``{file name: records removed}`` for the files that had some.
     """
-    from rlflow.metrics import SAMPLES_FILE, truncate_after
+    from rlflow.run.metrics import SAMPLES_FILE, truncate_after
 
     removed = {}
     for name in (METRICS_FILE, SAMPLES_FILE):

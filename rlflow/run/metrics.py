@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-logger = logging.getLogger("rlflow.metrics")
+logger = logging.getLogger("rlflow.run.metrics")
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
