@@ -258,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from rlflow.export import main as export_main
         return export_main(rest, process_exits=console)
     if command == "report":
-        from rlflow.report import main as report_main
+        from rlflow.run.report import main as report_main
         return report_main(rest)
     return 2
 

@@ -177,7 +177,7 @@ def test_resume_is_announced_and_summary_counts_this_invocation(tmp_path, monkey
         return self.children[role]
 
     monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
-    monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
+    monkeypatch.setattr("rlflow.run.report.make_report", lambda run_dir: "report.html")
     assert supervisor.run_train(_cfg(tmp_path, num_steps=5)) == 0
     out, err = capsys.readouterr()
     assert "rlflow train: resuming run demo from step 2 (of 5)" in out.splitlines()
@@ -223,7 +223,7 @@ def test_records_after_the_resumed_checkpoint_are_discarded_before_the_programs_
         return self.children[role]
 
     monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
-    monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
+    monkeypatch.setattr("rlflow.run.report.make_report", lambda run_dir: "report.html")
     supervisor.run_train(_cfg(tmp_path, num_steps=5))
     out, err = capsys.readouterr()
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -495,7 +495,7 @@ def test_on_a_tty_the_run_folder_line_comes_before_the_bar_and_no_0_of_n_frame(
     monkeypatch.setattr(sys, "stderr", screen)
     monkeypatch.setenv("TERM", "xterm-256color")
     monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
-    monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
+    monkeypatch.setattr("rlflow.run.report.make_report", lambda run_dir: "report.html")
     cfg = C.replace(_cfg(tmp_path, num_steps=5), metrics=C.MetricsConfig(progress="bar"))
     assert supervisor.run_train(cfg) == 0
     text = screen.buf.getvalue()

@@ -2,7 +2,7 @@
 
 import os
 
-from rlflow.report import PLOTS, plot, replica_plots
+from rlflow.run.report import PLOTS, plot, replica_plots
 from rlflow.runtime.metrics import replica_metrics
 from rlflow.runtime.control import SamplerStatus
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from rlflow.cli import main as cli_main
 from rlflow.run.metrics import MetricsWriter
-from rlflow.report import make_report
+from rlflow.run.report import make_report
 
 from _synthetic_run import NUM_SAMPLES, write_run
 

@@ -102,7 +102,7 @@ def test_the_issue_scenario_leaves_one_run_in_the_folder(tmp_path, monkeypatch, 
         return self.children[role]
 
     monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
-    monkeypatch.setattr("rlflow.report.make_report", lambda run_dir: "report.html")
+    monkeypatch.setattr("rlflow.run.report.make_report", lambda run_dir: "report.html")
     cfg = _cfg(tmp_path, num_steps=3, resume="never", overwrite=True)
     assert supervisor.run_train(cfg) == 0
     out = capsys.readouterr().out

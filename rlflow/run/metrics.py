@@ -9,7 +9,7 @@ Layout of ``runs/<name>/`` (``ExperimentConfig.run_path``)::
     samples.jsonl            one JSON object per sample completion:
                              {"step", "prompt", "completion", "reward", "version", ...extras}
     events.out.tfevents.*    TensorBoard scalars/histograms/text (tensorboardX SummaryWriter)
-    report/                  written by ``rlflow report`` (rlflow/report.py)
+    report/                  written by ``rlflow report`` (rlflow/run/report.py)
 
 One writer per run: the process that owns the run folder (the launcher or the learner)
 logs both programs' metrics; the sampler's figures travel to it with the rollouts.

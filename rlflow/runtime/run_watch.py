@@ -103,7 +103,7 @@ def _write_report(run_path: str, stream) -> Optional[str]:
     """Write the run's report page and print its path to ``stream``; returns the path, or
     None after printing why it could not be made (a report problem never fails a run)."""
     try:
-        from rlflow.report import make_report
+        from rlflow.run.report import make_report
 
         page = make_report(run_path)
     except Exception as e:  # noqa: BLE001 - see above
