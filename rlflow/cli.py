@@ -163,7 +163,7 @@ def parse_train_args(argv: Sequence[str]):
     import tyro
 
     from rlflow.config import load_config_file
-    from rlflow.secrets import refuse_secret_flags
+    from rlflow.config.secrets import refuse_secret_flags
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
@@ -200,7 +200,7 @@ def _redacted(cfg):
     in ``--help-all`` and in its error messages."""
     import dataclasses
 
-    from rlflow.secrets import REDACTED
+    from rlflow.config.secrets import REDACTED
 
     if not cfg.buffer.token:
         return cfg
@@ -241,7 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         from rlflow.config import ConfigError
-        from rlflow.secrets import SecretError
+        from rlflow.config.secrets import SecretError
         try:
             cfg = parse_train_args(rest)
             from rlflow.config_checks import check_runnable, config_warnings

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlflow import config as config_mod
-from rlflow.secrets import redact_config, resolve_secrets
+from rlflow.config.secrets import redact_config, resolve_secrets
 
 ENV_ROLE = "RLFLOW_ROLE"                      # "learner" | "sampler"
 ENV_CONFIG = "RLFLOW_CONFIG"                  # path of the resolved config JSON
@@ -82,7 +82,7 @@ def config_from_dict(cls, data: dict):
 
 
 def save_config(cfg, path: str) -> None:
-    """Write ``cfg`` as JSON, secrets redacted (:func:`rlflow.secrets.redact_config`)."""
+    """Write ``cfg`` as JSON, secrets redacted (:func:`rlflow.config.secrets.redact_config`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -93,7 +93,7 @@ def save_config(cfg, path: str) -> None:
 def load_config(path: str, env=None):
     """Read a resolved config JSON written by :func:`save_config`; redacted secrets come
     back from their source (``RLFLOW_BUFFER_TOKEN`` or ``buffer.token_file``,
-    :func:`rlflow.secrets.resolve_secrets`), and its ``plugins`` are imported (so this
+    :func:`rlflow.config.secrets.resolve_secrets`), and its ``plugins`` are imported (so this
     program's registries hold the user's functions, :mod:`rlflow.plugins`)."""
     from rlflow.plugins import import_plugins
 

@@ -33,7 +33,7 @@ from PIL import Image
 
 from rlflow.run.metrics import REQUIRED_METRICS, RESERVED_KEYS
 from rlflow.run.folder import metrics_by_step, read_jsonl, validate_run_folder
-from rlflow.secrets import ENV_BUFFER_TOKEN, REDACTED
+from rlflow.config.secrets import ENV_BUFFER_TOKEN, REDACTED
 from tolerances import F32_EPS
 
 pytestmark = pytest.mark.slow

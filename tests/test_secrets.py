@@ -15,7 +15,7 @@ from rlflow import config as C
 from rlflow.runtime import supervisor
 from rlflow import programs_common as pc
 from rlflow.run.metrics import MetricsWriter
-from rlflow.secrets import (ENV_BUFFER_TOKEN, REDACTED, SecretError, install_log_redaction,
+from rlflow.config.secrets import (ENV_BUFFER_TOKEN, REDACTED, SecretError, install_log_redaction,
                             redact_config, resolve_secrets, secret_values)
 
 SECRET = "tok-5ad0c1e-secret"

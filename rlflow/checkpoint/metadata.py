@@ -1,7 +1,7 @@
 """Run metadata saved with every checkpoint (the ``meta`` item): who saved it, with what.
 
 JSON types only; the resolved config is stored with its secrets redacted
-(:func:`rlflow.secrets.redact_config`).
+(:func:`rlflow.config.secrets.redact_config`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def run_metadata(cfg=None, mesh=None, **extra) -> dict:
         "versions": {n: _dist_version(n) for n in VERSIONED},
     }
     if cfg is not None:
-        from rlflow.secrets import redact_config
+        from rlflow.config.secrets import redact_config
 
         meta["config"] = redact_config(dataclasses.asdict(cfg))   # secrets stay out
     if mesh is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Tuple
 
 from rlflow.runtime.ports import is_wildcard
-from rlflow.secrets import ENV_BUFFER_TOKEN, token_source_given
+from rlflow.config.secrets import ENV_BUFFER_TOKEN, token_source_given
 from rlflow.config.validation import ConfigError, _check
 from rlflow.config.runtime import BufferConfig
 from rlflow.config.runtime import CheckpointConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlflow.secrets import ENV_BUFFER_TOKEN, token_source_given
+from rlflow.config.secrets import ENV_BUFFER_TOKEN, token_source_given
 from rlflow.config.validation import _check, _positive, _one_of, _timeout
 
 
@@ -22,7 +22,7 @@ class BufferConfig:
       token: shared secret clients must present (required off loopback). Prefer the
         ``RLFLOW_BUFFER_TOKEN`` environment variable or ``token_file``: ``rlflow train``
         refuses ``--buffer.token`` on the command line (visible in ``ps``); run folders,
-        logs and checkpoints show it as ``<redacted>`` (``rlflow/secrets.py``).
+        logs and checkpoints show it as ``<redacted>`` (``rlflow/config/secrets.py``).
       token_file: file holding the token, readable by its owner only (mode 0600; another
         mode is refused). Used when ``token`` and ``RLFLOW_BUFFER_TOKEN`` are unset.
     """

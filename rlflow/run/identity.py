@@ -194,7 +194,7 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
         model / data / reward (an :data:`IDENTITY_FIELDS` field; the message names the
         folder, the fields and the ways out).
     """
-    from rlflow.secrets import redact_config
+    from rlflow.config.secrets import redact_config
 
     run_path = os.path.abspath(cfg.run_path)
     records = earlier_run_records(run_path)
@@ -238,7 +238,7 @@ def prepare_run_folder(cfg, *, now: Optional[datetime.datetime] = None) -> Prepa
     Raises:
       RunFolderConflict: as :func:`check_run_folder`.
     """
-    from rlflow.secrets import redact_config
+    from rlflow.config.secrets import redact_config
 
     now = now or datetime.datetime.now(datetime.timezone.utc)
     run_path = os.path.abspath(cfg.run_path)

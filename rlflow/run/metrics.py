@@ -196,11 +196,11 @@ class MetricsWriter:
     # -- config --------------------------------------------------------------------------
     def write_config(self, cfg: Any) -> str:
         """Write the resolved config (a dataclass or a mapping) to ``config.json``, secrets
-        redacted (:func:`rlflow.secrets.redact_config`).
+        redacted (:func:`rlflow.config.secrets.redact_config`).
 
         Replaces the file atomically; also shown as text in TensorBoard. Returns its path.
         """
-        from rlflow.secrets import redact_config
+        from rlflow.config.secrets import redact_config
 
         data = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
         data = redact_config(data)                  # secrets never reach the run folder

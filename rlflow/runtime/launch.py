@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 from rlflow import programs_common as pc
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import fatal_line
-from rlflow.secrets import install_log_redaction, secret_values
+from rlflow.config.secrets import install_log_redaction, secret_values
 
 
 def _distributed_init(env=None) -> None:

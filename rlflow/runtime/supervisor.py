@@ -26,7 +26,7 @@ without starting anything or touching the run folder; below it, it prints ``resu
 the folder named) unless ``checkpoint.overwrite`` moves it aside; ``resume="auto"`` on a
 folder of another model / data / reward is refused. The ring-buffer token reaches the
 programs in their environment (``RLFLOW_BUFFER_TOKEN``), never in argv; their
-``config.json`` holds it redacted (:mod:`rlflow.secrets`).
+``config.json`` holds it redacted (:mod:`rlflow.config.secrets`).
 
 Shutdown: when the learner finishes, the sampler is told to stop (the coordinator's "done"
 flag, then SIGTERM after a grace period) and the exit code is 0. When either child dies
@@ -72,7 +72,7 @@ from rlflow.runtime.child_logs import (LOG_TAIL_LINES, exit_text,
                                        is_input_error, program_error, tail,
                                        without_repeated_fatal)
 from rlflow.runtime.ports import free_port, port_taken
-from rlflow.secrets import ENV_BUFFER_TOKEN
+from rlflow.config.secrets import ENV_BUFFER_TOKEN
 
 MAX_SAMPLER_RESTARTS = 3
 STOP_GRACE_S = 20.0       # seconds a child gets between the stop request and SIGKILL
@@ -277,7 +277,7 @@ def _run_train(cfg, run_path: str) -> int:
     from rlflow.run.identity import RunFolderConflict, check_run_folder, prepare_run_folder
     from rlflow.runtime.run_watch import (RunWatcher, discard_records_after,
                                           latest_checkpoint_step, mark_complete)
-    from rlflow.secrets import SecretError, resolve_secrets
+    from rlflow.config.secrets import SecretError, resolve_secrets
 
     try:
         cfg = resolve_secrets(cfg)

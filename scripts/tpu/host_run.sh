@@ -77,7 +77,7 @@ case "$cmd" in
   env)
     check_role "$role"
     if [ "$role" = sampler ]; then replica_env; else slice_env; fi
-    # a token in the environment is shown redacted (rlflow/secrets.py)
+    # a token in the environment is shown redacted (rlflow/config/secrets.py)
     env | grep '^RLFLOW_' | sed 's/^\(RLFLOW_BUFFER_TOKEN\)=.*/\1=<redacted>/' | sort
     ;;
   start)

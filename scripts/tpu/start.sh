@@ -15,7 +15,7 @@ check_slices
 
 ensure_token
 # The token travels as a file (mode 0600, copied by scp) and is read by --buffer.token_file:
-# never on a command line (ps) and never in a config.json (rlflow/secrets.py).
+# never on a command line (ps) and never in a config.json (rlflow/config/secrets.py).
 token_file="$(mktemp)"
 trap 'rm -f "$token_file"' EXIT
 chmod 600 "$token_file"
