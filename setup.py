@@ -45,5 +45,5 @@ setup(
     python_requires=">=3.11",
     install_requires=RUNTIME,
     extras_require={"test": TEST},
-    entry_points={"console_scripts": ["rlflow=rlflow.cli:main"]},
+    entry_points={"console_scripts": ["rlflow=rlflow.console.cli:main"]},
 )

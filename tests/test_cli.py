@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from rlflow import cli
+from rlflow.console import cli
 from rlflow.config import ExperimentConfig
 
 CONFIG = textwrap.dedent("""

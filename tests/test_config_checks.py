@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from rlflow import cli
+from rlflow.console import cli
 from rlflow import programs_common as pc
 from rlflow.config import ConfigError, ExperimentConfig, RewardConfig
 from rlflow.config_checks import check_runnable

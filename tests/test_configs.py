@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from rlflow.cli import parse_train_args
+from rlflow.console.cli import parse_train_args
 from rlflow.config import ConfigError, ExperimentConfig, load_config_file
 from rlflow.programs_common import config_from_dict, config_to_dict
 

@@ -48,7 +48,7 @@ def test_demo_builds_a_transformers_readable_model_with_its_tokenizer(tmp_path, 
 def test_an_unwritable_cache_folder_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     """RLFLOW_CACHE_DIR under a file (as a read-only folder, which root ignores): rlflow train
     exits 2 naming the folder and the variable, no traceback."""
-    from rlflow import cli
+    from rlflow.console import cli
 
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "file" / "cache"))

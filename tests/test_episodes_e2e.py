@@ -23,7 +23,7 @@ NUM_STEPS = 3
 def test_gsm8k_calculator_three_steps(tmp_path, gsm8k_model):
     model_dir, _ = gsm8k_model
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
-    base = [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
+    base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
     cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gsm8k_calculator.py"),
                   "--model.path", model_dir, "--data.path", GSM8K_TEST,
                   "--learner.num-steps", str(NUM_STEPS), "--learner.groups-per-step", "2",

@@ -4,7 +4,7 @@ A tiny random HF model (``tests/hf_fixtures.py``) gets a tokenizer, is loaded wi
 onto a 2 x 2 (fsdp x tensor) mesh of the fake CPU devices, takes 2 AdamW steps (the learner's
 optimiser) on a toy next-token loss and is checkpointed after each step the way the learner
 program does it (``rlflow/learner/program.py``: same items, run metadata with the resolved
-config). The export goes through ``rlflow.cli.main`` and is loaded by ``transformers``.
+config). The export goes through ``rlflow.console.cli.main`` and is loaded by ``transformers``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from hf_fixtures import LLAMA3_ROPE, add_generation_settings, make_tiny_hf_model
 from rlflow import checkpoint as ckpt_lib
-from rlflow import cli
+from rlflow.console import cli
 from rlflow.config import (CheckpointConfig, ExperimentConfig, LearnerConfig, MeshConfig,
                            ModelConfig)
 from rlflow.data.tokenizer import build_char_tokenizer
@@ -287,7 +287,7 @@ def test_a_damaged_checkpoint_is_named_with_the_step_to_export_instead(trained, 
     assert "do not match the base model" not in err and "rerun" not in err
     assert not os.path.exists(tmp_path / "o")
     # the console script: that one line and nothing else
-    proc = subprocess.run([sys.executable, "-m", "rlflow.cli", "export", "--run", run,
+    proc = subprocess.run([sys.executable, "-m", "rlflow.console.cli", "export", "--run", run,
                            "--base-model", t["base"], "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2

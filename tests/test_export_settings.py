@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_fixtures import add_generation_settings, make_tiny_hf_model
-from rlflow import cli
+from rlflow.console import cli
 from rlflow.models.hf_settings import OWNED_CONFIG_KEYS, merge_config
 
 TOKENS = torch.tensor([[1, 17, 200, 31, 4, 99, 250, 8]], dtype=torch.long)

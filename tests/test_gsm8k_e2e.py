@@ -32,7 +32,7 @@ def gsm8k_run(tmp_path_factory, gsm8k_model):
     root = tmp_path_factory.mktemp("gsm8k")
     model_dir, vocab = gsm8k_model
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
-    base = [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
+    base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
     cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gsm8k.py"),
                   "--model.path", model_dir, "--data.path", GSM8K_TEST,
                   "--learner.num-steps", str(NUM_STEPS),

@@ -17,7 +17,7 @@ from flax import nnx
 
 from hf_fixtures import make_tiny_hf_model
 from rlflow import checkpoint as ckpt_lib
-from rlflow import cli
+from rlflow.console import cli
 from rlflow.config import CheckpointConfig, LoraConfig, ModelConfig, replace
 from rlflow.learner.trainer import Learner
 from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment

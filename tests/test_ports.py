@@ -75,7 +75,7 @@ def test_train_refuses_a_port_in_use_naming_the_field(monkeypatch, tmp_path, cap
                                                       field):
     import socket
 
-    from rlflow import cli
+    from rlflow.console import cli
     from rlflow.runtime import supervisor
 
     monkeypatch.setattr(supervisor.Supervisor, "start",

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rlflow.cli import main as cli_main
+from rlflow.console.cli import main as cli_main
 from rlflow.run.metrics import MetricsWriter
 from rlflow.run.report import make_report
 

@@ -51,7 +51,7 @@ CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 def _rlflow():
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
-    return [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
+    return [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def env(tmp_path_factory):
 
 def _cmd(run_dir, name, *overrides):
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
-    base = [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
+    base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
     return base + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
                    "--run_dir", str(run_dir), "--name", name, "--metrics.progress", "plain",
                    "--buffer.timeout_s", "120", "--checkpoint.every_steps", "0",

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from rlflow import cli
+from rlflow.console import cli
 from rlflow import config as C
 from rlflow.runtime import supervisor
 from rlflow import programs_common as pc

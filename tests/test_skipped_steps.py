@@ -275,7 +275,7 @@ def test_issue_flags_stop_the_run_with_the_reason(tmp_path):
     can only make when each skip gives its groups back to the budget."""
     env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
-    base = [exe] if exe else [sys.executable, "-m", "rlflow.cli"]
+    base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
     cmd = base + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
                   "--run_dir", str(tmp_path), "--name", "skip", "--metrics.progress", "plain",
                   "--checkpoint.every_steps", "0", "--buffer.timeout_s", "120",
