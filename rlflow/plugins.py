@@ -16,7 +16,7 @@ one of two ways, both resolved in each process:
 A module is a dotted name importable from ``sys.path`` (the current folder included, as in
 ``python -m``) or a path to a ``.py`` file (relative to the current folder). Both are checked
 when ``rlflow train`` resolves the config, before any program starts
-(:func:`rlflow.config_checks.check_runnable`).
+(:func:`rlflow.console.checks.check_runnable`).
 """
 
 from __future__ import annotations

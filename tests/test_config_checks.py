@@ -13,7 +13,7 @@ import pytest
 from rlflow.console import cli
 from rlflow import programs_common as pc
 from rlflow.config import ConfigError, ExperimentConfig, RewardConfig
-from rlflow.config_checks import check_runnable
+from rlflow.console.checks import check_runnable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,7 +122,7 @@ def test_an_unsupported_architecture_or_a_tokenizer_past_the_vocabulary_is_refus
     code, text = _train(["--model.path", str(folder)], capsys)
     assert code == 2 and (f"model.path: the tokenizer of '{folder}' has ids up to 128, but the "
                           f"model's vocab_size is 128 (config.json)") in text, text
-    from rlflow.config_checks import tokenizer_id_count
+    from rlflow.console.checks import tokenizer_id_count
     _word_tokenizer(folder, 100)
     assert tokenizer_id_count(str(folder)) == 100
     from rlflow.config import ModelConfig
@@ -141,7 +141,7 @@ def test_hf_chat_template_without_one_in_the_model_folder_is_refused(no_programs
     code, text = _train(args, capsys)
     assert code == 2 and "data.chat_template: 'hf' needs the model folder's chat template" \
         in text, text
-    from rlflow.config_checks import has_chat_template
+    from rlflow.console.checks import has_chat_template
     (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
     assert has_chat_template(str(folder))
     (folder / "tokenizer_config.json").write_text('{}')
@@ -317,7 +317,7 @@ def test_a_lora_rank_above_a_projections_smaller_side_is_a_warning(monkeypatch, 
 def test_lora_rank_warning_reads_a_model_folders_config(tmp_path):
     """With model.path the sizes come from its config.json (no weights read)."""
     from rlflow.config import LearnerConfig, LoraConfig, ModelConfig
-    from rlflow.config_checks import config_warnings
+    from rlflow.console.checks import config_warnings
 
     spec = ModelConfig(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
                        head_dim=16, vocab_size=128)
@@ -357,7 +357,7 @@ def test_greedy_sampling_with_group_relative_advantages_is_a_warning(monkeypatch
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_kv_cache_bytes_are_those_the_engine_allocates(dtype):
     from rlflow.config import SamplerConfig, replace
-    from rlflow.config_checks import kv_cache_bytes
+    from rlflow.console.checks import kv_cache_bytes
     from rlflow.models.config import DecoderConfig
     from rlflow.models.kv_cache import init_cache
 

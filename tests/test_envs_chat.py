@@ -265,7 +265,7 @@ def test_env_options_convert_by_the_factorys_annotations():
     False (not a truthy string), an unknown key or a bad value is refused naming it, both
     when the sampler binds them and when ``rlflow train`` resolves the config."""
     from rlflow.config import ConfigError, EnvConfig, ExperimentConfig, replace
-    from rlflow.config_checks import check_runnable
+    from rlflow.console.checks import check_runnable
     from rlflow.envs.base import bind_options
 
     calc = get_environment("gsm8k_calculator")

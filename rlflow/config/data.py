@@ -23,7 +23,7 @@ class DataConfig:
       max_prompt_tokens: prompts longer than this (in tokens) are filtered out and counted;
         at most ``sampler.max_prefill_length`` (the longest prompt the sampler takes; the
         default equals the sampler's default) unless ``sampler.on_long_prompt='truncate'``
-        (``rlflow train`` refuses it otherwise, :mod:`rlflow.config_checks`).
+        (``rlflow train`` refuses it otherwise, :mod:`rlflow.console.checks`).
       shuffle_seed: seed of the deterministic shuffle.
       num_epochs: passes over the dataset (0: unlimited).
       on_bad_record: "error" stops with file and line; "skip" skips and counts.

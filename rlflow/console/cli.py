@@ -244,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from rlflow.config.secrets import SecretError
         try:
             cfg = parse_train_args(rest)
-            from rlflow.config_checks import check_runnable, config_warnings
+            from rlflow.console.checks import check_runnable, config_warnings
             check_runnable(cfg)         # files, plugins, reward names: before any program
             warnings = config_warnings(cfg)
         except (ConfigError, FileNotFoundError, SecretError) as e:
