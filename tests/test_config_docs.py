@@ -4,7 +4,7 @@ import dataclasses
 import os
 
 from rlflow import config as config_mod
-from rlflow.config_docs import SECTIONS, field_descriptions, render_markdown, undocumented_fields
+from rlflow.console.config_docs import SECTIONS, field_descriptions, render_markdown, undocumented_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +17,7 @@ def test_committed_reference_is_current():
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         committed = f.read()
     assert committed == render_markdown(), \
-        "docs/config.md is stale: run `python -m rlflow.config_docs > docs/config.md`"
+        "docs/config.md is stale: run `python -m rlflow.console.config_docs > docs/config.md`"
 
 
 def test_parser_reads_multi_name_and_continuation_entries():
@@ -60,7 +60,7 @@ def test_reference_and_help_all_list_the_same_flags():
 
     from rlflow.console.cli import help_all
     from rlflow.config import ExperimentConfig
-    from rlflow.config_docs import flag_count
+    from rlflow.console.config_docs import flag_count
 
     text = help_all(tyro, ExperimentConfig(), ["--help"])
     in_help = {f.replace("_", "-")

@@ -121,7 +121,7 @@ def train_help(default) -> str:
             value = getattr(value, part)
         shown = str(value).lower() if isinstance(value, bool) else repr(value)
         lines.append(f"  --{name.replace('_', '-')}".ljust(34) + f"{meaning} (now: {shown})")
-    from rlflow.config_docs import flag_count
+    from rlflow.console.config_docs import flag_count
 
     lines += ["", f"Every field ({flag_count()}): rlflow train --help-all, or docs/config.md.",
               "The ring-buffer token comes from RLFLOW_BUFFER_TOKEN or --buffer.token_file,",
