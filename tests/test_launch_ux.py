@@ -478,7 +478,7 @@ class _SharedTTY:
 
 def test_on_a_tty_the_run_folder_line_comes_before_the_bar_and_no_0_of_n_frame(
         tmp_path, monkeypatch):
-    from rlflow.progress import plain_text
+    from rlflow.console.progress import plain_text
 
     run = tmp_path / "demo"
     run.mkdir()

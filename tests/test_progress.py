@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from rlflow.progress import (ProgressReporter, format_duration, format_status, plain_text,
+from rlflow.console.progress import (ProgressReporter, format_duration, format_status, plain_text,
                              use_bar)
 
 # Any C0/C1 control character other than newline (ESC, CR, BS, TAB, ...).
@@ -54,7 +54,7 @@ def test_plain_lines_when_not_a_tty():
 def test_subprocess_piped_output_has_no_control_characters():
     script = textwrap.dedent("""
         import sys
-        from rlflow.progress import ProgressReporter
+        from rlflow.console.progress import ProgressReporter
         p = ProgressReporter(4, stream=sys.stdout)
         for step in range(1, 5):
             p.update(step, {"reward/mean": step / 4, "buffer/fill": 0.5})

@@ -200,7 +200,7 @@ class Supervisor:
         """The warning for sampler ``role`` dying after the learner's last step (every step
         trained, final checkpoint saved: the run succeeds): its last exception line, or its
         exit status when its log has no traceback, and its log's path."""
-        from rlflow.progress import plain_text
+        from rlflow.console.progress import plain_text
 
         c = self.children[role]
         error = program_error(c.log_path, "--- rlflow sampler start")
@@ -217,7 +217,7 @@ class Supervisor:
         log's path only; the same for a learner that stopped on a sampler's reported error
         (``ProducerError``: that sampler's own report comes first), or a learner host that
         left its slice because another host died (``learner_hosts.PeerLostError``)."""
-        from rlflow.progress import plain_text     # no control characters in CI logs
+        from rlflow.console.progress import plain_text     # no control characters in CI logs
 
         c = self.children[role]
         kind = "learner" if role.startswith("learner") else "sampler"
