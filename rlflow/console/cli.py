@@ -255,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from rlflow.runtime.supervisor import run_train
         return run_train(cfg)
     if command == "export":
-        from rlflow.export import main as export_main
+        from rlflow.export.hf_folder import main as export_main
         return export_main(rest, process_exits=console)
     if command == "report":
         from rlflow.run.report import main as report_main

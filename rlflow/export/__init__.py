@@ -1,0 +1,1 @@
+"""Export of trained policies: Hugging Face folders (merged or full) and PEFT adapter folders."""
