@@ -17,7 +17,7 @@ the run's base model) says beyond the architecture rlflow owns: its generation s
 (:mod:`rlflow.models.hf_settings`).
 
 A LoRA run (``learner.lora.rank > 0``; its checkpoints hold the adapters and a reference to
-the base) exports a PEFT adapter folder (:mod:`rlflow.export_peft`), or with ``--merge`` the
+the base) exports a PEFT adapter folder (:mod:`rlflow.export.peft`), or with ``--merge`` the
 merged full model through :func:`export_params`.
 """
 
@@ -293,7 +293,7 @@ def export_lora_run(got: RunParams, out: str, *, merge: bool, tokenizer_dir: str
     """
     from flax import nnx
 
-    from rlflow.export_peft import write_peft_adapter
+    from rlflow.export.peft import write_peft_adapter
     from rlflow.models.hf import copy_tokenizer, load_hf
     from rlflow.models.lora import merged_params
 
