@@ -13,7 +13,7 @@ import pytest
 
 from rlflow import config as C
 from rlflow.runtime import child_logs, supervisor
-from rlflow import programs_common as pc
+from rlflow.runtime import programs_common as pc
 from rlflow.runtime.run_watch import latest_checkpoint_step
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from rlflow import config as C
 from rlflow.runtime import supervisor
-from rlflow import programs_common as pc
+from rlflow.runtime import programs_common as pc
 from rlflow.learner.skips import SkipCounter
 from rlflow.run.identity import (RUN_FILE, RunFolderConflict, check_run_folder,
                                  earlier_run_records, prepare_run_folder)

@@ -236,7 +236,7 @@ def test_a_stop_during_a_periodic_checkpoint_lets_it_finish_first(monkeypatch):
     import signal
     import types
 
-    from rlflow import programs_common as pc
+    from rlflow.runtime import programs_common as pc
 
     monkeypatch.setattr(pc, "_stop_requested", [])
     previous = signal.getsignal(signal.SIGTERM)

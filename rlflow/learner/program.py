@@ -48,7 +48,7 @@ import time
 import numpy as np
 
 from rlflow import checkpoint as ckpt_lib
-from rlflow import programs_common as pc
+from rlflow.runtime import programs_common as pc
 from rlflow.exchange.buffer import BufferServer
 from rlflow.exchange.records import completion_samples, policy_version_range
 from rlflow.exchange.ring import RingBuffer
@@ -484,7 +484,7 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
       rlflow.runtime.ledger.PromptsExhaustedError: the prompts ran out before num_steps.
       rlflow.runtime.replicas.NoReplicaError: no sampler replica alive for
         ``runtime.replica_timeout_s`` seconds.
-      rlflow.programs_common.Stopped: SIGTERM (the exit checkpoint is saved first).
+      rlflow.runtime.programs_common.Stopped: SIGTERM (the exit checkpoint is saved first).
       rlflow.learner.skips.DegenerateStepsError: ``learner.max_consecutive_skipped_steps``
         steps in a row had no sample to train on (the message names the reason and fields).
     """

@@ -33,7 +33,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-from rlflow import programs_common as pc
+from rlflow.runtime import programs_common as pc
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import fatal_line
 from rlflow.config.secrets import install_log_redaction, secret_values

@@ -65,7 +65,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from rlflow import programs_common as pc
+from rlflow.runtime import programs_common as pc
 from rlflow.exchange.ring import ProducerError
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import (LOG_TAIL_LINES, exit_text,

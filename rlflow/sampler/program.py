@@ -53,7 +53,7 @@ from dataclasses import replace
 import jax
 import numpy as np
 
-from rlflow import programs_common as pc
+from rlflow.runtime import programs_common as pc
 from rlflow.data.rewarder import Rewarder
 from rlflow.envs.base import EnvFailureError
 from rlflow.exchange.buffer import BufferClient
