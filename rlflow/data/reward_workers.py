@@ -51,7 +51,7 @@ import time
 from multiprocessing.connection import wait as wait_connections
 from typing import List, Sequence, Tuple
 
-from rlflow.process_limits import exit_text, kill_process_group, set_memory_limit
+from rlflow.runtime.process_limits import exit_text, kill_process_group, set_memory_limit
 
 logger = logging.getLogger(__name__)
 
