@@ -32,7 +32,7 @@ class ExperimentConfig:
       run_dir: parent folder of run folders.
       seed: global seed (data order, sampling, init).
       plugins: modules every program imports first (dotted names or ``.py`` paths), e.g.
-        to register reward functions (``rlflow.plugins``).
+        to register reward functions (``rlflow.runtime.plugins``).
     """
 
     name: str = "demo"

@@ -156,7 +156,7 @@ def _check_weight_layout(cfg) -> None:
 
 
 def _check_plugins(cfg) -> None:
-    from rlflow.plugins import PluginError, import_plugins
+    from rlflow.runtime.plugins import PluginError, import_plugins
 
     try:
         import_plugins(cfg.plugins)
@@ -178,7 +178,7 @@ def _check_env(cfg) -> None:
 
 def _check_rewards(cfg) -> None:
     from rlflow.data.rewards import get_reward
-    from rlflow.plugins import importable_elsewhere
+    from rlflow.runtime.plugins import importable_elsewhere
 
     for name in cfg.reward.functions:
         try:

@@ -112,7 +112,7 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     try:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a plugin importing JAX: no accelerator
         from rlflow.data import rewards
-        from rlflow.plugins import import_module, import_plugins
+        from rlflow.runtime.plugins import import_module, import_plugins
 
         import_plugins(plugins)
         fns = []

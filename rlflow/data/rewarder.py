@@ -30,7 +30,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rlflow import plugins as plugins_lib
+from rlflow.runtime import plugins as plugins_lib
 from rlflow.data.reward_workers import RewardWorkerPool
 from rlflow.data.rewards import (LOG_FIRST_FAILURES, NonFiniteRewardError,
                                  RewardFunctionError, get_reward, reward_value, warm_up)
@@ -118,7 +118,7 @@ class Rewarder:
 
     Raises (construction):
       KeyError: an unknown function name (lists the registered ones).
-      rlflow.plugins.PluginError: a plugin cannot be imported.
+      rlflow.runtime.plugins.PluginError: a plugin cannot be imported.
     """
 
     def __init__(self, reward_cfg, plugins: Sequence[str] = ()):

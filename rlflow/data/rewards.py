@@ -8,7 +8,7 @@ A reward function is ``fn(completion: str, answer: str) -> float``: the decoded 
   * decorate it with ``@register_reward("name")`` in a module listed in the top-level
     ``plugins`` config field, and list ``"name"``.
 
-Every program (and every reward worker) imports these itself (:mod:`rlflow.plugins`); a
+Every program (and every reward worker) imports these itself (:mod:`rlflow.runtime.plugins`); a
 function registered only inside a ``--config`` file is refused when the config is resolved,
 since the other programs never run that file.
 
@@ -48,7 +48,7 @@ import logging
 import re
 from typing import Callable, Dict, Sequence
 
-from rlflow import plugins as plugins_lib
+from rlflow.runtime import plugins as plugins_lib
 from rlflow.data.tasks import digits_match
 
 logger = logging.getLogger(__name__)

@@ -94,8 +94,8 @@ def load_config(path: str, env=None):
     """Read a resolved config JSON written by :func:`save_config`; redacted secrets come
     back from their source (``RLFLOW_BUFFER_TOKEN`` or ``buffer.token_file``,
     :func:`rlflow.config.secrets.resolve_secrets`), and its ``plugins`` are imported (so this
-    program's registries hold the user's functions, :mod:`rlflow.plugins`)."""
-    from rlflow.plugins import import_plugins
+    program's registries hold the user's functions, :mod:`rlflow.runtime.plugins`)."""
+    from rlflow.runtime.plugins import import_plugins
 
     with open(path) as f:
         cfg = config_from_dict(config_mod.ExperimentConfig, json.load(f))
