@@ -27,9 +27,11 @@ sys.exit(1 if failed else 0)
 # Entry points users import (the import-time cost is dominated by JAX; the rest imports the
 # data side, where the cycle was).
 ENTRY_POINTS = ["rlflow.data.rewarder", "rlflow.data.rewards", "rlflow.data.reward_workers",
-                "rlflow.data.pipeline", "rlflow.runtime.plugins", "rlflow.config", "rlflow.console.cli",
+                "rlflow.data.pipeline", "rlflow.runtime.plugins", "rlflow.config",
+                "rlflow.console.cli",
                 "rlflow.run.identity", "rlflow.runtime.run_watch", "rlflow.runtime.launch",
-                "rlflow.runtime.supervisor", "rlflow.run.metrics", "rlflow.config.secrets", "rlflow.console.checks", "rlflow.console.progress"]
+                "rlflow.runtime.supervisor", "rlflow.run.metrics", "rlflow.config.secrets",
+                "rlflow.console.checks", "rlflow.console.progress"]
 
 
 def test_entry_points_import_in_a_fresh_interpreter_each():

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 
 from rlflow.config.validation import FALSE_WORDS, TRUE_WORDS
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "demo.py")
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CONFIG = os.path.join(REPO_DIR, "configs", "demo.py")
 
 # The flags most runs set, shown by `rlflow train --help` (every field: --help-all or
 # docs/config.md). tests/test_cli.py checks that each is a config field.
