@@ -168,6 +168,43 @@ def test_exact_match():
     assert exact_match_reward("42.", "42") == 0.0
 
 
+@register_reward("test_sees_finish")
+def _sees_finish(completion, answer, *, finish_reason):
+    return {"stop": 1.0, "length": -1.0}[finish_reason]
+
+
+@register_reward("test_kwargs")
+def _kwargs(completion, answer, **kw):
+    return float(kw.get("finish_reason") == "length")
+
+
+@pytest.mark.parametrize("fn, completion, answer", [
+    (math_verify_reward, "so \\boxed{42}", "#### 42"),
+    (math_format_reward, "#### 42", "42"),
+    (exact_match_reward, "42", "42"),
+])
+def test_builtin_rewards_score_a_completion_cut_at_max_tokens_zero(fn, completion, answer):
+    """Issue 39.1: a completion cut at ``max_tokens`` never finished (its last number so
+    far is not a final answer; ``42`` then removed special tokens is not ``42<eos>``)."""
+    assert fn(completion, answer) == 1.0
+    assert fn(completion, answer, finish_reason="stop") == 1.0
+    assert fn(completion, answer, finish_reason="length") == 0.0
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_functions_that_take_finish_reason_get_it_and_two_argument_ones_still_work(num_workers):
+    r = rewarder("test_sees_finish", "test_kwargs", "test_length", num_workers=num_workers)
+    batch = r.score(["a", "b", "a"], ["a"] * 3, ["s0", "s1", "s2"],
+                    finish_reasons=["stop", "length", "length"])
+    assert batch.components["test_sees_finish"].tolist() == [1.0, -1.0, -1.0]
+    assert batch.components["test_kwargs"].tolist() == [0.0, 1.0, 1.0]
+    assert batch.components["test_length"].tolist() == [1.0, 1.0, 1.0]   # fn(c, a) as before
+    assert r.failures["test_length"] == {"errors": 0, "timeouts": 0}
+    assert r.score(["a"], ["a"], ["s"]).components["test_sees_finish"].tolist() == [1.0]
+    with pytest.raises(ValueError, match="finish reasons"):
+        r.score(["a"], ["a"], ["s"], finish_reasons=[])
+
+
 def test_weighted_combination_equals_numpy_oracle():
     comps = ["#### 18", "\\boxed{3}", "18", "x"]
     answers = ["#### 18", "#### 18", "18", "x"]

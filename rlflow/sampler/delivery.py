@@ -103,7 +103,10 @@ class GroupDelivery:
             texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
                      for c in group.completions]
             self.scoring[key] = (group.request, group.to_record())
-            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"])
+            # how each ended: the decoded text cannot tell a stop token from a cut at
+            # max_tokens followed by removed special tokens
+            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"],
+                                       [c.finish_reason for c in group.completions])
 
     def collect(self, timeout: float = 0.0) -> None:
         """Deliver the groups whose rewards are in (waiting up to ``timeout`` seconds for the
