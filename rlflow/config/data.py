@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Tuple
 
-from rlflow.config.validation import _check, _positive, _one_of, _timeout
+from rlflow.config.validation import _check, _positive, _one_of, _timeout, _finite_floats
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class DataConfig:
     on_bad_record: Literal["error", "skip"] = "error"
 
     def __post_init__(self):
+        _finite_floats(self, "data")
         _one_of(self.source, ("builtin", "jsonl", "parquet", "arrayrecord"), "data.source")
         _one_of(self.chat_template, ("hf", "plain", "none"), "data.chat_template")
         _one_of(self.on_bad_record, ("error", "skip"), "data.on_bad_record")
@@ -89,6 +90,7 @@ class RewardConfig:
     max_consecutive_errors: int = 256
 
     def __post_init__(self):
+        _finite_floats(self, "reward")
         _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
         _check(len(self.functions) == len(self.weights), "reward.weights",
                f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-from rlflow.config.validation import _check, _positive, _timeout
+from rlflow.config.validation import _check, _positive, _timeout, _finite_floats
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class EnvConfig:
     max_consecutive_errors: int = 256
 
     def __post_init__(self):
+        _finite_floats(self, "env")
         _check(isinstance(self.name, str), "env.name", f"must be a string, got {self.name!r}")
         for opt in self.options:
             _check(isinstance(opt, str) and "=" in opt and opt.split("=", 1)[0].strip() != "",
