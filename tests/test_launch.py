@@ -177,6 +177,32 @@ def test_summary_of_a_run_stopped_before_its_first_step_is_strict_json(tmp_path)
     assert summary["steps_completed"] == 0 and summary["success"] is False
 
 
+def test_summary_holds_the_throughput_of_this_invocation(tmp_path):
+    """Issue 39.10: summary.json holds the run's rates (steps and trained tokens per
+    wall-clock second of this invocation, tokens decoded and their rate over the run)."""
+    from rlflow.runtime.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=4),
+                             metrics=C.MetricsConfig(progress="plain"))
+    (tmp_path / "w").mkdir()
+    now = [100.0]
+    watcher = RunWatcher(cfg, str(tmp_path / "w"), stream=io.StringIO(), resumed_from=1,
+                         clock=lambda: now[0])
+    records = [{"step": s, "learner/step_time_s": 0.1, "reward/mean": 0.5,
+                "learner/tokens": 100.0 * s, "sampler/tokens_total": 250.0 * s,
+                "sampler/tokens_per_s_run": 25.0 * s} for s in (1, 2, 3, 4)]
+    with open(tmp_path / "w" / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    watcher.poll()
+    now[0] = 110.0
+    watcher.close(success=True, report=False)
+    summary = json.loads((tmp_path / "w" / "summary.json").read_text())
+    assert summary["throughput"] == pytest.approx({
+        "learner_steps_per_s": 3 / 10.0, "learner_tokens_per_s": (200 + 300 + 400) / 10.0,
+        "sampler_tokens": 1000.0, "sampler_tokens_per_s": 100.0})
+
+
 def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
     from rlflow.runtime.run_watch import RunWatcher
 

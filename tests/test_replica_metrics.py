@@ -3,7 +3,10 @@
 import os
 
 from rlflow.run.report import PLOTS, plot, replica_plots
-from rlflow.runtime.metrics import replica_metrics
+import pytest
+
+from rlflow.runtime.metrics import StepRates, replica_metrics
+from rlflow.sampler.background import RateCounters
 from rlflow.runtime.control import SamplerStatus
 
 
@@ -31,10 +34,7 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
     }
     m = replica_metrics(statuses, {"sampler-0": 0, "sampler-2": 2}, {2: 40.0, 3: 49.0})
     assert m["sampler/replicas_alive"] == 2.0
-    assert m["sampler/tokens_per_s"] == 120.0
-    assert m["sampler/slot_occupancy"] == 0.375
     assert m["sampler/version"] == 3.0                 # newest; -1 (no weights yet) skipped
-    assert m["replica/0/tokens_per_s"] == 100.0 and m["replica/2/tokens_per_s"] == 20.0
     assert m["replica/0/version"] == 3.0 and "replica/2/version" not in m
     assert m["replica/2/restarts"] == 2.0 and m["replica/0/groups_delivered"] == 7.0
     # the swap figures are the last reporter's (sampler-2): swapped v2 0.5 s after publish
@@ -44,6 +44,51 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
     assert (m["reward/errors/f"], m["reward/errors/g"], m["reward/timeouts/f"]) == (4.0, 1.0, 4.0)
     assert replica_metrics({}, {}, {}) == {"sampler/replicas_alive": 0.0}
     assert "sampler/replicas_lost" not in m
+
+
+def _totals(instance, tokens, used, run, idle):
+    return {"sampler/instance": instance, "sampler/tokens_total": tokens,
+            "sampler/slot_steps_used": used, "sampler/slot_steps_total": run,
+            "sampler/idle_s_total": idle}
+
+
+def test_rates_are_averaged_over_each_step_interval_and_the_run():
+    """Issue 39.10: a replica that decodes in bursts (all its tokens of a 4 s step within
+    0.5 s, idle the rest) has the rate of the whole interval, not of the last second (0)."""
+    rates = StepRates(now=100.0)
+    s = {"sampler-0": _status("sampler-0", 0, 0.0, **_totals(0, 400.0, 40, 80, 1.0)),
+         "sampler-1": _status("sampler-1", 0, 0.0, **_totals(0, 200.0, 20, 80, 3.0))}
+    m = rates.update(s, now=104.0)
+    assert m["sampler/tokens_per_s"] == pytest.approx((400 + 200) / 4.0)
+    assert m["replica/0/tokens_per_s"] == pytest.approx(100.0)
+    assert m["replica/1/tokens_per_s"] == pytest.approx(50.0)
+    assert m["sampler/slot_occupancy"] == pytest.approx(60 / 160)
+    assert m["replica/0/slot_occupancy"] == pytest.approx(0.5)
+    assert m["sampler/idle_frac"] == pytest.approx((1.0 / 4 + 3.0 / 4) / 2)
+    # next step: replica 0 decoded 100 more tokens; replica 1 restarted (new instance) and
+    # decoded 30 since: its count starts again from 0, never negative
+    s = {"sampler-0": _status("sampler-0", 0, 0.0, **_totals(0, 500.0, 50, 100, 2.0)),
+         "sampler-1": _status("sampler-1", 0, 0.0, **_totals(1, 30.0, 3, 10, 0.0))}
+    m = rates.update(s, now=106.0)
+    assert m["sampler/tokens_per_s"] == pytest.approx((100 + 30) / 2.0)
+    assert m["replica/1/tokens_per_s"] == pytest.approx(15.0)
+    assert m["sampler/tokens_total"] == pytest.approx(730.0)
+    assert m["sampler/tokens_per_s_run"] == pytest.approx(730.0 / 6.0)
+    # a step with no new tokens: 0 for that interval, the run figures keep their totals
+    m = rates.update(s, now=116.0)
+    assert m["sampler/tokens_per_s"] == 0.0
+    assert m["sampler/tokens_per_s_run"] == pytest.approx(730.0 / 16.0)
+    assert StepRates(0.0).update({"sampler-0": _status("sampler-0", 0, 0.0)}, 1.0) == {}
+
+
+def test_sampler_reports_running_totals_not_a_window():
+    c = RateCounters()
+    c.add(tokens=5, slots_used=5, slots_total=8)
+    c.add(idle=0.25)
+    c.add(tokens=3, slots_used=3, slots_total=8)
+    assert c.figures() == {"sampler/tokens_total": 8.0, "sampler/slot_steps_used": 8.0,
+                           "sampler/slot_steps_total": 16.0, "sampler/idle_s_total": 0.25}
+    assert c.figures()["sampler/tokens_total"] == 8.0     # reading does not reset
 
 
 def test_replicas_lost_for_silence_are_counted_live_or_not():

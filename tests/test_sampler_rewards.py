@@ -19,7 +19,7 @@ from rlflow.data.rewarder import Rewarder
 from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.sampler.batching import CompletedGroup, Completion, Request
 from rlflow.runtime.control import ControlReply
-from rlflow.sampler.background import RateWindow
+from rlflow.sampler.background import RateCounters
 from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.program import SamplerProgram
 
@@ -65,7 +65,7 @@ def _program(plugin_file, on_bad_reward):
                             num_workers=2),
         learner=LearnerConfig(on_bad_reward=on_bad_reward))
     p = object.__new__(SamplerProgram)      # only what _status reads
-    p.cfg, p.window = cfg, RateWindow()
+    p.cfg, p.window = cfg, RateCounters()
     p.delivery = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg.reward, plugins=cfg.plugins),
                                p.window, on_bad_reward=cfg.learner.on_bad_reward)
     p.control, p.prompts_started = _Control(), 0
@@ -118,7 +118,7 @@ def test_the_reward_sees_how_each_completion_ended(num_workers):
     after it removed by the decode) read the same; the demo's reward pays the stop credit
     only for the first. Before the fix both scored 1.0."""
     cfg = RewardConfig(functions=("digits_match",), weights=(1.0,), num_workers=num_workers)
-    d = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg), RateWindow())
+    d = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg), RateCounters())
     try:
         g = _group(0, ["8", "8", "7"], ["stop", "length", "stop"])
         d.admit(g.request, {"answer": "8", "stream_index": 0, "lease_id": 0})

@@ -1,9 +1,8 @@
 """Sampler replica figures as learner metrics (pure: statuses in, metric dict out).
 
-Per replica ``i`` (``sampler-<i>``): ``replica/<i>/tokens_per_s``, ``slot_occupancy``,
-``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version
-of its weights), ``restarts``. Over the live replicas: ``sampler/tokens_per_s`` (sum),
-``sampler/slot_occupancy`` and ``sampler/idle_frac`` (means), the groups dropped for a
+Per replica ``i`` (``sampler-<i>``): ``groups_delivered`` (total), ``in_flight`` (groups it
+holds), ``version`` (policy version of its weights), ``restarts``. Over the live replicas:
+the groups dropped for a
 NaN/inf reward (``sampler/dropped_bad_reward_groups``), the reward functions' error and
 timeout counts (``reward/errors/<fn>``, ``reward/timeouts/<fn>``), the multi-turn episode
 counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
@@ -13,14 +12,21 @@ declared lost for silence (times, ``runtime.replica_timeout_s``; live or not) an
 ``sampler/replicas_lost``, and the ``sync/*`` swap figures of the replica that reported
 last, with ``sync/weight_sync_s`` = its swap time minus the publish time of the version it
 swapped in.
+
+Rates (:class:`StepRates`): each replica reports running totals (tokens decoded, slot-steps
+used and run, seconds idle; :class:`rlflow.sampler.background.RateCounters`); the learner
+turns their growth between two of its logged steps into the rates of that step's interval:
+``sampler/tokens_per_s`` (sum over replicas), ``sampler/slot_occupancy`` (slot-steps used /
+run), ``sampler/idle_frac`` (mean over replicas), ``replica/<i>/tokens_per_s`` and
+``replica/<i>/slot_occupancy``; and over the run so far: ``sampler/tokens_total`` and
+``sampler/tokens_per_s_run`` (tokens / seconds since the learner started).
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
-_MEAN = ("sampler/slot_occupancy", "sampler/idle_frac")
-_SUM = ("sampler/tokens_per_s", "sampler/rejected_groups", "sampler/in_flight",
+_SUM = ("sampler/rejected_groups", "sampler/in_flight",
         "sampler/groups_delivered", "sampler/dropped_bad_reward_groups",
         # multi-turn episodes (totals per replica instance): environment steps, failures
         # (reward 0, counted), episodes started and cut by a limit
@@ -55,16 +61,12 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
     summed = ("env/", "reward/errors/", "reward/timeouts/")   # environments' info, rewards'
     for key in sorted({k for f in figures.values() for k in f if k.startswith(summed)}):
         out[key] = float(sum(f.get(key, 0.0) for f in figures.values()))
-    for key in _MEAN:
-        vals = [f[key] for f in figures.values() if key in f]
-        if vals:
-            out[key] = float(sum(vals) / len(vals))
     versions = [st.version for st in statuses.values() if st.version >= 0]
     if versions:                   # -1: a (re)started replica before its first pull
         out["sampler/version"] = float(max(versions))
     for name, st in statuses.items():
         i, f = _index(name), figures[name]
-        for key in ("tokens_per_s", "slot_occupancy", "groups_delivered", "in_flight"):
+        for key in ("groups_delivered", "in_flight"):
             if f"sampler/{key}" in f:
                 out[f"replica/{i}/{key}"] = f[f"sampler/{key}"]
         if st.version >= 0:
@@ -78,3 +80,61 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
     if swap_v is not None and swap_t is not None and int(swap_v) in publish_time:
         out["sync/weight_sync_s"] = max(0.0, swap_t - publish_time[int(swap_v)])
     return out
+
+
+#: The running totals a replica reports (:class:`rlflow.sampler.background.RateCounters`).
+_TOTALS = ("sampler/tokens_total", "sampler/slot_steps_used", "sampler/slot_steps_total",
+           "sampler/idle_s_total")
+
+
+class StepRates:
+    """Sampler rates averaged over each learner step's interval and over the run, from the
+    replicas' running totals (see the module docstring).
+
+    A replica's totals count from its (re)start: a new ``sampler/instance`` or a total that
+    went down starts its count again from 0, so a restart adds what the new instance decoded
+    and never a negative amount. A replica not heard of in a step adds nothing to it.
+
+    Args:
+      now: the learner's start (``time.monotonic()`` seconds): the first interval and the
+        run average count from it.
+    """
+
+    def __init__(self, now: float):
+        self.t_start = self.t_last = float(now)
+        self.seen: dict = {}                 # replica -> (instance, totals)
+        self.run_tokens = 0.0
+
+    def update(self, statuses: Mapping, now: float) -> dict:
+        """Rates since the previous call (or the start), from the replicas' latest statuses
+        (``SamplerStatus`` by name, ``metrics`` holding the totals); ``now``: monotonic
+        seconds. Returns the rate metrics (all floats; none when no replica reports totals).
+        """
+        dt = max(float(now) - self.t_last, 1e-9)
+        self.t_last = float(now)
+        growth = {}
+        for name, st in statuses.items():
+            m = st.metrics
+            if "sampler/tokens_total" not in m:
+                continue
+            totals = tuple(float(m.get(k, 0.0)) for k in _TOTALS)
+            instance = m.get("sampler/instance", 0.0)
+            prev_instance, prev = self.seen.get(name, (instance, (0.0,) * len(_TOTALS)))
+            restarted = instance != prev_instance or any(a < b for a, b in zip(totals, prev))
+            growth[name] = totals if restarted else tuple(a - b for a, b in zip(totals, prev))
+            self.seen[name] = (instance, totals)
+        if not growth:
+            return {}
+        tokens = sum(g[0] for g in growth.values())
+        used, run = sum(g[1] for g in growth.values()), sum(g[2] for g in growth.values())
+        self.run_tokens += tokens
+        out = {"sampler/tokens_per_s": tokens / dt,
+               "sampler/slot_occupancy": used / run if run else 0.0,
+               "sampler/idle_frac": min(1.0, sum(g[3] for g in growth.values())
+                                        / (dt * len(growth))),
+               "sampler/tokens_total": self.run_tokens,
+               "sampler/tokens_per_s_run": self.run_tokens / max(now - self.t_start, 1e-9)}
+        for name, g in growth.items():
+            out[f"replica/{_index(name)}/tokens_per_s"] = g[0] / dt
+            out[f"replica/{_index(name)}/slot_occupancy"] = g[1] / g[2] if g[2] else 0.0
+        return out

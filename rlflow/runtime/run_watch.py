@@ -91,6 +91,31 @@ def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict
             "reward_rise": last - first}
 
 
+def throughput(by_step: Mapping[int, Mapping], after_step: int, wall_s: float) -> dict:
+    """Rates of one invocation over its whole run, for ``summary.json``.
+
+    Args:
+      by_step: step -> merged ``metrics.jsonl`` record.
+      after_step: the step the invocation resumed from (its own steps are the later ones).
+      wall_s: the invocation's wall-clock seconds (start-up and compilation included).
+
+    Returns:
+      ``learner_steps_per_s`` and ``learner_tokens_per_s`` (steps and trained tokens,
+      ``learner/tokens``, per wall-clock second), ``sampler_tokens`` and
+      ``sampler_tokens_per_s`` (tokens decoded, per second since the learner started:
+      :class:`rlflow.runtime.metrics.StepRates`, from the last step's record); NaN where the
+      records hold no figure (written as ``null``).
+    """
+    steps = sorted(s for s in by_step if s > after_step)
+    last = by_step[steps[-1]] if steps else {}
+    wall = wall_s if wall_s > 0 else math.nan
+    trained = sum(float(by_step[s].get("learner/tokens", 0.0)) for s in steps)
+    return {"learner_steps_per_s": len(steps) / wall,
+            "learner_tokens_per_s": trained / wall if steps else math.nan,
+            "sampler_tokens": float(last.get("sampler/tokens_total", math.nan)),
+            "sampler_tokens_per_s": float(last.get("sampler/tokens_per_s_run", math.nan))}
+
+
 def _write_summary(path: str, summary: Mapping) -> None:
     """Write ``summary`` to ``path`` atomically (a temporary file, then ``os.replace``), as
     strict JSON: a figure with no value (NaN, inf) is ``null``."""
@@ -353,7 +378,8 @@ class RunWatcher:
     def summary(self, success: bool) -> dict:
         """Reward rise over the run's whole ``metrics.jsonl`` (``reward/mean`` per step), wall
         time of this invocation, outcome, ``steps_completed`` (learner step reached),
-        ``resumed_from_step`` and ``steps_this_run``."""
+        ``resumed_from_step``, ``steps_this_run`` and this invocation's ``throughput``
+        (:func:`throughput`)."""
         try:
             records, _ = read_jsonl(self.path)
         except ValueError:
@@ -366,6 +392,7 @@ class RunWatcher:
                    resumed_from_step=self.resumed_from,
                    steps_this_run=self.last_step - self.resumed_from,
                    wall_s=self._clock() - self._t0)
+        out["throughput"] = throughput(by_step, self.resumed_from, out["wall_s"])
         return out
 
     def close(self, success: bool, report: bool = True) -> Optional[dict]:

@@ -46,7 +46,7 @@ class GroupDelivery:
       buffer: the learner's ring buffer client (``put_groups(records) -> {index: error}``).
       rewarder: the reward workers; ``None`` for multi-turn episodes (rewards come from the
         environments).
-      window: the replica's :class:`rlflow.sampler.background.RateWindow` (time spent in
+      window: the replica's :class:`rlflow.sampler.background.RateCounters` (time spent in
         the buffer call counts as idle).
       on_bad_reward: ``learner.on_bad_reward`` ("drop" or "error").
     """
