@@ -334,22 +334,33 @@ def _fails_on_x(completion, answer):
 @pytest.mark.parametrize("num_workers", [1, 0])
 def test_a_function_failing_every_call_stops_at_max_consecutive_errors(num_workers):
     """Failures in a row count up to reward.max_consecutive_errors, then stop with the last
-    error; a success resets the count, a timeout neither counts nor resets it; 0: never."""
+    error; a success resets the count, a timeout counts as a failure (issue 39.7); 0: never."""
     r = rewarder("test_fails_on_x", timeout_s=0.3, num_workers=num_workers,
                  max_consecutive_errors=3)
-    out = r.score(["x1", "x2", "ok", "x3", "x4", "hang"], ["a"] * 6,
-                  [f"prompt 5 sample {i}" for i in range(6)])
-    assert out.total.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
-    assert r.failures["test_fails_on_x"] == {"errors": 4, "timeouts": 1}
-    with pytest.raises(RewardFunctionError) as e:
+    out = r.score(["x1", "x2", "ok", "x3", "hang"], ["a"] * 5,
+                  [f"prompt 5 sample {i}" for i in range(5)])
+    assert out.total.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert r.failures["test_fails_on_x"] == {"errors": 3, "timeouts": 1}
+    with pytest.raises(RewardFunctionError) as e:      # x3, hang (timeout), x5: 3 in a row
         r.score(["x5"], ["a"], ["prompt 6 sample 0"])
     assert str(e.value).startswith(
-        "reward function 'test_fails_on_x' failed on its last 3 calls in a row "
-        "(reward.max_consecutive_errors=3), the last on sample prompt 6 sample 0: "
+        "reward function 'test_fails_on_x' failed (errors or timeouts) on its last 3 calls "
+        "in a row (reward.max_consecutive_errors=3), the last on sample prompt 6 sample 0: "
         "ValueError: cannot score 'x5'")
     never = rewarder("test_fails_on_x", num_workers=num_workers, max_consecutive_errors=0)
     assert never.score([f"x{i}" for i in range(5)], ["a"] * 5,
                        [str(i) for i in range(5)]).total.tolist() == [0.0] * 5
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_a_function_that_never_returns_stops_the_run_naming_it(num_workers):
+    """Issue 39.7: 392 timeouts and no success ended a run with success true; now the
+    timeouts in a row reach reward.max_consecutive_errors and stop it."""
+    r = rewarder("test_hangs", timeout_s=0.2, num_workers=num_workers, max_consecutive_errors=2)
+    with pytest.raises(RewardFunctionError, match=r"'test_hangs' failed \(errors or timeouts\) "
+                       r"on its last 2 calls in a row .* sample s1: timed out: ran past 0.2 s"):
+        r.score(["a", "b"], ["a"] * 2, ["s0", "s1"])
+    assert r.failures["test_hangs"]["timeouts"] == 2
 
 
 def test_nan_rewards_in_a_row_stop_at_max_consecutive_errors():
@@ -360,9 +371,9 @@ def test_nan_rewards_in_a_row_stop_at_max_consecutive_errors():
     r.submit("g1", ["bad", "ok", "bad", "bad"], ["a"] * 4, [f"p1 s{i}" for i in range(4)])
     (_, batch), = r.collect()
     assert len(batch.nonfinite) == 3                 # reported for on_bad_reward; run of 2
-    with pytest.raises(RewardFunctionError, match=r"'test_nan' failed on its last 3 calls in "
-                       r"a row \(reward.max_consecutive_errors=3\), the last on sample p2 s0: "
-                       r"returned nan"):
+    with pytest.raises(RewardFunctionError, match=r"'test_nan' failed \(errors or timeouts\) "
+                       r"on its last 3 calls in a row \(reward.max_consecutive_errors=3\), "
+                       r"the last on sample p2 s0: returned nan"):
         r.submit("g2", ["bad"], ["a"], ["p2 s0"])
 
 

@@ -77,9 +77,10 @@ class RewardConfig:
         this; a call past it scores 0 (counted as an error). 0: no limit.
       max_consecutive_errors: a function that fails (raises, returns a non-number or a
         NaN/inf one, runs out of memory) on this many calls in a row, without one success
-        between, stops the run with its last error (``rlflow.data.rewards.RewardFunctionError``): it is broken, and
-        training on its zeros would waste the run. Timeouts neither count nor reset the run
-        of failures. 0: never stop.
+        between, stops the run with its last error
+        (``rlflow.data.rewards.RewardFunctionError``): it is broken, and training on its
+        zeros would waste the run. A call past ``timeout_s`` counts as a failure too (a
+        function that never returns is as broken as one that raises). 0: never stop.
     """
 
     functions: Tuple[str, ...] = ("digits_match",)

@@ -41,8 +41,9 @@ class EnvConfig:
         or ``reset`` failed: each is dropped), or this many ``step`` calls in a row failed
         (raised, returned a bad value, or gave messages the chat template cannot render)
         without a success between: the environment or the data is broken, and the run would
-        otherwise train on nothing (or wait forever for groups). Timeouts neither count nor
-        reset. 0: never stop.
+        otherwise train on nothing (or wait forever for groups). A step that runs past
+        ``step_timeout_s`` counts as a failure too (an environment that never answers is as
+        broken as one that raises). 0: never stop.
     """
 
     name: str = ""

@@ -6,7 +6,7 @@ past ``reward.timeout_s`` and limited to ``reward.memory_limit_mb``; a call that
 returns a non-number, times out or runs out of memory scores 0 for that function and sample,
 counted per function (``reward/errors/<name>``, ``reward/timeouts/<name>``) and logged with
 the sample id; a function whose last ``reward.max_consecutive_errors`` calls all failed
-(raised, returned a non-number or NaN/inf; timeouts aside) stops the run
+(raised, returned a non-number or NaN/inf, or timed out) stops the run
 (:class:`~rlflow.data.rewards.RewardFunctionError`). ``reward.num_workers = 0`` calls the functions in this process instead, on a
 thread joined with the timeout: for debugging only (a call that holds the GIL or allocates
 without bound is then not stopped).
@@ -306,20 +306,23 @@ class Rewarder:
                 self._failed_again(name, sample_id, f"returned {value}")
         elif status == "timeout":
             self._failed(name, "timeouts", sample_id, str(value))
+            self._failed_again(name, sample_id, f"timed out: {value}")
         else:
             self._failed(name, "errors", sample_id, f"raised {value}")
             self._failed_again(name, sample_id, value)
 
     def _failed_again(self, name: str, sample_id, what: str) -> None:
-        """One more call of ``name`` in a row that gave no usable reward (it raised, or
-        returned a non-number or a non-finite one); at ``max_consecutive_errors`` stop."""
+        """One more call of ``name`` in a row that gave no usable reward (it raised, timed
+        out, or returned a non-number or a non-finite one); at ``max_consecutive_errors``
+        stop."""
         self._error_run[name] += 1
         limit = self.max_consecutive_errors
         if limit and self._error_run[name] >= limit:
             raise RewardFunctionError(
-                f"reward function {name!r} failed on its last {self._error_run[name]} calls "
-                f"in a row (reward.max_consecutive_errors={limit}), the last on sample "
-                f"{sample_id}: {what}. Fix the function (or raise the limit; 0: never stop)")
+                f"reward function {name!r} failed (errors or timeouts) on its last "
+                f"{self._error_run[name]} calls in a row (reward.max_consecutive_errors="
+                f"{limit}), the last on sample {sample_id}: {what}. Fix the function (or "
+                f"raise the limit or reward.timeout_s; 0: never stop)")
 
     def _batch(self, job: _Job) -> RewardBatch:
         total = np.asarray(self.weights, np.float64) @ job.values if len(self.names) else \

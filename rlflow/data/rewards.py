@@ -73,7 +73,7 @@ class NonFiniteRewardError(ValueError):
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function failed (raised, returned a non-number or NaN/inf) on
+    """A reward function failed (raised, timed out, returned a non-number or NaN/inf) on
     ``reward.max_consecutive_errors`` calls in a row without one success: a bug in the
     function (or in every answer it reads), not a hard sample. The message names the
     function, the count and its last error with the sample id."""
