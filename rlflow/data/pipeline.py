@@ -24,7 +24,7 @@ reported with counts up front, not hours into a run. It tokenizes each prompt on
 Templates (``data.chat_template``):
   * "hf": ``tokenizer.apply_chat_template([{"role": "user", "content": plain_template.format(
     prompt=...)}], add_generation_prompt=True)``; a prompt field that already holds a list of
-    ``{"role", "content"}`` messages is used as is. Tokenized without extra special tokens
+    ``{"role": str, "content": str}`` messages is used as is. Tokenized without extra special tokens
     (the template adds BOS if the model wants one).
   * "plain": ``plain_template.format(prompt=...)``, tokenized with the tokenizer's special
     tokens (e.g. BOS).
@@ -34,7 +34,13 @@ Errors (``rlflow.data.sources``): BadRecordError / MissingFieldError (file:line,
 with ``data.on_bad_record="skip"`` the record is skipped and counted instead),
 EmptyDatasetError (no records, or every record bad), AllPromptsFilteredError (every prompt
 longer than ``data.max_prompt_tokens``; says how many and the shortest length). An empty
-prompt field (whitespace only) is a bad record. A prompt whose text is longer than
+prompt field (whitespace only) is a bad record, and so is every record the tokenizer and
+chat template would not take as text: a prompt that is not a string (or, with "hf", not a
+non-empty list of messages whose role and content are strings: the template would render
+``None`` or ``5`` into the prompt), text that is not valid Unicode (a lone surrogate, which
+JSON allows and the Rust tokenizers refuse with a ``TypeError``), and any error the
+tokenizer raises on the rendered prompt. These checks run once per record in the scan, so
+``data.on_bad_record`` decides for all of them. A prompt whose text is longer than
 :func:`rlflow.data.tokenizer.char_bound` characters is counted as too long without being tokenized.
 """
 
