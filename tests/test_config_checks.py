@@ -232,7 +232,8 @@ def test_reward_registered_in_the_config_file_is_refused(no_programs, capsys):
 @pytest.mark.parametrize("signature, ok", [
     ("completion", False), ("*, completion, answer", False), ("a, b, c", False),
     ("completion, answer", True), ("completion, answer, bonus=0.0", True), ("*args", True),
-    ("completion, *rest, **kw", True)])
+    ("completion, *rest, **kw", True), ("completion, answer, *, finish_reason", True),
+    ("completion, answer, finish_reason='stop'", True), ("completion, *, finish_reason", False)])
 def test_a_reward_function_that_cannot_take_completion_and_answer_is_refused(
         no_programs, capsys, signature, ok):
     (no_programs / "sig_rewards.py").write_text(f"def f({signature}):\n    return 1.0\n")

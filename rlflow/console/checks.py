@@ -203,12 +203,16 @@ def _check_rewards(cfg) -> None:
 
 
 def _check_reward_signature(name: str, fn) -> None:
-    """``fn`` must take ``(completion, answer)`` positionally (how the reward workers call
-    it); a callable whose signature cannot be read (a builtin, some C extensions) passes."""
+    """``fn`` must take ``(completion, answer)`` positionally, plus ``finish_reason=`` when it
+    names one (how the reward workers call it: :func:`rlflow.data.rewards.call_reward`); a
+    callable whose signature cannot be read (a builtin, some C extensions) passes."""
     import inspect
 
+    from rlflow.data.rewards import accepts_finish_reason
+
     try:
-        inspect.signature(fn).bind("completion", "answer")
+        extra = {"finish_reason": "stop"} if accepts_finish_reason(fn) else {}
+        inspect.signature(fn).bind("completion", "answer", **extra)
     except TypeError as e:
         raise ConfigError(f"reward.functions: {name!r} cannot be called as fn(completion, "
                           f"answer) ({e}; its signature is {inspect.signature(fn)}); a reward "
