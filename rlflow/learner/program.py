@@ -82,7 +82,7 @@ class LearnerProgram:
         from rlflow.runtime.metrics import StepRates
 
         self.cfg = cfg
-        self.rates = StepRates(time.monotonic())    # sampler rates over each step, the run
+        self.rates = StepRates(time.time())    # sampler rates over each step, the run
         if "://" not in cfg.run_path:
             # A run folder holds one run: what rlflow train checked, checked again for a
             # learner started without it (scripts/tpu); idempotent after the launcher.
@@ -410,7 +410,7 @@ class LearnerProgram:
         statuses = self.coordinator.live_statuses()
         out = replica_metrics(statuses, self.coordinator.restarts(),
                               self.publisher.publish_time, self.coordinator.timeouts())
-        out.update(self.rates.update(statuses, time.monotonic()))
+        out.update(self.rates.update(statuses, time.time()))
         return out
 
     # ------------------------------------------------------------------ checkpoints

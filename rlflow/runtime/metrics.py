@@ -15,7 +15,8 @@ swapped in.
 
 Rates (:class:`StepRates`): each replica reports running totals (tokens decoded, slot-steps
 used and run, seconds idle; :class:`rlflow.sampler.background.RateCounters`); the learner
-turns their growth between two of its logged steps into the rates of that step's interval:
+turns their growth between the reports seen at two of its logged steps into the rates of
+that step's interval:
 ``sampler/tokens_per_s`` (sum over replicas), ``sampler/slot_occupancy`` (slot-steps used /
 run), ``sampler/idle_frac`` (mean over replicas), ``replica/<i>/tokens_per_s`` and
 ``replica/<i>/slot_occupancy``; and over the run so far: ``sampler/tokens_total`` and
@@ -91,50 +92,63 @@ class StepRates:
     """Sampler rates averaged over each learner step's interval and over the run, from the
     replicas' running totals (see the module docstring).
 
-    A replica's totals count from its (re)start: a new ``sampler/instance`` or a total that
-    went down starts its count again from 0, so a restart adds what the new instance decoded
-    and never a negative amount. A replica not heard of in a step adds nothing to it.
+    The totals are known at the replicas' status reports (``SamplerStatus.received``,
+    ``time.time()`` seconds, a few per second), so a replica's rates at a step are its
+    totals' growth between the last status seen at the previous step and the last one seen
+    now, over the time between those two reports; a replica with no new report since the
+    previous step keeps its last rates (a learner step shorter than the report interval is
+    no sign of an idle sampler). A replica's totals count from its (re)start: a new
+    ``sampler/instance`` or a total that went down starts its count again from 0, so a
+    restart adds what the new instance decoded and never a negative amount.
 
     Args:
-      now: the learner's start (``time.monotonic()`` seconds): the first interval and the
-        run average count from it.
+      now: the learner's start (``time.time()`` seconds): a replica's first interval and
+        the run average count from it.
     """
 
     def __init__(self, now: float):
-        self.t_start = self.t_last = float(now)
-        self.seen: dict = {}                 # replica -> (instance, totals)
+        self.t_start = float(now)
+        self.seen: dict = {}     # replica -> (instance, totals, received)
+        self.last: dict = {}     # replica -> (tokens/s, slot-steps used, slot-steps, idle frac)
         self.run_tokens = 0.0
 
     def update(self, statuses: Mapping, now: float) -> dict:
-        """Rates since the previous call (or the start), from the replicas' latest statuses
-        (``SamplerStatus`` by name, ``metrics`` holding the totals); ``now``: monotonic
-        seconds. Returns the rate metrics (all floats; none when no replica reports totals).
-        """
-        dt = max(float(now) - self.t_last, 1e-9)
-        self.t_last = float(now)
-        growth = {}
+        """Rates at a logged step from the replicas' latest statuses (``SamplerStatus`` by
+        name: ``metrics`` holding the totals, ``received``); ``now``: ``time.time()``.
+        Returns the rate metrics (floats; none when no replica reports totals)."""
         for name, st in statuses.items():
             m = st.metrics
             if "sampler/tokens_total" not in m:
                 continue
             totals = tuple(float(m.get(k, 0.0)) for k in _TOTALS)
             instance = m.get("sampler/instance", 0.0)
-            prev_instance, prev = self.seen.get(name, (instance, (0.0,) * len(_TOTALS)))
-            restarted = instance != prev_instance or any(a < b for a, b in zip(totals, prev))
-            growth[name] = totals if restarted else tuple(a - b for a, b in zip(totals, prev))
-            self.seen[name] = (instance, totals)
-        if not growth:
+            received = float(st.received) or float(now)
+            seen = self.seen.get(name)
+            if seen is not None and received <= seen[2]:
+                continue                        # no new report: its last rates stand
+            since = seen[2] if seen is not None else self.t_start
+            restarted = seen is None or instance != seen[0] or \
+                any(a < b for a, b in zip(totals, seen[1]))
+            base = (0.0,) * len(_TOTALS) if restarted else seen[1]
+            growth = tuple(a - b for a, b in zip(totals, base))
+            span = max(received - since, 1e-9)
+            self.last[name] = (growth[0] / span, growth[1], growth[2],
+                               min(1.0, growth[3] / span))
+            self.run_tokens += growth[0]
+            self.seen[name] = (instance, totals, received)
+        live = [self.last[n] for n in statuses if n in self.last]
+        if not live:
             return {}
-        tokens = sum(g[0] for g in growth.values())
-        used, run = sum(g[1] for g in growth.values()), sum(g[2] for g in growth.values())
-        self.run_tokens += tokens
-        out = {"sampler/tokens_per_s": tokens / dt,
+        used, run = sum(r[1] for r in live), sum(r[2] for r in live)
+        out = {"sampler/tokens_per_s": sum(r[0] for r in live),
                "sampler/slot_occupancy": used / run if run else 0.0,
-               "sampler/idle_frac": min(1.0, sum(g[3] for g in growth.values())
-                                        / (dt * len(growth))),
+               "sampler/idle_frac": sum(r[3] for r in live) / len(live),
                "sampler/tokens_total": self.run_tokens,
-               "sampler/tokens_per_s_run": self.run_tokens / max(now - self.t_start, 1e-9)}
-        for name, g in growth.items():
-            out[f"replica/{_index(name)}/tokens_per_s"] = g[0] / dt
-            out[f"replica/{_index(name)}/slot_occupancy"] = g[1] / g[2] if g[2] else 0.0
+               "sampler/tokens_per_s_run": self.run_tokens / max(float(now) - self.t_start,
+                                                                 1e-9)}
+        for name in statuses:
+            if name in self.last:
+                r = self.last[name]
+                out[f"replica/{_index(name)}/tokens_per_s"] = r[0]
+                out[f"replica/{_index(name)}/slot_occupancy"] = r[1] / r[2] if r[2] else 0.0
         return out
