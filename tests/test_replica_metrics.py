@@ -53,41 +53,53 @@ def _totals(instance, tokens, used, run, idle):
 
 
 def test_rates_are_averaged_over_each_step_interval_and_the_run():
-    """Issue 39.10: a replica that decodes in bursts (all its tokens of a 4 s step within
-    0.5 s, idle the rest) has the rate of the whole interval, not of the last second (0);
-    a step shorter than the report interval keeps the last rates instead of reading 0."""
+    """Issue 39.10: a replica decodes in bursts (400 tokens in its first 0.5 s, then idle).
+    A 1-second window sampled at log time read 0 on such steps; the rate now spans the
+    step's interval, at least MIN_RATE_SPAN_S (1 s) of reports, so a 20 ms step between
+    two bursts does not read 0, and only an idle second does."""
+    from rlflow.runtime.metrics import MIN_RATE_SPAN_S
+
+    assert MIN_RATE_SPAN_S == 1.0
     rates = StepRates(now=100.0)
 
-    def statuses(t0, t1, tot0, tot1):
-        return {"sampler-0": _status("sampler-0", 0, t0, **_totals(*tot0)),
-                "sampler-1": _status("sampler-1", 0, t1, **_totals(*tot1))}
+    def one(received, *totals):
+        return {"sampler-0": _status("sampler-0", 0, received, **_totals(*totals))}
 
-    m = rates.update(statuses(104.0, 102.0, (0, 400.0, 40, 80, 1.0), (0, 200.0, 20, 80, 1.5)),
-                     now=104.5)
-    assert m["replica/0/tokens_per_s"] == pytest.approx(400 / 4.0)    # since the start
+    m = rates.update(one(100.5, 0, 400.0, 40, 80, 0.0), now=100.6)
+    assert m["sampler/tokens_per_s"] == pytest.approx(400 / 0.5)     # since the start
+    assert m["sampler/slot_occupancy"] == pytest.approx(0.5)
+    m = rates.update(one(100.6, 0, 400.0, 40, 80, 0.1), now=100.62)  # a 20 ms step, idle
+    assert m["sampler/tokens_per_s"] == pytest.approx(400 / 0.6)     # over the last second
+    assert m["sampler/idle_frac"] == pytest.approx(0.1 / 0.6)
+    m = rates.update(one(102.0, 0, 400.0, 40, 80, 1.5), now=102.0)   # idle for 1.4 s
+    assert m["sampler/tokens_per_s"] == 0.0
+    assert m["sampler/idle_frac"] == pytest.approx(1.0)
+    assert m["sampler/tokens_total"] == 400.0
+    assert m["sampler/tokens_per_s_run"] == pytest.approx(400 / 2.0)
+    m = rates.update(one(102.0, 0, 400.0, 40, 80, 1.5), now=102.3)   # no new report
+    assert m["sampler/tokens_per_s"] == 0.0 and m["sampler/tokens_total"] == 400.0
+
+
+def test_rates_sum_over_replicas_and_a_restart_counts_from_zero():
+    rates = StepRates(now=100.0)
+    s = {"sampler-0": _status("sampler-0", 0, 104.0, **_totals(0, 400.0, 40, 80, 1.0)),
+         "sampler-1": _status("sampler-1", 0, 102.0, **_totals(0, 200.0, 20, 80, 1.0))}
+    m = rates.update(s, now=104.0)
+    assert m["replica/0/tokens_per_s"] == pytest.approx(400 / 4.0)
     assert m["replica/1/tokens_per_s"] == pytest.approx(200 / 2.0)
     assert m["sampler/tokens_per_s"] == pytest.approx(200.0)
     assert m["sampler/slot_occupancy"] == pytest.approx(60 / 160)
     assert m["replica/0/slot_occupancy"] == pytest.approx(0.5)
-    assert m["sampler/idle_frac"] == pytest.approx((1.0 / 4 + 1.5 / 2) / 2)
-    # next step: replica 0 reported again 2 s later (100 more tokens); replica 1 restarted
-    # (new instance) and decoded 30 in the 4 s since its last report: its count starts
-    # again from 0, never negative
-    m = rates.update(statuses(106.0, 106.0, (0, 500.0, 50, 100, 2.0), (1, 30.0, 3, 10, 0.0)),
-                     now=106.5)
+    assert m["sampler/idle_frac"] == pytest.approx((1.0 / 4 + 1.0 / 2) / 2)
+    # replica 1 restarted (new instance: its totals start again) and decoded 30 tokens in
+    # the 4 s since its last report; never a negative count
+    s = {"sampler-0": _status("sampler-0", 0, 106.0, **_totals(0, 500.0, 50, 100, 2.0)),
+         "sampler-1": _status("sampler-1", 0, 106.0, **_totals(1, 30.0, 3, 10, 0.0))}
+    m = rates.update(s, now=106.0)
     assert m["replica/0/tokens_per_s"] == pytest.approx(100 / 2.0)
     assert m["replica/1/tokens_per_s"] == pytest.approx(30 / 4.0)
     assert m["sampler/tokens_total"] == pytest.approx(730.0)
-    assert m["sampler/tokens_per_s_run"] == pytest.approx(730.0 / 6.5)
-    # a step with no new report (shorter than the report interval): the last rates stand
-    again = rates.update(statuses(106.0, 106.0, (0, 500.0, 50, 100, 2.0),
-                                  (1, 30.0, 3, 10, 0.0)), now=106.7)
-    assert again["sampler/tokens_per_s"] == pytest.approx(m["sampler/tokens_per_s"])
-    # a new report with no new tokens: an idle interval reads 0, the run keeps its total
-    m = rates.update(statuses(116.0, 116.0, (0, 500.0, 50, 100, 12.0), (1, 30.0, 3, 10, 10.0)),
-                     now=116.0)
-    assert m["sampler/tokens_per_s"] == 0.0 and m["sampler/idle_frac"] == pytest.approx(1.0)
-    assert m["sampler/tokens_per_s_run"] == pytest.approx(730.0 / 16.0)
+    assert m["sampler/tokens_per_s_run"] == pytest.approx(730.0 / 6.0)
     assert StepRates(0.0).update({"sampler-0": _status("sampler-0", 0, 0.0)}, 1.0) == {}
 
 

@@ -15,8 +15,8 @@ swapped in.
 
 Rates (:class:`StepRates`): each replica reports running totals (tokens decoded, slot-steps
 used and run, seconds idle; :class:`rlflow.sampler.background.RateCounters`); the learner
-turns their growth between the reports seen at two of its logged steps into the rates of
-that step's interval:
+turns their growth over each logged step's interval (at least ``MIN_RATE_SPAN_S``) into
+the rates of that interval:
 ``sampler/tokens_per_s`` (sum over replicas), ``sampler/slot_occupancy`` (slot-steps used /
 run), ``sampler/idle_frac`` (mean over replicas), ``replica/<i>/tokens_per_s`` and
 ``replica/<i>/slot_occupancy``; and over the run so far: ``sampler/tokens_total`` and
@@ -25,6 +25,7 @@ run), ``sampler/idle_frac`` (mean over replicas), ``replica/<i>/tokens_per_s`` a
 
 from __future__ import annotations
 
+import collections
 from typing import Mapping
 
 _SUM = ("sampler/rejected_groups", "sampler/in_flight",
@@ -88,18 +89,23 @@ _TOTALS = ("sampler/tokens_total", "sampler/slot_steps_used", "sampler/slot_step
            "sampler/idle_s_total")
 
 
+#: Shortest span (seconds) a rate is averaged over: a learner step can take 20 ms while a
+#: replica decodes in bursts, and a rate over 20 ms between two bursts would read 0.
+MIN_RATE_SPAN_S = 1.0
+
+
 class StepRates:
-    """Sampler rates averaged over each learner step's interval and over the run, from the
-    replicas' running totals (see the module docstring).
+    """Sampler rates averaged over each learner step's interval (at least
+    :data:`MIN_RATE_SPAN_S`) and over the run, from the replicas' running totals (see the
+    module docstring).
 
     The totals are known at the replicas' status reports (``SamplerStatus.received``,
-    ``time.time()`` seconds, a few per second), so a replica's rates at a step are its
-    totals' growth between the last status seen at the previous step and the last one seen
-    now, over the time between those two reports; a replica with no new report since the
-    previous step keeps its last rates (a learner step shorter than the report interval is
-    no sign of an idle sampler). A replica's totals count from its (re)start: a new
-    ``sampler/instance`` or a total that went down starts its count again from 0, so a
-    restart adds what the new instance decoded and never a negative amount.
+    ``time.time()`` seconds, every 5-100 ms), so a replica's rates at a step are the growth
+    of its totals from the report nearest before ``max(step interval, MIN_RATE_SPAN_S)``
+    ago to its newest report, over the time between those two reports. A replica's totals
+    count from its (re)start: a new ``sampler/instance`` or a total that went down starts
+    its count again from 0, so a restart adds what the new instance decoded and never a
+    negative amount.
 
     Args:
       now: the learner's start (``time.time()`` seconds): a replica's first interval and
@@ -107,48 +113,61 @@ class StepRates:
     """
 
     def __init__(self, now: float):
-        self.t_start = float(now)
-        self.seen: dict = {}     # replica -> (instance, totals, received)
-        self.last: dict = {}     # replica -> (tokens/s, slot-steps used, slot-steps, idle frac)
+        self.t_start = self.t_step = float(now)
+        self.instance: dict = {}   # replica -> sampler/instance of its reports
+        self.history: dict = {}    # replica -> deque of (received, totals), oldest first
         self.run_tokens = 0.0
+
+    def _add_report(self, name: str, instance, received: float, totals: tuple) -> None:
+        history = self.history.get(name)
+        if history is None or instance != self.instance.get(name) or \
+                any(a < b for a, b in zip(totals, history[-1][1])):
+            since = history[-1][0] if history else self.t_start
+            history = self.history[name] = collections.deque([(since, (0.0,) * len(totals))])
+            self.instance[name] = instance
+        self.run_tokens += totals[0] - history[-1][1][0]
+        history.append((received, totals))
+
+    def _rates(self, name: str, span: float) -> tuple:
+        """(tokens/s, slot-steps used, slot-steps run, idle fraction) of ``name`` over its
+        last ``span`` seconds of reports (the older ones dropped)."""
+        history = self.history[name]
+        newest_t, newest = history[-1]
+        while len(history) > 2 and history[1][0] <= newest_t - span:
+            history.popleft()                 # the reference: the last report >= span ago
+        ref_t, ref = history[0]
+        dt = max(newest_t - ref_t, 1e-9)
+        growth = [a - b for a, b in zip(newest, ref)]
+        return growth[0] / dt, growth[1], growth[2], min(1.0, growth[3] / dt)
 
     def update(self, statuses: Mapping, now: float) -> dict:
         """Rates at a logged step from the replicas' latest statuses (``SamplerStatus`` by
         name: ``metrics`` holding the totals, ``received``); ``now``: ``time.time()``.
         Returns the rate metrics (floats; none when no replica reports totals)."""
+        span = max(float(now) - self.t_step, MIN_RATE_SPAN_S)
+        self.t_step = float(now)
+        live = []
         for name, st in statuses.items():
             m = st.metrics
             if "sampler/tokens_total" not in m:
                 continue
-            totals = tuple(float(m.get(k, 0.0)) for k in _TOTALS)
-            instance = m.get("sampler/instance", 0.0)
             received = float(st.received) or float(now)
-            seen = self.seen.get(name)
-            if seen is not None and received <= seen[2]:
-                continue                        # no new report: its last rates stand
-            since = seen[2] if seen is not None else self.t_start
-            restarted = seen is None or instance != seen[0] or \
-                any(a < b for a, b in zip(totals, seen[1]))
-            base = (0.0,) * len(_TOTALS) if restarted else seen[1]
-            growth = tuple(a - b for a, b in zip(totals, base))
-            span = max(received - since, 1e-9)
-            self.last[name] = (growth[0] / span, growth[1], growth[2],
-                               min(1.0, growth[3] / span))
-            self.run_tokens += growth[0]
-            self.seen[name] = (instance, totals, received)
-        live = [self.last[n] for n in statuses if n in self.last]
+            history = self.history.get(name)
+            if history is None or received > history[-1][0]:
+                self._add_report(name, m.get("sampler/instance", 0.0), received,
+                                 tuple(float(m.get(k, 0.0)) for k in _TOTALS))
+            live.append(name)
         if not live:
             return {}
-        used, run = sum(r[1] for r in live), sum(r[2] for r in live)
-        out = {"sampler/tokens_per_s": sum(r[0] for r in live),
+        rates = {name: self._rates(name, span) for name in live}
+        used, run = sum(r[1] for r in rates.values()), sum(r[2] for r in rates.values())
+        out = {"sampler/tokens_per_s": sum(r[0] for r in rates.values()),
                "sampler/slot_occupancy": used / run if run else 0.0,
-               "sampler/idle_frac": sum(r[3] for r in live) / len(live),
+               "sampler/idle_frac": sum(r[3] for r in rates.values()) / len(rates),
                "sampler/tokens_total": self.run_tokens,
                "sampler/tokens_per_s_run": self.run_tokens / max(float(now) - self.t_start,
                                                                  1e-9)}
-        for name in statuses:
-            if name in self.last:
-                r = self.last[name]
-                out[f"replica/{_index(name)}/tokens_per_s"] = r[0]
-                out[f"replica/{_index(name)}/slot_occupancy"] = r[1] / r[2] if r[2] else 0.0
+        for name, r in rates.items():
+            out[f"replica/{_index(name)}/tokens_per_s"] = r[0]
+            out[f"replica/{_index(name)}/slot_occupancy"] = r[1] / r[2] if r[2] else 0.0
         return out
