@@ -2,7 +2,8 @@
 
 Task (``rlflow.data.tasks``, no download): the prompt is a digit and ``>`` ("7>"), the
 answer the next digit ("8"); reward 0.9 for the right first character plus 0.1 for
-stopping right after it. A random model answers right about 1 time in 15, so the mean
+stopping right after it (a stop token, the sampler's finish_reason: a completion cut at
+``max_tokens`` decodes to the same text once special tokens are removed). A random model answers right about 1 time in 15, so the mean
 reward starts near 0.1.
 
 Model: a tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads) with random weights and the
@@ -13,9 +14,9 @@ and ``transformers`` can read the policy like any other checkpoint.
 
 Run: the learner and the sampler as two processes with one CPU device each, asynchronous
 with ``max_staleness`` 2; 8 prompts x 8 samples per step, up to 4 new tokens each, 300
-steps (GRPO, lr 1e-3, no warm-start). Measured on 2 shared CPU cores: 30-60 s wall clock
-(about 15 s of it start-up and compilation); the mean reward of the first 10% of steps is
-0.10-0.11 and of the last 10% 0.88-0.96, printed at the end and kept in
+steps (GRPO, lr 1e-3, no warm-start). Measured on 2 shared CPU cores (issue 39, six runs,
+seeds 0-3): 39 s quiet, 64-131 s at load averages 11-18; the mean reward of the first 10%
+of steps is 0.07-0.11 and of the last 10% 0.955-0.988, printed at the end and kept in
 ``runs/demo/summary.json``.
 
 LoRA (``--learner.lora.rank 8``): adapters on every projection, and the token embedding and

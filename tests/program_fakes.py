@@ -11,6 +11,7 @@ from rlflow.learner.batch import BatchSpec, build_batch
 from rlflow.learner.program import LearnerProgram
 from rlflow.learner.skips import FilterStreak, SkipCounter
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
+from rlflow.runtime.metrics import StepRates
 
 
 class ListBuffer:
@@ -114,6 +115,7 @@ def stand_in_program(cfg, groups, learner=None):
     p.counts = dict(accepted=0, stale_groups=0, zero_variance_groups=0)
     p.skips, p.filter_streak = SkipCounter(cfg), FilterStreak(cfg)
     p.threshold, p._last_buffer = 1.0, p.buffer.metrics()
+    p.rates = StepRates(0.0)                          # sampler rates (no replica here)
     # the prompt ledger: every group is a leased, stored prompt
     p.ledger = PromptLedger(lambda i: {}, None, groups_per_step=gps, max_staleness=0,
                             seed_of=lambda i: i)

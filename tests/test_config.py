@@ -133,3 +133,53 @@ def test_buffer_and_coordinator_on_one_port_are_refused_up_front():
     # one port on two different addresses binds fine
     ExperimentConfig(buffer=BufferConfig(port=23456, bind_address="127.0.0.2"),
                      runtime=RuntimeConfig(coordinator_port=23456))
+
+
+def _config_sections():
+    """Every config dataclass reachable from ExperimentConfig, with its section prefix."""
+    import dataclasses
+
+    from rlflow.config import ExperimentConfig
+
+    out, todo = {}, [(ExperimentConfig, "config")]
+    while todo:
+        cls, section = todo.pop()
+        out[cls] = section
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+                else f.default
+            if dataclasses.is_dataclass(default) and type(default) not in out:
+                todo.append((type(default), f.name if section == "config"
+                             else f"{section}.{f.name}"))
+    return out
+
+
+def _float_field_cases():
+    from rlflow.config.validation import float_fields
+
+    return [(cls, section, name) for cls, section in _config_sections().items()
+            for name in float_fields(cls)]
+
+
+def test_float_fields_are_found_in_every_section():
+    names = {f"{section}.{name}" for _, section, name in _float_field_cases()}
+    assert {"learner.lr", "learner.lora.alpha", "reward.weights", "sampler.temperature",
+            "model.rope_theta", "env.step_timeout_s", "runtime.replica_timeout_s"} <= names
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("cls, section, name", _float_field_cases(),
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_every_float_field_refuses_non_finite_values_naming_the_field(cls, section, name, bad):
+    """Issue 39.8: inf / nan in any float field (a tuple's elements too) is a ConfigError
+    naming the field, unless the section lists it in FLOATS_MAY_BE_INF (none does)."""
+    import dataclasses
+    import math
+
+    default = getattr(cls(), name)
+    value = (bad,) * max(1, len(default)) if isinstance(default, tuple) else bad
+    if name in getattr(cls, "FLOATS_MAY_BE_INF", ()) and not math.isnan(bad):
+        dataclasses.replace(cls(), **{name: value})
+        return
+    with pytest.raises(ConfigError, match=rf"^{section}\.{name}: must be a finite number"):
+        dataclasses.replace(cls(), **{name: value})

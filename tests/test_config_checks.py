@@ -82,6 +82,47 @@ def test_model_folder_without_weights_or_tokenizer_is_refused(no_programs, capsy
     assert code == 2 and "model.path:" in text and "no tokenizer files" in text, text
 
 
+@pytest.mark.parametrize("files", [
+    {"tokenizer_config.json": '{"tokenizer_class": "LlamaTokenizer"}'},     # no vocab file
+    {"tokenizer_config.json": "{}", "tokenizer.model": ""},               # empty sentencepiece
+    {"tokenizer.json": "{not json"},                                      # broken fast file
+])
+def test_a_model_folder_whose_tokenizer_cannot_be_built_is_refused_in_one_line(
+        no_programs, capsys, files):
+    """Issue 39.3: a folder with a tokenizer file's name but no usable tokenizer passed the
+    pre-start checks and the sampler died with a transformers traceback. The check builds
+    the tokenizer as the programs do and names the folder and the files expected."""
+    folder = no_programs / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(HF_LLAMA))
+    (folder / "model.safetensors").write_bytes(b"")
+    for name, body in files.items():
+        (folder / name).write_text(body)
+    code, text = _train(["--model.path", str(folder)], capsys)
+    assert code == 2, text
+    assert (f"model.path: cannot build the tokenizer of '{folder}' as the programs do ("
+            in text or f"model.path: the tokenizer of '{folder}' encodes the prompt" in text), text
+    assert "expected tokenizer.json (with tokenizer_config.json)" in text
+    assert f"the folder holds {sorted(['config.json'] + list(files))}" in text
+    assert "Traceback" not in text
+
+
+def test_a_chat_template_that_cannot_render_a_user_message_is_refused(no_programs, capsys):
+    folder = no_programs / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(HF_LLAMA))
+    (folder / "model.safetensors").write_bytes(b"")
+    _word_tokenizer(folder, 100)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{{ raise_exception('only system messages') }}"}))
+    (no_programs / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    code, text = _train(["--model.path", str(folder), "--data.source", "jsonl", "--data.path",
+                         "train.jsonl", "--data.chat-template", "hf"], capsys)
+    assert code == 2 and (f"data.chat_template: the chat template of '{folder}' cannot render "
+                          f"a user message (") in text and "only system messages" in text, text
+
+
 def test_a_folder_as_data_path_is_refused(no_programs, capsys):
     (no_programs / "data").mkdir()
     code, text = _train(["--data.source", "jsonl", "--data.path", "data"], capsys)
@@ -191,7 +232,8 @@ def test_reward_registered_in_the_config_file_is_refused(no_programs, capsys):
 @pytest.mark.parametrize("signature, ok", [
     ("completion", False), ("*, completion, answer", False), ("a, b, c", False),
     ("completion, answer", True), ("completion, answer, bonus=0.0", True), ("*args", True),
-    ("completion, *rest, **kw", True)])
+    ("completion, *rest, **kw", True), ("completion, answer, *, finish_reason", True),
+    ("completion, answer, finish_reason='stop'", True), ("completion, *, finish_reason", False)])
 def test_a_reward_function_that_cannot_take_completion_and_answer_is_refused(
         no_programs, capsys, signature, ok):
     (no_programs / "sig_rewards.py").write_text(f"def f({signature}):\n    return 1.0\n")

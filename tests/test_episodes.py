@@ -186,15 +186,34 @@ def test_a_run_of_failed_steps_stops_at_env_max_consecutive_errors():
     with pytest.raises(EnvFailureError) as e:
         driver.poll()
     assert str(e.value).startswith(
-        "environment 'episode_envs:make_flaky' failed on its last 2 steps in a row "
-        "(env.max_consecutive_errors=2), the last at prompt_id 7 episode 3: RuntimeError: "
-        "environment bug")
+        "environment 'episode_envs:make_flaky' failed (errors or timeouts) on its last 2 "
+        "steps in a row (env.max_consecutive_errors=2), the last at prompt_id 7 episode 3: "
+        "RuntimeError: environment bug")
     never = EpisodeDriver(EnvConfig(name="episode_envs:make_flaky", max_consecutive_errors=0),
                           CharTokenizer(), FakeRenderer([0], CharTokenizer()))
     _, group = never.new_group({"prompt_id": 8}, 3)
     for i in range(3):
         never.turn_ended(group, i, np.asarray([ord(c) for c in "raise"] + [0]), 0)
     assert [out.reward for _, _, out in never.poll()] == [0.0] * 3
+
+
+def test_steps_that_time_out_count_toward_env_max_consecutive_errors():
+    """Issue 39.7: an environment whose every step times out stops the run naming it (the
+    worker pool reports a step past env.step_timeout_s as status "timeout"; injected here
+    as the pool's answer)."""
+    from rlflow.envs import EnvFailureError
+
+    cfg = EnvConfig(name="episode_envs:make_flaky", max_consecutive_errors=2)
+    driver = EpisodeDriver(cfg, CharTokenizer(), FakeRenderer([0], CharTokenizer()))
+    _, group = driver.new_group({"prompt_id": 9}, 2)
+    driver._answers.append((group, 0, "timeout", "ran past env.step_timeout_s=30 s"))
+    assert [out.reward for _, _, out in driver.poll()] == [0.0]
+    driver._answers.append((group, 1, "timeout", "ran past env.step_timeout_s=30 s"))
+    with pytest.raises(EnvFailureError, match=r"'episode_envs:make_flaky' failed \(errors or "
+                       r"timeouts\) on its last 2 steps in a row .* prompt_id 9 episode 1: "
+                       r"ran past env.step_timeout_s=30 s"):
+        driver.poll()
+    assert driver.metrics()["sampler/env_timeouts"] == 2
 
 
 def test_prompts_whose_environments_cannot_start_stop_at_env_max_consecutive_errors():

@@ -97,7 +97,8 @@ def test_rewards_go_through_math_verify(gsm8k_run):
         matches = [q for q in answers if q in s["prompt"]]
         assert len(matches) == 1, s["prompt"]            # the prompt holds its GSM8K question
         answer = answers[matches[0]]
-        assert float(rewarder.score_group(0, [s["completion"]], answer)[0]) == s["reward"]
+        ended = ["length" if s["truncated"] else "stop"]   # as the sampler told the reward
+        assert float(rewarder.score_group(0, [s["completion"]], answer, ended)[0]) == s["reward"]
         gold = final_answer_text(answer)
         wrong = str(int(float(gold)) + 1)
         got = rewarder.score_group(0, [f"So the answer is\n#### {gold}",

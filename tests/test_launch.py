@@ -177,6 +177,70 @@ def test_summary_of_a_run_stopped_before_its_first_step_is_strict_json(tmp_path)
     assert summary["steps_completed"] == 0 and summary["success"] is False
 
 
+def test_summary_holds_the_throughput_of_this_invocation(tmp_path):
+    """Issue 39.10: summary.json holds the run's rates (steps and trained tokens per
+    wall-clock second of this invocation, tokens decoded and their rate over the run)."""
+    from rlflow.runtime.run_watch import RunWatcher
+
+    cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=4),
+                             metrics=C.MetricsConfig(progress="plain"))
+    (tmp_path / "w").mkdir()
+    now = [100.0]
+    watcher = RunWatcher(cfg, str(tmp_path / "w"), stream=io.StringIO(), resumed_from=1,
+                         clock=lambda: now[0])
+    records = [{"step": s, "learner/step_time_s": 0.1, "reward/mean": 0.5,
+                "learner/tokens": 100.0 * s, "sampler/tokens_total": 250.0 * s,
+                "sampler/tokens_per_s_run": 25.0 * s} for s in (1, 2, 3, 4)]
+    with open(tmp_path / "w" / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    watcher.poll()
+    now[0] = 110.0
+    watcher.close(success=True, report=False)
+    summary = json.loads((tmp_path / "w" / "summary.json").read_text())
+    assert summary["throughput"] == pytest.approx({
+        "learner_steps_per_s": 3 / 10.0, "learner_tokens_per_s": (200 + 300 + 400) / 10.0,
+        "sampler_tokens": 1000.0, "sampler_tokens_per_s": 100.0})
+
+
+def test_summary_says_whether_the_run_was_healthy(tmp_path):
+    """Issue 39.7: a run that finished with a reward function failing (timeouts included)
+    on more than 1% of its calls, or an environment doing so, or NaN-reward drops, is not
+    healthy; summary.json names why, and the console says so."""
+    from rlflow.runtime.run_watch import RunWatcher, health
+
+    assert health(True, {"reward/timeouts/f": 1.0}, {"sampler/groups_delivered": 50.0}, 8) == []
+    assert health(True, {"reward/timeouts/f": 5.0, "reward/errors/f": 0.0},
+                  {"sampler/groups_delivered": 50.0}, 8) == [
+        "reward function 'f' failed on 5 of about 400 calls (0 errors, 5 timeouts; scored 0)"]
+    assert health(True, {"sampler/env_timeouts": 3.0}, {"sampler/env_steps": 100.0}, 8) == [
+        "the environment failed on 3 of 100 steps (sampler/env_errors, sampler/env_timeouts; "
+        "reward 0)"]
+    assert health(True, {"sampler/dropped_bad_reward_groups": 2.0}, {}, 4)[-1] == \
+        "2 group(s) dropped for a NaN/inf reward"
+    assert health(False, {}, {}, 4) == ["the run did not finish (see the lines above and logs/)"]
+
+    cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=2),
+                             metrics=C.MetricsConfig(progress="plain"))
+    (tmp_path / "w").mkdir()
+    out = io.StringIO()
+    watcher = RunWatcher(cfg, str(tmp_path / "w"), stream=out)
+    with open(tmp_path / "w" / "metrics.jsonl", "w") as f:
+        for s in (1, 2):
+            f.write(json.dumps({"step": s, "learner/step_time_s": 0.1, "reward/mean": 0.0,
+                                "reward/errors/f": 0.0, "reward/timeouts/f": 4.0 * s,
+                                "sampler/groups_delivered": 2.0 * s}) + "\n")
+    watcher.poll()
+    watcher.close(success=True, report=False)
+    summary = json.loads((tmp_path / "w" / "summary.json").read_text())
+    assert summary["healthy"] is False and summary["success"] is True
+    assert summary["unhealthy_reasons"] == [
+        f"reward function 'f' failed on 8 of about {4 * cfg.sampler.group_size} calls "
+        f"(0 errors, 8 timeouts; scored 0)"]
+    assert "rlflow train: finished, but not healthy: reward function 'f'" in out.getvalue()
+
+
 def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
     from rlflow.runtime.run_watch import RunWatcher
 

@@ -7,6 +7,7 @@ from that same direct tokenization.
 """
 
 import json
+import re
 import string
 
 import numpy as np
@@ -166,6 +167,64 @@ def test_all_prompts_filtered_says_so_and_how_many(path, records, tok):
                        match=rf"all {N} prompts .* longer than data\.max_prompt_tokens="
                              rf"{shortest - 1} tokens \(shortest: {shortest} tokens\)"):
         build_prompt_pipeline(cfg(path, max_prompt_tokens=shortest - 1), tok, seed=0)
+
+
+UNENCODABLE = [  # (prompt field, what the error says): issue 39.5
+    (7, "must be a string"), (None, "must be a string"), (["a", "b"], "message 0 must be a"),
+    ([{"role": "user", "content": 5}], "message 0 'content' must be a string, got int"),
+    ([{"role": "user", "content": None}], "message 0 'content' must be a string, got NoneType"),
+    ([{"role": 3, "content": "a"}], "message 0 'role' must be a string, got int"),
+    ([], "is an empty list"),
+    ("ab\ud800", "holds '\\ud800' at character"),           # JSON allows a lone surrogate
+    ([{"role": "user", "content": "a\udfff"}], "message 0 'content' holds '\\udfff'"),
+]
+
+
+@pytest.mark.parametrize("template", ["hf", "plain", "none"])
+def test_records_the_tokenizer_cannot_encode_follow_on_bad_record(tmp_path, tok, template):
+    """Issue 39.5: a prompt that is a number, None, a list of non-messages, messages with a
+    non-string role or content (which the template would render as "None", "5"), or text
+    the Rust tokenizer refuses (a lone surrogate: TypeError, no file:line) is a bad record:
+    error names the file:line, skip counts it."""
+    rows = [{"question": "sum of apples?", "answer": "1"}] + [
+        {"question": q, "answer": str(i)} for i, (q, _) in enumerate(UNENCODABLE)]
+    p = tmp_path / "bad.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for line, (prompt, message) in enumerate(UNENCODABLE, start=2):
+        if template != "hf" and isinstance(prompt, list):
+            message = "must be a string"           # message lists need the hf template
+        one = tmp_path / f"one{line}.jsonl"
+        one.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[line - 1]) + "\n")
+        with pytest.raises(DataError, match=rf"one{line}\.jsonl:2: .*{re.escape(message)}"):
+            build_prompt_pipeline(cfg(str(one), chat_template=template), tok, seed=0)
+    it, stats = build_prompt_pipeline(cfg(str(p), num_epochs=1, on_bad_record="skip",
+                                          chat_template=template), tok, seed=0)
+    assert stats.num_bad == len(UNENCODABLE)
+    assert [e["prompt_id"] for e in it] == [0]
+
+
+def test_a_tokenizer_error_is_a_bad_record_naming_the_line(tmp_path, tok):
+    """Whatever the tokenizer raises on a rendered prompt becomes a BadRecordError with the
+    record's location (here a tokenizer that refuses one text)."""
+    from rlflow.data.sources import BadRecordError
+
+    class Refuses:
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            if "pear" in text:
+                raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+            return tok(text, add_special_tokens=add_special_tokens)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"question": "apple", "answer": "1"}) + "\n"
+                 + json.dumps({"question": "pear", "answer": "2"}) + "\n")
+    with pytest.raises(BadRecordError, match=r"t\.jsonl:2: the tokenizer cannot encode the "
+                                             r"prompt \(TypeError: TextEncodeInput"):
+        build_prompt_pipeline(cfg(str(p), chat_template="none"), Refuses(), seed=0)
 
 
 def test_empty_prompt_is_a_bad_record(tmp_path):

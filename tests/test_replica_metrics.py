@@ -3,7 +3,10 @@
 import os
 
 from rlflow.run.report import PLOTS, plot, replica_plots
-from rlflow.runtime.metrics import replica_metrics
+import pytest
+
+from rlflow.runtime.metrics import StepRates, replica_metrics
+from rlflow.sampler.background import RateCounters
 from rlflow.runtime.control import SamplerStatus
 
 
@@ -31,10 +34,7 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
     }
     m = replica_metrics(statuses, {"sampler-0": 0, "sampler-2": 2}, {2: 40.0, 3: 49.0})
     assert m["sampler/replicas_alive"] == 2.0
-    assert m["sampler/tokens_per_s"] == 120.0
-    assert m["sampler/slot_occupancy"] == 0.375
     assert m["sampler/version"] == 3.0                 # newest; -1 (no weights yet) skipped
-    assert m["replica/0/tokens_per_s"] == 100.0 and m["replica/2/tokens_per_s"] == 20.0
     assert m["replica/0/version"] == 3.0 and "replica/2/version" not in m
     assert m["replica/2/restarts"] == 2.0 and m["replica/0/groups_delivered"] == 7.0
     # the swap figures are the last reporter's (sampler-2): swapped v2 0.5 s after publish
@@ -44,6 +44,73 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
     assert (m["reward/errors/f"], m["reward/errors/g"], m["reward/timeouts/f"]) == (4.0, 1.0, 4.0)
     assert replica_metrics({}, {}, {}) == {"sampler/replicas_alive": 0.0}
     assert "sampler/replicas_lost" not in m
+
+
+def _totals(instance, tokens, used, run, idle):
+    return {"sampler/instance": instance, "sampler/tokens_total": tokens,
+            "sampler/slot_steps_used": used, "sampler/slot_steps_total": run,
+            "sampler/idle_s_total": idle}
+
+
+def test_rates_are_averaged_over_each_step_interval_and_the_run():
+    """Issue 39.10: a replica decodes in bursts (400 tokens in its first 0.5 s, then idle).
+    A 1-second window sampled at log time read 0 on such steps; the rate now spans the
+    step's interval, at least MIN_RATE_SPAN_S (1 s) of reports, so a 20 ms step between
+    two bursts does not read 0, and only an idle second does."""
+    from rlflow.runtime.metrics import MIN_RATE_SPAN_S
+
+    assert MIN_RATE_SPAN_S == 1.0
+    rates = StepRates(now=100.0)
+
+    def one(received, *totals):
+        return {"sampler-0": _status("sampler-0", 0, received, **_totals(*totals))}
+
+    m = rates.update(one(100.5, 0, 400.0, 40, 80, 0.0), now=100.6)
+    assert m["sampler/tokens_per_s"] == pytest.approx(400 / 0.5)     # since the start
+    assert m["sampler/slot_occupancy"] == pytest.approx(0.5)
+    m = rates.update(one(100.6, 0, 400.0, 40, 80, 0.1), now=100.62)  # a 20 ms step, idle
+    assert m["sampler/tokens_per_s"] == pytest.approx(400 / 0.6)     # over the last second
+    assert m["sampler/idle_frac"] == pytest.approx(0.1 / 0.6)
+    m = rates.update(one(102.0, 0, 400.0, 40, 80, 1.5), now=102.0)   # idle for 1.4 s
+    assert m["sampler/tokens_per_s"] == 0.0
+    assert m["sampler/idle_frac"] == pytest.approx(1.0)
+    assert m["sampler/tokens_total"] == 400.0
+    assert m["sampler/tokens_per_s_run"] == pytest.approx(400 / 2.0)
+    m = rates.update(one(102.0, 0, 400.0, 40, 80, 1.5), now=102.3)   # no new report
+    assert m["sampler/tokens_per_s"] == 0.0 and m["sampler/tokens_total"] == 400.0
+
+
+def test_rates_sum_over_replicas_and_a_restart_counts_from_zero():
+    rates = StepRates(now=100.0)
+    s = {"sampler-0": _status("sampler-0", 0, 104.0, **_totals(0, 400.0, 40, 80, 1.0)),
+         "sampler-1": _status("sampler-1", 0, 102.0, **_totals(0, 200.0, 20, 80, 1.0))}
+    m = rates.update(s, now=104.0)
+    assert m["replica/0/tokens_per_s"] == pytest.approx(400 / 4.0)
+    assert m["replica/1/tokens_per_s"] == pytest.approx(200 / 2.0)
+    assert m["sampler/tokens_per_s"] == pytest.approx(200.0)
+    assert m["sampler/slot_occupancy"] == pytest.approx(60 / 160)
+    assert m["replica/0/slot_occupancy"] == pytest.approx(0.5)
+    assert m["sampler/idle_frac"] == pytest.approx((1.0 / 4 + 1.0 / 2) / 2)
+    # replica 1 restarted (new instance: its totals start again) and decoded 30 tokens in
+    # the 4 s since its last report; never a negative count
+    s = {"sampler-0": _status("sampler-0", 0, 106.0, **_totals(0, 500.0, 50, 100, 2.0)),
+         "sampler-1": _status("sampler-1", 0, 106.0, **_totals(1, 30.0, 3, 10, 0.0))}
+    m = rates.update(s, now=106.0)
+    assert m["replica/0/tokens_per_s"] == pytest.approx(100 / 2.0)
+    assert m["replica/1/tokens_per_s"] == pytest.approx(30 / 4.0)
+    assert m["sampler/tokens_total"] == pytest.approx(730.0)
+    assert m["sampler/tokens_per_s_run"] == pytest.approx(730.0 / 6.0)
+    assert StepRates(0.0).update({"sampler-0": _status("sampler-0", 0, 0.0)}, 1.0) == {}
+
+
+def test_sampler_reports_running_totals_not_a_window():
+    c = RateCounters()
+    c.add(tokens=5, slots_used=5, slots_total=8)
+    c.add(idle=0.25)
+    c.add(tokens=3, slots_used=3, slots_total=8)
+    assert c.figures() == {"sampler/tokens_total": 8.0, "sampler/slot_steps_used": 8.0,
+                           "sampler/slot_steps_total": 16.0, "sampler/idle_s_total": 0.25}
+    assert c.figures()["sampler/tokens_total"] == 8.0     # reading does not reset
 
 
 def test_replicas_lost_for_silence_are_counted_live_or_not():

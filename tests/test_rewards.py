@@ -168,6 +168,43 @@ def test_exact_match():
     assert exact_match_reward("42.", "42") == 0.0
 
 
+@register_reward("test_sees_finish")
+def _sees_finish(completion, answer, *, finish_reason):
+    return {"stop": 1.0, "length": -1.0}[finish_reason]
+
+
+@register_reward("test_kwargs")
+def _kwargs(completion, answer, **kw):
+    return float(kw.get("finish_reason") == "length")
+
+
+@pytest.mark.parametrize("fn, completion, answer", [
+    (math_verify_reward, "so \\boxed{42}", "#### 42"),
+    (math_format_reward, "#### 42", "42"),
+    (exact_match_reward, "42", "42"),
+])
+def test_builtin_rewards_score_a_completion_cut_at_max_tokens_zero(fn, completion, answer):
+    """Issue 39.1: a completion cut at ``max_tokens`` never finished (its last number so
+    far is not a final answer; ``42`` then removed special tokens is not ``42<eos>``)."""
+    assert fn(completion, answer) == 1.0
+    assert fn(completion, answer, finish_reason="stop") == 1.0
+    assert fn(completion, answer, finish_reason="length") == 0.0
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_functions_that_take_finish_reason_get_it_and_two_argument_ones_still_work(num_workers):
+    r = rewarder("test_sees_finish", "test_kwargs", "test_length", num_workers=num_workers)
+    batch = r.score(["a", "b", "a"], ["a"] * 3, ["s0", "s1", "s2"],
+                    finish_reasons=["stop", "length", "length"])
+    assert batch.components["test_sees_finish"].tolist() == [1.0, -1.0, -1.0]
+    assert batch.components["test_kwargs"].tolist() == [0.0, 1.0, 1.0]
+    assert batch.components["test_length"].tolist() == [1.0, 1.0, 1.0]   # fn(c, a) as before
+    assert r.failures["test_length"] == {"errors": 0, "timeouts": 0}
+    assert r.score(["a"], ["a"], ["s"]).components["test_sees_finish"].tolist() == [1.0]
+    with pytest.raises(ValueError, match="finish reasons"):
+        r.score(["a"], ["a"], ["s"], finish_reasons=[])
+
+
 def test_weighted_combination_equals_numpy_oracle():
     comps = ["#### 18", "\\boxed{3}", "18", "x"]
     answers = ["#### 18", "#### 18", "18", "x"]
@@ -297,22 +334,33 @@ def _fails_on_x(completion, answer):
 @pytest.mark.parametrize("num_workers", [1, 0])
 def test_a_function_failing_every_call_stops_at_max_consecutive_errors(num_workers):
     """Failures in a row count up to reward.max_consecutive_errors, then stop with the last
-    error; a success resets the count, a timeout neither counts nor resets it; 0: never."""
+    error; a success resets the count, a timeout counts as a failure (issue 39.7); 0: never."""
     r = rewarder("test_fails_on_x", timeout_s=0.3, num_workers=num_workers,
                  max_consecutive_errors=3)
-    out = r.score(["x1", "x2", "ok", "x3", "x4", "hang"], ["a"] * 6,
-                  [f"prompt 5 sample {i}" for i in range(6)])
-    assert out.total.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
-    assert r.failures["test_fails_on_x"] == {"errors": 4, "timeouts": 1}
-    with pytest.raises(RewardFunctionError) as e:
+    out = r.score(["x1", "x2", "ok", "x3", "hang"], ["a"] * 5,
+                  [f"prompt 5 sample {i}" for i in range(5)])
+    assert out.total.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert r.failures["test_fails_on_x"] == {"errors": 3, "timeouts": 1}
+    with pytest.raises(RewardFunctionError) as e:      # x3, hang (timeout), x5: 3 in a row
         r.score(["x5"], ["a"], ["prompt 6 sample 0"])
     assert str(e.value).startswith(
-        "reward function 'test_fails_on_x' failed on its last 3 calls in a row "
-        "(reward.max_consecutive_errors=3), the last on sample prompt 6 sample 0: "
+        "reward function 'test_fails_on_x' failed (errors or timeouts) on its last 3 calls "
+        "in a row (reward.max_consecutive_errors=3), the last on sample prompt 6 sample 0: "
         "ValueError: cannot score 'x5'")
     never = rewarder("test_fails_on_x", num_workers=num_workers, max_consecutive_errors=0)
     assert never.score([f"x{i}" for i in range(5)], ["a"] * 5,
                        [str(i) for i in range(5)]).total.tolist() == [0.0] * 5
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_a_function_that_never_returns_stops_the_run_naming_it(num_workers):
+    """Issue 39.7: 392 timeouts and no success ended a run with success true; now the
+    timeouts in a row reach reward.max_consecutive_errors and stop it."""
+    r = rewarder("test_hangs", timeout_s=0.2, num_workers=num_workers, max_consecutive_errors=2)
+    with pytest.raises(RewardFunctionError, match=r"'test_hangs' failed \(errors or timeouts\) "
+                       r"on its last 2 calls in a row .* sample s1: timed out: ran past 0.2 s"):
+        r.score(["a", "b"], ["a"] * 2, ["s0", "s1"])
+    assert r.failures["test_hangs"]["timeouts"] == 2
 
 
 def test_nan_rewards_in_a_row_stop_at_max_consecutive_errors():
@@ -323,9 +371,9 @@ def test_nan_rewards_in_a_row_stop_at_max_consecutive_errors():
     r.submit("g1", ["bad", "ok", "bad", "bad"], ["a"] * 4, [f"p1 s{i}" for i in range(4)])
     (_, batch), = r.collect()
     assert len(batch.nonfinite) == 3                 # reported for on_bad_reward; run of 2
-    with pytest.raises(RewardFunctionError, match=r"'test_nan' failed on its last 3 calls in "
-                       r"a row \(reward.max_consecutive_errors=3\), the last on sample p2 s0: "
-                       r"returned nan"):
+    with pytest.raises(RewardFunctionError, match=r"'test_nan' failed \(errors or timeouts\) "
+                       r"on its last 3 calls in a row \(reward.max_consecutive_errors=3\), "
+                       r"the last on sample p2 s0: returned nan"):
         r.submit("g2", ["bad"], ["a"], ["p2 s0"])
 
 

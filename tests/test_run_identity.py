@@ -337,6 +337,7 @@ def _stand_in_program(tmp_path, learner):
     from types import SimpleNamespace
 
     from rlflow.learner.program import LearnerProgram
+    from rlflow.runtime.metrics import StepRates
     from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
 
     program = LearnerProgram.__new__(LearnerProgram)
@@ -344,6 +345,7 @@ def _stand_in_program(tmp_path, learner):
     program.gps, program.threshold = 1, 0.5
     program.learner, program.writer = learner, _Writer()
     program.coordinator, program.version = _Coordinator(), 12
+    program.rates = StepRates(0.0)
     program.counts = dict(accepted=12, stale_groups=0, zero_variance_groups=0)
     program.skips = SkipCounter(program.cfg)
     program.prefetch = lambda: None               # no buffer here

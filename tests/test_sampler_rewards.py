@@ -19,7 +19,7 @@ from rlflow.data.rewarder import Rewarder
 from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.sampler.batching import CompletedGroup, Completion, Request
 from rlflow.runtime.control import ControlReply
-from rlflow.sampler.background import RateWindow
+from rlflow.sampler.background import RateCounters
 from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.program import SamplerProgram
 
@@ -65,7 +65,7 @@ def _program(plugin_file, on_bad_reward):
                             num_workers=2),
         learner=LearnerConfig(on_bad_reward=on_bad_reward))
     p = object.__new__(SamplerProgram)      # only what _status reads
-    p.cfg, p.window = cfg, RateWindow()
+    p.cfg, p.window = cfg, RateCounters()
     p.delivery = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg.reward, plugins=cfg.plugins),
                                p.window, on_bad_reward=cfg.learner.on_bad_reward)
     p.control, p.prompts_started = _Control(), 0
@@ -73,11 +73,12 @@ def _program(plugin_file, on_bad_reward):
     return p
 
 
-def _group(prompt_id, texts):
+def _group(prompt_id, texts, finish_reasons=None):
     req = Request(prompt_id=prompt_id, prompt_tokens=[1, 2], num_samples=len(texts))
+    reasons = finish_reasons or ["stop"] * len(texts)
     comps = [Completion(prompt_id, g, np.array([ord(c) for c in t], np.int32),
-                        np.zeros(len(t), np.float32), np.zeros(len(t), np.int32), "stop")
-             for g, t in enumerate(texts)]
+                        np.zeros(len(t), np.float32), np.zeros(len(t), np.int32), reason)
+             for g, (t, reason) in enumerate(zip(texts, reasons))]
     return CompletedGroup(request=req, prompt_tokens=np.array([1, 2], np.int32),
                           max_tokens=8, completions=comps)
 
@@ -107,6 +108,23 @@ def test_groups_are_scored_off_the_decode_loop_and_delivered_whole_in_order(plug
             assert rec["rewards"].dtype == np.float32
             assert (int(rec["stream_index"]), int(rec["lease_id"])) == (10 + i, 100 + i)
         assert d.in_flight == {} and d.groups_delivered == 4
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_the_reward_sees_how_each_completion_ended(num_workers):
+    """Issue 39.1: ``8`` ended by a stop token and ``8`` cut at max_tokens (special tokens
+    after it removed by the decode) read the same; the demo's reward pays the stop credit
+    only for the first. Before the fix both scored 1.0."""
+    cfg = RewardConfig(functions=("digits_match",), weights=(1.0,), num_workers=num_workers)
+    d = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg), RateCounters())
+    try:
+        g = _group(0, ["8", "8", "7"], ["stop", "length", "stop"])
+        d.admit(g.request, {"answer": "8", "stream_index": 0, "lease_id": 0})
+        d.score([g])
+        _drain(d)
+        np.testing.assert_allclose(d.buffer.records[0]["rewards"], [1.0, 0.9, 0.1], rtol=1e-6)
     finally:
         d.close()
 

@@ -40,6 +40,14 @@ def test_digits_records_are_deterministic_and_correct():
 ])
 def test_digits_match(completion, want):
     assert digits_match(completion, "8") == pytest.approx(want)
+    assert digits_match(completion, "8", finish_reason="stop") == pytest.approx(want)
+
+
+@pytest.mark.parametrize("completion, want", [("8", 0.9), (" 8\n", 0.9), ("7", 0.0), ("89", 0.9)])
+def test_digits_match_pays_no_stop_credit_for_a_completion_cut_at_max_tokens(completion, want):
+    """Issue 39.1: ``8`` then special tokens up to ``max_tokens`` decodes to ``"8"``, like
+    ``8<eos>``; only the finish reason tells them apart."""
+    assert digits_match(completion, "8", finish_reason="length") == pytest.approx(want)
 
 
 def test_default_config_names_the_task_and_its_reward():

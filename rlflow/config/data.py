@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Tuple
 
-from rlflow.config.validation import _check, _positive, _one_of, _timeout
+from rlflow.config.validation import _check, _positive, _one_of, _timeout, _finite_floats
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class DataConfig:
     on_bad_record: Literal["error", "skip"] = "error"
 
     def __post_init__(self):
+        _finite_floats(self, "data")
         _one_of(self.source, ("builtin", "jsonl", "parquet", "arrayrecord"), "data.source")
         _one_of(self.chat_template, ("hf", "plain", "none"), "data.chat_template")
         _one_of(self.on_bad_record, ("error", "skip"), "data.on_bad_record")
@@ -76,9 +77,10 @@ class RewardConfig:
         this; a call past it scores 0 (counted as an error). 0: no limit.
       max_consecutive_errors: a function that fails (raises, returns a non-number or a
         NaN/inf one, runs out of memory) on this many calls in a row, without one success
-        between, stops the run with its last error (``rlflow.data.rewards.RewardFunctionError``): it is broken, and
-        training on its zeros would waste the run. Timeouts neither count nor reset the run
-        of failures. 0: never stop.
+        between, stops the run with its last error
+        (``rlflow.data.rewards.RewardFunctionError``): it is broken, and training on its
+        zeros would waste the run. A call past ``timeout_s`` counts as a failure too (a
+        function that never returns is as broken as one that raises). 0: never stop.
     """
 
     functions: Tuple[str, ...] = ("digits_match",)
@@ -89,6 +91,7 @@ class RewardConfig:
     max_consecutive_errors: int = 256
 
     def __post_init__(self):
+        _finite_floats(self, "reward")
         _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
         _check(len(self.functions) == len(self.weights), "reward.weights",
                f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-from rlflow.config.validation import _check, _positive, _timeout
+from rlflow.config.validation import _check, _positive, _timeout, _finite_floats
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,9 @@ class EnvConfig:
         or ``reset`` failed: each is dropped), or this many ``step`` calls in a row failed
         (raised, returned a bad value, or gave messages the chat template cannot render)
         without a success between: the environment or the data is broken, and the run would
-        otherwise train on nothing (or wait forever for groups). Timeouts neither count nor
-        reset. 0: never stop.
+        otherwise train on nothing (or wait forever for groups). A step that runs past
+        ``step_timeout_s`` counts as a failure too (an environment that never answers is as
+        broken as one that raises). 0: never stop.
     """
 
     name: str = ""
@@ -54,6 +55,7 @@ class EnvConfig:
     max_consecutive_errors: int = 256
 
     def __post_init__(self):
+        _finite_floats(self, "env")
         _check(isinstance(self.name, str), "env.name", f"must be a string, got {self.name!r}")
         for opt in self.options:
             _check(isinstance(opt, str) and "=" in opt and opt.split("=", 1)[0].strip() != "",

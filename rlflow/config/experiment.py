@@ -10,7 +10,7 @@ from typing import Tuple
 
 from rlflow.runtime.ports import is_wildcard
 from rlflow.config.secrets import ENV_BUFFER_TOKEN, token_source_given
-from rlflow.config.validation import ConfigError, _check
+from rlflow.config.validation import ConfigError, _check, _finite_floats
 from rlflow.config.runtime import BufferConfig
 from rlflow.config.runtime import CheckpointConfig
 from rlflow.config.data import DataConfig
@@ -51,6 +51,7 @@ class ExperimentConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self):
+        _finite_floats(self, "config")
         _check(bool(self.name) and "/" not in self.name, "name",
                f"must be a non-empty folder name, got {self.name!r}")
         bind = self.runtime.bind_address

@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
-from rlflow.config.validation import ConfigError, _check, _positive, _one_of, DTYPES
+from rlflow.config.validation import (DTYPES, ConfigError, _check, _finite_floats, _one_of,
+                                      _positive)
 from rlflow.config.model import MeshConfig
 
 
@@ -62,6 +63,7 @@ class LoraConfig:
     swap: Literal["forward", "merged"] = "merged"
 
     def __post_init__(self):
+        _finite_floats(self, "learner.lora")
         _check(self.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 off), got {self.rank}")
         _check(math.isfinite(self.alpha) and self.alpha > 0, "learner.lora.alpha",
                f"must be finite and > 0, got {self.alpha}")
@@ -230,6 +232,7 @@ class LearnerConfig:
         return self.advantage != "gae" if self.packing is None else self.packing
 
     def __post_init__(self):
+        _finite_floats(self, "learner")
         for name in ("num_steps", "groups_per_step", "micro_batches", "lr", "num_devices",
                      "num_hosts"):
             _positive(getattr(self, name), f"learner.{name}")
@@ -249,7 +252,12 @@ class LearnerConfig:
         _check(self.kl_coef >= 0, "learner.kl_coef", "must be >= 0")
         _check(self.is_cap >= 0, "learner.is_cap", "must be >= 0 (0 turns it off)")
         _check(self.max_grad_norm >= 0, "learner.max_grad_norm", "must be >= 0 (0 turns it off)")
-        _check(math.isfinite(self.lr), "learner.lr", "must be finite")
+        _check(self.weight_decay >= 0, "learner.weight_decay",
+               f"must be >= 0, got {self.weight_decay}")
+        for name in ("b1", "b2"):
+            v = getattr(self, name)
+            _check(0 <= v < 1, f"learner.{name}", f"must be in [0, 1) (Adam), got {v}")
+        _check(self.std_floor >= 0, "learner.std_floor", f"must be >= 0, got {self.std_floor}")
         _check(self.mesh.num_devices == self.num_devices, "learner.mesh",
                f"has {self.mesh.num_devices} devices but learner.num_devices={self.num_devices}")
         _check(self.num_devices % self.num_hosts == 0, "learner.num_hosts",

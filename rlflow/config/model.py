@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from rlflow.config.validation import _check, _positive, _one_of, DTYPES
+from rlflow.config.validation import _check, _positive, _one_of, DTYPES, _finite_floats
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class ModelConfig:
     init_seed: int = 0
 
     def __post_init__(self):
+        _finite_floats(self, "model")
         _one_of(self.model_type, ("llama", "qwen2", "qwen3"), "model.model_type")
         _one_of(self.dtype, DTYPES, "model.dtype")
         _one_of(self.param_dtype, DTYPES, "model.param_dtype")
@@ -76,6 +77,7 @@ class MeshConfig:
     tensor: int = 1
 
     def __post_init__(self):
+        _finite_floats(self, "mesh")
         for name in ("data", "fsdp", "tensor"):
             _positive(getattr(self, name), f"mesh.{name}")
 

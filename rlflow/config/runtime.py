@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlflow.config.secrets import ENV_BUFFER_TOKEN, token_source_given
-from rlflow.config.validation import _check, _positive, _one_of, _timeout
+from rlflow.config.validation import _check, _positive, _one_of, _timeout, _finite_floats
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class BufferConfig:
     token_file: str = ""
 
     def __post_init__(self):
+        _finite_floats(self, "buffer")
         _positive(self.capacity, "buffer.capacity")
         _one_of(self.when_full, ("block", "drop_oldest"), "buffer.when_full")
         _timeout(self.timeout_s, "buffer.timeout_s")
@@ -115,6 +116,7 @@ class RuntimeConfig:
     keep_freed_host_memory: bool = True
 
     def __post_init__(self):
+        _finite_floats(self, "runtime")
         _one_of(self.mode, ("async", "sync"), "runtime.mode")
         _one_of(self.stale_policy, ("drop", "correct"), "runtime.stale_policy")
         _one_of(self.weight_transfer, ("transfer", "orbax"), "runtime.weight_transfer")
@@ -164,6 +166,7 @@ class CheckpointConfig:
     overwrite: bool = False
 
     def __post_init__(self):
+        _finite_floats(self, "checkpoint")
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
         _positive(self.keep_last, "checkpoint.keep_last")
         _one_of(self.resume, ("auto", "never"), "checkpoint.resume")
@@ -188,6 +191,7 @@ class MetricsConfig:
     on_non_finite: Literal["error", "flag"] = "flag"
 
     def __post_init__(self):
+        _finite_floats(self, "metrics")
         _check(self.samples_every >= 0, "metrics.samples_every", "must be >= 0")
         _check(self.num_samples >= 0, "metrics.num_samples", "must be >= 0")
         _one_of(self.progress, ("auto", "bar", "plain"), "metrics.progress")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple, get_args
 
-from rlflow.config.validation import DTYPES, _check, _positive, _one_of
+from rlflow.config.validation import DTYPES, _check, _positive, _one_of, _finite_floats
 from rlflow.config.model import MeshConfig
 
 # how the engine stores its wide projection kernels (rlflow.sampler.kernel_layout)
@@ -93,6 +93,7 @@ class SamplerConfig:
     kernel_layout: KernelLayout = "auto"
 
     def __post_init__(self):
+        _finite_floats(self, "sampler")
         for name in ("num_slots", "max_prefill_length", "max_tokens", "group_size", "num_devices",
                      "decode_steps_per_call", "max_prefill_batch", "num_replicas"):
             _positive(getattr(self, name), f"sampler.{name}")

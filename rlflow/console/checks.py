@@ -9,7 +9,9 @@ required for non-built-in data) exist, the built-in task is known, and the sampl
 the learner's weight layout (a learner-only config, as tests build, need not). The model
 folder's config.json must describe a supported architecture, and its tokenizer's ids must
 fit the model's vocabulary (a tokenizer larger than the embedding would fail on the first
-prompt that uses a new token).
+prompt that uses a new token), and the tokenizer is built, a prompt rendered with the
+configured template and encoded, exactly as the programs will (a folder with only
+``tokenizer_config.json`` otherwise passes, and the sampler dies in transformers).
 ``rlflow train`` runs it before it starts any program, so a mistake is refused in seconds
 with the field named instead of after the programs have started. :func:`config_warnings`
 names settings that run but waste something (printed as warnings; nothing is refused).
@@ -32,7 +34,9 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``sampler.max_prefill_length`` with ``sampler.on_long_prompt='error'``),
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
         ``runtime.transfer_layout``, ``sampler.max_tokens`` (a KV cache larger than this
-        machine's memory)) and what was expected.
+        machine's memory)) and what was expected; ``model.path`` / ``data.chat_template``
+        also when the tokenizer cannot be built, or a prompt cannot be rendered and encoded,
+        the way the programs will (:func:`_check_tokenizer`).
     """
     _check_weight_layout(cfg)
     _check_plugins(cfg)
@@ -40,6 +44,7 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_env(cfg)
     _check_data(cfg)
     _check_model(cfg)
+    _check_tokenizer(cfg)
     _check_kv_cache(cfg)
 
 
@@ -198,12 +203,16 @@ def _check_rewards(cfg) -> None:
 
 
 def _check_reward_signature(name: str, fn) -> None:
-    """``fn`` must take ``(completion, answer)`` positionally (how the reward workers call
-    it); a callable whose signature cannot be read (a builtin, some C extensions) passes."""
+    """``fn`` must take ``(completion, answer)`` positionally, plus ``finish_reason=`` when it
+    names one (how the reward workers call it: :func:`rlflow.data.rewards.call_reward`); a
+    callable whose signature cannot be read (a builtin, some C extensions) passes."""
     import inspect
 
+    from rlflow.data.rewards import accepts_finish_reason
+
     try:
-        inspect.signature(fn).bind("completion", "answer")
+        extra = {"finish_reason": "stop"} if accepts_finish_reason(fn) else {}
+        inspect.signature(fn).bind("completion", "answer", **extra)
     except TypeError as e:
         raise ConfigError(f"reward.functions: {name!r} cannot be called as fn(completion, "
                           f"answer) ({e}; its signature is {inspect.signature(fn)}); a reward "
@@ -286,6 +295,74 @@ def _check_model(cfg) -> None:
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+#: What a model folder's tokenizer is built from (transformers' fast tokenizers).
+TOKENIZER_EXPECTED = ("tokenizer.json (with tokenizer_config.json), or the files of a slow "
+                      "tokenizer with its library installed (tokenizer.model: sentencepiece; "
+                      "vocab.json + merges.txt)")
+
+#: The prompt :func:`_check_tokenizer` renders and encodes.
+PROBE_PROMPT = "What is 1 + 1?"
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _check_tokenizer(cfg) -> None:
+    """Build the tokenizer exactly as both programs will
+    (:func:`rlflow.runtime.programs_common.run_tokenizer`), then render a prompt with the
+    configured template (``data.chat_template``, ``data.plain_template``) and encode it as
+    the prompt pipeline does (:class:`rlflow.data.pipeline.PromptFormatter`). A folder
+    that merely holds a file with a tokenizer's name (``tokenizer_config.json`` alone, a
+    ``tokenizer.model`` without sentencepiece) would otherwise pass and the programs die
+    with a transformers traceback. Built-in tasks without ``model.path`` bring their own
+    tokenizer (not checked).
+
+    Raises:
+      ConfigError: ``model.path`` (the folder, the error in one line, the files expected
+        and those found) or ``data.chat_template`` (the template's error on a plain user
+        message).
+    """
+    path = cfg.model.path
+    if not path:
+        return
+    from rlflow.runtime.programs_common import run_tokenizer
+
+    try:
+        tok = run_tokenizer(cfg)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises: one line
+        raise _tokenizer_error(path, f"cannot build the tokenizer of {path!r} as the "
+                                     f"programs do ({_one_line(e)})") from None
+    d = cfg.data
+    special = d.chat_template != "hf"      # the template adds BOS itself (as the pipeline)
+    text = d.plain_template.format(prompt=PROBE_PROMPT) if d.chat_template != "none" \
+        else PROBE_PROMPT
+    if d.chat_template == "hf":
+        try:
+            text = tok.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - jinja2 TemplateError, raise_exception(), ...
+            raise ConfigError(f"data.chat_template: the chat template of {path!r} cannot "
+                              f"render a user message ({_one_line(e)}); use "
+                              f"--data.chat-template plain or none, or fix the template"
+                              ) from None
+    try:
+        ids = tok(text, add_special_tokens=special)["input_ids"]
+    except Exception as e:  # noqa: BLE001 - the tokenizer's own error
+        raise _tokenizer_error(path, f"the tokenizer of {path!r} cannot encode the prompt "
+                                     f"{text!r} ({_one_line(e)})") from None
+    if not len(ids):        # e.g. a slow tokenizer class built without its vocabulary file
+        raise _tokenizer_error(path, f"the tokenizer of {path!r} encodes the prompt {text!r} "
+                                     f"as no tokens")
+
+
+def _tokenizer_error(path: str, what: str) -> ConfigError:
+    """``model.path: <what>; expected <files>; the folder holds [...]`` (one line)."""
+    found = sorted(f for f in os.listdir(path) if not f.endswith(".safetensors"))
+    return ConfigError(f"model.path: {what}; expected {TOKENIZER_EXPECTED}; the folder holds "
+                       f"{found}")
 
 
 def tokenizer_id_count(path: str):

@@ -24,7 +24,7 @@ reported with counts up front, not hours into a run. It tokenizes each prompt on
 Templates (``data.chat_template``):
   * "hf": ``tokenizer.apply_chat_template([{"role": "user", "content": plain_template.format(
     prompt=...)}], add_generation_prompt=True)``; a prompt field that already holds a list of
-    ``{"role", "content"}`` messages is used as is. Tokenized without extra special tokens
+    ``{"role": str, "content": str}`` messages is used as is. Tokenized without extra special tokens
     (the template adds BOS if the model wants one).
   * "plain": ``plain_template.format(prompt=...)``, tokenized with the tokenizer's special
     tokens (e.g. BOS).
@@ -34,7 +34,13 @@ Errors (``rlflow.data.sources``): BadRecordError / MissingFieldError (file:line,
 with ``data.on_bad_record="skip"`` the record is skipped and counted instead),
 EmptyDatasetError (no records, or every record bad), AllPromptsFilteredError (every prompt
 longer than ``data.max_prompt_tokens``; says how many and the shortest length). An empty
-prompt field (whitespace only) is a bad record. A prompt whose text is longer than
+prompt field (whitespace only) is a bad record, and so is every record the tokenizer and
+chat template would not take as text: a prompt that is not a string (or, with "hf", not a
+non-empty list of messages whose role and content are strings: the template would render
+``None`` or ``5`` into the prompt), text that is not valid Unicode (a lone surrogate, which
+JSON allows and the Rust tokenizers refuse with a ``TypeError``), and any error the
+tokenizer raises on the rendered prompt. These checks run once per record in the scan, so
+``data.on_bad_record`` decides for all of them. A prompt whose text is longer than
 :func:`rlflow.data.tokenizer.char_bound` characters is counted as too long without being tokenized.
 """
 
@@ -129,11 +135,22 @@ class PromptFormatter:
             raise BadRecordError(f"{where}: field {self.answer_key!r} must be a string or a "
                                  f"number, got {type(answer).__name__}")
         text, special = self._render(prompt, where)
+        _check_encodable(text, f"{where}: the prompt (field {self.prompt_key!r})")
         return text, special, where, answer
 
     def tokenize(self, text: str, special: bool, where: str) -> np.ndarray:
-        """int32 ``[P]`` ids of a rendered prompt; BadRecordError when there are none."""
-        ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        """int32 ``[P]`` ids of a rendered prompt.
+
+        Raises:
+          BadRecordError: there are none, or the tokenizer cannot encode the text (any
+            error it raises, e.g. ``TypeError`` from the Rust tokenizer on a lone UTF-16
+            surrogate, is turned into one naming the record's location).
+        """
+        try:
+            ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses: a bad record
+            raise BadRecordError(f"{where}: the tokenizer cannot encode the prompt "
+                                 f"({type(e).__name__}: {e})") from None
         if len(ids) == 0:
             raise BadRecordError(f"{where}: the prompt is empty (0 tokens)")
         return np.asarray(ids, dtype=np.int32)
@@ -143,8 +160,8 @@ class PromptFormatter:
             raise BadRecordError(f"{where}: field {self.prompt_key!r} is empty (expected the "
                                  f"prompt's text)")
         if self.chat_template == "hf":
-            if _is_messages(prompt):
-                messages = prompt
+            if isinstance(prompt, list):
+                messages = _checked_messages(prompt, f"{where}: field {self.prompt_key!r}")
             elif isinstance(prompt, str):
                 messages = [{"role": "user", "content": self.plain_template.format(prompt=prompt)}]
             else:
@@ -174,9 +191,42 @@ class PromptFormatter:
         return record[key]
 
 
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and len(value) > 0 and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in value)
+def _checked_messages(value: list, what: str) -> list:
+    """``value`` when it is a non-empty list of ``{"role": str, "content": str}`` messages
+    (what a chat template renders; a number, None or a list as content would be rendered
+    as its Python text, ``None`` / ``['a']``, into the prompt).
+
+    Raises:
+      BadRecordError: names the message index and what is wrong.
+    """
+    if not value:
+        raise BadRecordError(f"{what} is an empty list (expected the prompt's text or a list "
+                             f"of {{'role', 'content'}} messages)")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and "role" in m and "content" in m):
+            raise BadRecordError(f"{what}: message {i} must be a {{'role', 'content'}} dict, "
+                                 f"got {str(m)[:60]!r}")
+        for key in ("role", "content"):
+            if not isinstance(m[key], str):
+                raise BadRecordError(f"{what}: message {i} {key!r} must be a string, got "
+                                     f"{type(m[key]).__name__} {str(m[key])[:40]!r}")
+            _check_encodable(m[key], f"{what}: message {i} {key!r}")
+    return value
+
+
+def _check_encodable(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode for a tokenizer (a lone UTF-16 surrogate such as
+    ``\\ud800``, which JSON allows and the Rust tokenizers reject with a ``TypeError``).
+
+    Raises:
+      BadRecordError: names ``what`` and the character position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecordError(f"{what} holds {text[e.start]!r} at character {e.start}, not "
+                             f"valid Unicode text (a lone surrogate); the tokenizer cannot "
+                             f"encode it") from None
 
 
 OVER_CHAR_BOUND = np.iinfo(np.int64).max   # a prompt's length when its text alone is too long

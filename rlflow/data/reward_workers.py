@@ -105,7 +105,8 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     """Worker process: set limits, load and warm up the functions, then score on request.
 
     ``functions``: (registry name or ``module:attr``, module that registered it) pairs.
-    Messages in: ``(task_id, function index, completion, answer)`` or None (stop).
+    Messages in: ``(task_id, function index, completion, answer, finish_reason)`` or None
+    (stop).
     Messages out: ``("ready", None)`` / ``("failed", message)`` once, then :data:`Result`.
     """
     new_process_group()
@@ -126,8 +127,9 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    serve(conn, lambda index, completion, answer: rewards.reward_value(
-        fns[index](completion, answer)), memory_limit_mb, "reward")
+    serve(conn, lambda index, completion, answer, finish_reason: rewards.reward_value(
+        rewards.call_reward(fns[index], completion, answer, finish_reason)),
+        memory_limit_mb, "reward")
 
 
 @contextlib.contextmanager
@@ -360,6 +362,8 @@ class RewardWorkerPool(WorkerPool):
                          num_workers=num_workers, timeout_s=timeout_s, what="reward",
                          error=RewardWorkerError, calls_per_worker=calls_per_worker)
 
-    def submit(self, index: int, completion: str, answer: str) -> int:
-        """Queue one call of function ``index``; returns its task id (increasing)."""
-        return self.submit_call(index, completion, answer)
+    def submit(self, index: int, completion: str, answer: str,
+               finish_reason: str = "stop") -> int:
+        """Queue one call of function ``index`` (``finish_reason``: "stop" / "length",
+        passed to a function that takes it); returns its task id (increasing)."""
+        return self.submit_call(index, completion, answer, finish_reason)

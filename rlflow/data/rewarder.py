@@ -6,7 +6,7 @@ past ``reward.timeout_s`` and limited to ``reward.memory_limit_mb``; a call that
 returns a non-number, times out or runs out of memory scores 0 for that function and sample,
 counted per function (``reward/errors/<name>``, ``reward/timeouts/<name>``) and logged with
 the sample id; a function whose last ``reward.max_consecutive_errors`` calls all failed
-(raised, returned a non-number or NaN/inf; timeouts aside) stops the run
+(raised, returned a non-number or NaN/inf, or timed out) stops the run
 (:class:`~rlflow.data.rewards.RewardFunctionError`). ``reward.num_workers = 0`` calls the functions in this process instead, on a
 thread joined with the timeout: for debugging only (a call that holds the GIL or allocates
 without bound is then not stopped).
@@ -33,7 +33,8 @@ import numpy as np
 from rlflow.runtime import plugins as plugins_lib
 from rlflow.data.reward_workers import RewardWorkerPool
 from rlflow.data.rewards import (LOG_FIRST_FAILURES, NonFiniteRewardError,
-                                 RewardFunctionError, get_reward, reward_value, warm_up)
+                                 RewardFunctionError, call_reward, get_reward, reward_value,
+                                 warm_up)
 
 logger = logging.getLogger("rlflow.data.rewards")
 
@@ -145,33 +146,41 @@ class Rewarder:
 
     # ------------------------------------------------------------------ overlapped use
     def submit(self, key: Hashable, completions: Sequence[str], answers: Sequence[str],
-               sample_ids: Sequence[str]) -> None:
+               sample_ids: Sequence[str],
+               finish_reasons: Optional[Sequence[str]] = None) -> None:
         """Queue N samples under ``key`` (returned by :meth:`collect` once all are scored).
 
+        ``finish_reasons``: N of "stop" / "length" (how each completion ended; default all
+        "stop"), passed to the functions that take it
+        (:func:`rlflow.data.rewards.call_reward`).
+
         Raises:
-          ValueError: the three sequences differ in length, or ``key`` is already pending.
+          ValueError: the sequences differ in length, or ``key`` is already pending.
           RewardFunctionError: (``reward.num_workers = 0``, scored here) a function's run of
             failures reached ``reward.max_consecutive_errors``.
         """
         n = len(completions)
-        if len(answers) != n or len(sample_ids) != n:
+        finish_reasons = ["stop"] * n if finish_reasons is None else list(finish_reasons)
+        if len(answers) != n or len(sample_ids) != n or len(finish_reasons) != n:
             raise ValueError(f"Rewarder.score: got {n} completions, {len(answers)} answers, "
-                             f"{len(sample_ids)} sample ids; expected equal lengths")
+                             f"{len(sample_ids)} sample ids, {len(finish_reasons)} finish "
+                             f"reasons; expected equal lengths")
         if key in self._jobs:
             raise ValueError(f"Rewarder.submit: key {key!r} is already pending")
         job = self._jobs[key] = _Job(sample_ids, len(self.names))
         for k, fn in enumerate(self._fns):
-            for i, (c, a) in enumerate(zip(completions, answers)):
+            for i, (c, a, f) in enumerate(zip(completions, answers, finish_reasons)):
                 if self._pool is None:
-                    self._in_process(job, k, i, fn, c, a)
+                    self._in_process(job, k, i, fn, c, a, f)
                 else:
-                    self._tasks[self._pool.submit(k, c, a)] = (key, k, i)
+                    self._tasks[self._pool.submit(k, c, a, f)] = (key, k, i)
 
     def submit_group(self, key: Hashable, prompt_id: int, completions: Sequence[str],
-                     answer: str) -> None:
-        """Queue one group (G completions of one prompt); ids ``"prompt <id> sample <g>"``."""
-        self.submit(key, completions, [answer] * len(completions), _group_ids(prompt_id,
-                                                                              len(completions)))
+                     answer: str, finish_reasons: Optional[Sequence[str]] = None) -> None:
+        """Queue one group (G completions of one prompt, each with its finish reason);
+        ids ``"prompt <id> sample <g>"``."""
+        self.submit(key, completions, [answer] * len(completions),
+                    _group_ids(prompt_id, len(completions)), finish_reasons)
 
     def collect(self, timeout: float = 0.0) -> List[Tuple[Hashable, RewardBatch]]:
         """The submitted jobs that are fully scored, in submission order (a job waits for
@@ -200,13 +209,15 @@ class Rewarder:
 
     # ------------------------------------------------------------------ blocking use
     def score(self, completions: Sequence[str], answers: Sequence[str],
-              sample_ids: Sequence[str]) -> RewardBatch:
+              sample_ids: Sequence[str],
+              finish_reasons: Optional[Sequence[str]] = None) -> RewardBatch:
         """Score N samples and wait for them.
 
         Args:
           completions: N decoded completions.
           answers: N reference answers.
           sample_ids: N ids used in logs and errors (e.g. ``"prompt 17 sample 3"``).
+          finish_reasons: N of "stop" / "length" (default all "stop"); see :meth:`submit`.
 
         Returns:
           :class:`RewardBatch` (``total`` = sum_k weight_k * reward_k).
@@ -218,7 +229,7 @@ class Rewarder:
             ``reward.max_consecutive_errors``.
         """
         key = ("rlflow.score", object())
-        self.submit(key, completions, answers, sample_ids)
+        self.submit(key, completions, answers, sample_ids, finish_reasons)
         job = self._jobs[key]
         while job.remaining:
             self._pump(0.05)
@@ -228,13 +239,14 @@ class Rewarder:
             raise NonFiniteRewardError(f"{batch.nonfinite[0]}; rewards must be finite numbers")
         return batch
 
-    def score_group(self, prompt_id: int, completions: Sequence[str], answer: str) -> np.ndarray:
+    def score_group(self, prompt_id: int, completions: Sequence[str], answer: str,
+                    finish_reasons: Optional[Sequence[str]] = None) -> np.ndarray:
         """Rewards of one group (G completions of one prompt): float32 ``[G]``.
 
         Sample ids are ``"prompt <prompt_id> sample <g>"``. Raises as :meth:`score`.
         """
         return self.score(completions, [answer] * len(completions),
-                          _group_ids(prompt_id, len(completions))).total
+                          _group_ids(prompt_id, len(completions)), finish_reasons).total
 
     def metrics(self) -> Dict[str, int]:
         """Failure counters, flat: ``{"reward/errors/<name>": n, "reward/timeouts/<name>": n}``."""
@@ -266,10 +278,11 @@ class Rewarder:
             if job is not None:
                 self._settle(job, k, i, status, value)
 
-    def _in_process(self, job: _Job, k: int, i: int, fn, completion, answer) -> None:
+    def _in_process(self, job: _Job, k: int, i: int, fn, completion, answer,
+                    finish_reason) -> None:
         try:
-            value = ("ok", reward_value(call_with_timeout(fn, (completion, answer),
-                                                          self.timeout_s)))
+            value = ("ok", reward_value(call_with_timeout(
+                call_reward, (fn, completion, answer, finish_reason), self.timeout_s)))
         except RewardTimeout:
             value = ("timeout", f"ran past {self.timeout_s} s")
         except KeyboardInterrupt:
@@ -293,20 +306,23 @@ class Rewarder:
                 self._failed_again(name, sample_id, f"returned {value}")
         elif status == "timeout":
             self._failed(name, "timeouts", sample_id, str(value))
+            self._failed_again(name, sample_id, f"timed out: {value}")
         else:
             self._failed(name, "errors", sample_id, f"raised {value}")
             self._failed_again(name, sample_id, value)
 
     def _failed_again(self, name: str, sample_id, what: str) -> None:
-        """One more call of ``name`` in a row that gave no usable reward (it raised, or
-        returned a non-number or a non-finite one); at ``max_consecutive_errors`` stop."""
+        """One more call of ``name`` in a row that gave no usable reward (it raised, timed
+        out, or returned a non-number or a non-finite one); at ``max_consecutive_errors``
+        stop."""
         self._error_run[name] += 1
         limit = self.max_consecutive_errors
         if limit and self._error_run[name] >= limit:
             raise RewardFunctionError(
-                f"reward function {name!r} failed on its last {self._error_run[name]} calls "
-                f"in a row (reward.max_consecutive_errors={limit}), the last on sample "
-                f"{sample_id}: {what}. Fix the function (or raise the limit; 0: never stop)")
+                f"reward function {name!r} failed (errors or timeouts) on its last "
+                f"{self._error_run[name]} calls in a row (reward.max_consecutive_errors="
+                f"{limit}), the last on sample {sample_id}: {what}. Fix the function (or "
+                f"raise the limit or reward.timeout_s; 0: never stop)")
 
     def _batch(self, job: _Job) -> RewardBatch:
         total = np.asarray(self.weights, np.float64) @ job.values if len(self.names) else \

@@ -1,7 +1,11 @@
 """Reward functions: a registry, math answer checking with math-verify, and a guarded scorer.
 
 A reward function is ``fn(completion: str, answer: str) -> float``: the decoded completion
-(special tokens removed) and the record's reference answer. Two ways to use your own:
+(special tokens removed) and the record's reference answer. A function that also takes a
+keyword ``finish_reason`` (or ``**kwargs``) is told how the completion ended: ``"stop"`` (a
+stop token) or ``"length"`` (cut at ``sampler.max_tokens``); the decoded text alone cannot
+tell ``5<eos>`` from ``5`` followed by special tokens up to the limit (:func:`call_reward`).
+Two ways to use your own:
 
   * name it ``"package.module:function"`` (or ``"path/to/file.py:function"``) in
     ``reward.functions``; or
@@ -12,7 +16,8 @@ Every program (and every reward worker) imports these itself (:mod:`rlflow.runti
 function registered only inside a ``--config`` file is refused when the config is resolved,
 since the other programs never run that file.
 
-Built in:
+Built in (each scores a truncated completion, ``finish_reason="length"``, as one that did
+not finish: it stated no final answer, so 0.0; ``digits_match`` pays no stopping credit):
   * ``math_verify``: 1.0 when the completion's final answer equals the reference under
     math-verify (Kydlicek et al., HF Math-Verify), else 0.0. The reference may be a GSM8K
     answer (text ending ``#### <number>``: the number is taken) or a bare expression. The
@@ -56,6 +61,9 @@ logger = logging.getLogger(__name__)
 RewardFn = Callable[[str, str], float]
 _REGISTRY: Dict[str, RewardFn] = {}
 
+#: How a completion ended: a stop token, or cut at ``sampler.max_tokens``.
+FINISH_REASONS = ("stop", "length")
+
 #: Failures of one function logged one by one before logging switches to every 1000th.
 LOG_FIRST_FAILURES = 50
 
@@ -65,7 +73,7 @@ class NonFiniteRewardError(ValueError):
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function failed (raised, returned a non-number or NaN/inf) on
+    """A reward function failed (raised, timed out, returned a non-number or NaN/inf) on
     ``reward.max_consecutive_errors`` calls in a row without one success: a bug in the
     function (or in every answer it reads), not a hard sample. The message names the
     function, the count and its last error with the sample id."""
@@ -91,6 +99,34 @@ def reward_value(value) -> float:
         return float(value)
     raise TypeError(f"returned {type(value).__name__} {str(value)[:40]!r}, expected a number "
                     f"(int, float, bool)")
+
+
+def accepts_finish_reason(fn) -> bool:
+    """Whether ``fn`` takes a ``finish_reason`` keyword (by name, or ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):      # a builtin without a signature: two positionals
+        return False
+    return any(p.kind == p.VAR_KEYWORD or (p.name == "finish_reason" and p.kind in (
+        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
+
+
+def call_reward(fn, completion: str, answer: str, finish_reason: str = "stop"):
+    """``fn(completion, answer)``, with ``finish_reason=`` ("stop" | "length") when ``fn``
+    accepts it (:func:`accepts_finish_reason`); a plain two-argument user function keeps
+    working. Returns what ``fn`` returns (see :func:`reward_value`).
+
+    Raises:
+      ValueError: ``finish_reason`` is not one of :data:`FINISH_REASONS`.
+      Exception: whatever ``fn`` raises.
+    """
+    if finish_reason not in FINISH_REASONS:
+        raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
+    if accepts_finish_reason(fn):
+        return fn(completion, answer, finish_reason=finish_reason)
+    return fn(completion, answer)
 
 
 def register_reward(name: str):
@@ -250,9 +286,11 @@ def _parse(text: str):
 
 
 @register_reward("math_verify")
-def math_verify_reward(completion: str, answer: str) -> float:
+def math_verify_reward(completion: str, answer: str, finish_reason: str = "stop") -> float:
     """1.0 if the completion's final answer (:func:`completion_answer_text`) equals the
-    reference (math-verify), else 0.0.
+    reference (math-verify), else 0.0; 0.0 for a completion cut at ``max_tokens``
+    (``finish_reason="length"``): it never stated its final answer (the last number so far
+    is not one).
 
     Raises:
       ValueError: the reference answer cannot be parsed (a data problem; the Rewarder
@@ -262,6 +300,8 @@ def math_verify_reward(completion: str, answer: str) -> float:
     gold = _parse(ref) or _parse(f"${ref}$")
     if not gold:
         raise ValueError(f"cannot parse the reference answer {answer!r}")
+    if finish_reason == "length":
+        return 0.0
     pred = _parse(completion_answer_text(completion))
     if not pred:
         return 0.0
@@ -269,17 +309,20 @@ def math_verify_reward(completion: str, answer: str) -> float:
 
 
 @register_reward("math_format")
-def math_format_reward(completion: str, answer: str) -> float:
+def math_format_reward(completion: str, answer: str, finish_reason: str = "stop") -> float:
     """1.0 if the completion states a final answer as a non-empty ``\\boxed{...}`` or a
     value-like ``#### <answer>`` line (rules 1 and 2 of the module docstring; a markdown
-    heading such as ``#### Step 2`` is not an answer), else 0.0."""
-    return float(stated_answer(completion) is not None)
+    heading such as ``#### Step 2`` is not an answer) and ended with a stop token, else 0.0
+    (a completion cut at ``max_tokens`` is not well formed, whatever it wrote before)."""
+    return float(finish_reason != "length" and stated_answer(completion) is not None)
 
 
 @register_reward("exact_match")
-def exact_match_reward(completion: str, answer: str) -> float:
-    """1.0 if ``completion.strip() == answer.strip()``, else 0.0."""
-    return float(completion.strip() == answer.strip())
+def exact_match_reward(completion: str, answer: str, finish_reason: str = "stop") -> float:
+    """1.0 if ``completion.strip() == answer.strip()`` and the completion ended with a stop
+    token, else 0.0 (cut at ``max_tokens``, the decoded text may equal the answer only
+    because the special tokens after it were removed)."""
+    return float(finish_reason != "length" and completion.strip() == answer.strip())
 
 
 

@@ -2,9 +2,11 @@
 
 The default task, ``digits`` ("next digit"): the prompt is a digit ``d`` followed by ``>``
 (``"7>"``), the answer is ``(d + 1) mod 10`` (``"8"``). Its reward ``digits_match`` is
-``0.9 * [first character of the completion == answer] + 0.1 * [completion is one character]``:
-the correctness of the first answer token plus a small partial credit for stopping right
-after it (which also keeps generation short).
+``0.9 * [first character of the completion == answer] + 0.1 * [completion is one character
+and ended with a stop token]``: the correctness of the first answer token plus a small
+partial credit for stopping right after it (which also keeps generation short). The stop is
+the sampler's ``finish_reason``: the decoded text has special tokens removed, so a
+completion cut at ``max_tokens`` after ``5`` and three special tokens reads ``"5"`` too.
 
 It is made for the CPU demo: a randomly initialised decoder (hidden 64, 2 layers) with the
 task's character tokenizer (15 tokens: 4 specials + ``0-9`` + ``>``; set ``model.vocab_size``
@@ -87,18 +89,21 @@ class GuessDigitSource(DigitsSource):
         return {"prompt": "?", "answer": str(self._digit(index, self.num_values))}
 
 
-def digits_match(completion: str, answer: str) -> float:
+def digits_match(completion: str, answer: str, finish_reason: str = "stop") -> float:
     """Reward of the ``digits`` task: 0.9 for a correct first character, 0.1 for stopping.
 
     Args:
       completion: decoded completion (special tokens removed).
       answer: the reference digit.
+      finish_reason: "stop" (ended by a stop token) or "length" (cut at ``max_tokens``).
 
     Returns:
-      ``0.9 * [completion[:1] == answer] + 0.1 * [len(completion.strip()) == 1]``, in [0, 1].
+      ``0.9 * [completion[:1] == answer] + 0.1 * [len(completion.strip()) == 1 and
+      finish_reason == "stop"]``, in [0, 1].
     """
     text = completion.strip()
-    return 0.9 * float(text[:1] == answer.strip()) + 0.1 * float(len(text) == 1)
+    stopped = finish_reason == "stop" and len(text) == 1
+    return 0.9 * float(text[:1] == answer.strip()) + 0.1 * float(stopped)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,10 @@ class LearnerProgram:
     next_groups: NextGroups | None = None   # taken while the step before ran (prefetch)
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
+        from rlflow.runtime.metrics import StepRates
+
         self.cfg = cfg
+        self.rates = StepRates(time.time())    # sampler rates over each step, the run
         if "://" not in cfg.run_path:
             # A run folder holds one run: what rlflow train checked, checked again for a
             # learner started without it (scripts/tpu); idempotent after the launcher.
@@ -404,8 +407,11 @@ class LearnerProgram:
     def _sampler_metrics(self) -> dict:
         from rlflow.runtime.metrics import replica_metrics
 
-        return replica_metrics(self.coordinator.live_statuses(), self.coordinator.restarts(),
-                               self.publisher.publish_time, self.coordinator.timeouts())
+        statuses = self.coordinator.live_statuses()
+        out = replica_metrics(statuses, self.coordinator.restarts(),
+                              self.publisher.publish_time, self.coordinator.timeouts())
+        out.update(self.rates.update(statuses, time.time()))
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, metrics=None, *, final: bool = False) -> None:

@@ -72,9 +72,12 @@ METRIC_SPECS: dict[str, tuple[str, str]] = {
     "learner/padding_fraction": ("fraction", "padded positions of the one-row-per-sample batch"),
     "learner/packed_padding_fraction": ("fraction", "padded positions of the packed batch "
                                         "(learner.packing) the step computes on"),
-    "sampler/tokens_per_s": ("tokens/s", "decoded tokens per second"),
-    "sampler/slot_occupancy": ("fraction", "decode slots holding a live sequence, mean"),
-    "sampler/idle_frac": ("fraction", "sampler time blocked on the buffer or on weights"),
+    "sampler/tokens_per_s": ("tokens/s", "decoded tokens per second over the step's interval "
+                             "(sampler/tokens_per_s_run: over the run)"),
+    "sampler/slot_occupancy": ("fraction", "decode slots holding a live sequence, mean over "
+                               "the step's interval"),
+    "sampler/idle_frac": ("fraction", "sampler time blocked on the buffer or on weights, "
+                          "over the step's interval"),
     "sync/weight_sync_s": ("s", "publish-to-swap time of the latest weight version"),
     "sync/sampler_pause_s": ("s", "decode time lost to the latest weight swap"),
     "buffer/fill": ("fraction", "groups held / buffer.capacity"),

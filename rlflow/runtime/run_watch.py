@@ -91,6 +91,75 @@ def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict
             "reward_rise": last - first}
 
 
+def throughput(by_step: Mapping[int, Mapping], after_step: int, wall_s: float) -> dict:
+    """Rates of one invocation over its whole run, for ``summary.json``.
+
+    Args:
+      by_step: step -> merged ``metrics.jsonl`` record.
+      after_step: the step the invocation resumed from (its own steps are the later ones).
+      wall_s: the invocation's wall-clock seconds (start-up and compilation included).
+
+    Returns:
+      ``learner_steps_per_s`` and ``learner_tokens_per_s`` (steps and trained tokens,
+      ``learner/tokens``, per wall-clock second), ``sampler_tokens`` and
+      ``sampler_tokens_per_s`` (tokens decoded, per second since the learner started:
+      :class:`rlflow.runtime.metrics.StepRates`, from the last step's record); NaN where the
+      records hold no figure (written as ``null``).
+    """
+    steps = sorted(s for s in by_step if s > after_step)
+    last = by_step[steps[-1]] if steps else {}
+    wall = wall_s if wall_s > 0 else math.nan
+    trained = sum(float(by_step[s].get("learner/tokens", 0.0)) for s in steps)
+    return {"learner_steps_per_s": len(steps) / wall,
+            "learner_tokens_per_s": trained / wall if steps else math.nan,
+            "sampler_tokens": float(last.get("sampler/tokens_total", math.nan)),
+            "sampler_tokens_per_s": float(last.get("sampler/tokens_per_s_run", math.nan))}
+
+
+#: Share of a reward function's (or the environment's) calls that may fail before a run
+#: that finished is still called healthy.
+UNHEALTHY_FAILURE_FRAC = 0.01
+
+
+def health(success: bool, counts: Mapping[str, float], last: Mapping,
+           group_size: int) -> list[str]:
+    """Why a run is not healthy (empty: healthy), for ``summary.json``.
+
+    Args:
+      success: whether the invocation finished its steps.
+      counts: the run's count metrics (:func:`count_metrics`, newest values).
+      last: the last step's merged ``metrics.jsonl`` record (``sampler/groups_delivered``,
+        ``sampler/env_steps``).
+      group_size: ``sampler.group_size`` (reward calls per delivered group).
+
+    Returns:
+      One line per reason: the run did not finish; a reward function or the environment
+      failed (errors and timeouts) on more than :data:`UNHEALTHY_FAILURE_FRAC` of its calls
+      (or on some with none known to succeed); groups were dropped for a NaN/inf reward.
+    """
+    reasons = [] if success else ["the run did not finish (see the lines above and logs/)"]
+    delivered = float(last.get("sampler/groups_delivered", 0.0))
+    dropped = float(counts.get("sampler/dropped_bad_reward_groups", 0.0))
+    calls = (delivered + dropped) * group_size
+    for fn in sorted({k.split("/", 2)[2] for k in counts if k.startswith(COUNT_PREFIXES)}):
+        errors = float(counts.get(f"reward/errors/{fn}", 0.0))
+        timeouts = float(counts.get(f"reward/timeouts/{fn}", 0.0))
+        failed = errors + timeouts
+        if failed and (not calls or failed > UNHEALTHY_FAILURE_FRAC * calls):
+            reasons.append(f"reward function {fn!r} failed on {int(failed)} of about "
+                           f"{int(calls)} calls ({int(errors)} errors, {int(timeouts)} "
+                           f"timeouts; scored 0)")
+    steps = float(last.get("sampler/env_steps", 0.0))
+    failed = float(counts.get("sampler/env_errors", 0.0)) + \
+        float(counts.get("sampler/env_timeouts", 0.0))
+    if failed and (not steps or failed > UNHEALTHY_FAILURE_FRAC * steps):
+        reasons.append(f"the environment failed on {int(failed)} of {int(steps)} steps "
+                       f"(sampler/env_errors, sampler/env_timeouts; reward 0)")
+    if dropped:
+        reasons.append(f"{int(dropped)} group(s) dropped for a NaN/inf reward")
+    return reasons
+
+
 def _write_summary(path: str, summary: Mapping) -> None:
     """Write ``summary`` to ``path`` atomically (a temporary file, then ``os.replace``), as
     strict JSON: a figure with no value (NaN, inf) is ``null``."""
@@ -353,7 +422,8 @@ class RunWatcher:
     def summary(self, success: bool) -> dict:
         """Reward rise over the run's whole ``metrics.jsonl`` (``reward/mean`` per step), wall
         time of this invocation, outcome, ``steps_completed`` (learner step reached),
-        ``resumed_from_step`` and ``steps_this_run``."""
+        ``resumed_from_step``, ``steps_this_run``, this invocation's ``throughput``
+        (:func:`throughput`), and ``healthy`` with ``unhealthy_reasons`` (:func:`health`)."""
         try:
             records, _ = read_jsonl(self.path)
         except ValueError:
@@ -366,6 +436,10 @@ class RunWatcher:
                    resumed_from_step=self.resumed_from,
                    steps_this_run=self.last_step - self.resumed_from,
                    wall_s=self._clock() - self._t0)
+        out["throughput"] = throughput(by_step, self.resumed_from, out["wall_s"])
+        last = by_step[max(by_step)] if by_step else {}
+        reasons = health(success, out["counts"], last, self.cfg.sampler.group_size)
+        out.update(healthy=not reasons, unhealthy_reasons=reasons)
         return out
 
     def close(self, success: bool, report: bool = True) -> Optional[dict]:
@@ -391,6 +465,9 @@ class RunWatcher:
         counts = counts_line(summary["counts"])
         if counts:
             print(f"rlflow train: {counts}", file=self.stream, flush=True)
+        if success and not summary["healthy"]:
+            print("rlflow train: finished, but not healthy: "
+                  + "; ".join(summary["unhealthy_reasons"]), file=self.stream, flush=True)
         if success and report:
             _write_report(self.run_path, self.stream)
         return summary

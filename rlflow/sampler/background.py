@@ -1,10 +1,10 @@
 """The sampler program's background pieces: its weight-pull and heartbeat threads, and the
-window its rates are reported over.
+totals its rates are computed from.
 
 :class:`WeightPuller` pulls each newly published version on its own thread so decoding never
 waits on a pull; :class:`Heartbeat` keeps a replica counted alive while it compiles or
-decodes (``rlflow.runtime.replicas``); :class:`RateWindow` turns the decode loop's counts into
-the rates of the last ~``WINDOW_S`` seconds (tokens/s, slot occupancy, idle fraction).
+decodes (``rlflow.runtime.replicas``); :class:`RateCounters` keeps the decode loop's totals
+(tokens, slot-steps, idle seconds) that the learner turns into rates over its steps.
 """
 
 from __future__ import annotations
@@ -18,17 +18,20 @@ from rlflow.runtime.replicas import HEARTBEAT_S
 
 log = logging.getLogger("rlflow.sampler")
 
-WINDOW_S = 1.0             # window of the rates reported to the learner (seconds)
+class RateCounters:
+    """The decode loop's running totals since this sampler instance started: tokens decoded,
+    slot-steps used / run, seconds idle (blocked on the buffer or on weights).
 
-
-class RateWindow:
-    """Rates over the last closed window of about ``WINDOW_S`` seconds."""
+    Reported as totals with every status (:meth:`figures`); the learner turns them into
+    rates over each step's interval and over the run
+    (:class:`rlflow.runtime.metrics.StepRates`). A rate of the last second sampled at
+    status time read 0 whenever that second happened to be idle: on short or slow runs,
+    every step.
+    """
 
     def __init__(self):
-        self.t0 = time.monotonic()
         self.tokens = self.slots_used = self.slots_total = 0
         self.idle = 0.0
-        self.last: dict = {}
 
     def add(self, tokens=0, slots_used=0, slots_total=0, idle=0.0):
         self.tokens += tokens
@@ -37,16 +40,12 @@ class RateWindow:
         self.idle += idle
 
     def figures(self) -> dict:
-        now = time.monotonic()
-        dt = max(now - self.t0, 1e-9)
-        current = {"sampler/tokens_per_s": self.tokens / dt,
-                   "sampler/slot_occupancy": self.slots_used / max(self.slots_total, 1),
-                   "sampler/idle_frac": min(1.0, self.idle / dt)}
-        if dt >= WINDOW_S:
-            self.last = current
-            self.t0, self.tokens, self.slots_used, self.slots_total, self.idle = \
-                now, 0, 0, 0, 0.0
-        return self.last or current
+        """``sampler/tokens_total``, ``slot_steps_used``, ``slot_steps_total``,
+        ``idle_s_total``: the totals so far (floats)."""
+        return {"sampler/tokens_total": float(self.tokens),
+                "sampler/slot_steps_used": float(self.slots_used),
+                "sampler/slot_steps_total": float(self.slots_total),
+                "sampler/idle_s_total": float(self.idle)}
 
 
 class WeightPuller:

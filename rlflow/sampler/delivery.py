@@ -46,7 +46,7 @@ class GroupDelivery:
       buffer: the learner's ring buffer client (``put_groups(records) -> {index: error}``).
       rewarder: the reward workers; ``None`` for multi-turn episodes (rewards come from the
         environments).
-      window: the replica's :class:`rlflow.sampler.background.RateWindow` (time spent in
+      window: the replica's :class:`rlflow.sampler.background.RateCounters` (time spent in
         the buffer call counts as idle).
       on_bad_reward: ``learner.on_bad_reward`` ("drop" or "error").
     """
@@ -103,7 +103,10 @@ class GroupDelivery:
             texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
                      for c in group.completions]
             self.scoring[key] = (group.request, group.to_record())
-            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"])
+            # how each ended: the decoded text cannot tell a stop token from a cut at
+            # max_tokens followed by removed special tokens
+            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"],
+                                       [c.finish_reason for c in group.completions])
 
     def collect(self, timeout: float = 0.0) -> None:
         """Deliver the groups whose rewards are in (waiting up to ``timeout`` seconds for the

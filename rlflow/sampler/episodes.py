@@ -21,7 +21,7 @@ the model's chat template as the group's prompt ids. Then, per episode:
   finite number, an ``info`` value that is not a number, messages that are not message
   dicts) ends its episode with reward 0, counted (``sampler/env_errors``,
   ``sampler/env_timeouts``) and logged; the run goes on, unless
-  ``env.max_consecutive_errors`` steps in a row failed (timeouts aside): then
+  ``env.max_consecutive_errors`` steps in a row failed (timeouts included): then
   :meth:`EpisodeDriver.poll` raises :class:`rlflow.envs.EnvFailureError`. New messages whose
   text alone is longer than the episode's token limit could hold
   (:func:`rlflow.data.tokenizer.char_bound`) are not rendered: the episode ends as truncated
@@ -219,14 +219,14 @@ class EpisodeDriver:
         if n <= LOG_FIRST or n % 1000 == 0:
             log.warning("environment %r, %s: %s; the episode ends with reward 0 (%d failures "
                         "so far)", self.cfg.name, where, what, n)
-        if kind == "env_errors":
-            self._error_run += 1
-            limit = self.cfg.max_consecutive_errors
-            if limit and self._error_run >= limit:
-                raise EnvFailureError(
-                    f"environment {self.cfg.name!r} failed on its last {self._error_run} "
-                    f"steps in a row (env.max_consecutive_errors={limit}), the last at "
-                    f"{where}: {what}. Fix the environment (or raise the limit; 0: never stop)")
+        self._error_run += 1          # errors and timeouts alike: no success in between
+        limit = self.cfg.max_consecutive_errors
+        if limit and self._error_run >= limit:
+            raise EnvFailureError(
+                f"environment {self.cfg.name!r} failed (errors or timeouts) on its last "
+                f"{self._error_run} steps in a row (env.max_consecutive_errors={limit}), the "
+                f"last at {where}: {what}. Fix the environment (or raise the limit or "
+                f"env.step_timeout_s; 0: never stop)")
         return EpisodeOutcome(None, 0.0, False)
 
     def metrics(self) -> Dict[str, float]:

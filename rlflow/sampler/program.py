@@ -64,7 +64,7 @@ from rlflow.mesh import make_mesh
 from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec
 from rlflow.runtime.control import ControlClient
-from rlflow.sampler.background import Heartbeat, RateWindow, WeightPuller
+from rlflow.sampler.background import Heartbeat, RateCounters, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.lanes import DecodeLanes, available_cpus, lane_count
@@ -160,7 +160,7 @@ class SamplerProgram:
         self.episodes = self._episode_driver() if cfg.env.enabled else None
         self.env_reset_errors = 0
         self.env_reset_run = 0
-        self.window = RateWindow()
+        self.window = RateCounters()
         self.delivery = GroupDelivery(
             self.tokenizer, self.buffer,
             None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),

@@ -39,7 +39,8 @@ def model_eos_token_ids(path: str, tokenizer=None) -> tuple[int, ...]:
 
 
 class HFTokenizer(tokenizer_api.Tokenizer):
-    """JetStream ``Tokenizer`` over ``transformers.AutoTokenizer``.
+    """JetStream ``Tokenizer`` over the folder's ``transformers`` tokenizer
+    (:func:`rlflow.data.tokenizer.load_tokenizer`).
 
     Args:
       path: local HF folder with tokenizer files (and optionally generation_config.json).
@@ -48,10 +49,10 @@ class HFTokenizer(tokenizer_api.Tokenizer):
     """
 
     def __init__(self, path: str, stop_ids: Iterable[int] = ()):
-        from transformers import AutoTokenizer
+        from rlflow.data.tokenizer import load_tokenizer
 
         self.path = path
-        self.hf = AutoTokenizer.from_pretrained(path)
+        self.hf = load_tokenizer(path)      # as every program and the pre-start check build it
         self._stop = set(model_eos_token_ids(path, self.hf)) | {int(i) for i in stop_ids}
 
     def encode(self, s: str, **kwargs) -> tuple[np.ndarray, int]:
