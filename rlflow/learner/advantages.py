@@ -159,39 +159,54 @@ def groups_with_signal(rewards, *, xp=jnp) -> jax.Array:
 
 
 def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over response tokens.
+    """Generalised advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous
+    Control Using Generalized Advantage Estimation", eq. 16) over the *sampled* tokens.
 
-    ``delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t`` and
-    ``A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}``; the episode ends after the last valid
-    token (value 0 beyond it). ``returns = A + V`` are the value-function targets.
+    The recursion runs over each row's valid tokens (``mask`` 1) in order, as if the masked
+    tokens were not there: with ``n(t)`` the next valid position after ``t``,
+    ``delta_t = r_t + gamma * V_{n(t)} - V_t`` and ``A_t = delta_t + gamma * lam * A_{n(t)}``
+    (eq. 16's sum ``A_t = sum_l (gamma lam)^l delta_{t+l}`` over the compressed sequence);
+    after the last valid token the value and advantage are 0 (the episode ends). In
+    multi-turn episodes the environment's tokens between two turns (tool results, user turns:
+    loss mask 0) are not actions of the policy, so the value and the advantage are carried
+    across them rather than the episode ending there (the fix verl and miles made). On a
+    contiguous mask this is the textbook recursion. Example (issue 44): mask
+    ``1 1 1 0 0 0 1 1``, reward 1 on the last token, values ``.3 -.2 .5 . . . .1 .4``,
+    ``gamma = 1``, ``lam = 0.95``: advantages ``[0.550, 1.105, 0.427]`` on the first turn
+    and ``[0.87, 0.6]`` on the second. ``returns = A + V`` are the value-function targets.
 
     Args:
       rewards: ``[B, T]`` float per-token rewards (the sequence reward on its last token,
-        see :func:`terminal_rewards`).
-      values: ``[B, T]`` float value estimates V(s_t) of the policy's state before token t.
-      mask: ``[B, T]`` bool/0-1 valid-token mask (contiguous per row).
+        see :func:`terminal_rewards`); ignored where ``mask`` is 0.
+      values: ``[B, T]`` float value estimates V(s_t) of the policy's state before token t;
+        ignored where ``mask`` is 0.
+      mask: ``[B, T]`` bool/0-1 mask of the sampled tokens (gaps allowed).
       gamma, lam: discount and GAE lambda in [0, 1].
 
     Returns:
-      ``(advantages, returns)``, both ``[B, T]`` float32, 0 where ``mask`` is 0.
+      ``(advantages, returns)``, both ``[B, T]`` float32, 0 where ``mask`` is 0. Jittable
+      (one ``lax.scan`` over ``T``).
+
+    Raises:
+      ValueError: the three arrays are not equal ``[B, T]`` shapes.
     """
     m = jnp.asarray(mask, jnp.float32)
     r = jnp.where(m > 0, jnp.asarray(rewards, jnp.float32), 0.0)
     v = jnp.where(m > 0, jnp.asarray(values, jnp.float32), 0.0)
     if not (r.shape == v.shape == m.shape and r.ndim == 2):
         raise ValueError(f"rewards {r.shape}, values {v.shape}, mask {m.shape} must be equal [B, T]")
-    v_next = jnp.concatenate([v[:, 1:], jnp.zeros_like(v[:, :1])], axis=1)
-    m_next = jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
-    delta = r + gamma * v_next * m_next - v
 
     def back(carry, xs):
-        d, mn = xs
-        a = d + gamma * lam * mn * carry
-        return a, a
+        v_next, a_next = carry             # of the next valid token (0 after the last one)
+        r_t, v_t, m_t = xs
+        a = r_t + gamma * v_next - v_t + gamma * lam * a_next
+        valid = m_t > 0
+        a = jnp.where(valid, a, 0.0)
+        return (jnp.where(valid, v_t, v_next), jnp.where(valid, a, a_next)), a
 
-    _, adv = jax.lax.scan(back, jnp.zeros(r.shape[0], jnp.float32), (delta.T, m_next.T),
-                          reverse=True)
-    adv = adv.T * m
+    zeros = jnp.zeros(r.shape[0], jnp.float32)
+    _, adv = jax.lax.scan(back, (zeros, zeros), (r.T, v.T, m.T), reverse=True)
+    adv = adv.T
     return adv, (adv + v) * m
 
 
@@ -235,7 +250,8 @@ def ppo_targets(token_rewards, old_values, mask, *, gamma: float, lam: float,
     Args:
       token_rewards: ``[B, T]`` float32, the sequence reward on its last response token.
       old_values: ``[B, T]`` float32 ``V_old(s_t)`` at the step start (treated as constants).
-      mask: ``[B, T]`` response-token mask (contiguous per row).
+      mask: ``[B, T]`` mask of the sampled response tokens (multi-turn episodes: gaps on
+        the environment's tokens, which :func:`gae` skips).
       gamma, lam: GAE discount and lambda.
       old_logprobs, ref_logprobs: ``[B, T]`` logprobs of the targets under the old and the
         reference policy (KL-in-reward; both or neither).
