@@ -196,3 +196,55 @@ def test_gae_terminal_reward_monte_carlo():
     adv, ret = A.gae(r, v, m, gamma=1.0, lam=1.0)
     np.testing.assert_allclose(adv, [[1.5, 1.0, 0.5, 0], [-1.25, 0, 0, 0]], atol=1e-6)
     np.testing.assert_allclose(ret, [[2, 2, 2, 0], [-1, 0, 0, 0]], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- failed samples
+
+def np_group_advantages_over(r, valid, estimator):
+    """Oracle: each group's formula run on its valid samples alone (the failed ones removed
+    from the group, advantage 0)."""
+    r = np.asarray(r, np.float64)
+    out = np.zeros_like(r)
+    for n in range(r.shape[0]):
+        idx = np.flatnonzero(valid[n])
+        if not idx.size:
+            continue
+        sub = r[n, idx][None]
+        if estimator == "grpo":
+            out[n, idx] = np_grpo(sub)[0] if idx.size >= 2 else 0.0
+        elif estimator == "rloo":
+            out[n, idx] = np_rloo(sub)[0] if idx.size >= 2 else 0.0
+        else:
+            out[n, idx] = sub[0] - sub[0].mean()
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+@pytest.mark.parametrize("xp", ["jnp", "np"])
+def test_failed_samples_have_no_weight_in_the_group_baseline(estimator, xp):
+    rng = np.random.default_rng(5)
+    r = rng.normal(size=(5, 4)).astype(np.float32)
+    valid = np.ones((5, 4), bool)
+    valid[0, 1] = False                         # one environment crash
+    valid[1, [0, 3]] = False                    # two
+    valid[2, 1:] = False                        # a lone survivor: no baseline, 0
+    valid[3, :] = False                         # every sample failed
+    r[~valid] = rng.normal(size=(~valid).sum()) * 100.0   # must not leak into the others
+    kw = dict(estimator=estimator, valid=valid)
+    got = A.group_advantages(r, **kw) if xp == "jnp" else A.group_advantages(r, xp=np, **kw)
+    want = np_group_advantages_over(r, valid, estimator)
+    np.testing.assert_allclose(got, want, atol=sum_tol(4, scale=4 * float(np.abs(r[valid]).max())))
+    assert (np.asarray(got)[~valid] == 0).all()
+    # all valid: the same advantages as without the argument
+    np.testing.assert_allclose(A.group_advantages(r, estimator=estimator, valid=np.ones_like(valid)),
+                               A.group_advantages(r, estimator=estimator), atol=sum_tol(4, 10.0))
+
+
+def test_equal_valid_rewards_give_exactly_zero_and_signal_ignores_failed():
+    r = np.array([[0.35, 0.0, 0.35, 0.35], [1.0, 0.0, 1.0, 1.0]], np.float32)
+    valid = np.array([[True, False, True, True], [True, True, True, True]])
+    adv = np.asarray(A.group_advantages(r, valid=valid))
+    assert (adv[0] == 0).all() and (adv[1] != 0).all()
+    np.testing.assert_array_equal(A.groups_with_signal(r, xp=np, valid=valid), [False, True])
+    np.testing.assert_array_equal(A.groups_with_signal(r, valid=valid), [False, True])
+    np.testing.assert_array_equal(A.groups_with_signal(r, xp=np), [True, True])

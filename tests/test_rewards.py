@@ -650,3 +650,22 @@ def test_plain_numbers_rewrites_scientific_notation_only():
     from rlflow.data.answer_values import plain_numbers
 
     assert plain_numbers("6e1 and 2.5E-3, not x2e3 or 1.2.3e4") == "60 and 0.0025, not x2e3 or 1.2.3e4"
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_samples_a_function_raised_or_timed_out_on_are_marked_failed(num_workers):
+    """A reward failure is not a grade: RewardBatch.failed marks the sample (the group
+    record's ``failed``); a NaN is a bad reward (on_bad_reward), not a failure."""
+    r = rewarder("test_length", "test_raises_on_b", weights=(1.0, 1.0), num_workers=num_workers)
+    out = r.score(["aa", "b", "ccc"], ["x"] * 3, ["s0", "s1", "s2"])
+    np.testing.assert_array_equal(out.failed, [False, True, False])
+    np.testing.assert_array_equal(out.total, [4.0, 1.0, 6.0])
+    hang = rewarder("test_hangs", timeout_s=0.2, num_workers=num_workers)
+    assert hang.score(["abcd"], ["x"], ["s"]).failed.tolist() == [True]
+
+
+@register_reward("test_raises_on_b")
+def _raises_on_b(completion, answer):
+    if completion == "b":
+        raise ValueError("b is bad")
+    return float(len(completion))

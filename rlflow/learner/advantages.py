@@ -27,7 +27,7 @@ Estimator = Literal["grpo", "drgrpo", "rloo"]
 
 
 def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bool | None = None,
-                     std_floor: float = 1e-6, xp=jnp) -> jax.Array:
+                     std_floor: float = 1e-6, xp=jnp, valid=None) -> jax.Array:
     """Per-sample advantages from the rewards of each group (one prompt's G completions).
 
     With deviations ``d_i = r_i - mean(r)`` and the unbiased group std
@@ -47,9 +47,15 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
       scale_by_std: divide by ``s + std_floor`` (None: estimator's default).
       std_floor: added to the std before dividing (> 0 keeps zero-variance groups finite).
       xp: array namespace, ``jax.numpy`` (default) or ``numpy`` (host path, numpy result).
+      valid: ``[N, G]`` bool, or None (all valid): the samples that form their group's
+        baseline. The others (failed samples, ``learner.on_failed_sample="mask"``) get
+        advantage 0 and no weight: every formula above runs over the ``G_n`` valid samples
+        of group ``n`` alone (``G_n`` in place of ``G``); a group with fewer than 2 valid
+        samples gets 0 wherever a formula needs 2 (RLOO, std scaling).
 
     Returns:
-      ``[N, G]`` float32 advantages; exactly 0 for a group whose rewards are all equal.
+      ``[N, G]`` float32 advantages; exactly 0 for a group whose (valid) rewards are all
+      equal, and where ``valid`` is False.
 
     Raises:
       ValueError: rewards not 2-D, unknown estimator, G < 2 where the estimator needs it,
@@ -69,6 +75,9 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
         raise ValueError(f"estimator {estimator!r} (std scaling={scale_by_std}) needs group_size "
                          f">= 2, got {g}")
     _check_finite(r, xp)
+    if valid is not None:
+        return _valid_group_advantages(r, xp.asarray(valid, bool), estimator, scale_by_std,
+                                       std_floor, xp)
     shifted = r - r[:, :1]
     dev = shifted - xp.mean(shifted, axis=1, keepdims=True)
     adv = dev * xp.float32(g / (g - 1)) if estimator == "rloo" else dev
@@ -76,6 +85,24 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
         std = xp.sqrt(xp.sum(dev * dev, axis=1, keepdims=True) / xp.float32(g - 1))
         adv = adv / (std + xp.float32(std_floor))
     return adv
+
+
+def _valid_group_advantages(r, valid, estimator, scale_by_std, std_floor, xp):
+    """:func:`group_advantages` over the valid samples of each group (``valid [N, G]``)."""
+    if valid.shape != r.shape:
+        raise ValueError(f"valid {valid.shape} and rewards {r.shape} differ in shape")
+    k = xp.sum(valid, axis=1, keepdims=True).astype(xp.float32)          # G_n
+    first = xp.take_along_axis(r, xp.argmax(valid, axis=1)[:, None], axis=1)
+    shifted = xp.where(valid, r - first, xp.float32(0.0))  # by a valid reward: exact zeros
+    mean = xp.sum(shifted, axis=1, keepdims=True) / xp.maximum(k, xp.float32(1.0))
+    dev = xp.where(valid, shifted - mean, xp.float32(0.0))
+    two = k >= 2
+    km1 = xp.maximum(k - 1, xp.float32(1.0))
+    adv = xp.where(two, dev * (k / km1), xp.float32(0.0)) if estimator == "rloo" else dev
+    if scale_by_std:
+        std = xp.sqrt(xp.sum(dev * dev, axis=1, keepdims=True) / km1)
+        adv = xp.where(two, adv / (std + xp.float32(std_floor)), xp.float32(0.0))
+    return xp.where(valid, adv, xp.float32(0.0))
 
 
 def flat_group_advantages(rewards, group_size: int, **kwargs) -> jax.Array:
@@ -144,18 +171,25 @@ def overlong_penalty(lengths, *, max_tokens: int, buffer: int, factor: float = 1
     return xp.float32(factor) * pen
 
 
-def groups_with_signal(rewards, *, xp=jnp) -> jax.Array:
+def groups_with_signal(rewards, *, xp=jnp, valid=None) -> jax.Array:
     """DAPO dynamic sampling filter (Yu et al. 2025, sec. 3.2): keep groups whose rewards differ.
 
     Args:
       rewards: ``[N, G]`` rewards.
       xp: ``jax.numpy`` (default) or ``numpy`` (host path).
+      valid: ``[N, G]`` bool or None (all): only these rewards are compared (failed samples
+        left out of the baseline, :func:`group_advantages`).
 
     Returns:
-      ``[N]`` bool, False for groups with zero reward variance (exact comparison: all equal).
+      ``[N]`` bool, False for groups with zero reward variance (exact comparison: all equal)
+      among their valid samples.
     """
     r = xp.asarray(rewards, xp.float32)
-    return xp.max(r, axis=1) > xp.min(r, axis=1)
+    if valid is None:
+        return xp.max(r, axis=1) > xp.min(r, axis=1)
+    valid = xp.asarray(valid, bool)
+    return xp.max(xp.where(valid, r, -xp.inf), axis=1) > xp.min(xp.where(valid, r, xp.inf),
+                                                                axis=1)
 
 
 def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
