@@ -437,16 +437,20 @@ def _finishes(fn, limit_s=300.0):
 
 def test_gil_holding_reward_is_killed_at_the_timeout_and_counted(caplog):
     """``\\boxed{10^{10^{9}}}`` makes math-verify compute a 3e9-bit integer power, which holds
-    the GIL: a thread timeout never got control back. The worker is killed: reward 0, a
-    timeout with the sample id, and the replacement worker scores the next group."""
+    the GIL when compared with an expression reference: a thread timeout never got control
+    back. The worker is killed: reward 0, a timeout with the sample id, and the replacement
+    worker scores the next group. Against a numeric reference the power is not a value
+    (answers are values), so it scores 0 without being computed."""
     r = rewarder("math_verify", timeout_s=2.0)
     with caplog.at_level(logging.WARNING, logger="rlflow.data.rewards"):
-        out = _finishes(lambda: r.score_group(4, ["\\boxed{10^{10^{9}}}", "\\boxed{5}"],
-                                              "#### 5"))
+        out = _finishes(lambda: r.score_group(4, ["\\boxed{10^{10^{9}}}", "\\boxed{1 + x}"],
+                                              "$x + 1$"))
     assert out.tolist() == [0.0, 1.0]
     assert r.failures["math_verify"] == {"errors": 0, "timeouts": 1}
     assert "ran past 2.0 s on sample prompt 4 sample 0" in caplog.text
     assert r.score_group(5, ["#### 5"], "#### 5").tolist() == [1.0]
+    assert r.score_group(6, ["\\boxed{10^{10^{9}}}"], "#### 5").tolist() == [0.0]
+    assert r.failures["math_verify"] == {"errors": 0, "timeouts": 1}
 
 
 def test_allocation_past_the_memory_limit_is_a_counted_error(caplog):
