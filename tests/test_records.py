@@ -226,5 +226,6 @@ def test_failed_marks_are_optional_bool_per_completion_and_travel():
     assert_same(records.decode_frames(records.encode_frames(g)), g)
     with pytest.raises(RecordError, match=r"field 'failed': expected dtype bool"):
         records.validate_group(dict(g, failed=np.array([0, 1, 0], np.int32)))
-    with pytest.raises(RecordError, match=r"field 'failed': expected shape \[G\] with P=5, G=3, T=7, got shape \[2\]"):
+    with pytest.raises(RecordError, match=r"field 'failed': expected shape \[G\] with P=5, "
+                       r"G=3, T=7, got shape \[2\]"):
         records.validate_group(dict(g, failed=np.zeros(2, bool)))

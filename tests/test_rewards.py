@@ -653,7 +653,8 @@ def test_is_value_on_math_verify_parses(text, want):
 def test_plain_numbers_rewrites_scientific_notation_only():
     from rlflow.data.answer_values import plain_numbers
 
-    assert plain_numbers("6e1 and 2.5E-3, not x2e3 or 1.2.3e4") == "60 and 0.0025, not x2e3 or 1.2.3e4"
+    assert plain_numbers("6e1 and 2.5E-3, not x2e3 or 1.2.3e4") == \
+        "60 and 0.0025, not x2e3 or 1.2.3e4"
 
 
 @pytest.mark.parametrize("num_workers", [1, 0])

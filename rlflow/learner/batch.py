@@ -30,9 +30,9 @@ Sample selection (each counted in the returned info, never silent):
     the group's advantages (and the dynamic-sampling filter) see only the other samples;
     with ``"zero_reward"`` they stay, reward 0 (counted either way: ``batch/failed_samples``).
 Advantages are computed on the whole group (all G rewards but the masked failed ones, after
-reward shaping) before any other sample leaves the loss. With ``estimator="gae"`` (PPO) the batch carries no advantages (zeros):
-the step computes them from the value head; ``token_rewards`` holds each sample's shaped
-reward on its last response token.
+reward shaping) before any other sample leaves the loss. With ``estimator="gae"`` (PPO) the
+batch carries no advantages (zeros): the step computes them from the value head;
+``token_rewards`` holds each sample's shaped reward on its last response token.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ class GroupDelivery:
         self.on_bad_reward = on_bad_reward
         self.reasoning = reasoning
         self.in_flight: dict[int, dict] = {}     # id(Request) -> leased prompt
-        # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
-        # that its id is not reused while the group is scored)
+        # id(Request) -> (Request, record, unclosed reasoning [G] or None) awaiting its
+        # rewards (the Request is held so that its id is not reused while it is scored)
         self.scoring: dict[int, tuple] = {}
         self.dropped_leases: list[list[int]] = []   # [stream_index, lease_id] dropped here
         self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
@@ -148,9 +148,12 @@ class GroupDelivery:
             record["rewards"] = np.asarray(batch.total, np.float32)
             if unclosed is not None and unclosed.any():     # reasoning never closed: 0
                 record["rewards"] = np.where(unclosed, np.float32(0.0), record["rewards"])
-            if batch.failed is not None and batch.failed.any():   # reward error / timeout
-                record["failed"] = batch.failed | record.get("failed", False)
-                self.failed_samples += int(batch.failed.sum())
+            failed = batch.failed
+            if failed is not None and unclosed is not None:
+                failed = failed & ~unclosed          # graded 0 whatever the function did
+            if failed is not None and failed.any():  # a reward error / timeout: no grade
+                record["failed"] = failed | record.get("failed", False)
+                self.failed_samples += int(failed.sum())
             records.append(record)
         self.deliver(records)
 
