@@ -213,6 +213,8 @@ def test_completion_samples_decode_each_completion_with_its_oldest_version():
          "truncated": False},
         {"prompt": "5 6|", "completion": "4 9 9 9", "reward": -1.0, "version": -1,
          "prompt_id": 7, "truncated": True}]
+    g["failed"] = np.array([False, True])                      # record version 2
+    assert [s["failed"] for s in records.completion_samples([g], Tok())] == [False, True]
 
 
 def test_failed_marks_are_optional_bool_per_completion_and_travel():
