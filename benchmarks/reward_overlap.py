@@ -13,7 +13,7 @@ Printed::
     RESULT reward_overlapped_loop_ms_per_group <value> ms   (time inside submit + collect(0))
     RESULT reward_overlapped_drain_ms_per_group <value> ms  (wall time until every group is in)
     RESULT reward_loop_block_ratio <value> x                (blocking / overlapped loop time)
-    RESULT reward_gil_bomb_return_s <value> s               (\\boxed{10^{10^{9}}}, timeout 2 s)
+    RESULT reward_gil_bomb_return_s <value> s   (\\boxed{10^{10^{9}}} vs $x + 1$, timeout 2 s)
 
 Usage: ``python benchmarks/reward_overlap.py [--groups 24] [--workers 2]``.
 """
@@ -72,7 +72,9 @@ def main() -> None:
             assert batch.total.tolist() == want.tolist()
 
         t0 = time.perf_counter()
-        r.score_group(0, ["\\boxed{10^{10^{9}}}"], "#### 5")
+        # an expression reference: against a number the power is no value and scores 0 at
+        # once (answers are values); against x + 1 math-verify computes it (GIL held)
+        r.score_group(0, ["\\boxed{10^{10^{9}}}"], "$x + 1$")
         t_bomb = time.perf_counter() - t0
     n = len(groups)
     print(f"RESULT reward_blocking_loop_ms_per_group {1e3 * t_block / n:.2f} ms")

@@ -120,20 +120,24 @@ def test_dynamic_sampling_filter():
     np.testing.assert_array_equal(A.groups_with_signal(r), [False, True, False, True])
 
 
+def np_gae_contiguous(r, v, gamma, lam):
+    """Textbook GAE on one episode (Schulman et al. 2016, eq. 16): 1-D, every token valid."""
+    adv, last = np.zeros(len(r)), 0.0
+    for t in reversed(range(len(r))):
+        v_next = v[t + 1] if t + 1 < len(r) else 0.0
+        last = r[t] + gamma * v_next - v[t] + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
 def np_gae(r, v, m, gamma, lam):
-    b, t = r.shape
-    adv = np.zeros((b, t))
-    for i in range(b):
-        last = 0.0
-        for j in reversed(range(t)):
-            if not m[i, j]:
-                last = 0.0
-                continue
-            nv = v[i, j + 1] if j + 1 < t and m[i, j + 1] else 0.0
-            nm = 1.0 if j + 1 < t and m[i, j + 1] else 0.0
-            delta = r[i, j] + gamma * nv - v[i, j]
-            last = delta + gamma * lam * nm * last
-            adv[i, j] = last
+    """GAE over the sampled tokens: each row compressed to its valid tokens, the textbook
+    recursion on that sequence, the result scattered back (0 elsewhere)."""
+    r, v = np.asarray(r, np.float64), np.asarray(v, np.float64)
+    adv = np.zeros(r.shape)
+    for i in range(r.shape[0]):
+        idx = np.flatnonzero(m[i])
+        adv[i, idx] = np_gae_contiguous(r[i, idx], v[i, idx], gamma, lam)
     return adv, (adv + v) * m
 
 
@@ -148,6 +152,41 @@ def test_gae_matches_oracle():
     np.testing.assert_allclose(ret, want_ret, atol=1e-5)
 
 
+def test_gae_skips_environment_tokens_issue_44_example():
+    """One multi-turn row: mask 1 1 1 0 0 0 1 1 (three environment tokens between the turns),
+    reward 1 on the last token, gamma 1, lambda 0.95 (issue 44)."""
+    m = np.array([[1, 1, 1, 0, 0, 0, 1, 1]], bool)
+    v = np.array([[0.3, -0.2, 0.5, 7.0, -3.0, 2.0, 0.1, 0.4]], np.float32)   # env: ignored
+    r = A.terminal_rewards(np.array([1.0]), m)
+    adv, ret = A.gae(r, v, m, gamma=1.0, lam=0.95)
+    want_adv, want_ret = np_gae(np.asarray(r), v, m, 1.0, 0.95)
+    tol = sum_tol(8, scale=4.0)     # >= sum of |r| + |V| along the row
+    np.testing.assert_allclose(adv, want_adv, atol=tol)
+    np.testing.assert_allclose(ret, want_ret, atol=tol)
+    np.testing.assert_allclose(np.asarray(adv)[0, :3], [0.550, 1.105, 0.427], atol=5e-4)
+    np.testing.assert_allclose(np.asarray(adv)[0, 6:], [0.87, 0.6], atol=5e-4)
+    np.testing.assert_array_equal(np.asarray(adv)[0, 3:6], 0.0)
+    # the old recursion (episode ends at the first gap) gave [-0.286, 0.225, -0.5] here
+    assert not np.allclose(np.asarray(adv)[0, :3], [-0.286, 0.225, -0.5], atol=1e-2)
+
+
+def test_gae_over_random_gapped_masks_matches_the_compressed_oracle_under_jit():
+    import jax
+
+    rng = np.random.default_rng(3)
+    m = rng.random((6, 24)) < 0.6
+    m[0] = False                                   # a row without sampled tokens
+    m[1] = np.arange(24) < 10                      # contiguous (single-turn)
+    r = rng.normal(size=m.shape).astype(np.float32)
+    v = rng.normal(size=m.shape).astype(np.float32)
+    adv, ret = jax.jit(lambda r, v, m: A.gae(r, v, m, gamma=0.9, lam=0.8))(r, v, m)
+    want_adv, want_ret = np_gae(r, np.where(m, v, 0.0), m, 0.9, 0.8)
+    tol = sum_tol(24, scale=float(np.abs(r).max() + 2 * np.abs(v).max()))
+    np.testing.assert_allclose(adv, want_adv, atol=tol)
+    np.testing.assert_allclose(ret, want_ret, atol=tol)
+    np.testing.assert_array_equal(np.asarray(adv)[~m], 0.0)
+
+
 def test_gae_terminal_reward_monte_carlo():
     """gamma = lam = 1 with the reward on the last token: A_t = R - V_t."""
     m = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], bool)
@@ -157,3 +196,56 @@ def test_gae_terminal_reward_monte_carlo():
     adv, ret = A.gae(r, v, m, gamma=1.0, lam=1.0)
     np.testing.assert_allclose(adv, [[1.5, 1.0, 0.5, 0], [-1.25, 0, 0, 0]], atol=1e-6)
     np.testing.assert_allclose(ret, [[2, 2, 2, 0], [-1, 0, 0, 0]], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- failed samples
+
+def np_group_advantages_over(r, valid, estimator):
+    """Oracle: each group's formula run on its valid samples alone (the failed ones removed
+    from the group, advantage 0)."""
+    r = np.asarray(r, np.float64)
+    out = np.zeros_like(r)
+    for n in range(r.shape[0]):
+        idx = np.flatnonzero(valid[n])
+        if not idx.size:
+            continue
+        sub = r[n, idx][None]
+        if estimator == "grpo":
+            out[n, idx] = np_grpo(sub)[0] if idx.size >= 2 else 0.0
+        elif estimator == "rloo":
+            out[n, idx] = np_rloo(sub)[0] if idx.size >= 2 else 0.0
+        else:
+            out[n, idx] = sub[0] - sub[0].mean()
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+@pytest.mark.parametrize("xp", ["jnp", "np"])
+def test_failed_samples_have_no_weight_in_the_group_baseline(estimator, xp):
+    rng = np.random.default_rng(5)
+    r = rng.normal(size=(5, 4)).astype(np.float32)
+    valid = np.ones((5, 4), bool)
+    valid[0, 1] = False                         # one environment crash
+    valid[1, [0, 3]] = False                    # two
+    valid[2, 1:] = False                        # a lone survivor: no baseline, 0
+    valid[3, :] = False                         # every sample failed
+    r[~valid] = rng.normal(size=(~valid).sum()) * 100.0   # must not leak into the others
+    kw = dict(estimator=estimator, valid=valid)
+    got = A.group_advantages(r, **kw) if xp == "jnp" else A.group_advantages(r, xp=np, **kw)
+    want = np_group_advantages_over(r, valid, estimator)
+    np.testing.assert_allclose(got, want, atol=sum_tol(4, scale=4 * float(np.abs(r[valid]).max())))
+    assert (np.asarray(got)[~valid] == 0).all()
+    # all valid: the same advantages as without the argument
+    all_valid = A.group_advantages(r, estimator=estimator, valid=np.ones_like(valid))
+    np.testing.assert_allclose(all_valid, A.group_advantages(r, estimator=estimator),
+                               atol=sum_tol(4, 10.0))
+
+
+def test_equal_valid_rewards_give_exactly_zero_and_signal_ignores_failed():
+    r = np.array([[0.35, 0.0, 0.35, 0.35], [1.0, 0.0, 1.0, 1.0]], np.float32)
+    valid = np.array([[True, False, True, True], [True, True, True, True]])
+    adv = np.asarray(A.group_advantages(r, valid=valid))
+    assert (adv[0] == 0).all() and (adv[1] != 0).all()
+    np.testing.assert_array_equal(A.groups_with_signal(r, xp=np, valid=valid), [False, True])
+    np.testing.assert_array_equal(A.groups_with_signal(r, valid=valid), [False, True])
+    np.testing.assert_array_equal(A.groups_with_signal(r, xp=np), [True, True])

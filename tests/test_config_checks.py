@@ -409,3 +409,12 @@ def test_kv_cache_bytes_are_those_the_engine_allocates(dtype):
     cache = init_cache(DecoderConfig.from_model_config(
         cfg.model if dtype is None else replace(cfg.model, dtype=dtype)), 4, 8 + 24)
     assert kv_cache_bytes(cfg, m) == sum(x.nbytes for x in (*cache.k, *cache.v))
+
+
+def test_a_reasoning_parser_that_cannot_load_is_refused(no_programs, capsys):
+    """Issue 44.5: data.reasoning_parser 'module:function' is checked before programs start."""
+    (no_programs / "think.py").write_text("def split(text):\n    return ('', text)\n")
+    code, text = _train(["--data.reasoning-parser", "think.py:nope"], capsys)
+    assert code == 2 and "data.reasoning_parser" in text and "nope" in text, text
+    with pytest.raises(AssertionError, match="rlflow train started the programs"):
+        _train(["--data.reasoning-parser", "think.py:split"], capsys)

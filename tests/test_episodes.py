@@ -14,7 +14,7 @@ from rlflow.models.logprobs import token_logprobs
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.episodes import EpisodeDriver
 from rlflow.sampler.sampling import SamplingParams
-from tolerances import forward_atol
+from tolerances import forward_atol, sum_tol
 
 from sampler_fixtures import with_lm_head_swapped
 from test_batching import setup  # noqa: F401 - the module fixture
@@ -364,3 +364,69 @@ def test_messages_too_long_for_the_episode_end_it_truncated_without_rendering():
                                        r"returned 1041 characters of messages, more than "
                                        r"sampler.max_prefill_length tokens can hold"):
         long_reset.new_group({"prompt_id": 3}, 2)
+
+
+# ---------------------------------------------------------------- failure marks (issue 44.7)
+
+class CrashOnSecond:
+    """Episode k of a group ends on its first step with reward k / 4, except episode 1,
+    whose environment raises (an infrastructure failure)."""
+
+    made = 0
+
+    def __init__(self, record):
+        self.k = CrashOnSecond.made % G
+        CrashOnSecond.made += 1
+
+    def reset(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, assistant):
+        if self.k == 1:
+            raise ConnectionError("sandbox lost")
+        return EnvStep(done=True, reward=self.k / 4)
+
+
+register_environment("test_crash_second")(lambda record, **kw: CrashOnSecond(record))
+
+
+@pytest.mark.parametrize("mode", ["mask", "zero_reward"])
+def test_a_group_with_one_environment_crash(setup, mode):
+    """The crashed episode is marked failed in the record; with on_failed_sample="mask" it
+    has no loss position and no weight in the GRPO baseline (numpy oracle over the other
+    three); with "zero_reward" it trains as reward 0; batch/failed_samples counts it."""
+    from test_advantages import np_grpo
+
+    _, engine, w0, _ = setup
+    single = ContinuousBatcher(engine, params=w0).run([Request(0, PROMPT, G, SamplingParams(
+        temperature=1.0, max_tokens=16, seed=3, stop_token_ids=()))])[0]
+    eot = sorted({int(c.tokens[1]) for c in single.completions})  # every turn ends by token 2
+    CrashOnSecond.made = 0
+    driver = EpisodeDriver(EnvConfig(name="test_crash_second", max_turns=2,
+                                     max_consecutive_errors=0), FakeTokenizer(),
+                           FakeRenderer(eot))
+    prompt, group = driver.new_group({"prompt_id": 0}, G)
+    batcher = ContinuousBatcher(engine, params=w0, version=0, episodes=driver)
+    batcher.submit(Request(0, prompt, G, SamplingParams(
+        temperature=1.0, max_tokens=16, seed=3, stop_token_ids=tuple(eot)), episode=group))
+    out = []
+    while batcher.has_work:
+        out += batcher.step()
+    record = out[0].to_record()
+    validate_group(record, group_size=G, max_tokens=16)
+    assert record["failed"].tolist() == [False, True, False, False]
+    assert driver.metrics()["sampler/env_errors"] == 1
+    np.testing.assert_array_equal(record["rewards"], [0.0, 0.0, 0.5, 0.75])
+
+    spec = BatchSpec(group_size=G, num_rows=G, seq_buckets=(64,), max_tokens=16,
+                     on_failed_sample=mode)
+    batch, info = build_batch([record], spec, learner_version=0)
+    assert info["batch/failed_samples"] == 1
+    per_sample = np.array([batch.advantages[i][batch.loss_mask[i]].mean() for i in (0, 2, 3)])
+    if mode == "mask":
+        assert not batch.loss_mask[1].any() and info["batch/loss_samples"] == 3
+        want = np_grpo([[0.0, 0.5, 0.75]])[0]
+    else:
+        assert batch.loss_mask[1].any() and info["batch/loss_samples"] == 4
+        want = np_grpo([[0.0, 0.0, 0.5, 0.75]])[0][[0, 2, 3]]
+    np.testing.assert_allclose(per_sample, want, atol=sum_tol(G, scale=4.0))

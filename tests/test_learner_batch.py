@@ -320,3 +320,22 @@ def test_random_batch_matches_per_row_oracle():
     np.testing.assert_array_equal(batch.token_rewards, want["rew"])
     np.testing.assert_array_equal(batch.targets[:, :-1], want["tokens"][:, 1:])
     assert info["batch/loss_samples"] == keep.sum()
+
+
+def test_every_sample_failed_skips_the_step_as_all_failed():
+    """Issue 44.7: a step whose samples were all cut by failures (mask) trains nothing; the
+    skip names the reason."""
+    from rlflow.exchange.records import synthetic_group
+    from rlflow.learner.skips import explain, skip_reason
+
+    recs = [synthetic_group(np.random.default_rng(i), group_size=2, max_tokens=4)
+            for i in range(2)]
+    for r in recs:
+        r["failed"] = np.ones(2, bool)
+    spec = BatchSpec(group_size=2, num_rows=4, seq_buckets=(16,), max_tokens=4)
+    batch, info = build_batch(recs, spec, learner_version=0)
+    assert info["batch/failed_samples"] == 4 and not batch.loss_mask.any()
+    assert skip_reason(info) == "all_failed"
+    assert "learner.on_failed_sample='mask'" in explain("all_failed", ExperimentConfig())
+    _, kept = build_batch(recs, spec.replace(on_failed_sample="zero_reward"), learner_version=0)
+    assert kept["batch/loss_samples"] == 4 and kept["batch/failed_samples"] == 4

@@ -145,18 +145,40 @@ def test_build_batch_puts_the_shaped_reward_on_the_last_response_token():
     assert not batch.token_rewards[len(recs) * G:].any()
 
 
+def with_environment_tokens(records):
+    """Multi-turn episodes: completion tokens 1 and 2 of every completion of >= 4 tokens
+    become environment tokens (loss_mask 0, logprob 0, version -1) between two turns."""
+    for rec in records:
+        n = rec["completion_lengths"]
+        t = np.arange(rec["completion_tokens"].shape[1])[None, :]
+        env = (n[:, None] >= 4) & ((t == 1) | (t == 2))
+        rec["loss_mask"] = (t < n[:, None]) & ~env
+        rec["behaviour_logprobs"] = np.where(env, 0.0, rec["behaviour_logprobs"]).astype(
+            np.float32)
+        rec["policy_versions"] = np.where(env, -1, rec["policy_versions"]).astype(np.int32)
+    return records
+
+
 @pytest.mark.parametrize("case", [
     dict(whiten=False, gamma=0.9, lam=0.8, mode="token-mean", kl=False),
-    dict(whiten=True, gamma=1.0, lam=0.95, mode="seq-mean-token-mean", kl=True)])
+    dict(whiten=True, gamma=1.0, lam=0.95, mode="seq-mean-token-mean", kl=True),
+    dict(whiten=False, gamma=0.9, lam=0.8, mode="token-mean", kl=False, multi_turn=True)])
 def test_ppo_step_matches_numpy_oracle(case):
     """Through the pure step with SGD: loss, value metrics, and the updated value head and
-    policy against numpy GAE / whitening / value loss on the same forward's outputs."""
+    policy against numpy GAE / whitening / value loss on the same forward's outputs. Multi-turn
+    (issue 44.6): GAE runs over the sampled tokens only, across the environment's tokens."""
     model, _ = build_model(MODEL)
     graphdef, params = nnx.split(model, nnx.Param)
     vgraph, vparams = init_value_head(32, init_std=0.3, seed=1)
     vparams["bias"][...] = jnp.asarray([0.4])
     ref = jax.tree.map(lambda p: p + 0.05 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
-    batch, _ = build_batch(make_records(5, 2, reward_mean=1.0), SPEC, 0)
+    records = make_records(5, 2, reward_mean=1.0)
+    if case.get("multi_turn"):
+        records = with_environment_tokens(records)
+    batch, _ = build_batch(records, SPEC, 0)
+    if case.get("multi_turn"):         # some rows do have a gap inside their loss positions
+        spans = [np.flatnonzero(row) for row in batch.loss_mask if row.any()]
+        assert any(s[-1] - s[0] + 1 > len(s) for s in spans)
     jb = TrainBatch(*(None if x is None else jnp.asarray(x) for x in batch))
     kl_coef, vcoef, lr = 0.2, 0.5, 0.1
     s = StepSettings(loss_agg=case["mode"], norm_len=T, is_cap=0.0, gae=True,

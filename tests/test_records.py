@@ -213,3 +213,21 @@ def test_completion_samples_decode_each_completion_with_its_oldest_version():
          "truncated": False},
         {"prompt": "5 6|", "completion": "4 9 9 9", "reward": -1.0, "version": -1,
          "prompt_id": 7, "truncated": True}]
+    g["failed"] = np.array([False, True])                      # record version 2
+    assert [s["failed"] for s in records.completion_samples([g], Tok())] == [False, True]
+
+
+def test_failed_marks_are_optional_bool_per_completion_and_travel():
+    """Record version 2: an optional ``failed`` bool [G]; a version-1 record (without it) still
+    validates, and the mark survives both framings."""
+    g = group(group_size=3, max_tokens=7, prompt_len=5)
+    records.validate_group(g)                                   # version 1: no field
+    g["failed"] = np.array([False, True, False])
+    assert records.validate_group(g)["G"] == 3
+    assert_same(records.decode_bytes(records.encode_bytes(g)), g)
+    assert_same(records.decode_frames(records.encode_frames(g)), g)
+    with pytest.raises(RecordError, match=r"field 'failed': expected dtype bool"):
+        records.validate_group(dict(g, failed=np.array([0, 1, 0], np.int32)))
+    with pytest.raises(RecordError, match=r"field 'failed': expected shape \[G\] with P=5, "
+                       r"G=3, T=7, got shape \[2\]"):
+        records.validate_group(dict(g, failed=np.zeros(2, bool)))

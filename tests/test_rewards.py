@@ -485,16 +485,20 @@ def _finishes(fn, limit_s=300.0):
 
 def test_gil_holding_reward_is_killed_at_the_timeout_and_counted(caplog):
     """``\\boxed{10^{10^{9}}}`` makes math-verify compute a 3e9-bit integer power, which holds
-    the GIL: a thread timeout never got control back. The worker is killed: reward 0, a
-    timeout with the sample id, and the replacement worker scores the next group."""
+    the GIL when compared with an expression reference: a thread timeout never got control
+    back. The worker is killed: reward 0, a timeout with the sample id, and the replacement
+    worker scores the next group. Against a numeric reference the power is not a value
+    (answers are values), so it scores 0 without being computed."""
     r = rewarder("math_verify", timeout_s=2.0)
     with caplog.at_level(logging.WARNING, logger="rlflow.data.rewards"):
-        out = _finishes(lambda: r.score_group(4, ["\\boxed{10^{10^{9}}}", "\\boxed{5}"],
-                                              "#### 5"))
+        out = _finishes(lambda: r.score_group(4, ["\\boxed{10^{10^{9}}}", "\\boxed{1 + x}"],
+                                              "$x + 1$"))
     assert out.tolist() == [0.0, 1.0]
     assert r.failures["math_verify"] == {"errors": 0, "timeouts": 1}
     assert "ran past 2.0 s on sample prompt 4 sample 0" in caplog.text
     assert r.score_group(5, ["#### 5"], "#### 5").tolist() == [1.0]
+    assert r.score_group(6, ["\\boxed{10^{10^{9}}}"], "#### 5").tolist() == [0.0]
+    assert r.failures["math_verify"] == {"errors": 0, "timeouts": 1}
 
 
 def test_allocation_past_the_memory_limit_is_a_counted_error(caplog):
@@ -572,7 +576,8 @@ CHAT_COMPLETIONS = [
 
 @pytest.mark.parametrize("completion, answer, want", CHAT_COMPLETIONS)
 def test_math_format_agrees_with_the_answer_math_verify_checks(completion, answer, want):
-    """One rule: math_format is 1 exactly when rule 1 or 2 finds a stated answer, and then
+    """One rule: math_format is 1 exactly when rule 1 or 2 finds a stated answer (a value here:
+    every reference is a number), and then
     math_verify scores that answer (a stand-alone completion of it scores the same)."""
     from rlflow.data.rewards import stated_answer
 
@@ -603,3 +608,117 @@ def test_completion_answer_text_rule(completion, want):
     from rlflow.data.rewards import completion_answer_text
 
     assert completion_answer_text(completion) == want
+
+
+# ---------------------------------------------------------------- answers are values (issue 44.4)
+
+# Realistic completions against numeric references: an answer with an operation left in it is
+# not an answer (it would let a policy score by restating the question); the last value stated
+# is. Expected rewards worked out by reading each line.
+VALUE_ANSWERS = [
+    # restatements of the question (what SmolLM2 learned to write in issue 44)
+    ("71 + 60, that's a easy one.", "#### 131", 0.0),
+    ("27 + 33", "#### 60", 0.0),
+    ("The sum is 27 + 33.", "#### 60", 0.0),
+    ("\\boxed{27+33}", "#### 60", 0.0),
+    ("$\\boxed{27 + 33}$", "#### 60", 0.0),
+    ("#### 27 + 33", "#### 60", 0.0),
+    ("#### 71 + 60", "#### 131", 0.0),
+    ("We need 30 \\times 2, so \\boxed{30 \\times 2}", "#### 60", 0.0),
+    ("\\boxed{2*30}", "#### 60", 0.0),
+    ("\\boxed{\\frac{1}{2} + \\frac{1}{4}}", "0.75", 0.0),
+    ("\\boxed{2^3}", "#### 8", 0.0),
+    # chains and statements: the last value stated is the answer
+    ("27 + 33 = 60", "#### 60", 1.0),
+    ("27 + 33 = 61", "#### 60", 0.0),
+    ("71 + 60 = 131, that's a easy one.", "#### 131", 1.0),
+    ("The answer is 60.", "#### 60", 1.0),
+    ("60", "#### 60", 1.0),
+    ("#### 60", "#### 60", 1.0),
+    ("\\boxed{60}", "#### 60", 1.0),
+    ("So $27 + 33 = \\boxed{60}$.", "#### 60", 1.0),
+    # math-verify's equivalence between values still applies
+    ("The answer is 60.0", "#### 60", 1.0),
+    ("She pays $60", "#### 60", 1.0),
+    ("#### 6e1", "#### 60", 1.0),
+    ("#### 1.5e3", "#### 1500", 1.0),
+    ("#### 60%", "#### 60", 1.0),
+    ("#### 1,000", "#### 1000", 1.0),
+    ("\\boxed{1{,}000}", "#### 1000", 1.0),
+    # negative numbers and decimals
+    ("The temperature drops to -5 degrees.", "#### -5", 1.0),
+    ("#### -5", "#### 5", 0.0),
+    ("\\boxed{-3 + -2}", "#### -5", 0.0),
+    ("Each costs 2.5 dollars.", "#### 2.5", 1.0),
+    ("\\boxed{0.75}", "#### 0.75", 1.0),
+    # fractions where the reference is a fraction
+    ("\\boxed{\\frac{3}{4}}", "\\frac{3}{4}", 1.0),
+    ("#### 3/4", "\\frac{3}{4}", 1.0),
+    ("#### -3/4", "-\\frac{3}{4}", 1.0),
+    ("\\boxed{0.75}", "3/4", 1.0),
+    ("\\boxed{\\frac{6}{8}}", "3/4", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "3/4", 0.0),
+    ("\\boxed{3\\frac{1}{2}}", "#### 3.5", 1.0),
+]
+
+
+@pytest.mark.parametrize("completion, answer, want", VALUE_ANSWERS)
+def test_numeric_references_are_only_equalled_by_values(completion, answer, want):
+    assert math_verify_reward(completion, answer) == want
+
+
+@pytest.mark.parametrize("completion, answer, want", [
+    ("\\boxed{27+33}", "#### 60", 0.0),        # stated, but not a value
+    ("#### 71 + 60", "#### 131", 0.0),
+    ("\\boxed{60}", "#### 60", 1.0),
+    ("#### 59", "#### 60", 1.0),               # a stated value: the format is right
+    ("\\boxed{x + 1}", "$x + 1$", 1.0),        # a non-numeric reference: any stated answer
+])
+def test_math_format_needs_a_value_for_a_numeric_reference(completion, answer, want):
+    assert math_format_reward(completion, answer) == want
+
+
+def test_expression_references_keep_math_verify_equivalence():
+    assert math_verify_reward("\\boxed{1 + x}", "$x + 1$") == 1.0
+    assert math_verify_reward("\\boxed{\\sqrt{4 \\cdot 2}}", "$2\\sqrt{2}$") == 1.0
+
+
+@pytest.mark.parametrize("text, want", [
+    ("60", True), ("-5", True), ("60.0", True), ("\\frac{3}{4}", True), ("3/4", True),
+    ("-3/4", True), ("60%", True), ("1,000", True),
+    ("27 + 33", False), ("2*30", False), ("1/2 + 1/4", False), ("2^3", False),
+    ("\\sqrt{2}", False), ("x", False), ("3/x", False),
+])
+def test_is_value_on_math_verify_parses(text, want):
+    from rlflow.data.answer_values import is_value
+    from rlflow.data.rewards import _parse
+
+    parsed = _parse(f"${text}$")
+    assert parsed, text
+    assert is_value(parsed[0]) is want
+
+
+def test_plain_numbers_rewrites_scientific_notation_only():
+    from rlflow.data.answer_values import plain_numbers
+
+    assert plain_numbers("6e1 and 2.5E-3, not x2e3 or 1.2.3e4") == \
+        "60 and 0.0025, not x2e3 or 1.2.3e4"
+
+
+@pytest.mark.parametrize("num_workers", [1, 0])
+def test_samples_a_function_raised_or_timed_out_on_are_marked_failed(num_workers):
+    """A reward failure is not a grade: RewardBatch.failed marks the sample (the group
+    record's ``failed``); a NaN is a bad reward (on_bad_reward), not a failure."""
+    r = rewarder("test_length", "test_raises_on_b", weights=(1.0, 1.0), num_workers=num_workers)
+    out = r.score(["aa", "b", "ccc"], ["x"] * 3, ["s0", "s1", "s2"])
+    np.testing.assert_array_equal(out.failed, [False, True, False])
+    np.testing.assert_array_equal(out.total, [4.0, 1.0, 6.0])
+    hang = rewarder("test_hangs", timeout_s=0.2, num_workers=num_workers)
+    assert hang.score(["abcd"], ["x"], ["s"]).failed.tolist() == [True]
+
+
+@register_reward("test_raises_on_b")
+def _raises_on_b(completion, answer):
+    if completion == "b":
+        raise ValueError("b is bad")
+    return float(len(completion))

@@ -214,3 +214,27 @@ def test_a_prompt_the_batcher_refuses_is_retried_then_stops_the_sampler(failures
                                                r"times: prompt of 3 tokens is longer"):
             p._submit(element)
         assert calls == [7] * (MAX_PROMPT_RETRIES + 1) and p.delivery.in_flight == {}
+
+
+def test_a_reward_error_marks_the_sample_failed_in_the_delivered_record(tmp_path):
+    """Issue 44.7: a reward function that raises on one sample scores it 0 *and* marks it
+    failed in the group record; groups without a failure carry no ``failed`` field."""
+    path = tmp_path / "flaky_rewards.py"
+    path.write_text(textwrap.dedent("""
+        def raise_on_bad(completion, answer):
+            if completion == "bad":
+                raise RuntimeError("scorer crashed")
+            return float(len(completion))
+    """))
+    cfg = RewardConfig(functions=(f"{path}:raise_on_bad",), weights=(1.0,), num_workers=0)
+    d = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg), RateWindow())
+    try:
+        _admit(d, [_group(0, ["ok", "bad", "okay"]), _group(1, ["a", "bb", "ccc"])])
+        _drain(d)
+        first, second = d.buffer.records
+        assert first["failed"].tolist() == [False, True, False]
+        np.testing.assert_array_equal(first["rewards"], [2.0, 0.0, 4.0])
+        assert "failed" not in second
+        assert d.metrics()["sampler/reward_failed_samples"] == 1.0
+    finally:
+        d.close()

@@ -27,6 +27,10 @@ class DataConfig:
       shuffle_seed: seed of the deterministic shuffle.
       num_epochs: passes over the dataset (0: unlimited).
       on_bad_record: "error" stops with file and line; "skip" skips and counts.
+      reasoning_parser: how a thinking model's completion splits into reasoning and answer
+        (rewards and tool calls read the answer only; reasoning that never closed is graded
+        0; :mod:`rlflow.data.reasoning`): "none", "qwen3" (``<think>...</think>``), "auto"
+        ("qwen3" for a Qwen3 model, else "none") or a "package.module:function" plug-in.
     """
 
     source: Literal["builtin", "jsonl", "parquet", "arrayrecord"] = "builtin"
@@ -40,6 +44,7 @@ class DataConfig:
     shuffle_seed: int = 0
     num_epochs: int = 0
     on_bad_record: Literal["error", "skip"] = "error"
+    reasoning_parser: str = "auto"
 
     def __post_init__(self):
         _finite_floats(self, "data")
@@ -52,6 +57,9 @@ class DataConfig:
         _check(self.num_epochs >= 0, "data.num_epochs", f"must be >= 0, got {self.num_epochs}")
         _check("{prompt}" in self.plain_template, "data.plain_template",
                "must contain '{prompt}'")
+        _check(self.reasoning_parser in ("none", "qwen3", "auto") or ":" in self.reasoning_parser,
+               "data.reasoning_parser", f"must be 'none', 'qwen3', 'auto' or "
+               f"'package.module:function', got {self.reasoning_parser!r}")
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,11 @@ class LearnerConfig:
         ``overlong_buffer`` tokens of ``sampler.max_tokens`` (0 off), scaled by the penalty.
       zero_truncated_rewards: reward 0 for completions cut by ``max_tokens``.
       on_bad_reward: a NaN/inf reward "error"s (naming the sample) or is "drop"ped (counted).
+      on_failed_sample: a sample the record marks ``failed`` (cut by an environment error or
+        timeout, or a reward function's error or timeout: an infrastructure failure, not the
+        policy's) leaves the loss and its group's baseline ("mask": the group's advantages
+        are those of the other samples alone) or trains as a reward-0 sample
+        ("zero_reward", as before failure marks existed). Counted: ``batch/failed_samples``.
       seq_buckets: padded training lengths (prompt + completion); the step compiles once per
         bucket used. Empty: one bucket of ``sampler.max_prefill_length + sampler.max_tokens``.
       gae_lambda / gae_gamma: GAE lambda and discount over response tokens, in [0, 1]
@@ -213,6 +218,7 @@ class LearnerConfig:
     overlong_penalty: float = 1.0
     zero_truncated_rewards: bool = False
     on_bad_reward: Literal["error", "drop"] = "error"
+    on_failed_sample: Literal["mask", "zero_reward"] = "mask"
     seq_buckets: Tuple[int, ...] = ()
     gae_lambda: float = 0.95
     gae_gamma: float = 1.0
@@ -268,6 +274,7 @@ class LearnerConfig:
                "must not be True with learner.advantage='drgrpo' (Dr. GRPO has no std scaling)")
         _one_of(self.off_policy, ("decoupled", "behaviour"), "learner.off_policy")
         _one_of(self.on_bad_reward, ("error", "drop"), "learner.on_bad_reward")
+        _one_of(self.on_failed_sample, ("mask", "zero_reward"), "learner.on_failed_sample")
         _check(self.is_floor >= 0 and (self.is_cap == 0 or self.is_floor <= self.is_cap),
                "learner.is_floor", f"must be in [0, learner.is_cap], got {self.is_floor}")
         _check(0 <= self.is_window_low <= 1, "learner.is_window_low",

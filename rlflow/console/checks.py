@@ -30,7 +30,7 @@ def check_runnable(cfg: ExperimentConfig) -> None:
 
     Raises:
       ConfigError: the message names the field (``plugins``, ``reward.functions``,
-        ``env.name``, ``env.options``, ``data.max_prompt_tokens`` (above
+        ``data.reasoning_parser``, ``env.name``, ``env.options``, ``data.max_prompt_tokens`` (above
         ``sampler.max_prefill_length`` with ``sampler.on_long_prompt='error'``),
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
         ``runtime.transfer_layout``, ``sampler.max_tokens`` (a KV cache larger than this
@@ -41,6 +41,7 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_weight_layout(cfg)
     _check_plugins(cfg)
     _check_rewards(cfg)
+    _check_reasoning_parser(cfg)
     _check_env(cfg)
     _check_data(cfg)
     _check_model(cfg)
@@ -200,6 +201,16 @@ def _check_rewards(cfg) -> None:
                 f"or __main__), which the sampler program and the reward workers never "
                 f"import; move it into a module and list that module in `plugins`, or name "
                 f"it 'package.module:function'")
+
+
+def _check_reasoning_parser(cfg) -> None:
+    """A ``module:function`` reasoning parser must load here (as in every program)."""
+    from rlflow.data.reasoning import get_reasoning_parser
+
+    try:
+        get_reasoning_parser(cfg.data.reasoning_parser)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_reward_signature(name: str, fn) -> None:

@@ -81,11 +81,14 @@ class RewardBatch:
       nonfinite: one message per (function, sample) that returned NaN, infinity or a value
         not finite in float32 (e.g. 1e300), and per sample whose weighted total is not
         finite in float32, naming both; empty when every reward is finite.
+      failed: bool ``[N]``: a function raised, returned a non-number or timed out on the
+        sample (its 0 is not a grade); the group record's ``failed`` field. None: none.
     """
 
     total: np.ndarray
     components: Dict[str, np.ndarray]
     nonfinite: Tuple[str, ...] = ()
+    failed: Optional[np.ndarray] = None
 
 
 class _Job:
@@ -95,6 +98,7 @@ class _Job:
         self.remaining = num_functions * len(sample_ids)
         self.nonfinite: List[str] = []
         self.bad: set = set()             # samples with a non-finite component or total
+        self.failed = np.zeros(len(sample_ids), bool)   # a function raised or timed out
 
 
 def finite_float32(value: float) -> bool:
@@ -305,9 +309,11 @@ class Rewarder:
                                                        if math.isfinite(value) else ""))
                 self._failed_again(name, sample_id, f"returned {value}")
         elif status == "timeout":
+            job.failed[i] = True
             self._failed(name, "timeouts", sample_id, str(value))
             self._failed_again(name, sample_id, f"timed out: {value}")
         else:
+            job.failed[i] = True
             self._failed(name, "errors", sample_id, f"raised {value}")
             self._failed_again(name, sample_id, value)
 
@@ -338,7 +344,7 @@ class Rewarder:
                     f"(reward.weights {list(self.weights)}) is not finite in float32")
         return RewardBatch(total=total32,
                            components=components,
-                           nonfinite=tuple(job.nonfinite))
+                           nonfinite=tuple(job.nonfinite), failed=job.failed)
 
     def _failed(self, name: str, kind: str, sample_id, what: str) -> None:
         self.failures[name][kind] += 1

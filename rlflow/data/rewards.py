@@ -22,9 +22,14 @@ not finish: it stated no final answer, so 0.0; ``digits_match`` pays no stopping
     math-verify (Kydlicek et al., HF Math-Verify), else 0.0. The reference may be a GSM8K
     answer (text ending ``#### <number>``: the number is taken) or a bare expression. The
     completion's final answer is found by :func:`completion_answer_text` (rule below).
+    **Answers are values**: when the reference is a number, the final answer must be a
+    number too; one with an operation left in it (``27 + 33``, ``\\boxed{27+33}``,
+    ``#### 71 + 60``, a restated question) scores 0, the rule and its reasons in
+    :mod:`rlflow.data.answer_values`.
   * ``math_format``: 1.0 when the completion states a final answer by rule 1 or 2 below
     (``\\boxed{...}`` or a value-like ``#### <answer>``; :func:`stated_answer`, the answer
-    ``math_verify`` then checks), else 0.0.
+    ``math_verify`` then checks) and, when the reference is a number, that answer is a
+    value too (``\\boxed{27+33}`` is no answer to ``#### 60``); else 0.0.
   * ``exact_match``: 1.0 when completion and answer are equal after stripping whitespace.
   * ``digits_match``: the built-in demo task's reward (``rlflow.data.tasks``).
 
@@ -54,6 +59,8 @@ import re
 from typing import Callable, Dict, Sequence
 
 from rlflow.runtime import plugins as plugins_lib
+from rlflow.data import answer_values
+from rlflow.data.answer_values import plain_numbers
 from rlflow.data.tasks import digits_match
 
 logger = logging.getLogger(__name__)
@@ -183,7 +190,7 @@ def available_rewards() -> list:
 def warm_up(names: Sequence[str]) -> None:
     """Do the slow first-call work of the built-in functions among ``names`` (math-verify's
     imports of sympy/latex2sympy and its first parse), outside any timed call."""
-    if "math_verify" in names:
+    if "math_verify" in names or "math_format" in names:
         math_verify_reward("\\boxed{1}", "#### 1")
 
 
@@ -248,7 +255,13 @@ def marked_answer(completion: str):
 def stated_answer(completion: str):
     """The answer a completion states (rules 1 and 2 of the module docstring): the last
     ``\\boxed{...}`` as ``$...$``, else the last value-like ``#### <answer>``; None when it
-    states none. ``math_format`` scores whether there is one, ``math_verify`` checks it."""
+    states none. ``math_format`` scores whether there is one, ``math_verify`` checks it.
+
+    Answers are values: this is the *text* stated; whether it counts as an answer to a
+    numeric reference is decided after math-verify parses it (:func:`graded_answers`): a
+    stated ``27 + 33`` (boxed or after ``####``) is found here but is not a value, so it
+    scores 0 against ``#### 60``, while ``60``, ``60.0``, ``$60``, ``1,000``, ``6e1`` and
+    ``60%`` are values (the rule: :mod:`rlflow.data.answer_values`)."""
     boxed = last_boxed(completion)
     if boxed is not None:
         return f"${boxed}$"
@@ -282,27 +295,46 @@ def _math_verify():
 
 
 def _parse(text: str):
-    return _math_verify().parse(text, parsing_timeout=None)
+    return _math_verify().parse(plain_numbers(text), parsing_timeout=None)
 
 
-@register_reward("math_verify")
-def math_verify_reward(completion: str, answer: str, finish_reason: str = "stop") -> float:
-    """1.0 if the completion's final answer (:func:`completion_answer_text`) equals the
-    reference (math-verify), else 0.0; 0.0 for a completion cut at ``max_tokens``
-    (``finish_reason="length"``): it never stated its final answer (the last number so far
-    is not one).
+def reference_answers(answer: str) -> list:
+    """math-verify's parse of a reference answer (:func:`final_answer_text` of it).
 
     Raises:
-      ValueError: the reference answer cannot be parsed (a data problem; the Rewarder
-        counts it and logs the sample id).
+      ValueError: the reference cannot be parsed (names it).
     """
     ref = final_answer_text(answer)
     gold = _parse(ref) or _parse(f"${ref}$")
     if not gold:
         raise ValueError(f"cannot parse the reference answer {answer!r}")
+    return gold
+
+
+def graded_answers(text: str, gold: list) -> list:
+    """math-verify's parse of a completion's answer ``text``, restricted to values when the
+    reference ``gold`` is a value (answers are values, :mod:`rlflow.data.answer_values`);
+    ``[]``: nothing to grade (scores 0)."""
+    pred = _parse(text)
+    return answer_values.values(pred) if answer_values.values(gold) else pred
+
+
+@register_reward("math_verify")
+def math_verify_reward(completion: str, answer: str, finish_reason: str = "stop") -> float:
+    """1.0 if the completion's final answer (:func:`completion_answer_text`) equals the
+    reference (math-verify), else 0.0; a numeric reference is only equalled by a value
+    (:func:`graded_answers`: ``71 + 60`` scores 0 against 131); 0.0 for a completion cut at
+    ``max_tokens`` (``finish_reason="length"``): it never stated its final answer (the last
+    number so far is not one).
+
+    Raises:
+      ValueError: the reference answer cannot be parsed (a data problem; the Rewarder
+        counts it and logs the sample id).
+    """
+    gold = reference_answers(answer)
     if finish_reason == "length":
         return 0.0
-    pred = _parse(completion_answer_text(completion))
+    pred = graded_answers(completion_answer_text(completion), gold)
     if not pred:
         return 0.0
     return float(_math_verify().verify(gold, pred, timeout_seconds=None))
@@ -312,9 +344,18 @@ def math_verify_reward(completion: str, answer: str, finish_reason: str = "stop"
 def math_format_reward(completion: str, answer: str, finish_reason: str = "stop") -> float:
     """1.0 if the completion states a final answer as a non-empty ``\\boxed{...}`` or a
     value-like ``#### <answer>`` line (rules 1 and 2 of the module docstring; a markdown
-    heading such as ``#### Step 2`` is not an answer) and ended with a stop token, else 0.0
-    (a completion cut at ``max_tokens`` is not well formed, whatever it wrote before)."""
-    return float(finish_reason != "length" and stated_answer(completion) is not None)
+    heading such as ``#### Step 2`` is not an answer), ended with a stop token (a completion
+    cut at ``max_tokens`` is not well formed, whatever it wrote before) and, when the
+    reference is a number, the stated answer is a value (``\\boxed{27+33}`` is no answer to
+    ``#### 60``), else 0.0. A reference math-verify cannot parse leaves the value check alone."""
+    stated = stated_answer(completion)
+    if finish_reason == "length" or stated is None:
+        return 0.0
+    try:
+        gold = reference_answers(answer)
+    except ValueError:
+        return 1.0
+    return float(bool(graded_answers(stated, gold)))
 
 
 @register_reward("exact_match")

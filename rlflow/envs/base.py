@@ -74,7 +74,11 @@ class Environment(Protocol):
     ``reset() -> list[Message]``: the first messages (system / user), rendered with the
     chat template and the generation prompt as the episode's prompt.
     ``step(assistant: str) -> EnvStep``: the policy's last assistant message (decoded text,
-    end-of-turn token removed) -> the environment's answer.
+    end-of-turn token removed) -> the environment's answer. For a thinking model
+    (``data.reasoning_parser``, :mod:`rlflow.data.reasoning`) the message is its answer part
+    only, the text after ``</think>``: a tool call drafted while thinking never reaches the
+    environment, and a turn whose reasoning never closed ends the episode (reward 0) without
+    a ``step``.
 
     Optional attribute ``tools``: a list of JSON-schema tool descriptions passed to the chat
     template as ``tools=`` for the whole episode (Qwen-style templates render them in the

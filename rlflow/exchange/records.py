@@ -20,7 +20,16 @@ loss_mask             bool     [G, T]    optional (multi-turn episodes): 1 exact
                                          the policy sampled; 0 on environment tokens (tool
                                          results, user turns, template scaffolding), which carry
                                          behaviour logprob 0 and policy version -1
+failed                bool     [G]       optional (record version 2): 1 on a completion cut by
+                                         an infrastructure failure (an environment error or
+                                         timeout, a reward function error or timeout), not by
+                                         the policy; present only when one is set
 ====================  =======  ========  ===============================================
+
+``failed`` marks samples whose reward says nothing about the policy: the learner leaves them
+out of the loss and out of their group's baseline (``learner.on_failed_sample="mask"``) or
+trains on them with reward 0 (``"zero_reward"``). A record without it (version 1, or no
+failure) has none failed; G bytes travel only when a sample failed.
 
 A multi-turn episode is one completion row: the sampled turns and the environment's tokens
 between them, in order, right after the prompt; ``completion_lengths`` counts both kinds.
@@ -76,6 +85,7 @@ OPTIONAL_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
     "stream_index": ("int64", ()),
     "lease_id": ("int64", ()),
     "loss_mask": ("bool", ("G", "T")),
+    "failed": ("bool", ("G",)),
 }
 
 
@@ -209,12 +219,20 @@ def policy_version_range(group: Mapping[str, np.ndarray]) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- framing
 
 
-def completion_samples(groups: Sequence[Mapping[str, np.ndarray]], tokenizer) -> list[dict]:
+def completion_samples(groups: Sequence[Mapping[str, np.ndarray]], tokenizer,
+                       reasoning=None) -> list[dict]:
     """One dict per completion of ``groups``, for the samples log
     (:meth:`rlflow.run.metrics.MetricsWriter.log_samples`): ``prompt`` and ``completion`` (text,
     ``tokenizer.decode``; special tokens dropped from the completion), ``reward`` (float),
     ``version`` (the oldest policy version that sampled a token of it; -1 when none did),
-    ``prompt_id`` (int) and ``truncated`` (bool)."""
+    ``prompt_id`` (int), ``truncated`` (bool) and, for records that carry it, ``failed``
+    (bool: an environment or reward failure). With ``reasoning`` (a thinking model's parser,
+    :func:`rlflow.data.reasoning.get_reasoning_parser`, other than "none") also ``reasoning``
+    and ``answer`` (the graded part; "" when the reasoning never closed)."""
+    from rlflow.data.reasoning import split_none
+
+    if reasoning is split_none:
+        reasoning = None
     out = []
     for g in groups:
         prompt = tokenizer.decode(g["prompt_tokens"].tolist())
@@ -223,12 +241,18 @@ def completion_samples(groups: Sequence[Mapping[str, np.ndarray]], tokenizer) ->
             toks = g["completion_tokens"][i, :n].tolist()
             versions = g["policy_versions"][i, :n]
             versions = versions[versions >= 0]          # env tokens of episodes: -1
+            text = tokenizer.decode(toks, skip_special_tokens=True)
+            parts = {}
+            if reasoning is not None:
+                split = reasoning(text)
+                parts = {"reasoning": split.reasoning, "answer": split.answer}
             out.append({"prompt": prompt,
-                        "completion": tokenizer.decode(toks, skip_special_tokens=True),
+                        "completion": text, **parts,
                         "reward": float(g["rewards"][i]),
                         "version": int(versions.min()) if versions.size else -1,
                         "prompt_id": int(g["prompt_id"]),
-                        "truncated": bool(g["truncated"][i])})
+                        "truncated": bool(g["truncated"][i]),
+                        **({"failed": bool(g["failed"][i])} if "failed" in g else {})})
     return out
 
 

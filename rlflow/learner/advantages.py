@@ -27,7 +27,7 @@ Estimator = Literal["grpo", "drgrpo", "rloo"]
 
 
 def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bool | None = None,
-                     std_floor: float = 1e-6, xp=jnp) -> jax.Array:
+                     std_floor: float = 1e-6, xp=jnp, valid=None) -> jax.Array:
     """Per-sample advantages from the rewards of each group (one prompt's G completions).
 
     With deviations ``d_i = r_i - mean(r)`` and the unbiased group std
@@ -47,9 +47,15 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
       scale_by_std: divide by ``s + std_floor`` (None: estimator's default).
       std_floor: added to the std before dividing (> 0 keeps zero-variance groups finite).
       xp: array namespace, ``jax.numpy`` (default) or ``numpy`` (host path, numpy result).
+      valid: ``[N, G]`` bool, or None (all valid): the samples that form their group's
+        baseline. The others (failed samples, ``learner.on_failed_sample="mask"``) get
+        advantage 0 and no weight: every formula above runs over the ``G_n`` valid samples
+        of group ``n`` alone (``G_n`` in place of ``G``); a group with fewer than 2 valid
+        samples gets 0 wherever a formula needs 2 (RLOO, std scaling).
 
     Returns:
-      ``[N, G]`` float32 advantages; exactly 0 for a group whose rewards are all equal.
+      ``[N, G]`` float32 advantages; exactly 0 for a group whose (valid) rewards are all
+      equal, and where ``valid`` is False.
 
     Raises:
       ValueError: rewards not 2-D, unknown estimator, G < 2 where the estimator needs it,
@@ -69,6 +75,9 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
         raise ValueError(f"estimator {estimator!r} (std scaling={scale_by_std}) needs group_size "
                          f">= 2, got {g}")
     _check_finite(r, xp)
+    if valid is not None:
+        return _valid_group_advantages(r, xp.asarray(valid, bool), estimator, scale_by_std,
+                                       std_floor, xp)
     shifted = r - r[:, :1]
     dev = shifted - xp.mean(shifted, axis=1, keepdims=True)
     adv = dev * xp.float32(g / (g - 1)) if estimator == "rloo" else dev
@@ -76,6 +85,24 @@ def group_advantages(rewards, *, estimator: Estimator = "grpo", scale_by_std: bo
         std = xp.sqrt(xp.sum(dev * dev, axis=1, keepdims=True) / xp.float32(g - 1))
         adv = adv / (std + xp.float32(std_floor))
     return adv
+
+
+def _valid_group_advantages(r, valid, estimator, scale_by_std, std_floor, xp):
+    """:func:`group_advantages` over the valid samples of each group (``valid [N, G]``)."""
+    if valid.shape != r.shape:
+        raise ValueError(f"valid {valid.shape} and rewards {r.shape} differ in shape")
+    k = xp.sum(valid, axis=1, keepdims=True).astype(xp.float32)          # G_n
+    first = xp.take_along_axis(r, xp.argmax(valid, axis=1)[:, None], axis=1)
+    shifted = xp.where(valid, r - first, xp.float32(0.0))  # by a valid reward: exact zeros
+    mean = xp.sum(shifted, axis=1, keepdims=True) / xp.maximum(k, xp.float32(1.0))
+    dev = xp.where(valid, shifted - mean, xp.float32(0.0))
+    two = k >= 2
+    km1 = xp.maximum(k - 1, xp.float32(1.0))
+    adv = xp.where(two, dev * (k / km1), xp.float32(0.0)) if estimator == "rloo" else dev
+    if scale_by_std:
+        std = xp.sqrt(xp.sum(dev * dev, axis=1, keepdims=True) / km1)
+        adv = xp.where(two, adv / (std + xp.float32(std_floor)), xp.float32(0.0))
+    return xp.where(valid, adv, xp.float32(0.0))
 
 
 def flat_group_advantages(rewards, group_size: int, **kwargs) -> jax.Array:
@@ -144,54 +171,76 @@ def overlong_penalty(lengths, *, max_tokens: int, buffer: int, factor: float = 1
     return xp.float32(factor) * pen
 
 
-def groups_with_signal(rewards, *, xp=jnp) -> jax.Array:
+def groups_with_signal(rewards, *, xp=jnp, valid=None) -> jax.Array:
     """DAPO dynamic sampling filter (Yu et al. 2025, sec. 3.2): keep groups whose rewards differ.
 
     Args:
       rewards: ``[N, G]`` rewards.
       xp: ``jax.numpy`` (default) or ``numpy`` (host path).
+      valid: ``[N, G]`` bool or None (all): only these rewards are compared (failed samples
+        left out of the baseline, :func:`group_advantages`).
 
     Returns:
-      ``[N]`` bool, False for groups with zero reward variance (exact comparison: all equal).
+      ``[N]`` bool, False for groups with zero reward variance (exact comparison: all equal)
+      among their valid samples.
     """
     r = xp.asarray(rewards, xp.float32)
-    return xp.max(r, axis=1) > xp.min(r, axis=1)
+    if valid is None:
+        return xp.max(r, axis=1) > xp.min(r, axis=1)
+    valid = xp.asarray(valid, bool)
+    return xp.max(xp.where(valid, r, -xp.inf), axis=1) > xp.min(xp.where(valid, r, xp.inf),
+                                                                axis=1)
 
 
 def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over response tokens.
+    """Generalised advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous
+    Control Using Generalized Advantage Estimation", eq. 16) over the *sampled* tokens.
 
-    ``delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t`` and
-    ``A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}``; the episode ends after the last valid
-    token (value 0 beyond it). ``returns = A + V`` are the value-function targets.
+    The recursion runs over each row's valid tokens (``mask`` 1) in order, as if the masked
+    tokens were not there: with ``n(t)`` the next valid position after ``t``,
+    ``delta_t = r_t + gamma * V_{n(t)} - V_t`` and ``A_t = delta_t + gamma * lam * A_{n(t)}``
+    (eq. 16's sum ``A_t = sum_l (gamma lam)^l delta_{t+l}`` over the compressed sequence);
+    after the last valid token the value and advantage are 0 (the episode ends). In
+    multi-turn episodes the environment's tokens between two turns (tool results, user turns:
+    loss mask 0) are not actions of the policy, so the value and the advantage are carried
+    across them rather than the episode ending there (the fix verl and miles made). On a
+    contiguous mask this is the textbook recursion. Example (issue 44): mask
+    ``1 1 1 0 0 0 1 1``, reward 1 on the last token, values ``.3 -.2 .5 . . . .1 .4``,
+    ``gamma = 1``, ``lam = 0.95``: advantages ``[0.550, 1.105, 0.427]`` on the first turn
+    and ``[0.87, 0.6]`` on the second. ``returns = A + V`` are the value-function targets.
 
     Args:
       rewards: ``[B, T]`` float per-token rewards (the sequence reward on its last token,
-        see :func:`terminal_rewards`).
-      values: ``[B, T]`` float value estimates V(s_t) of the policy's state before token t.
-      mask: ``[B, T]`` bool/0-1 valid-token mask (contiguous per row).
+        see :func:`terminal_rewards`); ignored where ``mask`` is 0.
+      values: ``[B, T]`` float value estimates V(s_t) of the policy's state before token t;
+        ignored where ``mask`` is 0.
+      mask: ``[B, T]`` bool/0-1 mask of the sampled tokens (gaps allowed).
       gamma, lam: discount and GAE lambda in [0, 1].
 
     Returns:
-      ``(advantages, returns)``, both ``[B, T]`` float32, 0 where ``mask`` is 0.
+      ``(advantages, returns)``, both ``[B, T]`` float32, 0 where ``mask`` is 0. Jittable
+      (one ``lax.scan`` over ``T``).
+
+    Raises:
+      ValueError: the three arrays are not equal ``[B, T]`` shapes.
     """
     m = jnp.asarray(mask, jnp.float32)
     r = jnp.where(m > 0, jnp.asarray(rewards, jnp.float32), 0.0)
     v = jnp.where(m > 0, jnp.asarray(values, jnp.float32), 0.0)
     if not (r.shape == v.shape == m.shape and r.ndim == 2):
         raise ValueError(f"rewards {r.shape}, values {v.shape}, mask {m.shape} must be equal [B, T]")
-    v_next = jnp.concatenate([v[:, 1:], jnp.zeros_like(v[:, :1])], axis=1)
-    m_next = jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
-    delta = r + gamma * v_next * m_next - v
 
     def back(carry, xs):
-        d, mn = xs
-        a = d + gamma * lam * mn * carry
-        return a, a
+        v_next, a_next = carry             # of the next valid token (0 after the last one)
+        r_t, v_t, m_t = xs
+        a = r_t + gamma * v_next - v_t + gamma * lam * a_next
+        valid = m_t > 0
+        a = jnp.where(valid, a, 0.0)
+        return (jnp.where(valid, v_t, v_next), jnp.where(valid, a, a_next)), a
 
-    _, adv = jax.lax.scan(back, jnp.zeros(r.shape[0], jnp.float32), (delta.T, m_next.T),
-                          reverse=True)
-    adv = adv.T * m
+    zeros = jnp.zeros(r.shape[0], jnp.float32)
+    _, adv = jax.lax.scan(back, (zeros, zeros), (r.T, v.T, m.T), reverse=True)
+    adv = adv.T
     return adv, (adv + v) * m
 
 
@@ -235,7 +284,8 @@ def ppo_targets(token_rewards, old_values, mask, *, gamma: float, lam: float,
     Args:
       token_rewards: ``[B, T]`` float32, the sequence reward on its last response token.
       old_values: ``[B, T]`` float32 ``V_old(s_t)`` at the step start (treated as constants).
-      mask: ``[B, T]`` response-token mask (contiguous per row).
+      mask: ``[B, T]`` mask of the sampled response tokens (multi-turn episodes: gaps on
+        the environment's tokens, which :func:`gae` skips).
       gamma, lam: GAE discount and lambda.
       old_logprobs, ref_logprobs: ``[B, T]`` logprobs of the targets under the old and the
         reference policy (KL-in-reward; both or neither).

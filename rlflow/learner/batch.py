@@ -24,11 +24,15 @@ Sample selection (each counted in the returned info, never silent):
     ``stale_policy="drop"`` leaves the loss; with ``"correct"`` it stays (the truncated
     importance weight of the loss corrects it);
   * DAPO dynamic sampling: groups with zero reward variance leave the loss;
-  * ``mask_truncated``: completions cut by ``max_tokens`` leave the loss (DAPO overlong filter).
-Advantages are computed on the whole group (all G rewards, after reward shaping) before any
-sample leaves the loss. With ``estimator="gae"`` (PPO) the batch carries no advantages (zeros):
-the step computes them from the value head; ``token_rewards`` holds each sample's shaped
-reward on its last response token.
+  * ``mask_truncated``: completions cut by ``max_tokens`` leave the loss (DAPO overlong filter);
+  * failed samples (the record's optional ``failed``: an environment or reward error or
+    timeout) with ``on_failed_sample="mask"`` leave the loss *and* their group's baseline:
+    the group's advantages (and the dynamic-sampling filter) see only the other samples;
+    with ``"zero_reward"`` they stay, reward 0 (counted either way: ``batch/failed_samples``).
+Advantages are computed on the whole group (all G rewards but the masked failed ones, after
+reward shaping) before any other sample leaves the loss. With ``estimator="gae"`` (PPO) the
+batch carries no advantages (zeros): the step computes them from the value head;
+``token_rewards`` holds each sample's shaped reward on its last response token.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ class BatchSpec:
     max_staleness: int = 0
     stale_policy: Literal["drop", "correct"] = "drop"
     on_bad_reward: Literal["error", "drop"] = "error"
+    on_failed_sample: Literal["mask", "zero_reward"] = "mask"
     pad_id: int = 0
 
     @classmethod
@@ -116,7 +121,8 @@ class BatchSpec:
                    zero_truncated_rewards=lr.zero_truncated_rewards,
                    overlong_buffer=lr.overlong_buffer, overlong_penalty=lr.overlong_penalty,
                    dynamic_sampling=lr.dynamic_sampling, max_staleness=rt.max_staleness,
-                   stale_policy=rt.stale_policy, on_bad_reward=lr.on_bad_reward)
+                   stale_policy=rt.stale_policy, on_bad_reward=lr.on_bad_reward,
+                   on_failed_sample=lr.on_failed_sample)
 
     def replace(self, **kw) -> "BatchSpec":
         return dataclasses.replace(self, **kw)
@@ -245,7 +251,7 @@ def _check_record(i: int, rec: Mapping, g_expected: int) -> None:
         if np.shape(rec[name]) != ct.shape:
             raise BatchError(f"{where}: {name} has shape {np.shape(rec[name])}, expected "
                              f"{ct.shape} like completion_tokens")
-    for name in FIELDS_1D:
+    for name in FIELDS_1D + tuple(k for k in ("failed",) if k in rec):
         if np.shape(rec[name]) != (ct.shape[0],):
             raise BatchError(f"{where}: {name} has shape {np.shape(rec[name])}, expected "
                              f"({ct.shape[0]},)")
@@ -291,6 +297,9 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
     rewards = np.stack([np.asarray(r["rewards"], np.float32) for r in records])      # [N, G]
     lengths = np.stack([np.asarray(r["completion_lengths"], np.int64) for r in records])
     truncated = np.stack([np.asarray(r["truncated"], bool) for r in records])
+    failed = np.stack([np.asarray(r["failed"], bool) if "failed" in r else np.zeros(g, bool)
+                       for r in records])                                          # [N, G]
+    masked_failed = failed if spec.on_failed_sample == "mask" and failed.any() else None
     finite = np.isfinite(rewards)
     if not finite.all():
         n_bad, s_bad = (int(x) for x in np.argwhere(~finite)[0])
@@ -307,20 +316,25 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
             factor=spec.overlong_penalty, xp=np)
     if spec.zero_truncated_rewards:
         shaped = adv_lib.zero_truncated_rewards(shaped, truncated, xp=np)
+    shaped = np.where(failed, np.float32(0.0), shaped)   # a failure's reward is no grade
     if spec.estimator == "gae":                   # PPO: the step computes advantages (GAE)
         advantages = np.zeros_like(shaped)
     else:
         advantages = adv_lib.group_advantages(
             shaped, estimator=spec.estimator, scale_by_std=spec.scale_by_std,
-            std_floor=spec.std_floor, xp=np)
+            std_floor=spec.std_floor, xp=np,
+            valid=None if masked_failed is None else ~masked_failed)
 
     staleness = np.stack([sample_staleness(r["policy_versions"], r["completion_lengths"],
                                            learner_version, r.get("loss_mask"))
                           for r in records])
     keep_stale = stale_keep(staleness, spec.max_staleness, spec.stale_policy)
-    signal = adv_lib.groups_with_signal(shaped, xp=np) if spec.dynamic_sampling else \
-        np.ones(len(records), bool)
+    signal = adv_lib.groups_with_signal(
+        shaped, xp=np, valid=None if masked_failed is None else ~masked_failed) \
+        if spec.dynamic_sampling else np.ones(len(records), bool)
     keep = good_group[:, None] & keep_stale & signal[:, None]
+    if masked_failed is not None:
+        keep &= ~masked_failed
     if spec.mask_truncated:
         keep &= ~truncated
 
@@ -384,6 +398,7 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
         "batch/dropped_stale": int((~keep_stale).sum()),
         "batch/dropped_zero_variance_groups": int((~signal).sum()),
         "batch/masked_truncated": int(truncated.sum()) if spec.mask_truncated else 0,
+        "batch/failed_samples": int(failed.sum()),
         "reward/mean": float(real.mean()) if real.size else float("nan"),
         "reward/std": float(real.std()) if real.size else float("nan"),
         "reward/min": float(real.min()) if real.size else float("nan"),

@@ -50,6 +50,7 @@ import numpy as np
 from rlflow import checkpoint as ckpt_lib
 from rlflow.runtime import programs_common as pc
 from rlflow.exchange.buffer import BufferServer
+from rlflow.data.reasoning import get_reasoning_parser
 from rlflow.exchange.records import completion_samples, policy_version_range
 from rlflow.exchange.ring import RingBuffer
 from rlflow.learner import advantages as adv_lib
@@ -241,8 +242,10 @@ class LearnerProgram:
                 if key is not None:
                     self.ledger.give_back(key)     # generated again, never lost
                 return False
+        valid = ~group["failed"][None] if "failed" in group and \
+            self.cfg.learner.on_failed_sample == "mask" else None     # failed: no baseline
         if self.cfg.learner.dynamic_sampling and \
-                not adv_lib.groups_with_signal(group["rewards"][None], xp=np)[0]:
+                not adv_lib.groups_with_signal(group["rewards"][None], xp=np, valid=valid)[0]:
             self.counts["zero_variance_groups"] += 1
             if key is not None:
                 self.ledger.drop(key)              # resolved: counted as dropped
@@ -393,7 +396,10 @@ class LearnerProgram:
         metrics.update(self.publisher.transfer_metrics())
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
-            self.writer.log_samples(self.version, completion_samples(groups, self.tokenizer))
+            self.writer.log_samples(self.version, completion_samples(
+                groups, self.tokenizer, reasoning=get_reasoning_parser(
+                    self.cfg.data.reasoning_parser,
+                    model_type=self.learner.model_config.model_type)))
         return metrics
 
     def _buffer_metrics(self) -> dict:

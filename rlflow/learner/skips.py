@@ -12,6 +12,8 @@ reason             every sample of the step's groups ...
                    (``runtime.stale_policy="drop"``)
 ``all_filtered``   is in a group with zero reward variance (``learner.dynamic_sampling``)
 ``all_masked``     was truncated at ``sampler.max_tokens`` (``learner.mask_truncated``)
+``all_failed``     was cut by an environment or reward failure
+                   (``learner.on_failed_sample="mask"``)
 ``mixed``          is dropped by one of the above, none of which alone covers the step
 =================  =====================================================================
 
@@ -38,7 +40,7 @@ from typing import Mapping, Optional
 
 log = logging.getLogger("rlflow.learner")
 
-REASONS = ("all_bad_reward", "all_stale", "all_filtered", "all_masked", "mixed")
+REASONS = ("all_bad_reward", "all_stale", "all_filtered", "all_masked", "all_failed", "mixed")
 
 
 class DegenerateStepsError(RuntimeError):
@@ -51,7 +53,8 @@ def skip_reason(info: Mapping[str, float]) -> Optional[str]:
     Args:
       info: the batch info (``batch/samples``, ``batch/groups``, ``batch/loss_samples``,
         ``batch/dropped_bad_reward_groups``, ``batch/dropped_stale``,
-        ``batch/dropped_zero_variance_groups``, ``batch/masked_truncated``; counts).
+        ``batch/dropped_zero_variance_groups``, ``batch/masked_truncated``, optionally
+        ``batch/failed_samples``; counts).
 
     Returns: None when the batch has a loss sample; otherwise the first reason of
     ``REASONS`` whose filter alone drops every sample (in the order the filters are listed),
@@ -68,6 +71,8 @@ def skip_reason(info: Mapping[str, float]) -> Optional[str]:
         return "all_filtered"
     if info["batch/masked_truncated"] == samples:
         return "all_masked"
+    if info.get("batch/failed_samples", 0) == samples:
+        return "all_failed"
     return "mixed"
 
 
@@ -90,6 +95,10 @@ def explain(reason: str, cfg, info: Optional[Mapping[str, float]] = None) -> str
                "completion)" if sp.temperature == 0 else "")
         return (f"every completion was truncated at sampler.max_tokens={sp.max_tokens} and "
                 f"learner.mask_truncated=True{why}")
+    if reason == "all_failed":
+        return ("every sample was cut by an environment error or timeout or a reward "
+                "function's error or timeout, and learner.on_failed_sample='mask' (see "
+                "sampler/env_errors, sampler/env_timeouts, reward/errors/*, reward/timeouts/*)")
     parts = ""
     if info is not None:
         parts = (f": {int(info['batch/dropped_bad_reward_groups'])} groups with bad rewards, "

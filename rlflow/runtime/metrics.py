@@ -34,7 +34,8 @@ _SUM = ("sampler/rejected_groups", "sampler/in_flight",
         # (reward 0, counted), episodes started and cut by a limit
         "sampler/env_steps", "sampler/env_errors", "sampler/env_timeouts",
         "sampler/env_reset_errors", "sampler/episodes", "sampler/episodes_cut_turns",
-        "sampler/episodes_cut_tokens")
+        "sampler/episodes_cut_tokens", "sampler/reward_failed_samples",
+        "sampler/episodes_reasoning_unclosed")
 
 
 def _index(name: str) -> str:

@@ -205,8 +205,8 @@ DROP_COUNTS = {"learner/stale_groups_dropped": "stale group{s} dropped",
                "sampler/dropped_bad_reward_groups": "group{s} dropped for a NaN/inf reward",
                "learner/skipped_steps": "learner step{s} skipped (no sample for the loss)",
                "sampler/env_reset_errors": "prompt{s} dropped (environment could not start)",
-               "sampler/env_errors": "environment step error{s} (episode reward 0)",
-               "sampler/env_timeouts": "environment step timeout{s} (episode reward 0)",
+               "sampler/env_errors": "environment step error{s} (episode marked failed)",
+               "sampler/env_timeouts": "environment step timeout{s} (episode marked failed)",
                "sampler/replicas_lost": "time{s} a sampler replica was declared lost "
                                         "(no heartbeat for runtime.replica_timeout_s)"}
 COUNT_PREFIXES = ("reward/errors/", "reward/timeouts/")

@@ -390,7 +390,8 @@ class ContinuousBatcher(EpisodeSlots):
         return done
 
     def _finish(self, s: _Slot, slot: int, n: int, reason: str,
-                reward: Optional[float] = None) -> Optional[CompletedGroup]:
+                reward: Optional[float] = None, failed: bool = False
+                ) -> Optional[CompletedGroup]:
         if s.parked:                                      # an episode's turn, not its end
             self._turn_ended(s, slot, n)
             return None
@@ -408,7 +409,7 @@ class ContinuousBatcher(EpisodeSlots):
             tokens=self._tokens[slot, :n].copy(), logprobs=self._logprobs[slot, :n].copy(),
             versions=versions, finish_reason=reason,
             reward=None if episode is None else float(reward or 0.0),
-            loss_mask=None if episode is None else versions >= 0)
+            loss_mask=None if episode is None else versions >= 0, failed=failed)
         if len(live.completions) < live.request.num_samples:
             return None
         return CompletedGroup(request=live.request, prompt_tokens=live.tokens,

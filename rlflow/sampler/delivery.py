@@ -6,7 +6,9 @@ and has not yet delivered or dropped (the ledger's admission counts them), hands
 group to the reward workers without waiting (:class:`rlflow.data.rewarder.Rewarder`), and puts
 the groups whose rewards are in into the buffer, whole and in the order they finished, each
 tagged with its prompt's ``stream_index`` and ``lease_id``. Multi-turn episodes come with their
-environments' rewards: their groups go to the buffer as they finish (no reward workers).
+environments' rewards: their groups go to the buffer as they finish (no reward workers). A
+sample on which a reward function raised or timed out is marked in the record's ``failed``
+field (counted as ``sampler/reward_failed_samples``).
 
 A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it (logged with
 the function and sample, counted as ``sampler/dropped_bad_reward_groups``, its lease reported
@@ -49,22 +51,28 @@ class GroupDelivery:
       window: the replica's :class:`rlflow.sampler.background.RateCounters` (time spent in
         the buffer call counts as idle).
       on_bad_reward: ``learner.on_bad_reward`` ("drop" or "error").
+      reasoning: a thinking model's completion splitter (``data.reasoning_parser``,
+        :mod:`rlflow.data.reasoning`): the reward functions score the answer part only, and a
+        completion whose reasoning never closed gets reward 0. None: the whole completion.
     """
 
-    def __init__(self, tokenizer, buffer, rewarder, window, *, on_bad_reward: str = "drop"):
+    def __init__(self, tokenizer, buffer, rewarder, window, *, on_bad_reward: str = "drop",
+                 reasoning=None):
         self.tokenizer = tokenizer
         self.buffer = buffer
         self.rewarder = rewarder
         self.window = window
         self.on_bad_reward = on_bad_reward
+        self.reasoning = reasoning
         self.in_flight: dict[int, dict] = {}     # id(Request) -> leased prompt
-        # id(Request) -> (Request, record) awaiting its rewards (the Request is held so
-        # that its id is not reused while the group is scored)
+        # id(Request) -> (Request, record, unclosed reasoning [G] or None) awaiting its
+        # rewards (the Request is held so that its id is not reused while it is scored)
         self.scoring: dict[int, tuple] = {}
         self.dropped_leases: list[list[int]] = []   # [stream_index, lease_id] dropped here
         self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
         self.groups_delivered = 0    # groups put into the buffer, in total
         self.rejected = 0            # groups the buffer refused (a bug if ever > 0)
+        self.failed_samples = 0      # samples marked failed by a reward error or timeout
 
     # ------------------------------------------------------------------ leases
     def admit(self, request, element) -> None:
@@ -102,7 +110,12 @@ class GroupDelivery:
             element = self.in_flight[key]
             texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
                      for c in group.completions]
-            self.scoring[key] = (group.request, group.to_record())
+            unclosed = None
+            if self.reasoning is not None:          # thinking models: grade the answer only
+                splits = [self.reasoning(t) for t in texts]
+                texts = [s.answer for s in splits]
+                unclosed = np.array([not s.closed for s in splits], bool)
+            self.scoring[key] = (group.request, group.to_record(), unclosed)
             # how each ended: the decoded text cannot tell a stop token from a cut at
             # max_tokens followed by removed special tokens
             self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"],
@@ -121,7 +134,7 @@ class GroupDelivery:
             return
         records = []
         for key, batch in self.rewarder.collect(timeout):
-            _, record = self.scoring.pop(key)
+            _, record, unclosed = self.scoring.pop(key)
             element = self.in_flight.pop(key)
             record = _leased(record, element)
             if batch.nonfinite:
@@ -136,6 +149,14 @@ class GroupDelivery:
                             self.bad_reward_groups)
                 continue
             record["rewards"] = np.asarray(batch.total, np.float32)
+            if unclosed is not None and unclosed.any():     # reasoning never closed: 0
+                record["rewards"] = np.where(unclosed, np.float32(0.0), record["rewards"])
+            failed = batch.failed
+            if failed is not None and unclosed is not None:
+                failed = failed & ~unclosed          # graded 0 whatever the function did
+            if failed is not None and failed.any():  # a reward error / timeout: no grade
+                record["failed"] = failed | record.get("failed", False)
+                self.failed_samples += int(failed.sum())
             records.append(record)
         self.deliver(records)
 
@@ -158,7 +179,8 @@ class GroupDelivery:
         out = {"sampler/rejected_groups": float(self.rejected),
                "sampler/dropped_bad_reward_groups": float(self.bad_reward_groups),
                "sampler/in_flight": float(len(self.in_flight)),
-               "sampler/groups_delivered": float(self.groups_delivered)}
+               "sampler/groups_delivered": float(self.groups_delivered),
+               "sampler/reward_failed_samples": float(self.failed_samples)}
         if self.rewarder is not None:   # reward functions that raised or timed out (scored 0)
             out.update({k: float(v) for k, v in self.rewarder.metrics().items()})
         return out

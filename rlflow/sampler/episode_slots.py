@@ -46,11 +46,15 @@ class EpisodeOutcome:
       reward: the episode's outcome reward (read when it ends).
       truncated: the episode was cut by a limit (``env.max_turns``) rather than ended by
         the environment.
+      failed: the episode was cut by an environment error or timeout (an infrastructure
+        failure, not the policy's): the group record marks it (``failed``) and the learner
+        follows ``learner.on_failed_sample``.
     """
 
     continuation: Optional[np.ndarray] = None
     reward: float = 0.0
     truncated: bool = False
+    failed: bool = False
 
 
 class EpisodeSlots:
@@ -107,7 +111,7 @@ class EpisodeSlots:
                 np.asarray(out.continuation, np.int32).reshape(-1)
             if cont is None:
                 self._end_episode(s, slot, n, "length" if out.truncated else "stop",
-                                  out.reward)
+                                  out.reward, failed=out.failed)
                 continue
             if self._extender is None:
                 from rlflow.sampler.extend import SlotExtender
@@ -130,10 +134,11 @@ class EpisodeSlots:
                 self._device_active[slot] = True
             self.counters.env_extends += len(slots)
 
-    def _end_episode(self, s, slot: int, n: int, reason: str, reward: float) -> None:
+    def _end_episode(self, s, slot: int, n: int, reason: str, reward: float,
+                     failed: bool = False) -> None:
         """Finish a parked episode with the environment's reward; frees the slot."""
         self._slots[slot] = None
-        group = self._finish(s, slot, n, reason, reward=reward)
+        group = self._finish(s, slot, n, reason, reward=reward, failed=failed)
         if group is not None:
             self._ready.append(group)
 

@@ -20,8 +20,9 @@ the model's chat template as the group's prompt ids. Then, per episode:
   returns something other than an :class:`rlflow.envs.EnvStep` (a reward that is not a
   finite number, an ``info`` value that is not a number, messages that are not message
   dicts) ends its episode with reward 0, counted (``sampler/env_errors``,
-  ``sampler/env_timeouts``) and logged; the run goes on, unless
-  ``env.max_consecutive_errors`` steps in a row failed (timeouts included): then
+  ``sampler/env_timeouts``), logged and marked failed in the group record (``failed``: the
+  learner leaves it out of the loss and the baseline, ``learner.on_failed_sample``); the run
+  goes on, unless ``env.max_consecutive_errors`` steps in a row failed (timeouts included): then
   :meth:`EpisodeDriver.poll` raises :class:`rlflow.envs.EnvFailureError`. New messages whose
   text alone is longer than the episode's token limit could hold
   (:func:`rlflow.data.tokenizer.char_bound`) are not rendered: the episode ends as truncated
@@ -76,6 +77,11 @@ class EpisodeDriver:
         (``env.episode_tokens(sampler.max_tokens)``): new messages whose text is longer than
         it could hold end the episode, truncated, before rendering. ``None`` (either): no
         bound (the tokenizer needs a ``get_vocab()`` otherwise).
+      reasoning: a thinking model's completion splitter (``data.reasoning_parser``,
+        :mod:`rlflow.data.reasoning`): ``env.step`` gets the turn's answer part only (a tool
+        call drafted while thinking is not run), and a turn whose reasoning never closed
+        ends the episode with reward 0 without a step (counted:
+        ``sampler/episodes_reasoning_unclosed``). None: the whole message.
 
     Raises:
       rlflow.envs.EnvError: ``env.name`` is not registered or cannot be imported, or an
@@ -84,7 +90,7 @@ class EpisodeDriver:
 
     def __init__(self, env_cfg, tokenizer, renderer, pool=None, *,
                  max_prompt_tokens: Optional[int] = None,
-                 max_episode_tokens: Optional[int] = None):
+                 max_episode_tokens: Optional[int] = None, reasoning=None):
         from rlflow.data.tokenizer import char_bound
 
         self.cfg = env_cfg
@@ -95,13 +101,15 @@ class EpisodeDriver:
         self.factory = get_environment(env_cfg.name)
         self.options = bind_options(self.factory, env_cfg.option_dict())
         self.tokenizer, self.renderer, self.pool = tokenizer, renderer, pool
+        self.reasoning = reasoning
         self.stop_ids = tuple(int(i) for i in renderer.end_of_turn_ids)
         self._tasks: Dict[int, tuple] = {}
         self._answers: list = []          # (group, index, status, value) answered in-process
         # episodes_cut_tokens: here, those whose new messages were too long to render
         # (the batcher counts the continuations past the limit; the program adds both)
         self.counts = {"env_steps": 0, "env_errors": 0, "env_timeouts": 0,
-                       "episodes": 0, "episodes_cut_turns": 0, "episodes_cut_tokens": 0}
+                       "episodes": 0, "episodes_cut_turns": 0, "episodes_cut_tokens": 0,
+                       "episodes_reasoning_unclosed": 0}
         self.info: Dict[str, float] = {}
         self._error_run = 0             # failed steps since the last successful one
 
@@ -145,6 +153,13 @@ class EpisodeDriver:
         group.messages[index].append({"role": "assistant", "content": text})
         group.turns[index] += 1
         env = group.envs[index]
+        if self.reasoning is not None:          # the environment reads the answer only
+            split = self.reasoning(text)
+            if not split.closed:                # no answer stated: reward 0, no step
+                self.counts["episodes_reasoning_unclosed"] += 1
+                self._answers.append((group, index, "ok", (EnvStep(done=True, reward=0.0), env)))
+                return
+            text = split.answer
         self.counts["env_steps"] += 1
         if self.pool is None:
             try:
@@ -227,7 +242,7 @@ class EpisodeDriver:
                 f"{self._error_run} steps in a row (env.max_consecutive_errors={limit}), the "
                 f"last at {where}: {what}. Fix the environment (or raise the limit or "
                 f"env.step_timeout_s; 0: never stop)")
-        return EpisodeOutcome(None, 0.0, False)
+        return EpisodeOutcome(None, 0.0, False, failed=True)
 
     def metrics(self) -> Dict[str, float]:
         """Counters for the sampler's status: ``sampler/env_*``, ``sampler/episodes*`` and

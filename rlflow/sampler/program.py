@@ -70,6 +70,7 @@ from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.lanes import DecodeLanes, available_cpus, lane_count
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
+from rlflow.data.reasoning import get_reasoning_parser
 from rlflow.sampler.precision import pull_target, sampler_model_config
 from rlflow.sampler.sampling import SamplingParams
 from rlflow.sampler.subscribe import weight_subscriber
@@ -128,6 +129,8 @@ class SamplerProgram:
         if spec is not None:
             self.adapters = AdapterApplier(model, dcfg, spec, cfg.learner.lora.swap, self.mesh)
         self.tokenizer = pc.run_tokenizer(cfg)
+        self.reasoning = get_reasoning_parser(cfg.data.reasoning_parser,
+                                              model_type=dcfg.model_type)
         eos = set(dcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -164,7 +167,7 @@ class SamplerProgram:
         self.delivery = GroupDelivery(
             self.tokenizer, self.buffer,
             None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),
-            self.window, on_bad_reward=cfg.learner.on_bad_reward)
+            self.window, on_bad_reward=cfg.learner.on_bad_reward, reasoning=self.reasoning)
         self.prompts_started = 0
         self.swap = {"sync/pull_s": 0.0}
         self.pause_s = 0.0
@@ -183,7 +186,8 @@ class SamplerProgram:
         return EpisodeDriver(self.cfg.env, self.tokenizer, self.renderer,
                              pool=env_pool(self.cfg.env, self.cfg.plugins),
                              max_prompt_tokens=sc.max_prefill_length,
-                             max_episode_tokens=self.cfg.env.episode_tokens(sc.max_tokens))
+                             max_episode_tokens=self.cfg.env.episode_tokens(sc.max_tokens),
+                             reasoning=self.reasoning)
 
     # ------------------------------------------------------------------ weights
     def _subscriber(self, coord: str, model):

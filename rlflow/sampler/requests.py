@@ -47,7 +47,8 @@ class Completion:
 
     Episodes (multi-turn) also have ``reward`` (the environment's outcome reward) and
     ``loss_mask`` bool ``[T]`` (1 on sampled tokens; environment tokens have logprob 0 and
-    version -1); "length" then means cut by a limit (turns, tokens)."""
+    version -1); "length" then means cut by a limit (turns, tokens). ``failed``: the episode
+    was cut by an environment error or timeout (the record's ``failed`` field)."""
 
     prompt_id: int
     sample_index: int
@@ -57,6 +58,7 @@ class Completion:
     finish_reason: str
     reward: Optional[float] = None
     loss_mask: Optional[np.ndarray] = None
+    failed: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -78,8 +80,9 @@ class CompletedGroup:
 
     def to_record(self) -> dict:
         """The "rollout group record" of ``docs/interfaces.md`` (rewards 0: the runtime
-        fills them, except for episodes: their rewards and ``loss_mask`` are filled here).
-        ``T`` = the request's ``max_tokens``."""
+        fills them, except for episodes: their rewards and ``loss_mask`` are filled here, and
+        ``failed`` when an environment error or timeout cut one). ``T`` = the request's
+        ``max_tokens``."""
         g, t = len(self.completions), self.max_tokens
         tokens = np.zeros((g, t), np.int32)
         logprobs = np.zeros((g, t), np.float32)
@@ -94,6 +97,9 @@ class CompletedGroup:
             episode["loss_mask"] = np.zeros((g, t), bool)
             for i, c in enumerate(self.completions):
                 episode["loss_mask"][i, :len(c.tokens)] = c.loss_mask
+            failed = np.array([c.failed for c in self.completions], bool)
+            if failed.any():                    # optional: only groups with a failure
+                episode["failed"] = failed
         rewards = np.array([c.reward or 0.0 for c in self.completions], np.float32)
         return {
             "prompt_id": np.asarray(self.prompt_id, np.int64),
