@@ -300,8 +300,11 @@ class MetricsWriter:
 
         Args:
           samples: mappings with ``prompt`` (str), ``completion`` (str), ``reward`` (real
-            scalar) and ``version`` (int, the policy version that sampled it); extra
-            JSON-serialisable keys (e.g. ``answer``, ``truncated``) are kept.
+            scalar) and ``version`` (int, the policy version that sampled it); optional
+            ``turns`` (multi-turn episodes: a list of ``{"role": str, "text": str, ...}``,
+            shown instead of ``completion`` in TensorBoard and ``rlflow report``); extra
+            JSON-serialisable keys (e.g. ``answer``, ``truncated``, ``completion_ids``) are
+            kept.
 
         Returns:
           The number of samples written.
@@ -324,6 +327,12 @@ class MetricsWriter:
                 if not isinstance(sample[key], str):
                     raise TypeError(f"{where}: {key!r} must be str, got "
                                     f"{type(sample[key]).__name__}")
+            turns = sample.get("turns")
+            if turns is not None and not (isinstance(turns, list) and all(
+                    isinstance(t, Mapping) and isinstance(t.get("role"), str)
+                    and isinstance(t.get("text"), str) for t in turns)):
+                raise TypeError(f"{where}: 'turns' must be a list of {{'role': str, 'text': "
+                                f"str}} dicts, got {turns!r:.200}")
             version = sample["version"]
             if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
                 raise TypeError(f"{where}: 'version' must be int, got {version!r}")
@@ -409,11 +418,22 @@ def truncate_after(path: str, step: int) -> int:
     return removed
 
 
+def completion_text(sample: Mapping[str, Any]) -> str:
+    """What a report shows of a sample's completion: its ``turns`` one per line as
+    ``[role] text`` (multi-turn episodes, :func:`rlflow.exchange.records.completion_samples`),
+    else ``completion``. A malformed ``turns`` falls back to ``completion``."""
+    turns = sample.get("turns")
+    if isinstance(turns, list) and turns and all(isinstance(t, dict) for t in turns):
+        return "\n".join(f"[{t.get('role', '?')}] {t.get('text', '')}" for t in turns)
+    return str(sample.get("completion", ""))
+
+
 def _samples_markdown(lines: Sequence[str]) -> str:
     rows = ["| version | reward | prompt | completion |", "|---|---|---|---|"]
     for line in lines:
         r = json.loads(line)
-        cells = [str(r["version"]), str(r["reward"]), r["prompt"][:200], r["completion"][:400]]
+        cells = [str(r["version"]), str(r["reward"]), r["prompt"][:200],
+                 completion_text(r)[:400]]
         rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells)
                     + " |")
     return "\n".join(rows)

@@ -31,7 +31,8 @@ from typing import Annotated, Literal, Optional, Sequence
 import numpy as np
 import tyro
 
-from rlflow.run.metrics import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST
+from rlflow.run.metrics import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST,
+                                completion_text)
 from rlflow.run.folder import RunFolderError, metrics_by_step, read_jsonl
 
 FIGSIZE = (8.0, 5.5)  # inches
@@ -222,9 +223,9 @@ def _markdown(title, meta, plots, missing, summary, samples, problems) -> str:
     out += ["", f"## Sample completions (latest {len(samples)})", ""]
     if samples:
         out += ["| step | version | reward | prompt | completion |", "|---|---|---|---|---|"]
-        out += ["| " + " | ".join(_md_cell(s.get(k)) for k in
-                                  ("step", "version", "reward", "prompt", "completion")) + " |"
-                for s in samples]
+        out += ["| " + " | ".join([_md_cell(s.get(k)) for k in ("step", "version", "reward",
+                                                                "prompt")]
+                                  + [_md_cell(completion_text(s))]) + " |" for s in samples]
     else:
         out.append("No sample completions were written (metrics.samples_every = 0?).")
     return "\n".join(out) + "\n"
@@ -259,8 +260,8 @@ def _html(title, meta, plots, missing, summary, samples, problems, img_dir, conf
         for s in samples:
             out.append("<tr>" + "".join(f"<td>{e(_cell(s.get(k)))}</td>" for k in
                                         ("step", "version", "reward"))
-                       + "".join(f"<td class='t'>{e(_cell(s.get(k)))}</td>" for k in
-                                 ("prompt", "completion")) + "</tr>")
+                       + f"<td class='t'>{e(_cell(s.get('prompt')))}</td>"
+                       + f"<td class='t'>{e(_cell(completion_text(s)))}</td></tr>")
         out.append("</table>")
     else:
         out.append("<p>No sample completions were written (metrics.samples_every = 0?).</p>")
