@@ -36,6 +36,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from rlflow.run import files
+
 RUN_FILE = "run.json"
 IDENTITY_SECTIONS: tuple[str, ...] = ("model", "data", "reward", "LoRA adapters")
 # The fields that define a run (section -> field names, dotted for a nested one; "*" = every
@@ -165,17 +167,14 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any],
 
 def _read_json(path: str) -> Optional[dict]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(files.read_text(path))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
 def _write_json(path: str, data: dict) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-    os.replace(path + ".tmp", path)
+    files.write_atomic(path, json.dumps(data, indent=2))
 
 
 def _utc_stamp(now: datetime.datetime) -> str:

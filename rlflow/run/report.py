@@ -33,6 +33,7 @@ import tyro
 
 from rlflow.run.metrics import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST,
                                 completion_text)
+from rlflow.run import files
 from rlflow.run.folder import RunFolderError, metrics_by_step, read_jsonl
 
 FIGSIZE = (8.0, 5.5)  # inches
@@ -370,6 +371,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except OSError as err:            # a read-only run folder, no space: name where it wrote
         where = args.out_dir or os.path.join(args.run_dir, "report")
+        if files.no_space(err) is not None:
+            line = files.full_line(where, files.no_space(err), "the report",
+                                   then="free space, or write it elsewhere with --out-dir")
+            print(f"rlflow report: {line}", file=sys.stderr)
+            return 2
         print(f"rlflow report: cannot write the report in {where}: {err.strerror or err}"
               f"{': ' + str(err.filename) if err.filename else ''} (--out-dir writes it "
               f"elsewhere)", file=sys.stderr)

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Mapping, Optional
 
+from rlflow.run import files
 from rlflow.run.metrics import METRICS_FILE
 from rlflow.run.folder import metrics_by_step, read_jsonl
 
@@ -94,9 +95,7 @@ def reward_rise(rewards_by_step: Mapping[int, float], frac: float = 0.1) -> dict
 def _write_summary(path: str, summary: Mapping) -> None:
     """Write ``summary`` to ``path`` atomically (a temporary file, then ``os.replace``), as
     strict JSON: a figure with no value (NaN, inf) is ``null``."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(_finite_or_none(summary), f, indent=2, allow_nan=False)
-    os.replace(path + ".tmp", path)
+    files.write_atomic(path, json.dumps(_finite_or_none(summary), indent=2, allow_nan=False))
 
 
 def _write_report(run_path: str, stream) -> Optional[str]:
