@@ -78,17 +78,27 @@ def absolute(p: str) -> str:
 
 def check_backend(run_path: str) -> Optional[str]:
     """None when ``run_path``'s file system can be used here, else why not (one line naming
-    the package that provides it). Local paths always can."""
+    the package that provides it). Local paths always can.
+
+    Mirrors how ``etils.epath`` (and so orbax) opens a URL: ``gs://`` / ``s3://`` through
+    TensorFlow's ``tf.io.gfile`` when TensorFlow is installed, else through an ``fsspec``
+    file system (``gcsfs``, ``s3fs``, ``adlfs``)."""
     if not is_url(run_path):
         return None
+    import importlib.util
+
     scheme = run_path.split("://", 1)[0]
+    package = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs", "hf": "huggingface_hub"}.get(scheme)
+    if package is None:
+        return (f"--run-dir {run_path}: {scheme}:// is not a file system rlflow can write "
+                f"(gs://, s3://, az:// or a local path)")
+    if scheme in ("gs", "s3") and importlib.util.find_spec("tensorflow") is not None:
+        return None
     try:
         import fsspec
 
-        fsspec.filesystem({"gs": "gcs"}.get(scheme, scheme))
+        fsspec.get_filesystem_class({"gs": "gcs"}.get(scheme, scheme))
     except (ImportError, ValueError) as e:
-        package = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs"}.get(scheme, f"an fsspec "
-                                                                    f"{scheme}:// backend")
         return (f"--run-dir {run_path}: this machine cannot write {scheme}:// ({e}); install "
                 f"{package} (pip install {package}) or use a local --run-dir")
     return None

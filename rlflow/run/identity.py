@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import glob
+import fnmatch
 import json
 import os
 import uuid
@@ -85,14 +85,13 @@ def has_trained(run_path: str) -> bool:
     if latest_checkpoint_step(run_path) is not None:
         return True
     try:
-        with open(os.path.join(run_path, "metrics.jsonl"), "rb") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                    return True
+        for line in files.read_bytes(files.join(run_path, "metrics.jsonl")).splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                return True
     except OSError:
         pass
     return False
@@ -111,12 +110,12 @@ def earlier_run_records(run_path: str) -> list[str]:
         return []
     found = []
     for name in RESULT_ENTRIES:
-        path = os.path.join(run_path, name)
-        if os.path.isdir(path) and os.listdir(path):
+        path = files.join(run_path, name)
+        if files.isdir(path) and files.listdir(path):
             found.append(name + "/")
-        elif os.path.isfile(path) and os.path.getsize(path) > 0:
+        elif files.isfile(path) and files.read_bytes(path):
             found.append(name)
-    found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_path, TB_GLOB)))
+    found += sorted(n for n in files.listdir(run_path) if fnmatch.fnmatch(n, TB_GLOB))
     return found
 
 
@@ -195,10 +194,16 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
     """
     from rlflow.config.secrets import redact_config
 
-    run_path = os.path.abspath(cfg.run_path)
+    run_path = files.absolute(cfg.run_path)
     records = earlier_run_records(run_path)
     warnings: list[str] = []
     if records and cfg.checkpoint.resume == "never":
+        if files.is_url(run_path):     # an object store has no folder to move aside
+            raise RunFolderConflict(
+                f"run folder {run_path} holds an earlier run ({', '.join(records)}); "
+                "--checkpoint.resume never will not mix two runs in one folder, and "
+                "--checkpoint.overwrite cannot move a folder of an object store aside: pick "
+                "a new folder (--name NEW or --run_dir DIR)")
         if not cfg.checkpoint.overwrite:
             raise RunFolderConflict(
                 f"run folder {run_path} holds an earlier run ({', '.join(records)}); "
@@ -206,7 +211,7 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
                 "a new folder (--name NEW or --run_dir DIR), or add --checkpoint.overwrite "
                 f"true to move the earlier run aside to {run_path}.replaced-<time>")
     elif records:                                  # resume "auto": the same run continues
-        old_config = _read_json(os.path.join(run_path, "config.json"))
+        old_config = _read_json(files.join(run_path, "config.json"))
         if old_config is not None:
             new_config = redact_config(dataclasses.asdict(cfg))
             changed = config_differences(identity_of(old_config), identity_of(new_config))
@@ -240,9 +245,9 @@ def prepare_run_folder(cfg, *, now: Optional[datetime.datetime] = None) -> Prepa
     from rlflow.config.secrets import redact_config
 
     now = now or datetime.datetime.now(datetime.timezone.utc)
-    run_path = os.path.abspath(cfg.run_path)
+    run_path = files.absolute(cfg.run_path)
     records, warnings = check_run_folder(cfg)
-    manifest = _read_json(os.path.join(run_path, RUN_FILE))
+    manifest = _read_json(files.join(run_path, RUN_FILE))
     moved_to = None
     if records and cfg.checkpoint.resume == "never":        # overwrite (checked above)
         moved_to = f"{run_path}.replaced-{_utc_stamp(now)}"
@@ -258,7 +263,7 @@ def prepare_run_folder(cfg, *, now: Optional[datetime.datetime] = None) -> Prepa
                     "created": now.isoformat(timespec="seconds"), "identity": identity}
     else:
         manifest = dict(manifest, identity=identity)
-    os.makedirs(run_path, exist_ok=True)
-    _write_json(os.path.join(run_path, RUN_FILE), manifest)
+    files.makedirs(run_path)
+    _write_json(files.join(run_path, RUN_FILE), manifest)
     return PreparedRun(run_id=str(manifest["run_id"]), moved_to=moved_to,
                        warnings=tuple(warnings))

@@ -161,7 +161,8 @@ class Supervisor:
             cpus = split_cpus(os.sched_getaffinity(0)).get(role)
             if cpus:
                 env[pc.ENV_CPUS] = ",".join(map(str, cpus))
-        log_path = os.path.join(self.run_path, "logs", f"{name}.log")
+        # local even for an object-store run folder: a child writes it with plain file calls
+        log_path = os.path.join(files.local_side(self.run_path), "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
             log.write(f"--- rlflow {role} start #{instance} ---\n".encode())
@@ -277,7 +278,11 @@ def run_train(cfg) -> int:
     """
     from rlflow.runtime.run_lock import RunFolderInUse, RunLock
 
-    run_path = os.path.abspath(cfg.run_path)
+    run_path = files.absolute(cfg.run_path)
+    problem = files.check_backend(run_path)     # gs:// without gcsfs: say so, start nothing
+    if problem:
+        print(f"rlflow train: {problem}", file=sys.stderr, flush=True)
+        return 2
     try:                                  # one launcher per run folder (rlflow.runtime.run_lock)
         lock = RunLock(run_path).acquire()
     except RunFolderInUse as e:
@@ -345,7 +350,7 @@ def _run_train(cfg, run_path: str) -> int:
         for name, n in discard_records_after(run_path, resumed_from).items():
             print(f"rlflow train: {name}: removed {n} record(s) of steps after {resumed_from} "
                   "(written after the checkpoint this run resumes from)", flush=True)
-        config_path = os.path.join(run_path, "config.json")
+        config_path = files.join(run_path, "config.json")
         pc.save_config(cfg, config_path)
     except OSError as e:                  # a file in the way, a read-only mount, no space
         _cannot_use(run_path, e)
@@ -359,7 +364,8 @@ def _run_train(cfg, run_path: str) -> int:
     sup = Supervisor(cfg, run_path, config_path, endpoints,
                      jax_coordinator=f"127.0.0.1:{jax_port}")
     # Before the progress display exists (a live bar would draw over it).
-    print(f"rlflow train: run folder {run_path} (logs in {run_path}/logs)", flush=True)
+    logs = os.path.join(files.local_side(run_path), "logs")
+    print(f"rlflow train: run folder {run_path} (logs in {logs})", flush=True)
     watcher = RunWatcher(cfg, run_path, resumed_from=resumed_from)
     code = 1
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
