@@ -273,8 +273,11 @@ def run_train(cfg) -> int:
       1 when a program died (the message on stderr names it and shows its log; samplers that
       die after the learner's last step are a warning, see the module docstring); 2 when the
       run folder cannot be used (another run's, a file in the way, read-only, or in use by
-      another ``rlflow train``: :mod:`rlflow.runtime.run_lock`; nothing started);
-      130 on Ctrl-C.
+      another ``rlflow train``: :mod:`rlflow.runtime.run_lock`; a ``--run-dir`` URL whose
+      file system this machine cannot write, :func:`rlflow.run.files.check_backend`;
+      nothing started); 75 (:data:`rlflow.run.files.NO_SPACE_EXIT_CODE`) when the run
+      folder's file system is full or read-only (one line naming it and its free space;
+      the same command resumes once there is space); 130 on Ctrl-C.
     """
     from rlflow.runtime.run_lock import RunFolderInUse, RunLock
 
