@@ -231,3 +231,17 @@ def test_rlflow_train_on_a_full_tmpfs_stops_in_one_line_and_resumes(tmp_path):
         assert summary["success"] and summary["steps_completed"] == 6
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_rlflow_report_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+    from rlflow.run import report
+
+    def make_report(run_dir, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{run_dir}/report/x.png")
+
+    monkeypatch.setattr(report, "make_report", make_report)
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"rlflow report: the run folder {tmp_path}/report is out of space (")
+    assert "writing the report" in err and "--out-dir" in err
