@@ -53,12 +53,8 @@ def is_url(path: Union[str, os.PathLike]) -> bool:
 
 
 def path(p: Union[str, os.PathLike]):
-    """``p`` as an ``etils.epath.Path`` (local or object store).
-
-    Raises:
-      RunFolderError-like ``ValueError``: the URL's file system is not installed (e.g.
-        ``gcsfs`` for ``gs://``), naming the package.
-    """
+    """``p`` as an ``etils.epath.Path`` (local or object store; :func:`check_backend` says
+    beforehand whether this machine can open the URL's scheme)."""
     from etils import epath
 
     return epath.Path(p)
