@@ -105,3 +105,44 @@ def test_a_run_folder_scheme_this_machine_cannot_write_is_refused(tmp_path, monk
     assert err.startswith("rlflow train: --run-dir az://container/runs/demo: this machine "
                           "cannot write az://") and "pip install adlfs" in err
     assert os.listdir(tmp_path) == []
+
+
+def test_rlflow_train_on_a_bucket_run_folder(gcs, tmp_path, monkeypatch, capsys):
+    """The launcher on ``gs://bucket/runs/demo``: run.json, config.json, processes.json and
+    summary.json in the bucket, the lock and the programs' logs in the local side, progress
+    read from the bucket's metrics.jsonl. The programs are small Python processes started
+    through the launcher's own ``Supervisor.start`` (their command swapped); the learner
+    stand-in writes its records where the bucket keeps them."""
+    import subprocess
+    import sys
+
+    bucket_run = gcs / "bucket" / "runs" / "demo"
+    learner = ("import json, os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\n"
+               "with open(os.path.join(sys.argv[1], 'metrics.jsonl'), 'a') as f:\n"
+               "    for s in (1, 2, 3):\n"
+               "        f.write(json.dumps({'step': s, 'learner/step_time_s': 0.1,\n"
+               "                            'reward/mean': s / 4}) + '\\n')\n")
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kwargs):
+        role = cmd[cmd.index("--role") + 1]
+        code = learner if role == "learner" else "pass"
+        return real_popen([sys.executable, "-c", code, str(bucket_run)],
+                          stdout=kwargs["stdout"], stderr=kwargs["stderr"])
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", popen)
+    monkeypatch.setattr("rlflow.run.report.make_report", lambda run_dir: "report.html")
+    cfg = C.ExperimentConfig(name="demo", run_dir=RUNS, learner=C.LearnerConfig(num_steps=3),
+                             metrics=C.MetricsConfig(progress="plain"))
+    assert supervisor.run_train(cfg) == 0
+    out, err = capsys.readouterr()
+    side = files.local_side(f"{RUNS}/demo")
+    assert f"rlflow train: run folder {RUNS}/demo (logs in {side}/logs)" in out
+    names = {p.name for p in bucket_run.iterdir()}
+    assert {"run.json", "config.json", "processes.json", "summary.json",
+            "metrics.jsonl"} <= names
+    summary = json.loads((bucket_run / "summary.json").read_text())
+    assert summary["success"] and summary["steps_completed"] == 3
+    assert sorted(os.listdir(os.path.join(side, "logs"))) == ["learner.log", "sampler.log"]
+    assert os.path.isfile(lock_path(f"{RUNS}/demo"))
+    assert "3/3" in err
