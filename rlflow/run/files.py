@@ -103,10 +103,6 @@ def check_backend(run_path: str) -> Optional[str]:
 # ---------------------------------------------------------------------------- reading
 
 
-def exists(p: str) -> bool:
-    return os.path.exists(p) if not is_url(p) else path(p).exists()
-
-
 def isfile(p: str) -> bool:
     return os.path.isfile(p) if not is_url(p) else path(p).is_file()
 
@@ -144,18 +140,6 @@ def makedirs(p: str) -> None:
         path(p).mkdir(parents=True, exist_ok=True)
     else:
         os.makedirs(p, exist_ok=True)
-
-
-def remove(p: str) -> None:
-    """Remove file ``p`` if it exists."""
-    try:
-        if is_url(p):
-            if path(p).exists():
-                path(p).unlink()
-        else:
-            os.remove(p)
-    except FileNotFoundError:
-        pass
 
 
 # ---------------------------------------------------------------------------- writing
