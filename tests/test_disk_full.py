@@ -214,8 +214,10 @@ def test_rlflow_train_on_a_full_tmpfs_stops_in_one_line_and_resumes(tmp_path):
         cmd = ([exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]) + [
             "train", "--config", os.path.join(REPO, "configs", "demo.py"), "--run_dir",
             str(disk), "--name", "full", "--metrics.progress", "plain", "--learner.num_steps",
-            "6", "--checkpoint.every_steps", "2", "--buffer.timeout_s", "120"]
-        first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+            "4", "--checkpoint.every_steps", "2", "--buffer.timeout_s", "120"]
+        env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))   # the demo model
+        first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                               env=env)
         out = first.stdout + first.stderr
         assert first.returncode == files.NO_SPACE_EXIT_CODE, out
         lines = [x for x in first.stderr.splitlines() if "out of space" in x]
@@ -224,11 +226,12 @@ def test_rlflow_train_on_a_full_tmpfs_stops_in_one_line_and_resumes(tmp_path):
         assert latest_checkpoint_step(str(disk / "full")) == 2        # the last whole one
         assert not list((disk / "full").glob("*.tmp"))
         subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
-        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                                env=env)
         assert second.returncode == 0, second.stdout + second.stderr
-        assert "resuming run full from step 2 (of 6)" in second.stdout
+        assert "resuming run full from step 2 (of 4)" in second.stdout
         summary = json.loads((disk / "full" / "summary.json").read_text())
-        assert summary["success"] and summary["steps_completed"] == 6
+        assert summary["success"] and summary["steps_completed"] == 4
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
