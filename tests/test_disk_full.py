@@ -145,9 +145,9 @@ def test_a_program_stopped_by_a_full_disk_says_one_line_and_exits_75(tmp_path, m
     assert "ZeroDivisionError" in capsys.readouterr().err
 
 
-def _fake_children(run, learner_code):
+def _fake_children(run, learner_code, sampler_code="import time; time.sleep(30)"):
     def fake_start(self, role, instance=0):               # stand-in programs, no JAX
-        code = learner_code if role == "learner" else "import time; time.sleep(30)"
+        code = learner_code if role == "learner" else sampler_code
         log = run / "logs" / f"{role}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as f:
@@ -158,16 +158,20 @@ def _fake_children(run, learner_code):
     return fake_start
 
 
-def test_the_launcher_reports_a_learner_stopped_by_a_full_disk_in_one_line(tmp_path,
-                                                                          monkeypatch, capsys):
-    """The learner's log may hold nothing (the folder is full): its exit code tells."""
+@pytest.mark.parametrize("role", ["learner", "sampler"])
+def test_the_launcher_reports_a_program_stopped_by_a_full_disk_in_one_line(tmp_path,
+                                                                          monkeypatch, capsys,
+                                                                          role):
+    """The program's log may hold nothing (the folder is full): its exit code tells."""
     run = tmp_path / "demo"
-    monkeypatch.setattr(supervisor.Supervisor, "start",
-                        _fake_children(run, "import sys; sys.exit(75)"))
-    assert supervisor.run_train(_cfg(tmp_path)) == files.NO_SPACE_EXIT_CODE
+    full, wait = "import sys; sys.exit(75)", "import time; time.sleep(30)"
+    monkeypatch.setattr(supervisor.Supervisor, "start", _fake_children(
+        run, full if role == "learner" else wait, full if role == "sampler" else wait))
+    cfg = C.replace(_cfg(tmp_path), runtime=C.RuntimeConfig(restart_sampler=False))
+    assert supervisor.run_train(cfg) == files.NO_SPACE_EXIT_CODE
     out, err = capsys.readouterr()
     lines = [x for x in err.splitlines() if x.startswith("rlflow train:")]
-    assert lines == [f"rlflow train: the learner stopped: the run folder {run} is out of "
+    assert lines == [f"rlflow train: the {role} stopped: the run folder {run} is out of "
                      f"space ({files.human_bytes(files.free_bytes(str(run)))} free on its file "
                      f"system): No space left on device; {files.RESUME_HINT}"]
     assert "Traceback" not in out + err
