@@ -209,10 +209,10 @@ def test_completion_samples_decode_each_completion_with_its_oldest_version():
              rewards=np.array([0.5, -1.0], np.float32), truncated=np.array([False, True]))
     got = records.completion_samples([g], Tok())
     assert got == [
-        {"prompt": "5 6|", "completion": "1 2 3", "reward": 0.5, "version": 2, "prompt_id": 7,
-         "truncated": False},
-        {"prompt": "5 6|", "completion": "4 9 9 9", "reward": -1.0, "version": -1,
-         "prompt_id": 7, "truncated": True}]
+        {"prompt": "5 6|", "completion": "1 2 3", "completion_ids": [1, 2, 3], "reward": 0.5,
+         "version": 2, "prompt_id": 7, "truncated": False},
+        {"prompt": "5 6|", "completion": "4 9 9 9", "completion_ids": [4, 9, 9, 9],
+         "reward": -1.0, "version": -1, "prompt_id": 7, "truncated": True}]
     g["failed"] = np.array([False, True])                      # record version 2
     assert [s["failed"] for s in records.completion_samples([g], Tok())] == [False, True]
 
@@ -231,3 +231,41 @@ def test_failed_marks_are_optional_bool_per_completion_and_travel():
     with pytest.raises(RecordError, match=r"field 'failed': expected shape \[G\] with P=5, "
                        r"G=3, T=7, got shape \[2\]"):
         records.validate_group(dict(g, failed=np.zeros(2, bool)))
+
+
+def test_multi_turn_samples_keep_each_turn_and_the_raw_ids():
+    """An episode rendered with a real chat template (ChatML): the sample keeps the policy's
+    and the environment's turns apart, with their special tokens, and the exact ids."""
+    from chat_fixtures import tiny_tokenizer
+    from rlflow.envs.chat import ChatRenderer, episode_mask
+
+    tok = tiny_tokenizer("chatml")
+    r = ChatRenderer(tok)
+    conv = [{"role": "user", "content": "guess a digit"}]
+    prompt = r.prompt_ids(conv)
+    segments, replies = [], ["5", "7"]
+    for t, text in enumerate(replies):
+        sampled = r.encode(text) + [r.turn_end_id]
+        segments.append((sampled, True))
+        conv.append({"role": "assistant", "content": text})
+        if t == 0:
+            new = [{"role": "user", "content": "higher"}]
+            segments.append((r.continuation_ids(conv, new), False))
+            conv += new
+    ids, mask = episode_mask(segments)
+    n, pad = len(ids), 3
+    g = dict(prompt_id=np.int64(1), prompt_tokens=np.array(prompt, np.int32),
+             completion_tokens=np.array([ids + [0] * pad], np.int32),
+             completion_lengths=np.array([n], np.int32),
+             policy_versions=np.array([[4 if m else -1 for m in mask] + [-1] * pad], np.int32),
+             loss_mask=np.array([mask + [0] * pad], bool),
+             rewards=np.array([1.0], np.float32), truncated=np.array([False]))
+    [s] = records.completion_samples([g], tok)
+    assert s["completion_ids"] == ids
+    assert [t["role"] for t in s["turns"]] == ["assistant", "environment", "assistant"]
+    assert [t["text"] for t in s["turns"]] == [
+        "5<|im_end|>", "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n",
+        "7<|im_end|>"]
+    assert [t["num_tokens"] for t in s["turns"]] == [len(seg) for seg, _ in segments]
+    # the old one-string form ran the turns together: "5user\nhigher\nassistant\n7"
+    assert "higher" in s["completion"] and "<|im_start|>" not in s["completion"]

@@ -187,3 +187,28 @@ def test_the_header_says_how_far_the_run_got_and_how_it_ended(tmp_path):
     steps, outcome = header()
     assert steps.endswith(f"({NUM_STEPS} logged of {NUM_STEPS + 10} planned)")
     assert outcome.startswith("- outcome: not finished: no summary.json")
+
+
+def test_multi_turn_samples_show_their_turns(tmp_path):
+    """samples.jsonl keeps an episode's turns; the report (md, html) and the TensorBoard
+    table show one line per turn with its role, not the run-together completion."""
+    turns = [{"role": "assistant", "text": "5<|im_end|>"},
+             {"role": "environment", "text": "<|im_start|>user\nhigher<|im_end|>"},
+             {"role": "assistant", "text": "7<|im_end|>"}]
+    with MetricsWriter(str(tmp_path), tensorboard=False, samples_every=1) as w:
+        w.log(1, {"reward/mean": 1.0})
+        w.log_samples(1, [{"prompt": "p", "completion": "5userhigher7", "reward": 1.0,
+                           "version": 0, "turns": turns, "completion_ids": [1, 2, 3]}])
+        with pytest.raises(TypeError, match="'turns' must be a list"):
+            w.log_samples(1, [{"prompt": "p", "completion": "c", "reward": 1.0, "version": 0,
+                               "turns": [{"role": "assistant"}]}])
+    import json
+    [line] = open(tmp_path / "samples.jsonl", encoding="utf-8").read().splitlines()
+    assert json.loads(line)["turns"] == turns and json.loads(line)["completion_ids"] == [1, 2, 3]
+    make_report(str(tmp_path), fmt="both")
+    md = open(tmp_path / "report" / "report.md", encoding="utf-8").read()
+    assert ("[assistant] 5&lt;|im_end|&gt;<br>[environment] &lt;|im_start|&gt;user<br>higher"
+            .replace("|", "\\|")) in md
+    assert "5userhigher7" not in md
+    page = open(tmp_path / "report" / "report.html", encoding="utf-8").read()
+    assert "[environment] &lt;|im_start|&gt;user\nhigher" in page

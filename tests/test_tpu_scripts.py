@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tpu_slices import fit
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(REPO, "scripts", "tpu")
 SCRIPTS = sorted(glob.glob(os.path.join(TPU, "*.sh")))
@@ -68,7 +70,8 @@ def test_shellcheck_clean(script):
 
 def test_create_prints_one_queued_resource_per_slice():
     cmds, notes, _ = dry("create.sh", *BASE, "--learner-type", "v6e-16", "--sampler-type",
-                         "v5litepod-8", "--spot")
+                         "v5litepod-8", "--spot", "--run-dir", "gs://b/runs", "--",
+                         *fit("v6e-16"))
     create = [c for c in cmds if c[:5] == ["gcloud", "compute", "tpus", "queued-resources",
                                            "create"]]
     assert [c[5] for c in create] == ["exp7-learner-qr", "exp7-sampler-qr"]
@@ -158,11 +161,12 @@ def test_sampler_slices_one_replica_per_host(typ, hosts):
     """--sampler-slices 2 of a multi-host type: one queued resource per slice, one start
     command per sampler host with its replica index, num_replicas = slices x hosts."""
     cmds, _, _ = dry("create.sh", *BASE, "--no-wait", "--sampler-slices", "2",
-                     "--sampler-type", typ)
+                     "--sampler-type", typ, "--", *fit(sampler=typ))
     assert [c[5] for c in cmds] == ["exp7-learner-qr", "exp7-sampler-0-qr", "exp7-sampler-1-qr"]
     assert [flag(c, "--accelerator-type") for c in cmds[1:]] == [typ, typ]
     cmds, notes, _ = dry("start.sh", *BASE, "--learner-ip", "10.0.0.7",
-                         "--sampler-slices", "2", "--sampler-type", typ)
+                         "--sampler-slices", "2", "--sampler-type", typ, "--",
+                         *fit(sampler=typ))
     scps, cmds = [c for c in cmds if c[4] == "scp"], [c for c in cmds if c[4] == "ssh"]
     assert [c[6].split(":")[0] for c in scps] == ["exp7-learner", "exp7-sampler-0",
                                                   "exp7-sampler-1"]
@@ -264,8 +268,38 @@ def test_create_stops_on_an_accelerator_type_without_a_runtime():
     """An unknown type (v5e-8 is the marketing name of v5litepod-8) stops create.sh before
     any command, instead of printing one with an empty --runtime-version."""
     _, _, proc = dry("create.sh", *BASE, "--learner-type", "v5e-8", ok=False)
-    assert proc.returncode == 2 and "no default runtime for accelerator type v5e-8" in proc.stderr
+    assert proc.returncode == 2 and "unknown accelerator type v5e-8" in proc.stderr
     assert "queued-resources create" not in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["create.sh", "up.sh", "start.sh"])
+@pytest.mark.parametrize("args,messages", [
+    # issue 39: a v6e-16 learner slice (16 chips on 4 hosts) for a config of 8 devices
+    (["--learner-type", "v6e-16", "--run-dir", "gs://b/r"],
+     ["the learner slice v6e-16 has 16 chips (4 host(s) x 4) but the config has "
+      "learner.num_devices=8 (learner.mesh data=1 x fsdp=8 x tensor=1)"]),
+    # each sampler host is one replica: v5litepod-16 hosts have 4 chips, the config wants 8
+    (["--sampler-type", "v5litepod-16", "--sampler-slices", "2"],
+     ["each sampler host of v5litepod-16 (one replica per host) has 4 chips but the config "
+      "has sampler.num_devices=8 (sampler.mesh data=4 x fsdp=1 x tensor=2)"]),
+    # devices fit the slice but the mesh does not: the config's own check names the field
+    (["--", "--learner.mesh.fsdp", "4"],
+     ["learner.mesh: has 4 devices but learner.num_devices=8"]),
+    # both slices wrong at once: both named
+    (["--learner-type", "v5p-32", "--sampler-type", "v6e-16", "--run-dir", "gs://b/r"],
+     ["the learner slice v5p-32 has 16 chips (4 host(s) x 4)",
+      "each sampler host of v6e-16 (one replica per host) has 4 chips"]),
+])
+def test_a_config_that_does_not_fit_the_slices_is_refused_before_anything(script, args,
+                                                                            messages):
+    """Issue 39 fault 6: the slices' chips and hosts against the config's devices, hosts and
+    meshes, checked before any gcloud command (nothing printed: nothing created)."""
+    _, _, proc = dry(script, *BASE, "--learner-ip", "10.0.0.7", *args, ok=False)
+    assert proc.returncode == 2, proc.stderr
+    for message in messages:
+        assert message in proc.stderr
+    assert "configs/gsm8k_qwen2_5_0_5b.py" in proc.stderr
+    assert proc.stdout == ""
 
 
 def test_stop_and_logs_name_the_program_of_every_sampler_slice():

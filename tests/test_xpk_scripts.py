@@ -12,6 +12,8 @@ import subprocess
 
 import pytest
 
+from tpu_slices import fit
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XPK = os.path.join(REPO, "scripts", "xpk")
 TPU = os.path.join(REPO, "scripts", "tpu")
@@ -65,7 +67,7 @@ def test_xpk_start_creates_one_workload_per_program_with_per_host_lines():
     cmds, hosts, _ = dry(os.path.join(XPK, "start.sh"), *BASE, "--docker-image", "gcr.io/p/r:1",
                          "--learner-type", "v5p-16", "--sampler-type", "v6e-16",
                          "--run-dir", "gs://bkt/runs", "--model-dir",
-                         "/models/q", "--", "--learner.lr", "1e-6")
+                         "/models/q", "--", *fit("v5p-16", "v6e-16"), "--learner.lr", "1e-6")
     assert [c[:3] for c in cmds] == [["xpk", "workload", "create"]] * 2
     learner_addr = "exp7-learner-slice-job-0-0.exp7-learner"
     for cmd, role, typ in zip(cmds, ("learner", "sampler"), ("v5p-16", "v6e-16")):
@@ -114,7 +116,15 @@ def test_xpk_delete_and_named_errors():
                          "(v5p-16) has 2 hosts"),
             (["--zone", "z", "--cluster", "c", "--docker-image", "i", "--learner-type",
               "v7x-12"], "unknown accelerator type v7x-12"),
-            (["--zone", "z", "--cluster", "--docker-image", "i"], "--cluster needs a value")):
+            (["--zone", "z", "--cluster", "--docker-image", "i"], "--cluster needs a value"),
+            # issue 39 fault 6: the slices against the config, before any workload
+            (["--zone", "z", "--cluster", "c", "--docker-image", "i", "--learner-type",
+              "v5p-32", "--run-dir", "gs://b/r"], "the learner slice v5p-32 has 16 chips "
+                                                   "(4 host(s) x 4) but the config has "
+                                                   "learner.num_devices=8"),
+            (["--zone", "z", "--cluster", "c", "--docker-image", "i", "--sampler-type",
+              "v6e-16"], "each sampler host of v6e-16 (one replica per host) has 4 chips but "
+                         "the config has sampler.num_devices=8")):
         _, _, proc = dry(start, *args, ok=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
@@ -159,7 +169,7 @@ def test_pod_run_takes_its_slice_place_from_the_gke_tpu_environment(tmp_path):
 def test_tpu_start_prints_each_host_of_a_multi_host_learner_slice(typ, hosts):
     cmds, lines, _ = dry(os.path.join(TPU, "start.sh"), "--zone", "z", "--name", "exp7",
                          "--learner-ip", "10.0.0.7", "--learner-type", typ,
-                         "--run-dir", "gs://b/runs")
+                         "--run-dir", "gs://b/runs", "--", *fit(typ))
     ssh = [c for c in cmds if c[3:5] == ["tpu-vm", "ssh"]]
     assert [c[5] for c in ssh] == ["exp7-learner", "exp7-sampler"]
     assert flag(ssh[0], "--worker") == "all"                  # one ssh reaches every host

@@ -222,13 +222,25 @@ def policy_version_range(group: Mapping[str, np.ndarray]) -> tuple[int, int]:
 def completion_samples(groups: Sequence[Mapping[str, np.ndarray]], tokenizer,
                        reasoning=None) -> list[dict]:
     """One dict per completion of ``groups``, for the samples log
-    (:meth:`rlflow.run.metrics.MetricsWriter.log_samples`): ``prompt`` and ``completion`` (text,
-    ``tokenizer.decode``; special tokens dropped from the completion), ``reward`` (float),
-    ``version`` (the oldest policy version that sampled a token of it; -1 when none did),
-    ``prompt_id`` (int), ``truncated`` (bool) and, for records that carry it, ``failed``
-    (bool: an environment or reward failure). With ``reasoning`` (a thinking model's parser,
-    :func:`rlflow.data.reasoning.get_reasoning_parser`, other than "none") also ``reasoning``
-    and ``answer`` (the graded part; "" when the reasoning never closed)."""
+    (:meth:`rlflow.run.metrics.MetricsWriter.log_samples`):
+
+    * ``prompt`` and ``completion`` (text, ``tokenizer.decode``; special tokens dropped from
+      the completion: the text a single-turn reward reads);
+    * ``completion_ids`` (list of int, the completion's ``completion_lengths`` ids: the raw
+      ids, special tokens and environment tokens included);
+    * ``turns`` (multi-turn episodes only, i.e. groups with ``loss_mask``): the completion
+      split where the loss mask changes, ``[{"role": "assistant" | "environment", "text":
+      str, "num_tokens": int}]`` in episode order; ``assistant`` turns are the ids the policy
+      sampled, ``environment`` turns the environment's tokens with the template's
+      scaffolding (tool results, user turns, the next generation prompt). Both are decoded
+      with special tokens kept, so the template's role headers and end-of-turn tokens show
+      and ``sum(num_tokens) == len(completion_ids)``;
+    * ``reward`` (float), ``version`` (the oldest policy version that sampled a token of it;
+      -1 when none did), ``prompt_id`` (int) and ``truncated`` (bool);
+    * for records that carry it, ``failed`` (bool: an environment or reward failure);
+    * with ``reasoning`` (a thinking model's parser,
+      :func:`rlflow.data.reasoning.get_reasoning_parser`, other than "none"), ``reasoning``
+      and ``answer`` (the graded part; "" when the reasoning never closed)."""
     from rlflow.data.reasoning import split_none
 
     if reasoning is split_none:
@@ -236,24 +248,48 @@ def completion_samples(groups: Sequence[Mapping[str, np.ndarray]], tokenizer,
     out = []
     for g in groups:
         prompt = tokenizer.decode(g["prompt_tokens"].tolist())
+        mask = g.get("loss_mask")
         for i in range(len(g["rewards"])):
             n = int(g["completion_lengths"][i])
             toks = g["completion_tokens"][i, :n].tolist()
             versions = g["policy_versions"][i, :n]
             versions = versions[versions >= 0]          # env tokens of episodes: -1
             text = tokenizer.decode(toks, skip_special_tokens=True)
-            parts = {}
+            sample = {"prompt": prompt, "completion": text,
+                      "completion_ids": [int(t) for t in toks]}
             if reasoning is not None:
                 split = reasoning(text)
-                parts = {"reasoning": split.reasoning, "answer": split.answer}
-            out.append({"prompt": prompt,
-                        "completion": text, **parts,
-                        "reward": float(g["rewards"][i]),
-                        "version": int(versions.min()) if versions.size else -1,
-                        "prompt_id": int(g["prompt_id"]),
-                        "truncated": bool(g["truncated"][i]),
-                        **({"failed": bool(g["failed"][i])} if "failed" in g else {})})
+                sample |= {"reasoning": split.reasoning, "answer": split.answer}
+            sample |= {"reward": float(g["rewards"][i]),
+                       "version": int(versions.min()) if versions.size else -1,
+                       "prompt_id": int(g["prompt_id"]),
+                       "truncated": bool(g["truncated"][i])}
+            if "failed" in g:
+                sample["failed"] = bool(g["failed"][i])
+            if mask is not None:
+                sample["turns"] = episode_turns(toks, np.asarray(mask[i, :n], bool), tokenizer)
+            out.append(sample)
     return out
+
+
+def episode_turns(ids: Sequence[int], loss_mask: np.ndarray, tokenizer) -> list[dict]:
+    """A multi-turn episode's completion ``ids`` ``[n]`` split into turns where ``loss_mask``
+    (bool ``[n]``: 1 on sampled ids) changes: ``[{"role", "text", "num_tokens"}]`` with role
+    ``"assistant"`` on sampled runs and ``"environment"`` on the others, text decoded with
+    special tokens kept (:func:`completion_samples`)."""
+    turns: list[dict] = []
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or loss_mask[end] != loss_mask[start]:
+            turns.append({"role": "assistant" if loss_mask[start] else "environment",
+                          "text": tokenizer.decode(list(ids[start:end]),
+                                                   skip_special_tokens=False),
+                          "num_tokens": end - start})
+            start = end
+    return turns
+
+
+# ----------------------------------------------------------------------------- framing
 
 
 def _header(arrays: Mapping[str, np.ndarray]) -> tuple[bytes, list[np.ndarray]]:

@@ -6,12 +6,12 @@ return the problems found as ``file:line: why`` strings for the caller to show.
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import json
 import math
-import os
 from typing import Any, Iterable, Mapping, Sequence
 
+from rlflow.run import files
 from rlflow.run.metrics import (CONFIG_FILE, METRICS_FILE, REQUIRED_METRICS, RESERVED_KEYS,
                             SAMPLES_FILE, TB_GLOB)
 
@@ -27,22 +27,21 @@ def read_jsonl(path: str) -> tuple[list[dict], list[str]]:
     Raises:
       RunFolderError: the file does not exist.
     """
-    if not os.path.isfile(path):
+    if not files.isfile(path):
         raise RunFolderError(f"{path}: file not found")
     records, problems = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.append(f"{path}:{lineno}: not valid JSON ({e.msg})")
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                problems.append(f"{path}:{lineno}: expected an object with an int 'step'")
-                continue
-            records.append(record)
+    for lineno, line in enumerate(files.read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{path}:{lineno}: not valid JSON ({e.msg})")
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            problems.append(f"{path}:{lineno}: expected an object with an int 'step'")
+            continue
+        records.append(record)
     return records, problems
 
 
@@ -73,17 +72,16 @@ def validate_run_folder(run_dir: str, required: Sequence[str] = REQUIRED_METRICS
         non-finite metrics).
     """
     problems = []
-    config = os.path.join(run_dir, CONFIG_FILE)
-    if not os.path.isfile(config):
+    config = files.join(run_dir, CONFIG_FILE)
+    if not files.isfile(config):
         problems.append(f"{config}: file not found")
     else:
         try:
-            with open(config, encoding="utf-8") as f:
-                json.load(f)
+            json.loads(files.read_text(config))
         except json.JSONDecodeError as e:
             problems.append(f"{config}: not valid JSON ({e})")
     try:
-        records, bad = read_jsonl(os.path.join(run_dir, METRICS_FILE))
+        records, bad = read_jsonl(files.join(run_dir, METRICS_FILE))
         problems += bad
         if not records:
             problems.append(f"{run_dir}/{METRICS_FILE}: no records")
@@ -97,11 +95,11 @@ def validate_run_folder(run_dir: str, required: Sequence[str] = REQUIRED_METRICS
                                 f"values {r['non_finite']}")
     except RunFolderError as e:
         problems.append(str(e))
-    if not glob.glob(os.path.join(run_dir, TB_GLOB)):
+    if not fnmatch.filter(files.listdir(run_dir) if files.isdir(run_dir) else [], TB_GLOB):
         problems.append(f"{run_dir}: no TensorBoard event file ({TB_GLOB})")
     if expect_samples:
         try:
-            samples, bad = read_jsonl(os.path.join(run_dir, SAMPLES_FILE))
+            samples, bad = read_jsonl(files.join(run_dir, SAMPLES_FILE))
             problems += bad
             if not samples:
                 problems.append(f"{run_dir}/{SAMPLES_FILE}: no sample completions")

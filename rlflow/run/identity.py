@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import glob
+import fnmatch
 import json
 import os
 import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+from rlflow.run import files
 
 RUN_FILE = "run.json"
 IDENTITY_SECTIONS: tuple[str, ...] = ("model", "data", "reward", "LoRA adapters")
@@ -83,14 +85,13 @@ def has_trained(run_path: str) -> bool:
     if latest_checkpoint_step(run_path) is not None:
         return True
     try:
-        with open(os.path.join(run_path, "metrics.jsonl"), "rb") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                    return True
+        for line in files.read_bytes(files.join(run_path, "metrics.jsonl")).splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                return True
     except OSError:
         pass
     return False
@@ -109,12 +110,12 @@ def earlier_run_records(run_path: str) -> list[str]:
         return []
     found = []
     for name in RESULT_ENTRIES:
-        path = os.path.join(run_path, name)
-        if os.path.isdir(path) and os.listdir(path):
+        path = files.join(run_path, name)
+        if files.isdir(path) and files.listdir(path):
             found.append(name + "/")
-        elif os.path.isfile(path) and os.path.getsize(path) > 0:
+        elif files.isfile(path) and files.read_bytes(path):
             found.append(name)
-    found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_path, TB_GLOB)))
+    found += sorted(n for n in files.listdir(run_path) if fnmatch.fnmatch(n, TB_GLOB))
     return found
 
 
@@ -165,17 +166,14 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any],
 
 def _read_json(path: str) -> Optional[dict]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(files.read_text(path))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
 def _write_json(path: str, data: dict) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-    os.replace(path + ".tmp", path)
+    files.write_atomic(path, json.dumps(data, indent=2))
 
 
 def _utc_stamp(now: datetime.datetime) -> str:
@@ -196,10 +194,16 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
     """
     from rlflow.config.secrets import redact_config
 
-    run_path = os.path.abspath(cfg.run_path)
+    run_path = files.absolute(cfg.run_path)
     records = earlier_run_records(run_path)
     warnings: list[str] = []
     if records and cfg.checkpoint.resume == "never":
+        if files.is_url(run_path):     # an object store has no folder to move aside
+            raise RunFolderConflict(
+                f"run folder {run_path} holds an earlier run ({', '.join(records)}); "
+                "--checkpoint.resume never will not mix two runs in one folder, and "
+                "--checkpoint.overwrite cannot move a folder of an object store aside: pick "
+                "a new folder (--name NEW or --run_dir DIR)")
         if not cfg.checkpoint.overwrite:
             raise RunFolderConflict(
                 f"run folder {run_path} holds an earlier run ({', '.join(records)}); "
@@ -207,7 +211,7 @@ def check_run_folder(cfg) -> tuple[list[str], list[str]]:
                 "a new folder (--name NEW or --run_dir DIR), or add --checkpoint.overwrite "
                 f"true to move the earlier run aside to {run_path}.replaced-<time>")
     elif records:                                  # resume "auto": the same run continues
-        old_config = _read_json(os.path.join(run_path, "config.json"))
+        old_config = _read_json(files.join(run_path, "config.json"))
         if old_config is not None:
             new_config = redact_config(dataclasses.asdict(cfg))
             changed = config_differences(identity_of(old_config), identity_of(new_config))
@@ -241,9 +245,9 @@ def prepare_run_folder(cfg, *, now: Optional[datetime.datetime] = None) -> Prepa
     from rlflow.config.secrets import redact_config
 
     now = now or datetime.datetime.now(datetime.timezone.utc)
-    run_path = os.path.abspath(cfg.run_path)
+    run_path = files.absolute(cfg.run_path)
     records, warnings = check_run_folder(cfg)
-    manifest = _read_json(os.path.join(run_path, RUN_FILE))
+    manifest = _read_json(files.join(run_path, RUN_FILE))
     moved_to = None
     if records and cfg.checkpoint.resume == "never":        # overwrite (checked above)
         moved_to = f"{run_path}.replaced-{_utc_stamp(now)}"
@@ -259,7 +263,7 @@ def prepare_run_folder(cfg, *, now: Optional[datetime.datetime] = None) -> Prepa
                     "created": now.isoformat(timespec="seconds"), "identity": identity}
     else:
         manifest = dict(manifest, identity=identity)
-    os.makedirs(run_path, exist_ok=True)
-    _write_json(os.path.join(run_path, RUN_FILE), manifest)
+    files.makedirs(run_path)
+    _write_json(files.join(run_path, RUN_FILE), manifest)
     return PreparedRun(run_id=str(manifest["run_id"]), moved_to=moved_to,
                        warnings=tuple(warnings))

@@ -31,6 +31,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from rlflow.run import files
+
 logger = logging.getLogger("rlflow.run.metrics")
 
 CONFIG_FILE = "config.json"
@@ -165,25 +167,29 @@ class MetricsWriter:
             raise ValueError(f"samples_every and num_samples must be >= 0, got "
                              f"{samples_every}, {num_samples}")
         self.run_dir = os.fspath(run_dir)
-        os.makedirs(self.run_dir, exist_ok=True)
+        files.makedirs(self.run_dir)
         self.samples_every, self.num_samples = samples_every, num_samples
         self.on_non_finite = on_non_finite
         self.non_finite_count = 0
         self._lock = threading.Lock()
         self._closed = False
         for name in (METRICS_FILE, SAMPLES_FILE):
-            removed = truncate_after(os.path.join(self.run_dir, name), start_step)
+            removed = truncate_after(files.join(self.run_dir, name), start_step)
             if removed:
                 logger.info("%s: removed %d record(s) of steps after %d (written after the "
                             "checkpoint this run resumes from)", name, removed, start_step)
-        self._metrics = open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8")
-        self._samples = open(os.path.join(self.run_dir, SAMPLES_FILE), "a", encoding="utf-8")
+        self._metrics = files.AppendFile(files.join(self.run_dir, METRICS_FILE))
+        self._samples = files.AppendFile(files.join(self.run_dir, SAMPLES_FILE))
         self._tb = None
+        # TensorBoard writes its event files with local file calls: for an object-store run
+        # folder it writes them in the run's local side and flush() copies them over.
+        self._tb_dir = (self.run_dir if not files.is_url(self.run_dir)
+                        else os.path.join(files.local_side(self.run_dir), "tensorboard"))
         if tensorboard:
             from tensorboardX import SummaryWriter  # imports torch: keep it off module import
             # The suffix keeps two writers opened in the same second (a quick resume) from
             # sharing tensorboardX's per-second file name, which would truncate the first.
-            self._tb = SummaryWriter(logdir=self.run_dir, flush_secs=10,
+            self._tb = SummaryWriter(logdir=self._tb_dir, flush_secs=10,
                                      purge_step=start_step + 1,
                                      filename_suffix=f".{time.time_ns()}")
 
@@ -208,12 +214,10 @@ class MetricsWriter:
         data = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
         data = redact_config(data)                  # secrets never reach the run folder
         text = json.dumps(data, indent=2, default=_jsonable)
-        path = os.path.join(self.run_dir, CONFIG_FILE)
+        path = files.join(self.run_dir, CONFIG_FILE)
         with self._lock:
             self._check_open()
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-            os.replace(path + ".tmp", path)
+            files.write_atomic(path, text + "\n")
             if self._tb is not None:
                 self._tb.add_text("config", "```\n" + text + "\n```", 0)
         return path
@@ -303,8 +307,11 @@ class MetricsWriter:
 
         Args:
           samples: mappings with ``prompt`` (str), ``completion`` (str), ``reward`` (real
-            scalar) and ``version`` (int, the policy version that sampled it); extra
-            JSON-serialisable keys (e.g. ``answer``, ``truncated``) are kept.
+            scalar) and ``version`` (int, the policy version that sampled it); optional
+            ``turns`` (multi-turn episodes: a list of ``{"role": str, "text": str, ...}``,
+            shown instead of ``completion`` in TensorBoard and ``rlflow report``); extra
+            JSON-serialisable keys (e.g. ``answer``, ``truncated``, ``completion_ids``) are
+            kept.
 
         Returns:
           The number of samples written.
@@ -327,6 +334,12 @@ class MetricsWriter:
                 if not isinstance(sample[key], str):
                     raise TypeError(f"{where}: {key!r} must be str, got "
                                     f"{type(sample[key]).__name__}")
+            turns = sample.get("turns")
+            if turns is not None and not (isinstance(turns, list) and all(
+                    isinstance(t, Mapping) and isinstance(t.get("role"), str)
+                    and isinstance(t.get("text"), str) for t in turns)):
+                raise TypeError(f"{where}: 'turns' must be a list of {{'role': str, 'text': "
+                                f"str}} dicts, got {turns!r:.200}")
             version = sample["version"]
             if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
                 raise TypeError(f"{where}: 'version' must be int, got {version!r}")
@@ -357,6 +370,7 @@ class MetricsWriter:
         with self._lock:
             if not self._closed and self._tb is not None:
                 self._tb.flush()
+                self._copy_tensorboard()
 
     def close(self) -> None:
         """Flush and close every file (idempotent); later writes raise RuntimeError."""
@@ -368,6 +382,15 @@ class MetricsWriter:
             self._samples.close()
             if self._tb is not None:
                 self._tb.close()
+                self._copy_tensorboard()
+
+    def _copy_tensorboard(self) -> None:
+        """Object-store run folder: put the local TensorBoard event files in it (whole)."""
+        if self._tb_dir == self.run_dir or not os.path.isdir(self._tb_dir):
+            return
+        for name in os.listdir(self._tb_dir):
+            with open(os.path.join(self._tb_dir, name), "rb") as f:
+                files.write_atomic(files.join(self.run_dir, name), f.read())
 
     def _check_open(self) -> None:
         if self._closed:
@@ -388,8 +411,7 @@ def truncate_after(path: str, step: int) -> int:
     records). Returns the number of lines removed (0, and the file untouched, when none).
     """
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = files.read_bytes(path)
     except FileNotFoundError:
         return 0
     lines = data.split(b"\n")
@@ -406,17 +428,26 @@ def truncate_after(path: str, step: int) -> int:
         else:
             keep.append(line)
     if removed:
-        with open(path + ".tmp", "wb") as f:
-            f.write(b"".join(line + b"\n" for line in keep))
-        os.replace(path + ".tmp", path)
+        files.write_atomic(path, b"".join(line + b"\n" for line in keep))
     return removed
+
+
+def completion_text(sample: Mapping[str, Any]) -> str:
+    """What a report shows of a sample's completion: its ``turns`` one per line as
+    ``[role] text`` (multi-turn episodes, :func:`rlflow.exchange.records.completion_samples`),
+    else ``completion``. A malformed ``turns`` falls back to ``completion``."""
+    turns = sample.get("turns")
+    if isinstance(turns, list) and turns and all(isinstance(t, dict) for t in turns):
+        return "\n".join(f"[{t.get('role', '?')}] {t.get('text', '')}" for t in turns)
+    return str(sample.get("completion", ""))
 
 
 def _samples_markdown(lines: Sequence[str]) -> str:
     rows = ["| version | reward | prompt | completion |", "|---|---|---|---|"]
     for line in lines:
         r = json.loads(line)
-        cells = [str(r["version"]), str(r["reward"]), r["prompt"][:200], r["completion"][:400]]
+        cells = [str(r["version"]), str(r["reward"]), r["prompt"][:200],
+                 completion_text(r)[:400]]
         rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells)
                     + " |")
     return "\n".join(rows)

@@ -23,7 +23,9 @@ import html
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Sequence
@@ -31,7 +33,9 @@ from typing import Annotated, Literal, Optional, Sequence
 import numpy as np
 import tyro
 
-from rlflow.run.metrics import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST
+from rlflow.run.metrics import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST,
+                                completion_text)
+from rlflow.run import files
 from rlflow.run.folder import RunFolderError, metrics_by_step, read_jsonl
 
 FIGSIZE = (8.0, 5.5)  # inches
@@ -179,8 +183,7 @@ def _outcome(run_dir: str, last_step: int, planned) -> str:
     launcher ends): finished, stopped early, or, without that file, still running or ended
     without its launcher (``kill -9``, a lost machine)."""
     try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
-            summary = json.load(f)
+        summary = json.loads(files.read_text(files.join(run_dir, "summary.json")))
     except (OSError, ValueError):
         summary = None
     if not isinstance(summary, dict):
@@ -222,9 +225,9 @@ def _markdown(title, meta, plots, missing, summary, samples, problems) -> str:
     out += ["", f"## Sample completions (latest {len(samples)})", ""]
     if samples:
         out += ["| step | version | reward | prompt | completion |", "|---|---|---|---|---|"]
-        out += ["| " + " | ".join(_md_cell(s.get(k)) for k in
-                                  ("step", "version", "reward", "prompt", "completion")) + " |"
-                for s in samples]
+        out += ["| " + " | ".join([_md_cell(s.get(k)) for k in ("step", "version", "reward",
+                                                                "prompt")]
+                                  + [_md_cell(completion_text(s))]) + " |" for s in samples]
     else:
         out.append("No sample completions were written (metrics.samples_every = 0?).")
     return "\n".join(out) + "\n"
@@ -259,8 +262,8 @@ def _html(title, meta, plots, missing, summary, samples, problems, img_dir, conf
         for s in samples:
             out.append("<tr>" + "".join(f"<td>{e(_cell(s.get(k)))}</td>" for k in
                                         ("step", "version", "reward"))
-                       + "".join(f"<td class='t'>{e(_cell(s.get(k)))}</td>" for k in
-                                 ("prompt", "completion")) + "</tr>")
+                       + f"<td class='t'>{e(_cell(s.get('prompt')))}</td>"
+                       + f"<td class='t'>{e(_cell(completion_text(s)))}</td></tr>")
         out.append("</table>")
     else:
         out.append("<p>No sample completions were written (metrics.samples_every = 0?).</p>")
@@ -292,11 +295,11 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
         raise ValueError(f"format must be 'html', 'md' or 'both', got {fmt!r}")
     if max_samples < 0:
         raise ValueError(f"max_samples must be >= 0, got {max_samples}")
-    if not os.path.isdir(run_dir):
+    if not files.isdir(run_dir):
         raise RunFolderError(f"{run_dir}: not a folder (expected a run folder runs/<name>)")
-    metrics_path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.isfile(metrics_path) and os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
-        logs = os.path.join(run_dir, "logs")
+    metrics_path = files.join(run_dir, METRICS_FILE)
+    if not files.isfile(metrics_path) and files.isfile(files.join(run_dir, CONFIG_FILE)):
+        logs = os.path.join(files.local_side(run_dir), "logs")
         raise RunFolderError(f"{metrics_path}: file not found: the run in {run_dir} has not "
                              f"finished a step (still starting, or it stopped before its "
                              f"first step" + (f"; its programs' logs are in {logs})"
@@ -306,36 +309,38 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
     problems += [f"{METRICS_FILE}: step {r['step']}: non-finite values {r['non_finite']} "
                  "(recorded as null)" for r in records if r.get("non_finite")]
     if not by_step:
-        raise RunFolderError(f"{os.path.join(run_dir, METRICS_FILE)}: no valid metric records"
+        raise RunFolderError(f"{metrics_path}: no valid metric records"
                              + (f" ({problems[0]} ...)" if problems else ""))
     samples = []
-    if os.path.isfile(os.path.join(run_dir, SAMPLES_FILE)):
-        samples, bad = read_jsonl(os.path.join(run_dir, SAMPLES_FILE))
+    if files.isfile(files.join(run_dir, SAMPLES_FILE)):
+        samples, bad = read_jsonl(files.join(run_dir, SAMPLES_FILE))
         problems += bad
     samples = samples[-max_samples:] if max_samples else []
     config = None
-    config_path = os.path.join(run_dir, CONFIG_FILE)
-    if os.path.isfile(config_path):
+    config_path = files.join(run_dir, CONFIG_FILE)
+    if files.isfile(config_path):
         try:
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            config = json.loads(files.read_text(config_path))
         except json.JSONDecodeError as err:
             problems.append(f"{config_path}: not valid JSON ({err})")
     else:
         problems.append(f"{config_path}: file not found")
 
-    out_dir = out_dir or os.path.join(run_dir, "report")
+    out_dir = out_dir or files.join(run_dir, "report")
+    # Plots and pages are drawn into a local folder; an object-store out_dir gets copies.
+    target, out_dir = out_dir, (out_dir if not files.is_url(out_dir)
+                                else tempfile.mkdtemp(prefix="rlflow-report-"))
     img_dir = os.path.join(out_dir, "plots")
     os.makedirs(img_dir, exist_ok=True)
     drawn, missing = [], []
     for spec in PLOTS + replica_plots(by_step):
         (drawn if plot(spec, by_step, os.path.join(img_dir, f"{spec.name}.png"))
          else missing).append(spec)
-    name = (config or {}).get("name") or os.path.basename(os.path.abspath(run_dir))
+    name = (config or {}).get("name") or os.path.basename(files.absolute(run_dir).rstrip("/"))
     steps = list(by_step)
     planned = ((config or {}).get("learner") or {}).get("num_steps")
     of = f" of {planned} planned" if isinstance(planned, int) else ""
-    meta = [("run folder", os.path.abspath(run_dir)), ("steps", f"{steps[0]} … {steps[-1]} "
+    meta = [("run folder", files.absolute(run_dir)), ("steps", f"{steps[0]} … {steps[-1]} "
             f"({len(steps)} logged{of})"), ("outcome", _outcome(run_dir, steps[-1], planned)),
             ("generated", time.strftime("%Y-%m-%d %H:%M:%S"))]
     title = f"rlflow run report: {name}"
@@ -352,6 +357,15 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
         with open(page, "w", encoding="utf-8") as f:
             f.write(_html(title, meta, drawn, missing, summary, samples, problems, img_dir,
                           config))
+    if target != out_dir:             # object store: put every file, then drop the local one
+        for folder, _, names in os.walk(out_dir):
+            for n in names:
+                local = os.path.join(folder, n)
+                with open(local, "rb") as f:
+                    files.write_atomic(files.join(target, os.path.relpath(local, out_dir)),
+                                       f.read())
+        shutil.rmtree(out_dir, ignore_errors=True)
+        page = files.join(target, os.path.basename(page))
     return page
 
 
@@ -369,6 +383,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except OSError as err:            # a read-only run folder, no space: name where it wrote
         where = args.out_dir or os.path.join(args.run_dir, "report")
+        if files.no_space(err) is not None:
+            line = files.full_line(where, files.no_space(err), "the report",
+                                   then="free space, or write it elsewhere with --out-dir")
+            print(f"rlflow report: {line}", file=sys.stderr)
+            return 2
         print(f"rlflow report: cannot write the report in {where}: {err.strerror or err}"
               f"{': ' + str(err.filename) if err.filename else ''} (--out-dir writes it "
               f"elsewhere)", file=sys.stderr)

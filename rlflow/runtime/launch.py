@@ -33,6 +33,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
+from rlflow.run import files
 from rlflow.runtime import programs_common as pc
 from rlflow.runtime import host_memory, learner_hosts
 from rlflow.runtime.child_logs import fatal_line
@@ -136,14 +137,35 @@ def _pin_cpus(env=None) -> None:
         os.sched_setaffinity(0, {int(c) for c in env[pc.ENV_CPUS].split(",")})
 
 
+def run_child(argv: Optional[Sequence[str]] = None) -> int:
+    """:func:`child_main` with its failure made a line for the launcher: the traceback and
+    :func:`rlflow.runtime.child_logs.fatal_line` (exit code 1), or, when the run folder's
+    file system is full or read-only (:func:`rlflow.run.files.no_space` anywhere in the
+    exception's chain: a metrics line, a checkpoint, the ledger), the one line of
+    :func:`rlflow.run.files.full_line` and exit code
+    :data:`rlflow.run.files.NO_SPACE_EXIT_CODE` (the launcher reads it even when the log,
+    in the full folder, could not be written)."""
+    try:
+        exit_code = child_main(argv)
+        learner_hosts.leave_background_compiles(exit_code)   # returns unless only they're left
+        return exit_code
+    except Exception as e:              # the traceback, then the line the launcher reports
+        full = files.no_space(e)
+        try:
+            if full is not None:
+                folder = os.path.dirname(os.environ.get(pc.ENV_CONFIG) or ".")
+                print(f"rlflow: {files.full_line(folder, full)}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exc()
+                print(fatal_line(e), file=sys.stderr, flush=True)
+        except OSError:                 # the log itself is on the full file system
+            pass
+        return 1 if full is None else files.NO_SPACE_EXIT_CODE
+
+
 if __name__ == "__main__":
     try:
-        exit_code = child_main()
-        learner_hosts.leave_background_compiles(exit_code)   # returns unless only they're left
-    except Exception as e:              # the traceback, then the line the launcher reports
-        traceback.print_exc()
-        print(fatal_line(e), file=sys.stderr, flush=True)
-        exit_code = 1
+        exit_code = run_child()
     finally:
         pc.arm_exit_watchdog()          # no thread stuck at exit keeps this process alive
     sys.exit(exit_code)

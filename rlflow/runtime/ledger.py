@@ -348,23 +348,22 @@ class TrainedPromptsLog:
     """
 
     def __init__(self, run_path: str, start_step: int):
-        self.path = os.path.join(run_path, TRAINED_PROMPTS_FILE)
-        os.makedirs(run_path, exist_ok=True)
+        from rlflow.run import files
+
+        self.path = files.join(run_path, TRAINED_PROMPTS_FILE)
+        files.makedirs(run_path)
         kept = []
-        if os.path.isfile(self.path):
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        continue                      # a line cut by a kill
-                    if isinstance(rec, dict) and isinstance(rec.get("step"), int) and \
-                            rec["step"] <= start_step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
-        self._f = open(self.path, "a")
+        if files.isfile(self.path):
+            for line in files.read_text(self.path).splitlines(keepends=True):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue                          # a line cut by a kill
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and \
+                        rec["step"] <= start_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        files.write_atomic(self.path, "".join(kept))
+        self._f = files.AppendFile(self.path)
 
     def write(self, step: int, tracked, prompts_per_epoch: int) -> None:
         """``tracked``: ``[((stream_index, lease_id), prompt_id), ...]`` of one step."""
@@ -380,11 +379,12 @@ class TrainedPromptsLog:
 
 def read_trained_prompts(run_path: str) -> list[dict]:
     """The records of ``<run>/trained_prompts.jsonl`` (complete lines only)."""
+    from rlflow.run import files
+
     out = []
-    with open(os.path.join(run_path, TRAINED_PROMPTS_FILE)) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
+    for line in files.read_text(files.join(run_path, TRAINED_PROMPTS_FILE)).splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
     return out

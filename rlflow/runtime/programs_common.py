@@ -83,11 +83,12 @@ def config_from_dict(cls, data: dict):
 
 def save_config(cfg, path: str) -> None:
     """Write ``cfg`` as JSON, secrets redacted (:func:`rlflow.config.secrets.redact_config`)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(redact_config(config_to_dict(cfg)), f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    from rlflow.run import files
+
+    if not files.is_url(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    files.write_atomic(path, json.dumps(redact_config(config_to_dict(cfg)), indent=2,
+                                        sort_keys=True))
 
 
 def load_config(path: str, env=None):
@@ -97,8 +98,9 @@ def load_config(path: str, env=None):
     program's registries hold the user's functions, :mod:`rlflow.runtime.plugins`)."""
     from rlflow.runtime.plugins import import_plugins
 
-    with open(path) as f:
-        cfg = config_from_dict(config_mod.ExperimentConfig, json.load(f))
+    from rlflow.run import files
+
+    cfg = config_from_dict(config_mod.ExperimentConfig, json.loads(files.read_text(path)))
     cfg = resolve_secrets(cfg, env)
     import_plugins(cfg.plugins)
     return cfg

@@ -27,8 +27,12 @@ class RunFolderInUse(RuntimeError):
 
 
 def lock_path(run_path: str) -> str:
-    """``<parent>/.<name>.lock`` for the run folder ``<parent>/<name>``."""
-    run_path = os.path.abspath(run_path)
+    """``<parent>/.<name>.lock`` for the run folder ``<parent>/<name>``; for an object-store
+    run folder (``gs://...``, which has no lock) the same beside its local side
+    (:func:`rlflow.run.files.local_side`): it keeps two launchers on this machine apart."""
+    from rlflow.run import files
+
+    run_path = os.path.abspath(files.local_side(run_path))
     return os.path.join(os.path.dirname(run_path), f".{os.path.basename(run_path)}.lock")
 
 
@@ -41,7 +45,7 @@ class RunLock:
     """
 
     def __init__(self, run_path: str):
-        self.run_path = os.path.abspath(run_path)
+        self.run_path = run_path if "://" in run_path else os.path.abspath(run_path)
         self.path = lock_path(run_path)
         self._fd: Optional[int] = None
 

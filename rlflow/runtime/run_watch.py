@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Mapping, Optional
 
+from rlflow.run import files
 from rlflow.run.metrics import METRICS_FILE
 from rlflow.run.folder import metrics_by_step, read_jsonl
 
@@ -37,13 +38,13 @@ def latest_checkpoint_step(run_path: str) -> Optional[int]:
     the all-digit names are the complete ones (what ``Checkpointer.latest_step()`` returns,
     without importing JAX / orbax in the launcher).
     """
-    directory = os.path.join(run_path, CHECKPOINTS_SUBDIR)
+    directory = files.join(run_path, CHECKPOINTS_SUBDIR)
     try:
-        names = os.listdir(directory)
+        names = files.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return None
     steps = [int(n) for n in names
-             if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
+             if n.isdigit() and files.isdir(files.join(directory, n))]
     return max(steps) if steps else None
 
 
@@ -61,7 +62,7 @@ def discard_records_after(run_path: str, step: int) -> dict[str, int]:
 
     removed = {}
     for name in (METRICS_FILE, SAMPLES_FILE):
-        n = truncate_after(os.path.join(run_path, name), step)
+        n = truncate_after(files.join(run_path, name), step)
         if n:
             removed[name] = n
     return removed
@@ -163,9 +164,7 @@ def health(success: bool, counts: Mapping[str, float], last: Mapping,
 def _write_summary(path: str, summary: Mapping) -> None:
     """Write ``summary`` to ``path`` atomically (a temporary file, then ``os.replace``), as
     strict JSON: a figure with no value (NaN, inf) is ``null``."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(_finite_or_none(summary), f, indent=2, allow_nan=False)
-    os.replace(path + ".tmp", path)
+    files.write_atomic(path, json.dumps(_finite_or_none(summary), indent=2, allow_nan=False))
 
 
 def _write_report(run_path: str, stream) -> Optional[str]:
@@ -258,10 +257,9 @@ def mark_complete(run_path: str, step: int, stream=None) -> Optional[str]:
       The report page's path, or None when nothing was changed or no report could be made.
     """
     stream = stream if stream is not None else sys.stdout
-    path = os.path.join(run_path, SUMMARY_FILE)
+    path = files.join(run_path, SUMMARY_FILE)
     try:
-        with open(path) as f:
-            summary = json.load(f)
+        summary = json.loads(files.read_text(path))
     except (OSError, ValueError):
         return None
     if not isinstance(summary, dict) or summary.get("success") is not False:
@@ -310,7 +308,8 @@ class RunWatcher:
         self.cfg = cfg
         self.run_path = run_path
         self.stream = stream if stream is not None else sys.stderr
-        self.path = os.path.join(run_path, METRICS_FILE)
+        self.path = files.join(run_path, METRICS_FILE)
+        self.logs = os.path.join(files.local_side(run_path), LOGS_SUBDIR)
         # From the start: the learner may rewrite the file shorter on resume (records after
         # its checkpoint removed); steps <= resumed_from are skipped below.
         self._offset = 0
@@ -335,11 +334,17 @@ class RunWatcher:
         """Read new complete records; one progress update per new step. Returns the newest
         step seen (``resumed_from`` before the first)."""
         try:
-            if os.path.getsize(self.path) < self._offset:    # rewritten (resume truncation)
-                self._offset, self._partial = 0, b""
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
+            if files.is_url(self.path):    # an object: read whole, keep what is new
+                data = files.read_bytes(self.path)
+                if len(data) < self._offset:
+                    self._offset, self._partial = 0, b""
+                chunk = data[self._offset:]
+            else:
+                if os.path.getsize(self.path) < self._offset:    # rewritten (resume)
+                    self._offset, self._partial = 0, b""
+                with open(self.path, "rb") as f:
+                    f.seek(self._offset)
+                    chunk = f.read()
         except OSError:                    # no metrics yet
             self._stall_notice()
             return self.last_step
@@ -378,7 +383,7 @@ class RunWatcher:
         took = f"{waited:.0f} s" if waited < 120 else f"{waited / 60:.0f} min"
         lines = [f"rlflow train: no learner step for {took} {since} (a compile, or the "
                  f"learner waiting for rollouts); the last line of each log:"]
-        logs = os.path.join(self.run_path, LOGS_SUBDIR)
+        logs = self.logs
         try:
             names = sorted(n for n in os.listdir(logs) if n.endswith(".log"))
         except OSError:
@@ -412,7 +417,7 @@ class RunWatcher:
             name = f"sampler-{key.split('/')[1]}"
             if name in self.reported_dead:
                 continue
-            last = _last_line(os.path.join(self.run_path, LOGS_SUBDIR, f"{name}.log"))
+            last = _last_line(os.path.join(self.logs, f"{name}.log"))
             self.progress.message(
                 f"rlflow train: the learner declared {name} lost (no heartbeat for over "
                 f"runtime.replica_timeout_s={self.cfg.runtime.replica_timeout_s:g} s: hung, "
@@ -447,7 +452,7 @@ class RunWatcher:
         (on success, when ``report``) the report page path."""
         self.progress.close()
         summary = self.summary(success)
-        path = os.path.join(self.run_path, SUMMARY_FILE)
+        path = files.join(self.run_path, SUMMARY_FILE)
         _write_summary(path, summary)
         if summary["steps"]:
             resumed = (f" (resumed from step {self.resumed_from}, now at step "

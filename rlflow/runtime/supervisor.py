@@ -56,6 +56,7 @@ too); ``runtime.pin_cpus`` gives each its own CPUs (half each, :func:`split_cpus
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -65,6 +66,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from rlflow.run import files
 from rlflow.runtime import programs_common as pc
 from rlflow.exchange.ring import ProducerError
 from rlflow.runtime import host_memory, learner_hosts
@@ -159,7 +161,8 @@ class Supervisor:
             cpus = split_cpus(os.sched_getaffinity(0)).get(role)
             if cpus:
                 env[pc.ENV_CPUS] = ",".join(map(str, cpus))
-        log_path = os.path.join(self.run_path, "logs", f"{name}.log")
+        # local even for an object-store run folder: a child writes it with plain file calls
+        log_path = os.path.join(files.local_side(self.run_path), "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
             log.write(f"--- rlflow {role} start #{instance} ---\n".encode())
@@ -175,10 +178,8 @@ class Supervisor:
         return child
 
     def _write_pids(self) -> None:
-        path = os.path.join(self.run_path, PROCESSES_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump({r: c.proc.pid for r, c in self.children.items()}, f)
-        os.replace(path + ".tmp", path)
+        files.write_atomic(files.join(self.run_path, PROCESSES_FILE),
+                           json.dumps({r: c.proc.pid for r, c in self.children.items()}))
 
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every live child, wait up to ``grace_s``, then SIGKILL."""
@@ -209,6 +210,24 @@ class Supervisor:
                 f"step ({what}); every step trained and the final checkpoint is saved. Its log "
                 f"is {c.log_path}")
 
+    def no_space(self, role: str) -> Optional[OSError]:
+        """An OSError (ENOSPC / EROFS) when child ``role`` stopped because the run folder's
+        file system is full or read-only: its exit code says so
+        (:data:`rlflow.run.files.NO_SPACE_EXIT_CODE`), or the end of its log names the
+        error (a program that could not say it in its exit code); else None."""
+        c = self.children[role]
+        text = tail(c.log_path, LOG_TAIL_LINES) if os.path.isfile(c.log_path) else ""
+        for code, words in ((errno.EROFS, ("Read-only file system", "[Errno 30]")),
+                            (errno.EDQUOT, ("Disk quota exceeded", "[Errno 122]")),
+                            (errno.ENOSPC, ("No space left on device", "[Errno 28]"))):
+            if any(w in text for w in words):
+                return OSError(code, os.strerror(code))
+        free = files.free_bytes(self.run_path)
+        if c.proc.returncode == files.NO_SPACE_EXIT_CODE or (
+                free is not None and free < files.NEARLY_FULL_BYTES):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))   # a log cut short
+        return None
+
     def failure(self, role: str) -> str:
         """The failure report of child ``role``: its last exception line first (when its log
         has a traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its
@@ -224,6 +243,9 @@ class Supervisor:
         error = program_error(c.log_path, f"--- rlflow {kind} start")    # this start's only
         what = role if kind == "sampler" else \
             learner_hosts.host_label(role, c.proc.pid, self.cfg.learner.num_hosts)
+        full = self.no_space(role)
+        if full is not None:          # its log may be cut short: the folder is full
+            return f"rlflow train: the {what} stopped: {files.full_line(self.run_path, full)}"
         head = f"rlflow train: the {what} failed: {plain_text(error)}\n" if error else ""
         if error and is_input_error(error):    # the message says it all: no traceback
             return head + (f"rlflow train: the {what} stopped on bad input "
@@ -251,20 +273,26 @@ def run_train(cfg) -> int:
       1 when a program died (the message on stderr names it and shows its log; samplers that
       die after the learner's last step are a warning, see the module docstring); 2 when the
       run folder cannot be used (another run's, a file in the way, read-only, or in use by
-      another ``rlflow train``: :mod:`rlflow.runtime.run_lock`; nothing started);
-      130 on Ctrl-C.
+      another ``rlflow train``: :mod:`rlflow.runtime.run_lock`; a ``--run-dir`` URL whose
+      file system this machine cannot write, :func:`rlflow.run.files.check_backend`;
+      nothing started); 75 (:data:`rlflow.run.files.NO_SPACE_EXIT_CODE`) when the run
+      folder's file system is full or read-only (one line naming it and its free space;
+      the same command resumes once there is space); 130 on Ctrl-C.
     """
     from rlflow.runtime.run_lock import RunFolderInUse, RunLock
 
-    run_path = os.path.abspath(cfg.run_path)
+    run_path = files.absolute(cfg.run_path)
+    problem = files.check_backend(run_path)     # gs:// without gcsfs: say so, start nothing
+    if problem:
+        print(f"rlflow train: {problem}", file=sys.stderr, flush=True)
+        return 2
     try:                                  # one launcher per run folder (rlflow.runtime.run_lock)
         lock = RunLock(run_path).acquire()
     except RunFolderInUse as e:
         print(f"rlflow train: {e}", file=sys.stderr, flush=True)
         return 2
     except OSError as e:                  # a read-only --run-dir, no space
-        print(f"rlflow train: cannot use the run folder {run_path} (--run-dir / --name): "
-              f"{e.strerror or e}: {e.filename or run_path}", file=sys.stderr, flush=True)
+        _cannot_use(run_path, e)
         return 2
     try:
         return _run_train(cfg, run_path)
@@ -325,11 +353,10 @@ def _run_train(cfg, run_path: str) -> int:
         for name, n in discard_records_after(run_path, resumed_from).items():
             print(f"rlflow train: {name}: removed {n} record(s) of steps after {resumed_from} "
                   "(written after the checkpoint this run resumes from)", flush=True)
-        config_path = os.path.join(run_path, "config.json")
+        config_path = files.join(run_path, "config.json")
         pc.save_config(cfg, config_path)
     except OSError as e:                  # a file in the way, a read-only mount, no space
-        print(f"rlflow train: cannot use the run folder {run_path} (--run-dir / --name): "
-              f"{e.strerror or e}: {e.filename or run_path}", file=sys.stderr, flush=True)
+        _cannot_use(run_path, e)
         return 2
     bhost, chost = cfg.buffer.bind_address, cfg.runtime.bind_address
     buffer_port = cfg.buffer.port or free_port(bhost, exclude={cfg.runtime.coordinator_port})
@@ -340,7 +367,8 @@ def _run_train(cfg, run_path: str) -> int:
     sup = Supervisor(cfg, run_path, config_path, endpoints,
                      jax_coordinator=f"127.0.0.1:{jax_port}")
     # Before the progress display exists (a live bar would draw over it).
-    print(f"rlflow train: run folder {run_path} (logs in {run_path}/logs)", flush=True)
+    logs = os.path.join(files.local_side(run_path), "logs")
+    print(f"rlflow train: run folder {run_path} (logs in {logs})", flush=True)
     watcher = RunWatcher(cfg, run_path, resumed_from=resumed_from)
     code = 1
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -354,15 +382,40 @@ def _run_train(cfg, run_path: str) -> int:
         watcher.progress.close()            # a live bar would redraw over the lines below
         print("\nrlflow train: interrupted; stopping both programs", file=sys.stderr, flush=True)
         code = 130
+    except OSError as e:                    # the launcher's own writes: a program's log,
+        if files.no_space(e) is None:       # processes.json
+            raise
+        watcher.progress.close()
+        print(f"rlflow train: {files.full_line(run_path, files.no_space(e))}",
+              file=sys.stderr, flush=True)
+        code = files.NO_SPACE_EXIT_CODE
     finally:
         for sig in previous:                # a second Ctrl-C no longer interrupts the stop
             signal.signal(sig, signal.SIG_IGN)
         sup.stop_all()
         watcher.poll()
-        watcher.close(success=(code == 0))
+        try:
+            watcher.close(success=(code == 0))
+        except OSError as e:                # summary.json on a full disk: one line, no .tmp
+            if files.no_space(e) is None:
+                raise
+            if code != files.NO_SPACE_EXIT_CODE:    # not said already
+                line = files.full_line(run_path, files.no_space(e), "summary.json")
+                print(f"rlflow train: {line}", file=sys.stderr, flush=True)
+            code = code or files.NO_SPACE_EXIT_CODE
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code
+
+
+def _cannot_use(run_path: str, e: OSError) -> None:
+    """The one line for a run folder the launcher cannot write before any program starts."""
+    if files.no_space(e) is not None:
+        print(f"rlflow train: {files.full_line(run_path, files.no_space(e))}", file=sys.stderr,
+              flush=True)
+        return
+    print(f"rlflow train: cannot use the run folder {run_path} (--run-dir / --name): "
+          f"{e.strerror or e}: {e.filename or run_path}", file=sys.stderr, flush=True)
 
 
 def _interrupt(signum, frame):
@@ -394,8 +447,7 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
             if len(hosts) > 1:      # the others may wait for it in a barrier: they leave now
                 learner_hosts.notify_lost_peer(
                     {h: sup.children[h].proc for h in hosts}, first)
-            _report_failures(sup, first)
-            return 1
+            return _report_failures(sup, first)
         if learner is not None:
             if all(c is not None for c in codes.values()):
                 return 0
@@ -438,8 +490,7 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
             if len(names) > 1:
                 print(f"rlflow train: every sampler replica died ({len(names)}); stopping "
                       f"the run", file=sys.stderr, flush=True)
-            _report_failures(sup, sorted(dead)[-1])
-            return 1
+            return _report_failures(sup, sorted(dead)[-1])
         time.sleep(POLL_S)
 
 
@@ -458,9 +509,11 @@ def _learner_finishes(sup: Supervisor, hosts: Sequence[str], timeout_s: float) -
     return True
 
 
-def _report_failures(sup: Supervisor, first: str) -> None:
+def _report_failures(sup: Supervisor, first: str) -> int:
     """Print the failure of ``first``, and of the other program too when it dies within
-    ``BOTH_DIED_WINDOW_S`` (a sampler error reported to the learner ends both)."""
+    ``BOTH_DIED_WINDOW_S`` (a sampler error reported to the learner ends both); a full run
+    folder is one line. Returns the launcher's exit code: 1, or
+    :data:`rlflow.run.files.NO_SPACE_EXIT_CODE` for a full run folder."""
     if first.startswith("learner"):
         others = [n for n in sup.children if n.startswith("sampler")][:1]
         others += [n for n in sup.children if n.startswith("learner") and n != first]
@@ -476,5 +529,9 @@ def _report_failures(sup: Supervisor, first: str) -> None:
             code = None
         if code not in (None, 0, pc.STOPPED_EXIT_CODE):
             roles.append(other)
+    full = [r for r in roles if sup.no_space(r) is not None]
+    if full:                          # one line: the folder, its free space (issue 39)
+        roles = full[:1]
     for role in sorted(roles, key=lambda r: r.startswith("learner")):  # the producer's first
         print(sup.failure(role), file=sys.stderr, flush=True)
+    return files.NO_SPACE_EXIT_CODE if full else 1

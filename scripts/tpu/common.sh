@@ -179,9 +179,24 @@ slice_shape() {
 
 slice_hosts() { local shape; shape="$(slice_shape "$1")"; echo "${shape% *}"; }
 
+# The Python that runs rlflow's checks where these scripts run (not on the hosts):
+# $RLFLOW_LOCAL_PYTHON, else the repository's .venv, else python3.
+local_python() {
+  local repo
+  repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  if [ -n "${RLFLOW_LOCAL_PYTHON:-}" ]; then echo "$RLFLOW_LOCAL_PYTHON"
+  elif [ -x "$repo/.venv/bin/python" ]; then echo "$repo/.venv/bin/python"
+  else echo python3; fi
+}
+
 # Check both slice types and set learner_hosts / sampler_hosts; a multi-host learner writes
-# its checkpoint shards from every host, so its run folder must be shared storage.
+# its checkpoint shards from every host, so its run folder must be shared storage. Then the
+# config (--config and the flags after --, loaded as `rlflow train` will on the hosts) must
+# fit the slices: learner.num_devices = the learner slice's chips, learner.num_hosts its
+# hosts, sampler.num_devices = one sampler host's chips (rlflow/console/slices.py). Called by
+# create.sh and start.sh, so that nothing is created or started for a config that cannot run.
 check_slices() {
+  local shape repo py rc=0
   slice_shape "$LEARNER_TYPE" >/dev/null   # dies here (not in a subshell) on a bad type
   slice_shape "$SAMPLER_TYPE" >/dev/null
   learner_hosts="$(slice_hosts "$LEARNER_TYPE")"
@@ -190,6 +205,22 @@ check_slices() {
     die "--run-dir must be shared storage (gs://...) when the learner slice ($LEARNER_TYPE)" \
       "has $learner_hosts hosts: every host writes its checkpoint shards there"
   fi
+  repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  py="$(local_python)"
+  shape="$(slice_shape "$LEARNER_TYPE")"; local learner_chips="${shape#* }"
+  shape="$(slice_shape "$SAMPLER_TYPE")"; local sampler_chips="${shape#* }"
+  PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" -m rlflow.console.slices \
+    --learner "$LEARNER_TYPE" "$learner_hosts" "$learner_chips" \
+    --sampler "$SAMPLER_TYPE" "$sampler_hosts" "$sampler_chips" \
+    --sampler-slices "$SAMPLER_SLICES" --config "$CONFIG" -- \
+    --learner.num_hosts "$learner_hosts" \
+    --sampler.num_replicas "$((SAMPLER_SLICES * sampler_hosts))" "${TRAIN_ARGS[@]}" || rc=$?
+  case "$rc" in
+    0) ;;
+    2) exit 2 ;;                              # the check printed what does not fit
+    *) die "the slice check ($py -m rlflow.console.slices) failed (exit $rc); it needs rlflow" \
+         "and its dependencies where these scripts run (set RLFLOW_LOCAL_PYTHON)" ;;
+  esac
 }
 
 # The run's ring-buffer token: RLFLOW_BUFFER_TOKEN, else a random one (never printed).

@@ -8,6 +8,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 usage() { sed -n '2,5p' "${BASH_SOURCE[0]}"; usage_common; }
 parse_flags "$@"
+check_slices      # the config's devices, hosts and meshes against the slices, before creating
 
 create_qr() {
   local qr="$1" node="$2" type="$3" extra=() runtime
