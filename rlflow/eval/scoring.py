@@ -122,14 +122,17 @@ def aggregate(records: Sequence[Mapping]) -> dict[str, float]:
 def write_eval_samples(run_dir: str, version: int, records: Iterable[Mapping],
                        limit: int, *, name: str = EVAL_SAMPLES_FILE) -> int:
     """Append the first sample of up to ``limit`` prompt records (lowest prompt ids first)
-    to ``<run_dir>/<name>`` (default ``eval_samples.jsonl``): ``{"version", "prompt_id", "prompt", "completion",
-    "answer", "reward", "correct"}`` per line. Returns the lines written."""
+    to ``<run_dir>/<name>`` (default ``eval_samples.jsonl``): ``{"step", "version",
+    "prompt_id", "prompt", "completion", "answer", "reward", "correct"}`` per line (``step``
+    = ``version``, the policy version that generated it, as in ``samples.jsonl``; readable
+    with :func:`rlflow.run.folder.read_jsonl`). Returns the lines written."""
     chosen = sorted(records, key=lambda r: r["prompt_id"])[:limit]
     if not chosen:
         return 0
     with open(os.path.join(run_dir, name), "a", encoding="utf-8") as f:
         for r in chosen:
-            f.write(json.dumps({"version": int(version), "prompt_id": r["prompt_id"],
+            f.write(json.dumps({"step": int(version), "version": int(version),
+                                "prompt_id": r["prompt_id"],
                                 "prompt": r.get("prompt", ""), "completion": r.get("completion", ""),
                                 "answer": r.get("answer", ""), "reward": r["rewards"][0],
                                 "correct": r["correct"][0]}) + "\n")
