@@ -80,6 +80,7 @@ class LearnerProgram:
 
     hosts = None    # LearnerHosts when learner.num_hosts > 1 (this is host 0), set in __init__
     next_groups: NextGroups | None = None   # taken while the step before ran (prefetch)
+    evals: RunEvals | None = None   # eval.every_steps > 0: the held-out evaluations
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg

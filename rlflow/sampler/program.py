@@ -112,6 +112,8 @@ class SamplerProgram:
     episodes = None          # the episode driver (env.name set), else None
     env_reset_errors = 0     # prompts dropped because their environments could not start
     env_reset_run = 0        # of them, since the last prompt whose environments started
+    evals = None             # EvalRunner when eval.every_steps > 0
+    _held_weights = None     # (version, params, pull_s) pulled while an evaluation decodes
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
