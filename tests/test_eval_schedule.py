@@ -80,3 +80,51 @@ def test_run_control_hands_out_evaluations_and_takes_results():
     finally:
         client.close()
         coord.close()
+
+
+def test_run_control_gives_a_restarted_or_silent_replicas_evaluation_to_the_next():
+    """A replica that restarts (new instance) or falls silent past the replica timeout loses
+    its evaluation; the next replica that asks runs it; the lost one's late result is
+    ignored and the run gets exactly one result per version."""
+    from rlflow.runtime.control import ControlClient, RunCoordinator
+    from rlflow.runtime.replicas import ReplicaTable
+
+    class Offers:
+        def latest(self, *a, **k):
+            return {}
+
+    clock = Clock()
+    s = EvalSchedule(every_steps=1, num_prompts=2, timeout_s=1e6, clock=clock)
+    s.request(0)
+    s.request(1)
+    coord = RunCoordinator(Offers(), buffer_counts=lambda: (0, 0), evals=s,
+                           replicas=ReplicaTable(5.0, clock()), clock=clock).start()
+    clients = {}
+
+    def status(name, instance=0, **kw):
+        key = (name, instance)
+        if key not in clients:
+            clients[key] = ControlClient(coord.address, consumer_id=name, instance=instance,
+                                         timeout_s=30)
+        return clients[key].status(**kw).eval_version
+
+    try:
+        assert status("sampler-0", version=1) == 0
+        assert status("sampler-1", version=1) == 1
+        assert status("sampler-0", instance=1, version=1) == 0     # restarted: 0 again
+        assert s.take_finished() == []
+        clock.t = 3.0
+        status("sampler-0", instance=1, version=1)                 # alive; sampler-1 silent
+        clock.t = 7.0
+        coord.tick()                                               # sampler-1 is lost
+        assert status("sampler-0", instance=1, version=1,
+                      eval_results=[_result(0, 1)]) == 1           # then takes over 1
+        assert status("sampler-1", version=1, eval_results=[_result(1, 1)]) == -1
+        assert [(r.requested, r.replica) for r in s.take_finished()] == [(0, "sampler-0")]
+        status("sampler-0", instance=1, version=1, eval_results=[_result(1, 1)])
+        assert [(r.requested, r.replica, r.attempts) for r in s.take_finished()] == [
+            (1, "sampler-0", 2)]
+    finally:
+        for c in clients.values():
+            c.close()
+        coord.close()
