@@ -50,3 +50,18 @@ def test_resolved_sections_take_the_data_and_reward_values(tmp_path):
     assert eval_reward_config(own).functions == ("exact_match",)
     assert eval_reward_config(own).weights == (2.0,)
     assert eval_max_tokens(own) == 3
+
+
+def test_rlflow_train_checks_the_eval_file_and_functions_before_starting(tmp_path):
+    from rlflow.console.checks import check_runnable
+
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(ConfigError, match=r"eval\.path: no file matches .*nope\.jsonl"):
+        check_runnable(ExperimentConfig(eval=EvalConfig(every_steps=1, source="jsonl",
+                                                        path=missing)))
+    with pytest.raises(ConfigError, match=r"eval\.functions: unknown reward function 'nope'"):
+        check_runnable(ExperimentConfig(eval=EvalConfig(every_steps=1, functions=("nope",),
+                                                        weights=(1.0,))))
+    with pytest.raises(ConfigError, match=r"eval\.max_prompt_tokens: 65 is above "
+                                          r"sampler\.max_prefill_length=64"):
+        check_runnable(ExperimentConfig(eval=EvalConfig(every_steps=1, max_prompt_tokens=65)))
