@@ -1,5 +1,6 @@
 """Issue 42 item 1 acceptance on real runs: `rlflow train` (demo config, 4 steps) with a
-held-out JSONL evaluated every 2 steps, asynchronous and synchronous, as subprocesses.
+held-out JSONL evaluated every 2 steps, synchronous (one replica) and asynchronous (two
+replicas), as subprocesses.
 
 The held-out prompts are two-digit "next digit" prompts ("37>", answer "8"): the demo's
 training prompts have one digit, so any held-out prompt in a learner batch would show in
@@ -103,7 +104,7 @@ def test_eval_in_sync_mode_at_the_step_boundary(setup):
 def test_eval_in_async_mode_and_rlflow_eval_of_the_checkpoint_agree(setup, capsys):
     from rlflow.console import cli
 
-    run = _train(setup, "async")
+    run = _train(setup, "async", "--sampler.num-replicas", "2")     # evals spread over both
     evals, samples, _ = _check_run(run, exact=False)
     last = max(evals, key=lambda r: r["eval/requested_version"])
     assert last["eval/version"] == NUM_STEPS           # nothing newer exists

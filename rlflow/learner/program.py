@@ -115,7 +115,7 @@ class LearnerProgram:
         self.steps_marked = self.start_step  # steps whose groups the ledger counts trained
         self.trained_log = TrainedPromptsLog(cfg.run_path, self.start_step)
         self.writer = MetricsWriter.for_experiment(cfg, start_step=self.start_step)
-        self.evals = RunEvals.for_experiment(cfg, self.tokenizer, self.writer)
+        self.evals = RunEvals.for_experiment(cfg, self.tokenizer, self.writer, self.start_step)
         bhost, bport = pc.split_address(endpoints.buffer)
         self.buffer = BufferServer(RingBuffer.from_config(cfg.buffer), bind_address=bhost,
                                    port=bport, token=cfg.buffer.token,

@@ -189,17 +189,24 @@ class RunEvals:
         self.schedule, self.writer, self.eval_cfg = schedule, writer, eval_cfg
 
     @classmethod
-    def for_experiment(cls, cfg, tokenizer, writer) -> Optional["RunEvals"]:
+    def for_experiment(cls, cfg, tokenizer, writer, start_step: int = 0
+                       ) -> Optional["RunEvals"]:
         """None unless ``eval.every_steps > 0``; reads the held-out prompts once (a bad
-        file stops the learner at start-up, naming the file and line).
+        file stops the learner at start-up, naming the file and line). A run resumed from
+        ``start_step`` drops the ``eval_samples.jsonl`` lines of later versions (evaluated
+        again), as the metrics writer does with ``metrics.jsonl``.
 
         Raises:
           as :func:`rlflow.eval.scoring.load_eval_prompts`.
         """
         if not cfg.eval.enabled:
             return None
-        from rlflow.eval.scoring import load_eval_prompts
+        import os
 
+        from rlflow.eval.scoring import EVAL_SAMPLES_FILE, load_eval_prompts
+        from rlflow.run.metrics import truncate_after
+
+        truncate_after(os.path.join(writer.run_dir, EVAL_SAMPLES_FILE), start_step)
         n = len(load_eval_prompts(cfg, tokenizer))
         return cls(EvalSchedule(cfg.eval.every_steps, n, cfg.eval.timeout_s), writer, cfg.eval)
 
