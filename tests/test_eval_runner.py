@@ -92,3 +92,26 @@ def test_weights_pulled_during_an_evaluation_wait_for_its_last_prompt():
     assert p.batcher.updates == [5] and p.version == 5 and p._held_weights is None
     p._on_weights(6, {"w": np.ones(2)}, 0.5)                      # no evaluation: at once
     assert p.batcher.updates == [5, 6] and p.version == 6
+
+
+def test_a_nan_reward_scores_zero_in_the_evaluation(tmp_path):
+    import dataclasses
+
+    from rlflow.data.rewards import register_reward
+    from rlflow.sampler.eval_runner import EvalRunner
+
+    @register_reward("test_eval_nan_when_long")
+    def nan_when_long(completion, answer):
+        return float("nan") if len(completion) > 1 else 1.0
+
+    cfg = _cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
+        cfg.eval, functions=("test_eval_nan_when_long",), weights=(1.0,)))
+    tok = pc.run_tokenizer(cfg)
+    runner, batcher = EvalRunner(cfg, tok), Batcher()
+    runner.start(0, 0, batcher)
+    runner.take([_group(r, ["1", "12"], tok, 0) for r in batcher.requests])
+    runner.collect()
+    (result,) = runner.take_results()
+    assert [r["rewards"] for r in result["records"]] == [[1.0, 0.0]] * 3
+    runner.close()

@@ -6,7 +6,7 @@ the training prompts; their finished groups are taken out of what the batcher re
 the training groups go to the reward workers and the buffer (:meth:`EvalRunner.take`), scored
 by this runner's own reward workers (the eval's reward functions), and turned into prompt
 records; once all are in, the result goes to the learner with the next status
-(:meth:`EvalRunner.take_results`). No evaluation request enters the prompt ledger, the
+(:meth:`EvalRunner.take_results`). A NaN/inf reward scores 0 (logged). No evaluation request enters the prompt ledger, the
 delivery's leases or the ring buffer.
 
 One policy version per evaluation: while its prompts are decoding (:attr:`EvalRunner.decoding`)
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 from typing import Optional
+
+import numpy as np
 
 log = logging.getLogger("rlflow.sampler")
 
@@ -104,8 +106,12 @@ class EvalRunner:
             return
         for key, batch in self._rewarder.collect(timeout):
             _, group, texts, prompt = self._scoring.pop(key)
+            rewards = np.asarray(batch.total, np.float64)
+            if batch.nonfinite:          # scored 0, as a failed call: metrics stay finite
+                log.warning("held-out evaluation: %s; that sample scores 0", batch.nonfinite[0])
+                rewards = np.where(np.isfinite(rewards), rewards, 0.0)
             self._records.append(scoring.prompt_record(
-                group, texts, batch.total, self.threshold, prompt_text=prompt["prompt_text"],
+                group, texts, rewards, self.threshold, prompt_text=prompt["prompt_text"],
                 answer=prompt["answer"]))
         if self.task is not None and not self._requests and not self._scoring:
             requested, version = self.task
