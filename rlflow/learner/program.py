@@ -226,6 +226,7 @@ class LearnerProgram:
         if self.evals is not None:
             self.evals.request(self.version)
 
+    # ------------------------------------------------------------------ consuming groups
     def accept(self, group, version: int | None = None) -> bool:
         """Buffer filter (runs under the ring's lock, so counts stay consistent with the
         buffer's fill): reject a group whose every sample is too stale ("drop" policy) or
