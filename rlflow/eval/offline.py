@@ -155,7 +155,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rlflow.export.hf_folder import ExportError
     from rlflow.models.config import ModelFormatError
 
-    parser = argparse.ArgumentParser(prog="rlflow eval", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="rlflow eval",
+        description="Evaluate a Hugging Face folder or a run's checkpoint on the held-out set "
+                    "(the eval section of the config).",
+        epilog="Any --SECTION.FIELD VALUE after these overrides a config field, e.g. "
+               "--eval.path test.jsonl --eval.num-prompts 64 --eval.num-samples 4 "
+               "--eval.temperature 0.7 (every field: docs/config.md).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-path", default="", help="Hugging Face model folder")
     source.add_argument("--run", default="", help="run folder (evaluates a checkpoint)")
