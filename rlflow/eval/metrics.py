@@ -54,7 +54,8 @@ def pass_at_k(num_samples, num_correct, k: int) -> np.ndarray:
     out = np.ones(n.shape, np.float64)
     for i, (ni, ci) in enumerate(zip(n.tolist(), c.tolist())):
         if ni - ci >= k:
-            out[i] = 1.0 - float(np.prod(1.0 - k / np.arange(ni - ci + 1, ni + 1, dtype=np.float64)))
+            i_range = np.arange(ni - ci + 1, ni + 1, dtype=np.float64)
+            out[i] = 1.0 - float(np.prod(1.0 - k / i_range))
     return out
 
 

@@ -133,7 +133,8 @@ def write_eval_samples(run_dir: str, version: int, records: Iterable[Mapping],
         for r in chosen:
             f.write(json.dumps({"step": int(version), "version": int(version),
                                 "prompt_id": r["prompt_id"],
-                                "prompt": r.get("prompt", ""), "completion": r.get("completion", ""),
+                                "prompt": r.get("prompt", ""),
+                                "completion": r.get("completion", ""),
                                 "answer": r.get("answer", ""), "reward": r["rewards"][0],
                                 "correct": r["correct"][0]}) + "\n")
     return len(chosen)

@@ -6,8 +6,8 @@ the training prompts; their finished groups are taken out of what the batcher re
 the training groups go to the reward workers and the buffer (:meth:`EvalRunner.take`), scored
 by this runner's own reward workers (the eval's reward functions), and turned into prompt
 records; once all are in, the result goes to the learner with the next status
-(:meth:`EvalRunner.take_results`). A NaN/inf reward scores 0 (logged). No evaluation request enters the prompt ledger, the
-delivery's leases or the ring buffer.
+(:meth:`EvalRunner.take_results`). A NaN/inf reward scores 0 (logged). No evaluation request
+enters the prompt ledger, the delivery's leases or the ring buffer.
 
 One policy version per evaluation: while its prompts are decoding (:attr:`EvalRunner.decoding`)
 the sampler program holds back newly pulled weights and swaps them in when the last one is
