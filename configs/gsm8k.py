@@ -9,6 +9,10 @@ Data: GSM8K JSONL (``question``; ``answer`` ending ``#### <number>``), by defaul
 recipe). Reward: ``math_verify`` (1 when the completion's final answer, after ``####`` or in
 ``\\boxed{}``, equals the reference number under math-verify, else 0).
 
+Held-out evaluation (off by default): ``--eval.every-steps N`` evaluates the first 64 questions
+of ``test.jsonl`` (next to the default training file; ``--eval.path`` another) greedily every N
+steps, the same template and reward; ``rlflow eval --run runs/gsm8k`` evaluates a checkpoint.
+
 Sizes are for one accelerator host; a laptop run of a tiny model overrides them, e.g.
 ``--learner.num-steps 3 --sampler.max-tokens 16 --learner.groups-per-step 2
 --metrics.samples-every 1``.
@@ -16,11 +20,12 @@ Sizes are for one accelerator host; a laptop run of a tiny model overrides them,
 
 import os
 
-from rlflow.config import (DataConfig, ExperimentConfig, LearnerConfig, RewardConfig,
-                           RuntimeConfig, SamplerConfig)
+from rlflow.config import (DataConfig, EvalConfig, ExperimentConfig, LearnerConfig,
+                           RewardConfig, RuntimeConfig, SamplerConfig)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "gsm8k", "train.jsonl"))
+DEFAULT_EVAL = os.path.join(os.path.dirname(DEFAULT_DATA), "test.jsonl")
 INSTRUCTION = "{prompt} Let's think step by step and output the final answer after \"####\"."
 
 
@@ -38,4 +43,5 @@ def config() -> ExperimentConfig:
                               advantage="grpo", loss_agg="token-mean", clip_low=0.2,
                               clip_high=0.28, max_grad_norm=1.0),
         runtime=RuntimeConfig(mode="async", max_staleness=1),
+        eval=EvalConfig(every_steps=0, path=DEFAULT_EVAL, num_prompts=64),
     )

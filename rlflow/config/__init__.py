@@ -15,6 +15,7 @@ from rlflow.config.model import ModelConfig, MeshConfig
 from rlflow.config.data import DataConfig, RewardConfig
 from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
+from rlflow.config.eval import EvalConfig
 from rlflow.config.learner import LORA_PROJECTIONS, LoraConfig, LearnerConfig
 from rlflow.config.runtime import BufferConfig, RuntimeConfig, CheckpointConfig, MetricsConfig
 from rlflow.config.experiment import ExperimentConfig, replace, load_config_file
@@ -28,6 +29,7 @@ __all__ = [
     "RewardConfig",
     "SamplerConfig",
     "EnvConfig",
+    "EvalConfig",
     "LORA_PROJECTIONS",
     "LoraConfig",
     "LearnerConfig",

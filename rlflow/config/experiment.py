@@ -21,6 +21,7 @@ from rlflow.config.data import RewardConfig
 from rlflow.config.runtime import RuntimeConfig
 from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
+from rlflow.config.eval import EvalConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ExperimentConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         _finite_floats(self, "config")
@@ -95,11 +97,32 @@ class ExperimentConfig:
         _check(self.env.max_episode_tokens <= sp.max_tokens, "env.max_episode_tokens",
                f"must be <= sampler.max_tokens={sp.max_tokens} (the KV cache holds the prompt "
                f"and that many tokens), got {self.env.max_episode_tokens}")
+        self._check_eval()
         if lr.packs and lr.pack_length:
             longest = self.longest_row
             _check(lr.pack_length >= longest, "learner.pack_length",
                    f"must hold the longest row ({longest} tokens: learner.seq_buckets[-1], or "
                    f"sampler.max_prefill_length + sampler.max_tokens), got {lr.pack_length}")
+
+    def _check_eval(self) -> None:
+        """The ``eval`` section against the sampler and data sections."""
+        from rlflow.config.eval import eval_data_config
+
+        ev, sp = self.eval, self.sampler
+        _check(ev.max_tokens is None or ev.max_tokens <= sp.max_tokens, "eval.max_tokens",
+               f"must be <= sampler.max_tokens={sp.max_tokens} (the KV cache holds that many "
+               f"new tokens), got {ev.max_tokens}")
+        if not ev.enabled:
+            return
+        data = eval_data_config(self)
+        same_file = (data.source != "builtin" and self.data.source != "builtin"
+                     and os.path.abspath(data.path) == os.path.abspath(self.data.path))
+        _check(not same_file, "eval.path",
+               f"must differ from data.path={self.data.path!r}: the held-out prompts must not "
+               f"be the training prompts")
+        _check(not self.env.enabled, "eval.every_steps",
+               f"evaluation of multi-turn episodes (env.name={self.env.name!r}) is not "
+               f"supported; set eval.every_steps=0")
 
     @property
     def longest_row(self) -> int:

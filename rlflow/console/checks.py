@@ -34,9 +34,11 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``sampler.max_prefill_length`` with ``sampler.on_long_prompt='error'``),
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
         ``runtime.transfer_layout``, ``sampler.max_tokens`` (a KV cache larger than this
-        machine's memory)) and what was expected; ``model.path`` / ``data.chat_template``
-        also when the tokenizer cannot be built, or a prompt cannot be rendered and encoded,
-        the way the programs will (:func:`_check_tokenizer`).
+        machine's memory); with ``eval.every_steps > 0`` the same checks of the held-out
+        data and reward functions, named ``eval.path``, ``eval.functions`` ...) and what was
+        expected; ``model.path`` / ``data.chat_template`` also when the tokenizer cannot be
+        built, or a prompt cannot be rendered and encoded, the way the programs will
+        (:func:`_check_tokenizer`).
     """
     _check_weight_layout(cfg)
     _check_plugins(cfg)
@@ -44,9 +46,21 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_reasoning_parser(cfg)
     _check_env(cfg)
     _check_data(cfg)
+    _check_eval(cfg)
     _check_model(cfg)
     _check_tokenizer(cfg)
     _check_kv_cache(cfg)
+
+
+def _check_eval(cfg) -> None:
+    """The held-out evaluation's data and reward functions, as the training ones."""
+    if not cfg.eval.enabled:
+        return
+    from rlflow.config.eval import eval_data_config
+
+    if cfg.eval.functions:
+        _check_rewards(cfg, cfg.eval.functions, "eval.functions")
+    _check_data(cfg, eval_data_config(cfg), "eval")
 
 
 def config_warnings(cfg: ExperimentConfig) -> list[str]:
@@ -182,22 +196,22 @@ def _check_env(cfg) -> None:
         raise ConfigError(msg if msg.startswith("env.") else f"env.name: {msg}") from None
 
 
-def _check_rewards(cfg) -> None:
+def _check_rewards(cfg, names=None, field: str = "reward.functions") -> None:
     from rlflow.data.rewards import get_reward
     from rlflow.runtime.plugins import importable_elsewhere
 
-    for name in cfg.reward.functions:
+    for name in cfg.reward.functions if names is None else names:
         try:
             fn = get_reward(name)
         except KeyError as e:
             msg = str(e.args[0]) if e.args else str(e)
-            raise ConfigError(msg if msg.startswith("reward.functions") else
-                              f"reward.functions: {msg}") from None
-        _check_reward_signature(name, fn)
+            msg = msg.removeprefix("reward.functions: ")
+            raise ConfigError(f"{field}: {msg}") from None
+        _check_reward_signature(name, fn, field)
         module = getattr(fn, "__module__", "") or ""
         if not importable_elsewhere(module):
             raise ConfigError(
-                f"reward.functions: {name!r} is registered in {module!r} (the --config file "
+                f"{field}: {name!r} is registered in {module!r} (the --config file "
                 f"or __main__), which the sampler program and the reward workers never "
                 f"import; move it into a module and list that module in `plugins`, or name "
                 f"it 'package.module:function'")
@@ -213,7 +227,7 @@ def _check_reasoning_parser(cfg) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_reward_signature(name: str, fn) -> None:
+def _check_reward_signature(name: str, fn, field: str = "reward.functions") -> None:
     """``fn`` must take ``(completion, answer)`` positionally, plus ``finish_reason=`` when it
     names one (how the reward workers call it: :func:`rlflow.data.rewards.call_reward`); a
     callable whose signature cannot be read (a builtin, some C extensions) passes."""
@@ -225,7 +239,7 @@ def _check_reward_signature(name: str, fn) -> None:
         extra = {"finish_reason": "stop"} if accepts_finish_reason(fn) else {}
         inspect.signature(fn).bind("completion", "answer", **extra)
     except TypeError as e:
-        raise ConfigError(f"reward.functions: {name!r} cannot be called as fn(completion, "
+        raise ConfigError(f"{field}: {name!r} cannot be called as fn(completion, "
                           f"answer) ({e}; its signature is {inspect.signature(fn)}); a reward "
                           f"function takes the decoded completion and the record's answer and "
                           f"returns a float") from None
@@ -233,16 +247,17 @@ def _check_reward_signature(name: str, fn) -> None:
         pass
 
 
-def _check_data(cfg) -> None:
-    d = cfg.data
+def _check_data(cfg, d=None, section: str = "data") -> None:
+    """``d``: the data section to check (default ``cfg.data``), named ``section`` in errors."""
+    d = cfg.data if d is None else d
     sp = cfg.sampler
     if d.max_prompt_tokens > sp.max_prefill_length and sp.on_long_prompt == "error":
         lo, hi = sp.max_prefill_length + 1, d.max_prompt_tokens
         too_long = f"{lo} tokens" if lo == hi else f"{lo}-{hi} tokens"
         raise ConfigError(
-            f"data.max_prompt_tokens: {d.max_prompt_tokens} is above sampler.max_prefill_length="
+            f"{section}.max_prompt_tokens: {d.max_prompt_tokens} is above sampler.max_prefill_length="
             f"{sp.max_prefill_length}, so prompts of {too_long} would pass the data filter and "
-            f"stop the sampler (sampler.on_long_prompt='error'); set --data.max-prompt-tokens "
+            f"stop the sampler (sampler.on_long_prompt='error'); set --{section}.max-prompt-tokens "
             f"{sp.max_prefill_length} (longer prompts are dropped and counted), or raise "
             f"--sampler.max-prefill-length (and --sampler.prefill-buckets), or set "
             f"--sampler.on-long-prompt truncate")
@@ -250,7 +265,7 @@ def _check_data(cfg) -> None:
         from rlflow.data.tasks import TASKS
 
         if d.task not in TASKS:
-            raise ConfigError(f"data.task: unknown built-in task {d.task!r}; known: "
+            raise ConfigError(f"{section}.task: unknown built-in task {d.task!r}; known: "
                               f"{sorted(TASKS)}")
         return
     # The rule of rlflow.data.sources.open_source: a glob, or one path; files only.
@@ -261,7 +276,7 @@ def _check_data(cfg) -> None:
         what = (f" ({', '.join(folders[:3])} {'is a folder' if len(folders) == 1 else 'are folders'}"
                 f"; give the file, or a glob such as {os.path.join(folders[0], '*.' + d.source)!r})"
                 if folders else "")
-        raise ConfigError(f"data.path: no file matches {d.path!r}{what} (data.source="
+        raise ConfigError(f"{section}.path: no file matches {d.path!r}{what} ({section}.source="
                           f"{d.source!r}; current folder {os.getcwd()})")
 
 

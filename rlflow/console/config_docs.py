@@ -25,6 +25,7 @@ SECTIONS = (
     ("runtime", config_mod.RuntimeConfig),
     ("checkpoint", config_mod.CheckpointConfig),
     ("metrics", config_mod.MetricsConfig),
+    ("eval", config_mod.EvalConfig),
     ("sampler.mesh / learner.mesh", config_mod.MeshConfig),
     ("learner.lora", config_mod.LoraConfig),
 )

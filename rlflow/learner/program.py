@@ -26,8 +26,10 @@ learner's hosts, which follow its commands and serve their own weight shards,
         publish every runtime.publish_every steps (rlflow.learner.publish); log one metrics
           record (rlflow.run.metrics);
         write sample completions and the step's prompts (trained_prompts.jsonl);
+        log the held-out evaluations finished meanwhile (rlflow.runtime.evals);
         checkpoint every checkpoint.every_steps (with the ledger)
-    tell the samplers the run is done; save the exit checkpoint.
+    save the exit checkpoint; wait (at most eval.timeout_s) for the evaluations still
+    running; tell the samplers the run is done.
 
 While it waits for groups the learner checks that they can still come: the prompt stream
 must hold enough prompts (``PromptsExhaustedError``) and some sampler replica must be alive
@@ -63,6 +65,7 @@ from rlflow.run.metrics import MetricsWriter
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
 from rlflow.runtime.replicas import ReplicaTable
 from rlflow.runtime.control import RunCoordinator
+from rlflow.runtime.evals import RunEvals
 from rlflow.sampler.sampling import derive_seed
 
 log = logging.getLogger("rlflow.learner")
@@ -78,6 +81,7 @@ class LearnerProgram:
 
     hosts = None    # LearnerHosts when learner.num_hosts > 1 (this is host 0), set in __init__
     next_groups: NextGroups | None = None   # taken while the step before ran (prefetch)
+    evals: RunEvals | None = None   # eval.every_steps > 0: the held-out evaluations
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         from rlflow.runtime.metrics import StepRates
@@ -115,6 +119,7 @@ class LearnerProgram:
         self.steps_marked = self.start_step  # steps whose groups the ledger counts trained
         self.trained_log = TrainedPromptsLog(cfg.run_path, self.start_step)
         self.writer = MetricsWriter.for_experiment(cfg, start_step=self.start_step)
+        self.evals = RunEvals.for_experiment(cfg, self.tokenizer, self.writer, self.start_step)
         bhost, bport = pc.split_address(endpoints.buffer)
         self.buffer = BufferServer(RingBuffer.from_config(cfg.buffer), bind_address=bhost,
                                    port=bport, token=cfg.buffer.token,
@@ -133,7 +138,8 @@ class LearnerProgram:
         self.coordinator = RunCoordinator(
             self.publisher.offers, buffer_counts=self._buffer_counts, ledger=self.ledger,
             replicas=ReplicaTable(cfg.runtime.replica_timeout_s, time.monotonic()),
-            bind_address=chost, port=cport, token=cfg.buffer.token)
+            bind_address=chost, port=cport, token=cfg.buffer.token,
+            evals=self.evals.schedule if self.evals is not None else None)
         if self.hosts is not None:
             self.coordinator.weight_hosts = self.hosts.weight_hosts
         self.coordinator.start()
@@ -221,6 +227,8 @@ class LearnerProgram:
         self.publisher.publish(self.version, self.learner.params)
         self.coordinator.set_progress(learner_version=self.version,
                                       published_version=self.version)
+        if self.evals is not None:
+            self.evals.request(self.version)
 
     # ------------------------------------------------------------------ consuming groups
     def accept(self, group, version: int | None = None) -> bool:
@@ -400,6 +408,8 @@ class LearnerProgram:
                 groups, self.tokenizer, reasoning=get_reasoning_parser(
                     self.cfg.data.reasoning_parser,
                     model_type=self.learner.model_config.model_type)))
+        if self.evals is not None:
+            self.evals.log_finished()
         return metrics
 
     def _buffer_metrics(self) -> dict:
@@ -463,7 +473,10 @@ class LearnerProgram:
         self._finish()
 
     def _finish(self) -> None:
-        """Tell the samplers the run is done; keep the buffer drained until they saw it."""
+        """Wait for the evaluations still running; tell the samplers the run is done; keep
+        the buffer drained until they saw it."""
+        if self.evals is not None:
+            self.evals.wait(drain=lambda: self.buffer.get_groups(1, timeout=0.05))
         self.coordinator.set_progress(done=True)
         if self.hosts is not None:
             self.hosts.done()

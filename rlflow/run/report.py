@@ -9,6 +9,9 @@ Reads what :class:`rlflow.run.metrics.MetricsWriter` wrote (``metrics.jsonl``,
     plots/throughput.png  sampler tokens/s; idle fractions, slot occupancy, buffer fill
     plots/staleness.png   staleness histogram over steps (stacked); mean/max staleness
     plots/timing.png      learner step time, weight sync, sampler pause; buffer waits
+    plots/eval.png        held-out evaluation by policy version: pass@1, pass@k, maj@k,
+                          mean reward, truncation rate; completion length (runs with
+                          ``eval.every_steps``; samples in ``eval_samples.jsonl``)
     report.html           self-contained page (PNG data URIs), metric table, samples table
     report.md             the same page in Markdown (relative image links)
 
@@ -105,6 +108,20 @@ def replica_plots(by_step: dict[int, dict[str, float]]) -> tuple[PlotSpec, ...]:
     )
 
 
+def eval_plots(by_step: dict[int, dict[str, float]]) -> tuple[PlotSpec, ...]:
+    """The held-out evaluation plot, for runs that logged one (``eval/*``, at the versions
+    evaluated: points joined across the steps between)."""
+    names = {k for m in by_step.values() for k in m}
+    if "eval/pass@1" not in names:
+        return ()
+    at_k = tuple(sorted(n for n in names if n.startswith(("eval/pass@", "eval/maj@"))
+                        and n != "eval/pass@1"))
+    return (PlotSpec("eval", "Held-out evaluation (by policy version)", (
+        Panel("fraction / reward", ("eval/pass@1",) + at_k + ("eval/reward_mean",
+                                                             "eval/truncation_rate")),
+        Panel("completion tokens", ("eval/completion_length",)))),)
+
+
 @dataclass(frozen=True)
 class ReportArgs:
     """Render plots and a page for a run folder.
@@ -139,7 +156,6 @@ def plot(spec: PlotSpec, by_step: dict[int, dict[str, float]], path: str) -> boo
     from matplotlib.ticker import MaxNLocator
 
     steps = np.array(list(by_step), dtype=np.float64)
-    marker = "o" if len(steps) <= 50 else None
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     axes = fig.subplots(2, 1, sharex=True)
     for ax, panel in zip(axes, spec.panels):
@@ -149,8 +165,11 @@ def plot(spec: PlotSpec, by_step: dict[int, dict[str, float]], path: str) -> boo
             rows = np.isfinite(ys).any(axis=0)  # steps that logged the histogram
             ax.stackplot(steps[rows], np.nan_to_num(ys[:, rows]), labels=present, alpha=0.8)
         else:
-            for n in present:
-                ax.plot(steps, _series(by_step, n), marker=marker, markersize=3, label=n)
+            for n in present:            # steps that logged it (e.g. evaluations: every N)
+                y = _series(by_step, n)
+                ok = np.isfinite(y)
+                ax.plot(steps[ok], y[ok], marker="o" if ok.sum() <= 50 else None,
+                        markersize=3, label=n)
         if panel.band and all(_has(by_step, n) for n in panel.band):
             mean, std = (_series(by_step, n) for n in panel.band)
             ax.fill_between(steps, mean - std, mean + std, alpha=0.2, label="mean ± std")
@@ -333,7 +352,7 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
     img_dir = os.path.join(out_dir, "plots")
     os.makedirs(img_dir, exist_ok=True)
     drawn, missing = [], []
-    for spec in PLOTS + replica_plots(by_step):
+    for spec in PLOTS + replica_plots(by_step) + eval_plots(by_step):
         (drawn if plot(spec, by_step, os.path.join(img_dir, f"{spec.name}.png"))
          else missing).append(spec)
     name = (config or {}).get("name") or os.path.basename(files.absolute(run_dir).rstrip("/"))

@@ -96,6 +96,8 @@ class ControlReply:
       weight_hosts: ``host:port`` of the weight coordinators of learner hosts 1..N-1 of a
         multi-host learner (each serves its host's shards; ``rlflow.learner.hosts``), else
         empty.
+      eval_version: the held-out evaluation this replica is to run (the version requested,
+        :mod:`rlflow.runtime.evals`), or -1 for none.
     """
 
     done: bool = False
@@ -106,6 +108,7 @@ class ControlReply:
     prompts: list = field(default_factory=list)
     budget: int = 0
     weight_hosts: list = field(default_factory=list)
+    eval_version: int = -1
 
 
 @dataclass
@@ -146,14 +149,19 @@ class RunCoordinator(Coordinator):
         prompts taken back (``ledger.release_replica``), checked on the serving thread.
       clock: monotonic clock (seconds) for the replica table.
       bind_address, port, token: where to listen (see ``rlflow.exchange.wire``).
+      evals: the learner's :class:`rlflow.runtime.evals.EvalSchedule` (None: no held-out
+        evaluation): a status names the evaluation its replica is to run and brings back
+        the results of finished ones (``eval_results``); a lost replica's goes back.
     """
 
     def __init__(self, publisher, *, buffer_counts: Callable[[], tuple[int, int]],
                  ledger=None, replicas=None, clock: Callable[[], float] = time.monotonic,
-                 bind_address: str = "127.0.0.1", port: int = 0, token: str = ""):
+                 bind_address: str = "127.0.0.1", port: int = 0, token: str = "",
+                 evals=None):
         super().__init__(publisher, bind_address=bind_address, port=port, token=token)
         self._counts = buffer_counts
         self.ledger, self.replicas, self.clock = ledger, replicas, clock
+        self.evals = evals
         self._lock = threading.Lock()
         self.done = False
         self.learner_version = 0
@@ -236,6 +244,9 @@ class RunCoordinator(Coordinator):
         n = self.ledger.release_replica(name) if self.ledger is not None else 0
         self.released += n
         log.warning("replica %s %s: %d leased prompt(s) go back to the ledger", name, why, n)
+        if self.evals is not None and self.evals.release(name):
+            log.warning("replica %s %s: its held-out evaluation goes to the next replica",
+                        name, why)
 
     def tick(self) -> None:
         if self.replicas is None:
@@ -266,6 +277,7 @@ class RunCoordinator(Coordinator):
                 metrics=dict(req.get("metrics", {})), received=time.time())
             want = int(req.get("want", 0))
             dropped = [(int(i), int(lid)) for i, lid in req.get("dropped", [])]
+            eval_results = list(req.get("eval_results", []))
         except (wire.ProtocolError, KeyError, TypeError, ValueError, IndexError):
             return wire.BAD_REQUEST, [b"expected a status {consumer, version, ...}"]
         accepted, buffered = self._counts()
@@ -279,7 +291,15 @@ class RunCoordinator(Coordinator):
             status.saw_done = self.done
             if current:
                 self.statuses[status.consumer] = status
-            prompts, budget = [], 0
+            prompts, budget, eval_version = [], 0, -1
+            if self.evals is not None and current:
+                for result in eval_results:
+                    if not self.evals.deliver(status.consumer, result):
+                        log.warning("replica %s: held-out evaluation of version %s not "
+                                    "assigned to it any more (or incomplete): ignored",
+                                    status.consumer, result.get("requested"))
+                if status.version >= 0:
+                    eval_version = self.evals.assign(status.consumer, status.version)
             if self.ledger is not None and want > 0 and not self.done and current:
                 prompts = [_jsonable_prompt(e) for e in
                            self.ledger.lease(status.consumer, status.version, want)]
@@ -287,7 +307,8 @@ class RunCoordinator(Coordinator):
             reply = ControlReply(done=self.done, learner_version=self.learner_version,
                                  published_version=self.published_version,
                                  accepted=accepted, buffered=buffered, prompts=prompts,
-                                 budget=budget, weight_hosts=list(self.weight_hosts))
+                                 budget=budget, weight_hosts=list(self.weight_hosts),
+                                 eval_version=eval_version)
         return wire.OK, [wire.dumps(asdict(reply))]
 
 
@@ -309,13 +330,17 @@ class ControlClient:
         self._req = wire.Requester(address, token=token, name="learner's run control")
 
     def status(self, *, version: int, prompts_started: int = 0, want: int = 0,
-               metrics: Optional[dict] = None, dropped=()) -> ControlReply:
+               metrics: Optional[dict] = None, dropped=(), eval_results=()) -> ControlReply:
         """Report figures, lease up to ``want`` prompts (see :class:`ControlReply`);
         ``dropped``: ``[stream_index, lease_id]`` of leased prompts whose groups this replica
-        dropped (a NaN/inf reward under ``learner.on_bad_reward="drop"``)."""
+        dropped (a NaN/inf reward under ``learner.on_bad_reward="drop"``); ``eval_results``:
+        finished held-out evaluations, ``{"requested", "version", "records"}`` each
+        (:mod:`rlflow.runtime.evals`)."""
         body = {"consumer": self.consumer_id, "instance": self.instance, "version": version,
                 "prompts_started": prompts_started, "want": int(want),
                 "metrics": metrics or {}, "dropped": [list(map(int, k)) for k in dropped]}
+        if eval_results:
+            body["eval_results"] = list(eval_results)
         status, rest = self._req.request(STATUS, [wire.dumps(body)], timeout_s=self.timeout_s)
         if status != wire.OK:
             raise wire.ProtocolError(f"run control answered {status!r}")

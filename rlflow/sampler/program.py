@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -112,6 +113,8 @@ class SamplerProgram:
     episodes = None          # the episode driver (env.name set), else None
     env_reset_errors = 0     # prompts dropped because their environments could not start
     env_reset_run = 0        # of them, since the last prompt whose environments started
+    evals = None             # EvalRunner when eval.every_steps > 0
+    _held_weights = None     # (version, params, pull_s) pulled while an evaluation decodes
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
@@ -169,6 +172,15 @@ class SamplerProgram:
             None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),
             self.window, on_bad_reward=cfg.learner.on_bad_reward, reasoning=self.reasoning)
         self.prompts_started = 0
+        # held-out evaluations (rlflow.sampler.eval_runner); pulled weights held back while
+        # one decodes (one version per evaluation), under the lock with the puller thread
+        self.evals = None
+        if cfg.eval.enabled:
+            from rlflow.sampler.eval_runner import EvalRunner
+
+            self.evals = EvalRunner(cfg, self.tokenizer, self.reasoning)
+        self._weights_lock = threading.Lock()
+        self._held_weights = None
         self.swap = {"sync/pull_s": 0.0}
         self.pause_s = 0.0
         self.step_ema = None       # seconds per decode step without a swap
@@ -231,11 +243,31 @@ class SamplerProgram:
         return params if self.adapters is None else self.adapters.engine_params(params)
 
     def _on_weights(self, version: int, params, pull_s: float) -> None:
-        """Puller thread: a new version arrived (laid out on this program's mesh)."""
+        """Puller thread: a new version arrived (laid out on this program's mesh); held
+        back while a held-out evaluation decodes (:meth:`_release_held_weights`)."""
+        with self._weights_lock:
+            if self.evals is not None and self.evals.decoding:
+                self._held_weights = (version, params, pull_s)
+                return
+            self._swap_in(version, params, pull_s)
+
+    def _swap_in(self, version: int, params, pull_s: float) -> None:
         log_weights_digest(log, version, params)
         self.batcher.update_params(self._engine_params(params), version)   # used from the next decode step on
         self.version = version     # every group admitted from now on starts with it
         self._note_swap(version, pull_s)
+
+    def _release_held_weights(self) -> None:
+        """Main thread: the evaluation's prompts are decoded; swap in weights held back."""
+        with self._weights_lock:
+            if self._held_weights is not None and not self.evals.decoding:
+                held, self._held_weights = self._held_weights, None
+                self._swap_in(*held)
+
+    def _start_eval(self, requested: int) -> None:
+        """Run the held-out evaluation the learner named, at this replica's version."""
+        with self._weights_lock:        # no swap between reading the version and submitting
+            self.evals.start(requested, self.version, self.batcher)
 
     # ------------------------------------------------------------------ control
     def _status(self, want: int = 0):
@@ -253,9 +285,13 @@ class SamplerProgram:
         reply = self.control.status(
             version=self.version, prompts_started=self.prompts_started,
             want=want if self.version >= 0 else 0, metrics=metrics,
-            dropped=self.delivery.take_dropped())
+            dropped=self.delivery.take_dropped(),
+            eval_results=self.evals.take_results() if self.evals is not None else ())
         for element in reply.prompts:
             self._submit(element)
+        if reply.eval_version >= 0 and self.evals is not None and not self.evals.busy \
+                and hasattr(self, "batcher"):
+            self._start_eval(reply.eval_version)
         return reply
 
     def _want(self) -> int:
@@ -350,9 +386,11 @@ class SamplerProgram:
                 if reply.done:
                     log.info("the learner is done (version %d); stopping", reply.learner_version)
                     return
-                if reply.published_version > self.version:
+                if reply.published_version > self.version and self._held_weights is None:
                     self.puller.request()
             self.puller.check()
+            if self.evals is not None:
+                self.evals.collect()
             try:
                 self.delivery.collect()
             except BufferClosedError:
@@ -380,6 +418,9 @@ class SamplerProgram:
             t0 = time.monotonic()
             groups = self.batcher.step()
             self._time_step(time.monotonic() - t0, swapped=c.weight_swaps > swaps)
+            if self.evals is not None and groups:
+                groups = self.evals.take(groups)
+                self._release_held_weights()
             if groups:
                 self.delivery.score(groups)
             self.window.add(tokens=c.slot_steps_used - used, slots_used=c.slot_steps_used - used,
@@ -404,7 +445,8 @@ class SamplerProgram:
     def close(self) -> None:
         closers = [self.heartbeat.close, self.control.close, self.buffer.close,
                    self.subscriber.close]
-        closers += [x.close for x in (self.delivery, self.episodes) if x is not None]
+        closers += [x.close for x in (self.delivery, self.episodes, self.evals)
+                    if x is not None]
         if hasattr(self, "puller"):
             closers.insert(0, self.puller.close)
         if isinstance(getattr(self, "batcher", None), DecodeLanes):

@@ -1,0 +1,169 @@
+"""One evaluation, the parts shared by ``rlflow eval`` and the evaluation during training:
+the held-out prompts, their sampling requests, a finished group scored into a small
+per-prompt record, and the records aggregated into metrics (:mod:`rlflow.eval.metrics`).
+
+A *prompt record* (plain JSON types: it travels from a sampler replica to the learner in
+a status request, :mod:`rlflow.runtime.control`)::
+
+    {"prompt_id": int,             # record index in the eval file
+     "rewards": [k floats],        # total reward of each sample (eval reward functions)
+     "correct": [k bools],         # reward >= the accuracy threshold
+     "lengths": [k ints],          # completion tokens (stop id included)
+     "truncated": [k bools],       # finish_reason "length" (hit max_tokens)
+     "answers": [k strings],       # final answers (rlflow.data.rewards.completion_answer_text)
+     "versions": [min, max],       # policy versions of the group's tokens
+     "prompt": str, "completion": str, "answer": str}   # the first sample, for the log
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from rlflow.eval.metrics import eval_metrics
+
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"
+
+
+def load_eval_prompts(cfg, tokenizer) -> list[dict]:
+    """The held-out prompts of ``cfg.eval``: the first ``eval.num_prompts`` kept records in
+    file order (all with 0), each ``{"prompt_id", "prompt_tokens" int32 [P], "prompt_text",
+    "answer"}`` (the prompt pipeline's element format, :mod:`rlflow.data.pipeline`).
+
+    Raises:
+      rlflow.config.ConfigError: ``eval.path`` missing for a file source.
+      FileNotFoundError / rlflow.data.sources.DataError: as the prompt pipeline (names the
+        file, line and field).
+    """
+    from rlflow.config.eval import eval_data_config
+    from rlflow.data.pipeline import make_formatter, scan
+
+    data = eval_data_config(cfg)
+    formatter, origin = make_formatter(data, tokenizer, seed=cfg.seed)
+    kept, _ = scan(formatter, data, f"eval: {origin}")
+    n = cfg.eval.num_prompts or len(kept)
+    return [formatter(int(i)) for i in kept[:n]]
+
+
+def eval_sampling(cfg, index: int):
+    """Sampling settings of held-out prompt number ``index`` (its position in the eval
+    set): ``eval``'s temperature, top-k, top-p and max tokens, seed
+    ``derive_seed(eval.seed, index)`` (the same draws at every version)."""
+    from rlflow.config.eval import eval_max_tokens
+    from rlflow.sampler.sampling import SamplingParams, derive_seed
+
+    ev = cfg.eval
+    return SamplingParams(temperature=ev.temperature, top_k=ev.top_k, top_p=ev.top_p,
+                          max_tokens=eval_max_tokens(cfg), seed=derive_seed(ev.seed, index))
+
+
+def eval_requests(cfg, prompts: Sequence[Mapping]) -> list:
+    """One :class:`rlflow.sampler.requests.Request` per held-out prompt, ``eval.num_samples``
+    samples each."""
+    from rlflow.sampler.requests import Request
+
+    return [Request(prompt_id=int(p["prompt_id"]),
+                    prompt_tokens=np.asarray(p["prompt_tokens"], np.int32),
+                    num_samples=cfg.eval.num_samples, sampling=eval_sampling(cfg, i))
+            for i, p in enumerate(prompts)]
+
+
+def completion_texts(group, tokenizer) -> list[str]:
+    """A finished group's completions decoded as the reward functions read them."""
+    return [tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
+            for c in group.completions]
+
+
+def graded_texts(group, tokenizer, reasoning=None) -> tuple[list[str], list[str], np.ndarray]:
+    """What the reward functions grade of a finished group, as in training
+    (:class:`rlflow.sampler.delivery.GroupDelivery`).
+
+    Args:
+      group: :class:`rlflow.sampler.requests.CompletedGroup` (k completions).
+      tokenizer: the run's tokenizer.
+      reasoning: a thinking model's splitter (``data.reasoning_parser``,
+        :func:`rlflow.data.reasoning.get_reasoning_parser`), or None: the whole completion.
+
+    Returns:
+      ``(texts, finish_reasons, unclosed)``: the k answer texts, each completion's
+      ``"stop" | "length"``, and bool ``[k]``, True where the reasoning never closed (such a
+      sample scores 0, :func:`zero_unclosed`).
+    """
+    texts = completion_texts(group, tokenizer)
+    unclosed = np.zeros(len(texts), bool)
+    if reasoning is not None:
+        splits = [reasoning(t) for t in texts]
+        texts = [sp.answer for sp in splits]
+        unclosed = np.array([not sp.closed for sp in splits], bool)
+    return texts, [c.finish_reason for c in group.completions], unclosed
+
+
+def zero_unclosed(rewards, unclosed: np.ndarray) -> np.ndarray:
+    """``rewards`` float ``[k]`` with 0 where the reasoning never closed (``unclosed``)."""
+    return np.where(unclosed, 0.0, np.asarray(rewards, np.float64))
+
+
+def prompt_record(group, texts: Sequence[str], rewards, threshold: float, *,
+                  prompt_text: str = "", answer: str = "") -> dict:
+    """A finished group of a held-out prompt as a prompt record (module docstring).
+
+    Args:
+      group: :class:`rlflow.sampler.requests.CompletedGroup` (k completions).
+      texts: the k decoded completions.
+      rewards: float ``[k]`` total rewards.
+      threshold: reward at or above which a sample is correct.
+    """
+    from rlflow.data.rewards import completion_answer_text
+
+    rewards = np.asarray(rewards, np.float64).reshape(-1)
+    versions = np.concatenate([c.versions for c in group.completions if len(c.versions)]
+                              or [np.zeros(0, np.int32)])
+    return {"prompt_id": int(group.prompt_id),
+            "rewards": [float(r) for r in rewards],
+            "correct": [bool(r >= threshold) for r in rewards],
+            "lengths": [int(len(c.tokens)) for c in group.completions],
+            "truncated": [bool(c.truncated) for c in group.completions],
+            "answers": [completion_answer_text(t).strip() for t in texts],
+            "versions": [int(versions.min()), int(versions.max())] if versions.size else [],
+            "prompt": prompt_text, "completion": texts[0] if texts else "", "answer": answer}
+
+
+def aggregate(records: Sequence[Mapping]) -> dict[str, float]:
+    """Metrics of one evaluation from its prompt records (:func:`eval_metrics`; records in
+    any order; every record must have the same number of samples k).
+
+    Raises:
+      ValueError: no records, or records with different k.
+    """
+    if not records:
+        raise ValueError("aggregate: no prompt records")
+    ks = {len(r["rewards"]) for r in records}
+    if len(ks) != 1:
+        raise ValueError(f"aggregate: prompt records have different sample counts {sorted(ks)}")
+    return eval_metrics([r["rewards"] for r in records], [r["correct"] for r in records],
+                        [r["lengths"] for r in records], [r["truncated"] for r in records],
+                        [r["answers"] for r in records])
+
+
+def write_eval_samples(run_dir: str, version: int, records: Iterable[Mapping],
+                       limit: int, *, name: str = EVAL_SAMPLES_FILE) -> int:
+    """Append the first sample of up to ``limit`` prompt records (lowest prompt ids first)
+    to ``<run_dir>/<name>`` (default ``eval_samples.jsonl``): ``{"step", "version",
+    "prompt_id", "prompt", "completion", "answer", "reward", "correct"}`` per line (``step``
+    = ``version``, the policy version that generated it, as in ``samples.jsonl``; readable
+    with :func:`rlflow.run.folder.read_jsonl`). Returns the lines written."""
+    chosen = sorted(records, key=lambda r: r["prompt_id"])[:limit]
+    if not chosen:
+        return 0
+    with open(os.path.join(run_dir, name), "a", encoding="utf-8") as f:
+        for r in chosen:
+            f.write(json.dumps({"step": int(version), "version": int(version),
+                                "prompt_id": r["prompt_id"],
+                                "prompt": r.get("prompt", ""),
+                                "completion": r.get("completion", ""),
+                                "answer": r.get("answer", ""), "reward": r["rewards"][0],
+                                "correct": r["correct"][0]}) + "\n")
+    return len(chosen)
