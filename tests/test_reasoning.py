@@ -86,7 +86,7 @@ class _Buffer:
 
 def _delivered_rewards(texts, reasoning):
     from rlflow.data.rewarder import Rewarder
-    from rlflow.sampler.background import RateWindow
+    from rlflow.sampler.background import RateCounters
     from rlflow.sampler.batching import CompletedGroup, Completion, Request
     from rlflow.sampler.delivery import GroupDelivery
 
@@ -97,7 +97,7 @@ def _delivered_rewards(texts, reasoning):
     group = CompletedGroup(request=req, prompt_tokens=np.array([1, 2], np.int32),
                            max_tokens=max(map(len, texts)), completions=comps)
     rewarder = Rewarder(RewardConfig(functions=("math_verify",), weights=(1.0,), num_workers=0))
-    d = GroupDelivery(_Tok(), _Buffer(), rewarder, RateWindow(), reasoning=reasoning)
+    d = GroupDelivery(_Tok(), _Buffer(), rewarder, RateCounters(), reasoning=reasoning)
     try:
         d.admit(req, {"answer": "#### 42", "stream_index": 0, "lease_id": 0})
         d.score([group])

@@ -227,7 +227,7 @@ def test_a_reward_error_marks_the_sample_failed_in_the_delivered_record(tmp_path
             return float(len(completion))
     """))
     cfg = RewardConfig(functions=(f"{path}:raise_on_bad",), weights=(1.0,), num_workers=0)
-    d = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg), RateWindow())
+    d = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg), RateCounters())
     try:
         _admit(d, [_group(0, ["ok", "bad", "okay"]), _group(1, ["a", "bb", "ccc"])])
         _drain(d)
