@@ -115,6 +115,7 @@ def stand_in_program(cfg, groups, learner=None):
     p.counts = dict(accepted=0, stale_groups=0, zero_variance_groups=0)
     p.skips, p.filter_streak = SkipCounter(cfg), FilterStreak(cfg)
     p.threshold, p._last_buffer = 1.0, p.buffer.metrics()
+    p.reasoning = None                                # not a thinking model
     p.rates = StepRates(0.0)                          # sampler rates (no replica here)
     # the prompt ledger: every group is a leased, stored prompt
     p.ledger = PromptLedger(lambda i: {}, None, groups_per_step=gps, max_staleness=0,

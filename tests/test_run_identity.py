@@ -357,6 +357,7 @@ def _stand_in_program(tmp_path, learner):
     program._publish = lambda: None
     program._buffer_metrics = lambda: {}
     program.tokenizer = SimpleNamespace(decode=lambda ids, **kw: str(ids))
+    program.reasoning = None                      # not a thinking model
     program.ledger = PromptLedger(lambda i: {}, None, groups_per_step=1, max_staleness=0,
                                   seed_of=lambda i: i, trained_groups=12)
     program.batch_keys, program.steps_marked, program.prompts_per_epoch = [], 12, 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Tuple
 
-from rlflow.config.validation import _check, _one_of, _positive, _timeout
+from rlflow.config.validation import _check, _finite_floats, _one_of, _positive, _timeout
 
 SOURCES = ("builtin", "jsonl", "parquet", "arrayrecord")
 
@@ -69,6 +69,7 @@ class EvalConfig:
     num_logged_samples: int = 8
 
     def __post_init__(self):
+        _finite_floats(self, "eval")
         _check(self.every_steps >= 0, "eval.every_steps",
                f"must be >= 0 (0: no evaluation during training), got {self.every_steps}")
         if self.source is not None:

@@ -113,6 +113,9 @@ class LearnerProgram:
         self.restore_totals(extra.get("run_totals", {}))
         self.filter_streak = FilterStreak(cfg)
         self.tokenizer = pc.run_tokenizer(cfg)
+        # the samples log splits a thinking model's completions as the rewards saw them
+        self.reasoning = get_reasoning_parser(cfg.data.reasoning_parser,
+                                              model_type=self.learner.model_config.model_type)
         self.threshold = pc.accuracy_threshold(cfg.reward)
         self.ledger = self._ledger(data_state)
         self.batch_keys: list = []           # ledger keys of the groups of the current batch
@@ -405,9 +408,7 @@ class LearnerProgram:
         self.writer.log(self.version, metrics)
         if self.writer.samples_due(self.version):
             self.writer.log_samples(self.version, completion_samples(
-                groups, self.tokenizer, reasoning=get_reasoning_parser(
-                    self.cfg.data.reasoning_parser,
-                    model_type=self.learner.model_config.model_type)))
+                groups, self.tokenizer, reasoning=self.reasoning))
         if self.evals is not None:
             self.evals.log_finished()
         return metrics
