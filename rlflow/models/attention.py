@@ -47,7 +47,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rlflow.config.learner import ATTENTION_IMPLEMENTATIONS
 
