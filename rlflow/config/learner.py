@@ -12,6 +12,8 @@ from rlflow.config.validation import (DTYPES, ConfigError, _check, _finite_float
 from rlflow.config.model import MeshConfig
 
 
+# learner.attention's names (rlflow.models.attention: kept here so the config imports no jax)
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "splash", "gpu_flash")
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -180,6 +182,20 @@ class LearnerConfig:
         et al. 2025; :mod:`rlflow.learner.packing`): the same logprobs, loss and gradients
         on fewer positions (``P - 1 + sum(1 + n_i)`` instead of ``sum(P + n_i)`` per
         group). Off: each sample packed with its own prompt copy.
+      attention: the learner's full-sequence attention (:mod:`rlflow.models.attention`):
+        "auto" (TPU: Pallas splash attention; GPU: Pallas flash attention; CPU: "blockwise";
+        with shared-prompt packing, whose prefix mask the kernels cannot express:
+        "blockwise" on every backend), "xla" (materialised ``[B, H, T, T]`` float32 scores:
+        the reference, quadratic memory), "blockwise" (online softmax over key blocks in
+        plain XLA, never ``[T, T]``), "splash", "gpu_flash" (the kernels by name; refused
+        with shared-prompt packing).
+      logprob_chunk: positions projected to the vocabulary at a time when the step computes
+        logprobs and entropy (:func:`rlflow.models.logprobs.chunked_logprobs`; each chunk
+        rematerialised in the backward); 0: all at once. 1024: a chunk's float32 logits at a
+        151,936-token vocabulary (Qwen2.5) are 0.58 GiB (about 1.7 GiB with the log-softmax
+        and its gradient) instead of 9.3 GiB per 16K-token row; 1024 rows keep the LM-head
+        matmul a multiple of the TPU MXU's 256, and a micro-batch with fewer loss positions
+        takes one pass (today's program).
     """
 
     num_steps: int = 20
@@ -231,6 +247,8 @@ class LearnerConfig:
     pack_length: int = 0
     pack_row_buckets: int = 8
     shared_prefix: bool = True
+    attention: Literal["auto", "xla", "blockwise", "splash", "gpu_flash"] = "auto"
+    logprob_chunk: int = 1024
 
     @property
     def packs(self) -> bool:
@@ -246,6 +264,13 @@ class LearnerConfig:
         _check(self.max_consecutive_skipped_steps >= 0, "learner.max_consecutive_skipped_steps",
                f"must be >= 0 (0: never stop), got {self.max_consecutive_skipped_steps}")
         _one_of(self.schedule, ("constant", "cosine"), "learner.schedule")
+        _one_of(self.attention, ATTENTION_IMPLEMENTATIONS, "learner.attention")
+        _check(self.logprob_chunk >= 0, "learner.logprob_chunk",
+               f"must be >= 0 (0: all positions at once), got {self.logprob_chunk}")
+        _check(not (self.attention in ("splash", "gpu_flash") and self.shared_prefix
+                    and self.packs), "learner.attention",
+               f"{self.attention!r} cannot express the shared-prompt prefix mask; use 'auto' "
+               f"or 'blockwise', or set learner.shared_prefix=False")
         _one_of(self.advantage, ("grpo", "drgrpo", "rloo", "gae"), "learner.advantage")
         _one_of(self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                 "learner.loss_agg")

@@ -17,6 +17,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rlflow.models.logprobs import entropy_from_logits  # noqa: F401  (re-exported)
+
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OffPolicy = Literal["decoupled", "behaviour"]
@@ -267,13 +269,6 @@ def kl_penalty(logprobs, ref_logprobs, mask, estimator: KLEstimator = "k3",
 
 
 # ---------------------------------------------------------------------------- entropy
-
-def entropy_from_logits(logits) -> jax.Array:
-    """Entropy ``H = logsumexp(z) - sum softmax(z) z`` of each ``[..., V]`` row, float32 ``[...]``."""
-    z = _f32(logits)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-
 
 def value_loss(values, old_values, returns, mask, *, clip: float = 0.0) -> jax.Array:
     """Per-token PPO value loss (Schulman et al. 2017, sec. 5; clipped form as in OpenAI

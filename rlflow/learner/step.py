@@ -44,7 +44,7 @@ from rlflow.learner import advantages as adv_lib
 from rlflow.learner import loss_positions, losses
 from rlflow.learner.batch import TrainBatch
 from rlflow.mesh import param_shardings, replicated
-from rlflow.models.logprobs import token_logprobs
+from rlflow.models.logprobs import chunked_logprobs
 
 
 class TrainState(NamedTuple):
@@ -72,6 +72,8 @@ class StepSettings:
     ``max_loss_tokens``: a bound on a step's loss positions (samples x ``sampler.max_tokens``):
     > 0 projects to the vocabulary only at loss positions, in that many slots per micro-batch
     and batch shard at most (:mod:`rlflow.learner.loss_positions`); 0 projects every position.
+    ``attention``: ``learner.attention`` (:func:`rlflow.models.attention.resolve`);
+    ``logprob_chunk``: ``learner.logprob_chunk`` (:func:`rlflow.models.logprobs.chunked_logprobs`).
     """
     loss_agg: str = "token-mean"
     norm_len: int = 1
@@ -95,6 +97,8 @@ class StepSettings:
     whiten: bool = True
     kl_in_reward: bool = False
     max_loss_tokens: int = 0
+    attention: str = "auto"
+    logprob_chunk: int = 0
 
     @classmethod
     def from_config(cls, cfg) -> "StepSettings":
@@ -111,7 +115,8 @@ class StepSettings:
                    value_coef=lr.value_coef, value_clip=lr.value_clip, whiten=lr.gae_whiten,
                    kl_in_reward=lr.gae_kl_in_reward,
                    max_loss_tokens=lr.groups_per_step * cfg.sampler.group_size
-                   * cfg.sampler.max_tokens)
+                   * cfg.sampler.max_tokens,
+                   attention=lr.attention, logprob_chunk=lr.logprob_chunk)
 
 
 def trainable(params, value=None):
@@ -148,7 +153,8 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 
 
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
-                  value_graphdef=None, frozen=None, loss_slots: tuple[int, int] | None = None):
+                  value_graphdef=None, frozen=None, loss_slots: tuple[int, int] | None = None,
+                  attention: str = "auto", logprob_chunk: int = 0):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
@@ -158,6 +164,9 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
       loss_slots: ``(shards, capacity)``: logits only at ``batch.loss_mask`` positions
         (:func:`rlflow.learner.loss_positions.loss_index`; the caller guarantees at most
         ``capacity`` per row group), logprobs and entropy 0 elsewhere; None: every position.
+      attention: the decoder's attention implementation (``learner.attention``).
+      logprob_chunk: positions projected to the vocabulary at a time (``learner.logprob_chunk``;
+        0: all at once), :func:`rlflow.models.logprobs.chunked_logprobs`.
 
     Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
     gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head.
@@ -165,16 +174,16 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
     policy, vparams = (params, None) if value_graphdef is None else params
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
-                                 segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids)
+                                 segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
+                                 attention_impl=attention)
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
-        logits, targets = model.project(hidden), batch.targets
+        targets = batch.targets
     else:
         index = loss_positions.loss_index(batch.loss_mask, *loss_slots)
-        logits = model.project(loss_positions.gather(hidden, index))
+        hidden = loss_positions.gather(hidden, index)
         targets = loss_positions.gather(batch.targets, index)
-    logp = token_logprobs(logits, targets, temperature)
-    ent = losses.entropy_from_logits(jax.lax.stop_gradient(logits) / temperature)
+    logp, ent = chunked_logprobs(model.project, hidden, targets, temperature, logprob_chunk)
     if loss_slots is not None:
         shape = batch.loss_mask.shape
         logp = loss_positions.scatter(logp, index, shape)
@@ -183,14 +192,16 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
 
 
 def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None,
-                    loss_slots: tuple[int, int] | None = None):
+                    loss_slots: tuple[int, int] | None = None, attention: str = "auto",
+                    logprob_chunk: int = 0):
     """Tempered logprobs of ``batch.targets`` and the policy entropy at each position
-    (``loss_slots``: at loss positions only, as :func:`model_outputs`).
+    (``loss_slots``, ``attention``, ``logprob_chunk``: as :func:`model_outputs`).
 
     Returns: ``(logprobs, entropy)``, both float32 ``[B, L]`` (entropy carries no gradient).
     """
     return model_outputs(graphdef, params, batch, temperature, frozen=frozen,
-                         loss_slots=loss_slots)[:2]
+                         loss_slots=loss_slots, attention=attention,
+                         logprob_chunk=logprob_chunk)[:2]
 
 
 _SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
@@ -213,7 +224,7 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
     old-values pass, or None (computed here from this forward's detached values).
     ``loss_slots``: as :func:`model_outputs`."""
     logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
-                                      frozen, loss_slots)
+                                      frozen, loss_slots, s.attention, s.logprob_chunk)
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:
@@ -296,7 +307,8 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
 
     def ref_logprobs(ref_params, mb, frozen, loss_slots=None):
         return None if ref_params is None else jax.lax.stop_gradient(
-            policy_logprobs(graphdef, ref_params, mb, s.temperature, frozen, loss_slots)[0])
+            policy_logprobs(graphdef, ref_params, mb, s.temperature, frozen, loss_slots,
+                            s.attention, s.logprob_chunk)[0])
 
     def old_pass(params, micro: TrainBatch, ref_params, frozen):
         """Forward only, at the step-start params: GAE targets of every micro-batch, whitened
@@ -304,7 +316,8 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
         def body(_, mb):
             mb = jax.tree.map(lambda x: constrain(x, 0), mb)
             logp, _, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
-                                            frozen)
+                                            frozen, attention=s.attention,
+                                            logprob_chunk=s.logprob_chunk)
             ref = ref_logprobs(ref_params, mb, frozen) if s.kl_in_reward else None
             v_old = jax.lax.stop_gradient(values)
             return None, (*_targets(mb, v_old, logp, ref, s), v_old)

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.lora import LoraAdapter, LoraSpec
 
-MASK_VALUE = -1e30   # masked attention logit (finite: a fully masked row stays finite)
 INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
 
 
@@ -98,12 +98,6 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
     return inv
-
-
-def _heads_first(k, v):
-    """The full forward's ``kv_hook``: ``k, v [B, T, K, D]`` -> keys ``[B, K, D, T]``,
-    values ``[B, K, T, D]`` (the cache layout, :class:`rlflow.models.kv_cache.KVCache`)."""
-    return k.transpose(0, 2, 3, 1), v.swapaxes(1, 2)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -255,17 +249,22 @@ class Attention(nnx.Module):
             y = y + lora(x)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
-    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook):
-        """x ``[B, T, E]``; attend_mask ``[B, T, S]`` bool over the keys that ``kv_hook``
-        returns: ``kv_hook(k [B, T, K, D], v) -> (keys [B, K, D, S], values [B, K, S, D])``."""
+    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None):
+        """x ``[B, T, E]``. Full sequence (learner): ``attend_mask`` a
+        :class:`rlflow.models.attention.SequenceMask` (``kv_hook`` unused), attention by
+        :func:`rlflow.models.attention.attention`. Cached (sampler): ``attend_mask [B, T, S]``
+        bool over the keys that ``kv_hook`` returns: ``kv_hook(k [B, T, K, D], v) ->
+        (keys [B, K, D, S], values [B, K, S, D])``."""
         q = self._proj(x, self.q_kernel, self.q_bias, self.q_lora)
         k = self._proj(x, self.k_kernel, self.k_bias, self.k_lora)
         v = self._proj(x, self.v_kernel, self.v_bias, self.v_lora)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        keys, values = kv_hook(k, v)
         b, t, h, d = q.shape
+        if isinstance(attend_mask, SequenceMask):
+            return self._out(attention(q, k, v, **attend_mask._asdict()))
+        keys, values = kv_hook(k, v)
         q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
         if t == 1:
             # One query per row (decode): multiply-and-reduce over the cache's second-minor
@@ -288,6 +287,11 @@ class Attention(nnx.Module):
             out = out.reshape(b, t, h, d)
         else:
             out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, d)
+        return self._out(out)
+
+    def _out(self, out):
+        """Attention output ``[B, T, H, D]`` -> ``[B, T, E]`` (output projection)."""
+        b, t, h, d = out.shape
         o = self.o_kernel[...].astype(self.dtype)
         y = _dense(out.reshape(b, t, h * d), o.reshape(h * d, o.shape[-1]))
         if self.o_lora is not None:
@@ -339,7 +343,7 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
         self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
-    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook):
+    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None):
         x = x + self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
         return x + self.mlp(self.post_attn_norm(x))
 
@@ -387,7 +391,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                  *, return_hidden: bool = False, segment_ids: jax.Array | None = None,
-                 prefix_ids: jax.Array | None = None):
+                 prefix_ids: jax.Array | None = None, attention_impl: str = "auto"):
         """Full-sequence forward.
 
         Args:
@@ -405,6 +409,10 @@ class Decoder(nnx.Module):
             2025); equal to ``segment_ids`` where a position sees its own segment only.
           return_hidden: also return the final hidden states (the same forward; e.g. for a
             value head).
+          attention_impl: the attention implementation (``learner.attention``; one of
+            :data:`rlflow.models.attention.IMPLEMENTATIONS`, see
+            :func:`rlflow.models.attention.resolve`); ``"auto"`` never materialises
+            ``[T, T]`` scores on CPU and takes the Pallas kernels on TPU / GPU.
 
         Returns:
           ``[B, T, V]`` float32 logits (rows at padding are finite but meaningless); with
@@ -414,33 +422,27 @@ class Decoder(nnx.Module):
 
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
+          ValueError: unknown ``attention_impl``, or a kernel asked for ``prefix_ids``.
         """
         hidden = self.hidden_states(tokens, positions, attention_mask, segment_ids=segment_ids,
-                                    prefix_ids=prefix_ids)
+                                    prefix_ids=prefix_ids, attention_impl=attention_impl)
         logits = self.project(hidden)
         return (logits, hidden) if return_hidden else logits
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                       *, segment_ids: jax.Array | None = None,
-                      prefix_ids: jax.Array | None = None) -> jax.Array:
+                      prefix_ids: jax.Array | None = None,
+                      attention_impl: str = "auto") -> jax.Array:
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits."""
         self._check_tokens(tokens)
-        t = tokens.shape[1]
-        mask = jnp.asarray(attention_mask, bool)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        attend = causal[None] & mask[:, None, :]                       # [B, T, T]
-        if segment_ids is not None:
-            seg = jnp.asarray(segment_ids)
-            same = seg[:, :, None] == seg[:, None, :]
-            if prefix_ids is not None:          # and the shared prompt this segment continues
-                same = same | (jnp.asarray(prefix_ids)[:, :, None] == seg[:, None, :])
-            attend = attend & same
+        attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
+                              attention_impl)                # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
         x = self._embed(tokens)
         for block in self.layers:
-            x = block(x, positions, inv_freq, attend, _heads_first)
+            x = block(x, positions, inv_freq, attend)
         return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,

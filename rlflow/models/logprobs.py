@@ -3,6 +3,8 @@ sampler and the learner share, so behaviour and recomputed logprobs agree bit fo
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -27,3 +29,60 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float | ja
     scaled = logits / t[..., None] if t.ndim else logits / t
     logp = jax.nn.log_softmax(scaled, axis=-1)
     return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def entropy_from_logits(logits) -> jax.Array:
+    """Entropy ``H = logsumexp(z) - sum softmax(z) z`` of each ``[..., V]`` row, float32 ``[...]``."""
+    z = jnp.asarray(logits).astype(jnp.float32)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+
+
+def tempered_entropy(logits: jax.Array, temperature: float | jax.Array = 1.0) -> jax.Array:
+    """:func:`entropy_from_logits` of ``logits / temperature`` without gradient, float32
+    ``[...]`` (the policy entropy metric of the tempered sampling distribution)."""
+    return entropy_from_logits(jax.lax.stop_gradient(logits) / temperature)
+
+
+def chunked_logprobs(project, hidden: jax.Array, tokens: jax.Array,
+                     temperature: float | jax.Array = 1.0, chunk: int = 0
+                     ) -> tuple[jax.Array, jax.Array]:
+    """:func:`token_logprobs` of ``tokens`` and :func:`tempered_entropy`, from hidden states,
+    ``chunk`` positions at a time, so ``[N, vocab]`` float32 logits are never held at once.
+
+    The positions (all leading axes flattened, ``N`` of them) are cut into ``ceil(N / chunk)``
+    chunks (the last padded); ``lax.map`` runs one chunk at a time through ``project`` and
+    the log-softmax under ``jax.checkpoint``, so the backward recomputes a chunk's logits
+    instead of storing them: live float32 ``[chunk, vocab]`` (x3 with the log-softmax and
+    its gradient) instead of ``[N, vocab]``, for one extra LM-head matmul in the backward.
+    The same definition as the unchunked path (each token's logprob depends on its own row
+    only), so values agree within float32 rounding.
+
+    Args:
+      project: ``[n, E] -> [n, vocab]`` float32 logits (``Decoder.project``).
+      hidden: ``[..., E]`` final-normed hidden states.
+      tokens: ``[...]`` int32 ids (``hidden``'s leading shape).
+      temperature: > 0 scalar.
+      chunk: positions per chunk; 0 (or >= N): one pass over all positions.
+
+    Returns:
+      ``(logprobs, entropy)``, float32 ``[...]`` each (entropy carries no gradient).
+    """
+    lead = tokens.shape
+    n = math.prod(lead)
+    if chunk <= 0 or chunk >= n:
+        logits = project(hidden)
+        return token_logprobs(logits, tokens, temperature), tempered_entropy(logits, temperature)
+    chunks = -(-n // chunk)
+    pad = chunks * chunk - n
+    h = jnp.pad(hidden.reshape(n, hidden.shape[-1]), ((0, pad), (0, 0)))
+    t = jnp.pad(tokens.reshape(n), (0, pad))
+
+    @jax.checkpoint
+    def one(xs):
+        h_c, t_c = xs
+        logits = project(h_c)
+        return token_logprobs(logits, t_c, temperature), tempered_entropy(logits, temperature)
+
+    logp, ent = jax.lax.map(one, (h.reshape(chunks, chunk, -1), t.reshape(chunks, chunk)))
+    return logp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)

@@ -1,0 +1,281 @@
+"""Full-sequence (learner) attention: causal, grouped-query, with padding, packed segments and
+the shared-prompt prefix mask; one function, several implementations.
+
+The mask (the one ``Decoder.__call__`` documents): query ``t`` of row ``b`` attends key ``s``
+when ``s <= t``, ``attention_mask[b, s]``, and (with ``segment_ids``)
+``segment_ids[b, s] in {segment_ids[b, t], prefix_ids[b, t]}``. A masked score gets the
+finite logit ``MASK_VALUE``, so a query with no attendable key (a padding row) gets the
+uniform average of all ``T`` values, never NaN.
+
+Implementations (``learner.attention``):
+
+- ``"xla"``: the reference. Materialises float32 scores ``[B, H, T, T]`` and the boolean
+  mask ``[B, T, T]``; the numerics the decoder always had.
+- ``"blockwise"``: plain XLA, never ``[T, T]``: queries in blocks of ``block_q`` (``lax.map``),
+  each against keys in blocks of ``block_k`` (``lax.scan``) with an online softmax (Milakov &
+  Gimelshein 2018, "Online normalizer calculation for softmax", alg. 3; Rabe & Staats 2021,
+  "Self-attention does not need O(n^2) memory", sec. 2-3). Both loop bodies are
+  ``jax.checkpoint``-ed, so the backward recomputes a query block's scores rather than
+  storing them: live memory ``O(T * block)`` per head in forward and backward. Same mask
+  semantics as ``"xla"`` including padding rows (same values within float32 reordering).
+- ``"splash"``: the TPU Pallas splash-attention kernel of ``jax.experimental.pallas.ops.tpu``
+  (causal ``CausalMask`` + ``SegmentIds``; runs in Pallas interpret mode off TPU, which the
+  tests use). Cannot express the prefix mask (a query attending two segment ids).
+- ``"gpu_flash"``: the GPU Pallas (Triton) flash-attention kernel of
+  ``jax.experimental.pallas.ops.gpu.attention`` (causal + segment ids; K/V heads repeated
+  to the query heads). Cannot express the prefix mask either.
+- ``"auto"``: TPU ``"splash"``, GPU ``"gpu_flash"``, CPU ``"blockwise"``; a call with
+  ``prefix_ids`` (shared-prompt packing) takes ``"blockwise"`` on every backend, the one
+  implementation here whose mask has the prefix term (:func:`resolve`).
+
+The kernels (splash, gpu_flash) mask padding through the segment ids: a padding position
+gets its own segment id, so real queries never see it. A padding *row* then attends the
+padding keys before it instead of averaging all keys: still finite, and never read (its
+logits are not a loss position). ``jax.nn.dot_product_attention``'s cuDNN path is not
+offered: its public arguments express padding only as right-padded lengths and packing not
+at all without a materialised ``[B, T, T]`` mask, and the learner's rows are left-padded.
+The tokamax library (issue 43's first choice) pins ``typeguard==2.13.3`` while ``tyro`` (the
+CLI) needs ``typeguard>=4``, and tokamax does not import beside typeguard 4, so the kernels
+come from ``jax.experimental.pallas.ops`` (the same splash kernel MaxText uses).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rlflow.config.learner import ATTENTION_IMPLEMENTATIONS
+
+MASK_VALUE = -1e30   # masked attention logit (finite: a fully masked row stays finite)
+IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS   # ("auto", "xla", "blockwise", "splash", "gpu_flash")
+BLOCK = 512          # default query / key block of "blockwise"
+_KERNEL_BLOCK = 128  # the Pallas kernels' tile (their defaults); T is padded to a multiple
+
+
+class SequenceMask(NamedTuple):
+    """The full-sequence mask as :func:`attention` takes it (the decoder passes it to every
+    layer instead of a ``[B, T, T]`` boolean array): ``attention_mask [B, T]`` bool,
+    ``segment_ids`` / ``prefix_ids`` ``[B, T]`` int or None, ``impl`` (a name of
+    :data:`IMPLEMENTATIONS`)."""
+    attention_mask: jax.Array
+    segment_ids: jax.Array | None = None
+    prefix_ids: jax.Array | None = None
+    impl: str = "auto"
+
+
+def resolve(impl: str, *, prefix: bool, backend: str | None = None) -> str:
+    """The implementation ``impl`` names: ``"auto"`` -> per backend (TPU ``"splash"``, GPU
+    ``"gpu_flash"``, else ``"blockwise"``; ``"blockwise"`` wherever ``prefix``, the shared-
+    prompt mask the kernels cannot express).
+
+    Raises:
+      ValueError: ``impl`` is not one of :data:`IMPLEMENTATIONS`, or a kernel is asked for a
+        batch with ``prefix_ids``.
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"learner.attention: expected one of {IMPLEMENTATIONS}, got {impl!r}")
+    if impl == "auto":
+        if prefix:
+            return "blockwise"
+        backend = backend or jax.default_backend()
+        return {"tpu": "splash", "gpu": "gpu_flash"}.get(backend, "blockwise")
+    if prefix and impl in ("splash", "gpu_flash"):
+        raise ValueError(f"learner.attention={impl!r} cannot express the shared-prompt prefix "
+                         f"mask (prefix_ids); use 'auto' or 'blockwise', or turn "
+                         f"learner.shared_prefix off")
+    return impl
+
+
+def allowed(q_pos, k_pos, key_valid, q_seg=None, k_seg=None, q_prefix=None) -> jax.Array:
+    """Which keys each query attends: ``[B, Tq, Tk]`` bool.
+
+    Args:
+      q_pos: ``[Tq]`` int row indices of the queries; k_pos ``[Tk]`` of the keys (causal:
+        ``k_pos <= q_pos``).
+      key_valid: ``[B, Tk]`` bool, False on padding keys.
+      q_seg, k_seg: ``[B, Tq]`` / ``[B, Tk]`` int segment ids, or None (no packing).
+      q_prefix: ``[B, Tq]`` int segment a query also attends, or None.
+    """
+    ok = (k_pos[None, :] <= q_pos[:, None])[None] & key_valid[:, None, :]
+    if q_seg is not None:
+        same = q_seg[:, :, None] == k_seg[:, None, :]
+        if q_prefix is not None:
+            same = same | (q_prefix[:, :, None] == k_seg[:, None, :])
+        ok = ok & same
+    return ok
+
+
+def _dot_operands(a, b):
+    """bfloat16 batched-dot operands upcast to float32 on CPU (XLA:CPU has no BF16 x BF16 =
+    F32 batched dot kernel); unchanged elsewhere."""
+    if jax.default_backend() == "cpu" and jnp.dtype(a.dtype).itemsize < 4:
+        return a.astype(jnp.float32), b.astype(jnp.float32)
+    return a, b
+
+
+def _scores(q5, k, scale):
+    """``q5 [B, Tq, K, G, D]``, ``k [B, Tk, K, D]`` -> float32 ``[B, K, G, Tq, Tk]``."""
+    qs, ks = _dot_operands(q5, k)
+    return jnp.einsum("btkgd,bskd->bkgts", qs, ks, preferred_element_type=jnp.float32) * scale
+
+
+def _xla(q, k, v, mask_args, scale):
+    b, t, h, d = q.shape
+    q5 = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
+    pos = jnp.arange(t)
+    key_valid, seg, prefix = mask_args
+    attend = allowed(pos, pos, key_valid, seg, seg, prefix)                 # [B, T, T]
+    scores = jnp.where(attend[:, None, None], _scores(q5, k, scale), MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+
+
+def _blocks(x, n, blk, axis=1, fill=0):
+    """``[B, T, ...]`` -> ``[n, B, blk, ...]`` (padded with ``fill`` to ``n * blk``)."""
+    pad = n * blk - x.shape[axis]
+    if pad:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths, constant_values=fill)
+    x = x.reshape(x.shape[:axis] + (n, blk) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _blockwise(q, k, v, mask_args, scale, block_q: int, block_k: int):
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    g = h // kh
+    bq, bk = min(block_q, t), min(block_k, t)
+    nq, nk = -(-t // bq), -(-t // bk)
+    key_valid, seg, prefix = mask_args
+    seg = jnp.zeros((b, t), jnp.int32) if seg is None else seg
+    prefix = seg if prefix is None else prefix
+    # keys past T (block padding) are out of range: -inf, not MASK_VALUE, so a padding row
+    # still averages exactly the T real keys (block 0 always holds key 0: m stays finite)
+    kv = (_blocks(k, nk, bk), _blocks(v, nk, bk), _blocks(jnp.arange(t)[None], nk, bk)[:, 0],
+          _blocks(key_valid, nk, bk, fill=False), _blocks(seg, nk, bk))
+    in_range = _blocks(jnp.ones((1, t), bool), nk, bk, fill=False)[:, 0]     # [nk, bk]
+    qb = (_blocks(q.reshape(b, t, kh, g, d), nq, bq), _blocks(jnp.arange(t)[None], nq, bq)[:, 0],
+          _blocks(seg, nq, bq), _blocks(prefix, nq, bq))
+
+    def key_step(carry, xs, q5, q_pos, q_seg, q_pre):
+        m, l, acc = carry                       # [B, K, G, bq], same, [B, K, G, bq, D] f32
+        kb, vb, k_pos, k_valid, k_seg, k_in = xs
+        ok = allowed(q_pos, k_pos, k_valid, q_seg, k_seg, q_pre)[:, None, None]
+        s = jnp.where(ok, _scores(q5, kb, scale), MASK_VALUE)
+        s = jnp.where(k_in, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        ps, vs = _dot_operands(p.astype(v.dtype), vb)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", ps, vs, preferred_element_type=jnp.float32)
+        return (m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv), None
+
+    def query_block(xs):
+        q5, q_pos, q_seg, q_pre = xs
+        step = jax.checkpoint(functools.partial(key_step, q5=q5, q_pos=q_pos, q_seg=q_seg,
+                                                q_pre=q_pre))
+        init = (jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, kh, g, bq), jnp.float32), jnp.zeros((b, kh, g, bq, d), jnp.float32))
+        (_, l, acc), _ = jax.lax.scan(step, init, kv + (in_range,))
+        out = (acc / l[..., None]).astype(q.dtype)               # [B, K, G, bq, D]
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, bq, h, d)
+
+    out = jax.lax.map(jax.checkpoint(query_block), qb)           # [nq, B, bq, H, D]
+    return jnp.moveaxis(out, 0, 1).reshape(b, nq * bq, h, d)[:, :t]
+
+
+def _kernel_segments(t_pad, mask_args):
+    """Segment ids for a kernel: ``[B, t_pad]`` int32, padding (and block padding) in a
+    segment of its own (-1) so real queries never attend it."""
+    key_valid, seg, _ = mask_args
+    b, t = key_valid.shape
+    seg = jnp.zeros((b, t), jnp.int32) if seg is None else seg.astype(jnp.int32)
+    seg = jnp.where(key_valid, seg, -1)
+    return jnp.pad(seg, ((0, 0), (0, t_pad - t)), constant_values=-1)
+
+
+def _pad_seq(x, t_pad):
+    return jnp.pad(x, ((0, 0), (0, t_pad - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+
+def _splash(q, k, v, mask_args, scale, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    b, t, h, d = q.shape
+    t_pad = -(-t // _KERNEL_BLOCK) * _KERNEL_BLOCK
+    seg = _kernel_segments(t_pad, mask_args)
+    mask = sa.MultiHeadMask([sa.CausalMask((t_pad, t_pad)) for _ in range(h)])
+    kernel = sa.make_splash_mha_single_device(mask, block_sizes=sa.BlockSizes.get_default(),
+                                              mask_value=MASK_VALUE, interpret=interpret)
+    heads = lambda x: _pad_seq(x, t_pad).swapaxes(1, 2)                # [B, N, T, D]  # noqa: E731
+    out = jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, sa.SegmentIds(s1, s1)))(
+        heads(q * jnp.asarray(scale, q.dtype)), heads(k), heads(v), seg)
+    return out.swapaxes(1, 2)[:, :t].astype(q.dtype)
+
+
+def _gpu_flash(q, k, v, mask_args, scale, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import attention as ga
+    b, t, h, d = q.shape
+    t_pad = -(-t // _KERNEL_BLOCK) * _KERNEL_BLOCK
+    seg = _kernel_segments(t_pad, mask_args)
+    rep = h // k.shape[2]
+    k, v = (_pad_seq(jnp.repeat(x, rep, axis=2), t_pad) for x in (k, v))
+    out = ga.mha(_pad_seq(q, t_pad), k, v, seg, sm_scale=scale, causal=True,
+                 block_sizes=ga.BlockSizes.get_default(), interpret=interpret)
+    return out[:, :t].astype(q.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, attention_mask: jax.Array,
+              segment_ids: jax.Array | None = None, prefix_ids: jax.Array | None = None,
+              impl: str = "auto", block_size: int | None = None,
+              interpret: bool | None = None) -> jax.Array:
+    """Causal grouped-query attention of a whole sequence, ``softmax(q k^T / sqrt(D)) v``
+    (Vaswani et al. 2017, eq. 1; GQA: Ainslie et al. 2023) under the mask of the module
+    docstring.
+
+    Args:
+      q: ``[B, T, H, D]`` queries (RoPE applied), in the compute dtype.
+      k, v: ``[B, T, K, D]`` keys / values, ``H % K == 0`` (query head ``i`` uses K/V head
+        ``i // (H / K)``).
+      attention_mask: ``[B, T]`` bool, False on padding (left or right).
+      segment_ids: ``[B, T]`` int or None: packed sequences; a query attends its segment.
+      prefix_ids: ``[B, T]`` int or None (with ``segment_ids``): the segment a query also
+        attends (shared prompt, :mod:`rlflow.learner.packing`).
+      impl: one of :data:`IMPLEMENTATIONS` (see :func:`resolve`).
+      block_size: query and key block of ``"blockwise"`` (tokens); None: :data:`BLOCK`.
+      interpret: run the Pallas kernels in interpret mode; None: when the backend is not the
+        kernel's own (TPU for splash, GPU for gpu_flash), e.g. CPU tests.
+
+    Returns:
+      ``[B, T, H, D]`` in ``q.dtype``; scores and softmax in float32.
+
+    Raises:
+      ValueError: unknown ``impl``, ``prefix_ids`` without ``segment_ids``, a kernel asked
+        for the prefix mask, or mismatched shapes.
+    """
+    b, t, h, d = q.shape
+    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d or h % k.shape[2]:
+        raise ValueError(f"attention: q {q.shape} with k {k.shape} / v {v.shape}: expected "
+                         f"k, v [B, T, K, D] with H % K == 0")
+    if prefix_ids is not None and segment_ids is None:
+        raise ValueError("attention: prefix_ids needs segment_ids")
+    block_size = BLOCK if block_size is None else block_size
+    if block_size <= 0:
+        raise ValueError(f"attention: block_size must be > 0, got {block_size}")
+    name = resolve(impl, prefix=prefix_ids is not None)
+    mask_args = (jnp.asarray(attention_mask, bool),
+                 None if segment_ids is None else jnp.asarray(segment_ids),
+                 None if prefix_ids is None else jnp.asarray(prefix_ids))
+    scale = 1.0 / math.sqrt(d)
+    if name == "xla":
+        return _xla(q, k, v, mask_args, scale)
+    if name == "blockwise":
+        return _blockwise(q, k, v, mask_args, scale, block_size, block_size)
+    own = "tpu" if name == "splash" else "gpu"
+    interp = (jax.default_backend() != own) if interpret is None else interpret
+    return (_splash if name == "splash" else _gpu_flash)(q, k, v, mask_args, scale, interp)
+
