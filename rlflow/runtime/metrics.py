@@ -3,7 +3,7 @@
 Per replica ``i`` (``sampler-<i>``): ``replica/<i>/tokens_per_s``, ``slot_occupancy``,
 ``groups_delivered`` (total), ``in_flight`` (groups it holds), ``version`` (policy version
 of its weights), ``restarts``. Over the live replicas: ``sampler/tokens_per_s`` (sum),
-``sampler/slot_occupancy`` and ``sampler/idle_frac`` (means), the groups dropped for a
+``sampler/slot_occupancy``, ``sampler/idle_frac`` and ``sampler/tokens_per_s_per_chip`` (means), the groups dropped for a
 NaN/inf reward (``sampler/dropped_bad_reward_groups``), the reward functions' error and
 timeout counts (``reward/errors/<fn>``, ``reward/timeouts/<fn>``), the multi-turn episode
 counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-_MEAN = ("sampler/slot_occupancy", "sampler/idle_frac")
+# tokens/s per chip: the replicas' mean (= the fleet's tokens/s per chip when every replica
+# has the same mesh, as the config makes them)
+_MEAN = ("sampler/slot_occupancy", "sampler/idle_frac", "sampler/tokens_per_s_per_chip")
 _SUM = ("sampler/tokens_per_s", "sampler/rejected_groups", "sampler/in_flight",
         "sampler/groups_delivered", "sampler/dropped_bad_reward_groups",
         # multi-turn episodes (totals per replica instance): environment steps, failures

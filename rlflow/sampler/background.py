@@ -22,9 +22,11 @@ WINDOW_S = 1.0             # window of the rates reported to the learner (second
 
 
 class RateWindow:
-    """Rates over the last closed window of about ``WINDOW_S`` seconds."""
+    """Rates over the last closed window of about ``WINDOW_S`` seconds; ``chips``: devices
+    of the replica's mesh (``sampler/tokens_per_s_per_chip`` = tokens/s over them)."""
 
-    def __init__(self):
+    def __init__(self, chips: int = 1):
+        self.chips = max(int(chips), 1)
         self.t0 = time.monotonic()
         self.tokens = self.slots_used = self.slots_total = 0
         self.idle = 0.0
@@ -40,6 +42,7 @@ class RateWindow:
         now = time.monotonic()
         dt = max(now - self.t0, 1e-9)
         current = {"sampler/tokens_per_s": self.tokens / dt,
+                   "sampler/tokens_per_s_per_chip": self.tokens / dt / self.chips,
                    "sampler/slot_occupancy": self.slots_used / max(self.slots_total, 1),
                    "sampler/idle_frac": min(1.0, self.idle / dt)}
         if dt >= WINDOW_S:
