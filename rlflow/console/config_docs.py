@@ -27,6 +27,7 @@ SECTIONS = (
     ("metrics", config_mod.MetricsConfig),
     ("sampler.mesh / learner.mesh", config_mod.MeshConfig),
     ("learner.lora", config_mod.LoraConfig),
+    ("metrics.wandb", config_mod.WandbConfig),
 )
 
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w ,/]*?):(?:\s+(.*))?$")
