@@ -143,3 +143,18 @@ def test_off_by_default_and_mode_checked():
     assert MetricsConfig().wandb.mode == "off"
     with pytest.raises(ConfigError, match="metrics.wandb.mode"):
         WandbConfig(mode="on")
+
+
+def test_train_refuses_wandb_without_the_package(monkeypatch):
+    import importlib.util
+
+    from rlflow.config import ConfigError
+    from rlflow.console.checks import _check_wandb
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    cfg = ExperimentConfig(metrics=MetricsConfig(wandb=WandbConfig(mode="online")))
+    with pytest.raises(ConfigError, match=r"metrics.wandb.mode='online' needs the wandb"):
+        _check_wandb(cfg)
+    _check_wandb(ExperimentConfig())                      # off: nothing to check

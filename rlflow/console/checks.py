@@ -32,9 +32,11 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``sampler.max_prefill_length`` with ``sampler.on_long_prompt='error'``),
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
         ``runtime.transfer_layout``, ``sampler.max_tokens`` (a KV cache larger than this
-        machine's memory)) and what was expected.
+        machine's memory), ``metrics.wandb.mode`` (W&B on without the ``wandb`` package))
+        and what was expected.
     """
     _check_weight_layout(cfg)
+    _check_wandb(cfg)
     _check_plugins(cfg)
     _check_rewards(cfg)
     _check_env(cfg)
@@ -153,6 +155,15 @@ def _check_weight_layout(cfg) -> None:
             f"sampler devices, got sampler.num_devices={sp.num_devices}: set "
             f"runtime.transfer_layout='single_device' (the learner gathers each version on one "
             f"device) or give the sampler more devices")
+
+
+def _check_wandb(cfg) -> None:
+    import importlib.util
+
+    if cfg.metrics.wandb.mode != "off" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"metrics.wandb.mode={cfg.metrics.wandb.mode!r} needs the wandb "
+                          "package: pip install wandb (or pip install -e '.[wandb]'), or set "
+                          "--metrics.wandb.mode off")
 
 
 def _check_plugins(cfg) -> None:
