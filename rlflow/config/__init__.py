@@ -17,7 +17,8 @@ from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
 from rlflow.config.eval import EvalConfig
 from rlflow.config.learner import LORA_PROJECTIONS, LoraConfig, LearnerConfig
-from rlflow.config.runtime import BufferConfig, RuntimeConfig, CheckpointConfig, MetricsConfig
+from rlflow.config.runtime import (BufferConfig, RuntimeConfig, CheckpointConfig, MetricsConfig,
+                                   WandbConfig)
 from rlflow.config.experiment import ExperimentConfig, replace, load_config_file
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "RuntimeConfig",
     "CheckpointConfig",
     "MetricsConfig",
+    "WandbConfig",
     "ExperimentConfig",
     "replace",
     "load_config_file",

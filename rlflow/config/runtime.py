@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, Tuple
 
 from rlflow.config.secrets import ENV_BUFFER_TOKEN, token_source_given
 from rlflow.config.validation import _check, _positive, _one_of, _timeout, _finite_floats
@@ -174,6 +174,33 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging (``rlflow.run.wandb_sink``; off by default; needs the
+    ``wandb`` package). The run's W&B files live in ``<run folder>/wandb``; its id is kept in
+    ``<run folder>/wandb_run_id`` so a resumed run continues the same W&B run.
+
+    Attributes:
+      mode: "off", "online" (sync to the server; needs ``wandb login`` or
+        ``WANDB_API_KEY``) or "offline" (files only; upload later with ``wandb sync``).
+      project: W&B project.
+      entity: W&B team or user ("" for the default of the logged-in user).
+      run_name: display name of the run ("" for the experiment's ``name``).
+      tags: run tags.
+    """
+
+    mode: Literal["off", "online", "offline"] = "off"
+    project: str = "rlflow"
+    entity: str = ""
+    run_name: str = ""
+    tags: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _one_of(self.mode, ("off", "online", "offline"), "metrics.wandb.mode")
+        _check(self.mode == "off" or bool(self.project), "metrics.wandb.project",
+               "must be set when metrics.wandb.mode is not 'off'")
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     """Run-folder outputs: JSONL + TensorBoard metrics and sample completions.
 
@@ -183,12 +210,15 @@ class MetricsConfig:
       progress: "auto" (bar on a TTY, plain lines otherwise), "bar" or "plain".
       on_non_finite: a NaN/inf metric value "error"s (raises, naming step and metric) or is
         "flag"ged (written as null, listed under the record's "non_finite" key, warned).
+      wandb: Weights & Biases logging of the same metrics, config and samples (off by
+        default; :class:`WandbConfig`).
     """
 
     samples_every: int = 5
     num_samples: int = 4
     progress: Literal["auto", "bar", "plain"] = "auto"
     on_non_finite: Literal["error", "flag"] = "flag"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self):
         _finite_floats(self, "metrics")

@@ -35,12 +35,14 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
         ``runtime.transfer_layout``, ``sampler.max_tokens`` (a KV cache larger than this
         machine's memory); with ``eval.every_steps > 0`` the same checks of the held-out
-        data and reward functions, named ``eval.path``, ``eval.functions`` ...) and what was
+        data and reward functions, named ``eval.path``, ``eval.functions`` ...),
+        ``metrics.wandb.mode`` (W&B on without the ``wandb`` package) and what was
         expected; ``model.path`` / ``data.chat_template`` also when the tokenizer cannot be
         built, or a prompt cannot be rendered and encoded, the way the programs will
         (:func:`_check_tokenizer`).
     """
     _check_weight_layout(cfg)
+    _check_wandb(cfg)
     _check_plugins(cfg)
     _check_rewards(cfg)
     _check_reasoning_parser(cfg)
@@ -173,6 +175,15 @@ def _check_weight_layout(cfg) -> None:
             f"sampler devices, got sampler.num_devices={sp.num_devices}: set "
             f"runtime.transfer_layout='single_device' (the learner gathers each version on one "
             f"device) or give the sampler more devices")
+
+
+def _check_wandb(cfg) -> None:
+    import importlib.util
+
+    if cfg.metrics.wandb.mode != "off" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"metrics.wandb.mode={cfg.metrics.wandb.mode!r} needs the wandb "
+                          "package: pip install wandb (or pip install -e '.[wandb]'), or set "
+                          "--metrics.wandb.mode off")
 
 
 def _check_plugins(cfg) -> None:

@@ -28,6 +28,7 @@ SECTIONS = (
     ("eval", config_mod.EvalConfig),
     ("sampler.mesh / learner.mesh", config_mod.MeshConfig),
     ("learner.lora", config_mod.LoraConfig),
+    ("metrics.wandb", config_mod.WandbConfig),
 )
 
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w ,/]*?):(?:\s+(.*))?$")

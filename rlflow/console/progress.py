@@ -34,6 +34,7 @@ STATUS_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reward", "reward/mean", "{:.3f}"),
     ("kl", "policy/kl", "{:.2e}"),
     ("tok/s", "sampler/tokens_per_s", "{:.0f}"),
+    ("mfu", "perf/mfu", "{:.1%}"),
     ("stale", "staleness/mean", "{:.2f}"),
     ("buf", "buffer/fill", "{:.0%}"),
     ("trunc", "response/truncation_rate", "{:.0%}"),

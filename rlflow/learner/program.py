@@ -373,12 +373,14 @@ class LearnerProgram:
         self.skips.trained()
         self.version = self.learner.version
         self._mark_trained()
+        t2 = time.monotonic()
         if self.version % self.cfg.runtime.publish_every == 0 or \
                 self.version == self.cfg.learner.num_steps:
             self._publish()
         else:
             self.coordinator.set_progress(learner_version=self.version)
         total = time.monotonic() - t0
+        t_publish = time.monotonic() - t2
         rewards = np.concatenate([g["rewards"] for g in groups])
         ranges = [policy_version_range(g) for g in groups]
         # batch/dropped_bad_reward_groups is always 0 here (records with a non-finite reward
@@ -391,6 +393,13 @@ class LearnerProgram:
             "learner/compile_s": self.learner.last_compile_s,
             "learner/idle_frac": t_wait / max(total, 1e-9),
             "learner/wall_s": total,
+            # the step's wall time split (rlflow.run.perf): waiting for rollouts, building
+            # the batch, the train step's compute, publishing the new weights
+            "perf/time_wait_s": t_wait,
+            "perf/time_batch_s": max(t1 - t0 - t_wait, 0.0),
+            "perf/time_compute_s": t_step,
+            "perf/time_publish_s": t_publish,
+            **self.learner.perf_metrics(info, t_step - self.learner.last_compile_s),
             "learner/version": self.version,
             "rollout/version_min": min(r[0] for r in ranges),
             "rollout/version_max": max(r[1] for r in ranges),

@@ -42,6 +42,7 @@ from rlflow.models.decoder import validate_tokens
 from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec, base_reference, zeros_like_adapters
 from rlflow.models.lora_decoder import lora_model_parts
+from rlflow.run import perf
 
 logger = logging.getLogger("rlflow.learner")
 COMPILE_THREAD_NAME = "rlflow-compile"   # background compiles (rlflow.runtime.learner_hosts)
@@ -118,6 +119,7 @@ class Learner:
         # Seconds the latest step spent compiling its shape or waiting for its background
         # compile (0.0 once compiled): ``learner/compile_s``.
         self.last_compile_s = 0.0
+        self._peak_flops: float | None = None     # per chip, measured on first use on CPU
 
     @property
     def version(self) -> int:
@@ -247,10 +249,33 @@ class Learner:
         version = self.version if version is None else version
         batch, info = build_batch(records, self.batch_spec, version)
         if self.pack_spec is None:
-            return batch, {**info, "learner/padding_fraction":
-                           padding_fraction(batch.attention_mask)}
-        packed, pinfo = pack_batch(batch, self.pack_spec, self.packed_row_counts)
-        return packed, {**info, **pinfo}
+            info = {**info, "learner/padding_fraction": padding_fraction(batch.attention_mask)}
+        else:
+            batch, pinfo = pack_batch(batch, self.pack_spec, self.packed_row_counts)
+            info = {**info, **pinfo}
+        return batch, {**info, **self.batch_flops(batch)}
+
+    def batch_flops(self, batch: TrainBatch) -> dict[str, float]:
+        """``batch/tokens`` (real tokens) and ``batch/model_flops`` (the step's model FLOPs,
+        :func:`rlflow.run.perf.train_flops`) of a host batch."""
+        n, t = perf.sequence_lengths(batch.attention_mask, batch.positions, batch.segment_ids)
+        return {"batch/tokens": int(n.sum()),
+                "batch/model_flops": perf.train_flops(self.model_config, n, t)}
+
+    def perf_metrics(self, info: Mapping, seconds: float) -> dict[str, float]:
+        """``perf/mfu``, ``perf/tokens_per_s_per_chip`` and ``perf/model_flops_per_s_per_chip``
+        of a step whose :meth:`build_batch` info is ``info`` and whose compute took
+        ``seconds`` (its compile left out: ``learner/step_time_s - learner/compile_s``);
+        :func:`rlflow.run.perf.learner_perf_metrics`. The peak is the table's for TPUs /
+        GPUs, a ``jnp.dot`` in ``learner.compute_dtype`` measured once on CPU."""
+        if self._peak_flops is None:
+            self._peak_flops = perf.peak_flops_per_chip(self.mesh.devices.flat[0],
+                                                        self.cfg.learner.compute_dtype)
+        out = perf.learner_perf_metrics(info["batch/model_flops"], info["batch/tokens"],
+                                        seconds, chips=self.mesh.devices.size,
+                                        peak_per_chip=self._peak_flops)
+        out.pop("perf/model_flops")          # logged as batch/model_flops
+        return out
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step on a host batch; returns the step metrics as floats.
@@ -339,7 +364,9 @@ class Learner:
         t0 = time.perf_counter()
         metrics = self.step(batch)
         metrics["learner/step_time_s"] = time.perf_counter() - t0
-        return {**info, **metrics}
+        metrics["learner/compile_s"] = self.last_compile_s
+        return {**info, **metrics, **self.perf_metrics(
+            info, metrics["learner/step_time_s"] - self.last_compile_s)}
 
 
 def pull_metrics(metrics: Mapping) -> dict[str, float]:

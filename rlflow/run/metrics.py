@@ -10,6 +10,8 @@ Layout of ``runs/<name>/`` (``ExperimentConfig.run_path``)::
                              {"step", "prompt", "completion", "reward", "version", ...extras}
     events.out.tfevents.*    TensorBoard scalars/histograms/text (tensorboardX SummaryWriter)
     report/                  written by ``rlflow report`` (rlflow/run/report.py)
+    wandb/, wandb_run_id     with ``metrics.wandb.mode`` on: W&B's files and run id
+                             (rlflow/run/wandb_sink.py)
 
 One writer per run: the process that owns the run folder (the launcher or the learner)
 logs both programs' metrics; the sampler's figures travel to it with the rollouts.
@@ -71,6 +73,19 @@ METRIC_SPECS: dict[str, tuple[str, str]] = {
     "learner/compile_s": ("s", "part of the step spent compiling its shape or waiting for "
                           "its background compile (0 once compiled)"),
     "learner/idle_frac": ("fraction", "learner time spent waiting for rollouts"),
+    "perf/mfu": ("fraction", "model FLOPs utilisation of the train step: model FLOPs "
+                 "(rlflow.run.perf, PaLM appendix B) / (step time x chips x peak FLOP/s)"),
+    "perf/tokens_per_s_per_chip": ("tokens/s", "real tokens trained per second of step "
+                                   "compute per learner device"),
+    "perf/model_flops_per_s_per_chip": ("FLOP/s", "the step's model FLOPs per second per "
+                                        "learner device"),
+    "batch/model_flops": ("FLOPs", "model FLOPs of the step's batch (6N + 12 L H D T per "
+                          "token, rlflow.run.perf)"),
+    "batch/tokens": ("tokens", "real (not padding) tokens of the step's batch"),
+    "perf/time_wait_s": ("s", "part of the step's wall time spent waiting for rollouts"),
+    "perf/time_batch_s": ("s", "part spent building the batch"),
+    "perf/time_compute_s": ("s", "part spent in the train step (= learner/step_time_s)"),
+    "perf/time_publish_s": ("s", "part spent publishing the new weights"),
     "learner/padding_fraction": ("fraction", "padded positions of the one-row-per-sample batch"),
     "learner/packed_padding_fraction": ("fraction", "padded positions of the packed batch "
                                         "(learner.packing) the step computes on"),
@@ -80,6 +95,8 @@ METRIC_SPECS: dict[str, tuple[str, str]] = {
                                "the step's interval"),
     "sampler/idle_frac": ("fraction", "sampler time blocked on the buffer or on weights, "
                           "over the step's interval"),
+    "sampler/tokens_per_s_per_chip": ("tokens/s", "decoded tokens per second per device of "
+                                      "the replicas' meshes, over the step's interval"),
     "sync/weight_sync_s": ("s", "publish-to-swap time of the latest weight version"),
     "sync/sampler_pause_s": ("s", "decode time lost to the latest weight swap"),
     "buffer/fill": ("fraction", "groups held / buffer.capacity"),
@@ -157,10 +174,13 @@ class MetricsWriter:
         atomic rewrite, :func:`truncate_after`) and hidden in TensorBoard
         (``purge_step=start_step + 1``), so each step is recorded once.
       tensorboard: also write TensorBoard event files.
+      wandb: a :class:`rlflow.run.wandb_sink.WandbSink` that receives the same metrics and
+        samples (and logs the report's plots on :meth:`close`), or None.
     """
 
     def __init__(self, run_dir: str, *, samples_every: int = 5, num_samples: int = 4,
-                 on_non_finite: str = "flag", start_step: int = 0, tensorboard: bool = True):
+                 on_non_finite: str = "flag", start_step: int = 0, tensorboard: bool = True,
+                 wandb=None):
         if on_non_finite not in ("error", "flag"):
             raise ValueError(f"on_non_finite must be 'error' or 'flag', got {on_non_finite!r}")
         if samples_every < 0 or num_samples < 0:
@@ -173,6 +193,7 @@ class MetricsWriter:
         self.non_finite_count = 0
         self._lock = threading.Lock()
         self._closed = False
+        self.wandb = wandb
         for name in (METRICS_FILE, SAMPLES_FILE):
             removed = truncate_after(files.join(self.run_dir, name), start_step)
             if removed:
@@ -195,10 +216,24 @@ class MetricsWriter:
 
     @classmethod
     def for_experiment(cls, cfg, *, start_step: int = 0) -> "MetricsWriter":
-        """Writer for ``cfg.run_path`` with ``cfg.metrics`` settings; writes ``config.json``."""
+        """Writer for ``cfg.run_path`` with ``cfg.metrics`` settings; writes ``config.json``.
+        With ``metrics.wandb.mode`` not "off" it also opens (or, on resume, continues) the
+        run's W&B run with the redacted config (:mod:`rlflow.run.wandb_sink`).
+
+        Raises:
+          ImportError: W&B logging is on and ``wandb`` is not installed.
+        """
         m = cfg.metrics
+        sink = None
+        if m.wandb.mode != "off":
+            from rlflow.config.secrets import redact_config
+            from rlflow.run.wandb_sink import WandbSink
+
+            config = json.loads(json.dumps(redact_config(dataclasses.asdict(cfg)),
+                                           default=_jsonable))
+            sink = WandbSink(cfg.run_path, m.wandb, config, default_name=cfg.name)
         writer = cls(cfg.run_path, samples_every=m.samples_every, num_samples=m.num_samples,
-                     on_non_finite=m.on_non_finite, start_step=start_step)
+                     on_non_finite=m.on_non_finite, start_step=start_step, wandb=sink)
         writer.write_config(cfg)
         return writer
 
@@ -279,6 +314,8 @@ class MetricsWriter:
                 summary = Summary(value=[Summary.Value(tag=n, simple_value=v)
                                          for n, v in values.items() if n not in bad])
                 self._tb.file_writer.add_summary(summary, step, record["time"])
+            if self.wandb is not None:
+                self.wandb.log(step, {n: v for n, v in values.items() if n not in bad})
         return record
 
     def histogram(self, step: int, name: str, values: Sequence[float] | np.ndarray) -> None:
@@ -363,6 +400,8 @@ class MetricsWriter:
             self._samples.flush()
             if self._tb is not None and lines:
                 self._tb.add_text("samples", _samples_markdown(lines), step)
+            if self.wandb is not None and lines:
+                self.wandb.log_samples(step, [json.loads(line) for line in lines])
         return len(lines)
 
     # -- lifetime ------------------------------------------------------------------------
@@ -373,7 +412,8 @@ class MetricsWriter:
                 self._copy_tensorboard()
 
     def close(self) -> None:
-        """Flush and close every file (idempotent); later writes raise RuntimeError."""
+        """Flush and close every file (idempotent); later writes raise RuntimeError. A W&B
+        run gets the report's plots, then finishes."""
         with self._lock:
             if self._closed:
                 return
@@ -383,6 +423,8 @@ class MetricsWriter:
             if self._tb is not None:
                 self._tb.close()
                 self._copy_tensorboard()
+        if self.wandb is not None:
+            self.wandb.finish()
 
     def _copy_tensorboard(self) -> None:
         """Object-store run folder: put the local TensorBoard event files in it (whole)."""

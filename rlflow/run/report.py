@@ -83,6 +83,11 @@ PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("staleness", "Staleness (policy versions)", (
         Panel("fraction of samples", STALENESS_HIST, stacked=True),
         Panel("versions", ("staleness/mean", "staleness/max")))),
+    PlotSpec("perf", "Learner MFU and step time split", (
+        Panel("MFU (fraction)", ("perf/mfu",)),
+        Panel("seconds per step", ("perf/time_wait_s", "perf/time_batch_s",
+                                   "perf/time_compute_s", "perf/time_publish_s"),
+              stacked=True))),
     PlotSpec("timing", "Timing", (
         Panel("seconds", ("learner/step_time_s", "sync/weight_sync_s", "sync/sampler_pause_s")),
         Panel("wait (s)", ("buffer/producer_wait_s", "buffer/consumer_wait_s")))),

@@ -17,7 +17,8 @@ Rates (:class:`StepRates`): each replica reports running totals (tokens decoded,
 used and run, seconds idle; :class:`rlflow.sampler.background.RateCounters`); the learner
 turns their growth over each logged step's interval (at least ``MIN_RATE_SPAN_S``) into
 the rates of that interval:
-``sampler/tokens_per_s`` (sum over replicas), ``sampler/slot_occupancy`` (slot-steps used /
+``sampler/tokens_per_s`` (sum over replicas), ``sampler/tokens_per_s_per_chip`` (that sum
+over the replicas' devices, ``sampler/chips``), ``sampler/slot_occupancy`` (slot-steps used /
 run), ``sampler/idle_frac`` (mean over replicas), ``replica/<i>/tokens_per_s`` and
 ``replica/<i>/slot_occupancy``; and over the run so far: ``sampler/tokens_total`` and
 ``sampler/tokens_per_s_run`` (tokens / seconds since the learner started).
@@ -88,6 +89,7 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
 #: The running totals a replica reports (:class:`rlflow.sampler.background.RateCounters`).
 _TOTALS = ("sampler/tokens_total", "sampler/slot_steps_used", "sampler/slot_steps_total",
            "sampler/idle_s_total")
+_CHIPS = "sampler/chips"          # devices of a replica's mesh (constant per replica)
 
 
 #: Shortest span (seconds) a rate is averaged over: a learner step can take 20 ms while a
@@ -161,8 +163,11 @@ class StepRates:
         if not live:
             return {}
         rates = {name: self._rates(name, span) for name in live}
+        chips = sum(max(float(statuses[name].metrics.get(_CHIPS, 1.0)), 1.0) for name in live)
         used, run = sum(r[1] for r in rates.values()), sum(r[2] for r in rates.values())
-        out = {"sampler/tokens_per_s": sum(r[0] for r in rates.values()),
+        tokens_per_s = sum(r[0] for r in rates.values())
+        out = {"sampler/tokens_per_s": tokens_per_s,
+               "sampler/tokens_per_s_per_chip": tokens_per_s / chips,
                "sampler/slot_occupancy": used / run if run else 0.0,
                "sampler/idle_frac": sum(r[3] for r in rates.values()) / len(rates),
                "sampler/tokens_total": self.run_tokens,

@@ -26,10 +26,12 @@ class RateCounters:
     rates over each step's interval and over the run
     (:class:`rlflow.runtime.metrics.StepRates`). A rate of the last second sampled at
     status time read 0 whenever that second happened to be idle: on short or slow runs,
-    every step.
+    every step. ``chips``: devices of the replica's mesh (reported as ``sampler/chips``, for
+    ``sampler/tokens_per_s_per_chip``).
     """
 
-    def __init__(self):
+    def __init__(self, chips: int = 1):
+        self.chips = max(int(chips), 1)
         self.tokens = self.slots_used = self.slots_total = 0
         self.idle = 0.0
 
@@ -41,11 +43,12 @@ class RateCounters:
 
     def figures(self) -> dict:
         """``sampler/tokens_total``, ``slot_steps_used``, ``slot_steps_total``,
-        ``idle_s_total``: the totals so far (floats)."""
+        ``idle_s_total``: the totals so far, and ``sampler/chips`` (floats)."""
         return {"sampler/tokens_total": float(self.tokens),
                 "sampler/slot_steps_used": float(self.slots_used),
                 "sampler/slot_steps_total": float(self.slots_total),
-                "sampler/idle_s_total": float(self.idle)}
+                "sampler/idle_s_total": float(self.idle),
+                "sampler/chips": float(self.chips)}
 
 
 class WeightPuller:

@@ -166,7 +166,7 @@ class SamplerProgram:
         self.episodes = self._episode_driver() if cfg.env.enabled else None
         self.env_reset_errors = 0
         self.env_reset_run = 0
-        self.window = RateCounters()
+        self.window = RateCounters(chips=self.mesh.devices.size)
         self.delivery = GroupDelivery(
             self.tokenizer, self.buffer,
             None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),
