@@ -72,6 +72,8 @@ class StepSettings:
     ``max_loss_tokens``: a bound on a step's loss positions (samples x ``sampler.max_tokens``):
     > 0 projects to the vocabulary only at loss positions, in that many slots per micro-batch
     and batch shard at most (:mod:`rlflow.learner.loss_positions`); 0 projects every position.
+    ``remat``: the decoder layers' rematerialisation policy in the differentiated forward
+    (``learner.remat``, :mod:`rlflow.models.layer_scan`).
     """
     loss_agg: str = "token-mean"
     norm_len: int = 1
@@ -95,6 +97,7 @@ class StepSettings:
     whiten: bool = True
     kl_in_reward: bool = False
     max_loss_tokens: int = 0
+    remat: str = "none"
 
     @classmethod
     def from_config(cls, cfg) -> "StepSettings":
@@ -111,7 +114,7 @@ class StepSettings:
                    value_coef=lr.value_coef, value_clip=lr.value_clip, whiten=lr.gae_whiten,
                    kl_in_reward=lr.gae_kl_in_reward,
                    max_loss_tokens=lr.groups_per_step * cfg.sampler.group_size
-                   * cfg.sampler.max_tokens)
+                   * cfg.sampler.max_tokens, remat=lr.remat)
 
 
 def trainable(params, value=None):
@@ -148,7 +151,8 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 
 
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
-                  value_graphdef=None, frozen=None, loss_slots: tuple[int, int] | None = None):
+                  value_graphdef=None, frozen=None, loss_slots: tuple[int, int] | None = None,
+                  remat: str = "none"):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
@@ -158,6 +162,8 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
       loss_slots: ``(shards, capacity)``: logits only at ``batch.loss_mask`` positions
         (:func:`rlflow.learner.loss_positions.loss_index`; the caller guarantees at most
         ``capacity`` per row group), logprobs and entropy 0 elsewhere; None: every position.
+      remat: the layers' rematerialisation policy (:mod:`rlflow.models.layer_scan`; what a
+        backward pass through this forward keeps, never the values).
 
     Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
     gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head.
@@ -165,7 +171,8 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
     policy, vparams = (params, None) if value_graphdef is None else params
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
-                                 segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids)
+                                 segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
+                                 remat=remat)
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
         logits, targets = model.project(hidden), batch.targets
@@ -213,7 +220,7 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
     old-values pass, or None (computed here from this forward's detached values).
     ``loss_slots``: as :func:`model_outputs`."""
     logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
-                                      frozen, loss_slots)
+                                      frozen, loss_slots, s.remat)
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:

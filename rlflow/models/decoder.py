@@ -28,6 +28,7 @@ from flax import nnx
 
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
+from rlflow.models.layer_scan import scan_layers
 from rlflow.models.lora import LoraAdapter, LoraSpec
 
 MASK_VALUE = -1e30   # masked attention logit (finite: a fully masked row stays finite)
@@ -422,10 +423,21 @@ class Decoder(nnx.Module):
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                       *, segment_ids: jax.Array | None = None,
-                      prefix_ids: jax.Array | None = None) -> jax.Array:
+                      prefix_ids: jax.Array | None = None, remat: str = "none") -> jax.Array:
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
-        :meth:`__call__`); :meth:`project` maps (a subset of) them to logits."""
+        :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
+
+        The layers run under one ``jax.lax.scan`` over their stacked parameters
+        (:func:`rlflow.models.layer_scan.scan_layers`: one compiled layer body whatever the
+        depth); ``remat`` is its rematerialisation policy (``"none"``, ``"full"``, ``"dots"``,
+        ``"offload"``; :data:`rlflow.models.layer_scan.REMAT_POLICIES`), which changes what
+        the backward pass keeps, never the values.
+
+        Raises (beside :meth:`__call__`'s):
+          LayerScanError: the layers differ in structure, or ``remat`` is unknown or
+            unsupported on this backend.
+        """
         self._check_tokens(tokens)
         t = tokens.shape[1]
         mask = jnp.asarray(attention_mask, bool)
@@ -438,9 +450,9 @@ class Decoder(nnx.Module):
                 same = same | (jnp.asarray(prefix_ids)[:, :, None] == seg[:, None, :])
             attend = attend & same
         inv_freq = rope_inv_freq(self.cfg)
-        x = self._embed(tokens)
-        for block in self.layers:
-            x = block(x, positions, inv_freq, attend, _heads_first)
+        x = scan_layers(self.layers, self._embed(tokens),
+                        lambda block, h: block(h, positions, inv_freq, attend, _heads_first),
+                        remat)
         return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
@@ -463,6 +475,10 @@ class Decoder(nnx.Module):
 
         Returns:
           ``(logits [B, T, V] float32, new cache)``.
+
+        The layers run as a Python loop here (one cache array per layer, written through
+        ``kv_hook``), unlike :meth:`hidden_states`' scan: the paged KV cache restructures
+        this path.
 
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
