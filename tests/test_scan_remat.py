@@ -57,7 +57,7 @@ def grads_of(graphdef, params, ref, batch, remat, frozen=None):
     return jax.jit(fn)(params, batch, ref, frozen)
 
 
-def assert_step_equal(got, want, batch, layers):
+def assert_step_equal(got, want, batch):
     """Loss, gradients and metric sums of two grad-fn results within the float32 bounds of
     tests/tolerances.py (see test_train_step's micro-batch test for the derivation): each
     per-token logprob carries rho = 2 chain eps (two programs), token sums add n eps."""
@@ -106,7 +106,7 @@ def unrolled_step(packed):
 def test_scanned_step_with_remat_equals_the_unrolled_loop(packed, unrolled_step, remat):
     graphdef, params, ref, batch = packed
     got = grads_of(graphdef, params, ref, batch, remat)
-    assert_step_equal(got, unrolled_step[0], batch, MODEL.num_layers)
+    assert_step_equal(got, unrolled_step[0], batch)
 
 
 def test_scanned_logprobs_equal_the_unrolled_loop(packed, unrolled_step):
@@ -133,7 +133,7 @@ def test_lora_adapters_get_the_unrolled_gradients_under_scan_and_remat(packed):
         mp.setattr(decoder_mod, "scan_layers", unrolled)
         want = grads_of(graphdef, adapters, ref, batch, "none", base)
     got = grads_of(graphdef, adapters, ref, batch, "full", base)
-    assert_step_equal(got, want, batch, MODEL.num_layers)
+    assert_step_equal(got, want, batch)
 
 
 @pytest.mark.slow
