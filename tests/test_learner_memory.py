@@ -91,3 +91,52 @@ def test_70b_reference_prints_its_memory_and_names_a_mesh_too_small(tmp_path, ca
     with pytest.raises(LearnerDoesNotFit, match=r"learner.mesh data=1 x fsdp=8 x tensor=1: "
                                                 r"70.6B parameters need per chip params 32.9"):
         m.config(model_path=str(folder), learner_mesh=MeshConfig(fsdp=8))
+
+
+def test_activation_terms_follow_the_remat_policy():
+    """Per token (module doc of rlflow.learner.memory): one more layer adds its whole
+    intermediates A without remat, only its residual carry ``a h`` with full remat (and
+    offload), carry + projection outputs with dots; full <= dots <= none."""
+    from rlflow.learner.memory import activation_bytes
+
+    arch = Architecture.from_model_config(MODEL)
+    deeper = Architecture.from_model_config(replace(MODEL, num_layers=MODEL.num_layers + 1))
+    rows, seq, a = 2, 64, 4
+    h, i, d = MODEL.hidden_size, MODEL.intermediate_size, MODEL.head_dim
+    q, kv = MODEL.num_heads, MODEL.num_kv_heads
+    layer = a * (4 * h + 4 * i + 2 * (q + 2 * kv) * d) + 8 * q * seq
+    per_layer = {"none": layer, "full": a * h, "offload": a * h,
+                 "dots": a * (h + (q + 2 * kv) * d + 2 * h + 2 * i)}
+    got = {}
+    for remat, kept in per_layer.items():
+        got[remat] = activation_bytes(arch, rows=rows, seq=seq, compute_bytes=a, remat=remat)
+        extra = activation_bytes(deeper, rows=rows, seq=seq, compute_bytes=a, remat=remat)
+        assert extra - got[remat] == pytest.approx(rows * seq * kept), remat
+    assert got["full"] == got["offload"] < got["dots"] < got["none"]
+    # the working set of full remat: two copies of one layer's intermediates, + the head
+    assert got["full"] == pytest.approx(rows * seq * (MODEL.num_layers * a * h + 2 * layer
+                                                      + 12 * MODEL.vocab_size))
+    with pytest.raises(ValueError, match="learner.remat must be one of"):
+        activation_bytes(arch, rows=rows, seq=seq, compute_bytes=a, remat="some")
+
+
+def test_memory_efficient_attention_and_chunked_logits_drop_their_terms():
+    from rlflow.learner.memory import activation_bytes
+
+    arch = Architecture.from_model_config(MODEL)
+    rows, seq = 2, 64
+    kw = dict(rows=rows, seq=seq, compute_bytes=4, remat="none")
+    full = activation_bytes(arch, **kw)
+    no_scores = activation_bytes(arch, scores_materialised=False, **kw)
+    assert full - no_scores == pytest.approx(
+        rows * seq * (MODEL.num_layers + 1) * 8 * MODEL.num_heads * seq)   # L kept + working
+    chunked = activation_bytes(arch, logits_chunk_tokens=16, **kw)
+    assert full - chunked == pytest.approx((rows * seq - 16) * 12 * MODEL.vocab_size)
+    # a chunk longer than the micro-batch holds every token's logits
+    assert activation_bytes(arch, logits_chunk_tokens=10 ** 6, **kw) == full
+    # learner_memory passes the config's remat and these keywords through
+    cfg = tiny_experiment(MODEL, 4, 6, remat="none")
+    mem = learner_memory(arch, cfg, scores_materialised=False, logits_chunk_tokens=16)
+    full_remat = learner_memory(arch, replace(cfg, learner=replace(cfg.learner, remat="full")))
+    assert mem.activations < learner_memory(arch, cfg).activations
+    assert full_remat.activations < learner_memory(arch, cfg).activations

@@ -196,6 +196,18 @@ class LearnerConfig:
         and its gradient) instead of 9.3 GiB per 16K-token row; 1024 rows keep the LM-head
         matmul a multiple of the TPU MXU's 256, and a micro-batch with fewer loss positions
         takes one pass (today's program).
+      remat: what the backward pass keeps of the decoder layers' forward (the layers run
+        under one scan; ``jax.checkpoint`` policies, :mod:`rlflow.models.layer_scan`):
+        "none" (everything, attention scores included), "full" (only each layer's input
+        ``[B, T, E]``; the backward recomputes the layer: ~1/3 more FLOPs), "dots" (also
+        the projections' matmul outputs) or "offload" (those outputs moved to host memory;
+        needs a ``pinned_host`` memory space: TPU, GPU, and jax's CPU client). The values
+        never change, only memory and time. Default "full", as MaxText's, for long
+        rollouts; measured on CPU (2 cores) it also cost no step time at the small sizes:
+        compiled temporaries / step time of the GSM8K 4.46M model at 16 x 192 tokens
+        none 648 MiB / 2.9 s, full 194 MiB / 1.5 s, dots 278 MiB / 1.2 s; the demo model
+        at 64 x 12: 14.5 / 5.9 / 7.6 MiB, 12 / 8 / 7 ms (``benchmarks/long_context.py``
+        for the long-row figures).
     """
 
     num_steps: int = 20
@@ -249,6 +261,7 @@ class LearnerConfig:
     shared_prefix: bool = True
     attention: Literal["auto", "xla", "blockwise", "splash", "gpu_flash"] = "auto"
     logprob_chunk: int = 1024
+    remat: Literal["none", "full", "dots", "offload"] = "full"
 
     @property
     def packs(self) -> bool:
@@ -276,6 +289,7 @@ class LearnerConfig:
                 "learner.loss_agg")
         _one_of(self.kl_estimator, ("k1", "k2", "k3"), "learner.kl_estimator")
         _one_of(self.compute_dtype, DTYPES, "learner.compute_dtype")
+        _one_of(self.remat, ("none", "full", "dots", "offload"), "learner.remat")
         _check(0 <= self.clip_low < 1, "learner.clip_low", f"must be in [0, 1), got {self.clip_low}")
         _check(self.clip_high >= 0, "learner.clip_high", f"must be >= 0, got {self.clip_high}")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "learner.dual_clip",

@@ -10,12 +10,28 @@ What one chip of the learner mesh holds during a train step (bytes):
 * the published version (``runtime.weight_transfer = "transfer"``): ``N x param bytes /
   (fsdp x tensor)``: the step keeps the params it was given, which the weight server may be
   sending, and writes the new ones beside them (``rlflow.learner.publish.keeps_params``);
-* activations of one micro-batch kept for the backward pass (the decoder does not
-  rematerialise): per layer and token ``a x (4 h + 4 i / t + 2 (q + 2 kv) d / t)`` bytes for
-  norms / residuals, MLP (gate, up, product, activation) and attention projections, plus
-  ``2 x 4 x (q / t) x L`` for the float32 attention scores and probabilities; and the float32
-  logits, log-softmax and their gradient ``3 x 4 x V / t`` per token. ``a`` = compute dtype
-  bytes, ``t`` = tensor axis, rows per chip = micro-batch rows / (data x fsdp).
+* activations of one micro-batch for the backward pass, which depend on ``learner.remat``
+  (:mod:`rlflow.models.layer_scan`). Per token, with ``a`` = compute dtype bytes, ``t`` =
+  tensor axis, ``T`` = row length, rows per chip = micro-batch rows / (data x fsdp), one
+  layer's intermediates are ``A = a x (4 h + 4 i / t + 2 (q + 2 kv) d / t) + S`` bytes (norms /
+  residuals, MLP gate, up, product, activation, attention projections) with the attention
+  scores and probabilities ``S = 2 x 4 x (q / t) x T`` in float32 (``S = 0`` when
+  ``scores_materialised=False``: a memory-efficient attention that never holds ``[T, T]``).
+
+  - ``"none"``: every layer's intermediates are kept, ``L x A``, plus the cotangents of the
+    layer being differentiated, ``A``;
+  - ``"full"`` (and ``"offload"``, whose saved matmul outputs live in host memory): each
+    layer keeps only its input, the residual carry ``[B, T, E]``: ``L x a h``, plus the
+    working set of the one layer being differentiated, its recomputed intermediates and
+    their cotangents: ``2 A``;
+  - ``"dots"``: each layer keeps its input and its projections' outputs (q, k, v, o, gate,
+    up, down): ``L x a (h + (q + 2 kv) d / t + 2 h + 2 i / t)``, plus the ``2 A`` working set.
+
+  The float32 logits, log-softmax and their gradient add ``3 x 4 x V / t`` per token, for
+  every token of the micro-batch, or for ``logits_chunk_tokens`` tokens when the logprobs
+  are computed in chunks of that many tokens.
+  The scan's stacked copy of the layer parameters is not counted (XLA slices it in place).
+  Checked against XLA's compiled temporaries by ``benchmarks/long_context.py``.
 
 ``N`` counts embeddings, ``L`` layers of (q, k, v, o projections, gate/up/down MLP, two RMSNorm
 scales), the final norm and (untied) the output projection, Qwen2's q/k/v biases included
@@ -89,24 +105,68 @@ class LearnerMemory:
             f" = {self.total / GIB:.1f} GiB"
 
 
-def learner_memory(arch: Architecture, cfg) -> LearnerMemory:
-    """Per-chip memory of the learner of ``cfg`` (an ``ExperimentConfig``) for ``arch``."""
+def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes: int,
+                     tensor: int = 1, remat: str = "none", scores_materialised: bool = True,
+                     logits_chunk_tokens: int | None = None) -> float:
+    """Bytes of one micro-batch's activations on one chip (module doc: the math per remat
+    policy).
+
+    Args:
+      rows: rows per chip of a micro-batch; seq: tokens per row ``T``.
+      compute_bytes: ``a``, bytes of the compute dtype; tensor: the tensor axis ``t``.
+      remat: ``learner.remat``: "none", "full", "dots" or "offload".
+      scores_materialised: whether attention holds float32 ``[T, T]`` scores per head.
+      logits_chunk_tokens: tokens whose logits are held at once (None: every token).
+
+    Raises:
+      ValueError: an unknown ``remat``.
+    """
+    a, t = compute_bytes, tensor
+    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_heads, arch.num_kv_heads
+    scores = 8 * (q / t) * seq if scores_materialised else 0.0
+    layer = a * (4 * h + 4 * i / t + 2 * (q + 2 * kv) * d / t) + scores     # A, per token
+    if remat == "none":
+        kept, working = layer, layer
+    elif remat in ("full", "offload"):
+        kept, working = a * h, 2 * layer
+    elif remat == "dots":
+        kept, working = a * (h + (q + 2 * kv) * d / t + 2 * h + 2 * i / t), 2 * layer
+    else:
+        raise ValueError(f"learner.remat must be one of none, full, dots, offload, got {remat!r}")
+    tokens = rows * seq
+    head_tokens = tokens if logits_chunk_tokens is None else min(logits_chunk_tokens, tokens)
+    return tokens * (arch.num_layers * kept + working) + head_tokens * 12 * arch.vocab_size / t
+
+
+def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None = None,
+                   logits_chunk_tokens: int | None = None) -> LearnerMemory:
+    """Per-chip memory of the learner of ``cfg`` (an ``ExperimentConfig``) for ``arch``.
+
+    ``scores_materialised`` / ``logits_chunk_tokens``: as :func:`activation_bytes` (the
+    attention implementation and the logprob chunking of the learner's forward); None
+    (default) reads them from the config: scores are materialised only with
+    ``learner.attention="xla"`` (every other implementation, "auto" included, holds one
+    block of scores at a time), and logits are chunked by ``learner.logprob_chunk`` tokens
+    (0: all at once).
+    """
     from rlflow.learner.publish import keeps_params
 
     lc, sc = cfg.learner, cfg.sampler
     mesh = lc.mesh
+    if scores_materialised is None:
+        scores_materialised = lc.attention == "xla"
+    if logits_chunk_tokens is None:
+        logits_chunk_tokens = lc.logprob_chunk or None
     n = arch.num_params()
     shards = mesh.fsdp * mesh.tensor
     pb = _BYTES[cfg.model.param_dtype]
     a = _BYTES[lc.compute_dtype]
     rows = lc.groups_per_step * sc.group_size / lc.micro_batches / (mesh.data * mesh.fsdp)
     seq = max(lc.seq_buckets) if lc.seq_buckets else sc.max_prefill_length + sc.max_tokens
-    t = mesh.tensor
-    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    q, kv = arch.num_heads, arch.num_kv_heads
-    per_token_layer = a * (4 * h + 4 * i / t + 2 * (q + 2 * kv) * d / t) + 8 * (q / t) * seq
-    per_token_head = 12 * arch.vocab_size / t
-    act = rows * seq * (arch.num_layers * per_token_layer + per_token_head)
+    act = activation_bytes(arch, rows=rows, seq=seq, compute_bytes=a, tensor=mesh.tensor,
+                           remat=lc.remat, scores_materialised=scores_materialised,
+                           logits_chunk_tokens=logits_chunk_tokens)
     return LearnerMemory(params=n * pb / shards, optimizer=2 * n * pb / shards,
                          grads=n * 4 / shards,
                          reference=n * pb / shards if lc.kl_coef > 0 else 0.0,

@@ -74,6 +74,8 @@ class StepSettings:
     and batch shard at most (:mod:`rlflow.learner.loss_positions`); 0 projects every position.
     ``attention``: ``learner.attention`` (:func:`rlflow.models.attention.resolve`);
     ``logprob_chunk``: ``learner.logprob_chunk`` (:func:`rlflow.models.logprobs.chunked_logprobs`).
+    ``remat``: the decoder layers' rematerialisation policy in the differentiated forward
+    (``learner.remat``, :mod:`rlflow.models.layer_scan`).
     """
     loss_agg: str = "token-mean"
     norm_len: int = 1
@@ -99,6 +101,7 @@ class StepSettings:
     max_loss_tokens: int = 0
     attention: str = "auto"
     logprob_chunk: int = 0
+    remat: str = "none"
 
     @classmethod
     def from_config(cls, cfg) -> "StepSettings":
@@ -116,7 +119,7 @@ class StepSettings:
                    kl_in_reward=lr.gae_kl_in_reward,
                    max_loss_tokens=lr.groups_per_step * cfg.sampler.group_size
                    * cfg.sampler.max_tokens,
-                   attention=lr.attention, logprob_chunk=lr.logprob_chunk)
+                   attention=lr.attention, logprob_chunk=lr.logprob_chunk, remat=lr.remat)
 
 
 def trainable(params, value=None):
@@ -154,7 +157,7 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                   value_graphdef=None, frozen=None, loss_slots: tuple[int, int] | None = None,
-                  attention: str = "auto", logprob_chunk: int = 0):
+                  attention: str = "auto", logprob_chunk: int = 0, remat: str = "none"):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
@@ -167,6 +170,8 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
       attention: the decoder's attention implementation (``learner.attention``).
       logprob_chunk: positions projected to the vocabulary at a time (``learner.logprob_chunk``;
         0: all at once), :func:`rlflow.models.logprobs.chunked_logprobs`.
+      remat: the layers' rematerialisation policy (:mod:`rlflow.models.layer_scan`; what a
+        backward pass through this forward keeps, never the values).
 
     Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
     gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head.
@@ -175,7 +180,7 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
                                  segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
-                                 attention_impl=attention)
+                                 attention_impl=attention, remat=remat)
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
         targets = batch.targets
@@ -224,7 +229,8 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
     old-values pass, or None (computed here from this forward's detached values).
     ``loss_slots``: as :func:`model_outputs`."""
     logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
-                                      frozen, loss_slots, s.attention, s.logprob_chunk)
+                                      frozen, loss_slots, s.attention, s.logprob_chunk,
+                                      s.remat)
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:

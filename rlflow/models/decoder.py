@@ -29,6 +29,7 @@ from flax import nnx
 from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
+from rlflow.models.layer_scan import scan_layers
 from rlflow.models.lora import LoraAdapter, LoraSpec
 
 INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
@@ -432,17 +433,27 @@ class Decoder(nnx.Module):
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                       *, segment_ids: jax.Array | None = None,
                       prefix_ids: jax.Array | None = None,
-                      attention_impl: str = "auto") -> jax.Array:
+                      attention_impl: str = "auto", remat: str = "none") -> jax.Array:
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
-        :meth:`__call__`); :meth:`project` maps (a subset of) them to logits."""
+        :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
+
+        The layers run under one ``jax.lax.scan`` over their stacked parameters
+        (:func:`rlflow.models.layer_scan.scan_layers`: one compiled layer body whatever the
+        depth); ``remat`` is its rematerialisation policy (``"none"``, ``"full"``, ``"dots"``,
+        ``"offload"``; :data:`rlflow.models.layer_scan.REMAT_POLICIES`), which changes what
+        the backward pass keeps, never the values.
+
+        Raises (beside :meth:`__call__`'s):
+          LayerScanError: the layers differ in structure, or ``remat`` is unknown or
+            unsupported on this backend.
+        """
         self._check_tokens(tokens)
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
                               attention_impl)                # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
-        x = self._embed(tokens)
-        for block in self.layers:
-            x = block(x, positions, inv_freq, attend)
+        x = scan_layers(self.layers, self._embed(tokens),
+                        lambda block, h: block(h, positions, inv_freq, attend), remat)
         return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
@@ -465,6 +476,10 @@ class Decoder(nnx.Module):
 
         Returns:
           ``(logits [B, T, V] float32, new cache)``.
+
+        The layers run as a Python loop here (one cache array per layer, written through
+        ``kv_hook``), unlike :meth:`hidden_states`' scan: the paged KV cache restructures
+        this path.
 
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
