@@ -50,3 +50,23 @@ def one_device_mesh():
 def flat(params):
     """``{path: numpy array}`` of an nnx.State."""
     return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)}
+
+
+def assert_same_train_step(ma: dict, mb: dict, params_a, params_b, model_cfg, rows: int,
+                           seq: int) -> None:
+    """Two learners' step metrics and updated parameters agree: loss, grad norm, KL,
+    entropy and token count within the reordering bound of ``rows x seq`` positions through
+    ``model_cfg``'s reduction chain (tests/tolerances.py), and one Adam step at lr 1e-4
+    (~lr * sign(g)) within lr / 10 (rounding near g = 0 can flip a sign)."""
+    from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol
+
+    chain, n = model_chain_len(model_cfg, seq), rows * seq
+    for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",
+                "learner/tokens"):
+        cancel = MIXED_SIGN_CANCEL if key == "learner/loss" else 1.0
+        np.testing.assert_allclose(ma[key], mb[key], rtol=reorder_rtol(chain, n, cancel),
+                                   atol=2 * F32_EPS * n if key == "policy/kl" else 0.0,
+                                   err_msg=key)
+    got, want = flat(params_a), flat(params_b)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))

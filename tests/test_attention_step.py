@@ -15,7 +15,8 @@ from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
 from rlflow.models import attention as A
 from rlflow.models.hf import build_model
-from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
+from learner_fixtures import (assert_same_train_step, flat, make_group_records,
+                              one_device_mesh, tiny_experiment)
 from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol, sum_tol
 
 VOCAB, G, T = 64, 4, 6
@@ -86,15 +87,5 @@ def test_sharded_learner_with_new_attention_equals_single_device_today():
     today = Learner(tiny_experiment(MODEL, G, T, attention="xla", logprob_chunk=0, **kw),
                     mesh=one_device_mesh())
     mn, mt = new.train_on(recs), today.train_on(recs)
-    rows, seq = 8, 16
-    chain, n = model_chain_len(MODEL, seq), rows * seq
-    for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",
-                "learner/tokens"):
-        cancel = MIXED_SIGN_CANCEL if key == "learner/loss" else 1.0
-        np.testing.assert_allclose(mn[key], mt[key], rtol=reorder_rtol(chain, n, cancel),
-                                   atol=2 * F32_EPS * n if key == "policy/kl" else 0.0,
-                                   err_msg=key)
-    # one Adam step at lr 1e-4: ~lr * sign(g); rounding near g = 0 can flip it (atol lr/10)
-    got, want = flat(new.params), flat(today.params)
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
+    assert_same_train_step(mn, mt, new.params, today.params, MODEL,
+                           rows=8, seq=16)

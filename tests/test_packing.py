@@ -16,7 +16,8 @@ from rlflow.learner.packing import PackSpec, first_fit, pack_batch, pack_spec_fr
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
 from rlflow.models.hf import build_model
-from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
+from learner_fixtures import (assert_same_train_step, flat, make_group_records,
+                              one_device_mesh, tiny_experiment)
 from tolerances import (F32_EPS, MIXED_SIGN_CANCEL, forward_atol, model_chain_len,
                         reorder_rtol, sum_tol)
 
@@ -389,18 +390,8 @@ def test_packed_learner_equals_unpacked_single_device(name):
         1 - mp["learner/packed_padding_fraction"])
     real_padded = mu["batch/samples"] * mu["batch/seq_len"] * (1 - mu["learner/padding_fraction"])
     assert real_packed < real_padded - 1
-    rows, seq = 8, 16
-    chain, n = model_chain_len(MODEL, seq), rows * seq
-    for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",
-                "learner/tokens"):
-        cancel = MIXED_SIGN_CANCEL if key == "learner/loss" else 1.0
-        np.testing.assert_allclose(mp[key], mu[key], rtol=reorder_rtol(chain, n, cancel),
-                                   atol=2 * F32_EPS * n if key == "policy/kl" else 0.0,
-                                   err_msg=key)
-    # one Adam step at lr 1e-4: ~lr * sign(g); rounding near g = 0 can flip it (atol lr/10)
-    got, want = flat(packed.params), flat(unpacked.params)
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
+    assert_same_train_step(mp, mu, packed.params, unpacked.params, MODEL,
+                           rows=8, seq=16)
 
 
 def test_worst_case_shape_compiles_in_the_background_and_takes_bigger_steps():

@@ -9,6 +9,7 @@ import pytest
 from rlflow.config import EnvConfig, RewardConfig
 from rlflow.data.reasoning import (ReasoningSplit, get_reasoning_parser, split_none,
                                    split_qwen3)
+from delivery_fakes import CharTokenizer, RecordingBuffer
 
 # The two inputs of issue 44, written as Qwen3 writes them.
 DRAFTED_BOXED = ("<think>\nTwo sixes and thirty... let me try: \\boxed{41}? No, 6 * 7 = 42.\n"
@@ -70,19 +71,6 @@ def test_config_refuses_an_unknown_parser_name():
 
 # ------------------------------------------------------------------ rewards read the answer
 
-class _Tok:
-    def decode(self, tokens, skip_special_tokens=True):
-        return "".join(chr(t) for t in tokens)
-
-
-class _Buffer:
-    def __init__(self):
-        self.records = []
-
-    def put_groups(self, records):
-        self.records += records
-        return {}
-
 
 def _delivered_rewards(texts, reasoning):
     from rlflow.data.rewarder import Rewarder
@@ -97,7 +85,7 @@ def _delivered_rewards(texts, reasoning):
     group = CompletedGroup(request=req, prompt_tokens=np.array([1, 2], np.int32),
                            max_tokens=max(map(len, texts)), completions=comps)
     rewarder = Rewarder(RewardConfig(functions=("math_verify",), weights=(1.0,), num_workers=0))
-    d = GroupDelivery(_Tok(), _Buffer(), rewarder, RateCounters(), reasoning=reasoning)
+    d = GroupDelivery(CharTokenizer(), RecordingBuffer(), rewarder, RateCounters(), reasoning=reasoning)
     try:
         d.admit(req, {"answer": "#### 42", "stream_index": 0, "lease_id": 0})
         d.score([group])
@@ -136,7 +124,7 @@ def _episode_outcomes(texts, reasoning):
     from rlflow.sampler.episodes import EpisodeDriver
 
     driver = EpisodeDriver(EnvConfig(name="gsm8k_calculator", max_consecutive_errors=0),
-                           _Tok(), _Renderer(), reasoning=reasoning)
+                           CharTokenizer(), _Renderer(), reasoning=reasoning)
     _, group = driver.new_group({"prompt_id": 3, "question": "What is 6 * 7?",
                                  "answer": "#### 42"}, len(texts))
     for i, text in enumerate(texts):
@@ -169,8 +157,8 @@ def test_samples_log_keeps_reasoning_and_answer():
          "policy_versions": np.zeros((1, 18), np.int32),
          "rewards": np.array([1.0], np.float32), "truncated": np.array([False]),
          "prompt_id": np.array(0, np.int64)}
-    (row,) = completion_samples([g], _Tok(), reasoning=split_qwen3)
+    (row,) = completion_samples([g], CharTokenizer(), reasoning=split_qwen3)
     assert (row["completion"], row["reasoning"], row["answer"]) == \
         ("<think>x</think>42", "x", "42")
-    (plain,) = completion_samples([g], _Tok(), reasoning=split_none)
+    (plain,) = completion_samples([g], CharTokenizer(), reasoning=split_none)
     assert "reasoning" not in plain and plain["completion"] == "<think>x</think>42"

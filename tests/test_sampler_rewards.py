@@ -22,20 +22,7 @@ from rlflow.runtime.control import ControlReply
 from rlflow.sampler.background import RateCounters
 from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.program import SamplerProgram
-
-
-class _Tok:
-    def decode(self, tokens, skip_special_tokens=True):
-        return "".join(chr(t) for t in tokens)
-
-
-class _Buffer:
-    def __init__(self):
-        self.records = []
-
-    def put_groups(self, records):
-        self.records += records
-        return {}
+from delivery_fakes import CharTokenizer, RecordingBuffer
 
 
 class _Control:
@@ -66,7 +53,7 @@ def _program(plugin_file, on_bad_reward):
         learner=LearnerConfig(on_bad_reward=on_bad_reward))
     p = object.__new__(SamplerProgram)      # only what _status reads
     p.cfg, p.window = cfg, RateCounters()
-    p.delivery = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg.reward, plugins=cfg.plugins),
+    p.delivery = GroupDelivery(CharTokenizer(), RecordingBuffer(), Rewarder(cfg.reward, plugins=cfg.plugins),
                                p.window, on_bad_reward=cfg.learner.on_bad_reward)
     p.control, p.prompts_started = _Control(), 0
     p.swap, p.pause_s, p.version = {}, 0.0, 0
@@ -118,7 +105,7 @@ def test_the_reward_sees_how_each_completion_ended(num_workers):
     after it removed by the decode) read the same; the demo's reward pays the stop credit
     only for the first. Before the fix both scored 1.0."""
     cfg = RewardConfig(functions=("digits_match",), weights=(1.0,), num_workers=num_workers)
-    d = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg), RateCounters())
+    d = GroupDelivery(CharTokenizer(), RecordingBuffer(), Rewarder(cfg), RateCounters())
     try:
         g = _group(0, ["8", "8", "7"], ["stop", "length", "stop"])
         d.admit(g.request, {"answer": "8", "stream_index": 0, "lease_id": 0})
@@ -227,7 +214,7 @@ def test_a_reward_error_marks_the_sample_failed_in_the_delivered_record(tmp_path
             return float(len(completion))
     """))
     cfg = RewardConfig(functions=(f"{path}:raise_on_bad",), weights=(1.0,), num_workers=0)
-    d = GroupDelivery(_Tok(), _Buffer(), Rewarder(cfg), RateCounters())
+    d = GroupDelivery(CharTokenizer(), RecordingBuffer(), Rewarder(cfg), RateCounters())
     try:
         _admit(d, [_group(0, ["ok", "bad", "okay"]), _group(1, ["a", "bb", "ccc"])])
         _drain(d)

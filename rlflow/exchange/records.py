@@ -216,7 +216,7 @@ def policy_version_range(group: Mapping[str, np.ndarray]) -> tuple[int, int]:
     return int(v.min()), int(v.max())
 
 
-# ----------------------------------------------------------------------------- framing
+# ----------------------------------------------------------------------------- samples log
 
 
 def completion_samples(groups: Sequence[Mapping[str, np.ndarray]], tokenizer,

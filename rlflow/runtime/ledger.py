@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
