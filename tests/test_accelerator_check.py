@@ -143,3 +143,50 @@ def test_out_of_memory_is_a_figure_other_errors_raise(monkeypatch, capsys):
     monkeypatch.setattr(trainer, "Learner", broken)
     with pytest.raises(ValueError):
         bench.run_learner("tiny", 64, args)
+
+
+STUB_PY = r"""#!/usr/bin/env bash
+# stands in for python3.11: "-m venv DIR" makes DIR/bin/python, a stub that logs its arguments
+if [ "$1 $2" = "-m venv" ]; then
+  mkdir -p "$3/bin"
+  cat > "$3/bin/python" <<'INNER'
+#!/usr/bin/env bash
+echo "$*" >> "$STUB_LOG"
+case "$1" in
+  -c) echo "[CpuDevice(id=0)]" ;;
+  benchmarks/accelerator.py) echo "RESULT accel_stub 1 s args: ${*:2}"; echo "to stderr" >&2 ;;
+esac
+INNER
+  chmod +x "$3/bin/python"
+fi
+"""
+
+
+def test_run_installs_then_tees_the_benchmark(tmp_path):
+    """The path without --dry-run (ACCEL_CHECK_ALLOW_CPU=1), with a stub interpreter that
+    installs nothing: venv, pip installs, the device check, the benchmark teed to a file."""
+    stub = tmp_path / "py311"
+    stub.write_text(STUB_PY)
+    stub.chmod(0o755)
+    log, out, dev = tmp_path / "log", tmp_path / "out", tmp_path / "dev"
+    dev.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_CHECK_")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", ACCEL_CHECK_DEV=str(dev),
+               ACCEL_CHECK_ALLOW_CPU="1", ACCEL_CHECK_PYTHON=str(stub), STUB_LOG=str(log),
+               ACCEL_CHECK_VENV=str(tmp_path / "venv"), ACCEL_CHECK_OUT=str(out))
+    proc = subprocess.run(["bash", SCRIPT, "--", "--steps", "1"], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    assert calls[:3] == ["-m pip install -q --upgrade pip", "-m pip install -q -e .",
+                         f"-m pip install -q jax[cpu]=={_pinned_jax()}"]
+    assert calls[3].startswith("-c ") and calls[3].endswith(" cpu")
+    assert calls[4] == "benchmarks/accelerator.py --tiny --steps 1"
+    (results,) = out.glob("accelerator_*.txt")
+    assert results.read_text().splitlines() == ["RESULT accel_stub 1 s args: --tiny --steps 1",
+                                                "to stderr"]
+    assert "RESULT accel_stub" in proc.stdout
