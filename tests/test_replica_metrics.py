@@ -104,12 +104,13 @@ def test_rates_sum_over_replicas_and_a_restart_counts_from_zero():
 
 
 def test_sampler_reports_running_totals_not_a_window():
-    c = RateCounters()
+    c = RateCounters(chips=4)
     c.add(tokens=5, slots_used=5, slots_total=8)
     c.add(idle=0.25)
     c.add(tokens=3, slots_used=3, slots_total=8)
     assert c.figures() == {"sampler/tokens_total": 8.0, "sampler/slot_steps_used": 8.0,
-                           "sampler/slot_steps_total": 16.0, "sampler/idle_s_total": 0.25}
+                           "sampler/slot_steps_total": 16.0, "sampler/idle_s_total": 0.25,
+                           "sampler/chips": 4.0}
     assert c.figures()["sampler/tokens_total"] == 8.0     # reading does not reset
 
 
@@ -136,3 +137,16 @@ def test_replica_plots_only_for_runs_with_replicas(tmp_path):
     assert not {s.name for s in specs} & {s.name for s in PLOTS}
     path = os.path.join(tmp_path, "replicas.png")
     assert plot(specs[0], by_step, path) and os.path.getsize(path) > 0
+
+
+def test_tokens_per_s_per_chip_divides_by_every_replicas_devices():
+    """Two replicas of 4 and 2 devices decoding 600 and 300 tokens in a second: 900 tokens/s
+    over 6 chips."""
+    rates = StepRates(now=0.0)
+    statuses = {f"sampler-{i}": _status(f"sampler-{i}", 0, 1.0, **{
+        "sampler/tokens_total": tokens, "sampler/slot_steps_used": 1.0,
+        "sampler/slot_steps_total": 1.0, "sampler/idle_s_total": 0.0, "sampler/chips": chips})
+        for i, (tokens, chips) in enumerate([(600.0, 4.0), (300.0, 2.0)])}
+    m = rates.update(statuses, now=1.0)
+    assert m["sampler/tokens_per_s"] == pytest.approx(900.0)
+    assert m["sampler/tokens_per_s_per_chip"] == pytest.approx(900.0 / 6)
