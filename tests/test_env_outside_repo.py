@@ -30,8 +30,9 @@ def _tool(name):
 def test_suite_part_passes_from_a_venv_outside_the_repository(tmp_path):
     checkout = tmp_path / "checkout"                    # no .venv in it
     shutil.copytree(os.path.join(REPO, "scripts"), checkout / "scripts")
+    shutil.copytree(os.path.join(REPO, "configs"), checkout / "configs")   # the slice check's
     (checkout / "tests").mkdir()
-    for name in ("conftest.py", "test_tpu_scripts.py", "test_progress.py"):
+    for name in ("conftest.py", "test_tpu_scripts.py", "tpu_slices.py", "test_progress.py"):
         shutil.copy(os.path.join(REPO, "tests", name), checkout / "tests" / name)
     shutil.copy(os.path.join(REPO, "pytest.ini"), checkout / "pytest.ini")
     assert not (checkout / ".venv").exists()
@@ -55,6 +56,9 @@ def test_suite_part_passes_from_a_venv_outside_the_repository(tmp_path):
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                            if not os.path.realpath(p).startswith(os.path.realpath(REPO))
                            and not os.path.isfile(os.path.join(p, "shellcheck")))
+    # the environment is active, as a user's is: its python3 first on PATH (the TPU scripts'
+    # slice check runs rlflow with it, scripts/tpu/common.sh local_python)
+    path = os.pathsep.join([str(env_dir / "bin"), path])
     env = dict(os.environ, PATH=path, PYTHONPATH=REPO)  # rlflow itself: this checkout
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
