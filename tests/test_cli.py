@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from rlflow.console import cli
+from rlflow.console import cli, config_args
 from rlflow.config import ExperimentConfig
 
 CONFIG = textwrap.dedent("""
@@ -128,7 +128,7 @@ def test_help_all_writes_booleans_as_help_does(config_file, capsys):
 def test_common_flags_of_the_help_are_config_fields():
     import dataclasses
 
-    for name, _ in cli.COMMON_FLAGS:
+    for name, _ in config_args.COMMON_FLAGS:
         node = ExperimentConfig()
         for part in name.split("."):
             assert part in {f.name for f in dataclasses.fields(node)}, name

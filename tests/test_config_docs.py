@@ -58,7 +58,7 @@ def test_reference_and_help_all_list_the_same_flags():
 
     import tyro
 
-    from rlflow.console.cli import help_all
+    from rlflow.console.config_args import help_all
     from rlflow.config import ExperimentConfig
     from rlflow.console.config_docs import flag_count
 

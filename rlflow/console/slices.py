@@ -85,7 +85,7 @@ def _mesh(mesh) -> str:
 
 def _load(config: str, overrides: Sequence[str]):
     """The config ``rlflow train --config config overrides`` builds on the hosts."""
-    from rlflow.console.cli import parse_train_args
+    from rlflow.console.config_args import parse_train_args
 
     model = os.environ.get("RLFLOW_MODEL_PATH", "")
     if model and os.path.isfile(os.path.join(os.path.expanduser(model), "config.json")):

@@ -116,7 +116,7 @@ def _config_and_params(args, rest: Sequence[str]):
     """(config, params, version) for the parsed flags; ``rest``: field overrides."""
     import tyro
 
-    from rlflow.console.cli import DEFAULT_CONFIG, _parse, normalize_bools
+    from rlflow.console.config_args import DEFAULT_CONFIG, normalize_bools, parse_overrides
     from rlflow.config import load_config_file
     from rlflow.config.secrets import refuse_secret_flags
     from rlflow.runtime import programs_common as pc
@@ -145,7 +145,7 @@ def _config_and_params(args, rest: Sequence[str]):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                                  path=args.model_path))
     if rest:
-        cfg = _parse(tyro, cfg, normalize_bools(rest))
+        cfg = parse_overrides(tyro, cfg, normalize_bools(rest))
     return cfg, params, version
 
 

@@ -100,7 +100,7 @@ case "$cmd" in
     # Every host resolves the same config file + overrides (rlflow train's own parser).
     (cd "$ROOT" && "$PY" -c '
 import sys
-from rlflow.console.cli import parse_train_args
+from rlflow.console.config_args import parse_train_args
 from rlflow.runtime.programs_common import save_config
 save_config(parse_train_args(sys.argv[2:]), sys.argv[1])
 ' "$config_json" "${args[@]}")

@@ -63,7 +63,7 @@ config_json="${TMPDIR:-/tmp}/rlflow-$role-config.json"
 # every pod resolves the same config file + overrides (rlflow train's own parser)
 "$PY" -c '
 import sys
-from rlflow.console.cli import parse_train_args
+from rlflow.console.config_args import parse_train_args
 from rlflow.runtime.programs_common import save_config
 save_config(parse_train_args(sys.argv[2:]), sys.argv[1])
 ' "$config_json" "${args[@]}"
