@@ -13,6 +13,7 @@ import pytest
 from rlflow.config import BufferConfig, ExperimentConfig, MetricsConfig, WandbConfig
 from rlflow.config.secrets import REDACTED
 from rlflow.run.metrics import MetricsWriter
+from rlflow.run.report import make_report
 from rlflow.run.wandb_sink import RUN_ID_FILE
 
 pytest.importorskip("wandb")
@@ -82,7 +83,7 @@ def three_step_run(tmp_path_factory):
     os.environ.update(env)
     cfg = config(tmp_path_factory.mktemp("runs"))
     try:
-        with MetricsWriter.for_experiment(cfg) as writer:
+        with MetricsWriter.for_experiment(cfg, report_plots=make_report) as writer:
             for step in STEPS:
                 writer.log(step, metrics_of(step))
                 writer.log_samples(step, [dict(prompt="2+2=", completion="4", reward=1.0,

@@ -62,6 +62,7 @@ from rlflow.learner.publish import Publisher, keeps_params
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner, pull_metrics
 from rlflow.run.metrics import MetricsWriter
+from rlflow.run.report import make_report
 from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
 from rlflow.runtime.replicas import ReplicaTable
 from rlflow.runtime.control import RunCoordinator
@@ -121,7 +122,8 @@ class LearnerProgram:
         self.batch_keys: list = []           # ledger keys of the groups of the current batch
         self.steps_marked = self.start_step  # steps whose groups the ledger counts trained
         self.trained_log = TrainedPromptsLog(cfg.run_path, self.start_step)
-        self.writer = MetricsWriter.for_experiment(cfg, start_step=self.start_step)
+        self.writer = MetricsWriter.for_experiment(cfg, start_step=self.start_step,
+                                                   report_plots=make_report)
         self.evals = RunEvals.for_experiment(cfg, self.tokenizer, self.writer, self.start_step)
         bhost, bport = pc.split_address(endpoints.buffer)
         self.buffer = BufferServer(RingBuffer.from_config(cfg.buffer), bind_address=bhost,

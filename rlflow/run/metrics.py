@@ -215,10 +215,13 @@ class MetricsWriter:
                                      filename_suffix=f".{time.time_ns()}")
 
     @classmethod
-    def for_experiment(cls, cfg, *, start_step: int = 0) -> "MetricsWriter":
+    def for_experiment(cls, cfg, *, start_step: int = 0,
+                       report_plots=None) -> "MetricsWriter":
         """Writer for ``cfg.run_path`` with ``cfg.metrics`` settings; writes ``config.json``.
         With ``metrics.wandb.mode`` not "off" it also opens (or, on resume, continues) the
-        run's W&B run with the redacted config (:mod:`rlflow.run.wandb_sink`).
+        run's W&B run with the redacted config (:mod:`rlflow.run.wandb_sink`), which logs
+        the plots that ``report_plots`` (e.g. :func:`rlflow.run.report.make_report`) renders
+        when the writer closes (None: no plots).
 
         Raises:
           ImportError: W&B logging is on and ``wandb`` is not installed.
@@ -231,7 +234,8 @@ class MetricsWriter:
 
             config = json.loads(json.dumps(redact_config(dataclasses.asdict(cfg)),
                                            default=_jsonable))
-            sink = WandbSink(cfg.run_path, m.wandb, config, default_name=cfg.name)
+            sink = WandbSink(cfg.run_path, m.wandb, config, default_name=cfg.name,
+                             report_plots=report_plots)
         writer = cls(cfg.run_path, samples_every=m.samples_every, num_samples=m.num_samples,
                      on_non_finite=m.on_non_finite, start_step=start_step, wandb=sink)
         writer.write_config(cfg)

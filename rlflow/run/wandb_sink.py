@@ -43,7 +43,7 @@ class WandbSink:
     """
 
     def __init__(self, run_dir: str, wandb_cfg, config: Mapping[str, Any], *,
-                 default_name: str = ""):
+                 default_name: str = "", report_plots=None):
         try:
             import wandb
         except ImportError:
@@ -51,6 +51,9 @@ class WandbSink:
                               "installed: pip install wandb (or set metrics.wandb.mode='off')"
                               ) from None
         self._wandb = wandb
+        # make_report(run_dir, out_dir=..., fmt="md") or None: handed in by the writer's
+        # owner, so this module (imported by the metrics writer) never imports the report
+        self.report_plots = report_plots
         self.run_dir = os.fspath(run_dir)
         wandb_dir = os.path.join(self.run_dir, WANDB_DIR)
         os.makedirs(wandb_dir, exist_ok=True)
@@ -89,12 +92,13 @@ class WandbSink:
     def log_report_plots(self) -> int:
         """Render the run folder's report plots (into a temporary folder) and log each as
         ``report/<name>`` image; returns the number logged (0, with a warning, when the
-        report cannot be made: a report problem never fails a run)."""
-        from rlflow.run.report import make_report
-
+        report cannot be made: a report problem never fails a run; 0 without
+        ``report_plots``)."""
+        if self.report_plots is None:
+            return 0
         with tempfile.TemporaryDirectory(prefix="rlflow-wandb-report-") as out:
             try:
-                make_report(self.run_dir, out_dir=out, fmt="md")
+                self.report_plots(self.run_dir, out_dir=out, fmt="md")
             except Exception as e:  # noqa: BLE001 - see the docstring
                 logger.warning("W&B: no report plots (%s)", e)
                 return 0
