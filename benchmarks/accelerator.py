@@ -55,7 +55,6 @@ Exit status: 0 (also when a size ran out of memory); non-zero on any other error
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import logging
 import os
@@ -145,6 +144,14 @@ def short(err: BaseException) -> str:
     return " ".join(str(err).split())[:200]
 
 
+def oom_figure(err: BaseException, name: str, what: str) -> None:
+    """Print ``RESULT <name> 1 oom <what>: <error>`` when ``err`` is XLA's out-of-memory
+    error (the size is a figure: it does not fit); re-raise any other error."""
+    if not is_oom(err):
+        raise err
+    print(f"RESULT {name} 1 oom {what}: {short(err)}", flush=True)
+
+
 def label(arch: str, t: int) -> str:
     return f"{arch}_{t // 1024}k" if t % 1024 == 0 else f"{arch}_{t}"
 
@@ -223,10 +230,7 @@ def run_learner(arch: str, t: int, args: argparse.Namespace) -> None:
         step_bytes = compiled_bytes(learner.compiled_step(args.rows, t))
         peak = hbm_peak(device)
     except Exception as e:  # noqa: BLE001 - only out-of-memory is caught, the rest re-raised
-        if not is_oom(e):
-            raise
-        print(f"RESULT accel_learner_oom_{name} 1 oom {args.rows} x {t} tokens: {short(e)}",
-              flush=True)
+        oom_figure(e, f"accel_learner_oom_{name}", f"{args.rows} x {t} tokens")
         return
     finally:
         del learner
@@ -288,10 +292,7 @@ def run_sampler(args: argparse.Namespace) -> None:
         per_step = (time.perf_counter() - t0) / (calls * steps)
         peak = hbm_peak(device)
     except Exception as e:  # noqa: BLE001 - only out-of-memory is caught, the rest re-raised
-        if not is_oom(e):
-            raise
-        print(f"RESULT accel_sampler_oom_{arch} 1 oom {slots} slots x {plen}+{new}: {short(e)}",
-              flush=True)
+        oom_figure(e, f"accel_sampler_oom_{arch}", f"{slots} slots x {plen}+{new}")
         return
     finally:
         del engine, state, params
