@@ -70,3 +70,17 @@ def assert_same_train_step(ma: dict, mb: dict, params_a, params_b, model_cfg, ro
     got, want = flat(params_a), flat(params_b)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
+
+
+def model_and_reference(model_cfg):
+    """A random model of ``model_cfg`` split for the train step: ``(graphdef, params, ref)``,
+    ``ref`` the params moved by ``0.01 sin(i)`` (element ``i`` of each leaf): a KL reference
+    policy close to, not equal to, the policy."""
+    import jax.numpy as jnp
+
+    from rlflow.models.hf import build_model
+
+    model, _ = build_model(model_cfg)
+    graphdef, params = nnx.split(model, nnx.Param)
+    ref = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
+    return graphdef, params, ref

@@ -6,7 +6,6 @@ learner with them on data x tensor fake devices equal to today's single-device l
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from rlflow.config import MeshConfig, ModelConfig
 from rlflow.learner.batch import BatchSpec, TrainBatch, build_batch
@@ -14,9 +13,8 @@ from rlflow.learner.packing import PackSpec, pack_batch
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
 from rlflow.models import attention as A
-from rlflow.models.hf import build_model
 from learner_fixtures import (assert_same_train_step, flat, make_group_records,
-                              one_device_mesh, tiny_experiment)
+                              model_and_reference, one_device_mesh, tiny_experiment)
 from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol, sum_tol
 
 VOCAB, G, T = 64, 4, 6
@@ -31,10 +29,7 @@ def records(seed):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    model, _ = build_model(MODEL)
-    graphdef, params = nnx.split(model, nnx.Param)
-    ref = jax.tree.map(lambda p: p + 0.01 * np.sin(np.arange(p.size).reshape(p.shape)), params)
-    return graphdef, params, ref
+    return model_and_reference(MODEL)
 
 
 def test_blockwise_attention_and_chunked_logprobs_step_equals_todays(tiny_model, monkeypatch):

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from rlflow.config import ConfigError, LearnerConfig, LoraConfig, MeshConfig, ModelConfig
 from rlflow.learner import loss_positions, losses
@@ -17,7 +16,7 @@ from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
 from rlflow.models.hf import build_model
 from learner_fixtures import (assert_same_train_step, flat, make_group_records,
-                              one_device_mesh, tiny_experiment)
+                              model_and_reference, one_device_mesh, tiny_experiment)
 from tolerances import (F32_EPS, MIXED_SIGN_CANCEL, forward_atol, model_chain_len,
                         reorder_rtol, sum_tol)
 
@@ -222,10 +221,7 @@ def test_decoder_shared_prefix_attention_equals_separate_sequences():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    model, _ = build_model(MODEL)
-    graphdef, params = nnx.split(model, nnx.Param)
-    ref = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
-    return graphdef, params, ref
+    return model_and_reference(MODEL)
 
 
 def _k3(d):
