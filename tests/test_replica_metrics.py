@@ -143,10 +143,9 @@ def test_tokens_per_s_per_chip_divides_by_every_replicas_devices():
     """Two replicas of 4 and 2 devices decoding 600 and 300 tokens in a second: 900 tokens/s
     over 6 chips."""
     rates = StepRates(now=0.0)
-    statuses = {f"sampler-{i}": _status(f"sampler-{i}", 0, 1.0, **{
-        "sampler/tokens_total": tokens, "sampler/slot_steps_used": 1.0,
-        "sampler/slot_steps_total": 1.0, "sampler/idle_s_total": 0.0, "sampler/chips": chips})
-        for i, (tokens, chips) in enumerate([(600.0, 4.0), (300.0, 2.0)])}
+    statuses = {f"sampler-{i}": _status(f"sampler-{i}", 0, 1.0, **_totals(0, tokens, 1, 1, 0.0),
+                                        **{"sampler/chips": chips})
+                for i, (tokens, chips) in enumerate([(600.0, 4.0), (300.0, 2.0)])}
     m = rates.update(statuses, now=1.0)
     assert m["sampler/tokens_per_s"] == pytest.approx(900.0)
     assert m["sampler/tokens_per_s_per_chip"] == pytest.approx(900.0 / 6)
