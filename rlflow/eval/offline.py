@@ -87,6 +87,7 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
     from rlflow.data.rewarder import Rewarder
     from rlflow.eval import scoring
     from rlflow.models.hf import read_decoder_config
+    from rlflow.sampler.delivery import graded_texts
     from rlflow.runtime import programs_common as pc
 
     tokenizer = pc.run_tokenizer(cfg)
@@ -101,7 +102,7 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
     records = []
     with Rewarder(reward_cfg, plugins=cfg.plugins) as rewarder:
         for prompt, group in zip(prompts, groups):
-            texts, finish, unclosed = scoring.graded_texts(group, tokenizer, reasoning)
+            texts, finish, unclosed = graded_texts(group, tokenizer, reasoning)
             rewards = scoring.zero_unclosed(
                 rewarder.score_group(group.prompt_id, texts, prompt["answer"], finish), unclosed)
             records.append(scoring.prompt_record(group, texts, rewards, threshold,

@@ -71,38 +71,9 @@ def eval_requests(cfg, prompts: Sequence[Mapping]) -> list:
             for i, p in enumerate(prompts)]
 
 
-def completion_texts(group, tokenizer) -> list[str]:
-    """A finished group's completions decoded as the reward functions read them."""
-    return [tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
-            for c in group.completions]
-
-
-def graded_texts(group, tokenizer, reasoning=None) -> tuple[list[str], list[str], np.ndarray]:
-    """What the reward functions grade of a finished group, as in training
-    (:class:`rlflow.sampler.delivery.GroupDelivery`).
-
-    Args:
-      group: :class:`rlflow.sampler.requests.CompletedGroup` (k completions).
-      tokenizer: the run's tokenizer.
-      reasoning: a thinking model's splitter (``data.reasoning_parser``,
-        :func:`rlflow.data.reasoning.get_reasoning_parser`), or None: the whole completion.
-
-    Returns:
-      ``(texts, finish_reasons, unclosed)``: the k answer texts, each completion's
-      ``"stop" | "length"``, and bool ``[k]``, True where the reasoning never closed (such a
-      sample scores 0, :func:`zero_unclosed`).
-    """
-    texts = completion_texts(group, tokenizer)
-    unclosed = np.zeros(len(texts), bool)
-    if reasoning is not None:
-        splits = [reasoning(t) for t in texts]
-        texts = [sp.answer for sp in splits]
-        unclosed = np.array([not sp.closed for sp in splits], bool)
-    return texts, [c.finish_reason for c in group.completions], unclosed
-
-
 def zero_unclosed(rewards, unclosed: np.ndarray) -> np.ndarray:
-    """``rewards`` float ``[k]`` with 0 where the reasoning never closed (``unclosed``)."""
+    """``rewards`` float ``[k]`` with 0 where the reasoning never closed (``unclosed``, from
+    :func:`rlflow.sampler.delivery.graded_texts`), as in training."""
     return np.where(unclosed, 0.0, np.asarray(rewards, np.float64))
 
 

@@ -24,6 +24,32 @@ import numpy as np
 
 from rlflow.data.rewards import NonFiniteRewardError
 
+def graded_texts(group, tokenizer, reasoning=None) -> tuple[list[str], list[str], np.ndarray]:
+    """What the reward functions grade of a finished group (training here, and the held-out
+    evaluation: :mod:`rlflow.sampler.eval_runner`, :mod:`rlflow.eval.offline`).
+
+    Args:
+      group: :class:`rlflow.sampler.requests.CompletedGroup` (k completions).
+      tokenizer: the run's tokenizer (decoded with special tokens skipped).
+      reasoning: a thinking model's splitter (``data.reasoning_parser``,
+        :func:`rlflow.data.reasoning.get_reasoning_parser`), or None: the whole completion.
+
+    Returns:
+      ``(texts, finish_reasons, unclosed)``: the k answer texts; each completion's
+      ``"stop" | "length"`` (the decoded text cannot tell a stop token from a cut at
+      ``max_tokens`` followed by removed special tokens); bool ``[k]``, True where the
+      reasoning never closed (such a sample is graded 0).
+    """
+    texts = [tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
+             for c in group.completions]
+    unclosed = np.zeros(len(texts), bool)
+    if reasoning is not None:
+        splits = [reasoning(t) for t in texts]
+        texts = [s.answer for s in splits]
+        unclosed = np.array([not s.closed for s in splits], bool)
+    return texts, [c.finish_reason for c in group.completions], unclosed
+
+
 log = logging.getLogger("rlflow.sampler")
 
 
@@ -65,7 +91,7 @@ class GroupDelivery:
         self.on_bad_reward = on_bad_reward
         self.reasoning = reasoning
         self.in_flight: dict[int, dict] = {}     # id(Request) -> leased prompt
-        # id(Request) -> (Request, record, unclosed reasoning [G] or None) awaiting its
+        # id(Request) -> (Request, record, unclosed reasoning bool [G]) awaiting its
         # rewards (the Request is held so that its id is not reused while it is scored)
         self.scoring: dict[int, tuple] = {}
         self.dropped_leases: list[list[int]] = []   # [stream_index, lease_id] dropped here
@@ -108,18 +134,9 @@ class GroupDelivery:
         for group in groups:
             key = id(group.request)
             element = self.in_flight[key]
-            texts = [self.tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
-                     for c in group.completions]
-            unclosed = None
-            if self.reasoning is not None:          # thinking models: grade the answer only
-                splits = [self.reasoning(t) for t in texts]
-                texts = [s.answer for s in splits]
-                unclosed = np.array([not s.closed for s in splits], bool)
+            texts, finish, unclosed = graded_texts(group, self.tokenizer, self.reasoning)
             self.scoring[key] = (group.request, group.to_record(), unclosed)
-            # how each ended: the decoded text cannot tell a stop token from a cut at
-            # max_tokens followed by removed special tokens
-            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"],
-                                       [c.finish_reason for c in group.completions])
+            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"], finish)
 
     def collect(self, timeout: float = 0.0) -> None:
         """Deliver the groups whose rewards are in (waiting up to ``timeout`` seconds for the
@@ -149,10 +166,10 @@ class GroupDelivery:
                             self.bad_reward_groups)
                 continue
             record["rewards"] = np.asarray(batch.total, np.float32)
-            if unclosed is not None and unclosed.any():     # reasoning never closed: 0
+            if unclosed.any():     # reasoning never closed: 0
                 record["rewards"] = np.where(unclosed, np.float32(0.0), record["rewards"])
             failed = batch.failed
-            if failed is not None and unclosed is not None:
+            if failed is not None:
                 failed = failed & ~unclosed          # graded 0 whatever the function did
             if failed is not None and failed.any():  # a reward error / timeout: no grade
                 record["failed"] = failed | record.get("failed", False)

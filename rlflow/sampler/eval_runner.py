@@ -21,6 +21,8 @@ from typing import Optional
 
 import numpy as np
 
+from rlflow.sampler.delivery import graded_texts
+
 log = logging.getLogger("rlflow.sampler")
 
 
@@ -82,8 +84,6 @@ class EvalRunner:
     def take(self, groups) -> list:
         """The groups of a decode step that are not evaluation groups (for the delivery);
         the evaluation's are handed to the reward workers (no wait)."""
-        from rlflow.eval import scoring
-
         if not self._requests:
             return groups
         rest = []
@@ -93,7 +93,7 @@ class EvalRunner:
                 rest.append(group)
                 continue
             request, prompt = got
-            texts, finish, unclosed = scoring.graded_texts(group, self.tokenizer, self.reasoning)
+            texts, finish, unclosed = graded_texts(group, self.tokenizer, self.reasoning)
             key = ("eval", id(request))
             self._scoring[key] = (request, group, texts, prompt, unclosed)
             self._rewarder.submit_group(key, group.prompt_id, texts, prompt["answer"], finish)
