@@ -10,11 +10,12 @@ two bfloat16 replicas of 141 GB, 8 KV heads over tensor).
         --model-dir /home/$USER/Llama-3.1-70B-Instruct --run-dir gs://BUCKET/runs
 
 Memory per learner chip (:mod:`rlflow.learner.memory`, printed when this file is loaded):
-70.6B parameters with float32 master weights, AdamW moments and a float32 gradient
-accumulator are 16 bytes each, 1.13 TB over fsdp x tensor = 32 chips = 35.3 GB per chip;
-the published version the step keeps beside its new params (weights go by transfer) 8.8 GB;
-activations of one micro-batch (64 prompts x G=8 = 512 rows in 32 micro-batches: 1 row of
-768 tokens per chip) add ~25 GB (64 GiB of 88.5 in all). Too few chips for that is a
+70.6B parameters with float32 master weights, AdamW moments, a float32 gradient
+accumulator and the micro-batch's gradient are 20 bytes each, 1.41 TB over fsdp x tensor = 32
+chips = 44.1 GB per chip; the published version the step keeps beside its new params (weights
+go by transfer) 8.8 GB; activations of one micro-batch (64 prompts x G=8 = 512 rows in 32
+micro-batches: 1 row of 768 tokens per chip, ``learner.remat="full"``) add 1.6 GB (50.8 GiB
+of 88.5 in all). Too few chips for that is a
 ``LearnerDoesNotFit`` (a ``ConfigError`` naming ``learner.mesh``) here, before any host
 starts. No reference model (kl_coef 0).
 

@@ -46,7 +46,8 @@ def test_state_terms_equal_the_sharded_learner_state_on_one_chip():
     norms = (2 * MODEL.num_layers + 1) * MODEL.hidden_size * 4          # float32 scales
     assert on_dev0(learner.params) == mem.params + norms * (1 - 1 / 4)
     assert on_dev0(learner.state.opt_state) == mem.optimizer + 2 * norms * (1 - 1 / 4)
-    assert mem.grads == mem.params and mem.reference == 0.0
+    # the float32 accumulator and the micro-batch's gradient (float32 params here)
+    assert mem.grads == 2 * mem.params and mem.reference == 0.0
     with_ref = learner_memory(Architecture.from_model_config(MODEL),
                               replace(cfg, learner=replace(cfg.learner, kl_coef=0.1)))
     assert with_ref.reference == mem.params
@@ -85,7 +86,7 @@ def test_70b_reference_prints_its_memory_and_names_a_mesh_too_small(tmp_path, ca
     cfg = m.config(model_path=str(folder))
     err = capsys.readouterr().err
     assert "gsm8k_llama3_1_70b: learner memory per chip (32 chips): params 8.2, optimizer " \
-           "16.4, grads 8.2" in err
+           "16.4, grads 16.4" in err
     assert cfg.learner.num_devices == 32 and cfg.learner.mesh == MeshConfig(fsdp=16, tensor=2)
     assert check_fits(m.LLAMA_3_1_70B, cfg, m.V5P_CHIP_GIB).total < 0.9 * m.V5P_CHIP_GIB * 2**30
     with pytest.raises(LearnerDoesNotFit, match=r"learner.mesh data=1 x fsdp=8 x tensor=1: "
@@ -105,6 +106,7 @@ def test_activation_terms_follow_the_remat_policy():
     h, i, d = MODEL.hidden_size, MODEL.intermediate_size, MODEL.head_dim
     q, kv = MODEL.num_heads, MODEL.num_kv_heads
     layer = a * (4 * h + 4 * i + 2 * (q + 2 * kv) * d) + 8 * q * seq
+    working = layer + 3 * a * i         # + the MLP's three i-wide cotangents
     per_layer = {"none": layer, "full": a * h, "offload": a * h,
                  "dots": a * (h + (q + 2 * kv) * d + 2 * h + 2 * i)}
     got = {}
@@ -113,9 +115,10 @@ def test_activation_terms_follow_the_remat_policy():
         extra = activation_bytes(deeper, rows=rows, seq=seq, compute_bytes=a, remat=remat)
         assert extra - got[remat] == pytest.approx(rows * seq * kept), remat
     assert got["full"] == got["offload"] < got["dots"] < got["none"]
-    # the working set of full remat: two copies of one layer's intermediates, + the head
-    assert got["full"] == pytest.approx(rows * seq * (MODEL.num_layers * a * h + 2 * layer
-                                                      + 12 * MODEL.vocab_size))
+    # full remat: the layers' inputs and one layer's working set (larger than the head's
+    # logits here: 12 V bytes a token); the head runs when no layer is differentiated
+    assert 12 * MODEL.vocab_size < working
+    assert got["full"] == pytest.approx(rows * seq * (MODEL.num_layers * a * h + working))
     with pytest.raises(ValueError, match="learner.remat must be one of"):
         activation_bytes(arch, rows=rows, seq=seq, compute_bytes=a, remat="some")
 
@@ -130,13 +133,26 @@ def test_memory_efficient_attention_and_chunked_logits_drop_their_terms():
     no_scores = activation_bytes(arch, scores_materialised=False, **kw)
     assert full - no_scores == pytest.approx(
         rows * seq * (MODEL.num_layers + 1) * 8 * MODEL.num_heads * seq)   # L kept + working
-    chunked = activation_bytes(arch, logits_chunk_tokens=16, **kw)
-    assert full - chunked == pytest.approx((rows * seq - 16) * 12 * MODEL.vocab_size)
+    # a large vocabulary: the logits, not a layer's working set, are the peak (the two are
+    # never live at once: the peak is the larger, on top of the kept layers)
+    big = Architecture.from_model_config(replace(MODEL, vocab_size=20_000))
+    kept = rows * seq * MODEL.num_layers * (4 * (4 * 32 + 4 * 64 + 2 * 8 * 8) + 8 * 4 * seq)
+    working = rows * seq * (4 * (4 * 32 + 4 * 64 + 2 * 8 * 8 + 3 * 64) + 8 * 4 * seq)
+    unchunked = activation_bytes(big, **kw)
+    assert unchunked == pytest.approx(kept + rows * seq * 12 * 20_000)
+    chunk = 16
+    chunked = activation_bytes(big, logits_chunk_tokens=chunk, **kw)
+    assert chunked == pytest.approx(kept + max(working, chunk * 12 * 20_000))
     # a chunk longer than the micro-batch holds every token's logits
-    assert activation_bytes(arch, logits_chunk_tokens=10 ** 6, **kw) == full
+    assert activation_bytes(big, logits_chunk_tokens=10 ** 6, **kw) == unchunked
     # learner_memory passes the config's remat and these keywords through
     cfg = tiny_experiment(MODEL, 4, 6, remat="none")
-    mem = learner_memory(arch, cfg, scores_materialised=False, logits_chunk_tokens=16)
+    assert cfg.learner.attention == "auto"          # never holds [T, T] scores
+    scores = learner_memory(arch, cfg, scores_materialised=True)
+    assert learner_memory(arch, cfg).activations < scores.activations
+    xla = learner_memory(arch, replace(cfg, learner=replace(cfg.learner, attention="xla")))
+    assert xla.activations == scores.activations
+    unchunked = learner_memory(big, cfg, logits_chunk_tokens=10 ** 6)
+    assert learner_memory(big, cfg, logits_chunk_tokens=16).activations < unchunked.activations
     full_remat = learner_memory(arch, replace(cfg, learner=replace(cfg.learner, remat="full")))
-    assert mem.activations < learner_memory(arch, cfg).activations
     assert full_remat.activations < learner_memory(arch, cfg).activations

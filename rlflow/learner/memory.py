@@ -5,7 +5,10 @@ What one chip of the learner mesh holds during a train step (bytes):
 * parameters: ``N x param bytes / (fsdp x tensor)`` (replicated over ``data``);
 * AdamW moments ``mu``, ``nu``: ``2 x N x param bytes / (fsdp x tensor)`` (optax keeps them in
   the parameters' dtype);
-* gradients: ``N x 4 / (fsdp x tensor)`` (the float32 micro-batch accumulator);
+* gradients: ``N x (4 + param bytes) / (fsdp x tensor)``: the float32 accumulator over
+  micro-batches and the micro-batch's own gradient being added to it (in the parameters'
+  dtype); both are live through the backward pass (XLA's compiled temporaries hold two
+  gradient-sized buffers also with one micro-batch, ``benchmarks/long_context.py``);
 * KL reference copy (``learner.kl_coef > 0``): ``N x param bytes / (fsdp x tensor)``;
 * the published version (``runtime.weight_transfer = "transfer"``): ``N x param bytes /
   (fsdp x tensor)``: the step keeps the params it was given, which the weight server may be
@@ -18,18 +21,25 @@ What one chip of the learner mesh holds during a train step (bytes):
   scores and probabilities ``S = 2 x 4 x (q / t) x T`` in float32 (``S = 0`` when
   ``scores_materialised=False``: a memory-efficient attention that never holds ``[T, T]``).
 
-  - ``"none"``: every layer's intermediates are kept, ``L x A``, plus the cotangents of the
-    layer being differentiated, ``A``;
+  - ``"none"``: every layer's intermediates are kept, ``L x A``, plus the working set of
+    the layer being differentiated, ``W = A + 3 a i / t``: its intermediates' cotangents,
+    of which the MLP's three ``i``-wide ones (gate, up, their product) are live at once
+    at the peak;
   - ``"full"`` (and ``"offload"``, whose saved matmul outputs live in host memory): each
     layer keeps only its input, the residual carry ``[B, T, E]``: ``L x a h``, plus the
-    working set of the one layer being differentiated, its recomputed intermediates and
-    their cotangents: ``2 A``;
+    working set of the one layer being differentiated, its recomputed intermediates ``A``
+    and the MLP's cotangents: ``W = A + 3 a i / t``;
   - ``"dots"``: each layer keeps its input and its projections' outputs (q, k, v, o, gate,
-    up, down): ``L x a (h + (q + 2 kv) d / t + 2 h + 2 i / t)``, plus the ``2 A`` working set.
+    up, down): ``L x a (h + (q + 2 kv) d / t + 2 h + 2 i / t)``, plus ``W = A`` (the saved
+    gate and up outputs are not recomputed).
 
-  The float32 logits, log-softmax and their gradient add ``3 x 4 x V / t`` per token, for
-  every token of the micro-batch, or for ``logits_chunk_tokens`` tokens when the logprobs
-  are computed in chunks of that many tokens.
+  The float32 logits, log-softmax and their gradient, ``3 x 4 x V / t`` per token, for every
+  token of the micro-batch, or for ``logits_chunk_tokens`` tokens when the logprobs are
+  computed in chunks of that many tokens, are live only while the output layer runs, when
+  no decoder layer is being differentiated: the activations are ``kept + max(W x tokens,
+  logits)``, not their sum. The working-set factors were measured against XLA's compiled
+  temporaries (``benchmarks/long_context.py``, remat "full": 1.53 A and 1.51 A per token at
+  hidden 256 and 512, against ``A + 3 a i / t`` = 1.50 A for both).
   The scan's stacked copy of the layer parameters is not counted (XLA slices it in place).
   Checked against XLA's compiled temporaries by ``benchmarks/long_context.py``.
 
@@ -126,17 +136,19 @@ def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes
     q, kv = arch.num_heads, arch.num_kv_heads
     scores = 8 * (q / t) * seq if scores_materialised else 0.0
     layer = a * (4 * h + 4 * i / t + 2 * (q + 2 * kv) * d / t) + scores     # A, per token
+    mlp_cotangents = 3 * a * i / t
     if remat == "none":
-        kept, working = layer, layer
+        kept, working = layer, layer + mlp_cotangents
     elif remat in ("full", "offload"):
-        kept, working = a * h, 2 * layer
+        kept, working = a * h, layer + mlp_cotangents
     elif remat == "dots":
-        kept, working = a * (h + (q + 2 * kv) * d / t + 2 * h + 2 * i / t), 2 * layer
+        kept, working = a * (h + (q + 2 * kv) * d / t + 2 * h + 2 * i / t), layer
     else:
         raise ValueError(f"learner.remat must be one of none, full, dots, offload, got {remat!r}")
     tokens = rows * seq
     head_tokens = tokens if logits_chunk_tokens is None else min(logits_chunk_tokens, tokens)
-    return tokens * (arch.num_layers * kept + working) + head_tokens * 12 * arch.vocab_size / t
+    logits = head_tokens * 12 * arch.vocab_size / t
+    return tokens * arch.num_layers * kept + max(tokens * working, logits)
 
 
 def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None = None,
@@ -168,7 +180,7 @@ def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None 
                            remat=lc.remat, scores_materialised=scores_materialised,
                            logits_chunk_tokens=logits_chunk_tokens)
     return LearnerMemory(params=n * pb / shards, optimizer=2 * n * pb / shards,
-                         grads=n * 4 / shards,
+                         grads=n * (4 + pb) / shards,
                          reference=n * pb / shards if lc.kl_coef > 0 else 0.0,
                          published=n * pb / shards if keeps_params(cfg) else 0.0,
                          activations=act)
