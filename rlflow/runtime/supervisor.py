@@ -50,6 +50,11 @@ host, ``learner.num_devices / N`` fake devices each, joined by ``jax.distributed
 (:mod:`rlflow.runtime.learner_hosts`). Any of them exiting before the run is done stops the
 run, naming the host (``learner host 1 (pid N) ... killed by SIGKILL``).
 
+A program killed by SIGKILL is named as out of memory when this cgroup's OOM-kill counter
+rose during the run (``killed by SIGKILL: out of memory (the kernel's OOM killer ...)``),
+else ``killed by SIGKILL (possibly out of memory: ...)`` with its peak resident memory
+(:mod:`rlflow.runtime.oom`; no root, no ``dmesg``).
+
 Each program is one process running :mod:`rlflow.runtime.launch` (its entry on a TPU pod
 too); ``runtime.pin_cpus`` gives each its own CPUs (half each, :func:`split_cpus`).
 """
@@ -70,9 +75,9 @@ from rlflow.run import files
 from rlflow.runtime import programs_common as pc
 from rlflow.exchange.ring import ProducerError
 from rlflow.runtime import host_memory, learner_hosts
-from rlflow.runtime.child_logs import (LOG_TAIL_LINES, exit_text,
-                                       is_input_error, program_error, tail,
-                                       without_repeated_fatal)
+from rlflow.runtime.child_logs import (LOG_TAIL_LINES, is_input_error, program_error,
+                                       tail, without_repeated_fatal)
+from rlflow.runtime.oom import OomWatch
 from rlflow.runtime.ports import free_port, port_taken
 from rlflow.config.secrets import ENV_BUFFER_TOKEN
 
@@ -134,6 +139,19 @@ class Supervisor:
     endpoints: pc.Endpoints
     children: dict = field(default_factory=dict)
     jax_coordinator: str = ""     # host:port of the learner hosts' jax.distributed (N > 1)
+    oom: OomWatch = field(default_factory=OomWatch)   # the OOM-kill counter at the start
+
+    def exit_text(self, name: str) -> str:
+        """How child ``name`` ended: its exit code or signal, a SIGKILL named as out of
+        memory when the cgroup's OOM-kill counter rose (:mod:`rlflow.runtime.oom`)."""
+        c = self.children[name]
+        return self.oom.killed_text(c.proc.returncode, c.proc.pid)
+
+    def sample_memory(self) -> None:
+        """Record each live child's peak resident memory (for :meth:`exit_text`)."""
+        for c in self.children.values():
+            if c.proc.poll() is None:
+                self.oom.sample(c.proc.pid)
 
     def sampler_names(self) -> list[str]:
         """Child names of the sampler replicas: ``["sampler"]`` for one replica (its log is
@@ -205,7 +223,7 @@ class Supervisor:
 
         c = self.children[role]
         error = program_error(c.log_path, "--- rlflow sampler start")
-        what = plain_text(error) if error else exit_text(c.proc.returncode)
+        what = plain_text(error) if error else self.exit_text(role)
         return (f"rlflow train: warning: the {role} process stopped after the learner's last "
                 f"step ({what}); every step trained and the final checkpoint is saved. Its log "
                 f"is {c.log_path}")
@@ -249,16 +267,16 @@ class Supervisor:
         head = f"rlflow train: the {what} failed: {plain_text(error)}\n" if error else ""
         if error and is_input_error(error):    # the message says it all: no traceback
             return head + (f"rlflow train: the {what} stopped on bad input "
-                           f"({exit_text(c.proc.returncode)}); stopping the run. Its traceback "
+                           f"({self.exit_text(role)}); stopping the run. Its traceback "
                            f"is in {c.log_path}")
         if error and error.startswith(f"{ProducerError.__module__}.{ProducerError.__name__}:"):
             return (f"rlflow train: the {what} stopped because a sampler failed (above; "
-                    f"{exit_text(c.proc.returncode)}); its log is {c.log_path}")
+                    f"{self.exit_text(role)}); its log is {c.log_path}")
         lost = learner_hosts.PeerLostError
         if error and error.startswith(f"{lost.__module__}.{lost.__name__}:"):
             return (f"rlflow train: the {what} stopped because another learner host died "
-                    f"(above; {exit_text(c.proc.returncode)}); its log is {c.log_path}")
-        text = (f"rlflow train: the {what} process died ({exit_text(c.proc.returncode)}); "
+                    f"(above; {self.exit_text(role)}); its log is {c.log_path}")
+        text = (f"rlflow train: the {what} process died ({self.exit_text(role)}); "
                 f"stopping the run. Last lines of {c.log_path}:\n")
         lines = without_repeated_fatal(tail(c.log_path, LOG_TAIL_LINES).splitlines())
         return head + text + "\n".join(f"  [{role}] {plain_text(line)}" for line in lines)
@@ -438,6 +456,7 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
     hosts = learner_hosts.learner_names(cfg.learner.num_hosts)
     while True:
         watcher.poll()
+        sup.sample_memory()
         learner = sup.children["learner"].proc.poll()
         codes = {n: sup.children[n].proc.poll() for n in names}
         failed = [h for h in hosts if sup.children[h].proc.poll() not in (None, 0)]
@@ -464,14 +483,14 @@ def _supervise(cfg, sup: Supervisor, watcher) -> int:
             watcher.reported_dead.add(name)     # said here: not again when the learner notices
             if cfg.runtime.restart_sampler and n < MAX_SAMPLER_RESTARTS:
                 watcher.progress.message(    # above a live bar, never through it
-                    f"rlflow train: the {name} process died ({exit_text(code)}); "
+                    f"rlflow train: the {name} process died ({sup.exit_text(name)}); "
                     f"restarting it ({n + 1}/{MAX_SAMPLER_RESTARTS})")
                 sup.start(name, instance=n + 1)
             else:
                 dead.add(name)
                 if len(dead) < len(names):
                     watcher.progress.message(
-                        f"rlflow train: the {name} process died ({exit_text(code)}); "
+                        f"rlflow train: the {name} process died ({sup.exit_text(name)}); "
                         f"going on with {len(names) - len(dead)} sampler replica(s)")
         if dead and len(dead) == len(names):
             watcher.poll()
