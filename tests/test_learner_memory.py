@@ -57,6 +57,9 @@ def test_state_terms_equal_the_sharded_learner_state_on_one_chip():
     orbax = learner_memory(Architecture.from_model_config(MODEL),
                            replace(cfg, runtime=replace(cfg.runtime, weight_transfer="orbax")))
     assert orbax.published == 0.0 and orbax.total == mem.total - mem.params
+    from rlflow.learner.publish import keeps_params     # the learner's own rule
+    assert keeps_params(cfg) and not keeps_params(
+        replace(cfg, runtime=replace(cfg.runtime, weight_transfer="orbax")))
 
 
 def test_activations_scale_with_rows_per_chip():

@@ -95,6 +95,12 @@ class RuntimeConfig:
         ``GLIBC_TUNABLES`` (the learner's log says so). ``rlflow train`` on one machine only:
         scripts/tpu and scripts/xpk start their programs without it (on an accelerator the
         step's temporaries are device memory).
+      check_memory: before any program starts, refuse a run whose learner (parameters,
+        optimizer state, gradients, one micro-batch's activations) or sampler replica
+        (weights, KV cache) does not fit its devices' memory by the memory model
+        (``rlflow.console.fit``: a chip's HBM on a TPU, this machine's memory on the CPU
+        backend), naming the setting to change. False: skip the check (the model is an
+        estimate, within 25% of XLA's compiled figure in ``benchmarks/long_context.py``).
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -114,6 +120,7 @@ class RuntimeConfig:
     sampler_sleep: bool = False
     pin_cpus: bool = False
     keep_freed_host_memory: bool = True
+    check_memory: bool = True
 
     def __post_init__(self):
         _finite_floats(self, "runtime")

@@ -34,8 +34,10 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``sampler.max_prefill_length`` with ``sampler.on_long_prompt='error'``),
         ``data.path``, ``data.task``, ``model.path``, ``data.chat_template``,
         ``runtime.transfer_layout``, ``sampler.max_tokens`` (a KV cache larger than this
-        machine's memory); with ``eval.every_steps > 0`` the same checks of the held-out
-        data and reward functions, named ``eval.path``, ``eval.functions`` ...),
+        machine's memory), ``learner.micro_batches`` / ``learner.remat`` /
+        ``learner.mesh`` ... (a learner or sampler that does not fit its devices' memory:
+        :func:`rlflow.console.fit.check_memory`); with ``eval.every_steps > 0`` the same
+        checks of the held-out data and reward functions, named ``eval.path``, ``eval.functions`` ...),
         ``metrics.wandb.mode`` (W&B on without the ``wandb`` package) and what was
         expected; ``model.path`` / ``data.chat_template`` also when the tokenizer cannot be
         built, or a prompt cannot be rendered and encoded, the way the programs will
@@ -52,6 +54,15 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_model(cfg)
     _check_tokenizer(cfg)
     _check_kv_cache(cfg)
+    _check_memory(cfg)
+
+
+def _check_memory(cfg) -> None:
+    """The learner and the sampler must fit their devices' memory (:mod:`rlflow.console.fit`;
+    ``runtime.check_memory=False`` skips it)."""
+    from rlflow.console.fit import check_memory
+
+    check_memory(cfg)
 
 
 def _check_eval(cfg) -> None:

@@ -12,6 +12,10 @@ knows the devices and meshes its programs expect. This module loads the config e
   size) must be one sampler host's chips, and ``sampler.num_replicas`` the hosts of all
   sampler slices.
 
+Then the memory model (:mod:`rlflow.console.fit`) against each slice's chips (HBM per chip
+of the type): the learner's per-chip terms and a sampler replica's weights and KV cache; a
+run that does not fit is refused, naming the setting to change.
+
 Run as ``python -m rlflow.console.slices --learner TYPE HOSTS CHIPS --sampler TYPE HOSTS CHIPS
 --sampler-slices K --config PATH -- [rlflow train overrides]``; exit 0 when they match, else
 2 with one ``error:`` line per mismatch naming both numbers and the flag that fixes it.
@@ -135,7 +139,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     problems = slice_mismatches(cfg, learner, sampler, args.sampler_slices)
     for problem in problems:
         print(f"error: {problem} (--config {args.config})", file=sys.stderr)
-    return 2 if problems else 0
+    if problems:
+        return 2
+    return _check_memory(cfg, learner, sampler, args.config)
+
+
+def _check_memory(cfg, learner: Slice, sampler: Slice, config: str) -> int:
+    """The memory model against the slices' chips (:func:`rlflow.console.fit.check_memory`):
+    one ``memory:`` line with the per-chip terms, or the refusal naming the setting (exit
+    2); a line saying it was not checked when the model's sizes are unknown here."""
+    from rlflow.config import ConfigError
+    from rlflow.console import fit
+
+    learner_bytes, sampler_bytes = (fit.device_memory(s.type) for s in (learner, sampler))
+    if learner_bytes is None or sampler_bytes is None:
+        print(f"memory: not checked (no HBM figure for {learner.type} / {sampler.type})",
+              file=sys.stderr)
+        return 0
+    try:
+        found = fit.check_memory(cfg, device_bytes=learner_bytes,
+                                 where=fit.chip_name(learner.type),
+                                 sampler_device_bytes=sampler_bytes,
+                                 sampler_where=fit.chip_name(sampler.type))
+    except ConfigError as e:
+        print(f"error: {e} (--config {config})", file=sys.stderr)
+        return 2
+    if found is None:
+        print("memory: not checked (runtime.check_memory false, or the model's sizes are "
+              "in its folder on the hosts)", file=sys.stderr)
+    else:
+        print(f"memory: {found.describe()}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -162,8 +162,6 @@ def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None 
     block of scores at a time), and logits are chunked by ``learner.logprob_chunk`` tokens
     (0: all at once).
     """
-    from rlflow.learner.publish import keeps_params
-
     lc, sc = cfg.learner, cfg.sampler
     mesh = lc.mesh
     if scores_materialised is None:
@@ -182,8 +180,14 @@ def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None 
     return LearnerMemory(params=n * pb / shards, optimizer=2 * n * pb / shards,
                          grads=n * (4 + pb) / shards,
                          reference=n * pb / shards if lc.kl_coef > 0 else 0.0,
-                         published=n * pb / shards if keeps_params(cfg) else 0.0,
+                         published=n * pb / shards if _keeps_params(cfg) else 0.0,
                          activations=act)
+
+
+def _keeps_params(cfg) -> bool:
+    """:func:`rlflow.learner.publish.keeps_params` (weights by transfer), without importing
+    jax: the TPU scripts evaluate the memory model where they are started."""
+    return cfg.runtime.weight_transfer == "transfer"
 
 
 def check_fits(arch: Architecture, cfg, chip_gib: float, *, headroom: float = 0.9
