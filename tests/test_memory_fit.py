@@ -192,3 +192,31 @@ def test_a_dataclass_config_without_sizes_in_a_stand_in_folder_is_not_checked(tm
     assert fit.architecture(cfg) is None and fit.check_memory(cfg, device_bytes=1.0) is None
     sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=128))
     assert fit.architecture(sized).hidden_size == 128
+
+
+def test_the_smollm2_run_fits_24_gib_with_the_defaults_and_was_refused_without_them(
+        monkeypatch, capsys):
+    """Issue 43: ``configs/gsm8k.py`` with SmolLM2-135M-Instruct, G=8, 4 groups, 64 new
+    tokens was OOM-killed on a 24 GiB machine (20.6 GB resident; no remat, [T, T] scores,
+    full logits). With the defaults remat / attention / logprob_chunk bring it fits; with
+    the old settings it is refused before start, naming learner.micro_batches."""
+    from rlflow.console.config_args import parse_train_args
+    from rlflow.models.smollm2 import smollm2_model_path
+
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 24 * GIB)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    args = ["--config", os.path.join(REPO, "configs", "gsm8k.py"), "--model.path",
+            smollm2_model_path(), "--data.chat-template", "hf", "--sampler.group-size", "8",
+            "--learner.groups-per-step", "4", "--sampler.max-tokens", "64"]
+    found = fit.check_memory(parse_train_args(args))
+    with capsys.disabled():
+        print(f"\nSmolLM2-135M GSM8K run, defaults: {found.describe()}")
+    assert found.learner_need < 0.25 * 24 * GIB
+    old = ["--learner.remat", "none", "--learner.attention", "xla", "--learner.logprob-chunk",
+           "0"]
+    with pytest.raises(fit.MemoryDoesNotFit, match=r"^learner.micro_batches: the learner needs "
+                                                   r"27.1 GiB per device .* set "
+                                                   r"--learner.micro-batches 2 "):
+        fit.check_memory(parse_train_args(args + old))
+    arith = parse_train_args(["--config", os.path.join(REPO, "configs", "smollm2_arith.py")])
+    assert fit.check_memory(arith).learner_fits

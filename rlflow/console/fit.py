@@ -204,6 +204,7 @@ class Fit:
     sampler_need: float
     sampler_capacity: float
     sampler_where: str
+    shared: bool = False      # the CPU backend: one machine's memory for every program
 
     @property
     def learner_fits(self) -> bool:
@@ -214,6 +215,10 @@ class Fit:
         return self.sampler_need <= HEADROOM * self.sampler_capacity
 
     def describe(self) -> str:
+        if self.shared:
+            return (f"learner per device: {self.learner.describe()}; sampler replica "
+                    f"{_size(self.sampler)}; in all {_size(self.learner_need)} of "
+                    f"{self.where}")
         return (f"learner per device: {self.learner.describe()} of {self.where}; sampler "
                 f"replica {_size(self.sampler)}, {_size(self.sampler_need)} a device of "
                 f"{self.sampler_where}")
@@ -242,7 +247,7 @@ def memory_fit(cfg, arch: Architecture, device_bytes: Optional[float] = None,
                       f"{cfg.learner.num_devices} device(s) and {sp.num_replicas} sampler "
                       f"replica(s) share it)")
     return Fit(mem, sampler, host or float("inf"), where, both, both, host or float("inf"),
-               where)
+               where, shared=True)
 
 
 def accelerator_memory(env=None) -> tuple[Optional[float], str]:
