@@ -20,8 +20,9 @@ not fit is refused with a :class:`MemoryDoesNotFit` (a ``ConfigError``) that pri
 term and names the setting to change (``learner.micro_batches`` with the count that fits,
 ``learner.remat``, ``learner.attention``, ``learner.logprob_chunk``, ``sampler.max_tokens``,
 ``sampler.num_slots``, ``learner.mesh`` / the slice). ``runtime.check_memory=False`` skips
-it (the model's estimate is an estimate: ``benchmarks/long_context.py`` holds it within 25%
-of XLA's compiled figure).
+it: the learner's activations are an estimate (within 1% of XLA's compiled temporaries of
+the grad step at 2K-32K tokens a row on CPU, ``benchmarks/long_context.py``; a backend's own
+buffers, the compiler's and the Python processes' memory are what :data:`HEADROOM` leaves).
 
 :func:`smallest_slice` picks the smallest TPU slice of a generation on which a learner fits
 (the learner given every chip of the slice as ``fsdp``).
@@ -370,15 +371,17 @@ def _micro_batches_that_fit(cfg, arch, device_bytes, fit) -> Optional[int]:
 
 def fit_to_slice(cfg, tpu_type: str):
     """``cfg`` with its learner on every chip of ``tpu_type``: ``learner.num_devices`` = the
-    slice's chips, ``num_hosts`` its hosts, mesh ``fsdp`` = chips / the config's ``tensor``
-    (``data`` 1), and ``micro_batches`` keeping the config's rows per device per
-    micro-batch (at least one row). None when the step's samples do not split that way."""
+    slice's chips, ``num_hosts`` its hosts, mesh ``fsdp`` = chips / the config's other
+    model axes (``tensor``, and ``sequence`` where the mesh has one; ``data`` 1), and
+    ``micro_batches`` keeping the config's rows per device per micro-batch (at least one
+    row). None when the step's samples do not split that way."""
     hosts, chips = slice_shape(tpu_type)[0], device_count(tpu_type)
     lr, sp = cfg.learner, cfg.sampler
     m = lr.mesh
-    if chips % m.tensor:
+    other = m.tensor * getattr(m, "sequence", 1)
+    if chips % other:
         return None
-    fsdp = chips // m.tensor
+    fsdp = chips // other
     rows = max(1, lr.groups_per_step * sp.group_size // (lr.micro_batches * m.data * m.fsdp))
     samples = lr.groups_per_step * sp.group_size
     if samples % (fsdp * rows):
