@@ -99,8 +99,9 @@ class RuntimeConfig:
         optimizer state, gradients, one micro-batch's activations) or sampler replica
         (weights, KV cache) does not fit its devices' memory by the memory model
         (``rlflow.console.fit``: a chip's HBM on a TPU, this machine's memory on the CPU
-        backend), naming the setting to change. False: skip the check (the model is an
-        estimate, within 25% of XLA's compiled figure in ``benchmarks/long_context.py``).
+        backend), naming the setting to change. ``false`` skips the check (the activations
+        are an estimate, within 1.5% of XLA's compiled figure on CPU in
+        ``benchmarks/long_context.py``).
     """
 
     mode: Literal["async", "sync"] = "async"
