@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+import xxhash
 import zstandard
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -58,6 +59,7 @@ def test_codec_round_trip_is_bitwise_and_the_payload_is_the_xor(dtype):
     planes = np.frombuffer(zstandard.ZstdDecompressor().decompress(payload), np.uint8)
     assert bits_equal(planes, xor.view(np.uint8).reshape(-1, u.itemsize).T.reshape(-1))
     assert bits_equal(delta.decode(new, delta.encode(new, new)), new)   # no change
+    assert delta.checksum(new) == xxhash.xxh3_64_intdigest(new.tobytes())
     with pytest.raises(ValueError, match="one shape and dtype"):
         delta.encode(prev, new[:3])
     with pytest.raises(ValueError, match="itemsize 16"):
@@ -99,6 +101,20 @@ def test_encoder_sends_every_nth_version_whole():
     assert enc.update(7, [np.zeros(5, np.float32)]) is None   # a new shape goes whole
     with pytest.raises(ValueError, match="delta_full_every must be >= 1"):
         delta.DeltaEncoder(full_every=0)
+
+
+def test_config_names_the_field_of_a_bad_delta_setting():
+    from rlflow.config import RuntimeConfig
+    from rlflow.config.validation import ConfigError
+
+    assert RuntimeConfig().weight_sync == "full"
+    with pytest.raises(ConfigError, match=r"^runtime\.weight_sync: 'delta' needs "
+                                          r"runtime\.weight_transfer='transfer'"):
+        RuntimeConfig(weight_sync="delta", weight_transfer="orbax")
+    with pytest.raises(ConfigError, match=r"^runtime\.delta_full_every"):
+        RuntimeConfig(weight_sync="delta", delta_full_every=0)
+    with pytest.raises(ConfigError, match=r"^runtime\.weight_sync"):
+        RuntimeConfig(weight_sync="xor")
 
 
 # ----------------------------------------------------------------- real optimizer versions
@@ -244,12 +260,13 @@ def test_a_relay_tree_forwards_deltas_and_the_learner_serves_a_replica_that_miss
         versions, served):
     """Three replicas, fan-out 1: the learner serves r0, r0 relays to r1, r1 to r2; each
     relay serves the delta bytes it pulled. r2 misses a version and gets the whole next one
-    from the learner at once."""
+    from the learner at once. The versions are rounded to bf16 (a bf16 sampler's weights)."""
     pub = WeightPublisher(pull_timeout_s=30, weight_sync="delta", layout="single_device")
     offers = RelayOffers(pub, fanout=1, assign_timeout_s=30, num_consumers=3)
     coord = served(offers)
     subs = [_subscriber(coord, f"r{i}", relay_fanout=1, relay_timeout_s=30) for i in range(3)]
     for v, params in versions[:5]:
+        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
         pub.publish(v, params)
         for i, sub in enumerate(subs):
             if v == 3 and i == 2:

@@ -24,6 +24,10 @@ the published dtype (measured on 4M Gaussian weights of scale 0.02, one Adam-siz
 So a float32 learner that publishes its master weights saves about half; the ~10x saving
 needs the published weights in the sampler's bf16.
 
+The leaves are encoded and decoded on a thread per core. A relay forwards a delta's bytes
+as soon as they have landed, before it decodes them itself (each replica checks its own
+rebuilt tensors, so a corrupt delta is never applied, wherever it came from).
+
 Where the work runs (the trade-off): the XOR, the shuffle, the codec and the hash run on the
 *host*, on numpy views of the arrays (``np.asarray``: zero-copy on CPU, one device -> host
 copy on an accelerator), and the learner and every subscriber keep a host copy of the last
@@ -39,15 +43,30 @@ same transfer server and relay tree (a relay forwards the delta bytes it pulled,
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
+import jax
 import numpy as np
 import xxhash
 import zstandard
 
+from rlflow.exchange import layout as layout_lib
+
 CODEC = "zstd-byteplanes"
 LEVEL = 1        # zstd level: 3 made no smaller deltas (4M float32 / bf16 weights, one step)
+
+
+def _each(fn: Callable, *args: Sequence) -> list:
+    """``[fn(*a) for a in zip(*args)]`` over a thread per core (the leaves are independent;
+    zstd, xxhash and numpy's large-array loops release the GIL)."""
+    workers = min(len(args[0]), os.cpu_count() or 1)
+    if workers <= 1:
+        return [fn(*a) for a in zip(*args)]
+    with ThreadPoolExecutor(workers, thread_name_prefix="rlflow-delta") as pool:
+        return list(pool.map(fn, *args))
 
 
 class DeltaError(ValueError):
@@ -70,7 +89,7 @@ def bit_view(a: np.ndarray) -> np.ndarray:
 
 def checksum(a: np.ndarray) -> int:
     """xxh3-64 of ``a``'s C-order bytes (an unsigned 64-bit int)."""
-    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return xxhash.xxh3_64_intdigest(memoryview(bit_view(a)).cast("B"))  # bf16: no buffer
 
 
 def encode(prev: np.ndarray, new: np.ndarray, level: int = LEVEL) -> bytes:
@@ -148,8 +167,9 @@ class DeltaEncoder:
         if prev is None or keyframe or len(prev[1]) != len(leaves) or any(
                 (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(prev[1], leaves)):
             return None
-        return Delta(version, prev[0], [encode(a, b, self.level) for a, b in zip(prev[1], leaves)],
-                     [checksum(b) for b in leaves])
+        return Delta(version, prev[0],
+                     _each(lambda a, b: encode(a, b, self.level), prev[1], leaves),
+                     _each(checksum, leaves))
 
 
 class DeltaDecoder:
@@ -182,16 +202,63 @@ class DeltaDecoder:
         if len(payloads) != len(self._leaves) or len(checksums) != len(self._leaves):
             raise DeltaError(f"a delta of {len(payloads)} leaves ({len(checksums)} hashes) for "
                              f"a version of {len(self._leaves)}")
-        out = []
-        for i, (prev, payload, want) in enumerate(zip(self._leaves, payloads, checksums)):
+        def one(i, prev, payload, want):
             name = names[i] if i < len(names) else f"leaf {i}"
             try:
                 new = decode(prev, payload)
             except DeltaError as e:
                 raise DeltaError(f"{name}, delta {base} -> {version}: {e}") from None
-            if checksum(new) != int(want):
+            got = checksum(new)
+            if got != int(want):
                 raise DeltaError(f"{name}, delta {base} -> {version}: the rebuilt tensor's "
-                                 f"xxh3-64 {checksum(new)} is not the learner's {int(want)}")
-            out.append(new)
+                                 f"xxh3-64 {got} is not the learner's {int(want)}")
+            return new
+
+        out = _each(one, range(len(payloads)), self._leaves, payloads, checksums)
         self.hold(version, out)
         return out
+
+
+# ----------------------------------------------------------------- as transfer offers
+
+
+def payload_arrays(d: Delta, device) -> list:
+    """The delta's payloads as ``uint8 [bytes]`` arrays on ``device``: what the transfer
+    server serves (and relays forward) in place of the version's leaves."""
+    return [jax.device_put(np.frombuffer(p, np.uint8), device) for p in d.payloads]
+
+
+def offer_fields(d: Delta, delta_layout: dict, full_layout: dict) -> dict:
+    """The offer fields of a delta: ``layout`` (of :func:`payload_arrays`, what a puller
+    pulls), ``nbytes`` (their bytes) and ``delta``: ``base``, per-leaf ``checksums``,
+    ``codec`` and the full version's ``layout`` (shapes, dtypes, shardings)."""
+    return {"layout": delta_layout, "nbytes": d.nbytes,
+            "delta": {"base": d.base, "checksums": d.checksums, "codec": CODEC,
+                      "layout": full_layout}}
+
+
+def apply_offer(decoder: DeltaDecoder, offer: dict, arrays: Sequence, target, devices):
+    """The version a pulled delta offer makes from ``decoder``'s held one, placed on
+    ``target``'s shardings in its structure (``target=None``: ``{path: array}`` on the
+    publisher's layout rebuilt on ``devices``); the decoder then holds it.
+
+    Raises:
+      DeltaError: another codec, or the delta does not rebuild the learner's tensors (base,
+        codec or hash; the held version is kept).
+      layout.LayoutError: ``target`` does not match the published leaves.
+    """
+    meta = offer["delta"]
+    if meta.get("codec") != CODEC:
+        raise DeltaError(f"delta codec {meta.get('codec')!r}, this subscriber reads {CODEC!r}")
+    leaves = meta["layout"]["leaves"]
+    if target is None:
+        shardings = [a.sharding for a in layout_lib.pull_avals(meta["layout"], devices)]
+    else:
+        shardings, treedef = layout_lib.target_shardings(target, leaves)
+    host = decoder.apply(offer["version"], int(meta["base"]), [np.asarray(a) for a in arrays],
+                         meta["checksums"], [leaf["path"] for leaf in leaves])
+    placed = jax.device_put(host, shardings)
+    out = ({leaf["path"]: a for leaf, a in zip(leaves, placed)} if target is None
+           else jax.tree_util.tree_unflatten(treedef, placed))
+    jax.block_until_ready(out)
+    return out

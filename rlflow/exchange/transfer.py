@@ -227,8 +227,7 @@ class WeightPublisher:
         if self._encoder is not None:     # host bits of this version, its delta (module doc)
             d = self._encoder.update(version, [np.asarray(x) for x in leaves])
             if d is not None:
-                dl = [jax.device_put(np.frombuffer(p, np.uint8), self._devices[0])
-                      for p in d.payloads]
+                dl = delta_lib.payload_arrays(d, self._devices[0])
                 delta = (d, dl, layout_lib.describe(paths, dl))
         with self._lock:
             self._current = (version, leaves, desc)
@@ -241,10 +240,7 @@ class WeightPublisher:
     def _delta_fields(self, base: int) -> dict | None:
         if self._delta is None or self._delta[0].base != base:
             return None
-        d, _, ddesc = self._delta
-        return {"layout": ddesc, "nbytes": d.nbytes,
-                "delta": {"base": d.base, "checksums": d.checksums, "codec": delta_lib.CODEC,
-                          "layout": self.layout_desc}}
+        return delta_lib.offer_fields(self._delta[0], self._delta[2], self.layout_desc)
 
     def delta_fields(self, base: int) -> dict | None:
         """The offer fields (``layout``, ``nbytes``, ``delta``) of the newest version's delta
@@ -368,6 +364,8 @@ class WeightSubscriber:
                 try:
                     arrays = self._pull_async(offer)
                     self._await(arrays, offer, self.timeout_s)
+                    if self.relay_fanout > 0:   # forward the bytes first, then decode
+                        self._serve(offer, arrays)
                     out = self._apply_delta(offer, arrays)
                     break
                 except (WeightTransferTimeout, jax.errors.JaxRuntimeError,
@@ -398,7 +396,7 @@ class WeightSubscriber:
             raise WeightTransferError(f"pulling weights failed after {self.retries + 1} "
                                       f"attempts: {last}") from last
         self.version = offer["version"]
-        if self.relay_fanout > 0:
+        if self.relay_fanout > 0 and "delta" not in offer:   # (a delta was forwarded above)
             self._serve(offer, arrays)
         return self.version, out
 
@@ -425,30 +423,16 @@ class WeightSubscriber:
         return out
 
     def _apply_delta(self, offer: dict, arrays: list):
-        """The version an offer's delta arrays (``uint8``, one per leaf) make from the held
-        one, on the target (``{path: array}`` in the publisher's layout without a target).
+        """The version an offer's delta arrays make from the held one, on the target
+        (``delta.apply_offer``; a subscriber with ``weight_sync="full"`` refuses it).
 
-        Raises: delta_lib.DeltaError: no decoder (``weight_sync="full"``), or the delta does
-          not rebuild the learner's tensors (hash, base or codec; the held version is kept).
-          layout.LayoutError: the target does not match the published leaves.
+        Raises: delta_lib.DeltaError, layout.LayoutError: see ``delta.apply_offer``.
         """
-        meta = offer["delta"]
         if self._decoder is None:
             raise delta_lib.DeltaError("offered a delta, but this subscriber has "
                                        "weight_sync='full'")
         t0 = time.perf_counter()
-        leaves = meta["layout"]["leaves"]
-        if self.target is None:
-            shardings = [a.sharding for a in layout_lib.pull_avals(meta["layout"], self._devices)]
-        else:
-            shardings, treedef = layout_lib.target_shardings(self.target, leaves)
-        host = self._decoder.apply(offer["version"], int(meta["base"]),
-                                   [np.asarray(a) for a in arrays], meta["checksums"],
-                                   [leaf["path"] for leaf in leaves])
-        placed = jax.device_put(host, shardings)
-        out = ({leaf["path"]: a for leaf, a in zip(leaves, placed)} if self.target is None
-               else jax.tree_util.tree_unflatten(treedef, placed))
-        jax.block_until_ready(out)
+        out = delta_lib.apply_offer(self._decoder, offer, arrays, self.target, self._devices)
         self.metrics["last_relayout_s"] = time.perf_counter() - t0   # decode + place
         self.metrics["delta_pulls"] += 1
         return out
