@@ -297,3 +297,17 @@ def test_each_learner_host_deltas_its_own_shards(versions, served):
         assert got is not None and got[0] == v
         assert_trees_bitwise_equal(got[1], params)
     assert [s.metrics["delta_pulls"] for s in puller.subscribers] == [3, 3]
+
+
+def test_a_full_subscriber_beside_a_delta_learner_still_gets_every_version_whole(
+        versions, served):
+    pub = WeightPublisher(pull_timeout_s=30, weight_sync="delta")
+    coord = served(pub)
+    sub = WeightSubscriber(coord.address, consumer_id="s0", target=versions[0][1],
+                           timeout_s=30)                  # weight_sync="full"
+    for v, params in versions[:3]:
+        pub.publish(v, params)
+        assert_trees_bitwise_equal(sub.poll()[1], params)
+    # it holds no base, so it asks whole versions: never offered a delta
+    assert (sub.metrics["full_pulls"], sub.metrics["delta_rejected"]) == (3, 0)
+    assert pub.sync == {"delta_offers": 0, "full_offers": 3, "full_fallbacks": 2}

@@ -29,7 +29,8 @@ class OfferSource(Protocol):
     """What the coordinator serves (``rlflow.exchange.transfer.WeightPublisher``)."""
 
     def offer(self, consumer: str, have_version: int) -> dict: ...
-    # a delta-aware source (WeightPublisher, RelayOffers) also takes ``full=True``
+    # a delta-aware source (``takes_full = True``: WeightPublisher, RelayOffers) also
+    # takes ``full=True``
 
 
 class Coordinator(wire.RouterService):
@@ -65,7 +66,8 @@ class Coordinator(wire.RouterService):
             req = wire.loads(payload[0])
             consumer, have = str(req["consumer"]), int(req["have_version"])
             failed = req.get("failed")
-            kw = {"full": True} if req.get("full") else {}
+            kw = {"full": True} if req.get("full") and getattr(
+                self.publisher, "takes_full", False) else {}
         except (wire.ProtocolError, KeyError, TypeError, ValueError):
             return wire.BAD_REQUEST, [b"expected {consumer, have_version}"]
         self.requests += 1

@@ -88,6 +88,7 @@ class RelayOffers:
         self.bytes_sent: collections.Counter = collections.Counter()
         self.learner_bytes_by_version: dict[int, int] = {}
         self.waits = 0
+        self.takes_full = True      # offer(..., full=True) (see the coordinator)
 
     @property
     def version(self) -> int:

@@ -189,6 +189,7 @@ class WeightPublisher:
         self._encoder = (delta_lib.DeltaEncoder(delta_full_every) if weight_sync == "delta"
                          else None)
         self._delta: tuple[delta_lib.Delta, list, dict] | None = None
+        self.takes_full = True      # offer(..., full=True): the coordinator may pass it on
         self.sync = dict(delta_offers=0, full_offers=0, full_fallbacks=0)
         self.delta_nbytes = 0
         self.pull_timeout_s, self.donated, self.layout = pull_timeout_s, donated, layout
@@ -353,8 +354,7 @@ class WeightSubscriber:
         last: BaseException | None = None
         failed = None
         # a delta needs the held version's host copy; without one, ask for the whole version
-        # (a "full" subscriber never asks: an offered delta fails below and it asks then)
-        full = self._decoder is not None and self._decoder.version != self.version
+        full = self._decoder is None or self._decoder.version != self.version
         for attempt in range(self.retries + 1):
             self._check_cancelled("a poll")
             offer = self._coord.latest(self.version, failed=failed, full=full)
