@@ -311,3 +311,17 @@ def test_a_full_subscriber_beside_a_delta_learner_still_gets_every_version_whole
     # it holds no base, so it asks whole versions: never offered a delta
     assert (sub.metrics["full_pulls"], sub.metrics["delta_rejected"]) == (3, 0)
     assert pub.sync == {"delta_offers": 0, "full_offers": 3, "full_fallbacks": 2}
+
+
+def test_relay_offers_pass_full_on_only_to_a_source_that_takes_it():
+    class OldSource:                      # an offer source from before delta sync
+        version, nbytes, layout_desc = 0, 100, {"leaves": []}
+
+        def offer(self, consumer, have_version):
+            return {"version": 0, "address": "learner:1", "uuid": 7, "transports": 1,
+                    "layout": self.layout_desc}
+
+    relay = RelayOffers(OldSource(), fanout=2)
+    got = relay.offer("a", -1, full=True)
+    assert (got["source"], got["uuid"]) == ("learner", 7)
+    assert relay.bytes_sent == {"learner": 100}

@@ -17,6 +17,7 @@ The coordinator binds 127.0.0.1 unless configured; off loopback it requires the 
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol
 
 from rlflow.exchange import wire
@@ -29,8 +30,16 @@ class OfferSource(Protocol):
     """What the coordinator serves (``rlflow.exchange.transfer.WeightPublisher``)."""
 
     def offer(self, consumer: str, have_version: int) -> dict: ...
-    # a delta-aware source (``takes_full = True``: WeightPublisher, RelayOffers) also
-    # takes ``full=True``
+    # a delta-aware source (WeightPublisher, RelayOffers) also takes ``full=True``
+
+
+def takes_full(source) -> bool:
+    """Whether ``source.offer`` takes ``full=`` (delta sync); an offer source without it
+    is only ever asked plainly."""
+    try:
+        return "full" in inspect.signature(source.offer).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class Coordinator(wire.RouterService):
@@ -46,6 +55,7 @@ class Coordinator(wire.RouterService):
         super().__init__(bind_address=bind_address, port=port, token=token,
                          name="weight coordinator")
         self.publisher = publisher
+        self._takes_full = takes_full(publisher)
         self.requests = 0
 
     def handle(self, identity, rid, kind, payload):
@@ -66,8 +76,7 @@ class Coordinator(wire.RouterService):
             req = wire.loads(payload[0])
             consumer, have = str(req["consumer"]), int(req["have_version"])
             failed = req.get("failed")
-            kw = {"full": True} if req.get("full") and getattr(
-                self.publisher, "takes_full", False) else {}
+            kw = {"full": True} if req.get("full") and self._takes_full else {}
         except (wire.ProtocolError, KeyError, TypeError, ValueError):
             return wire.BAD_REQUEST, [b"expected {consumer, have_version}"]
         self.requests += 1

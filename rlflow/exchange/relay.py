@@ -50,6 +50,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from rlflow.exchange.coordinator import takes_full
+
 FANOUT = 2
 # One learner host's relay figures, as gathered over the hosts of a multi-host learner
 # (RelayOffers.totals, all_hosts_metrics): bytes, except waits (a count).
@@ -88,7 +90,6 @@ class RelayOffers:
         self.bytes_sent: collections.Counter = collections.Counter()
         self.learner_bytes_by_version: dict[int, int] = {}
         self.waits = 0
-        self.takes_full = True      # offer(..., full=True) (see the coordinator)
 
     @property
     def version(self) -> int:
@@ -174,7 +175,8 @@ class RelayOffers:
 
     def _from_learner(self, consumer: str, have_version: int, now: float,
                       full: bool = False) -> dict:
-        out = self.publisher.offer(consumer, have_version, **({"full": True} if full else {}))
+        kw = {"full": True} if full and takes_full(self.publisher) else {}
+        out = self.publisher.offer(consumer, have_version, **kw)
         if "uuid" not in out:
             return out
         self._direct += 1

@@ -189,7 +189,6 @@ class WeightPublisher:
         self._encoder = (delta_lib.DeltaEncoder(delta_full_every) if weight_sync == "delta"
                          else None)
         self._delta: tuple[delta_lib.Delta, list, dict] | None = None
-        self.takes_full = True      # offer(..., full=True): the coordinator may pass it on
         self.sync = dict(delta_offers=0, full_offers=0, full_fallbacks=0)
         self.delta_nbytes = 0
         self.pull_timeout_s, self.donated, self.layout = pull_timeout_s, donated, layout
