@@ -26,6 +26,8 @@ RUNTIME = [
     # imports jax: the learner, each sampler replica, the tests. jax 0.10.2 needs >= 0.5.
     "ml_dtypes>=0.5,<0.7",
     "pyarrow",
+    "zstandard>=0.22",      # delta weight sync's codec (rlflow/exchange/delta.py)
+    "xxhash>=3",            # delta weight sync's hash of each rebuilt tensor
 ]
 
 TEST = [

@@ -64,6 +64,15 @@ class RuntimeConfig:
       transfer_retries: extra pull attempts (each with a fresh uuid) after a failed pull.
       transfer_layout: "native" (pull in the learner's shard layout; the sampler needs at
         least as many devices) or "single_device" (published gathered on one device).
+      weight_sync: "full" (every pull moves the whole version) or "delta" (a replica that
+        holds the previous version pulls, per published leaf, the zstd-compressed XOR of the
+        two versions' bit patterns with a hash of the result, ``rlflow.exchange.delta``; a
+        replica that missed a version or whose rebuilt tensor fails the hash pulls the whole
+        version). The learner and each replica then keep a host copy of the last version.
+        Needs ``weight_transfer="transfer"``.
+      delta_full_every: with ``weight_sync="delta"``, every this many-th published version
+        goes whole (no delta), bounding the chain of deltas a replica applies (1: never a
+        delta).
       bind_address: host the weight coordinator and the transfer server bind; off loopback
         requires ``buffer.token`` (the run's shared secret).
       coordinator_port: TCP port of the weight coordinator (0: pick a free one).
@@ -112,6 +121,8 @@ class RuntimeConfig:
     transfer_timeout_s: float = 120.0
     transfer_retries: int = 2
     transfer_layout: Literal["native", "single_device"] = "native"
+    weight_sync: Literal["full", "delta"] = "full"
+    delta_full_every: int = 10
     bind_address: str = "127.0.0.1"
     coordinator_port: int = 0
     weights_keep_last: int = 2
@@ -140,6 +151,11 @@ class RuntimeConfig:
         _timeout(self.transfer_timeout_s, "runtime.transfer_timeout_s")
         _check(self.transfer_retries >= 0, "runtime.transfer_retries", "must be >= 0")
         _one_of(self.transfer_layout, ("native", "single_device"), "runtime.transfer_layout")
+        _one_of(self.weight_sync, ("full", "delta"), "runtime.weight_sync")
+        _check(self.weight_sync == "full" or self.weight_transfer == "transfer",
+               "runtime.weight_sync", "'delta' needs runtime.weight_transfer='transfer', got "
+               f"{self.weight_transfer!r}")
+        _positive(self.delta_full_every, "runtime.delta_full_every")
         _check(bool(self.bind_address), "runtime.bind_address", "must not be empty")
         _check(0 <= self.coordinator_port < 65536, "runtime.coordinator_port",
                f"must be in [0, 65535], got {self.coordinator_port}")

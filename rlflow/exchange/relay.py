@@ -29,6 +29,13 @@ backwards: the subscriber ignores offers older than what it holds). Pulls from a
 the learner's published layout (a relay serves the arrays it pulled, in that layout), so the
 pull spec matches the source's shard layout as ``jax.experimental.transfer`` requires.
 
+**Deltas** (``runtime.weight_sync = "delta"``): a relay that pulled the delta ``v-1 -> v``
+serves that delta (the bytes it pulled, unchanged) and registers with ``base = v-1``; its
+slots go only to replicas holding ``v-1`` that can apply a delta. A replica that needs the
+whole version (it missed one, or its delta failed the hash check and it asks ``full``) takes
+a slot of a relay that holds the whole version, else the learner serves it at once (no
+waiting on delta relays that cannot serve it).
+
 ``bytes_sent`` counts, per source (``"learner"`` or a replica name), the bytes of every pull
 handed out (each uuid is pulled once, or expires unused when the puller died).
 Depth of the tree: ``ceil(log_fanout(N))`` hops after the learner's ``fanout`` direct pulls.
@@ -42,6 +49,8 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+
+from rlflow.exchange.coordinator import takes_full
 
 FANOUT = 2
 # One learner host's relay figures, as gathered over the hosts of a multi-host learner
@@ -111,12 +120,22 @@ class RelayOffers:
         self._promised.pop(consumer, None)
         k = self._relay_count(consumer)
         self._promised[consumer] = k
-        self.bytes_sent[source] += self.publisher.nbytes
+        self.bytes_sent[source] += offer.get("nbytes", self.publisher.nbytes)
         return dict(offer, source=source, relay=k)
 
-    def offer(self, consumer: str, have_version: int, failed: Optional[str] = None) -> dict:
+    def _delta_base(self, have_version: int, full: bool) -> Optional[int]:
+        """The base of the delta this consumer can take (its held version, when the
+        publisher has a delta from it), or None: it needs the whole version."""
+        fields = getattr(self.publisher, "delta_fields", None)
+        if full or fields is None or fields(have_version) is None:
+            return None
+        return have_version
+
+    def offer(self, consumer: str, have_version: int, failed: Optional[str] = None,
+              full: bool = False) -> dict:
         """Answer one "latest?" (see the module docstring). ``failed``: the address of a
-        source whose pull just failed for this consumer."""
+        source whose pull just failed for this consumer; ``full``: it needs the whole version
+        (never a delta)."""
         with self._lock:
             v = self.publisher.version
             if v >= 0:
@@ -135,33 +154,42 @@ class RelayOffers:
                       if now - t > self.assign_timeout_s]:
                 del self._pending[c]
                 self._promised.pop(c, None)
+            base = self._delta_base(have_version, full)
             if self._direct < self.fanout:
-                return self._from_learner(consumer, have_version, now)
+                return self._from_learner(consumer, have_version, now, full)
             for name, r in self._relays.items():
-                if r["uuids"] and name != consumer:
+                if r["uuids"] and name != consumer and r["base"] == base:
                     offer = {"version": v, "address": r["address"], "uuid": r["uuids"].pop(),
                              "layout": self.publisher.layout_desc,
                              "transports": r["transports"]}
+                    if base is not None:          # the relay serves the delta it pulled
+                        offer.update(self.publisher.delta_fields(base))
                     return self._hand_out(consumer, name, now, offer)
-            if not any(self._promised.values()):   # no relay slot will come: the learner
-                return self._from_learner(consumer, have_version, now)
+            # no relay slot will come, or this consumer needs the whole version while deltas
+            # are what the tree carries: the learner serves it
+            if not any(self._promised.values()) or (
+                    base is None and self._delta_base(v - 1, False) is not None):
+                return self._from_learner(consumer, have_version, now, full)
             self.waits += 1
             return {"version": v, "wait": True}
 
-    def _from_learner(self, consumer: str, have_version: int, now: float) -> dict:
-        out = self.publisher.offer(consumer, have_version)
+    def _from_learner(self, consumer: str, have_version: int, now: float,
+                      full: bool = False) -> dict:
+        kw = {"full": True} if full and takes_full(self.publisher) else {}
+        out = self.publisher.offer(consumer, have_version, **kw)
         if "uuid" not in out:
             return out
         self._direct += 1
         v = int(out["version"])
         self.learner_bytes_by_version[v] = \
-            self.learner_bytes_by_version.get(v, 0) + self.publisher.nbytes
+            self.learner_bytes_by_version.get(v, 0) + out.get("nbytes", self.publisher.nbytes)
         return self._hand_out(consumer, "learner", now, out)
 
     def register(self, consumer: str, version: int, address: str, transports: int,
-                 uuids: list) -> bool:
-        """A replica holds ``version`` and awaits one pull per uuid on ``address``. Returns
-        False (ignored) when ``version`` is no longer the newest."""
+                 uuids: list, base: Optional[int] = None) -> bool:
+        """A replica holds ``version`` and awaits one pull per uuid on ``address``; ``base``:
+        it serves the delta from that version (None: the whole version). Returns False
+        (ignored) when ``version`` is no longer the newest."""
         with self._lock:
             self._pending.pop(consumer, None)
             self._promised.pop(consumer, None)
@@ -170,7 +198,8 @@ class RelayOffers:
             self._new_tree(version)
             self._holders.add(consumer)
             self._relays[consumer] = {"address": str(address), "transports": int(transports),
-                                      "uuids": [int(u) for u in uuids]}
+                                      "uuids": [int(u) for u in uuids],
+                                      "base": None if base is None else int(base)}
             return True
 
     def totals(self) -> np.ndarray:

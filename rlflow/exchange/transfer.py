@@ -56,6 +56,14 @@ loopback), several concurrent pulls of disjoint leaf groups (same copies, same C
 glibc malloc thresholds (``mallopt``: 5x fewer page faults at 200 MB, CPU within noise).
 Figures: ``benchmarks/README.md``.
 
+Delta sync (``weight_sync="delta"``, :mod:`rlflow.exchange.delta`): the publisher also
+keeps each version's compressed XOR against the previous one, as one ``uint8`` array per leaf
+on its first device, and offers it (``"delta"`` in the offer: base version, per-leaf hashes,
+the full layout; ``"layout"`` is then the delta arrays') to a subscriber that asks holding
+exactly the base; anyone else, or a subscriber that asks ``full`` (it holds no base, or its
+last delta failed the hash check), is offered the full version. The delta arrays travel and
+relay like any version.
+
 Versions never go backwards: the publisher refuses a version <= the last one; the subscriber
 ignores offers <= the version it has. The transfer server has no authentication of its own:
 its uuids are random 63-bit numbers handed out only by the (token-guarded) coordinator, and
@@ -72,8 +80,10 @@ import time
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from jax.experimental import transfer as jax_transfer
 
+from rlflow.exchange import delta as delta_lib
 from rlflow.exchange import layout as layout_lib
 from rlflow.exchange.coordinator import CoordinatorClient
 from rlflow.runtime.ports import advertised_host
@@ -155,13 +165,32 @@ class WeightPublisher:
         "single_device" (gathered onto the first local device: any sampler can pull).
       transports: bulk-transport sockets of the server (default: one per local device);
         advertised in every offer so that subscribers match it.
+      weight_sync: "full" (every pull moves the whole version) or "delta" (a subscriber
+        holding the previous version pulls the compressed XOR, module docstring).
+      delta_full_every: with "delta", every this many-th version has no delta (bounds the
+        chain; ``runtime.delta_full_every``).
+
+    Attributes:
+      sync: counts of offers: ``delta_offers``, ``full_offers`` and ``full_fallbacks``
+        (full offers, while a delta existed, to a subscriber holding another version or
+        asking ``full`` after a failed delta).
+      delta_nbytes: compressed bytes of the newest version's delta (0: none).
     """
 
     def __init__(self, *, bind_address: str = "127.0.0.1", advertise_host: str | None = None,
                  pull_timeout_s: float = 120.0, donated: bool = True, layout: str = "native",
-                 transports: int | None = None):
+                 transports: int | None = None, weight_sync: str = "full",
+                 delta_full_every: int = 10):
         if layout not in ("native", "single_device"):
             raise ValueError(f"layout must be 'native' or 'single_device', got {layout!r}")
+        if weight_sync not in ("full", "delta"):
+            raise ValueError(f"weight_sync must be 'full' or 'delta', got {weight_sync!r}")
+        self.weight_sync = weight_sync
+        self._encoder = (delta_lib.DeltaEncoder(delta_full_every) if weight_sync == "delta"
+                         else None)
+        self._delta: tuple[delta_lib.Delta, list, dict] | None = None
+        self.sync = dict(delta_offers=0, full_offers=0, full_fallbacks=0)
+        self.delta_nbytes = 0
         self.pull_timeout_s, self.donated, self.layout = pull_timeout_s, donated, layout
         self._devices = jax.local_devices()
         self._server, self.transports = _start_server(bind_address, transports,
@@ -194,26 +223,57 @@ class WeightPublisher:
         elif self.donated:
             leaves = _copy_leaves(leaves)
         desc = layout_lib.describe(paths, leaves)
+        delta = None
+        if self._encoder is not None:     # host bits of this version, its delta (module doc)
+            d = self._encoder.update(version, [np.asarray(x) for x in leaves])
+            if d is not None:
+                dl = delta_lib.payload_arrays(d, self._devices[0])
+                delta = (d, dl, layout_lib.describe(paths, dl))
         with self._lock:
             self._current = (version, leaves, desc)
+            self._delta = delta
             self.version = version
             self.nbytes = int(sum(x.nbytes for x in leaves))
+            self.delta_nbytes = 0 if delta is None else delta[0].nbytes
             self.layout_desc = desc
 
-    def offer(self, consumer: str, have_version: int) -> dict:
+    def _delta_fields(self, base: int) -> dict | None:
+        if self._delta is None or self._delta[0].base != base:
+            return None
+        return delta_lib.offer_fields(self._delta[0], self._delta[2], self.layout_desc)
+
+    def delta_fields(self, base: int) -> dict | None:
+        """The offer fields (``layout``, ``nbytes``, ``delta``) of the newest version's delta
+        from ``base``, or None when it has none from there (for relays' offers)."""
+        with self._lock:
+            return self._delta_fields(base)
+
+    def offer(self, consumer: str, have_version: int, full: bool = False) -> dict:
         """Register one pull of the newest version for ``consumer`` (called by the
-        coordinator's thread). Returns ``{"version": v}`` when ``have_version`` is current."""
+        coordinator's thread): its delta when ``consumer`` holds the delta's base and does not
+        ask ``full``, else the whole version. Returns ``{"version": v}`` when ``have_version``
+        is current."""
         with self._lock:
             if self._current is None or self._current[0] <= have_version:
                 return {"version": self.version}
             version, leaves, desc = self._current
+            fields = None if full else self._delta_fields(have_version)
             uuid = secrets.randbits(63)
             deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.pull_timeout_s)
-            self._server.await_pull(uuid, leaves, timeout=deadline)
+            if fields is not None:
+                self._server.await_pull(uuid, self._delta[1], timeout=deadline)
+                self.sync["delta_offers"] += 1
+            else:
+                self._server.await_pull(uuid, leaves, timeout=deadline)
+                self.sync["full_offers"] += 1
+                if self._delta is not None and (full or have_version >= 0):
+                    self.sync["full_fallbacks"] += 1
+                fields = {"layout": desc, "nbytes": self.nbytes}
             self.offers += 1
-        log.info("weights: offered version %d to %s (uuid %d)", version, consumer, uuid)
-        return {"version": version, "address": self.address, "uuid": uuid, "layout": desc,
-                "transports": self.transports}
+        log.info("weights: offered version %d to %s (uuid %d%s)", version, consumer, uuid,
+                 ", delta" if "delta" in fields else "")
+        return {"version": version, "address": self.address, "uuid": uuid,
+                "transports": self.transports, **fields}
 
 
 class WeightSubscriber:
@@ -233,13 +293,20 @@ class WeightSubscriber:
       relay_fanout: after each pull, serve the pulled version to this many other
         replicas (``rlflow.exchange.relay``); 0: no relaying.
       relay_timeout_s: seconds the relay keeps a version for its children's pulls.
+      weight_sync: "delta": keep a host copy of the version held and apply the learner's
+        deltas to it (module docstring); a delta that fails its hash is counted
+        (``metrics["delta_rejected"]``) and replaced by a full pull. "full": always pull
+        whole versions.
     """
 
     def __init__(self, coordinator_address: str, *, consumer_id: str, token: str = "",
                  target=None, timeout_s: float = 120.0, retries: int = 2,
                  bind_address: str = "127.0.0.1", devices: Sequence[jax.Device] | None = None,
                  request_timeout_s: float = 30.0, relay_fanout: int = 0,
-                 relay_timeout_s: float = 120.0):
+                 relay_timeout_s: float = 120.0, weight_sync: str = "full"):
+        if weight_sync not in ("full", "delta"):
+            raise ValueError(f"weight_sync must be 'full' or 'delta', got {weight_sync!r}")
+        self._decoder = delta_lib.DeltaDecoder() if weight_sync == "delta" else None
         self.target, self.timeout_s, self.retries = target, timeout_s, retries
         self.relay_fanout, self.relay_timeout_s = relay_fanout, relay_timeout_s
         self._devices = list(jax.local_devices() if devices is None else devices)
@@ -251,7 +318,7 @@ class WeightSubscriber:
         self._connections: dict[str, Any] = {}
         self.version = -1
         self.metrics = dict(pulls=0, failed_pulls=0, timeouts=0, bytes=0, last_pull_s=0.0,
-                            last_relayout_s=0.0)
+                            last_relayout_s=0.0, delta_pulls=0, full_pulls=0, delta_rejected=0)
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -285,11 +352,26 @@ class WeightSubscriber:
         """
         last: BaseException | None = None
         failed = None
+        # a delta needs the held version's host copy; without one, ask for the whole version
+        full = self._decoder is None or self._decoder.version != self.version
         for attempt in range(self.retries + 1):
             self._check_cancelled("a poll")
-            offer = self._coord.latest(self.version, failed=failed)
+            offer = self._coord.latest(self.version, failed=failed, full=full)
             if "uuid" not in offer or offer["version"] <= self.version:
                 return None
+            if "delta" in offer:
+                try:
+                    arrays = self._pull_async(offer)
+                    self._await(arrays, offer, self.timeout_s)
+                    if self.relay_fanout > 0:   # forward the bytes first, then decode
+                        self._serve(offer, arrays)
+                    out = self._apply_delta(offer, arrays)
+                    break
+                except (WeightTransferTimeout, jax.errors.JaxRuntimeError,
+                        delta_lib.DeltaError) as e:
+                    last, failed, full = e, offer["address"], True
+                    self._failed(attempt, offer, e)
+                    continue
             try:
                 # each leaf is re-laid as soon as its bytes have landed, overlapping the
                 # re-layout with the rest of the transfer. Never dispatch on a leaf that is not
@@ -304,17 +386,28 @@ class WeightSubscriber:
                 on_ready = None if shardings is None else \
                     (lambda i, a: relaid.append(jax.device_put(a, shardings[i])))
                 self._await(arrays, offer, self.timeout_s, on_ready)
+                out = self._full_version(offer, arrays, shardings, treedef, relaid)
                 break
             except (WeightTransferTimeout, jax.errors.JaxRuntimeError) as e:
-                last = e
-                failed = offer["address"]      # the coordinator strikes that source off
-                self.metrics["failed_pulls"] += 1
-                self._connections.pop(offer["address"], None)
-                log.warning("weights: pull attempt %d/%d failed: %s", attempt + 1,
-                            self.retries + 1, e)
+                last, failed = e, offer["address"]  # the coordinator strikes that source off
+                self._failed(attempt, offer, e)
         else:
             raise WeightTransferError(f"pulling weights failed after {self.retries + 1} "
                                       f"attempts: {last}") from last
+        self.version = offer["version"]
+        if self.relay_fanout > 0 and "delta" not in offer:   # (a delta was forwarded above)
+            self._serve(offer, arrays)
+        return self.version, out
+
+    def _failed(self, attempt: int, offer: dict, e: BaseException) -> None:
+        self.metrics["failed_pulls"] += 1
+        if isinstance(e, delta_lib.DeltaError):
+            self.metrics["delta_rejected"] += 1
+        self._connections.pop(offer["address"], None)
+        log.warning("weights: pull attempt %d/%d failed: %s", attempt + 1, self.retries + 1, e)
+
+    def _full_version(self, offer: dict, arrays: list, shardings, treedef, relaid: list):
+        """A whole pulled version on the target (the decoder keeps its host copy)."""
         t0 = time.perf_counter()
         if shardings is None:
             out = layout_lib.relayout(arrays, None, offer["layout"]["leaves"])
@@ -323,10 +416,25 @@ class WeightSubscriber:
         jax.block_until_ready(out)
         # the re-layout left after the last byte arrived (the rest overlapped the transfer)
         self.metrics["last_relayout_s"] = time.perf_counter() - t0
-        self.version = offer["version"]
-        if self.relay_fanout > 0:
-            self._serve(offer, arrays)
-        return self.version, out
+        self.metrics["full_pulls"] += 1
+        if self._decoder is not None:
+            self._decoder.hold(offer["version"], [np.asarray(a) for a in arrays])
+        return out
+
+    def _apply_delta(self, offer: dict, arrays: list):
+        """The version an offer's delta arrays make from the held one, on the target
+        (``delta.apply_offer``; a subscriber with ``weight_sync="full"`` refuses it).
+
+        Raises: delta_lib.DeltaError, layout.LayoutError: see ``delta.apply_offer``.
+        """
+        if self._decoder is None:
+            raise delta_lib.DeltaError("offered a delta, but this subscriber has "
+                                       "weight_sync='full'")
+        t0 = time.perf_counter()
+        out = delta_lib.apply_offer(self._decoder, offer, arrays, self.target, self._devices)
+        self.metrics["last_relayout_s"] = time.perf_counter() - t0   # decode + place
+        self.metrics["delta_pulls"] += 1
+        return out
 
     def _serve(self, offer: dict, arrays: list) -> None:
         """Relay: register ``relay_fanout`` one-shot pulls of the arrays just pulled (in
@@ -342,8 +450,9 @@ class WeightSubscriber:
             for uuid in uuids:
                 self._server.await_pull(uuid, arrays, timeout=deadline)
             port = self._server.address().rsplit(":", 1)[1]
+            base = offer["delta"]["base"] if "delta" in offer else None
             self._coord.register(version=offer["version"], address=f"{self._advertise}:{port}",
-                                 transports=self.transports, uuids=uuids)
+                                 transports=self.transports, uuids=uuids, base=base)
             self.metrics["relay_offers"] = self.metrics.get("relay_offers", 0) + len(uuids)
         except Exception as e:  # noqa: BLE001 - relaying is an optimisation
             log.warning("weights: cannot relay version %s: %s", offer["version"], e)

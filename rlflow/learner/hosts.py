@@ -182,7 +182,8 @@ def weight_publisher(cfg, bind_host: str, *, params_kept: bool):
 
     rt = cfg.runtime
     return WeightPublisher(bind_address=bind_host, pull_timeout_s=rt.transfer_timeout_s,
-                           donated=not params_kept, layout=rt.transfer_layout)
+                           donated=not params_kept, layout=rt.transfer_layout,
+                           weight_sync=rt.weight_sync, delta_full_every=rt.delta_full_every)
 
 
 def follower_main(cfg, endpoints: pc.Endpoints) -> None:

@@ -81,7 +81,9 @@ class Publisher:
             self.impl = WeightPublisher(bind_address=bind_host,
                                         pull_timeout_s=rt.transfer_timeout_s,
                                         donated=not params_kept,
-                                        layout=rt.transfer_layout)
+                                        layout=rt.transfer_layout,
+                                        weight_sync=rt.weight_sync,
+                                        delta_full_every=rt.delta_full_every)
             self.offers = relay_offers(cfg, self.impl)
         else:
             from rlflow.exchange.orbax_fallback import OrbaxWeightPublisher, weights_dir
@@ -109,13 +111,21 @@ class Publisher:
     def transfer_metrics(self) -> dict:
         """The ``transfer/*`` relay figures: every learner host's relay tree as of the last
         publish (``rlflow.exchange.relay.all_hosts_metrics``) on a multi-host learner, else
-        this host's offers' own; ``{}`` without relays."""
+        this host's offers' own; ``{}`` without relays. With ``runtime.weight_sync="delta"``
+        on one host also ``transfer/delta_offers``, ``transfer/full_offers``,
+        ``transfer/full_fallbacks`` (counts) and ``transfer/delta_over_full`` (the newest
+        version's delta bytes over its full bytes)."""
         totals = getattr(self.hosts, "relay_totals", None)
         if totals is not None:
             from rlflow.exchange.relay import all_hosts_metrics
 
             return all_hosts_metrics(totals)
-        return self.offers.metrics() if hasattr(self.offers, "metrics") else {}
+        out = self.offers.metrics() if hasattr(self.offers, "metrics") else {}
+        if getattr(self.impl, "weight_sync", "full") == "delta":   # this host's delta sync
+            out.update({f"transfer/{k}": float(v) for k, v in self.impl.sync.items()})
+            if self.impl.delta_nbytes and self.impl.nbytes:   # the newest version has a delta
+                out["transfer/delta_over_full"] = self.impl.delta_nbytes / self.impl.nbytes
+        return out
 
     def close(self) -> None:
         if hasattr(self.impl, "close"):

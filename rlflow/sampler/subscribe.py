@@ -46,7 +46,7 @@ def weight_subscriber(cfg, coordinator: str, target, *, consumer_id: str, weight
         kw = dict(consumer_id=consumer_id, token=cfg.buffer.token,
                   timeout_s=rt.transfer_timeout_s, retries=rt.transfer_retries,
                   bind_address=rt.bind_address, relay_fanout=relay,
-                  relay_timeout_s=rt.transfer_timeout_s)
+                  relay_timeout_s=rt.transfer_timeout_s, weight_sync=rt.weight_sync)
         if cfg.learner.num_hosts > 1:            # pull every learner host's shards
             return host_shard_puller(coordinator, weight_hosts, target,
                                      num_hosts=cfg.learner.num_hosts, **kw)
