@@ -26,6 +26,7 @@ RUNTIME = [
     # imports jax: the learner, each sampler replica, the tests. jax 0.10.2 needs >= 0.5.
     "ml_dtypes>=0.5,<0.7",
     "pyarrow",
+    "httpx>=0.27",          # served rewards (reward.http / reward.judge): rlflow/data/http_scorer.py
 ]
 
 TEST = [
