@@ -4,7 +4,8 @@
 ``respond(n, path, body, headers) -> (status, text)`` is called for the n-th request (0, 1,
 ...; ``body`` the parsed JSON, or the raw text when it is not JSON); returning :data:`HANG`
 holds the request until :meth:`RewardServer.stop` (or ``release``). The server records every
-request (:attr:`RewardServer.requests`) and how many it answered (:attr:`answered`).
+request (:attr:`RewardServer.requests`) and how many it answered (:attr:`answered`, counted
+before the reply is written).
 """
 
 from __future__ import annotations
@@ -79,13 +80,13 @@ class RewardServer:
                     return
                 status, text = out
                 data = text.encode()
+                with server._lock:            # counted before the client can read it
+                    server.answered += 1
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
-                with server._lock:
-                    server.answered += 1
 
             def log_message(self, *args):
                 pass

@@ -88,7 +88,7 @@ def test_a_hanging_server_is_timed_out_retried_counted_and_others_are_scored():
         return scores_reply(body, _length_score)
 
     with RewardServer(respond) as server, _rewarder(
-            server.url, batch_size=1, max_concurrency=2, timeout_s=0.2,
+            server.url, batch_size=1, max_concurrency=2, timeout_s=1.0,
             max_retries=1) as rewarder:
         rewarder.submit("g0", ["slow", "aa"], ["x"] * 2, ["g0 s0", "g0 s1"])
         rewarder.submit("g1", ["bbb", "c"], ["x"] * 2, ["g1 s0", "g1 s1"])
@@ -252,7 +252,7 @@ def test_the_sampler_delivers_a_failed_request_as_a_failed_sample():
 
     with RewardServer(respond) as server:
         d = GroupDelivery(CharTokenizer(), RecordingBuffer(),
-                          _rewarder(server.url, batch_size=1, timeout_s=0.2, max_retries=0),
+                          _rewarder(server.url, batch_size=1, timeout_s=1.0, max_retries=0),
                           RateCounters())
         try:
             g = _group(5, ["slow", "abc"])
