@@ -12,6 +12,7 @@ before any device work starts (the pattern of Tunix's typed configs).
 
 from rlflow.config.validation import DTYPES, ConfigError
 from rlflow.config.model import ModelConfig, MeshConfig
+from rlflow.config.served_reward import HttpRewardConfig, JudgeConfig, ServedRewardConfig
 from rlflow.config.data import DataConfig, RewardConfig
 from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
@@ -28,6 +29,9 @@ __all__ = [
     "MeshConfig",
     "DataConfig",
     "RewardConfig",
+    "ServedRewardConfig",
+    "HttpRewardConfig",
+    "JudgeConfig",
     "SamplerConfig",
     "EnvConfig",
     "EvalConfig",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Tuple
 
+from rlflow.config.served_reward import HttpRewardConfig, JudgeConfig
 from rlflow.config.validation import _check, _positive, _one_of, _timeout, _finite_floats
+
+#: Reward names served over HTTP, each with its own section of ``RewardConfig``.
+SERVED_REWARDS = ("http", "judge")
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,9 @@ class RewardConfig:
       functions: reward function names: registered names (``rlflow.data.rewards``, or
         registered by a module in ``plugins``) or ``"package.module:function"`` /
         ``"path/file.py:function"`` references; unknown names are refused when the config
-        is resolved.
+        is resolved. ``"http"`` and ``"judge"`` are rewards served over HTTP, set up in
+        ``reward.http`` and ``reward.judge`` (:mod:`rlflow.data.http_scorer`; their own
+        timeouts and retries, not ``timeout_s``).
       weights: one weight per function; the reward is the weighted sum.
       timeout_s: seconds one reward call may take before it scores 0 (counted).
       num_workers: reward worker processes of the sampler (scoring overlaps decoding).
@@ -89,6 +95,10 @@ class RewardConfig:
         (``rlflow.data.rewards.RewardFunctionError``): it is broken, and training on its
         zeros would waste the run. A call past ``timeout_s`` counts as a failure too (a
         function that never returns is as broken as one that raises). 0: never stop.
+      http: the served reward named ``"http"``: a reward model's endpoint
+        (:class:`rlflow.config.HttpRewardConfig`).
+      judge: the served reward named ``"judge"``: a chat model as judge behind
+        ``/v1/chat/completions`` (:class:`rlflow.config.JudgeConfig`).
     """
 
     functions: Tuple[str, ...] = ("digits_match",)
@@ -97,9 +107,15 @@ class RewardConfig:
     num_workers: int = 2
     memory_limit_mb: int = 4096
     max_consecutive_errors: int = 256
+    http: HttpRewardConfig = field(default_factory=HttpRewardConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def __post_init__(self):
         _finite_floats(self, "reward")
+        for name in SERVED_REWARDS:
+            _check(name not in self.functions or bool(getattr(self, name).url),
+                   f"reward.{name}.url", f"is required: reward.functions names {name!r}, "
+                   f"the reward served there")
         _check(len(self.functions) > 0, "reward.functions", "needs at least one reward function")
         _check(len(self.functions) == len(self.weights), "reward.weights",
                f"must have one weight per function ({len(self.functions)}), got {len(self.weights)}")

@@ -1,5 +1,5 @@
-"""Secrets of a run (the ring-buffer token, and any later credential): where they come from
-and how every writer hides them.
+"""Secrets of a run (the ring-buffer token, the served rewards' API keys): where they come
+from and how every writer hides them.
 
 One list, :data:`SECRET_FIELDS`, names the config fields that hold secrets (dotted paths of
 ``ExperimentConfig``). Everything that writes a config or text a user may share goes
@@ -23,6 +23,12 @@ Where the token comes from (:func:`resolve_secrets`, first match wins):
 The launcher hands the token to its two programs in their environment (never argv); the
 programs' ``config.json`` holds :data:`REDACTED` and :func:`resolve_secrets` puts the value
 back from the environment.
+
+A served reward's API key (``reward.http`` / ``reward.judge``) is never in a config: the
+config names the environment variable that holds it (``api_key_env``,
+:data:`SECRET_ENV_FIELDS`), the programs inherit it, the sampler reads it where it makes the
+requests (:mod:`rlflow.data.http_scorer`), and :func:`secret_values` gives its value to the
+log redaction.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ ENV_BUFFER_TOKEN = "RLFLOW_BUFFER_TOKEN"
 REDACTED = "<redacted>"
 # Dotted paths of the ExperimentConfig fields that hold secrets.
 SECRET_FIELDS: tuple[str, ...] = ("buffer.token",)
+# Dotted paths of the fields that name an environment variable holding a secret.
+SECRET_ENV_FIELDS: tuple[str, ...] = ("reward.http.api_key_env", "reward.judge.api_key_env")
 # Command-line flags that would put a secret in argv (refused by `rlflow train`).
 SECRET_FLAGS: tuple[str, ...] = tuple("--" + f for f in SECRET_FIELDS)
 
@@ -71,11 +79,16 @@ def redact_config(data: Mapping[str, Any]) -> dict:
     return out
 
 
-def secret_values(cfg_or_dict: Any) -> list[str]:
-    """The non-empty, non-redacted secret values of a config (dataclass or dict)."""
+def secret_values(cfg_or_dict: Any, env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The non-empty, non-redacted secret values of a config (dataclass or dict), and the
+    values of the environment variables (``env``, default ``os.environ``) its
+    :data:`SECRET_ENV_FIELDS` name."""
+    env = os.environ if env is None else env
     data = dataclasses.asdict(cfg_or_dict) if dataclasses.is_dataclass(cfg_or_dict) \
         else cfg_or_dict
     values = [_get(data, p) for p in SECRET_FIELDS]
+    values += [env.get(name) for name in (_get(data, p) for p in SECRET_ENV_FIELDS)
+               if isinstance(name, str) and name]
     return [v for v in values if isinstance(v, str) and v and v != REDACTED]
 
 

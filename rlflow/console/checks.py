@@ -219,10 +219,18 @@ def _check_env(cfg) -> None:
 
 
 def _check_rewards(cfg, names=None, field: str = "reward.functions") -> None:
+    from rlflow.config.data import SERVED_REWARDS
+    from rlflow.data.http_scorer import ServedRewardError, request_headers
     from rlflow.data.rewards import get_reward
     from rlflow.runtime.plugins import importable_elsewhere
 
     for name in cfg.reward.functions if names is None else names:
+        if name in SERVED_REWARDS:       # served: its API key must be in the environment
+            try:
+                request_headers(getattr(cfg.reward, name))
+            except ServedRewardError as e:
+                raise ConfigError(str(e)) from None
+            continue
         try:
             fn = get_reward(name)
         except KeyError as e:

@@ -28,6 +28,8 @@ SECTIONS = (
     ("eval", config_mod.EvalConfig),
     ("sampler.mesh / learner.mesh", config_mod.MeshConfig),
     ("learner.lora", config_mod.LoraConfig),
+    ("reward.http", config_mod.HttpRewardConfig),
+    ("reward.judge", config_mod.JudgeConfig),
     ("metrics.wandb", config_mod.WandbConfig),
 )
 

@@ -11,6 +11,13 @@ the sample id; a function whose last ``reward.max_consecutive_errors`` calls all
 thread joined with the timeout: for debugging only (a call that holds the GIL or allocates
 without bound is then not stopped).
 
+The served rewards ``"http"`` and ``"judge"`` (``reward.http`` / ``reward.judge``) are asked
+over HTTP by an :class:`rlflow.data.http_scorer.HttpScorer` each, on its own event-loop
+thread, with their own timeouts and retries; a sample whose request fails after its tries
+scores 0 and is marked failed like a function's error or timeout, and the tries are counted
+(``reward/http_requests/<name>``, ``reward/http_retries/<name>``,
+``reward/http_timeouts/<name>``, ``reward/http_errors/<name>``).
+
 Two ways to use it:
 
   * blocking: :meth:`Rewarder.score` / :meth:`Rewarder.score_group` (tests, offline scoring);
@@ -24,17 +31,20 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from rlflow.config.data import SERVED_REWARDS
 from rlflow.runtime import plugins as plugins_lib
 from rlflow.data.reward_workers import RewardWorkerPool
 from rlflow.data.rewards import (LOG_FIRST_FAILURES, NonFiniteRewardError,
                                  RewardFunctionError, call_reward, get_reward, reward_value,
                                  warm_up)
+from rlflow.data.served_rewards import sample_dict
 
 logger = logging.getLogger("rlflow.data.rewards")
 
@@ -124,6 +134,8 @@ class Rewarder:
     Raises (construction):
       KeyError: an unknown function name (lists the registered ones).
       rlflow.runtime.plugins.PluginError: a plugin cannot be imported.
+      rlflow.data.http_scorer.ServedRewardError: a served reward's API key is not in the
+        environment.
     """
 
     def __init__(self, reward_cfg, plugins: Sequence[str] = ()):
@@ -131,7 +143,13 @@ class Rewarder:
         self.names = tuple(reward_cfg.functions)
         self.weights = tuple(float(w) for w in reward_cfg.weights)
         self.timeout_s = float(reward_cfg.timeout_s)
-        self._fns = [get_reward(n) for n in self.names]
+        self._fns = [None if n in SERVED_REWARDS else get_reward(n) for n in self.names]
+        # served rewards: slot -> its HTTP client; results come back on one queue
+        self._served_results: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._served: dict = {}     # slot -> rlflow.data.http_scorer.HttpScorer
+        self._served_tasks: Dict[Tuple[int, int], Tuple[Hashable, int]] = {}
+        local = [k for k, fn in enumerate(self._fns) if fn is not None]
+        self._pool_index = {k: j for j, k in enumerate(local)}   # slot -> worker function
         self.failures = {n: {"errors": 0, "timeouts": 0} for n in self.names}
         self.max_consecutive_errors = int(getattr(reward_cfg, "max_consecutive_errors", 0))
         self._error_run = {n: 0 for n in self.names}   # failed calls since the last success
@@ -139,24 +157,37 @@ class Rewarder:
         self._tasks: Dict[int, Tuple[Hashable, int, int]] = {}
         self._pool: Optional[RewardWorkerPool] = None
         num_workers = int(getattr(reward_cfg, "num_workers", 0))
-        if num_workers > 0:
-            specs = [(n, fn.__module__ if plugins_lib.importable_elsewhere(fn.__module__)
-                      else "") for n, fn in zip(self.names, self._fns)]
+        if num_workers > 0 and local:
+            specs = [(self.names[k], self._fns[k].__module__
+                      if plugins_lib.importable_elsewhere(self._fns[k].__module__) else "")
+                     for k in local]
             self._pool = RewardWorkerPool(
                 specs, plugins=plugins, num_workers=num_workers, timeout_s=self.timeout_s,
                 memory_limit_mb=int(getattr(reward_cfg, "memory_limit_mb", 0)))
-        else:
-            warm_up(self.names)          # first-call imports outside the timed calls
+        elif local:
+            warm_up([self.names[k] for k in local])   # first-call imports outside timed calls
+        try:
+            for k, name in enumerate(self.names):
+                if name in SERVED_REWARDS:
+                    from rlflow.data.http_scorer import HttpScorer   # httpx: only when used
+
+                    self._served[k] = HttpScorer(k, getattr(reward_cfg, name),
+                                                 self._served_results)
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ overlapped use
     def submit(self, key: Hashable, completions: Sequence[str], answers: Sequence[str],
                sample_ids: Sequence[str],
-               finish_reasons: Optional[Sequence[str]] = None) -> None:
+               finish_reasons: Optional[Sequence[str]] = None,
+               prompts: Optional[Sequence[str]] = None) -> None:
         """Queue N samples under ``key`` (returned by :meth:`collect` once all are scored).
 
         ``finish_reasons``: N of "stop" / "length" (how each completion ended; default all
         "stop"), passed to the functions that take it
-        (:func:`rlflow.data.rewards.call_reward`).
+        (:func:`rlflow.data.rewards.call_reward`). ``prompts``: N prompt texts (template
+        applied) for the served rewards (default all "").
 
         Raises:
           ValueError: the sequences differ in length, or ``key`` is already pending.
@@ -165,26 +196,37 @@ class Rewarder:
         """
         n = len(completions)
         finish_reasons = ["stop"] * n if finish_reasons is None else list(finish_reasons)
-        if len(answers) != n or len(sample_ids) != n or len(finish_reasons) != n:
+        prompts = [""] * n if prompts is None else list(prompts)
+        if len(answers) != n or len(sample_ids) != n or len(finish_reasons) != n \
+                or len(prompts) != n:
             raise ValueError(f"Rewarder.score: got {n} completions, {len(answers)} answers, "
                              f"{len(sample_ids)} sample ids, {len(finish_reasons)} finish "
-                             f"reasons; expected equal lengths")
+                             f"reasons, {len(prompts)} prompts; expected equal lengths")
         if key in self._jobs:
             raise ValueError(f"Rewarder.submit: key {key!r} is already pending")
         job = self._jobs[key] = _Job(sample_ids, len(self.names))
+        for k, scorer in self._served.items():    # first: the requests go out at once
+            samples = [sample_dict(*s) for s in zip(prompts, completions, answers,
+                                                     finish_reasons, sample_ids)]
+            for i, task_id in enumerate(scorer.submit(samples)):
+                self._served_tasks[(k, task_id)] = (key, i)
         for k, fn in enumerate(self._fns):
+            if fn is None:
+                continue
             for i, (c, a, f) in enumerate(zip(completions, answers, finish_reasons)):
                 if self._pool is None:
                     self._in_process(job, k, i, fn, c, a, f)
                 else:
-                    self._tasks[self._pool.submit(k, c, a, f)] = (key, k, i)
+                    self._tasks[self._pool.submit(self._pool_index[k], c, a, f)] = (key, k, i)
 
     def submit_group(self, key: Hashable, prompt_id: int, completions: Sequence[str],
-                     answer: str, finish_reasons: Optional[Sequence[str]] = None) -> None:
-        """Queue one group (G completions of one prompt, each with its finish reason);
-        ids ``"prompt <id> sample <g>"``."""
-        self.submit(key, completions, [answer] * len(completions),
-                    _group_ids(prompt_id, len(completions)), finish_reasons)
+                     answer: str, finish_reasons: Optional[Sequence[str]] = None,
+                     prompt: str = "") -> None:
+        """Queue one group (G completions of one prompt, each with its finish reason;
+        ``prompt``: its text, for the served rewards); ids ``"prompt <id> sample <g>"``."""
+        g = len(completions)
+        self.submit(key, completions, [answer] * g, _group_ids(prompt_id, g), finish_reasons,
+                    [prompt] * g)
 
     def collect(self, timeout: float = 0.0) -> List[Tuple[Hashable, RewardBatch]]:
         """The submitted jobs that are fully scored, in submission order (a job waits for
@@ -214,7 +256,8 @@ class Rewarder:
     # ------------------------------------------------------------------ blocking use
     def score(self, completions: Sequence[str], answers: Sequence[str],
               sample_ids: Sequence[str],
-              finish_reasons: Optional[Sequence[str]] = None) -> RewardBatch:
+              finish_reasons: Optional[Sequence[str]] = None,
+              prompts: Optional[Sequence[str]] = None) -> RewardBatch:
         """Score N samples and wait for them.
 
         Args:
@@ -222,6 +265,7 @@ class Rewarder:
           answers: N reference answers.
           sample_ids: N ids used in logs and errors (e.g. ``"prompt 17 sample 3"``).
           finish_reasons: N of "stop" / "length" (default all "stop"); see :meth:`submit`.
+          prompts: N prompt texts for the served rewards (default all ""); see :meth:`submit`.
 
         Returns:
           :class:`RewardBatch` (``total`` = sum_k weight_k * reward_k).
@@ -233,7 +277,7 @@ class Rewarder:
             ``reward.max_consecutive_errors``.
         """
         key = ("rlflow.score", object())
-        self.submit(key, completions, answers, sample_ids, finish_reasons)
+        self.submit(key, completions, answers, sample_ids, finish_reasons, prompts)
         job = self._jobs[key]
         while job.remaining:
             self._pump(0.05)
@@ -244,27 +288,38 @@ class Rewarder:
         return batch
 
     def score_group(self, prompt_id: int, completions: Sequence[str], answer: str,
-                    finish_reasons: Optional[Sequence[str]] = None) -> np.ndarray:
+                    finish_reasons: Optional[Sequence[str]] = None,
+                    prompt: str = "") -> np.ndarray:
         """Rewards of one group (G completions of one prompt): float32 ``[G]``.
 
-        Sample ids are ``"prompt <prompt_id> sample <g>"``. Raises as :meth:`score`.
+        Sample ids are ``"prompt <prompt_id> sample <g>"``; ``prompt``: its text, for the
+        served rewards. Raises as :meth:`score`.
         """
-        return self.score(completions, [answer] * len(completions),
-                          _group_ids(prompt_id, len(completions)), finish_reasons).total
+        g = len(completions)
+        return self.score(completions, [answer] * g, _group_ids(prompt_id, g),
+                          finish_reasons, [prompt] * g).total
 
     def metrics(self) -> Dict[str, int]:
-        """Failure counters, flat: ``{"reward/errors/<name>": n, "reward/timeouts/<name>": n}``."""
+        """Failure counters, flat: ``{"reward/errors/<name>": n, "reward/timeouts/<name>": n}``
+        (samples scored 0), and per served reward its tries ``reward/http_<kind>/<name>``
+        (kind: requests, retries, timeouts, errors; :mod:`rlflow.data.http_scorer`)."""
         out = {}
         for name, counts in self.failures.items():
             for kind, value in counts.items():
                 out[f"reward/{kind}/{name}"] = value
+        for k, scorer in self._served.items():
+            for kind, value in scorer.counts.items():
+                out[f"reward/http_{kind}/{self.names[k]}"] = value
         return out
 
     def close(self) -> None:
-        """Stop the reward workers."""
+        """Stop the reward workers and the served rewards' clients."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        for scorer in self._served.values():
+            scorer.close()
+        self._served = {}
 
     def __enter__(self):
         return self
@@ -274,10 +329,25 @@ class Rewarder:
 
     # ------------------------------------------------------------------ internals
     def _pump(self, timeout: float) -> None:
-        if self._pool is None or not self._tasks:
-            return
-        for task_id, status, value in self._pool.poll(timeout):
-            key, k, i = self._tasks.pop(task_id)
+        """Settle the results that arrived, waiting at most ``timeout`` seconds for the
+        first (on the workers when some of their calls are out, else on the served
+        rewards)."""
+        if self._pool is not None and self._tasks:
+            served_in = not self._served_results.empty()
+            for task_id, status, value in self._pool.poll(0.0 if served_in else timeout):
+                key, k, i = self._tasks.pop(task_id)
+                job = self._jobs.get(key)
+                if job is not None:
+                    self._settle(job, k, i, status, value)
+            timeout = 0.0
+        while self._served_tasks:
+            try:
+                k, task_id, status, value = self._served_results.get(timeout=timeout) \
+                    if timeout > 0 else self._served_results.get_nowait()
+            except queue.Empty:
+                return
+            timeout = 0.0
+            key, i = self._served_tasks.pop((k, task_id))
             job = self._jobs.get(key)
             if job is not None:
                 self._settle(job, k, i, status, value)

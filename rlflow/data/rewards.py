@@ -33,6 +33,11 @@ not finish: it stated no final answer, so 0.0; ``digits_match`` pays no stopping
   * ``exact_match``: 1.0 when completion and answer are equal after stripping whitespace.
   * ``digits_match``: the built-in demo task's reward (``rlflow.data.tasks``).
 
+Served over HTTP (not functions: the names are reserved): ``http`` (a reward model's
+endpoint) and ``judge`` (an LLM judge behind ``/v1/chat/completions``), set up in
+``reward.http`` / ``reward.judge`` and asked asynchronously by the Rewarder
+(:mod:`rlflow.data.http_scorer`, :mod:`rlflow.data.served_rewards`).
+
 Final answer of a chat-model completion (``completion_answer_text``), first rule that applies:
   1. the content of the **last** ``\\boxed{...}`` (braces balanced; e.g. ``$\\boxed{42}$``);
   2. else the **last** ``#### <answer>`` line whose answer looks like a value: after removing
@@ -58,6 +63,7 @@ import logging
 import re
 from typing import Callable, Dict, Sequence
 
+from rlflow.config.data import SERVED_REWARDS
 from rlflow.runtime import plugins as plugins_lib
 from rlflow.data import answer_values
 from rlflow.data.answer_values import plain_numbers
@@ -140,11 +146,15 @@ def register_reward(name: str):
     """Decorator: register ``fn(completion, answer) -> float`` under ``name``.
 
     Raises:
-      ValueError: ``name`` is already registered to another function, or contains ``:``
-        (reserved for ``module:function`` names).
+      ValueError: ``name`` is already registered to another function, contains ``:``
+        (reserved for ``module:function`` names), or is a served reward's name
+        (``http``, ``judge``).
     """
     if ":" in name:
         raise ValueError(f"reward name {name!r} must not contain ':' (module:function syntax)")
+    if name in SERVED_REWARDS:
+        raise ValueError(f"reward name {name!r} is reserved for the served reward set up in "
+                         f"reward.{name}")
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:

@@ -104,7 +104,8 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
         for prompt, group in zip(prompts, groups):
             texts, finish, unclosed = graded_texts(group, tokenizer, reasoning)
             rewards = scoring.zero_unclosed(
-                rewarder.score_group(group.prompt_id, texts, prompt["answer"], finish), unclosed)
+                rewarder.score_group(group.prompt_id, texts, prompt["answer"], finish,
+                                     prompt["prompt_text"]), unclosed)
             records.append(scoring.prompt_record(group, texts, rewards, threshold,
                                                  prompt_text=prompt["prompt_text"],
                                                  answer=prompt["answer"]))

@@ -4,7 +4,8 @@ Per replica ``i`` (``sampler-<i>``): ``groups_delivered`` (total), ``in_flight``
 holds), ``version`` (policy version of its weights), ``restarts``. Over the live replicas:
 the groups dropped for a
 NaN/inf reward (``sampler/dropped_bad_reward_groups``), the reward functions' error and
-timeout counts (``reward/errors/<fn>``, ``reward/timeouts/<fn>``), the multi-turn episode
+timeout counts (``reward/errors/<fn>``, ``reward/timeouts/<fn>``), the served rewards' tries
+(``reward/http_requests|retries|timeouts|errors/<name>``), the multi-turn episode
 counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
 (sums: each a total of the replica's current instance), ``sampler/version`` (newest),
 ``sampler/replicas_alive``, ``replica/<i>/lost`` for every replica the learner has
@@ -62,7 +63,8 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
         vals = [f[key] for f in figures.values() if key in f]
         if vals:
             out[key] = float(sum(vals))
-    summed = ("env/", "reward/errors/", "reward/timeouts/")   # environments' info, rewards'
+    # environments' info, reward functions' failures, served rewards' tries
+    summed = ("env/", "reward/errors/", "reward/timeouts/", "reward/http_")
     for key in sorted({k for f in figures.values() for k in f if k.startswith(summed)}):
         out[key] = float(sum(f.get(key, 0.0) for f in figures.values()))
     versions = [st.version for st in statuses.values() if st.version >= 0]

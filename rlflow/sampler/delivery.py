@@ -136,7 +136,8 @@ class GroupDelivery:
             element = self.in_flight[key]
             texts, finish, unclosed = graded_texts(group, self.tokenizer, self.reasoning)
             self.scoring[key] = (group.request, group.to_record(), unclosed)
-            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"], finish)
+            self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"], finish,
+                                       str(element.get("prompt_text", "")))
 
     def collect(self, timeout: float = 0.0) -> None:
         """Deliver the groups whose rewards are in (waiting up to ``timeout`` seconds for the

@@ -96,7 +96,8 @@ class EvalRunner:
             texts, finish, unclosed = graded_texts(group, self.tokenizer, self.reasoning)
             key = ("eval", id(request))
             self._scoring[key] = (request, group, texts, prompt, unclosed)
-            self._rewarder.submit_group(key, group.prompt_id, texts, prompt["answer"], finish)
+            self._rewarder.submit_group(key, group.prompt_id, texts, prompt["answer"], finish,
+                                        prompt["prompt_text"])
         return rest
 
     def collect(self, timeout: float = 0.0) -> None:
