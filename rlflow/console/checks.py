@@ -36,7 +36,9 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``runtime.transfer_layout``, ``sampler.max_tokens`` (a KV cache larger than this
         machine's memory); with ``eval.every_steps > 0`` the same checks of the held-out
         data and reward functions, named ``eval.path``, ``eval.functions`` ...),
-        ``metrics.wandb.mode`` (W&B on without the ``wandb`` package) and what was
+        ``metrics.wandb.mode`` (W&B on without the ``wandb`` package), ``teacher.path`` (a
+        teacher whose tokenizer or vocabulary size differs from the student's,
+        :func:`rlflow.learner.teacher.check_teacher_tokenizer`) and what was
         expected; ``model.path`` / ``data.chat_template`` also when the tokenizer cannot be
         built, or a prompt cannot be rendered and encoded, the way the programs will
         (:func:`_check_tokenizer`).
@@ -51,7 +53,16 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_eval(cfg)
     _check_model(cfg)
     _check_tokenizer(cfg)
+    _check_teacher(cfg)
     _check_kv_cache(cfg)
+
+
+def _check_teacher(cfg) -> None:
+    """On-policy distillation: the teacher shares the student's tokenizer."""
+    if cfg.teacher.enabled:
+        from rlflow.learner.teacher import check_teacher_tokenizer
+
+        check_teacher_tokenizer(cfg)
 
 
 def _check_eval(cfg) -> None:
