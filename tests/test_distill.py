@@ -16,8 +16,9 @@ import pytest
 from learner_fixtures import make_group_records
 from tolerances import forward_atol, sum_tol
 
-from rlflow.config import (ConfigError, ExperimentConfig, LearnerConfig, LoraConfig, MeshConfig,
-                           ModelConfig, SamplerConfig, TeacherConfig)
+from rlflow.config import (ConfigError, DataConfig, ExperimentConfig, LearnerConfig,
+                           LoraConfig, MeshConfig, ModelConfig, SamplerConfig, TeacherConfig,
+                           replace)
 from rlflow.learner.batch import BatchSpec, build_batch
 from rlflow.learner.distill import distill_advantages, sampled_reverse_kl
 from rlflow.learner.packing import pack_batch, pack_spec_from_config
@@ -193,6 +194,12 @@ def test_a_teacher_with_another_tokenizer_is_refused(folders, tmp_path):
     msg = str(e.value)
     assert msg.startswith("teacher.path:") and swapped in msg and student in msg
     assert "'0' has id" in msg or "'1' has id" in msg
+    from rlflow.console.checks import check_runnable    # rlflow train's checks refuse it too
+
+    with pytest.raises(ConfigError, match="teacher.path: the teacher's tokenizer"):
+        check_runnable(replace(_cfg(student, swapped),
+                               data=DataConfig(source="builtin", task="digits",
+                                               max_prompt_tokens=8)))
     # same tokenizer, another model vocabulary size
     wide = str(tmp_path / "wide")
     shutil.copytree(teacher, wide)
