@@ -153,16 +153,25 @@ def test_distill_advantages_equal_numpy():
     mask = rng.random(shape) < 0.6
     t_lp[~mask] = np.nan                  # masked entries never reach the result
     b_lp[0, ~mask[0]] = -np.inf
-    for mode, coef in (("distill", 1.0), ("distill", 0.5), ("add", 0.25)):
-        got = distill_advantages(t_lp, b_lp, mask, rl, mode=mode, kl_coef=coef)
+    b_lp[mask] = np.minimum(b_lp[mask], -0.05)   # logprobs, finite on the loss positions
+    pairs = [(i, j) for i in range(shape[0]) for j in range(shape[1]) if mask[i, j]]
+    for mode, coef, baseline in (("distill", 1.0, "none"), ("distill", 0.5, "none"),
+                                 ("add", 0.25, "none"), ("distill", 1.0, "mean"),
+                                 ("add", 0.5, "mean")):
+        got = distill_advantages(t_lp, b_lp, mask, rl, mode=mode, kl_coef=coef,
+                                 baseline=baseline)
+        d = {p: t_lp[p] - b_lp[p] for p in pairs}
+        if baseline == "mean":                  # the mean over the loss positions subtracted
+            mean = sum(d.values()) / len(d)
+            d = {p: v - mean for p, v in d.items()}
         want = np.zeros(shape)
-        for i in range(shape[0]):
-            for j in range(shape[1]):
-                if mask[i, j]:
-                    want[i, j] = coef * (t_lp[i, j] - b_lp[i, j]) + (rl[i, j] if mode == "add"
-                                                                      else 0.0)
+        for p in pairs:
+            want[p] = coef * d[p] + (rl[p] if mode == "add" else 0.0)
         assert got.dtype == np.float32
-        np.testing.assert_allclose(got, want, rtol=4 * 1.2e-7, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=0,
+                                   atol=sum_tol(len(pairs), 8 * np.abs(t_lp[mask]).max()))
+    with pytest.raises(ValueError, match="baseline"):
+        distill_advantages(t_lp, b_lp, mask, baseline="median")
     kl = np.mean([b_lp[i, j] - t_lp[i, j] for i, j in zip(*np.nonzero(mask))])
     np.testing.assert_allclose(sampled_reverse_kl(t_lp, b_lp, mask), kl,
                                rtol=sum_tol(int(mask.sum()), eps=2.3e-16) + 1e-12)
@@ -220,6 +229,8 @@ def test_teacher_config_checks(folders):
         TeacherConfig(path=teacher, kl_coef=0.0)
     with pytest.raises(ConfigError, match="teacher.path"):
         TeacherConfig(path=student + "-missing")
+    with pytest.raises(ConfigError, match="teacher.baseline"):
+        TeacherConfig(path=teacher, baseline="median")
     with pytest.raises(ConfigError, match="learner.dynamic_sampling"):
         _cfg(student, teacher, dynamic_sampling=True)
     with pytest.raises(ConfigError, match="gae"):
@@ -229,15 +240,24 @@ def test_teacher_config_checks(folders):
 @pytest.mark.parametrize("mode", ["distill", "add"])
 def test_lora_student_trains_on_the_distillation_advantage(folders, mode):
     """The learner's batch carries ``kl_coef * (teacher - behaviour)`` (+ the GRPO advantage
-    with "add") on the loss positions, with the teacher's logprobs from the direct forward;
-    two steps of a LoRA student ("distill") run and log the reverse KL."""
+    with "add") on the loss positions, with the teacher's logprobs from the direct forward,
+    and 0 on an episode's environment token; two steps of a LoRA student ("distill") run and
+    log the reverse KL."""
     from rlflow.learner.trainer import Learner
 
     student, teacher = folders
     cfg = _cfg(student, teacher, mode=mode, kl_coef=0.5, lora=LoraConfig(rank=4))
     learner = Learner(cfg, devices=jax.devices()[:1])
     recs = _records(student, seed=2)
+    # a multi-turn episode: its second token came from the environment (never scored)
+    s = int(np.argmax(recs[0]["completion_lengths"] >= 2))
+    assert recs[0]["completion_lengths"][s] >= 2
+    recs[0]["loss_mask"] = np.ones((G, T_MAX), np.int32)
+    recs[0]["loss_mask"][s, 1] = 0
+    env_key = recs[0]["behaviour_logprobs"][s, 1]
     batch, info = learner.build_batch(recs)
+    at_env = batch.behaviour_logprobs == env_key
+    assert at_env.sum() == 1 and not batch.loss_mask[at_env].any()
     plain, _ = build_batch(recs, BatchSpec.from_config(cfg), 0)
     ref, atol = _reference(teacher, recs)
     mask = batch.loss_mask

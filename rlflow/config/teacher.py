@@ -35,17 +35,24 @@ class TeacherConfig:
         needed (rewards are still scored and logged for reporting); "add": added to the RL
         advantage, ``A_rl + kl_coef * A_t``.
       kl_coef: weight of the distillation advantage (> 0).
+      baseline: "none": ``A_t`` as defined above; "mean": the batch's mean ``A_t`` over its
+        loss positions subtracted (a constant REINFORCE baseline: the same expected gradient,
+        less variance; a student far from its teacher, e.g. a random one, otherwise pushes
+        probability into rarely sampled tokens and can collapse,
+        :func:`rlflow.learner.distill.distill_advantages`).
     """
 
     path: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
     mode: Literal["distill", "add"] = "distill"
     kl_coef: float = 1.0
+    baseline: Literal["none", "mean"] = "none"
 
     def __post_init__(self):
         _finite_floats(self, "teacher")
         _one_of(self.dtype, DTYPES, "teacher.dtype")
         _one_of(self.mode, TEACHER_MODES, "teacher.mode")
+        _one_of(self.baseline, ("none", "mean"), "teacher.baseline")
         _check(math.isfinite(self.kl_coef) and self.kl_coef > 0, "teacher.kl_coef",
                f"must be > 0, got {self.kl_coef}")
         if self.path:

@@ -27,7 +27,7 @@ import numpy as np
 
 def distill_advantages(teacher_logprobs, behaviour_logprobs, loss_mask, rl_advantages=None, *,
                        mode: Literal["distill", "add"] = "distill", kl_coef: float = 1.0,
-                       xp=np):
+                       baseline: Literal["none", "mean"] = "none", xp=np):
     """The training advantage of every loss position with a teacher.
 
     Args:
@@ -39,18 +39,30 @@ def distill_advantages(teacher_logprobs, behaviour_logprobs, loss_mask, rl_advan
         ``mode="add"``; ignored with ``"distill"``).
       mode: ``"distill"``: ``kl_coef * A_t``; ``"add"``: ``rl_advantages + kl_coef * A_t``.
       kl_coef: weight of the distillation advantage.
+      baseline: ``"none"``: ``A_t`` as above; ``"mean"``: ``A_t - mean(A)``, the mean over
+        the batch's loss positions subtracted (a constant baseline, Williams 1992 REINFORCE:
+        ``E[grad log pi] = 0``, so the expected gradient is unchanged up to the ``O(1/N)``
+        share of each token in the mean, while the variance drops: far from the teacher,
+        every sampled token's ``A_t`` is strongly negative, and the uncentred estimate pushes
+        probability into whatever token is rarely sampled).
 
     Returns: ``[B, L]`` float32 advantages, 0 outside ``loss_mask`` (the masked entries of
     the inputs, which may be anything, never reach the result).
 
-    Raises: ValueError for an unknown ``mode``, or ``"add"`` without ``rl_advantages``.
+    Raises: ValueError for an unknown ``mode`` or ``baseline``, or ``"add"`` without
+    ``rl_advantages``.
     """
     if mode not in ("distill", "add"):
         raise ValueError(f"mode must be 'distill' or 'add', got {mode!r}")
+    if baseline not in ("none", "mean"):
+        raise ValueError(f"baseline must be 'none' or 'mean', got {baseline!r}")
     mask = xp.asarray(loss_mask, bool)
     zero = xp.zeros(mask.shape, xp.float32)
     a = xp.where(mask, xp.asarray(teacher_logprobs, xp.float32)
                  - xp.asarray(behaviour_logprobs, xp.float32), zero)
+    if baseline == "mean":
+        n = xp.maximum(mask.sum(), 1).astype(xp.float32)
+        a = xp.where(mask, a - a.sum(dtype=xp.float32) / n, zero)
     out = xp.float32(kl_coef) * a
     if mode == "add":
         if rl_advantages is None:

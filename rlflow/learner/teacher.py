@@ -138,7 +138,7 @@ class Teacher:
 
         tc = cfg.teacher
         check_teacher_tokenizer(cfg, student_tokenizer, student_vocab_size)
-        self.mode, self.kl_coef = tc.mode, tc.kl_coef
+        self.mode, self.kl_coef, self.baseline = tc.mode, tc.kl_coef, tc.baseline
         t0 = time.perf_counter()
         model, self.model_config = load_hf(tc.path, dtype=tc.dtype, param_dtype=tc.dtype,
                                            mesh=mesh)
@@ -191,7 +191,8 @@ class Teacher:
         teacher = self.logprobs(batch)
         seconds = time.perf_counter() - t0
         adv = distill_advantages(teacher, batch.behaviour_logprobs, batch.loss_mask,
-                                 batch.advantages, mode=self.mode, kl_coef=self.kl_coef)
+                                 batch.advantages, mode=self.mode, kl_coef=self.kl_coef,
+                                 baseline=self.baseline)
         info = {"distill/reverse_kl": sampled_reverse_kl(teacher, batch.behaviour_logprobs,
                                                          batch.loss_mask),
                 "distill/teacher_time_s": seconds}
