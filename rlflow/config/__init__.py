@@ -17,6 +17,7 @@ from rlflow.config.data import DataConfig, RewardConfig
 from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
 from rlflow.config.eval import EvalConfig
+from rlflow.config.teacher import TeacherConfig
 from rlflow.config.learner import LORA_PROJECTIONS, LoraConfig, LearnerConfig
 from rlflow.config.runtime import (BufferConfig, RuntimeConfig, CheckpointConfig, MetricsConfig,
                                    WandbConfig)
@@ -35,6 +36,7 @@ __all__ = [
     "SamplerConfig",
     "EnvConfig",
     "EvalConfig",
+    "TeacherConfig",
     "LORA_PROJECTIONS",
     "LoraConfig",
     "LearnerConfig",

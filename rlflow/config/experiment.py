@@ -22,6 +22,7 @@ from rlflow.config.runtime import RuntimeConfig
 from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
 from rlflow.config.eval import EvalConfig
+from rlflow.config.teacher import TeacherConfig
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self):
         _finite_floats(self, "config")
@@ -98,6 +100,7 @@ class ExperimentConfig:
                f"must be <= sampler.max_tokens={sp.max_tokens} (the KV cache holds the prompt "
                f"and that many tokens), got {self.env.max_episode_tokens}")
         self._check_eval()
+        self._check_teacher()
         if lr.packs and lr.pack_length:
             longest = self.longest_row
             _check(lr.pack_length >= longest, "learner.pack_length",
@@ -123,6 +126,21 @@ class ExperimentConfig:
         _check(not self.env.enabled, "eval.every_steps",
                f"evaluation of multi-turn episodes (env.name={self.env.name!r}) is not "
                f"supported; set eval.every_steps=0")
+
+    def _check_teacher(self) -> None:
+        """The ``teacher`` section against the learner section (on-policy distillation)."""
+        te, lr = self.teacher, self.learner
+        if not te.enabled:
+            return
+        _check(lr.advantage != "gae", "teacher.path",
+               "on-policy distillation with learner.advantage='gae' is not supported (the "
+               "distillation advantage is per token; GAE computes its own in the step)")
+        _check(lr.num_hosts == 1, "teacher.path",
+               f"a teacher needs learner.num_hosts=1 (it scores the batch on host 0), got "
+               f"{lr.num_hosts}")
+        _check(not (te.mode == "distill" and lr.dynamic_sampling), "learner.dynamic_sampling",
+               "must be False with teacher.mode='distill' (the advantage does not come from "
+               "the rewards, so a group without reward variance still carries signal)")
 
     @property
     def longest_row(self) -> int:

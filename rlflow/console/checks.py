@@ -38,7 +38,9 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``learner.mesh`` ... (a learner or sampler that does not fit its devices' memory:
         :func:`rlflow.console.fit.check_memory`); with ``eval.every_steps > 0`` the same
         checks of the held-out data and reward functions, named ``eval.path``, ``eval.functions`` ...),
-        ``metrics.wandb.mode`` (W&B on without the ``wandb`` package) and what was
+        ``metrics.wandb.mode`` (W&B on without the ``wandb`` package), ``teacher.path`` (a
+        teacher whose tokenizer or vocabulary size differs from the student's,
+        :func:`rlflow.learner.teacher.check_teacher_tokenizer`) and what was
         expected; ``model.path`` / ``data.chat_template`` also when the tokenizer cannot be
         built, or a prompt cannot be rendered and encoded, the way the programs will
         (:func:`_check_tokenizer`).
@@ -53,6 +55,7 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_eval(cfg)
     _check_model(cfg)
     _check_tokenizer(cfg)
+    _check_teacher(cfg)
     _check_kv_cache(cfg)
     _check_memory(cfg)
 
@@ -63,6 +66,14 @@ def _check_memory(cfg) -> None:
     from rlflow.console.fit import check_memory
 
     check_memory(cfg)
+
+
+def _check_teacher(cfg) -> None:
+    """On-policy distillation: the teacher shares the student's tokenizer."""
+    if cfg.teacher.enabled:
+        from rlflow.learner.teacher import check_teacher_tokenizer
+
+        check_teacher_tokenizer(cfg)
 
 
 def _check_eval(cfg) -> None:

@@ -26,6 +26,7 @@ SECTIONS = (
     ("checkpoint", config_mod.CheckpointConfig),
     ("metrics", config_mod.MetricsConfig),
     ("eval", config_mod.EvalConfig),
+    ("teacher", config_mod.TeacherConfig),
     ("sampler.mesh / learner.mesh", config_mod.MeshConfig),
     ("learner.lora", config_mod.LoraConfig),
     ("reward.http", config_mod.HttpRewardConfig),

@@ -96,7 +96,9 @@ class LearnerProgram:
 
             prepare_run_folder(cfg)
         self.gps = cfg.learner.groups_per_step
-        self.learner = Learner(cfg, keep_params=keeps_params(cfg))
+        self.tokenizer = pc.run_tokenizer(cfg)
+        self.learner = Learner(cfg, keep_params=keeps_params(cfg),
+                               student_tokenizer=self.tokenizer)
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(cfg.run_path),
                                                   cfg.checkpoint)
         self.start_step, data_state, extra = self._resume()
@@ -113,7 +115,6 @@ class LearnerProgram:
                         "and skipped_steps count from 0 again", self.start_step)
         self.restore_totals(extra.get("run_totals", {}))
         self.filter_streak = FilterStreak(cfg)
-        self.tokenizer = pc.run_tokenizer(cfg)
         # the samples log splits a thinking model's completions as the rewards saw them
         self.reasoning = get_reasoning_parser(cfg.data.reasoning_parser,
                                               model_type=self.learner.model_config.model_type)

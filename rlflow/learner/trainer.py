@@ -58,6 +58,8 @@ class Learner:
       keep_params: the step never donates :attr:`params` (each step's params are new
         arrays; see :func:`rlflow.learner.step_jit.jit_train_step`), so a weight server can send
         a published version without copying it first (:attr:`keeps_params`).
+      student_tokenizer: the run's tokenizer, checked against the teacher's with
+        ``teacher.path`` (default: loaded as the programs load it).
 
     The policy is built with ``model.param_dtype`` master parameters and
     ``learner.compute_dtype`` activations (bf16 compute with fp32 master weights when
@@ -73,7 +75,8 @@ class Learner:
     (``value_graphdef``, ``state.value``) is trained jointly with the policy.
     """
 
-    def __init__(self, cfg, *, mesh=None, devices=None, keep_params: bool = False):
+    def __init__(self, cfg, *, mesh=None, devices=None, keep_params: bool = False,
+                 student_tokenizer=None):
         self.cfg, self.keeps_params = cfg, keep_params
         lc = cfg.learner
         self.mesh = mesh if mesh is not None else make_mesh(lc.mesh, devices)
@@ -120,6 +123,14 @@ class Learner:
         # compile (0.0 once compiled): ``learner/compile_s``.
         self.last_compile_s = 0.0
         self._peak_flops: float | None = None     # per chip, measured on first use on CPU
+        # on-policy distillation (teacher.path): a frozen teacher on this mesh, outside the
+        # train state (rlflow.learner.teacher)
+        self.teacher = None
+        if cfg.teacher.enabled:
+            from rlflow.learner.teacher import Teacher
+
+            self.teacher = Teacher(cfg, self.mesh, student_vocab_size=self.model_config.vocab_size,
+                                   student_tokenizer=student_tokenizer)
 
     @property
     def version(self) -> int:
@@ -243,7 +254,10 @@ class Learner:
         packed, ``learner/packed_padding_fraction``, ``batch/packed_rows``. Packed, a step
         takes the smallest row count an earlier step of the run used that holds its rows,
         else the worst case (:meth:`rlflow.learner.packing.PackSpec.rows_for`): a run has at
-        most two packed shapes. The counts used are :attr:`packed_row_counts`, checkpointed,
+        most two packed shapes. With a teacher (``teacher.path``) the packed batch's
+        advantages are the distillation advantages
+        (:meth:`rlflow.learner.teacher.Teacher.apply`; info adds ``distill/reverse_kl`` and
+        ``distill/teacher_time_s``). The counts used are :attr:`packed_row_counts`, checkpointed,
         so a resumed run packs as the uninterrupted one would; a count joins them when a step
         runs at it (:meth:`dispatch_on_device`), not when a batch is built."""
         version = self.version if version is None else version
@@ -253,6 +267,9 @@ class Learner:
         else:
             batch, pinfo = pack_batch(batch, self.pack_spec, self.packed_row_counts)
             info = {**info, **pinfo}
+        if self.teacher is not None:           # waits for a step in flight, then scores
+            batch, tinfo = self.teacher.apply(batch, wait=self.state.step)
+            info = {**info, **tinfo}
         return batch, {**info, **self.batch_flops(batch)}
 
     def batch_flops(self, batch: TrainBatch) -> dict[str, float]:
