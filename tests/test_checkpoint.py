@@ -178,7 +178,9 @@ def test_a_checkpoint_damaged_on_disk_names_its_folder_and_the_way_out(tmp_path)
         assert f"mv {ckdir}/2 {ckdir}.damaged-2" in text and "\n" not in text
         assert ("to resume from step 1, the checkpoint before it" in text) == bool(earlier)
         assert ("there is no earlier checkpoint" in text) != bool(earlier)
-        assert len(text) < 900
+        # one short line: bounded apart from the folder path it names (a few times; the
+        # path's length depends on where pytest puts tmp_path, e.g. under an xdist worker)
+        assert len(text.replace(ckdir, "")) < 700
         assert isinstance(err.value, CheckpointError)
         assert is_input_error(f"rlflow.checkpoint.state.DamagedCheckpointError: {text}")
 
