@@ -14,7 +14,15 @@ os.environ.setdefault("RLFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="rlflow-test-c
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=4").strip()
+    flags = (flags + " --xla_force_host_platform_device_count=4").strip()
+# The tests' one CPU speed setting: XLA:CPU's LLVM back end at -O0. The suite's tiny programs
+# spend far longer compiling than running, and -O0 compiles them in about half the CPU time
+# (tests/test_scan_remat.py: 34 s of CPU against 75 s at the default level). LLVM's levels
+# change no float semantics (XLA:CPU never enables fast-math reassociation), and every
+# comparison in a test runs both sides under the same flag. Never used outside the tests.
+if "xla_backend_optimization_level" not in flags:
+    flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = flags
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
