@@ -189,16 +189,16 @@ def test_paged_batcher_equals_contiguous(model, contiguous):
 
 
 def test_a_pool_too_small_finishes_every_prompt(model, contiguous):
-    """6 slots over a pool of 9 pages of 4 tokens (one full-length sequence is 8 pages):
-    sequences wait for pages and are preempted and resumed many times, and every group
-    comes back whole with the contiguous cache's completions."""
-    cfg = dataclasses.replace(BASE, kv_cache="paged", page_size=4, num_pages=9, num_slots=6)
+    """6 slots over a pool of 8 pages of 4 tokens, the least the config allows (one
+    full-length sequence is 8 pages): sequences wait for pages and are preempted and resumed
+    many times, and every group comes back whole with the contiguous cache's completions."""
+    cfg = dataclasses.replace(BASE, kv_cache="paged", page_size=4, num_pages=8, num_slots=6)
     got, batcher = run(model, cfg)
     c = batcher.counters
     assert c.preemptions > 0 and c.page_waits > 0
     assert c.completions_truncated == sum(r.num_samples for r in requests())
     assert_same_completions(model, got, contiguous)
-    assert batcher._pool.num_free == 9 and not batcher.has_work
+    assert batcher._pool.num_free == 8 and not batcher.has_work
 
 
 def test_group_samples_share_their_prompt_pages(model):

@@ -8,8 +8,10 @@ contiguous engine every method here does nothing.
 
 * **Admission** (:meth:`PagedSlots._admit_pages`): a queued sample enters a free slot only
   if the pool can hold its cache positions up to the end of the next decode call
-  (prompt, resumed tokens, ``k`` steps); otherwise it waits, and so do the samples queued
-  behind it (first come, first served, as vLLM's scheduler).
+  (prompt, resumed tokens, ``k`` steps) and still keep one free page per sequence already
+  running (a watermark, as vLLM's, against preempting right after admitting); otherwise
+  it waits, and so do the samples queued behind it (first come, first served, as vLLM's
+  scheduler).
 * **Prefix sharing**: a group's samples admitted under one prefix share the prompt's full
   pages (``n // P`` pages for ``n`` cached prompt positions), each referenced by every
   sample's page table and by the group (while samples of it are queued); the page holding
@@ -81,7 +83,15 @@ class PagedSlots:
         if live.pages_weights != self._weights_id:     # prompt pages of older weights
             self._drop_group_pages(live)
         shared = [] if live.pages is None else list(live.pages)
-        if not pool.assign(slot, shared, max(need - len(shared), 0)):
+        own = max(need - len(shared), 0)
+        running = sum(s is not None for s in self._slots)
+        if not running and own > pool.num_free:
+            # Nothing runs, so nothing would free pages: other groups' prompt pages go
+            # (their next samples get fresh pages; the pool holds one full sequence).
+            for item in self._queue:
+                if item[0] is not live:
+                    self._drop_group_pages(item[0])
+        if pool.num_free - own < running or not pool.assign(slot, shared, own):
             self.counters.page_waits += 1
             return False
         if live.pages is None:                # the group's shared prompt pages, held by it
