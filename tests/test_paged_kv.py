@@ -228,3 +228,61 @@ def test_sharded_paged_engine_matches_single_device(model, contiguous):
     got, batcher = run(model, cfg, mesh=make_mesh(cfg.mesh, jax.devices()))
     assert batcher.counters.preemptions > 0
     assert_same_completions(model, got, contiguous)
+
+
+def _reference_paged_attention(q, k_pages, v_pages, lengths, page_indices, *,
+                               pages_per_compute_block, **_):
+    """:func:`_numpy_paged_attention` as a host callback (so the forward can be jitted)."""
+    assert page_indices.shape[1] % pages_per_compute_block == 0
+    return jax.pure_callback(_numpy_paged_attention, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                             q, k_pages, v_pages, lengths, page_indices)
+
+
+def _numpy_paged_attention(q, k_pages, v_pages, lengths, page_indices):
+    """The documented math of ``jax.experimental.pallas.ops.tpu.paged_attention`` (a TPU
+    kernel) in numpy: per row ``b`` and query head ``h`` (KV head ``h // (H / K)``),
+    ``softmax(q . k) v`` over the row's first ``lengths[b]`` positions, position ``t`` in
+    page ``page_indices[b, t // P]`` at offset ``t % P`` (no scaling of ``q``)."""
+    q, kp, vp = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
+    b, h, d = q.shape
+    kh, _, p, _ = kp.shape
+    out = np.zeros((b, h, d))
+    for r in range(b):
+        t = np.arange(int(lengths[r]))
+        pages = np.asarray(page_indices)[r, t // p]
+        for j in range(h):
+            keys, values = kp[j // (h // kh), pages, t % p], vp[j // (h // kh), pages, t % p]
+            s = keys @ q[r, j]
+            w = np.exp(s - s.max())
+            out[r, j] = (w / w.sum()) @ values
+    return out.astype(np.float32)
+
+
+def test_kernel_attention_plumbing_against_the_kernels_math(monkeypatch):
+    """``paged_attention="kernel"`` hands the TPU kernel q scaled by 1/sqrt(D), the pools in
+    its layout, lengths ``index + 1`` and the page table: with the kernel replaced by a numpy
+    version of its documented math (no TPU here), decode logits equal the gather path's
+    within two float32 programs' bound."""
+    import jax.experimental.pallas.ops.tpu.paged_attention as kernel_module
+    monkeypatch.setattr(kernel_module, "paged_attention", _reference_paged_attention)
+    model = random_model(scale=3.0, init_seed=4)
+    cfg, b, p = model.cfg, 2, 4
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (b, 7)), jnp.int32)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda st, *a: nnx.merge(graphdef, st).forward_cached(*a))
+    out = {}
+    for attention in ("gather", "kernel"):
+        cache = init_paged_cache(cfg, b, num_pages=6, page_size=p, pages_per_row=2,
+                                 attention=attention)
+        cache = cache.replace(page_table=jnp.asarray([[4, 1], [0, 5]], jnp.int32))
+        _, cache = forward(state, tokens[:, :5], jnp.broadcast_to(jnp.arange(5), (b, 5)),
+                           jnp.ones((b, 5), bool), cache, jnp.zeros((b,), jnp.int32))
+        steps = []
+        for t in range(2):
+            index = jnp.full((b,), 5 + t, jnp.int32)
+            logits, cache = forward(state, tokens[:, 5 + t:6 + t], index[:, None],
+                                    jnp.ones((b, 1), bool), cache, index)
+            steps.append(np.asarray(logits))
+        out[attention] = steps
+    for g, k in zip(out["gather"], out["kernel"]):
+        np.testing.assert_allclose(k, g, rtol=0, atol=forward_atol(cfg, 8, float(np.abs(g).max())))
