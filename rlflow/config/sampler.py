@@ -80,9 +80,11 @@ class SamplerConfig:
         with "paged", num_slots (the decode batch) can exceed what a contiguous cache of
         the same bytes holds (benchmarks/sampler_paged.py).
       page_size: tokens per page (P >= 1), "paged" only.
-      num_pages: pages in the pool (per decode lane), "paged" only; at least one
-        full-length sequence, ceil((max_prefill_length + max_tokens) / page_size);
-        0 (default): num_slots times that (the contiguous cache's bytes).
+      num_pages: pages in the pool of one sampler replica (split evenly over its decode
+        lanes), "paged" only; at least one full-length sequence per lane,
+        ceil((max_prefill_length + max_tokens) / page_size); 0 (default): num_slots times
+        that (the contiguous cache's bytes). Multi-turn episodes are never preempted: a
+        pool they exhaust stops the sampler with an error naming this field.
       paged_attention: decode attention over pages, "paged" only: "gather" (an XLA gather of
         each slot's pages, any backend), "kernel" (the Pallas TPU kernel
         ``jax.experimental.pallas.ops.tpu.paged_attention``, TPU only), "auto" (default:

@@ -142,7 +142,8 @@ class PagedSlots:
                 raise RuntimeError(
                     f"paged KV cache: slot {slot} needs {pages_for(tokens, self._pool.page_size)}"
                     f" pages and only {self._pool.num_free} of {self._pool.num_pages} are free "
-                    f"with nothing left to preempt (raise sampler.num_pages)")
+                    f"with nothing left to preempt (multi-turn episodes are not preempted): "
+                    f"raise sampler.num_pages")
             victim = max(victims, key=lambda i: self._admitted[i])
             self._preempt(victim)
             if victim == slot:
