@@ -148,8 +148,9 @@ def model():
     return random_model(scale=6.0, init_seed=1, tie_word_embeddings=False)
 
 
-BASE = SamplerConfig(num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16),
-                     max_tokens=16, temperature=1.0, decode_steps_per_call=3)
+BASE = SamplerConfig(num_slots=4, max_prefill_length=16, prefill_buckets=(16,),
+                     max_tokens=16, temperature=1.0, decode_steps_per_call=3,
+                     max_prefill_batch=2)         # (one bucket, two batch sizes: few compiles)
 
 
 def run(model, cfg, reqs=None, mesh=None):
