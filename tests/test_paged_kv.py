@@ -287,3 +287,35 @@ def test_kernel_attention_plumbing_against_the_kernels_math(monkeypatch):
         out[attention] = steps
     for g, k in zip(out["gather"], out["kernel"]):
         np.testing.assert_allclose(k, g, rtol=0, atol=forward_atol(cfg, 8, float(np.abs(g).max())))
+
+
+def test_a_weight_swap_between_a_groups_samples_takes_fresh_prompt_pages(model):
+    """2 slots, a group of 3: sample 0 stops on its first token while sample 1 decodes on,
+    then a swap to weights that change the KV entries; sample 2, admitted after it, has its
+    prompt prefilled again into fresh pages (writing them into the pages sample 1 still
+    reads would change its completion): every completion is the contiguous cache's under
+    the same schedule."""
+    w1 = jax.tree_util.tree_map(lambda x: x * 0.9, nnx.state(model, nnx.Param))
+    prompt = list(range(1, 12))
+    cfg = dataclasses.replace(BASE, num_slots=2, decode_steps_per_call=1, page_size=4)
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, seed=5, stop_token_ids=())
+    first = run(model, cfg, [Request(1, prompt, 2, sampling)])[0][1].completions
+    stop = int(first[0].tokens[0])
+    assert stop not in first[1].tokens.tolist()       # so sample 1 runs on (seed chosen so)
+    out = {}
+    for kv_cache in ("contiguous", "paged"):
+        engine = RlflowEngine(model, dataclasses.replace(cfg, kv_cache=kv_cache),
+                              mesh=one_device_mesh())
+        batcher = ContinuousBatcher(engine)
+        batcher.submit(Request(1, prompt, 3, dataclasses.replace(sampling,
+                                                                 stop_token_ids=(stop,))))
+        groups = batcher.step()                        # sample 0 done, sample 1 running
+        assert batcher.num_active == 1
+        batcher.update_params(w1, version=1)
+        while batcher.has_work:
+            groups += batcher.step()
+        assert batcher.counters.stale_prefixes_dropped == 1
+        out[kv_cache] = {g.prompt_id: g for g in groups}
+    assert_same_completions(model, out["paged"], out["contiguous"])
+    versions = [c.versions for c in out["paged"][1].completions]
+    assert (versions[1] == 0).any() and (versions[1] == 1).any() and (versions[2] == 1).all()
