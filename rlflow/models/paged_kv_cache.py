@@ -72,12 +72,14 @@ def resolve_attention(choice: str, backend: str) -> str:
       ValueError: an unknown choice, or "kernel" off TPU (the Pallas kernel is TPU-only).
     """
     if choice not in PAGED_ATTENTION:
-        raise ValueError(f"paged attention must be one of {list(PAGED_ATTENTION)}, got {choice!r}")
+        raise ValueError(f"sampler.paged_attention must be one of {list(PAGED_ATTENTION)}, "
+                         f"got {choice!r}")
     if choice == "auto":
         return "kernel" if backend == "tpu" else "gather"
     if choice == "kernel" and backend != "tpu":
-        raise ValueError(f"paged attention 'kernel' (Pallas TPU paged_attention) needs a TPU, "
-                         f"the backend is {backend!r}; use 'gather' or 'auto'")
+        raise ValueError(f"sampler.paged_attention='kernel' (the Pallas TPU paged_attention "
+                         f"kernel) needs a TPU, the backend is {backend!r}; use 'gather' or "
+                         f"'auto'")
     return choice
 
 
