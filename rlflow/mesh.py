@@ -38,6 +38,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # KV cache, per layer keys [B, K, D, S], values [B, K, S, D]
     ("cache_batch", ("data", "fsdp")),
     ("cache_seq", None),
+    # paged KV cache, per layer pools [K, N, P, D] (rlflow.models.paged_kv_cache)
+    ("cache_pages", None),
+    ("page_tokens", None),
 )
 
 CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
@@ -176,6 +179,22 @@ def cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):
     v = tuple(logical_sharding(mesh, CACHE_AXES, a.shape, rules) for a in cache.v)
     mask = logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules)
     return type(cache)(k=k, v=v, mask=mask)
+
+
+PAGE_POOL_AXES = ("kv_heads", "cache_pages", "page_tokens", "head_dim")
+"""Logical axes of a layer's paged key or value pool ``[K, N, P, D]``."""
+
+
+def paged_cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):
+    """Shardings of a :class:`rlflow.models.paged_kv_cache.PagedKVCache` (its arrays, or
+    anything with a ``.shape``): pools per :data:`PAGE_POOL_AXES` (KV heads over ``tensor``;
+    every slot's pages are reachable from every device of the slot axis), page table and
+    mask per slot (``cache_batch``)."""
+    pool = lambda a: logical_sharding(mesh, PAGE_POOL_AXES, a.shape, rules)  # noqa: E731
+    return cache.replace(
+        k=tuple(pool(a) for a in cache.k), v=tuple(pool(a) for a in cache.v),
+        page_table=logical_sharding(mesh, ("cache_batch", None), cache.page_table.shape, rules),
+        mask=logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -411,6 +411,26 @@ def test_kv_cache_bytes_are_those_the_engine_allocates(dtype):
     assert kv_cache_bytes(cfg, m) == sum(x.nbytes for x in (*cache.k, *cache.v))
 
 
+def test_paged_kv_cache_bytes_are_those_the_engine_allocates():
+    """sampler.kv_cache="paged": the pool's pages (issue 43 item 5), not slots x length."""
+    import jax
+
+    from rlflow.config import SamplerConfig, replace
+    from rlflow.console.checks import kv_cache_bytes
+    from rlflow.models.config import DecoderConfig
+    from rlflow.models.paged_kv_cache import init_paged_cache
+
+    sp = SamplerConfig(num_slots=16, max_prefill_length=8, prefill_buckets=(8,), max_tokens=24,
+                       kv_cache="paged", page_size=4, num_pages=10)
+    cfg = replace(ExperimentConfig(), sampler=sp)
+    m = DecoderConfig.from_model_config(cfg.model)
+    cache = jax.eval_shape(lambda: init_paged_cache(m, 16, 10, 4, sp.pages_per_slot))
+    got = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
+    assert kv_cache_bytes(cfg, m) == got
+    contiguous = kv_cache_bytes(replace(cfg, sampler=replace(sp, kv_cache="contiguous")), m)
+    assert contiguous * (10 * 4) == got * (16 * (8 + 24))    # positions: pages x P vs slots x S
+
+
 def test_a_reasoning_parser_that_cannot_load_is_refused(no_programs, capsys):
     """Issue 44.5: data.reasoning_parser 'module:function' is checked before programs start."""
     (no_programs / "think.py").write_text("def split(text):\n    return ('', text)\n")

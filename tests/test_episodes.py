@@ -2,6 +2,8 @@
 appended to its KV cache, every sampled token keeps its logprob and version (across a weight
 swap inside a turn), and the group record's loss_mask is 1 exactly on sampled tokens."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 import numpy as np
@@ -12,6 +14,7 @@ from rlflow.exchange.records import validate_group
 from rlflow.learner.batch import BatchSpec, build_batch
 from rlflow.models.logprobs import token_logprobs
 from rlflow.sampler.batching import ContinuousBatcher, Request
+from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.episodes import EpisodeDriver
 from rlflow.sampler.sampling import SamplingParams
 from tolerances import forward_atol, sum_tol
@@ -73,8 +76,14 @@ class CharTokenizer:
         return "".join(map(chr, ids))
 
 
-def test_episode_logprobs_equal_recompute_across_a_swap_and_masks(setup):
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_episode_logprobs_equal_recompute_across_a_swap_and_masks(setup, kv_cache):
+    """(With ``sampler.kv_cache="paged"``, pages of 4 tokens: the environment's ids are
+    appended into pages taken for them, issue 43 item 5.)"""
     model, engine, w0, forward = setup
+    if kv_cache == "paged":
+        engine = RlflowEngine(model, dataclasses.replace(
+            engine.sampler_cfg, kv_cache="paged", page_size=4), mesh=engine.mesh)
     w1 = with_lm_head_swapped(w0, 5, 7)
     sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=3, stop_token_ids=())
     # Stop ids that end every episode's first turn by its second token: the tokens the same

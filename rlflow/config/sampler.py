@@ -71,6 +71,24 @@ class SamplerConfig:
         ran 1.3-1.6x faster on them, :mod:`rlflow.sampler.kernel_layout`); "auto"
         (default): "out_in" on the CPU backend, "in_out" on TPU/GPU. Same function either
         way (the dots' rounding order may differ).
+      kv_cache: how the KV cache is held: "contiguous" (default: every slot reserves
+        max_prefill_length + max_tokens positions) or "paged" (pools of pages of page_size
+        tokens and a page table per slot, :mod:`rlflow.models.paged_kv_cache`; pages are
+        taken as a sequence grows and returned when it ends, a sample is admitted while
+        pages are free, and when they run out the latest admitted sequence is preempted
+        and resumed later, its tokens, logprobs and versions kept). Same tokens either way;
+        with "paged", num_slots (the decode batch) can exceed what a contiguous cache of
+        the same bytes holds (benchmarks/sampler_paged.py).
+      page_size: tokens per page (P >= 1), "paged" only.
+      num_pages: pages in the pool of one sampler replica (split evenly over its decode
+        lanes), "paged" only; at least one full-length sequence per lane,
+        ceil((max_prefill_length + max_tokens) / page_size); 0 (default): num_slots times
+        that (the contiguous cache's bytes). Multi-turn episodes are never preempted: a
+        pool they exhaust stops the sampler with an error naming this field.
+      paged_attention: decode attention over pages, "paged" only: "gather" (an XLA gather of
+        each slot's pages, any backend), "kernel" (the Pallas TPU kernel
+        ``jax.experimental.pallas.ops.tpu.paged_attention``, TPU only), "auto" (default:
+        "kernel" on TPU, "gather" elsewhere).
     """
 
     num_slots: int = 16
@@ -91,6 +109,21 @@ class SamplerConfig:
     num_replicas: int = 1
     dtype: Optional[Literal["float32", "bfloat16"]] = None
     kernel_layout: KernelLayout = "auto"
+    kv_cache: Literal["contiguous", "paged"] = "contiguous"
+    page_size: int = 16
+    num_pages: int = 0
+    paged_attention: Literal["auto", "gather", "kernel"] = "auto"
+
+    @property
+    def pages_per_slot(self) -> int:
+        """Pages of one full-length sequence: ceil((max_prefill_length + max_tokens) /
+        page_size)."""
+        return -(-(self.max_prefill_length + self.max_tokens) // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages in a paged pool: num_pages, or num_slots x pages_per_slot for 0."""
+        return self.num_pages or self.num_slots * self.pages_per_slot
 
     def __post_init__(self):
         _finite_floats(self, "sampler")
@@ -115,6 +148,16 @@ class SamplerConfig:
         _check(0 < self.top_p <= 1, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
         _one_of(self.on_long_prompt, ("error", "truncate"), "sampler.on_long_prompt")
         _one_of(self.kernel_layout, KERNEL_LAYOUTS, "sampler.kernel_layout")
+        _one_of(self.kv_cache, ("contiguous", "paged"), "sampler.kv_cache")
+        _one_of(self.paged_attention, ("auto", "gather", "kernel"), "sampler.paged_attention")
+        _positive(self.page_size, "sampler.page_size")
+        _check(isinstance(self.num_pages, int) and (self.num_pages == 0 or
+                                                    self.num_pages >= self.pages_per_slot),
+               "sampler.num_pages",
+               f"must be 0 (num_slots x pages per slot) or at least the "
+               f"{self.pages_per_slot} pages of one full-length sequence (max_prefill_length "
+               f"+ max_tokens = {self.max_prefill_length + self.max_tokens} tokens in pages of "
+               f"{self.page_size}), got {self.num_pages!r}")
         _check(self.dtype is None or self.dtype in DTYPES, "sampler.dtype",
                f"must be None (the model's dtypes) or one of {list(DTYPES)}, got {self.dtype!r}")
         _check(self.mesh.num_devices == self.num_devices, "sampler.mesh",

@@ -148,13 +148,15 @@ def _lora_rank_warnings(cfg) -> list[str]:
 
 def kv_cache_bytes(cfg, m) -> int:
     """Bytes of one sampler replica's KV cache (``rlflow.models.kv_cache.init_cache``):
-    ``num_slots x (max_prefill_length + max_tokens)`` positions x layers x keys and values x
-    ``num_kv_heads x head_dim`` x the sampler dtype's bytes (``m``: the model's
-    ``DecoderConfig``)."""
+    ``num_slots x (max_prefill_length + max_tokens)`` positions (``sampler.kv_cache =
+    "paged"``: ``pool_pages x page_size``, :mod:`rlflow.models.paged_kv_cache`) x layers x
+    keys and values x ``num_kv_heads x head_dim`` x the sampler dtype's bytes (``m``: the
+    model's ``DecoderConfig``)."""
     sp = cfg.sampler
     dtype = sp.dtype or cfg.model.dtype
     per = 2 if dtype == "bfloat16" else 4
-    positions = sp.num_slots * (sp.max_prefill_length + sp.max_tokens)
+    positions = (sp.pool_pages * sp.page_size if sp.kv_cache == "paged" else
+                 sp.num_slots * (sp.max_prefill_length + sp.max_tokens))
     return positions * m.num_layers * 2 * m.num_kv_heads * m.head_dim * per
 
 
@@ -176,6 +178,13 @@ def _check_kv_cache(cfg) -> None:
     sp = cfg.sampler
     if have is None or need / sp.num_devices <= have:
         return
+    if sp.kv_cache == "paged":
+        raise ConfigError(
+            f"sampler.num_pages: a sampler's paged KV cache would take {need / 1e9:.1f} GB "
+            f"({sp.pool_pages} pages x {sp.page_size} positions x {m.num_layers} layers x "
+            f"keys and values x {m.num_kv_heads} KV heads x head_dim {m.head_dim}), more than "
+            f"this machine's {have / 1e9:.1f} GB of memory over its {sp.num_devices} "
+            f"device(s): lower sampler.num_pages")
     raise ConfigError(
         f"sampler.max_tokens: a sampler's KV cache would take {need / 1e9:.1f} GB "
         f"(sampler.num_slots={sp.num_slots} x (max_prefill_length {sp.max_prefill_length} + "

@@ -29,6 +29,7 @@ from flax import nnx
 from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
+from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
 from rlflow.models.layer_scan import scan_layers
 from rlflow.models.lora import LoraAdapter, LoraSpec
 
@@ -255,7 +256,8 @@ class Attention(nnx.Module):
         :class:`rlflow.models.attention.SequenceMask` (``kv_hook`` unused), attention by
         :func:`rlflow.models.attention.attention`. Cached (sampler): ``attend_mask [B, T, S]``
         bool over the keys that ``kv_hook`` returns: ``kv_hook(k [B, T, K, D], v) ->
-        (keys [B, K, D, S], values [B, K, S, D])``."""
+        (keys [B, K, D, S], values [B, K, S, D])``, or a function ``q [B, T, H, D] -> out
+        [B, T, H, D]`` when the cache runs the attention itself (a paged-attention kernel)."""
         q = self._proj(x, self.q_kernel, self.q_bias, self.q_lora)
         k = self._proj(x, self.k_kernel, self.k_bias, self.k_lora)
         v = self._proj(x, self.v_kernel, self.v_bias, self.v_lora)
@@ -265,7 +267,10 @@ class Attention(nnx.Module):
         b, t, h, d = q.shape
         if isinstance(attend_mask, SequenceMask):
             return self._out(attention(q, k, v, **attend_mask._asdict()))
-        keys, values = kv_hook(k, v)
+        read = kv_hook(k, v)
+        if callable(read):                  # the cache runs attention itself (a paged kernel)
+            return self._out(read(q))
+        keys, values = read
         q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
         if t == 1:
             # One query per row (decode): multiply-and-reduce over the cache's second-minor
@@ -457,7 +462,8 @@ class Decoder(nnx.Module):
         return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                       cache: KVCache, cache_index: jax.Array) -> tuple[jax.Array, KVCache]:
+                       cache: KVCache | PagedKVCache, cache_index: jax.Array
+                       ) -> tuple[jax.Array, KVCache | PagedKVCache]:
         """Forward over ``T`` new tokens per row against a KV cache (prefill / decode).
 
         Row ``b``'s new keys/values go to cache positions
@@ -471,7 +477,10 @@ class Decoder(nnx.Module):
           tokens: ``[B, T]`` int32; positions: ``[B, T]`` int32; attention_mask: ``[B, T]``
             bool (False on padding).
           cache: :class:`KVCache`: ``L`` arrays each of keys ``[B, K, D, S]`` and values
-            ``[B, K, S, D]``, ``mask [B, S]``.
+            ``[B, K, S, D]``, ``mask [B, S]``; or a
+            :class:`rlflow.models.paged_kv_cache.PagedKVCache` (pools ``[K, N, P, D]``, a
+            page table per row, ``S = M * P`` logical positions): the same function, the
+            entries written into the rows' pages (pages the host allocated).
           cache_index: ``[B]`` int32 first cache position written for each row.
 
         Returns:
@@ -494,11 +503,18 @@ class Decoder(nnx.Module):
         attend = new_mask[:, None, :] & (jnp.arange(s)[None, None, :] <= cols[:, :, None])
         inv_freq = rope_inv_freq(self.cfg)
         ks, vs = list(cache.k), list(cache.v)
+        paged = isinstance(cache, PagedKVCache)
         x = self._embed(tokens)
         for layer, block in enumerate(self.layers):
             def hook(k, v, layer=layer):
+                if paged:
+                    ks[layer], vs[layer], read = layer_attention_inputs(
+                        cache, ks[layer], vs[layer], k, v, cols)
+                    return read
                 ks[layer] = write_cache(ks[layer], k, cols, seq_axis=3)
                 vs[layer] = write_cache(vs[layer], v, cols, seq_axis=2)
                 return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
             x = block(x, positions, inv_freq, attend, hook)
+        if paged:
+            return self._logits(x), cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
         return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)

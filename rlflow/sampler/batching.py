@@ -47,6 +47,7 @@ import numpy as np
 from rlflow.sampler.decode_state import EngineParams
 from rlflow.sampler.engine import MAX_STOP_IDS, PromptError
 from rlflow.sampler.episode_slots import EpisodeSlots
+from rlflow.sampler.paged_batching import PagedSlots
 from rlflow.sampler.requests import CompletedGroup, Completion, Request  # noqa: F401 (re-exported)
 from rlflow.sampler.sampling import SamplingError, SamplingParams
 
@@ -65,7 +66,9 @@ class BatchCounters:
     completions_stopped / completions_truncated; prefill_calls / insert_calls:
     ``prefill_batch`` / ``insert_batch`` calls (several prompts / samples each); env_extends:
     episode slots that got environment tokens appended; episodes_cut_tokens: episodes ended
-    (truncated) because the environment's answer would pass the token limit.
+    (truncated) because the environment's answer would pass the token limit; preemptions:
+    sequences preempted for pages (paged KV cache), page_waits: admissions that waited
+    for free pages.
     """
 
     decode_steps: int = 0
@@ -84,6 +87,8 @@ class BatchCounters:
     insert_calls: int = 0
     env_extends: int = 0
     episodes_cut_tokens: int = 0
+    preemptions: int = 0
+    page_waits: int = 0
 
     @property
     def occupancy(self) -> float:
@@ -101,6 +106,9 @@ class _Live:
     completions: dict = field(default_factory=dict)
     prefix: object = None
     prefix_weights: int = -1
+    pending: int = 0              # samples of it in the queue
+    pages: object = None          # paged cache: the group's shared prompt pages
+    pages_weights: int = -1
 
 
 @dataclass
@@ -113,7 +121,7 @@ class _Slot:
     length: int = 0               # episode: completion tokens when it parked
 
 
-class ContinuousBatcher(EpisodeSlots):
+class ContinuousBatcher(EpisodeSlots, PagedSlots):
     """Drives an :class:`rlflow.sampler.engine.RlflowEngine` with continuous batching.
 
     Args:
@@ -157,6 +165,7 @@ class ContinuousBatcher(EpisodeSlots):
         self._logprobs = np.zeros(shape, np.float32)
         self._versions = np.zeros(shape, np.int32)
         self._init_episodes(episodes)
+        self._init_pages()
 
     # ------------------------------------------------------------------ input
     def submit(self, request: Request) -> None:
@@ -209,7 +218,7 @@ class ContinuousBatcher(EpisodeSlots):
                                 f"with an episode driver (episodes=)")
         self.counters.prompts_truncated += int(truncated)
         live = _Live(request=request, tokens=tokens.astype(np.int32), sampling=sp,
-                     stop_ids=frozenset(stop))
+                     stop_ids=frozenset(stop), pending=request.num_samples)
         for i in range(request.num_samples):
             self._queue.append((live, i))
 
@@ -248,6 +257,7 @@ class ContinuousBatcher(EpisodeSlots):
             raise RuntimeError(f"reset_cache: {self.num_active} sequences are in flight")
         self._state = None
         self._device_active = [False] * len(self._slots)
+        self._reset_pages()
 
     def _apply_pending_params(self) -> None:
         with self._lock:
@@ -281,20 +291,28 @@ class ContinuousBatcher(EpisodeSlots):
         ``sampler.max_prefill_batch`` prompts), then insert the admitted samples, one
         ``insert_batch`` per prefix batch. Free slots with nothing queued are released on
         the device."""
-        admitted = []                                     # (slot, live, sample index)
+        admitted = []                         # (slot, live, sample index, resumed or None)
+        waits = False                         # (paged) the queue's head waits for pages
         for slot, s in enumerate(self._slots):
             if s is not None:
                 continue
-            if self._queue:
-                live, i = self._queue.popleft()
-                admitted.append((slot, live, i))
-            elif self._device_active[slot]:
+            if self._queue and not waits:
+                live, i, *saved = self._queue[0]
+                saved = saved[0] if saved else None
+                waits = not self._admit_pages(slot, live, 0 if saved is None else
+                                              saved[0].size)
+                if not waits:
+                    self._queue.popleft()
+                    live.pending -= 1
+                    admitted.append((slot, live, i, saved))
+                    continue
+            if self._device_active[slot]:
                 self._state = self.engine.release(self._state, slot)
                 self._device_active[slot] = False
         if not admitted:
             return
         need = {}                                         # id -> live, in admission order
-        for _, live, _ in admitted:
+        for _, live, _, _ in admitted:
             if live.prefix is not None and live.prefix_weights != self._weights_id:
                 live.prefix = None                        # computed under older weights
                 self.counters.stale_prefixes_dropped += 1
@@ -303,17 +321,23 @@ class ContinuousBatcher(EpisodeSlots):
         self._prefill(list(need.values()))
         self.counters.prefix_reuses += len(admitted) - len(need)
         inserts: dict = {}                                # id(Prefix) -> (Prefix, [..])
-        for slot, live, i in admitted:
+        resumed = []
+        for slot, live, i, saved in admitted:
             prefix, row = live.prefix
             inserts.setdefault(id(prefix), (prefix, []))[1].append((row, slot, i))
             self._device_active[slot] = True
             self._slots[slot] = _Slot(live=live, sample_index=i)
-            if i == live.request.num_samples - 1:
-                live.prefix = None                        # last sample admitted: drop it
+            if saved is not None:
+                resumed.append((slot, live, saved))
+        for live in {id(a[1]): a[1] for a in admitted}.values():
+            if live.pending == 0:
+                self._admitted_last(live)                 # none queued: drop its prefix
+        self._upload_table()
         for prefix, items in inserts.values():
             rows, slots, index = zip(*items)
             self._state = self.engine.insert_batch(prefix, self._state, rows, slots, index)
             self.counters.insert_calls += 1
+        self._resume(resumed)
 
     # ------------------------------------------------------------------ loop
     def step(self) -> list[CompletedGroup]:
@@ -337,6 +361,7 @@ class ContinuousBatcher(EpisodeSlots):
             self._state = self.engine.init_decode_state()
         self._resume_episodes()
         self._refill()
+        self._reserve_decode_pages()
         busy = [s is not None and not s.parked for s in self._slots]
         in_flight = None
         if any(busy):
@@ -366,11 +391,13 @@ class ContinuousBatcher(EpisodeSlots):
         c.slot_steps_used += used
         if queued:
             c.idle_slot_steps_while_queued += k * b - used
+        self._note_lengths(packed)
         finished = []
         for j, slot in zip(*np.nonzero(packed[:, :, 3])):
             finished.append((j, slot, self._slots[slot]))
             if not self._parks(self._slots[slot], packed[j, slot, 3]):
                 self._slots[slot] = None                  # (an episode's turn keeps it)
+                self._free_pages(slot)
             self._device_active[slot] = False             # the engine deactivated it
         return finished
 

@@ -50,7 +50,7 @@ from flax import nnx
 from rlflow.sampler.jetstream_api import engine_api, tokenizer_pb2
 
 from rlflow.models.kv_cache import KVCache, init_cache
-from rlflow.sampler import kernel_layout
+from rlflow.sampler import kernel_layout, paged
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
                                          EngineParams, Prefix, PromptError, SampledTokens,
                                          pick_bucket)
@@ -91,6 +91,9 @@ class RlflowEngine(engine_api.Engine):
         self.buckets = tuple(int(b) for b in sampler_cfg.prefill_buckets)
         self.cache_len = sampler_cfg.max_prefill_length + sampler_cfg.max_tokens
         self.num_slots = sampler_cfg.num_slots
+        self.paged = getattr(sampler_cfg, "kv_cache", "contiguous") == "paged"
+        self._paged = (paged.paged_settings(sampler_cfg, self._mesh.devices.flat[0].platform)
+                       if self.paged else None)
         self._state_sharding = self._decode_state_sharding()
         self._init_state = jax.jit(self._init_state_impl, out_shardings=self._state_sharding)
         self._prefill = jax.jit(self._prefill_impl)
@@ -103,14 +106,18 @@ class RlflowEngine(engine_api.Engine):
                                         out_shardings=(self._state_sharding, None))
         self._release = jax.jit(self._release_impl, donate_argnums=(0,),
                                 out_shardings=self._state_sharding)
+        self._set_table = jax.jit(
+            lambda st, t: st.replace(cache=st.cache.replace(page_table=t)),
+            donate_argnums=(0,), out_shardings=self._state_sharding)
 
     # ------------------------------------------------------------------ layout
     def _decode_state_sharding(self) -> "DecodeState":
         """KV cache per ``rlflow.mesh`` (KV heads over ``tensor``, slots over ``data`` x
         ``fsdp``, each replicated where the size does not divide); per-slot vectors
-        follow the slot axis."""
-        cache = self._mesh_lib.cache_sharding(self._mesh, jax.eval_shape(
-            lambda: init_cache(self.cfg, self.num_slots, self.cache_len)))
+        follow the slot axis; a paged cache's pools per ``rlflow.mesh.PAGE_POOL_AXES``."""
+        shapes = jax.eval_shape(self._empty_cache)
+        cache = (self._mesh_lib.paged_cache_sharding(self._mesh, shapes) if self.paged else
+                 self._mesh_lib.cache_sharding(self._mesh, shapes))
         vec = self._mesh_lib.logical_sharding(self._mesh, ("cache_batch",), (self.num_slots,))
         return DecodeState(cache=cache, tokens=vec, index=vec, gen_len=vec, temperature=vec,
                            top_k=vec, top_p=vec, uniforms=vec, active=vec, max_len=vec,
@@ -295,10 +302,16 @@ class RlflowEngine(engine_api.Engine):
         return np.pad(tokens, (0, p - tokens.size)), int(tokens.size)
 
     # ------------------------------------------------------------------ decode state
+    def _empty_cache(self):
+        """The decode state's empty KV cache, contiguous or paged (``sampler.kv_cache``)."""
+        if self.paged:
+            return paged.init_state_cache(self.cfg, self.num_slots, self._paged)
+        return init_cache(self.cfg, self.num_slots, self.cache_len)
+
     def _init_state_impl(self) -> DecodeState:
         b = self.num_slots
         return DecodeState(
-            cache=init_cache(self.cfg, b, self.cache_len),
+            cache=self._empty_cache(),
             tokens=jnp.zeros((b,), jnp.int32), index=jnp.zeros((b,), jnp.int32),
             gen_len=jnp.zeros((b,), jnp.int32), temperature=jnp.ones((b,), jnp.float32),
             top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32),
@@ -308,7 +321,8 @@ class RlflowEngine(engine_api.Engine):
 
     def init_decode_state(self) -> DecodeState:
         """A fresh decode state: empty cache (per layer keys ``[slots, K, D, S]``, values
-        ``[slots, K, S, D]``), all slots inactive."""
+        ``[slots, K, S, D]``; paged: pools ``[K, N, P, D]``, no page in any slot's table),
+        all slots inactive."""
         return self._init_state()
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, rows, slots,
@@ -316,6 +330,9 @@ class RlflowEngine(engine_api.Engine):
         c, pc = state.cache, prefix.cache
         p = pc.max_len
         keep = pc.mask[rows]                                               # [m, P]
+
+        def put(dst, src):
+            return dst.at[slots].set(src, mode="drop")
         # Zero the unused bucket entries, then write each slot's first P cache entries;
         # padding entries carry slot = num_slots and are dropped.
         def write(caches, news, seq_axis):
@@ -325,15 +342,16 @@ class RlflowEngine(engine_api.Engine):
             return tuple(
                 cache.at[at].set(jnp.where(mask, new[rows], 0).astype(cache.dtype), mode="drop")
                 for cache, new in zip(caches, news))
-        row_mask = jnp.zeros((rows.shape[0], self.cache_len), bool).at[:, :p].set(keep)
+        if self.paged:
+            cache = paged.insert_prefix(c, pc, rows, slots, keep)
+        else:
+            row_mask = jnp.zeros((rows.shape[0], self.cache_len), bool).at[:, :p].set(keep)
+            cache = KVCache(k=write(c.k, pc.k, 3), v=write(c.v, pc.v, 2),
+                            mask=put(c.mask, row_mask))
         uniforms = jax.vmap(lambda s, i: request_uniforms(s, i, self.sampler_cfg.max_tokens))(
             prefix.seed[rows], sample_index)
-
-        def put(dst, src):
-            return dst.at[slots].set(src, mode="drop")
         return DecodeState(
-            cache=KVCache(k=write(c.k, pc.k, 3), v=write(c.v, pc.v, 2),
-                          mask=put(c.mask, row_mask)),
+            cache=cache,
             tokens=put(state.tokens, prefix.last_token[rows]),
             index=put(state.index, prefix.length[rows]),
             gen_len=put(state.gen_len, jnp.zeros_like(rows)),
@@ -399,6 +417,21 @@ class RlflowEngine(engine_api.Engine):
     def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Mark a slot free (its tokens come back ``valid = 0``); donated."""
         return self._release(decode_state, np.int32(slot))
+
+    def set_page_table(self, decode_state: DecodeState, table) -> DecodeState:
+        """A paged cache's page table replaced by ``table`` (int32 ``[slots,
+        sampler.pages_per_slot]``, entry ``sampler.pool_pages`` = no page; the host's
+        :class:`rlflow.sampler.page_pool.PagePool`); donated.
+
+        Raises:
+          ValueError: the cache is contiguous, or the table's shape is not the cache's.
+        """
+        want = (self.num_slots, self.sampler_cfg.pages_per_slot) if self.paged else None
+        if want is None or tuple(np.shape(table)) != want:
+            raise ValueError(f"set_page_table: needs sampler.kv_cache='paged' and a table "
+                             f"{want}, got kv_cache={self.sampler_cfg.kv_cache!r}, table "
+                             f"{tuple(np.shape(table))}")
+        return self._set_table(decode_state, np.asarray(table, np.int32))
 
     # ------------------------------------------------------------------ generate
     def _step(self, model, version, state: DecodeState):

@@ -121,6 +121,9 @@ class EpisodeSlots:
                 self.counters.episodes_cut_tokens += 1
                 self._end_episode(s, slot, n, "length", 0.0)
                 continue
+            if self._pool is not None:          # paged: pages for the continuation
+                self._gen[slot] = n + cont.size
+                self._reserve(slot, self._base[slot] + n + cont.size)
             self._tokens[slot, n:n + cont.size] = cont
             self._logprobs[slot, n:n + cont.size] = 0.0
             self._versions[slot, n:n + cont.size] = -1
@@ -129,6 +132,7 @@ class EpisodeSlots:
             lasts.append(int(self._tokens[slot, n - 1]))   # the turn's end-of-turn id
             conts.append(cont)
         if slots:
+            self._upload_table()
             self._state = self._extender(self._params, self._state, slots, lasts, conts)
             for slot in slots:
                 self._device_active[slot] = True
@@ -138,6 +142,7 @@ class EpisodeSlots:
                      failed: bool = False) -> None:
         """Finish a parked episode with the environment's reward; frees the slot."""
         self._slots[slot] = None
+        self._free_pages(slot)
         group = self._finish(s, slot, n, reason, reward=reward, failed=failed)
         if group is not None:
             self._ready.append(group)

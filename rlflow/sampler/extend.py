@@ -20,6 +20,10 @@ episode token limit) bounds the whole episode.
 Shapes: ``m`` slots per call are padded to a power of two (padding slots point past the
 last slot and are dropped) and the continuations to a prefill bucket ``W``; so a call
 compiles at most ``(log2(slots) + 1) x len(buckets)`` times.
+
+With a paged cache the slots' pages must hold positions ``index .. index + n - 1`` before
+the call (the host takes them); the batcher also uses this call to resume a preempted
+sequence (its generated ids appended after a fresh prefill of its prompt).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlflow.models.kv_cache import KVCache
+from rlflow.sampler.paged import set_slot_rows, slot_rows
 from rlflow.sampler.decode_state import DecodeState, EngineParams, pick_bucket
 
 
@@ -51,9 +55,7 @@ class SlotExtender:
         eng = self.engine
         model = eng._model(params)
         safe = jnp.minimum(slots, eng.num_slots - 1)                         # [m]
-        c = state.cache
-        sub = KVCache(k=tuple(k[safe] for k in c.k), v=tuple(v[safe] for v in c.v),
-                      mask=c.mask[safe])
+        sub = slot_rows(state.cache, slots)
         index = state.index[safe]
         w = tokens.shape[1]
         run = jnp.concatenate([first[:, None], tokens[:, :-1]], axis=1)          # [m, W]
@@ -64,11 +66,8 @@ class SlotExtender:
 
         def put(dst, src):
             return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
-        cache = KVCache(k=tuple(put(a, b) for a, b in zip(c.k, sub.k)),
-                        v=tuple(put(a, b) for a, b in zip(c.v, sub.v)),
-                        mask=put(c.mask, sub.mask))
-        return state.replace(cache=cache, tokens=put(state.tokens, last),
-                             index=put(state.index, index + lengths),
+        return state.replace(cache=set_slot_rows(state.cache, sub, slots),
+                             tokens=put(state.tokens, last), index=put(state.index, index + lengths),
                              gen_len=put(state.gen_len, state.gen_len[safe] + lengths),
                              active=put(state.active, jnp.ones(slots.shape, bool)))
 

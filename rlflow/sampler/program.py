@@ -150,7 +150,8 @@ class SamplerProgram:
         log.info("decode lanes: %d of %d slots (sampler.decode_lanes=%d%s)", self.lanes,
                  sc.num_slots // self.lanes, sc.decode_lanes,
                  ", chosen by rlflow.sampler.lanes.lane_count" if sc.decode_lanes == 0 else "")
-        lane_cfg = replace(sc, num_slots=sc.num_slots // self.lanes, decode_lanes=1)
+        lane_cfg = replace(sc, num_slots=sc.num_slots // self.lanes, decode_lanes=1,
+                           num_pages=sc.num_pages // self.lanes)     # (paged: split too)
         self.engine = RlflowEngine(engine_model, lane_cfg, mesh=self.mesh,
                                    tokenizer_path=cfg.model.path, eos_token_ids=sorted(eos))
         coord = _endpoint(endpoints.coordinator)

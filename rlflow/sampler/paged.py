@@ -1,0 +1,90 @@
+"""The engine's device side of a paged KV cache (``sampler.kv_cache = "paged"``).
+
+The decode state's cache is a :class:`rlflow.models.paged_kv_cache.PagedKVCache` of
+``sampler.pool_pages`` pages (``N``) of ``sampler.page_size`` tokens (``P``) per layer and a
+page table ``[slots, M]`` (``M = sampler.pages_per_slot``). Prefill is unchanged (a
+:class:`rlflow.sampler.decode_state.Prefix` holds contiguous ``[n, K, D, bucket]`` keys);
+:func:`insert_prefix` writes a prefix row's entries into the pages of the slot it is
+inserted into. The host (:class:`rlflow.sampler.paged_batching.PagedSlots`) owns the page
+table: it takes pages for a slot before any device call writes there, and uploads the table
+(:meth:`rlflow.sampler.engine.RlflowEngine.set_page_table`) when it changed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rlflow.models.kv_cache import KVCache
+from rlflow.models.paged_kv_cache import (PagedKVCache, init_paged_cache, page_slots,
+                                          resolve_attention, write_pages)
+
+
+def paged_settings(sampler_cfg, backend: str) -> dict:
+    """``init_paged_cache`` keyword sizes of a sampler config (pages, page size, pages per
+    slot, attention resolved for ``backend``)."""
+    return dict(num_pages=sampler_cfg.pool_pages, page_size=sampler_cfg.page_size,
+                pages_per_row=sampler_cfg.pages_per_slot,
+                attention=resolve_attention(sampler_cfg.paged_attention, backend))
+
+
+def init_state_cache(cfg, slots: int, settings: dict) -> PagedKVCache:
+    """The decode state's empty paged cache (``settings``: :func:`paged_settings`)."""
+    return init_paged_cache(cfg, slots, **settings)
+
+
+def insert_prefix(cache: PagedKVCache, prefix: KVCache, rows: jax.Array, slots: jax.Array,
+                  keep: jax.Array) -> PagedKVCache:
+    """Write prefix rows into the pages of slots.
+
+    Args:
+      cache: the decode state's paged cache (its page table already holds the slots' pages).
+      prefix: a prefill's contiguous cache, keys ``[n, K, D, W]``, values ``[n, K, W, D]``.
+      rows / slots: int32 ``[m]``: prefix row ``rows[j]`` goes to slot ``slots[j]``; a slot
+        ``>= B`` is padding (nothing written).
+      keep: bool ``[m, W]``: the prefix entries that hold prompt tokens (the rest are not
+        written, so no page outside the slot's table is touched).
+
+    Returns:
+      The cache with the entries in the slots' pages and each slot's mask row reset to
+      ``keep`` (its positions past ``W`` False). Samples of one group share their full
+      prompt pages: each writes the same values there.
+    """
+    b, n_pages = cache.page_table.shape[0], cache.num_pages
+    m, w = keep.shape
+    valid = slots < b
+    table = jnp.where(valid[:, None], cache.page_table[jnp.minimum(slots, b - 1)], n_pages)
+    cols = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (m, w))
+    page, offset = page_slots(table, cols, cache.page_size)
+    page = jnp.where(keep, page, n_pages)
+    ks = tuple(write_pages(pool, new[rows].transpose(0, 3, 1, 2), page, offset)
+               for pool, new in zip(cache.k, prefix.k))
+    vs = tuple(write_pages(pool, new[rows].transpose(0, 2, 1, 3), page, offset)
+               for pool, new in zip(cache.v, prefix.v))
+    row_mask = jnp.zeros((m, cache.max_len), bool).at[:, :w].set(keep)
+    return cache.replace(k=ks, v=vs, mask=cache.mask.at[slots].set(row_mask, mode="drop"))
+
+
+def slot_rows(cache, slots: jax.Array):
+    """The cache seen by ``m`` slots (padding slots ``>= B`` see no page, so a forward over
+    them writes nothing): a paged cache with those rows of the page table and mask (pools
+    shared), or a contiguous cache's rows."""
+    b = cache.mask.shape[0]
+    safe = jnp.minimum(slots, b - 1)
+    if isinstance(cache, PagedKVCache):
+        table = jnp.where((slots < b)[:, None], cache.page_table[safe], cache.num_pages)
+        return cache.replace(page_table=table, mask=cache.mask[safe])
+    return KVCache(k=tuple(k[safe] for k in cache.k), v=tuple(v[safe] for v in cache.v),
+                   mask=cache.mask[safe])
+
+
+def set_slot_rows(cache, sub, slots: jax.Array):
+    """Inverse of :func:`slot_rows` after a forward over ``sub``: its rows put back into
+    ``cache`` (padding slots dropped); a paged cache takes ``sub``'s pools whole."""
+    def put(dst, src):
+        return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
+    if isinstance(cache, PagedKVCache):
+        return cache.replace(k=sub.k, v=sub.v, mask=put(cache.mask, sub.mask))
+    return KVCache(k=tuple(put(a, b) for a, b in zip(cache.k, sub.k)),
+                   v=tuple(put(a, b) for a, b in zip(cache.v, sub.v)),
+                   mask=put(cache.mask, sub.mask))
