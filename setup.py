@@ -34,6 +34,7 @@ RUNTIME = [
 TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",     # scripts/test.sh: one worker per core (tests/conftest.py groups files)
     "torch==2.13.0",
     "peft==0.21.2",         # LoRA export test: PeftModel.from_pretrained
     "tensorboard>=2.15",

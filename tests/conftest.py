@@ -130,3 +130,19 @@ def two_learner_hosts(tmp_path_factory):
                 ckpt_2h=str(work / "ckpt_2h"),
                 pulled_version=version,
                 pulled={k: v[...] for k, v in nnx.to_flat_state(params)})
+
+
+# pytest-xdist (scripts/test.sh runs ``-n <workers> --dist loadgroup``): each test file runs
+# on one worker, as ``--dist loadfile`` would, so its module fixtures are built once; files
+# that share a session fixture run on the same worker, which builds it once.
+_SHARED_SESSION_FIXTURES = {
+    "test_multihost.py": "two_learner_hosts", "test_host_shards.py": "two_learner_hosts",
+    "test_gsm8k_e2e.py": "gsm8k_model", "test_episodes_e2e.py": "gsm8k_model",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = os.path.basename(str(item.fspath))
+            item.add_marker(pytest.mark.xdist_group(_SHARED_SESSION_FIXTURES.get(name, name)))
