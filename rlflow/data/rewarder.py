@@ -249,8 +249,14 @@ class Rewarder:
 
         Sample ids are ``"prompt <prompt_id> sample <g>"``. Raises as :meth:`score`.
         """
+        return self.score_group_batch(prompt_id, completions, answer, finish_reasons).total
+
+    def score_group_batch(self, prompt_id: int, completions: Sequence[str], answer: str,
+                          finish_reasons: Optional[Sequence[str]] = None) -> RewardBatch:
+        """:meth:`score_group` with each function's rewards: the :class:`RewardBatch` of
+        the group (``total`` and ``components`` ``[G]``). Raises as :meth:`score`."""
         return self.score(completions, [answer] * len(completions),
-                          _group_ids(prompt_id, len(completions)), finish_reasons).total
+                          _group_ids(prompt_id, len(completions)), finish_reasons)
 
     def metrics(self) -> Dict[str, int]:
         """Failure counters, flat: ``{"reward/errors/<name>": n, "reward/timeouts/<name>": n}``."""
