@@ -10,7 +10,6 @@ module-scoped load of each model keeps the file to a few tens of seconds on 2 co
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
