@@ -112,13 +112,13 @@ def prompt_record(group, texts: Sequence[str], rewards, threshold: float, *,
     versions = np.concatenate([c.versions for c in group.completions if len(c.versions)]
                               or [np.zeros(0, np.int32)])
     record = {"prompt_id": int(group.prompt_id),
-            "rewards": [float(r) for r in rewards],
-            "correct": [bool(r >= threshold) for r in rewards],
-            "lengths": [int(len(c.tokens)) for c in group.completions],
-            "truncated": [bool(c.truncated) for c in group.completions],
-            "answers": [completion_answer_text(t).strip() for t in texts],
-            "versions": [int(versions.min()), int(versions.max())] if versions.size else [],
-            "prompt": prompt_text, "completion": texts[0] if texts else "", "answer": answer}
+              "rewards": [float(r) for r in rewards],
+              "correct": [bool(r >= threshold) for r in rewards],
+              "lengths": [int(len(c.tokens)) for c in group.completions],
+              "truncated": [bool(c.truncated) for c in group.completions],
+              "answers": [completion_answer_text(t).strip() for t in texts],
+              "versions": [int(versions.min()), int(versions.max())] if versions.size else [],
+              "prompt": prompt_text, "completion": texts[0] if texts else "", "answer": answer}
     if components is not None:
         record["components"] = {name: [float(v) for v in np.asarray(values).reshape(-1)]
                                 for name, values in components.items()}
@@ -151,10 +151,9 @@ def write_eval_samples(run_dir: str, version: int, records: Iterable[Mapping],
     """Append the first sample of up to ``limit`` prompt records (lowest prompt ids first)
     to ``<run_dir>/<name>`` (default ``eval_samples.jsonl``): ``{"step", "version",
     "prompt_id", "prompt", "completion", "answer", "reward", "correct", "truncated"}``
-    per line (``step``
-    = ``version``, the policy version that generated it, as in ``samples.jsonl``; readable
-    with :func:`rlflow.run.folder.read_jsonl`). Returns the rows written, as dicts (for
-    :meth:`rlflow.run.metrics.MetricsWriter.log_eval_samples`)."""
+    per line (``step`` = ``version``, the policy version that generated it, as in
+    ``samples.jsonl``; readable with :func:`rlflow.run.folder.read_jsonl`). Returns the
+    rows written, as dicts (for :meth:`rlflow.run.metrics.MetricsWriter.log_eval_samples`)."""
     rows = [{"step": int(version), "version": int(version), "prompt_id": r["prompt_id"],
              "prompt": r.get("prompt", ""), "completion": r.get("completion", ""),
              "answer": r.get("answer", ""), "reward": r["rewards"][0],
