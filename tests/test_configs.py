@@ -57,3 +57,35 @@ def test_reference_config_uses_the_model_folder_and_names_a_missing_one(name, mo
     monkeypatch.setenv("RLFLOW_MODEL_PATH", missing)
     with pytest.raises(ConfigError, match=r"model\.path: .*no-such-model.*RLFLOW_MODEL_PATH"):
         load_config_file(path)
+
+
+def test_smollm2_arith_never_trains_on_a_held_out_pair(tmp_path):
+    """configs/smollm2_arith.py: the held-out sums are distinct unordered pairs that the
+    training file holds in neither order; every answer is the sum."""
+    import importlib.util
+    import json
+    import re
+
+    spec = importlib.util.spec_from_file_location(
+        "smollm2_arith", os.path.join(REPO, "configs", "smollm2_arith.py"))
+    arith = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arith)
+    lo, hi = arith.OPERANDS
+
+    def pairs(path):
+        out = []
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                a, b = (int(v) for v in re.fullmatch(
+                    r"What is (\d+) \+ (\d+)\? Reply with the number only\.",
+                    r["question"]).groups())
+                assert r["answer"] == str(a + b) and lo <= a <= hi and lo <= b <= hi, r
+                out.append(frozenset((a, b)))
+        return out
+
+    train, held = (pairs(p) for p in arith.data_paths(str(tmp_path)))
+    assert len(train) == arith.ARITH_RECORDS
+    assert len(held) == len(set(held)) == arith.HELD_OUT_PAIRS
+    assert not set(train) & set(held)
+    assert len(set(train)) > 100                        # the rest of the pairs are trained on

@@ -72,6 +72,40 @@ def test_eval_metrics_against_numpy():
     assert "eval/pass@1" in one and not any(key.startswith("eval/maj@") for key in one)
 
 
+def test_eval_metrics_per_reward_function_means():
+    rng = np.random.default_rng(1)
+    p, k = 5, 3
+    parts = {"math_verify": (rng.random((p, k)) < 0.5).astype(float),
+             "last_number": (rng.random((p, k)) < 0.5).astype(float)}
+    rewards = parts["math_verify"]
+    got = eval_metrics(rewards, rewards >= 0.5, np.ones((p, k)), np.zeros((p, k), bool),
+                       [["a"] * k] * p, components=parts)
+    for name, values in parts.items():     # 0/1 values: exact integer sums
+        assert got[f"eval/reward/{name}"] == values.sum() / values.size
+    assert "eval/reward/other" not in got
+    with pytest.raises(ValueError, match=r"components\['last_number'\] is \(5, 2\)"):
+        eval_metrics(rewards, rewards >= 0.5, np.ones((p, k)), np.zeros((p, k), bool),
+                     [["a"] * k] * p, components={"last_number": np.zeros((p, 2))})
+
+
+def test_aggregate_reports_the_functions_every_record_has():
+    from rlflow.eval.scoring import aggregate
+
+    def record(i, mv, ln, other=None):
+        parts = {"math_verify": [mv], "last_number": [ln]}
+        if other is not None:
+            parts["other"] = [other]
+        return {"prompt_id": i, "rewards": [mv], "correct": [mv >= 0.5], "lengths": [3],
+                "truncated": [False], "answers": ["7"], "components": parts}
+
+    got = aggregate([record(0, 1.0, 0.0, other=1.0), record(1, 1.0, 1.0),
+                     record(2, 0.0, 0.0)])
+    assert got["eval/reward/math_verify"] == 2 / 3 and got["eval/reward/last_number"] == 1 / 3
+    assert "eval/reward/other" not in got                # one record has no such component
+    no_parts = [{key: v for key, v in record(0, 1.0, 1.0).items() if key != "components"}]
+    assert not any(key.startswith("eval/reward/") for key in aggregate(no_parts))
+
+
 def test_eval_metrics_refuses_ragged_input():
     with pytest.raises(ValueError, match=r"must all be \[prompts, samples\]"):
         eval_metrics(np.zeros((2, 3)), np.zeros((2, 2), bool), np.zeros((2, 3)),

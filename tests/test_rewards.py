@@ -17,8 +17,8 @@ import pytest
 from rlflow.config import RewardConfig, load_config_file, replace
 from rlflow.data.rewarder import Rewarder
 from rlflow.data.rewards import (NonFiniteRewardError, RewardFunctionError, available_rewards,
-                                 exact_match_reward, get_reward, math_format_reward,
-                                 math_verify_reward, register_reward)
+                                 exact_match_reward, get_reward, last_number_reward,
+                                 math_format_reward, math_verify_reward, register_reward)
 from tolerances import sum_tol
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +161,26 @@ def test_math_verify_unparseable_reference_is_an_error():
 ])
 def test_math_format(completion, want):
     assert math_format_reward(completion, "42") == want
+
+
+@pytest.mark.parametrize("completion, answer, want", [
+    ("131", "131", 1.0), ("The answer is 131.", "#### 131", 1.0),
+    ("71 + 60 = 131", "131", 1.0), ("131.0", "131", 1.0), ("1,310", "1310", 1.0),
+    ("-5", "-5", 1.0), ("10-5", "-5", 0.0), ("10-5", "5", 1.0),
+    # restating the question, or the answer before more numbers: the last number counts
+    ("71 + 60", "131", 0.0), ("71 + 60, that's a easy one.", "131", 0.0),
+    ("131 is 71 + 60", "131", 0.0), ("\\boxed{131} (2 steps)", "131", 0.0),
+    ("no number", "131", 0.0), ("", "131", 0.0), ("1310", "131", 0.0),
+])
+def test_last_number(completion, answer, want):
+    assert last_number_reward(completion, answer) == want
+    assert last_number_reward(completion, answer, finish_reason="length") == 0.0
+
+
+@pytest.mark.parametrize("answer", ["x + 1", "3/4", "#### ", "131 apples and 2 pears"])
+def test_last_number_needs_a_numeric_reference(answer):
+    with pytest.raises(ValueError, match=r"last_number: the reference answer .* not a number"):
+        last_number_reward("131", answer)
 
 
 def test_exact_match():

@@ -10,7 +10,6 @@ module-scoped load of each model keeps the file to a few tens of seconds on 2 co
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -210,3 +209,59 @@ def test_paged_kv_cache_equals_contiguous(smol, chat_prompts, rollouts):
                 model, list(group.prompt_tokens) + c.tokens.tolist())).max())
             np.testing.assert_allclose(c.logprobs, r.logprobs, rtol=0, atol=forward_atol(
                 cfg, len(group.prompt_tokens) + MAX_NEW, scale))
+
+
+GSM8K_EVAL_PROMPTS = 50
+GSM8K_EVAL_TOKENS = 32
+GSM8K_PROMPT_TOKENS = 96     # the 50 shortest questions fit (ChatML + instruction)
+
+
+def test_eval_of_50_gsm8k_questions_runs(smol, tmp_path, capsys):
+    """``rlflow eval --model-path`` (issue 42 item 2) on the real checkpoint: 50 GSM8K test
+    questions (the shortest, so one 96-token prefill bucket holds them), greedy, with
+    configs/gsm8k.py's template and reward. Every metric is checked against the samples it
+    wrote, re-scored here (no accuracy is asserted: 32 new tokens are too few for the
+    model to finish most answers)."""
+    from conftest import GSM8K_TEST, gsm8k_records
+    from rlflow.console import cli
+    from rlflow.data.rewards import math_verify_reward
+
+    if not os.path.isfile(GSM8K_TEST):
+        pytest.skip(f"GSM8K test file not found at {GSM8K_TEST} (the shared data folder)")
+    records = sorted(gsm8k_records(), key=lambda r: len(r["question"]))[:GSM8K_EVAL_PROMPTS]
+    held = tmp_path / "gsm8k_test_50.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "gsm8k_eval.json"
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "configs", "gsm8k.py")
+    status = cli.main(["eval", "--model-path", smol[0], "--config", config,
+                       "--eval.path", str(held), "--eval.num-prompts", "0",
+                       "--eval.num-logged-samples", str(GSM8K_EVAL_PROMPTS),
+                       "--eval.max-tokens", str(GSM8K_EVAL_TOKENS),
+                       "--data.max-prompt-tokens", str(GSM8K_PROMPT_TOKENS),
+                       "--sampler.max-prefill-length", str(GSM8K_PROMPT_TOKENS),
+                       "--sampler.prefill-buckets", str(GSM8K_PROMPT_TOKENS),
+                       "--sampler.max-tokens", str(GSM8K_EVAL_TOKENS),
+                       "--sampler.num-slots", str(GSM8K_EVAL_PROMPTS),
+                       "--out", str(out)])
+    assert status == 0, capsys.readouterr().err
+    body = json.loads(out.read_text())
+    m = body["metrics"]
+    assert body["source"] == smol[0] and body["eval"]["temperature"] == 0.0
+    assert (m["eval/num_prompts"], m["eval/num_samples"]) == (GSM8K_EVAL_PROMPTS, 1)
+    samples = [json.loads(line) for line in open(tmp_path / "gsm8k_eval_samples.jsonl")]
+    assert [s["answer"] for s in samples] == [r["answer"] for r in records]   # file order
+    assert all(r["question"] in s["prompt"] and s["prompt"].endswith("<|im_start|>assistant\n")
+               for s, r in zip(samples, records))
+    for s in samples:            # each sample's reward is the task's reward of its text
+        finish = "length" if s["truncated"] else "stop"
+        assert s["reward"] == math_verify_reward(s["completion"], s["answer"], finish), s
+        assert s["correct"] == (s["reward"] >= 0.5)
+    # k = 1 and 0/1 rewards: every mean below is of exact integers, so equal exactly
+    correct = [s["correct"] for s in samples]
+    assert 0.0 <= m["eval/pass@1"] <= 1.0 and m["eval/pass@1"] == np.mean(correct)
+    assert m["eval/reward_mean"] == np.mean([s["reward"] for s in samples])
+    assert m["eval/reward/math_verify"] == m["eval/reward_mean"]       # its only function
+    assert m["eval/truncation_rate"] == np.mean([s["truncated"] for s in samples])
+    assert 1 <= m["eval/completion_length"] <= GSM8K_EVAL_TOKENS
+    assert any(s["completion"].strip() for s in samples)

@@ -1,6 +1,7 @@
 """Weights & Biases logging (rlflow/run/wandb_sink.py, issue 42 item 3) in offline mode (no
-network): the offline run folder holds every step's metrics and the redacted config, no
-secret, and a resumed run continues the same W&B run id."""
+network): the offline run folder holds every step's metrics, the redacted config and a
+held-out evaluation's samples table, no secret, and a resumed run continues the same W&B
+run id."""
 
 import dataclasses
 import glob
@@ -8,13 +9,15 @@ import json
 import os
 import struct
 
+import numpy as np
 import pytest
 
 from rlflow.config import BufferConfig, ExperimentConfig, MetricsConfig, WandbConfig
 from rlflow.config.secrets import REDACTED
 from rlflow.run.metrics import MetricsWriter
 from rlflow.run.report import make_report
-from rlflow.run.wandb_sink import RUN_ID_FILE
+from rlflow.eval.scoring import EVAL_SAMPLES_FILE
+from rlflow.run.wandb_sink import EVAL_SAMPLE_COLUMNS, EVAL_TABLE, RUN_ID_FILE
 
 pytest.importorskip("wandb")
 
@@ -74,9 +77,38 @@ def metrics_of(step: int) -> dict:
     return {"reward/mean": 0.25 * step, "perf/mfu": 0.01 * step, "learner/step_time_s": 1.5}
 
 
+EVAL_VERSION = 1          # evaluated version; its result arrives after step 3 (async)
+EVAL_ROWS = [("1 + 1 =", "2", "2", 1.0), ("2 + 5 =", "8", "7", 0.0)]
+
+
+def eval_records() -> list:
+    """Prompt records (rlflow/eval/scoring.py) of a 2-prompt evaluation, k = 1."""
+    return [{"prompt_id": i, "rewards": [r], "correct": [r >= 0.5], "lengths": [1],
+             "truncated": [False], "answers": [c], "versions": [EVAL_VERSION] * 2,
+             "prompt": p, "completion": c, "answer": a}
+            for i, (p, c, a, r) in enumerate(EVAL_ROWS)]
+
+
+def log_evaluation(writer, every_steps: int = 1) -> None:
+    """An evaluation of EVAL_VERSION delivered by a replica and logged as the learner does
+    (rlflow.runtime.evals.RunEvals)."""
+    from rlflow.config import EvalConfig
+    from rlflow.runtime.evals import EvalSchedule, RunEvals
+
+    evals = RunEvals(EvalSchedule(every_steps, len(EVAL_ROWS), 600.0), writer,
+                     EvalConfig(every_steps=every_steps, num_logged_samples=len(EVAL_ROWS)))
+    evals.request(EVAL_VERSION)
+    assert evals.schedule.assign("sampler-0", EVAL_VERSION) == EVAL_VERSION
+    assert evals.schedule.deliver("sampler-0", {"requested": EVAL_VERSION,
+                                                "version": EVAL_VERSION,
+                                                "records": eval_records()})
+    evals.log_finished()
+
+
 @pytest.fixture(scope="module")
 def three_step_run(tmp_path_factory):
-    """A 3-step run folder logged through MetricsWriter.for_experiment with W&B offline."""
+    """A 3-step run folder logged through MetricsWriter.for_experiment with W&B offline,
+    then a held-out evaluation of version 1 (finished after step 3, as in async runs)."""
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "RLFLOW_BUFFER_TOKEN": SECRET}                  # not to be captured either
     saved = {k: os.environ.get(k) for k in env}
@@ -88,6 +120,7 @@ def three_step_run(tmp_path_factory):
                 writer.log(step, metrics_of(step))
                 writer.log_samples(step, [dict(prompt="2+2=", completion="4", reward=1.0,
                                                version=step - 1)])
+            log_evaluation(writer)
         yield cfg
     finally:
         for k, v in saved.items():
@@ -112,6 +145,31 @@ def test_offline_run_holds_metrics_and_redacted_config(three_step_run):
     logged = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert logged["buffer"]["token"] == REDACTED
     assert logged["learner"] == json.loads(json.dumps(dataclasses.asdict(cfg.learner)))
+
+
+def test_offline_run_holds_the_eval_table(three_step_run):
+    cfg = three_step_run
+    with open(os.path.join(cfg.run_path, RUN_ID_FILE)) as f:
+        run_id = f.read().strip()
+    _, history = offline_run(cfg.run_path, run_id)
+    # logged after step 3 (W&B drops a step below its current one): at step 3, charted
+    # against eval/version
+    row = history[STEPS[-1]]
+    assert row["eval/version"] == EVAL_VERSION
+    assert row["eval/pass@1"] == pytest.approx(np.mean([r for *_, r in EVAL_ROWS]))
+    assert row[f"{EVAL_TABLE}/nrows"] == len(EVAL_ROWS)
+    assert all(EVAL_TABLE not in h and "eval/version" not in h
+               for step, h in history.items() if step != STEPS[-1])
+    folder = sorted(glob.glob(os.path.join(cfg.run_path, "wandb", f"offline-run-*-{run_id}")))[-1]
+    table_file = os.path.join(folder, "files", row[f"{EVAL_TABLE}/path"])
+    with open(table_file) as f:
+        table = json.load(f)
+    assert table["columns"] == list(EVAL_SAMPLE_COLUMNS)
+    want = [[EVAL_VERSION, p, c, a, r, r >= 0.5] for p, c, a, r in EVAL_ROWS]
+    assert table["data"] == want
+    with open(os.path.join(cfg.run_path, EVAL_SAMPLES_FILE)) as f:   # the same rows
+        lines = [json.loads(line) for line in f]
+    assert [[x[c] for c in EVAL_SAMPLE_COLUMNS] for x in lines] == want
 
 
 def test_no_secret_anywhere_in_the_run_folder(three_step_run):

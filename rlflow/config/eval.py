@@ -40,7 +40,9 @@ class EvalConfig:
       functions / weights: reward functions that score the completions (names as in
         ``reward.functions``); empty: the ``reward`` section's functions and weights. A
         sample counts as correct (pass@k, maj@k) when its reward is at least half the best
-        total (the sum of the positive weights).
+        total (the sum of the positive weights). Each function's mean is reported as
+        ``eval/reward/<name>``; one with weight 0 is reported only (e.g. ``("math_verify",
+        "last_number")`` with ``(1.0, 0.0)``: the strict accuracy beside pass@1).
       timeout_s: seconds the learner waits for one evaluation's results before it logs it
         as incomplete (``eval/complete`` 0); the run never waits for an evaluation.
       num_logged_samples: completions of each evaluation written to ``eval_samples.jsonl``

@@ -295,9 +295,17 @@ class Rewarder:
         Sample ids are ``"prompt <prompt_id> sample <g>"``; ``prompt``: its text, for the
         served rewards. Raises as :meth:`score`.
         """
+        return self.score_group_batch(prompt_id, completions, answer, finish_reasons,
+                                      prompt).total
+
+    def score_group_batch(self, prompt_id: int, completions: Sequence[str], answer: str,
+                          finish_reasons: Optional[Sequence[str]] = None,
+                          prompt: str = "") -> RewardBatch:
+        """:meth:`score_group` with each function's rewards: the :class:`RewardBatch` of
+        the group (``total`` and ``components`` ``[G]``). Raises as :meth:`score`."""
         g = len(completions)
         return self.score(completions, [answer] * g, _group_ids(prompt_id, g),
-                          finish_reasons, [prompt] * g).total
+                          finish_reasons, [prompt] * g)
 
     def metrics(self) -> Dict[str, int]:
         """Failure counters, flat: ``{"reward/errors/<name>": n, "reward/timeouts/<name>": n}``

@@ -31,6 +31,11 @@ not finish: it stated no final answer, so 0.0; ``digits_match`` pays no stopping
     ``math_verify`` then checks) and, when the reference is a number, that answer is a
     value too (``\\boxed{27+33}`` is no answer to ``#### 60``); else 0.0.
   * ``exact_match``: 1.0 when completion and answer are equal after stripping whitespace.
+  * ``last_number``: the strict check: 1.0 when the **last number written** in the
+    completion equals the reference's number (a numeric reference only; GSM8K's ``####``
+    taken), else 0.0. No extraction rules, no math-verify: it tells a model that states the
+    value from one that states something math-verify reads as the value (the gap between
+    the two accuracies is the size of that difference; issue 44).
   * ``digits_match``: the built-in demo task's reward (``rlflow.data.tasks``).
 
 Served over HTTP (not functions: the names are reserved): ``http`` (a reward model's
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 import logging
 import re
+from decimal import Decimal
 from typing import Callable, Dict, Sequence
 
 from rlflow.config.data import SERVED_REWARDS
@@ -375,6 +381,36 @@ def exact_match_reward(completion: str, answer: str, finish_reason: str = "stop"
     because the special tokens after it were removed)."""
     return float(finish_reason != "length" and completion.strip() == answer.strip())
 
+
+
+# a number literal as written: optional sign (not a binary minus: no digit before it),
+# digits with optional thousands commas, optional decimals
+_NUMBER = re.compile(r"(?<![\d.,])-?\d+(?:,\d{3})*(?:\.\d+)?(?![\d])")
+
+
+def last_number(text: str):
+    """The last number literal of ``text`` as a ``Decimal`` (thousands commas removed;
+    ``-5`` is negative, the ``5`` of ``10-5`` is not), or None when it has none."""
+    found = _NUMBER.findall(text)
+    return Decimal(found[-1].replace(",", "")) if found else None
+
+
+@register_reward("last_number")
+def last_number_reward(completion: str, answer: str, finish_reason: str = "stop") -> float:
+    """1.0 if the last number written in the completion (:func:`last_number`) equals the
+    reference's number (``60`` equals ``60.0``), else 0.0; 0.0 for a completion cut at
+    ``max_tokens``. The strict twin of ``math_verify`` for numeric answers: ``71 + 60`` and
+    ``131 is 71 + 60`` score 0 against 131, ``71 + 60 = 131`` scores 1.
+
+    Raises:
+      ValueError: the reference (:func:`final_answer_text`) is not a number (names it).
+    """
+    gold = last_number(final_answer_text(answer))
+    if gold is None or _NUMBER.sub("", final_answer_text(answer)).strip(" $.%"):
+        raise ValueError(f"last_number: the reference answer {answer!r} is not a number")
+    if finish_reason == "length":
+        return 0.0
+    return float(last_number(completion) == gold)
 
 
 register_reward("digits_match")(digits_match)

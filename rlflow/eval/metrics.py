@@ -87,8 +87,8 @@ def majority_correct(answers: Sequence[Sequence[str]], correct) -> np.ndarray:
     return out
 
 
-def eval_metrics(rewards, correct, lengths, truncated, answers: Sequence[Sequence[str]]
-                 ) -> dict[str, float]:
+def eval_metrics(rewards, correct, lengths, truncated, answers: Sequence[Sequence[str]],
+                 components: Mapping[str, object] | None = None) -> dict[str, float]:
     """One evaluation's metrics.
 
     Args:
@@ -97,15 +97,18 @@ def eval_metrics(rewards, correct, lengths, truncated, answers: Sequence[Sequenc
       lengths: int ``[P, k]`` completion lengths in tokens.
       truncated: bool ``[P, k]``: the completion reached ``max_tokens``.
       answers: ``P`` rows of ``k`` extracted final answers (for maj@k).
+      components: reward function name -> float ``[P, k]`` unweighted rewards of that
+        function (optional).
 
     Returns:
       ``{"eval/reward_mean", "eval/pass@1", "eval/pass@<k>", "eval/maj@<k>",
       "eval/completion_length", "eval/truncation_rate", "eval/num_prompts",
       "eval/num_samples"}`` as floats (pass@k and maj@k only for k > 1; maj@1 equals
-      pass@1).
+      pass@1), and ``"eval/reward/<name>"``, the mean of each of ``components`` (for a
+      0/1 reward function: the fraction of samples it accepts, its accuracy).
 
     Raises:
-      ValueError: the arrays are not all ``[P, k]`` with ``P >= 1``.
+      ValueError: the arrays are not all ``[P, k]`` with ``P >= 1`` (names a bad component).
     """
     rewards = np.asarray(rewards, np.float64)
     correct = np.asarray(correct, bool)
@@ -125,6 +128,12 @@ def eval_metrics(rewards, correct, lengths, truncated, answers: Sequence[Sequenc
            "eval/completion_length": float(lengths.mean()),
            "eval/truncation_rate": float(truncated.mean()),
            "eval/num_prompts": float(p), "eval/num_samples": float(k)}
+    for name, values in (components or {}).items():
+        values = np.asarray(values, np.float64)
+        if values.shape != shape:
+            raise ValueError(f"eval_metrics: components[{name!r}] is {values.shape}, "
+                             f"expected [prompts, samples] {shape}")
+        out[f"eval/reward/{name}"] = float(values.mean())
     if k > 1:
         out[f"eval/pass@{k}"] = float(pass_at_k(n, c, k).mean())
         out[f"eval/maj@{k}"] = float(majority_correct(answers, correct).mean())

@@ -103,12 +103,13 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
     with Rewarder(reward_cfg, plugins=cfg.plugins) as rewarder:
         for prompt, group in zip(prompts, groups):
             texts, finish, unclosed = graded_texts(group, tokenizer, reasoning)
-            rewards = scoring.zero_unclosed(
-                rewarder.score_group(group.prompt_id, texts, prompt["answer"], finish,
-                                     prompt["prompt_text"]), unclosed)
+            rewards, components = scoring.graded_rewards(rewarder.score_group_batch(
+                group.prompt_id, texts, prompt["answer"], finish, prompt["prompt_text"]),
+                unclosed)
             records.append(scoring.prompt_record(group, texts, rewards, threshold,
                                                  prompt_text=prompt["prompt_text"],
-                                                 answer=prompt["answer"]))
+                                                 answer=prompt["answer"],
+                                                 components=components))
     metrics = scoring.aggregate(records)
     metrics["eval/version"] = float(version)
     return metrics, records

@@ -12,6 +12,7 @@ a status request, :mod:`rlflow.runtime.control`)::
      "truncated": [k bools],       # finish_reason "length" (hit max_tokens)
      "answers": [k strings],       # final answers (rlflow.data.rewards.completion_answer_text)
      "versions": [min, max],       # policy versions of the group's tokens
+     "components": {fn: [k floats]},  # each reward function's unweighted rewards (optional)
      "prompt": str, "completion": str, "answer": str}   # the first sample, for the log
 """
 
@@ -77,8 +78,24 @@ def zero_unclosed(rewards, unclosed: np.ndarray) -> np.ndarray:
     return np.where(unclosed, 0.0, np.asarray(rewards, np.float64))
 
 
+def graded_rewards(batch, unclosed: np.ndarray) -> tuple[np.ndarray, dict]:
+    """The total and per-function rewards of a scored group
+    (:class:`rlflow.data.rewarder.RewardBatch`, ``[k]`` each) as the evaluation counts them:
+    float64, 0 where the reasoning never closed (:func:`zero_unclosed`) and where a value is
+    not finite (NaN/inf: scored 0, as a failed call, so the metrics stay finite).
+
+    Returns:
+      ``(rewards [k], {function name: [k]})``.
+    """
+    def graded(values):
+        values = zero_unclosed(values, unclosed)
+        return np.where(np.isfinite(values), values, 0.0)
+    return graded(batch.total), {name: graded(v) for name, v in batch.components.items()}
+
+
 def prompt_record(group, texts: Sequence[str], rewards, threshold: float, *,
-                  prompt_text: str = "", answer: str = "") -> dict:
+                  prompt_text: str = "", answer: str = "",
+                  components: Mapping[str, Sequence[float]] | None = None) -> dict:
     """A finished group of a held-out prompt as a prompt record (module docstring).
 
     Args:
@@ -86,25 +103,32 @@ def prompt_record(group, texts: Sequence[str], rewards, threshold: float, *,
       texts: the k decoded completions.
       rewards: float ``[k]`` total rewards.
       threshold: reward at or above which a sample is correct.
+      components: each reward function's unweighted rewards, float ``[k]`` (the record's
+        ``"components"``; :func:`aggregate` reports their means); None: not recorded.
     """
     from rlflow.data.rewards import completion_answer_text
 
     rewards = np.asarray(rewards, np.float64).reshape(-1)
     versions = np.concatenate([c.versions for c in group.completions if len(c.versions)]
                               or [np.zeros(0, np.int32)])
-    return {"prompt_id": int(group.prompt_id),
-            "rewards": [float(r) for r in rewards],
-            "correct": [bool(r >= threshold) for r in rewards],
-            "lengths": [int(len(c.tokens)) for c in group.completions],
-            "truncated": [bool(c.truncated) for c in group.completions],
-            "answers": [completion_answer_text(t).strip() for t in texts],
-            "versions": [int(versions.min()), int(versions.max())] if versions.size else [],
-            "prompt": prompt_text, "completion": texts[0] if texts else "", "answer": answer}
+    record = {"prompt_id": int(group.prompt_id),
+              "rewards": [float(r) for r in rewards],
+              "correct": [bool(r >= threshold) for r in rewards],
+              "lengths": [int(len(c.tokens)) for c in group.completions],
+              "truncated": [bool(c.truncated) for c in group.completions],
+              "answers": [completion_answer_text(t).strip() for t in texts],
+              "versions": [int(versions.min()), int(versions.max())] if versions.size else [],
+              "prompt": prompt_text, "completion": texts[0] if texts else "", "answer": answer}
+    if components is not None:
+        record["components"] = {name: [float(v) for v in np.asarray(values).reshape(-1)]
+                                for name, values in components.items()}
+    return record
 
 
 def aggregate(records: Sequence[Mapping]) -> dict[str, float]:
     """Metrics of one evaluation from its prompt records (:func:`eval_metrics`; records in
-    any order; every record must have the same number of samples k).
+    any order; every record must have the same number of samples k). The reward functions
+    that every record has ``components`` of get their mean, ``eval/reward/<name>``.
 
     Raises:
       ValueError: no records, or records with different k.
@@ -114,27 +138,28 @@ def aggregate(records: Sequence[Mapping]) -> dict[str, float]:
     ks = {len(r["rewards"]) for r in records}
     if len(ks) != 1:
         raise ValueError(f"aggregate: prompt records have different sample counts {sorted(ks)}")
+    names = set.intersection(*(set(r.get("components") or ()) for r in records))
     return eval_metrics([r["rewards"] for r in records], [r["correct"] for r in records],
                         [r["lengths"] for r in records], [r["truncated"] for r in records],
-                        [r["answers"] for r in records])
+                        [r["answers"] for r in records],
+                        components={n: [r["components"][n] for r in records]
+                                    for n in sorted(names)})
 
 
 def write_eval_samples(run_dir: str, version: int, records: Iterable[Mapping],
-                       limit: int, *, name: str = EVAL_SAMPLES_FILE) -> int:
+                       limit: int, *, name: str = EVAL_SAMPLES_FILE) -> list[dict]:
     """Append the first sample of up to ``limit`` prompt records (lowest prompt ids first)
     to ``<run_dir>/<name>`` (default ``eval_samples.jsonl``): ``{"step", "version",
-    "prompt_id", "prompt", "completion", "answer", "reward", "correct"}`` per line (``step``
-    = ``version``, the policy version that generated it, as in ``samples.jsonl``; readable
-    with :func:`rlflow.run.folder.read_jsonl`). Returns the lines written."""
-    chosen = sorted(records, key=lambda r: r["prompt_id"])[:limit]
-    if not chosen:
-        return 0
-    with open(os.path.join(run_dir, name), "a", encoding="utf-8") as f:
-        for r in chosen:
-            f.write(json.dumps({"step": int(version), "version": int(version),
-                                "prompt_id": r["prompt_id"],
-                                "prompt": r.get("prompt", ""),
-                                "completion": r.get("completion", ""),
-                                "answer": r.get("answer", ""), "reward": r["rewards"][0],
-                                "correct": r["correct"][0]}) + "\n")
-    return len(chosen)
+    "prompt_id", "prompt", "completion", "answer", "reward", "correct", "truncated"}``
+    per line (``step`` = ``version``, the policy version that generated it, as in
+    ``samples.jsonl``; readable with :func:`rlflow.run.folder.read_jsonl`). Returns the
+    rows written, as dicts (for :meth:`rlflow.run.metrics.MetricsWriter.log_eval_samples`)."""
+    rows = [{"step": int(version), "version": int(version), "prompt_id": r["prompt_id"],
+             "prompt": r.get("prompt", ""), "completion": r.get("completion", ""),
+             "answer": r.get("answer", ""), "reward": r["rewards"][0],
+             "correct": r["correct"][0], "truncated": r["truncated"][0]}
+            for r in sorted(records, key=lambda r: r["prompt_id"])[:limit]]
+    if rows:
+        with open(os.path.join(run_dir, name), "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+    return rows

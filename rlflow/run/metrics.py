@@ -408,6 +408,17 @@ class MetricsWriter:
                 self.wandb.log_samples(step, [json.loads(line) for line in lines])
         return len(lines)
 
+    def log_eval_samples(self, version: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """One held-out evaluation's logged samples (the rows
+        :func:`rlflow.eval.scoring.write_eval_samples` wrote to ``eval_samples.jsonl``:
+        ``prompt``, ``completion``, ``answer``, ``reward``, ``correct``) to W&B as a table
+        (:meth:`rlflow.run.wandb_sink.WandbSink.log_eval_samples`); nothing without W&B or
+        rows. ``version``: the policy version that generated them."""
+        with self._lock:
+            self._check_open()
+            if self.wandb is not None and rows:
+                self.wandb.log_eval_samples(int(version), rows)
+
     # -- lifetime ------------------------------------------------------------------------
     def flush(self) -> None:
         with self._lock:

@@ -3,8 +3,12 @@
 With ``metrics.wandb.mode`` "online" or "offline" (:class:`rlflow.config.WandbConfig`) the
 writer also sends the resolved config (secrets redacted, :func:`rlflow.config.secrets.
 redact_config`: the same dict as ``config.json``), every :meth:`MetricsWriter.log` record
-(``run.log(values, step=step)``), the sample completions as a ``wandb.Table`` and, when
-the writer closes, the report's plots (:func:`rlflow.run.report.make_report`) as images.
+(``run.log(values, step=step)``), the sample completions and each held-out evaluation's
+logged samples (``eval/samples``: prompt, completion, answer, reward, correct, version) as
+``wandb.Table`` s and, when the writer closes, the report's plots
+(:func:`rlflow.run.report.make_report`) as images. An evaluation finishes after later
+training steps were logged: its metrics and table go to the latest step logged and the
+``eval/*`` charts use ``eval/version`` as their x axis (W&B's ``define_metric``).
 
 Files: ``<run folder>/wandb/`` (W&B's own layout; ``offline-run-*`` folders in offline
 mode, uploaded later with ``wandb sync``) and ``<run folder>/wandb_run_id``, the W&B run
@@ -27,6 +31,8 @@ logger = logging.getLogger("rlflow.run.wandb")
 RUN_ID_FILE = "wandb_run_id"
 WANDB_DIR = "wandb"
 SAMPLE_COLUMNS = ("step", "version", "reward", "prompt", "completion")
+EVAL_SAMPLE_COLUMNS = ("version", "prompt", "completion", "answer", "reward", "correct")
+EVAL_TABLE = "eval/samples"
 
 
 class WandbSink:
@@ -77,17 +83,40 @@ class WandbSink:
                               dir=self.run_dir, id=run_id, resume="allow",
                               config=dict(config), settings=settings, reinit="create_new")
         self.run_id = run_id
+        # held-out evaluations arrive after later training steps (async mode): their metrics
+        # and tables are logged at the latest step (log) and charted against eval/version
+        self.run.define_metric("eval/version")
+        self.run.define_metric("eval/*", step_metric="eval/version")
+        self._last_step = -1
         logger.info("W&B run %s (%s mode) in %s", run_id, wandb_cfg.mode, wandb_dir)
 
+    def _step(self, step: int) -> int:
+        """The W&B step to log ``step``'s values at: ``step``, or the latest step logged by
+        this sink when ``step`` is older (W&B drops values logged at a step below its
+        current one: a held-out evaluation of version v finishes after steps > v were
+        logged; its values carry ``eval/version``, the x axis of the ``eval/*`` charts)."""
+        self._last_step = max(self._last_step, int(step))
+        return self._last_step
+
     def log(self, step: int, values: Mapping[str, float]) -> None:
-        """One step's finite scalar metrics."""
-        self.run.log(dict(values), step=int(step))
+        """One step's finite scalar metrics (at :meth:`_step`)."""
+        self.run.log(dict(values), step=self._step(step))
 
     def log_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
         """Sample completions (the records written to ``samples.jsonl``) as a table."""
         table = self._wandb.Table(columns=list(SAMPLE_COLUMNS),
                                   data=[[r.get(c) for c in SAMPLE_COLUMNS] for r in records])
-        self.run.log({"samples": table}, step=int(step))
+        self.run.log({"samples": table}, step=self._step(step))
+
+    def log_eval_samples(self, version: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """One held-out evaluation's samples (rows of ``eval_samples.jsonl``) as the table
+        ``eval/samples`` (columns :data:`EVAL_SAMPLE_COLUMNS`), with ``eval/version``
+        ``version``, the policy version that generated them."""
+        table = self._wandb.Table(columns=list(EVAL_SAMPLE_COLUMNS), data=[
+            [int(version) if c == "version" else r.get(c) for c in EVAL_SAMPLE_COLUMNS]
+            for r in rows])
+        self.run.log({EVAL_TABLE: table, "eval/version": float(version)},
+                     step=self._step(version))
 
     def log_report_plots(self) -> int:
         """Render the run folder's report plots (into a temporary folder) and log each as

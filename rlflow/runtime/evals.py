@@ -177,7 +177,8 @@ def result_metrics(result: EvalResult) -> tuple[int, dict]:
 class RunEvals:
     """The learner program's side: the schedule (handed to the run control), its requests
     at each publish, and the finished evaluations logged to the run folder (metrics at the
-    version that generated them, samples to ``eval_samples.jsonl``).
+    version that generated them, samples to ``eval_samples.jsonl`` and, with W&B on, as a
+    table).
 
     Args:
       schedule: the :class:`EvalSchedule`.
@@ -226,8 +227,9 @@ class RunEvals:
                             "(eval.timeout_s): logged as incomplete", result.requested,
                             result.wait_s)
                 continue
-            write_eval_samples(self.writer.run_dir, result.version, result.records,
-                               self.eval_cfg.num_logged_samples)
+            rows = write_eval_samples(self.writer.run_dir, result.version, result.records,
+                                      self.eval_cfg.num_logged_samples)
+            self.writer.log_eval_samples(result.version, rows)
             log.info("eval at version %d: pass@1 %.3f reward %.3f (%s, %.1f s)",
                      result.version, metrics["eval/pass@1"], metrics["eval/reward_mean"],
                      result.replica, result.wait_s)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import numpy as np
-
 from rlflow.sampler.delivery import graded_texts
 
 log = logging.getLogger("rlflow.sampler")
@@ -109,13 +107,12 @@ class EvalRunner:
             return
         for key, batch in self._rewarder.collect(timeout):
             _, group, texts, prompt, unclosed = self._scoring.pop(key)
-            rewards = scoring.zero_unclosed(batch.total, unclosed)
-            if batch.nonfinite:          # scored 0, as a failed call: metrics stay finite
+            rewards, components = scoring.graded_rewards(batch, unclosed)
+            if batch.nonfinite:          # scored 0 (graded_rewards), as a failed call
                 log.warning("held-out evaluation: %s; that sample scores 0", batch.nonfinite[0])
-                rewards = np.where(np.isfinite(rewards), rewards, 0.0)
             self._records.append(scoring.prompt_record(
                 group, texts, rewards, self.threshold, prompt_text=prompt["prompt_text"],
-                answer=prompt["answer"]))
+                answer=prompt["answer"], components=components))
         if self.task is not None and not self._requests and not self._scoring:
             requested, version = self.task
             self._results.append({"requested": requested, "version": version,
