@@ -35,9 +35,12 @@ class OfferSource(Protocol):
 
 def takes_full(source) -> bool:
     """Whether ``source.offer`` takes ``full=`` (delta sync); an offer source without it
-    is only ever asked plainly."""
+    (or with no ``offer``: one that only answers ``latest``) is only ever asked plainly."""
+    offer = getattr(source, "offer", None)
+    if offer is None:
+        return False
     try:
-        return "full" in inspect.signature(source.offer).parameters
+        return "full" in inspect.signature(offer).parameters
     except (TypeError, ValueError):
         return False
 
