@@ -17,6 +17,7 @@ from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
 from rlflow.config.eval import EvalConfig
 from rlflow.config.learner import LORA_PROJECTIONS, LoraConfig, LearnerConfig
+from rlflow.config.rollout_correction import RolloutCorrectionConfig
 from rlflow.config.runtime import (BufferConfig, RuntimeConfig, CheckpointConfig, MetricsConfig,
                                    WandbConfig)
 from rlflow.config.experiment import ExperimentConfig, replace, load_config_file
@@ -34,6 +35,7 @@ __all__ = [
     "LORA_PROJECTIONS",
     "LoraConfig",
     "LearnerConfig",
+    "RolloutCorrectionConfig",
     "BufferConfig",
     "RuntimeConfig",
     "CheckpointConfig",

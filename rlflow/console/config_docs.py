@@ -28,6 +28,7 @@ SECTIONS = (
     ("eval", config_mod.EvalConfig),
     ("sampler.mesh / learner.mesh", config_mod.MeshConfig),
     ("learner.lora", config_mod.LoraConfig),
+    ("learner.rollout_correction", config_mod.RolloutCorrectionConfig),
     ("metrics.wandb", config_mod.WandbConfig),
 )
 
@@ -110,7 +111,7 @@ def render_markdown() -> str:
 def _flags(prefix: str, name: str) -> list[str]:
     """The command-line flags of field ``name`` of section ``prefix`` (a section shared by
     several places, "sampler.mesh / learner.mesh", has one flag per place)."""
-    places = [p.strip() for p in prefix.split("/")] if prefix else [""]
+    places = [p.strip().replace("_", "-") for p in prefix.split("/")] if prefix else [""]
     return [f"--{p + '.' if p else ''}{name.replace('_', '-')}" for p in places]
 
 
