@@ -219,6 +219,28 @@ def test_diagnostics_match_numpy_oracle_and_split_over_rows():
                                    atol=sum_tol(56, scale), err_msg=k)
 
 
+def test_micro_batch_ids_beyond_its_size():
+    """A micro-batch's segment ids run over its whole batch (here up to 100 x its size):
+    with the whole batch's ``num_segments`` the correction and sums are those of small ids."""
+    old, mu, mask, seg, grp, lag = packed_rows(3)
+    cfg = RC(weight="sequence", weight_cap=1.5, reject="geometric", reject_low=0.8,
+             reject_high=1.25)
+    big = np.where(seg > 0, seg + 100 * seg.size, 0)
+    n = 101 * seg.size + 1
+    for ids, num in ((seg, None), (big, n)):
+        c = rc.correct(old - mu, mask, cfg, segment_ids=ids, num_segments=num)
+        sums = rc.mismatch_sums(old, mu, mask, c, segment_ids=ids, policy_lag=lag,
+                                num_segments=num)
+        if num is None:
+            want = (c, sums)
+            continue
+        for a, b in zip(c, want[0]):
+            np.testing.assert_array_equal(a, b)
+        for k in sums:
+            np.testing.assert_array_equal(sums[k], want[1][k], err_msg=k)
+    assert bool(want[0].rejected.any()) and bool(want[0].truncated.any())
+
+
 def test_kl_estimators_are_the_loss_module_s():
     """The k1 / k3 diagnostics are losses.kl_penalty with the behaviour policy as the
     sampled one (KL(mu || pi_old)): one implementation of the estimator."""

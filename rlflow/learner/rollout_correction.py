@@ -46,14 +46,16 @@ def _f32(x):
 
 # ----------------------------------------------------------------------------- segments
 
-def sequence_ids(mask, segment_ids=None):
-    """``(ids [B, T] int32, num_segments)``: ``segment_ids`` with ``B * T + 1`` segments,
-    or, without them, ``row + 1`` (one sequence per row) with ``B + 1``."""
+def sequence_ids(mask, segment_ids=None, num_segments: int | None = None):
+    """``(ids [B, T] int32, num_segments)``: ``segment_ids`` with ``num_segments`` segments
+    (default ``B * T + 1``; a micro-batch of a larger batch, whose ids run over the whole
+    batch, passes the whole batch's count), or, without them, ``row + 1`` (one sequence per
+    row) with ``B + 1``."""
     m = jnp.asarray(mask)
     if segment_ids is None:
         rows = jnp.arange(1, m.shape[0] + 1, dtype=jnp.int32)[:, None]
         return jnp.broadcast_to(rows, m.shape), m.shape[0] + 1
-    return jnp.asarray(segment_ids, jnp.int32), m.size + 1
+    return jnp.asarray(segment_ids, jnp.int32), num_segments or m.size + 1
 
 
 def segment_total(x, ids, num_segments: int):
@@ -120,7 +122,7 @@ class Correction(NamedTuple):
 
 
 def correct(log_rho, mask, cfg, *, segment_ids=None, group_ids=None,
-            apply_weight: bool = True) -> Correction:
+            apply_weight: bool = True, num_segments: int | None = None) -> Correction:
     """Rollout correction of one batch (or micro-batch: whole sequences; whole groups for
     ``cfg.unit == "group"``).
 
@@ -135,6 +137,8 @@ def correct(log_rho, mask, cfg, *, segment_ids=None, group_ids=None,
         arrays given (the learner's step passes the whole batch for ``unit == "group"``).
       apply_weight: False gives weight 1 whatever ``cfg.weight`` (``off_policy="behaviour"``,
         whose PPO ratio already is ``pi / mu``); rejection still applies.
+      num_segments: a bound on the ids (exclusive), default ``B * T + 1``: a micro-batch
+        passes its whole batch's (:func:`sequence_ids`).
 
     Returns: :class:`Correction`. Weight: ``clip(exp(level(cfg.weight)), weight_floor,
     weight_cap)`` (1 with ``weight="off"``); a token is rejected when its ``cfg.unit``
@@ -142,7 +146,7 @@ def correct(log_rho, mask, cfg, *, segment_ids=None, group_ids=None,
     lies outside ``[reject_low, reject_high]``.
     """
     m = jnp.asarray(mask, bool)
-    ids, n_seg = sequence_ids(m, segment_ids)
+    ids, n_seg = sequence_ids(m, segment_ids, num_segments)
     if cfg.weight != "off" and apply_weight:
         lw = level_log_weight(log_rho, m, cfg.weight, ids, n_seg)
         w = truncated_weight(lw, cfg.weight_cap, cfg.weight_floor)
@@ -181,7 +185,7 @@ def lag_buckets(policy_lag, mask):
 
 
 def mismatch_sums(old_logprobs, behaviour_logprobs, mask, correction: Correction, *,
-                  segment_ids=None, policy_lag=None) -> dict:
+                  segment_ids=None, policy_lag=None, num_segments: int | None = None) -> dict:
     """Sums of the mismatch diagnostics over one (micro-)batch, per lag bucket.
 
     With ``d = log pi_old - log mu`` on the masked tokens (samples drawn from ``mu``), per
@@ -202,12 +206,13 @@ def mismatch_sums(old_logprobs, behaviour_logprobs, mask, correction: Correction
       segment_ids: as :func:`correct`.
       policy_lag: ``[B, T]`` int the sample's staleness (learner version minus its policy
         version) on its tokens, or None (all lag 0).
+      num_segments: as :func:`correct`.
 
     Returns: ``{name: [K] float32}`` for every name in :data:`DIAGNOSTIC_SUMS`, ``K =
     len(LAG_BUCKETS)``; turn them into means with :func:`mismatch_metrics`.
     """
     m = jnp.asarray(mask, bool)
-    ids, n_seg = sequence_ids(m, segment_ids)
+    ids, n_seg = sequence_ids(m, segment_ids, num_segments)
     oh = lag_buckets(jnp.zeros(m.shape, jnp.int32) if policy_lag is None else policy_lag, m)
     old = jnp.where(m, _f32(jax.lax.stop_gradient(old_logprobs)), 0.0)
     mu = jnp.where(m, _f32(behaviour_logprobs), 0.0)

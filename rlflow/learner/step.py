@@ -225,12 +225,14 @@ def _targets(mb: TrainBatch, v_old, logp, ref_logp, s: StepSettings):
 
 
 def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
-                value_graphdef=None, old=None, frozen=None, loss_slots=None, pre=None):
+                value_graphdef=None, old=None, frozen=None, loss_slots=None, pre=None,
+                num_segments=None):
     """Loss of one micro-batch. PPO: ``old = (advantages, returns, V_old)`` from the
     old-values pass, or None (computed here from this forward's detached values).
     ``pre``: ``(correction, old logprobs)`` of this micro-batch from the start pass
     (group-level rejection over several micro-batches), or None (computed here from this
-    forward's detached logprobs). ``loss_slots``: as :func:`model_outputs`."""
+    forward's detached logprobs). ``loss_slots``: as :func:`model_outputs`.
+    ``num_segments``: the whole batch's bound on segment ids (``B * L + 1``)."""
     logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
                                       frozen, loss_slots, s.attention, s.logprob_chunk,
                                       s.remat)
@@ -246,7 +248,7 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
             advantages, returns, v_old = old
     if pre is None:
         old_logp = jax.lax.stop_gradient(logp)
-        corr = _correct(old_logp, mb, s)
+        corr = _correct(old_logp, mb, s, num_segments)
     else:
         corr, old_logp = pre
     t = losses.policy_loss(logp, mb.behaviour_logprobs, advantages, mask,
@@ -266,7 +268,8 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
                 clip_dual=jnp.sum(t.dual_clipped), is_weight=jnp.sum(kept * t.is_weight),
                 is_kept=jnp.sum(kept))
     diag = rc.mismatch_sums(old_logp, mb.behaviour_logprobs, mask, corr,
-                            segment_ids=mb.segment_ids, policy_lag=mb.policy_lag)
+                            segment_ids=mb.segment_ids, policy_lag=mb.policy_lag,
+                            num_segments=num_segments)
     sums |= {f"mismatch/{n}": v for n, v in diag.items()}
     if s.gae:
         vl = jnp.sum(w * losses.value_loss(values, v_old, returns, mask, clip=s.value_clip))
@@ -282,12 +285,12 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
     return loss, (sums, jnp.max(lr_big), jnp.min(lr_small))
 
 
-def _correct(old_logp, mb: TrainBatch, s: StepSettings) -> rc.Correction:
+def _correct(old_logp, mb: TrainBatch, s: StepSettings, num_segments=None) -> rc.Correction:
     """The rollout correction of ``mb`` (whole sequences; whole groups with group rejection)
     from the old policy's logprobs ``old_logp`` ``[B, L]``."""
     return rc.correct(old_logp - mb.behaviour_logprobs, mb.loss_mask, s.correction,
                       segment_ids=mb.segment_ids, group_ids=mb.group_ids,
-                      apply_weight=s.off_policy == "decoupled")
+                      apply_weight=s.off_policy == "decoupled", num_segments=num_segments)
 
 
 def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=None):
@@ -381,7 +384,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
             ref_logp = ref_logprobs(ref_params, mb, frozen, mb_slots)
             (loss, (sums, hi, lo)), g = value_and_grad(params, graphdef, mb, w_mb, ref_logp, s,
                                                        value_graphdef, old_mb, frozen, mb_slots,
-                                                       pre_mb)
+                                                       pre_mb, batch.tokens.size + 1)
             grads, acc = carry
             grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g)
             acc = {n: acc[n] + sums[n] for n in sums_names} | {
