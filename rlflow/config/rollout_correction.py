@@ -1,5 +1,6 @@
 """``learner.rollout_correction``: importance weights and rejection between the learner's
-(old) policy and the sampler's behaviour policy (the math: :mod:`rlflow.learner.rollout_correction`)."""
+(old) policy and the sampler's behaviour policy (the math:
+:mod:`rlflow.learner.rollout_correction`)."""
 
 from __future__ import annotations
 
