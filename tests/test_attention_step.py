@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlflow.config import MeshConfig, ModelConfig
+from rlflow.config import MeshConfig, ModelConfig, RolloutCorrectionConfig
 from rlflow.learner.batch import BatchSpec, TrainBatch, build_batch
 from rlflow.learner.packing import PackSpec, pack_batch
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
@@ -48,7 +48,8 @@ def test_blockwise_attention_and_chunked_logprobs_step_equals_todays(tiny_model,
     out = {}
     for name, attention, chunk in (("today", "xla", 0), ("new", "blockwise", 5)):
         s = StepSettings(loss_agg="seq-mean-token-mean", norm_len=T, micro_batches=2,
-                         kl_coef=0.3, is_cap=1.5, max_loss_tokens=SPEC.num_rows * T, attention=attention,
+                         kl_coef=0.3, correction=RolloutCorrectionConfig(weight_cap=1.5),
+                         max_loss_tokens=SPEC.num_rows * T, attention=attention,
                          logprob_chunk=chunk)
         out[name] = jax.jit(make_grad_fn(graphdef, s))(params, jb, ref) + (np.asarray(
             policy_logprobs(graphdef, params, jb, attention=attention,
@@ -60,8 +61,8 @@ def test_blockwise_attention_and_chunked_logprobs_step_equals_todays(tiny_model,
     np.testing.assert_allclose(lp1[m], lp0[m], rtol=0,
                                atol=2 * chain * F32_EPS * (np.abs(lp0[m]).max() + 1))
     np.testing.assert_allclose(float(l1), float(l0), rtol=rtol * MIXED_SIGN_CANCEL)
-    for key in ("kl", "entropy", "is_weight", "is_kept", "is_truncated"):
-        np.testing.assert_allclose(float(s1[key]), float(s0[key]), rtol=rtol,
+    for key in ("kl", "entropy", "is_weight", "is_kept", "mismatch/truncated_tokens"):
+        np.testing.assert_allclose(np.asarray(s1[key]), np.asarray(s0[key]), rtol=rtol,
                                    atol=2 * F32_EPS * n if key == "kl" else 0.0, err_msg=key)
     assert float(s0["kl"]) > 0
     f0, f1 = flat(g0), flat(g1)

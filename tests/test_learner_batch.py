@@ -181,9 +181,11 @@ def test_spec_from_experiment_config():
 @pytest.mark.parametrize("bad, field", [
     (dict(advantage="drgrpo", scale_by_std=True), "learner.scale_by_std"),
     (dict(off_policy="proximal"), "learner.off_policy"),
+    (dict(is_cap=2.0, is_floor=3.0), "learner.rollout_correction.weight_floor"),
     (dict(is_cap=2.0, is_floor=3.0), "learner.is_floor"),
     (dict(is_window_low=1.5), "learner.is_window_low"),
-    (dict(is_window_high=0.5), "learner.is_window_high"),
+    (dict(is_window_high=0.5), "learner.rollout_correction.reject_high"),
+    (dict(is_cap=-1.0), "learner.is_cap"),
     (dict(overlong_buffer=-1), "learner.overlong_buffer"),
     (dict(on_bad_reward="skip"), "learner.on_bad_reward"),
     (dict(seq_buckets=(32, 16)), "learner.seq_buckets"),

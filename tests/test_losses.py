@@ -1,12 +1,27 @@
-"""Losses, aggregation, KL and importance weights against plain numpy oracles."""
+"""Losses, aggregation, KL and the corrected policy loss against plain numpy oracles
+(the rollout correction's own oracles: tests/test_rollout_correction.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlflow.config import RolloutCorrectionConfig
 from rlflow.learner import losses as L
+from rlflow.learner import rollout_correction as rc
 from tolerances import sum_tol
+
+
+def corrected_loss(logp, mu, adv, mask, *, off_policy, old=None, **correction):
+    """policy_loss with the rollout correction of ``correction`` (token level), as the
+    train step applies it."""
+    old_lp = jax.lax.stop_gradient(logp) if old is None else old
+    c = rc.correct(jnp.asarray(old_lp) - jnp.asarray(mu), mask,
+                   RolloutCorrectionConfig(**correction),
+                   apply_weight=off_policy == "decoupled")
+    return L.policy_loss(logp, mu, adv, mask, off_policy=off_policy, clip_low=0.2,
+                         clip_high=0.28, old_logprobs=old, is_weight=c.weight, keep=c.keep,
+                         dual_clip=3.0 if off_policy == "behaviour" else 0.0)
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -149,19 +164,7 @@ def test_kl_huge_log_ratio_is_finite():
     assert np.isfinite(float(val)) and np.all(np.isfinite(grad))
 
 
-# ------------------------------------------------------------------ importance weights
-
-def test_truncated_is_weight_clamp_and_cap():
-    lr = np.log(np.array([10.0, 0.1], np.float32))
-    # exp(x) of an x rounded once to float32 (the log, or log(cap) / log(floor)): relative
-    # error |x| u from x plus exp's own rounding, within (max |x| + 1) eps
-    rtol = sum_tol(1, 1 + float(np.max(np.abs(lr))))
-    np.testing.assert_allclose(L.truncated_is_weight(lr, cap=2.0, floor=0.5), [2.0, 0.5],
-                               rtol=rtol)
-    np.testing.assert_allclose(L.truncated_is_weight(lr, cap=2.0), [2.0, 0.1], rtol=rtol)
-    np.testing.assert_allclose(L.truncated_is_weight([1000.0, np.nan], cap=2.0), [2.0, 0.0],
-                               rtol=rtol)
-
+# ---------------------------------------------------------- corrected policy loss
 
 @pytest.mark.parametrize("mode", ["decoupled", "behaviour"])
 def test_is_window_masks_huge_log_ratio(mode):
@@ -171,14 +174,13 @@ def test_is_window_masks_huge_log_ratio(mode):
     mask = np.ones((1, 2), bool)
 
     def f(logp):
-        t = L.policy_loss(logp, behaviour, jnp.ones((1, 2)), mask, off_policy=mode,
-                          clip_low=0.2, clip_high=0.28, is_cap=10.0,
-                          window_low=0.5, window_high=5.0)
+        t = corrected_loss(logp, behaviour, jnp.ones((1, 2)), mask, off_policy=mode,
+                           weight_cap=10.0, reject="token", reject_low=0.5, reject_high=5.0)
         return L.aggregate(t.loss, mask, "token-mean"), t
 
     (val, terms), grad = jax.value_and_grad(f, has_aux=True)(jnp.array([[-1.5, -1.5]]))
     np.testing.assert_allclose(terms.is_weight, [[0.0, 1.0]])
-    np.testing.assert_array_equal(terms.in_window, [[False, True]])
+    np.testing.assert_array_equal(terms.kept, [[False, True]])
     # ratio exp(0) = 1 and weights 0 / 1 are exact; the mean over 2 tokens rounds once
     np.testing.assert_allclose(float(val), -0.5, rtol=sum_tol(2))
     np.testing.assert_allclose(grad, [[0.0, -0.5]], rtol=sum_tol(2))
@@ -214,8 +216,8 @@ def test_decoupled_policy_loss_matches_oracle():
     mu = old + rng.normal(scale=2.0, size=shape).astype(np.float32)
     adv = np.repeat(rng.normal(size=(3, 1)), 5, 1).astype(np.float32)
     mask = rng.random(shape) < 0.8
-    t = L.policy_loss(logp, mu, adv, mask, off_policy="decoupled", clip_low=0.2, clip_high=0.28,
-                      old_logprobs=old, is_cap=2.0, window_low=0.1, window_high=8.0)
+    t = corrected_loss(logp, mu, adv, mask, off_policy="decoupled", old=old, weight_cap=2.0,
+                       reject="token", reject_low=0.1, reject_high=8.0)
     r = np.exp(logp.astype(np.float64) - old)
     w_raw = np.exp(old.astype(np.float64) - mu)
     keep = mask & (w_raw >= 0.1) & (w_raw <= 8.0)
@@ -239,7 +241,7 @@ def test_policy_gradient_sign_and_value_on_policy():
 
     def f(lp):
         t = L.policy_loss(lp, logp, adv, mask, off_policy="decoupled", clip_low=0.2,
-                          clip_high=0.2, is_cap=2.0)
+                          clip_high=0.2, is_weight=jnp.ones((1, 3)))
         return L.aggregate(t.loss, mask, "token-mean")
 
     # ratios exp(0) = 1 exactly; the token mean over 3 tokens rounds a few times
@@ -279,8 +281,8 @@ def test_behaviour_policy_loss_matches_oracle():
     mu = logp + rng.normal(scale=0.5, size=shape).astype(np.float32)
     adv = np.repeat(rng.normal(size=(4, 1)), 6, 1).astype(np.float32)
     mask = rng.random(shape) < 0.8
-    t = L.policy_loss(logp, mu, adv, mask, off_policy="behaviour", clip_low=0.2, clip_high=0.28,
-                      dual_clip=3.0, is_cap=2.0, window_low=0.5, window_high=2.0)
+    t = corrected_loss(logp, mu, adv, mask, off_policy="behaviour", weight_cap=2.0,
+                       reject="token", reject_low=0.5, reject_high=2.0)
     r = np.exp(logp.astype(np.float64) - mu)
     keep = mask & (r >= 0.5) & (r <= 2.0)
     want = np.where(keep, np_surrogate(r, adv, 0.2, 0.28, 3.0), 0)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlflow.config import ConfigError, LearnerConfig, LoraConfig, MeshConfig, ModelConfig
+from rlflow.config import (ConfigError, LearnerConfig, LoraConfig, MeshConfig, ModelConfig,
+                           RolloutCorrectionConfig)
 from rlflow.learner import loss_positions, losses
 from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch
 from rlflow.learner.packing import PackSpec, first_fit, pack_batch, pack_spec_from_config
@@ -243,7 +244,7 @@ def test_packed_step_equals_unpacked_and_numpy_oracle(tiny_model, mode, shared):
     out = {}
     for name, b, k in (("unpacked", batch, 1), ("packed", packed, 2)):
         s = StepSettings(loss_agg=mode, norm_len=T, micro_batches=k, kl_coef=kl_coef,
-                         is_cap=cap)
+                         correction=RolloutCorrectionConfig(weight_cap=cap))
         jb = TrainBatch(*b)
         out[name] = jax.jit(make_grad_fn(graphdef, s))(params, jb, ref) + (
             np.asarray(policy_logprobs(graphdef, params, jb)[0]),
@@ -340,17 +341,19 @@ def test_loss_slot_step_equals_full_logits_step(tiny_model):
     out = []
     for bound in (0, SPEC.num_rows * T):
         s = StepSettings(loss_agg="seq-mean-token-mean", norm_len=T, micro_batches=2,
-                         kl_coef=0.3, is_cap=1.5, max_loss_tokens=bound)
+                         kl_coef=0.3, correction=RolloutCorrectionConfig(weight_cap=1.5),
+                         max_loss_tokens=bound)
         out.append(jax.jit(make_grad_fn(graphdef, s))(params, jb, ref))
     (l0, g0, s0), (l1, g1, s1) = out
     # the same forward up to the LM head; after it, other matmul shapes (other kernels)
     chain, n = model_chain_len(MODEL, packed.tokens.shape[1]), int(packed.loss_mask.sum())
     rtol = reorder_rtol(chain, n)
     np.testing.assert_allclose(float(l1), float(l0), rtol=rtol * MIXED_SIGN_CANCEL)
-    for key in ("kl", "entropy", "is_weight", "is_kept", "is_truncated", "is_lr_max"):
-        np.testing.assert_allclose(float(s1[key]), float(s0[key]), rtol=rtol,
+    for key in ("kl", "entropy", "is_weight", "is_kept", "mismatch/truncated_tokens",
+                "is_lr_max"):
+        np.testing.assert_allclose(np.asarray(s1[key]), np.asarray(s0[key]), rtol=rtol,
                                    atol=2 * F32_EPS * n if key == "kl" else 0.0, err_msg=key)
-    assert float(s0["kl"]) > 0 and float(s0["is_truncated"]) > 0
+    assert float(s0["kl"]) > 0 and float(np.sum(s0["mismatch/truncated_tokens"])) > 0
     f0, f1 = flat(g0), flat(g1)
     for key in f0:
         err = np.linalg.norm(f1[key] - f0[key]) / np.linalg.norm(f0[key])

@@ -11,7 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from rlflow.config import ConfigError, LearnerConfig, MeshConfig, ModelConfig, replace
+from rlflow.config import (ConfigError, LearnerConfig, MeshConfig, ModelConfig,
+                           RolloutCorrectionConfig, replace)
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch
 from rlflow.learner.step import (StepSettings, init_state, make_grad_fn, make_train_step,
@@ -181,7 +182,8 @@ def test_ppo_step_matches_numpy_oracle(case):
         assert any(s[-1] - s[0] + 1 > len(s) for s in spans)
     jb = TrainBatch(*(None if x is None else jnp.asarray(x) for x in batch))
     kl_coef, vcoef, lr = 0.2, 0.5, 0.1
-    s = StepSettings(loss_agg=case["mode"], norm_len=T, is_cap=0.0, gae=True,
+    s = StepSettings(loss_agg=case["mode"], norm_len=T,
+                     correction=RolloutCorrectionConfig(weight="off"), gae=True,
                      gae_gamma=case["gamma"], gae_lambda=case["lam"], value_coef=vcoef,
                      value_clip=0.2, whiten=case["whiten"], kl_coef=kl_coef if case["kl"] else 0.0,
                      kl_in_reward=case["kl"])

@@ -212,3 +212,29 @@ def test_multi_turn_samples_show_their_turns(tmp_path):
     assert "5userhigher7" not in md
     page = open(tmp_path / "report" / "report.html", encoding="utf-8").read()
     assert "[environment] &lt;|im_start|&gt;user\nhigher" in page
+
+
+def test_mismatch_plots_drawn_when_the_step_logged_them(tmp_path):
+    """A run whose steps logged the mismatch diagnostics gets the mismatch and rollout
+    correction plots (KL k3 by policy lag, rejected / truncated fractions); the table lists
+    each metric."""
+    from rlflow.run.metrics import LAG_BUCKETS
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:
+        for step in range(4):
+            row = {"reward/mean": 0.1 * step, "mismatch/chi2": 0.02 * step,
+                   "mismatch/log_ppl_diff": 0.01, "mismatch/kl_k1": 0.003 * step,
+                   "rollout_correction/masked_token_frac": 0.1,
+                   "rollout_correction/truncated_token_frac": 0.05,
+                   "rollout_correction/truncated_seq_frac": 0.2}
+            for name in ("mismatch/kl_k3", "rollout_correction/masked_seq_frac"):
+                row[name] = 0.01 * (step + 1)
+                row |= {f"{name}_{b}": 0.01 * (step + 1) * (i + 1)
+                        for i, b in enumerate(LAG_BUCKETS)}
+            w.log(step, row)
+    page = open(make_report(str(tmp_path), fmt="md"), encoding="utf-8").read()
+    plots = tmp_path / "report" / "plots"
+    for name in ("mismatch", "rollout_correction"):
+        rgb = _rgb(str(plots / f"{name}.png"))
+        assert rgb.std() > 10.0 and (np.abs(rgb - TAB_BLUE).max(axis=-1) < 40).sum() > 300
+        assert f"![{'Rollout correction' if name != 'mismatch' else 'Sampler'}" in page
+    assert "| mismatch/kl_k3_lag2plus | 0.12 |" in page

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlflow.config import ConfigError, LearnerConfig, LoraConfig, MeshConfig, ModelConfig
+from rlflow.config import (ConfigError, LearnerConfig, LoraConfig, MeshConfig, ModelConfig,
+                           RolloutCorrectionConfig)
 from rlflow.learner import losses
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
@@ -25,7 +26,8 @@ from tolerances import F32_EPS, forward_atol, model_chain_len, reorder_rtol, sum
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=8)
-SETTINGS = dict(norm_len=T, kl_coef=0.3, window_low=0.4, window_high=2.5, is_cap=1.5)
+SETTINGS = dict(norm_len=T, kl_coef=0.3, correction=RolloutCorrectionConfig(
+    weight_cap=1.5, reject="token", reject_low=0.4, reject_high=2.5))
 
 
 def unrolled(layers, x, apply, remat="none"):

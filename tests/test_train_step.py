@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from rlflow.config import LearnerConfig, MeshConfig, ModelConfig, replace
+from rlflow.config import LearnerConfig, MeshConfig, ModelConfig, RolloutCorrectionConfig, replace
 from rlflow.learner import losses
 from rlflow.learner.batch import BatchError, BatchSpec, TrainBatch, build_batch
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
@@ -39,7 +39,8 @@ def test_sharded_step_equals_single_device():
     """fsdp=2 x tensor=2 on 4 fake devices vs 1 device: same loss, metrics and parameters
     after two steps (KL to the reference, IS weights, window and 2 micro-batches active)."""
     cfg = experiment(num_devices=4, mesh=MeshConfig(fsdp=2, tensor=2), micro_batches=2,
-                     kl_coef=0.5, is_window_low=0.5, is_window_high=1.5)
+                     kl_coef=0.5, rollout_correction=RolloutCorrectionConfig(
+                         reject="token", reject_low=0.5, reject_high=1.5))
     sharded, single = Learner(cfg), Learner(cfg, mesh=one_device_mesh())
     emb = sharded.params["embed"][...]
     assert len(emb.sharding.device_set) == 4 and not emb.sharding.is_fully_replicated
@@ -53,12 +54,12 @@ def test_sharded_step_equals_single_device():
         recs = make_records(step, 2)
         m4, m1 = sharded.train_on(recs), single.train_on(recs)
         for key in ("learner/loss", "learner/grad_norm", "policy/kl", "policy/entropy",
-                    "policy/is_masked_frac"):
+                    "rollout_correction/masked_token_frac", "mismatch/kl_k3"):
             cancel = MIXED_SIGN_CANCEL if key == "learner/loss" else 1.0
             np.testing.assert_allclose(m4[key], m1[key], rtol=reorder_rtol(chain, n, cancel),
                                        atol=2 * F32_EPS if key == "policy/kl" else 0.0,
                                        err_msg=key)
-    assert m1["policy/kl"] > 0 and 0 < m1["policy/is_masked_frac"] < 1
+    assert m1["policy/kl"] > 0 and 0 < m1["rollout_correction/masked_token_frac"] < 1
     got, want = flat(sharded.params), flat(single.params)
     # parameters after 2 Adam steps at lr 1e-4: each update is lr * m / sqrt(v), ~lr * sign(g)
     # early on, so rounding moves it by lr * reorder_rtol (~1e-7 here), except for an element
@@ -112,7 +113,8 @@ def test_micro_batch_accumulation_equals_one_batch(tiny_model, mode):
     out = {}
     for k in (1, 4):
         s = StepSettings(loss_agg=mode, norm_len=T, micro_batches=k, kl_coef=0.3,
-                         window_low=0.4, window_high=2.5, is_cap=1.5)
+                         correction=RolloutCorrectionConfig(
+                             weight_cap=1.5, reject="token", reject_low=0.4, reject_high=2.5))
         out[k] = jax.jit(make_grad_fn(graphdef, s))(params, TrainBatch(*batch), ref)
     (l1, g1, s1), (l4, g4, s4) = out[1], out[4]
     # Tolerances from the arithmetic (tests/tolerances.py). 4 micro-batches of 2 rows vs one

@@ -19,6 +19,7 @@ from rlflow.config.envs import EnvConfig
 from rlflow.config.eval import EvalConfig
 from rlflow.config.teacher import TeacherConfig
 from rlflow.config.learner import LORA_PROJECTIONS, LoraConfig, LearnerConfig
+from rlflow.config.rollout_correction import RolloutCorrectionConfig
 from rlflow.config.runtime import (BufferConfig, RuntimeConfig, CheckpointConfig, MetricsConfig,
                                    WandbConfig)
 from rlflow.config.experiment import ExperimentConfig, replace, load_config_file
@@ -40,6 +41,7 @@ __all__ = [
     "LORA_PROJECTIONS",
     "LoraConfig",
     "LearnerConfig",
+    "RolloutCorrectionConfig",
     "BufferConfig",
     "RuntimeConfig",
     "CheckpointConfig",

@@ -72,8 +72,9 @@ class ExperimentConfig:
             f"must differ from buffer.port={bport} (the learner binds both on "
             f"{self.buffer.bind_address!r} / {bind!r}); 0 picks a free one")
         if self.runtime.stale_policy == "correct":
-            _check(self.learner.is_cap > 0, "learner.is_cap",
-                   "must be > 0 when runtime.stale_policy='correct'")
+            _check(self.learner.rollout_correction.enabled, "learner.rollout_correction",
+                   "must weight or reject (weight or reject not 'off') when "
+                   "runtime.stale_policy='correct'")
         lr, sp = self.learner, self.sampler
         _check(lr.advantage == "gae" or sp.group_size >= 2, "sampler.group_size",
                f"must be >= 2 with learner.advantage={lr.advantage!r} (group-relative "

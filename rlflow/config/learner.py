@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace as replace_section
 from typing import Literal, Optional, Tuple
 
 from rlflow.config.validation import (DTYPES, ConfigError, _check, _finite_floats, _one_of,
                                       _positive)
 from rlflow.config.model import MeshConfig
+from rlflow.config.rollout_correction import RolloutCorrectionConfig
 
 
 # learner.attention's names (rlflow.models.attention: kept here so the config imports no jax)
@@ -113,7 +114,11 @@ class LearnerConfig:
       clip_low / clip_high: PPO ratio clip range [1-clip_low, 1+clip_high] (DAPO clip-higher).
       dual_clip: dual-clip constant c > 1 for negative advantages (Ye et al. 2020), or 0 off.
       kl_coef / kl_estimator: KL penalty to the frozen reference policy (k1, k2, k3).
-      is_cap: truncated importance-weight cap C for off-policy tokens (0 off).
+      rollout_correction: importance weights and rejection of tokens, samples or groups
+        between the learner's old policy and the sampler's behaviour policy
+        (:class:`RolloutCorrectionConfig`; default: token-level truncation at 2).
+      is_cap: deprecated alias: ``rollout_correction.weight="token"`` with
+        ``weight_cap=is_cap`` (0: ``weight="off"``); None: not used.
       mask_truncated: drop completions cut by max_tokens from the loss (DAPO).
       dynamic_sampling: drop groups with zero reward variance (DAPO).
       max_consecutive_skipped_steps: a step whose groups leave no sample for the loss (all
@@ -132,12 +137,13 @@ class LearnerConfig:
       compute_dtype: activations dtype in the train step; params stay ``model.param_dtype``.
       seed: PRNG seed of the learner (dropout-free; used for any sampled quantity).
       scale_by_std: divide advantages by the group std (None: only "grpo" does).
-      off_policy: "decoupled" (AReaL decoupled PPO: ratio against the old policy times a
-        detached truncated weight pi_old / pi_behaviour) or "behaviour" (ratio directly
-        against the sampler's behaviour logprobs).
-      is_floor: lower clamp of the truncated importance weight (0 off).
-      is_window_low / is_window_high: tokens whose importance ratio lies outside this window
-        are masked out of the loss (0 turns a side off).
+      off_policy: "decoupled" (AReaL decoupled PPO: ratio against the old policy times
+        the detached ``rollout_correction`` weight of pi_old / pi_behaviour) or "behaviour"
+        (ratio directly against the sampler's behaviour logprobs; no weight).
+      is_floor: deprecated alias of ``rollout_correction.weight_floor``; None: not used.
+      is_window_low / is_window_high: deprecated aliases: token-level rejection,
+        ``rollout_correction.reject="token"`` with ``reject_low`` / ``reject_high``; None
+        (or 0): not used.
       overlong_buffer / overlong_penalty: DAPO soft overlong punishment over the last
         ``overlong_buffer`` tokens of ``sampler.max_tokens`` (0 off), scaled by the penalty.
       zero_truncated_rewards: reward 0 for completions cut by ``max_tokens``.
@@ -228,7 +234,8 @@ class LearnerConfig:
     dual_clip: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    is_cap: float = 2.0
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    is_cap: Optional[float] = None
     mask_truncated: bool = False
     dynamic_sampling: bool = False
     max_consecutive_skipped_steps: int = 10
@@ -239,9 +246,9 @@ class LearnerConfig:
     seed: int = 0
     scale_by_std: Optional[bool] = None
     off_policy: Literal["decoupled", "behaviour"] = "decoupled"
-    is_floor: float = 0.0
-    is_window_low: float = 0.0
-    is_window_high: float = 0.0
+    is_floor: Optional[float] = None
+    is_window_low: Optional[float] = None
+    is_window_high: Optional[float] = None
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     zero_truncated_rewards: bool = False
@@ -295,7 +302,7 @@ class LearnerConfig:
         _check(self.dual_clip == 0 or self.dual_clip > 1, "learner.dual_clip",
                f"must be 0 (off) or > 1, got {self.dual_clip}")
         _check(self.kl_coef >= 0, "learner.kl_coef", "must be >= 0")
-        _check(self.is_cap >= 0, "learner.is_cap", "must be >= 0 (0 turns it off)")
+        self._map_deprecated_correction()
         _check(self.max_grad_norm >= 0, "learner.max_grad_norm", "must be >= 0 (0 turns it off)")
         _check(self.weight_decay >= 0, "learner.weight_decay",
                f"must be >= 0, got {self.weight_decay}")
@@ -314,12 +321,6 @@ class LearnerConfig:
         _one_of(self.off_policy, ("decoupled", "behaviour"), "learner.off_policy")
         _one_of(self.on_bad_reward, ("error", "drop"), "learner.on_bad_reward")
         _one_of(self.on_failed_sample, ("mask", "zero_reward"), "learner.on_failed_sample")
-        _check(self.is_floor >= 0 and (self.is_cap == 0 or self.is_floor <= self.is_cap),
-               "learner.is_floor", f"must be in [0, learner.is_cap], got {self.is_floor}")
-        _check(0 <= self.is_window_low <= 1, "learner.is_window_low",
-               f"must be in [0, 1] (0 off), got {self.is_window_low}")
-        _check(self.is_window_high == 0 or self.is_window_high >= 1, "learner.is_window_high",
-               f"must be 0 (off) or >= 1, got {self.is_window_high}")
         _check(self.overlong_buffer >= 0, "learner.overlong_buffer", "must be >= 0 (0 off)")
         _check(self.overlong_penalty >= 0, "learner.overlong_penalty", "must be >= 0")
         _check(all(b > 0 for b in self.seq_buckets) and
@@ -348,3 +349,36 @@ class LearnerConfig:
                f"must be >= 1, got {self.pack_row_buckets}")
         _check(not (self.lora.enabled and gae), "learner.lora",
                "LoRA with learner.advantage='gae' (a value head) is not supported")
+
+    def _map_deprecated_correction(self) -> None:
+        """Fold the deprecated ``is_cap`` / ``is_floor`` / ``is_window_low|high`` into
+        ``rollout_correction`` (token-level truncation and rejection, their old meaning).
+        A section field they map to that was also set to another value is refused."""
+        old = dict(is_cap=self.is_cap, is_floor=self.is_floor,
+                   is_window_low=self.is_window_low, is_window_high=self.is_window_high)
+        if all(v is None for v in old.values()):
+            return
+        want = {}
+        if self.is_cap is not None:
+            _check(self.is_cap >= 0, "learner.is_cap", f"must be >= 0 (0 off), got {self.is_cap}")
+            want["weight"] = "token" if self.is_cap > 0 else "off"
+            if self.is_cap > 0:
+                want["weight_cap"] = self.is_cap
+        if self.is_floor is not None:
+            want["weight_floor"] = self.is_floor
+        if self.is_window_low or self.is_window_high:          # 0 / None: no window
+            want["reject"] = "token"
+            want["reject_low"] = self.is_window_low or 0.0
+            want["reject_high"] = self.is_window_high or 0.0
+        rc, default = self.rollout_correction, RolloutCorrectionConfig()
+        names = ", ".join(f"learner.{k}" for k, v in old.items() if v is not None)
+        for name, value in want.items():
+            _check(getattr(rc, name) in (value, getattr(default, name)),
+                   f"learner.rollout_correction.{name}",
+                   f"is {getattr(rc, name)!r} but the deprecated {names} asks for {value!r}; "
+                   f"set only learner.rollout_correction")
+        try:
+            mapped = replace_section(rc, **want)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (from the deprecated {names})") from None
+        object.__setattr__(self, "rollout_correction", mapped)

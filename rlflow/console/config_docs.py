@@ -31,6 +31,7 @@ SECTIONS = (
     ("learner.lora", config_mod.LoraConfig),
     ("reward.http", config_mod.HttpRewardConfig),
     ("reward.judge", config_mod.JudgeConfig),
+    ("learner.rollout_correction", config_mod.RolloutCorrectionConfig),
     ("metrics.wandb", config_mod.WandbConfig),
 )
 
@@ -113,7 +114,7 @@ def render_markdown() -> str:
 def _flags(prefix: str, name: str) -> list[str]:
     """The command-line flags of field ``name`` of section ``prefix`` (a section shared by
     several places, "sampler.mesh / learner.mesh", has one flag per place)."""
-    places = [p.strip() for p in prefix.split("/")] if prefix else [""]
+    places = [p.strip().replace("_", "-") for p in prefix.split("/")] if prefix else [""]
     return [f"--{p + '.' if p else ''}{name.replace('_', '-')}" for p in places]
 
 

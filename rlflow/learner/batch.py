@@ -75,6 +75,15 @@ class TrainBatch(NamedTuple):
     :mod:`rlflow.learner.packing`): the segment a position may attend besides its own, the
     group's prompt packed once before its completions; equal to ``segment_ids`` elsewhere.
     None: ``segment_ids`` (the learner fills it).
+
+    ``group_ids`` int32 ``[B, L]`` (optional): the prompt group (record index + 1) of the
+    sample each position belongs to, 0 on padding rows (group-level rollout rejection,
+    :mod:`rlflow.learner.rollout_correction`). None: each sequence its own group
+    (``segment_ids``; the learner fills it).
+
+    ``policy_lag`` int32 ``[B, L]`` (optional): the sample's staleness (learner version
+    minus its oldest policy version, :func:`sample_staleness`) on its positions, 0 on
+    padding (the mismatch diagnostics' lag buckets). None: 0 (the learner fills it).
     """
     tokens: np.ndarray
     attention_mask: np.ndarray
@@ -86,6 +95,8 @@ class TrainBatch(NamedTuple):
     token_rewards: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
     prefix_ids: np.ndarray | None = None
+    group_ids: np.ndarray | None = None
+    policy_lag: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,9 @@ class BatchSpec:
 
 _KINDS = dict(tokens="i", attention_mask="b", positions="i", targets="i", loss_mask="b",
               behaviour_logprobs="f", advantages="f", token_rewards="f", segment_ids="i",
-              prefix_ids="i")
+              prefix_ids="i", group_ids="i", policy_lag="i")
+# the optional fields (None allowed), filled by with_sequence_ids and the learner
+OPTIONAL_FIELDS = ("token_rewards", "segment_ids", "prefix_ids", "group_ids", "policy_lag")
 
 
 def validate_batch(batch: TrainBatch) -> None:
@@ -143,7 +156,7 @@ def validate_batch(batch: TrainBatch) -> None:
         raise BatchError(f"tokens must be [batch, seq], got shape {shape}")
     for name in TrainBatch._fields:
         x = getattr(batch, name)
-        if x is None and name in ("token_rewards", "segment_ids", "prefix_ids"):
+        if x is None and name in OPTIONAL_FIELDS:
             continue
         if np.shape(x) != shape:
             raise BatchError(f"{name} has shape {np.shape(x)}, expected {shape} like tokens")
@@ -162,12 +175,17 @@ def row_segment_ids(attention_mask: np.ndarray) -> np.ndarray:
 
 def with_sequence_ids(batch: TrainBatch) -> TrainBatch:
     """``batch`` with its optional sequence ids filled in: ``segment_ids`` of an unpacked
-    batch (:func:`row_segment_ids`) and ``prefix_ids`` = ``segment_ids`` where no prompt is
-    shared, so the step's inputs always have the same fields (``[B, L]`` int32)."""
+    batch (:func:`row_segment_ids`), ``prefix_ids`` = ``segment_ids`` where no prompt is
+    shared, ``group_ids`` = ``segment_ids`` (each sequence its own group) and ``policy_lag``
+    0 when absent, so the step's inputs always have the same fields (``[B, L]`` int32)."""
     if batch.segment_ids is None:                          # one sequence per row
         batch = batch._replace(segment_ids=row_segment_ids(batch.attention_mask))
     if batch.prefix_ids is None:                           # no shared prompts
         batch = batch._replace(prefix_ids=batch.segment_ids)
+    if batch.group_ids is None:
+        batch = batch._replace(group_ids=batch.segment_ids)
+    if batch.policy_lag is None:
+        batch = batch._replace(policy_lag=np.zeros(np.shape(batch.tokens), np.int32))
     return batch
 
 
@@ -380,6 +398,11 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
     adv_tok[:rows, tgt] = np.where(loss_mask[:rows, tgt], advantages.reshape(-1)[:, None],
                                    np.float32(0.0))
     rew_tok[np.arange(rows), p_max - 2 + n_flat] = np.where(keep_flat, shaped.reshape(-1), 0.0)
+    # per sample, on its whole row: its group (record + 1) and staleness
+    group_ids = np.zeros((b_rows, seq), np.int32)
+    group_ids[:rows] = np.repeat(np.arange(1, len(records) + 1, dtype=np.int32), g)[:, None]
+    lag = np.zeros((b_rows, seq), np.int32)
+    lag[:rows] = staleness.reshape(-1, 1).astype(np.int32)
     targets = np.concatenate([tokens[:, 1:], np.full((b_rows, 1), spec.pad_id, np.int32)], 1)
     positions = host_positions(attn)
     if not np.isfinite(behaviour).all():
@@ -410,5 +433,5 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
     }
     batch = TrainBatch(tokens=tokens, attention_mask=attn, positions=positions, targets=targets,
                        loss_mask=loss_mask, behaviour_logprobs=behaviour, advantages=adv_tok,
-                       token_rewards=rew_tok)
+                       token_rewards=rew_tok, group_ids=group_ids, policy_lag=lag)
     return batch, info

@@ -1,9 +1,10 @@
-"""Policy-gradient losses: clipped ratio, off-policy importance weights, KL, aggregation.
+"""Policy-gradient losses: clipped ratio, KL, aggregation (importance weights and rejection
+of off-policy tokens: :mod:`rlflow.learner.rollout_correction`).
 
 Pure ``jax.numpy`` functions on ``[B, T]`` arrays aligned to next-token targets, with a
 response ``mask [B, T]`` (1 where the target is a response token that counts). Every function
 replaces masked entries by a neutral value *before* any nonlinearity (the double-``where``
-pattern), so NaN/inf in masked positions, or a log-ratio of 1000 outside the IS window, give
+pattern), so NaN/inf in masked positions, or a log-ratio of 1000 on a rejected token, give
 finite values and finite gradients.
 
 Sign convention: functions return per-token *losses* (to minimise).
@@ -11,7 +12,6 @@ Sign convention: functions return per-token *losses* (to minimise).
 
 from __future__ import annotations
 
-import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -97,50 +97,14 @@ def aggregate(per_token, mask, mode: AggMode, *, norm_len: int | None = None,
     return jnp.sum(w * _masked(per_token, mask))
 
 
-# ----------------------------------------------------------------------- importance weights
-
-def in_ratio_window(log_ratio, low: float = 0.0, high: float = 0.0) -> jax.Array:
-    """True where ``low <= exp(log_ratio) <= high``, compared in log space (0 turns a side off).
-
-    NaN log-ratios are outside the window. Returns bool, same shape as ``log_ratio``.
-    """
-    lr = _f32(log_ratio)
-    ok = ~jnp.isnan(lr)
-    if low > 0:
-        ok &= lr >= math.log(low)
-    if high > 0:
-        ok &= lr <= math.log(high)
-    return ok
-
-
-def truncated_is_weight(log_ratio, cap: float, floor: float = 0.0) -> jax.Array:
-    """Truncated importance weight ``clip(exp(log_ratio), floor, cap)``, detached.
-
-    Truncated IS (Espeholt et al. 2018, IMPALA eq. 1 ``min(C, pi/mu)``; here optionally with a
-    lower clamp). Clipping happens in log space before ``exp``, so a log-ratio of 1000 gives
-    ``cap`` (not inf) and ratios [10, 0.1] in [0.5, 2.0] give [2.0, 0.5]. ``cap = 0``: no upper
-    cap; ``floor = 0``: no lower clamp. Non-finite log-ratios give weight 0.
-
-    Returns: float32 weights, no gradient.
-    """
-    lr = _f32(log_ratio)
-    finite = jnp.isfinite(lr)
-    lr = jnp.where(finite, lr, 0.0)
-    lo = math.log(floor) if floor > 0 else -jnp.inf
-    hi = math.log(cap) if cap > 0 else 80.0  # exp(80) is finite in float32
-    w = jnp.where(finite, jnp.exp(jnp.clip(lr, lo, hi)), 0.0)
-    return jax.lax.stop_gradient(w)
-
-
 # ---------------------------------------------------------------------------- policy loss
 
 class PolicyTerms(NamedTuple):
     """Per-token outputs of :func:`policy_loss`, all ``[B, T]``."""
-    loss: jax.Array          # float32 per-token loss (0 where masked or outside the window)
-    ratio: jax.Array         # float32 PPO ratio pi / pi_old (1 where masked)
-    is_weight: jax.Array     # float32 importance weight applied (0 outside the window)
-    is_log_ratio: jax.Array  # float32 IS log-ratio before truncation (0 where masked)
-    in_window: jax.Array     # bool token kept by the IS ratio window (and the mask)
+    loss: jax.Array          # float32 per-token loss (0 where masked or rejected)
+    ratio: jax.Array         # float32 PPO ratio pi / pi_old (1 where not kept)
+    is_weight: jax.Array     # float32 importance weight applied (0 where not kept)
+    kept: jax.Array          # bool token in the loss (mask and not rejected)
     clipped_low: jax.Array   # bool ratio < 1 - clip_low with A < 0 (clip active)
     clipped_high: jax.Array  # bool ratio > 1 + clip_high with A > 0 (clip active)
     dual_clipped: jax.Array  # bool dual clip active (A < 0, ratio > dual_clip)
@@ -169,27 +133,26 @@ def clipped_surrogate(ratio, advantages, *, clip_low: float, clip_high: float,
 
 def policy_loss(logprobs, behaviour_logprobs, advantages, mask, *, off_policy: OffPolicy,
                 clip_low: float, clip_high: float, dual_clip: float = 0.0,
-                old_logprobs=None, is_cap: float = 0.0, is_floor: float = 0.0,
-                window_low: float = 0.0, window_high: float = 0.0) -> PolicyTerms:
+                old_logprobs=None, is_weight=None, keep=None) -> PolicyTerms:
     """Per-token clipped policy loss with off-policy correction against the sampler.
 
-    ``"decoupled"`` (Fu et al. 2025, AReaL, "decoupled PPO objective"): the PPO ratio is
-    against the proximal/old policy ``r = pi / pi_old`` and each token is weighted by the
-    detached truncated importance weight ``w = clip(pi_old / mu, floor, cap)`` of the old
-    policy against the behaviour policy ``mu`` (the sampler)::
+    ``"decoupled"`` (Fu et al. 2025, AReaL, "decoupled PPO objective"; Hilton et al. 2021):
+    the PPO ratio is against the proximal/old policy ``r = pi / pi_old`` and each token is
+    weighted by the detached importance weight ``w`` of the old policy against the behaviour
+    policy ``mu`` (the sampler), :func:`rlflow.learner.rollout_correction.correct`::
 
         l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps_low, 1+eps_high))
 
     ``old_logprobs`` defaults to ``stop_gradient(logprobs)``: with one optimiser step per
     batch the old policy is the current parameters at step start (r = 1, gradient of r =
-    gradient of log pi). ``is_cap = 0`` turns the weight off (w = 1).
+    gradient of log pi).
 
     ``"behaviour"``: the ratio is taken directly against the behaviour policy,
-    ``r = pi / mu`` (PPO with the sampler as the old policy); no extra weight.
+    ``r = pi / mu`` (PPO with the sampler as the old policy); ``is_weight`` is not applied.
 
-    In both modes a token whose IS log-ratio (``log pi_old - log mu``, resp. ``log pi - log mu``)
-    lies outside ``[log window_low, log window_high]`` is masked: loss 0, gradient 0, but it
-    stays in the aggregation denominator (the weights of :func:`loss_weights`).
+    In both modes a token outside ``keep`` (rejected by the rollout correction) has loss 0
+    and gradient 0, but stays in the aggregation denominator (the weights of
+    :func:`loss_weights`).
 
     Args:
       logprobs: ``[B, T]`` float32 current-policy logprobs of the targets (differentiated).
@@ -199,36 +162,34 @@ def policy_loss(logprobs, behaviour_logprobs, advantages, mask, *, off_policy: O
       off_policy: "decoupled" or "behaviour".
       clip_low, clip_high, dual_clip: see :func:`clipped_surrogate`.
       old_logprobs: ``[B, T]`` proximal policy logprobs (decoupled only).
-      is_cap, is_floor: truncation of the decoupled weight (see :func:`truncated_is_weight`).
-      window_low, window_high: IS ratio window (0 turns a side off).
+      is_weight: ``[B, T]`` float32 detached weight (decoupled only), or None (1).
+      keep: ``[B, T]`` bool tokens not rejected, or None (all of ``mask``).
 
     Returns: :class:`PolicyTerms`.
+
+    Raises: ValueError for an unknown ``off_policy``.
     """
     m = jnp.asarray(mask, bool)
+    keep = m if keep is None else m & jnp.asarray(keep, bool)
     logp = _masked(logprobs, m)
-    mu = _masked(behaviour_logprobs, m)
     adv = _masked(advantages, m)
     if off_policy == "decoupled":
         old = jax.lax.stop_gradient(logp if old_logprobs is None else _masked(old_logprobs, m))
-        is_lr = old - mu
     elif off_policy == "behaviour":
-        old = mu
-        is_lr = jax.lax.stop_gradient(logp) - mu
+        old = _masked(behaviour_logprobs, m)
     else:
         raise ValueError(f"off_policy must be 'decoupled' or 'behaviour', got {off_policy!r}")
-    keep = m & in_ratio_window(is_lr, window_low, window_high)
     log_ratio = jnp.where(keep, logp - old, 0.0)
     ratio = jnp.exp(log_ratio)
     loss, lo, hi, dual = clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high,
                                            dual_clip=dual_clip)
-    if off_policy == "decoupled" and is_cap > 0:
-        w = truncated_is_weight(is_lr, is_cap, is_floor)
+    if off_policy == "decoupled" and is_weight is not None:
+        w = jax.lax.stop_gradient(_masked(is_weight, keep))
     else:
-        w = jnp.ones_like(loss)
-    w = jnp.where(keep, w, 0.0)
+        w = _f32(keep)
     return PolicyTerms(loss=w * jnp.where(keep, loss, 0.0), ratio=ratio, is_weight=w,
-                       is_log_ratio=jnp.where(m, is_lr, 0.0), in_window=keep,
-                       clipped_low=lo & keep, clipped_high=hi & keep, dual_clipped=dual & keep)
+                       kept=keep, clipped_low=lo & keep, clipped_high=hi & keep,
+                       dual_clipped=dual & keep)
 
 
 # ---------------------------------------------------------------------------------- KL

@@ -183,7 +183,8 @@ def _pack(batch: TrainBatch) -> np.ndarray:
 
 _DTYPES = dict(tokens=np.int32, attention_mask=np.bool_, positions=np.int32, targets=np.int32,
                loss_mask=np.bool_, behaviour_logprobs=np.float32, advantages=np.float32,
-               token_rewards=np.float32, segment_ids=np.int32, prefix_ids=np.int32)
+               token_rewards=np.float32, segment_ids=np.int32, prefix_ids=np.int32,
+               group_ids=np.int32, policy_lag=np.int32)
 
 
 def _unpack(packed: np.ndarray) -> TrainBatch:

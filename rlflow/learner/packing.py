@@ -53,11 +53,11 @@ from typing import Iterable
 
 import numpy as np
 
-from rlflow.learner.batch import BatchError, TrainBatch
+from rlflow.learner.batch import BatchError, TrainBatch, row_segment_ids
 
 # per-token fields copied with their tokens (segment_ids and positions are rebuilt)
 _MOVED = ("tokens", "attention_mask", "targets", "loss_mask", "behaviour_logprobs",
-          "advantages", "token_rewards")
+          "advantages", "token_rewards", "group_ids", "policy_lag")
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,8 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
       a shared prompt's own segment ``B + 1 + unit``; numbered densely from 1 instead when
       those ids would pass ``R * pack_length``), positions of each sample as it had
       alone, and with ``spec.shared_prefix`` ``prefix_ids`` (the shared prompt's segment,
-      else the position's own; None without ``shared_prefix``) (``token_rewards`` zeros when
-      the input had None); ``info``: ``learner/padding_fraction`` (of ``batch``),
+      else the position's own; None without ``shared_prefix``) (``token_rewards`` and
+      ``policy_lag`` zeros, ``group_ids`` the sample's row + 1, when the input had None); ``info``: ``learner/padding_fraction`` (of ``batch``),
       ``learner/packed_padding_fraction`` (of the packed batch), ``batch/packed_rows``,
       ``batch/packed_samples`` (samples with loss tokens, the ones kept).
 
@@ -200,8 +200,10 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
         bins = first_fit([_unit_length(u, n_tok) for u in units], spec.pack_length)
     rows = spec.rows_for(max(len(bins), 1), used)
     lp = spec.pack_length
-    src = batch if batch.token_rewards is not None else batch._replace(
-        token_rewards=np.zeros(attn.shape, np.float32))
+    src = batch._replace(**{name: np.zeros(attn.shape, dt) for name, dt in (
+        ("token_rewards", np.float32), ("policy_lag", np.int32)) if getattr(batch, name) is None})
+    if src.group_ids is None:                        # each sample its own group (its row + 1)
+        src = src._replace(group_ids=row_segment_ids(attn))
     # where each packed position comes from: source row (-1: padding) and offset in its span
     src_row = np.full((rows, lp), -1, np.int64)
     pos = np.zeros((rows, lp), np.int32)

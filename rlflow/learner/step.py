@@ -31,7 +31,6 @@ those shardings and the donated state, and the ahead-of-time compile, are
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -40,11 +39,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from rlflow.config.rollout_correction import RolloutCorrectionConfig
 from rlflow.learner import advantages as adv_lib
 from rlflow.learner import loss_positions, losses
+from rlflow.learner import rollout_correction as rc
 from rlflow.learner.batch import TrainBatch
 from rlflow.mesh import param_shardings, replicated
 from rlflow.models.logprobs import chunked_logprobs
+from rlflow.run.metrics import LAG_BUCKETS
 
 
 class TrainState(NamedTuple):
@@ -75,7 +77,8 @@ class StepSettings:
     ``attention``: ``learner.attention`` (:func:`rlflow.models.attention.resolve`);
     ``logprob_chunk``: ``learner.logprob_chunk`` (:func:`rlflow.models.logprobs.chunked_logprobs`).
     ``remat``: the decoder layers' rematerialisation policy in the differentiated forward
-    (``learner.remat``, :mod:`rlflow.models.layer_scan`).
+    (``learner.remat``, :mod:`rlflow.models.layer_scan`). ``correction``:
+    ``learner.rollout_correction`` (:mod:`rlflow.learner.rollout_correction`).
     """
     loss_agg: str = "token-mean"
     norm_len: int = 1
@@ -83,10 +86,7 @@ class StepSettings:
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 0.0
-    is_cap: float = 2.0
-    is_floor: float = 0.0
-    window_low: float = 0.0
-    window_high: float = 0.0
+    correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     micro_batches: int = 1
@@ -109,8 +109,7 @@ class StepSettings:
         lr = cfg.learner
         return cls(loss_agg=lr.loss_agg, norm_len=cfg.sampler.max_tokens,
                    off_policy=lr.off_policy, clip_low=lr.clip_low, clip_high=lr.clip_high,
-                   dual_clip=lr.dual_clip, is_cap=lr.is_cap, is_floor=lr.is_floor,
-                   window_low=lr.is_window_low, window_high=lr.is_window_high,
+                   dual_clip=lr.dual_clip, correction=lr.rollout_correction,
                    kl_coef=lr.kl_coef, kl_estimator=lr.kl_estimator,
                    micro_batches=lr.micro_batches,
                    temperature=cfg.sampler.temperature or 1.0,
@@ -210,7 +209,9 @@ def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.
 
 
 _SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
-         "is_kept", "is_truncated")
+         "is_kept")
+# the mismatch diagnostics' sums, each [len(LAG_BUCKETS)] (rlflow.learner.rollout_correction)
+_MISMATCH_SUMS = tuple(f"mismatch/{n}" for n in rc.DIAGNOSTIC_SUMS)
 # PPO: value loss; token sums of V_old, returns R, R^2, residual R - V_old and its square
 _VALUE_SUMS = ("value_loss", "v_old", "ret", "ret_sq", "res", "res_sq")
 
@@ -224,10 +225,14 @@ def _targets(mb: TrainBatch, v_old, logp, ref_logp, s: StepSettings):
 
 
 def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
-                value_graphdef=None, old=None, frozen=None, loss_slots=None):
+                value_graphdef=None, old=None, frozen=None, loss_slots=None, pre=None,
+                num_segments=None):
     """Loss of one micro-batch. PPO: ``old = (advantages, returns, V_old)`` from the
     old-values pass, or None (computed here from this forward's detached values).
-    ``loss_slots``: as :func:`model_outputs`."""
+    ``pre``: ``(correction, old logprobs)`` of this micro-batch from the start pass
+    (group-level rejection over several micro-batches), or None (computed here from this
+    forward's detached logprobs). ``loss_slots``: as :func:`model_outputs`.
+    ``num_segments``: the whole batch's bound on segment ids (``B * L + 1``)."""
     logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
                                       frozen, loss_slots, s.attention, s.logprob_chunk,
                                       s.remat)
@@ -241,10 +246,14 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
                 advantages = adv_lib.masked_whiten(advantages, mask)
         else:
             advantages, returns, v_old = old
+    if pre is None:
+        old_logp = jax.lax.stop_gradient(logp)
+        corr = _correct(old_logp, mb, s, num_segments)
+    else:
+        corr, old_logp = pre
     t = losses.policy_loss(logp, mb.behaviour_logprobs, advantages, mask,
                            off_policy=s.off_policy, clip_low=s.clip_low, clip_high=s.clip_high,
-                           dual_clip=s.dual_clip, is_cap=s.is_cap, is_floor=s.is_floor,
-                           window_low=s.window_low, window_high=s.window_high)
+                           dual_clip=s.dual_clip, is_weight=corr.weight, keep=corr.keep)
     pg = jnp.sum(w * t.loss)
     loss = pg
     kl = jnp.zeros_like(logp)
@@ -253,15 +262,15 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
         if not (s.gae and s.kl_in_reward):
             loss = loss + s.kl_coef * jnp.sum(w * kl)
     m = mask.astype(jnp.float32)
-    kept = t.in_window.astype(jnp.float32)
-    if s.off_policy == "decoupled" and s.is_cap > 0:
-        trunc = (t.is_log_ratio > math.log(s.is_cap)).astype(jnp.float32)
-    else:
-        trunc = jnp.zeros_like(m)
+    kept = t.kept.astype(jnp.float32)
     sums = dict(pg_loss=pg, kl=jnp.sum(m * kl), entropy=jnp.sum(m * ent),
                 clip_low=jnp.sum(t.clipped_low), clip_high=jnp.sum(t.clipped_high),
                 clip_dual=jnp.sum(t.dual_clipped), is_weight=jnp.sum(kept * t.is_weight),
-                is_kept=jnp.sum(kept), is_truncated=jnp.sum(kept * trunc))
+                is_kept=jnp.sum(kept))
+    diag = rc.mismatch_sums(old_logp, mb.behaviour_logprobs, mask, corr,
+                            segment_ids=mb.segment_ids, policy_lag=mb.policy_lag,
+                            num_segments=num_segments)
+    sums |= {f"mismatch/{n}": v for n, v in diag.items()}
     if s.gae:
         vl = jnp.sum(w * losses.value_loss(values, v_old, returns, mask, clip=s.value_clip))
         loss = loss + s.value_coef * vl
@@ -270,9 +279,18 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
                      ret_sq=jnp.sum(m * returns ** 2), res=jnp.sum(m * res),
                      res_sq=jnp.sum(m * res ** 2))
     sums = {k: v.astype(jnp.float32) for k, v in sums.items()}
-    lr_big = jnp.where(mask, t.is_log_ratio, -jnp.inf)
-    lr_small = jnp.where(mask, t.is_log_ratio, jnp.inf)
+    is_lr = old_logp - mb.behaviour_logprobs
+    lr_big = jnp.where(mask, is_lr, -jnp.inf)
+    lr_small = jnp.where(mask, is_lr, jnp.inf)
     return loss, (sums, jnp.max(lr_big), jnp.min(lr_small))
+
+
+def _correct(old_logp, mb: TrainBatch, s: StepSettings, num_segments=None) -> rc.Correction:
+    """The rollout correction of ``mb`` (whole sequences; whole groups with group rejection)
+    from the old policy's logprobs ``old_logp`` ``[B, L]``."""
+    return rc.correct(old_logp - mb.behaviour_logprobs, mb.loss_mask, s.correction,
+                      segment_ids=mb.segment_ids, group_ids=mb.group_ids,
+                      apply_weight=s.off_policy == "decoupled", num_segments=num_segments)
 
 
 def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=None):
@@ -294,9 +312,11 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
     if s.gae != (value_graphdef is not None):
         raise ValueError(f"settings.gae={s.gae} needs a value head graphdef exactly when True, "
                          f"got value_graphdef={value_graphdef!r}")
-    sums_names = _SUMS + (_VALUE_SUMS if s.gae else ())
+    sums_names = _SUMS + _MISMATCH_SUMS + (_VALUE_SUMS if s.gae else ())
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     old_values_pass = s.gae and s.whiten and k > 1
+    # a prompt group spans micro-batches: group rejection needs the whole batch's logprobs
+    group_pass = s.correction.reject != "off" and s.correction.unit == "group" and k > 1
 
     def constrain(x, lead):
         if mesh is None:
@@ -316,21 +336,34 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
             policy_logprobs(graphdef, ref_params, mb, s.temperature, frozen, loss_slots,
                             s.attention, s.logprob_chunk)[0])
 
-    def old_pass(params, micro: TrainBatch, ref_params, frozen):
-        """Forward only, at the step-start params: GAE targets of every micro-batch, whitened
-        over the whole batch. Returns ``(advantages, returns, V_old)``, each ``[k, B/k, L]``."""
+    def start_pass(params, micro: TrainBatch, ref_params, frozen):
+        """Forward only, at the step-start params, over every micro-batch: GAE targets
+        whitened over the whole batch (``old_values_pass``) and the rollout correction of the
+        whole batch (``group_pass``). Returns ``(gae, pre)``: ``(advantages, returns, V_old)``
+        and ``(correction, old logprobs)``, each leaf ``[k, B/k, L]``, or None."""
         def body(_, mb):
             mb = jax.tree.map(lambda x: constrain(x, 0), mb)
             logp, _, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
                                             frozen, attention=s.attention,
                                             logprob_chunk=s.logprob_chunk)
+            logp = jax.lax.stop_gradient(logp)
+            if not old_values_pass:
+                return None, (logp, None)
             ref = ref_logprobs(ref_params, mb, frozen) if s.kl_in_reward else None
             v_old = jax.lax.stop_gradient(values)
-            return None, (*_targets(mb, v_old, logp, ref, s), v_old)
+            return None, (logp, (*_targets(mb, v_old, logp, ref, s), v_old))
 
-        _, (adv, ret, v_old) = jax.lax.scan(body, None, micro)
-        adv = constrain(adv_lib.masked_whiten(adv, micro.loss_mask), 1)
-        return jax.lax.stop_gradient((adv, ret, v_old))
+        _, (logp, gae) = jax.lax.scan(body, None, micro)
+        if gae is not None:
+            adv, ret, v_old = gae
+            adv = constrain(adv_lib.masked_whiten(adv, micro.loss_mask), 1)
+            gae = jax.lax.stop_gradient((adv, ret, v_old))
+        pre = None
+        if group_pass:        # the micro-batches' rows side by side: ids are batch-wide
+            whole = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), micro)
+            corr = _correct(logp.reshape(whole.loss_mask.shape), whole, s)
+            pre = (jax.tree.map(lambda x: constrain(x.reshape(logp.shape), 1), corr), logp)
+        return gae, pre
 
     def grad_fn(params, batch: TrainBatch, ref_params, frozen=None):
         b = batch.tokens.shape[0]
@@ -341,15 +374,17 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
         w = losses.loss_weights(batch.loss_mask, s.loss_agg, norm_len=s.norm_len,
                                 segment_ids=batch.segment_ids)
         micro = jax.tree.map(lambda x: constrain(split_micro(x, k), 1), (batch, w))
-        old = old_pass(params, micro[0], ref_params, frozen) if old_values_pass else None
+        old, pre = (start_pass(params, micro[0], ref_params, frozen)
+                    if old_values_pass or group_pass else (None, None))
         value_and_grad = jax.value_and_grad(_micro_loss, has_aux=True)
 
         def body(carry, xs):
-            (mb, w_mb), old_mb = jax.tree.map(lambda x: constrain(x, 0), xs)
+            (mb, w_mb), old_mb, pre_mb = jax.tree.map(lambda x: constrain(x, 0), xs)
             mb_slots = slots(mb)
             ref_logp = ref_logprobs(ref_params, mb, frozen, mb_slots)
             (loss, (sums, hi, lo)), g = value_and_grad(params, graphdef, mb, w_mb, ref_logp, s,
-                                                       value_graphdef, old_mb, frozen, mb_slots)
+                                                       value_graphdef, old_mb, frozen, mb_slots,
+                                                       pre_mb, batch.tokens.size + 1)
             grads, acc = carry
             grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g)
             acc = {n: acc[n] + sums[n] for n in sums_names} | {
@@ -359,9 +394,10 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         acc0 = {n: jnp.zeros((), jnp.float32) for n in sums_names + ("loss",)} | {
+            n: jnp.zeros((len(LAG_BUCKETS),), jnp.float32) for n in _MISMATCH_SUMS} | {
             "is_lr_max": jnp.array(-jnp.inf, jnp.float32),
             "is_lr_min": jnp.array(jnp.inf, jnp.float32)}
-        (grads, acc), _ = jax.lax.scan(body, (zeros, acc0), (micro, old))
+        (grads, acc), _ = jax.lax.scan(body, (zeros, acc0), (micro, old, pre))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return acc.pop("loss"), grads, acc
 
@@ -386,9 +422,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     (LoRA: the base model; ``state.params`` are then the adapters). Metrics (float32 scalars): ``learner/loss``, ``learner/pg_loss``,
     ``policy/kl``, ``policy/entropy`` (token means), ``policy/clip_frac_low|high|dual``
     (fractions of loss tokens), ``policy/is_weight_mean`` (applied weight over kept tokens),
-    ``policy/is_weight_min|max`` (untruncated ratio over loss tokens),
-    ``policy/is_masked_frac`` (outside the IS window), ``policy/is_truncated_frac`` (above the
-    cap), ``learner/grad_norm`` (before clipping), ``learner/tokens``, ``learner/lr``,
+    ``policy/is_weight_min|max`` (untruncated token ratio over loss tokens), the mismatch
+    diagnostics and the rollout correction's masked / truncated fractions, each for the
+    whole batch and per policy-lag bucket (``mismatch/kl_k1``, ``mismatch/kl_k3``,
+    ``mismatch/chi2``, ``mismatch/log_ppl_diff``, ``rollout_correction/masked_token_frac``,
+    ``.../masked_seq_frac``, ``.../truncated_token_frac``, ``.../truncated_seq_frac``, and
+    the same with ``_lag0``, ``_lag1``, ``_lag2plus``:
+    :func:`rlflow.learner.rollout_correction.mismatch_metrics`), ``learner/grad_norm`` (before clipping), ``learner/tokens``, ``learner/lr``,
     ``learner/skipped`` (1 when the batch had no loss tokens: parameters, optimiser state and
     step are then left unchanged). PPO adds ``value/loss`` (aggregated like the policy loss),
     ``value/mean`` and ``value/return_mean`` (token means of ``V_old`` and of the returns) and
@@ -425,13 +465,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                               1.0),
             "policy/is_weight_min": jnp.where(any_tok,
                                               jnp.exp(jnp.maximum(acc["is_lr_min"], -80.0)), 1.0),
-            "policy/is_masked_frac": (n_tok - acc["is_kept"]) * per_tok,
-            "policy/is_truncated_frac": acc["is_truncated"] * per_tok,
             "learner/grad_norm": grad_norm,
             "learner/tokens": n_tok,
             "learner/lr": jnp.asarray(schedule(state.step), jnp.float32),
             "learner/skipped": skip.astype(jnp.float32),
         }
+        metrics |= rc.mismatch_metrics({n: acc[f"mismatch/{n}"] for n in rc.DIAGNOSTIC_SUMS})
         if settings.gae:
             metrics |= _value_metrics(acc, n_tok)
         return TrainState(state.step + 1 - skip.astype(jnp.int32), params, opt_state,

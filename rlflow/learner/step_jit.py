@@ -61,7 +61,7 @@ def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
     dtypes = dict(tokens=jnp.int32, attention_mask=jnp.bool_, positions=jnp.int32,
                   targets=jnp.int32, loss_mask=jnp.bool_, behaviour_logprobs=jnp.float32,
                   advantages=jnp.float32, token_rewards=jnp.float32, segment_ids=jnp.int32,
-                  prefix_ids=jnp.int32)
+                  prefix_ids=jnp.int32, group_ids=jnp.int32, policy_lag=jnp.int32)
     return TrainBatch(**{f: jax.ShapeDtypeStruct((rows, seq), dtypes[f], sharding=sh)
                          for f in TrainBatch._fields})
 

@@ -49,6 +49,10 @@ STALENESS_BUCKETS = (0, 1, 2)
 STALENESS_HIST = tuple(f"staleness/frac_{k}" for k in STALENESS_BUCKETS) + (
     f"staleness/frac_{STALENESS_BUCKETS[-1] + 1}plus",)
 
+# Policy-lag buckets of the mismatch diagnostics (rlflow.learner.rollout_correction): the
+# metric suffixes of samples that lag the learner by 0, 1 and >= 2 versions.
+LAG_BUCKETS = ("lag0", "lag1", "lag2plus")
+
 # name -> (unit, meaning). Times are wall-clock seconds measured since the previous step.
 METRIC_SPECS: dict[str, tuple[str, str]] = {
     "reward/mean": ("reward", "mean reward of the samples consumed this step"),

@@ -9,6 +9,11 @@ Reads what :class:`rlflow.run.metrics.MetricsWriter` wrote (``metrics.jsonl``,
     plots/throughput.png  sampler tokens/s; idle fractions, slot occupancy, buffer fill
     plots/staleness.png   staleness histogram over steps (stacked); mean/max staleness
     plots/timing.png      learner step time, weight sync, sampler pause; buffer waits
+    plots/mismatch.png    sampler / learner mismatch: KL(behaviour || learner) k3 by policy
+                          lag; chi-square, log-perplexity difference, KL k1 (runs whose
+                          step logged ``mismatch/*``, rlflow.learner.rollout_correction)
+    plots/rollout_correction.png  tokens and samples the rollout correction rejected
+                          (by policy lag) or truncated
     plots/eval.png        held-out evaluation by policy version: pass@1, pass@k, maj@k,
                           mean reward, truncation rate; completion length (runs with
                           ``eval.every_steps``; samples in ``eval_samples.jsonl``)
@@ -36,8 +41,8 @@ from typing import Annotated, Literal, Optional, Sequence
 import numpy as np
 import tyro
 
-from rlflow.run.metrics import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, STALENESS_HIST,
-                                completion_text)
+from rlflow.run.metrics import (CONFIG_FILE, LAG_BUCKETS, METRICS_FILE, SAMPLES_FILE,
+                                STALENESS_HIST, completion_text)
 from rlflow.run import files
 from rlflow.run.folder import RunFolderError, metrics_by_step, read_jsonl
 
@@ -110,6 +115,25 @@ def replica_plots(by_step: dict[int, dict[str, float]]) -> tuple[PlotSpec, ...]:
             Panel("prompts (total)", ("ledger/admitted", "ledger/trained", "ledger/redispatched",
                                       "ledger/dropped", "ledger/duplicates")),
             Panel("prompts (now)", ("ledger/in_flight", "ledger/buffered", "ledger/returned")))),
+    )
+
+
+def mismatch_plots(by_step: dict[int, dict[str, float]]) -> tuple[PlotSpec, ...]:
+    """The mismatch and rollout-correction plots, for runs whose train step logged them
+    (``mismatch/*``, ``rollout_correction/*``; :data:`rlflow.run.metrics.LAG_BUCKETS`)."""
+    if not _has(by_step, "mismatch/kl_k3"):
+        return ()
+    lags = lambda name: (name,) + tuple(f"{name}_{b}" for b in LAG_BUCKETS)  # noqa: E731
+    return (
+        PlotSpec("mismatch", "Sampler / learner mismatch (by policy lag)", (
+            Panel("KL(behaviour || learner), k3 (nats)", lags("mismatch/kl_k3")),
+            Panel("chi-square; nats", ("mismatch/chi2", "mismatch/log_ppl_diff",
+                                       "mismatch/kl_k1")))),
+        PlotSpec("rollout_correction", "Rollout correction", (
+            Panel("fraction rejected", ("rollout_correction/masked_token_frac",)
+                  + lags("rollout_correction/masked_seq_frac")),
+            Panel("fraction truncated", ("rollout_correction/truncated_token_frac",
+                                         "rollout_correction/truncated_seq_frac")))),
     )
 
 
@@ -357,7 +381,7 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
     img_dir = os.path.join(out_dir, "plots")
     os.makedirs(img_dir, exist_ok=True)
     drawn, missing = [], []
-    for spec in PLOTS + replica_plots(by_step) + eval_plots(by_step):
+    for spec in PLOTS + mismatch_plots(by_step) + replica_plots(by_step) + eval_plots(by_step):
         (drawn if plot(spec, by_step, os.path.join(img_dir, f"{spec.name}.png"))
          else missing).append(spec)
     name = (config or {}).get("name") or os.path.basename(files.absolute(run_dir).rstrip("/"))
