@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlflow.mesh import activation_sharding, sequence_size
+from rlflow.models import context_parallel
 from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
@@ -264,7 +266,11 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         b, t, h, d = q.shape
         if isinstance(attend_mask, SequenceMask):
-            return self._out(attention(q, k, v, **attend_mask._asdict()))
+            kw = attend_mask._asdict()
+            mesh = kw.pop("mesh")
+            if sequence_size(mesh) > 1:
+                return self._out(context_parallel.attention(q, k, v, mesh=mesh, **kw))
+            return self._out(attention(q, k, v, **kw))
         keys, values = kv_hook(k, v)
         q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
         if t == 1:
@@ -433,7 +439,8 @@ class Decoder(nnx.Module):
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                       *, segment_ids: jax.Array | None = None,
                       prefix_ids: jax.Array | None = None,
-                      attention_impl: str = "auto", remat: str = "none") -> jax.Array:
+                      attention_impl: str = "auto", remat: str = "none",
+                      mesh=None) -> jax.Array:
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
@@ -444,16 +451,34 @@ class Decoder(nnx.Module):
         ``"offload"``; :data:`rlflow.models.layer_scan.REMAT_POLICIES`), which changes what
         the backward pass keeps, never the values.
 
+        ``mesh``: the learner's mesh, or None. With a ``sequence`` axis of ``s > 1`` devices
+        (context parallelism, :mod:`rlflow.models.context_parallel`) the residual stream is
+        constrained to ``[batch, seq, embed]`` = ``(data x fsdp, sequence, -)`` at the embedding and at
+        every layer boundary inside the scan, and attention all-gathers keys and values over
+        the axis; ``T`` must be a multiple of ``s``. Values do not change.
+
         Raises (beside :meth:`__call__`'s):
           LayerScanError: the layers differ in structure, or ``remat`` is unknown or
             unsupported on this backend.
+          ValueError: ``T`` is not a multiple of the ``sequence`` axis (names
+            ``learner.mesh.sequence`` and ``T``).
         """
         self._check_tokens(tokens)
+        cp = sequence_size(mesh) > 1
+        if cp:
+            context_parallel.check_length(tokens.shape[1], sequence_size(mesh))
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
-                              attention_impl)                # never a [B, T, T] array
+                              attention_impl, mesh if cp else None)   # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
-        x = scan_layers(self.layers, self._embed(tokens),
-                        lambda block, h: block(h, positions, inv_freq, attend), remat)
+
+        def constrain(x):
+            if not cp:
+                return x
+            return jax.lax.with_sharding_constraint(x, activation_sharding(mesh, x.shape))
+
+        x = scan_layers(self.layers, constrain(self._embed(tokens)),
+                        lambda block, h: constrain(block(constrain(h), positions, inv_freq,
+                                                         attend)), remat)
         return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
