@@ -21,7 +21,9 @@ from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.mesh import batch_sharding, make_mesh, param_shardings
 from rlflow.models import attention as A
 from rlflow.models import context_parallel
-from learner_fixtures import flat, make_group_records, model_and_reference
+from rlflow.learner.trainer import Learner
+from learner_fixtures import (assert_same_train_step, flat, make_group_records,
+                              model_and_reference, one_device_mesh, tiny_experiment)
 from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol, sum_tol
 
 VOCAB, G, T = 64, 4, 6
@@ -109,6 +111,7 @@ def test_loss_position_groups_are_row_and_position_spans():
     mask = rng.random((4, 8)) < 0.5
     x = rng.normal(size=(4, 8)).astype(np.float32)
     idx = np.asarray(loss_positions.loss_index(jnp.asarray(mask), 2, 8, seq_shards=2))
+    gathered = np.asarray(loss_positions.gather(jnp.asarray(x), jnp.asarray(idx), 2))
     for s in range(2):
         for c in range(2):
             span_mask = mask[2 * s:2 * s + 2, 4 * c:4 * c + 4].reshape(-1)
@@ -117,7 +120,6 @@ def test_loss_position_groups_are_row_and_position_spans():
             got = idx[2 * s + c]
             np.testing.assert_array_equal(got[:len(want)], want)
             assert np.all(got[len(want):] == 8)
-            gathered = np.asarray(loss_positions.gather(jnp.asarray(x), jnp.asarray(idx), 2))
             np.testing.assert_array_equal(gathered[2 * s + c, :len(want)], span_x[want])
     back = loss_positions.scatter(loss_positions.gather(jnp.asarray(x), jnp.asarray(idx), 2),
                                   jnp.asarray(idx), x.shape, 2)
@@ -187,6 +189,23 @@ def test_train_step_on_a_sequence_mesh_equals_single_device_today(packed_case, n
     for key in f0:
         err = np.linalg.norm(f1[key] - f0[key]) / np.linalg.norm(f0[key])
         assert err <= (2 * rtol + sum_tol(n)) * MIXED_SIGN_CANCEL, (key, err)
+
+
+@pytest.mark.slow
+def test_learner_on_data_fsdp_sequence_mesh_equals_single_device_today():
+    """The default learner (packed rows of 28 with shared prompts, remat "full", "auto"
+    attention, logprobs in chunks of 8 at the loss positions) on data=2 x sequence=2 fake
+    devices with 2 micro-batches: its jitted step (batch positions split over the axis)
+    equals the single-device learner on today's path ("xla", one-pass logprobs, no remat)
+    after one step: metrics and updated parameters."""
+    kw = dict(micro_batches=2, kl_coef=0.5, loss_agg="seq-mean-token-mean")
+    recs = make_group_records(11, 2, vocab=VOCAB, group_size=G, max_tokens=T, noise=1.0)
+    new = Learner(tiny_experiment(MODEL, G, T, num_devices=4,
+                                  mesh=MeshConfig(data=2, sequence=2), logprob_chunk=8, **kw))
+    today = Learner(tiny_experiment(MODEL, G, T, attention="xla", logprob_chunk=0,
+                                    remat="none", **kw), mesh=one_device_mesh())
+    mn, mt = new.train_on(recs), today.train_on(recs)
+    assert_same_train_step(mn, mt, new.params, today.params, MODEL, rows=8, seq=16)
 
 
 # --------------------------------------------------------------------------- config
