@@ -185,10 +185,17 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(("data", "fsdp"), seq))
 
 
-def activation_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+def activation_sharding(mesh: Mesh, shape: tuple[int, ...], folded: bool = False
+                        ) -> NamedSharding:
     """Sharding of the learner's ``[batch, seq, ...]`` activations: logical axes
     ``("batch", "seq", None, ...)`` (batch over ``data`` x ``fsdp``, positions over
-    ``sequence``); a dimension the axes do not divide stays replicated."""
+    ``sequence``); a dimension the axes do not divide stays replicated. ``folded``: the
+    ``[batch x sequence, seq / sequence, ...]`` view of context parallelism
+    (:func:`rlflow.models.context_parallel.fold`), its leading axis over ``data`` x
+    ``fsdp`` x ``sequence``."""
+    if folded:
+        spec = P(("data", "fsdp", "sequence"), *((None,) * (len(shape) - 1)))
+        return NamedSharding(mesh, _fit(spec, shape, mesh))
     return logical_sharding(mesh, ("batch", "seq") + (None,) * (len(shape) - 2), shape)
 
 

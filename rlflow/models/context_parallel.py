@@ -47,6 +47,22 @@ from rlflow.models.attention import KeyQueryMask, attend, resolve
 AXIS = "sequence"
 
 
+def fold(x: jax.Array, sequence: int) -> jax.Array:
+    """``[B, T, ...]`` -> ``[B * s, T / s, ...]``: each row cut into its ``s`` position spans
+    (span ``c`` of row ``b`` at ``b * s + c``). The decoder runs its token-wise parts on this
+    view: its leading axis is split over ``data x fsdp x sequence`` as one block per device,
+    so the projections' ``[B * T, E]`` matmul rows (:func:`rlflow.models.decoder._dense`)
+    stay on their devices. Flattening ``[B, T]`` with ``T`` split but ``B`` not (or not
+    one row per device) is not a block layout, and XLA all-gathers the positions there
+    (measured: the MLP then ran on whole rows on every device)."""
+    return x.reshape((x.shape[0] * sequence, x.shape[1] // sequence) + x.shape[2:])
+
+
+def unfold(x: jax.Array, sequence: int) -> jax.Array:
+    """Inverse of :func:`fold`: ``[B * s, T / s, ...]`` -> ``[B, T, ...]``."""
+    return x.reshape((x.shape[0] // sequence, x.shape[1] * sequence) + x.shape[2:])
+
+
 def check_length(t: int, sequence: int, where: str = "row") -> None:
     """Raise unless a row of ``t`` positions splits over a ``sequence`` axis.
 
