@@ -190,11 +190,11 @@ def activation_sharding(mesh: Mesh, shape: tuple[int, ...], folded: bool = False
     """Sharding of the learner's ``[batch, seq, ...]`` activations: logical axes
     ``("batch", "seq", None, ...)`` (batch over ``data`` x ``fsdp``, positions over
     ``sequence``); a dimension the axes do not divide stays replicated. ``folded``: the
-    ``[batch x sequence, seq / sequence, ...]`` view of context parallelism
-    (:func:`rlflow.models.context_parallel.fold`), its leading axis over ``data`` x
-    ``fsdp`` x ``sequence``."""
+    ``[sequence x batch, seq / sequence, ...]`` view of context parallelism
+    (:func:`rlflow.models.context_parallel.fold`), its leading axis over ``sequence`` x
+    ``data`` x ``fsdp``."""
     if folded:
-        spec = P(("data", "fsdp", "sequence"), *((None,) * (len(shape) - 1)))
+        spec = P(("sequence", "data", "fsdp"), *((None,) * (len(shape) - 1)))
         return NamedSharding(mesh, _fit(spec, shape, mesh))
     return logical_sharding(mesh, ("batch", "seq") + (None,) * (len(shape) - 2), shape)
 

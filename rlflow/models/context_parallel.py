@@ -5,16 +5,19 @@ Layout (:mod:`rlflow.mesh`): the learner's activations ``[B, T, ...]`` carry the
 ``("batch", "seq", ...)``, so with ``learner.mesh.sequence = s`` device ``i`` of the axis
 holds positions ``[i T / s, (i + 1) T / s)`` of every row of its batch shard; parameters are
 replicated over the axis (as over ``data``). Every token-wise part of a layer (norms, RoPE,
-the projections, the MLP) then runs on the local positions with no communication; XLA's
-partitioner does that from the sharding constraints the decoder puts on the residual stream
-at each layer boundary (:meth:`rlflow.models.decoder.Decoder.hidden_states`).
+the projections, the MLP) then runs on the local positions with no communication: the
+decoder's layers hold the residual stream in the :func:`fold`-ed view ``[s * B, T / s, E]``,
+constrained to one block per device at each layer boundary
+(:meth:`rlflow.models.decoder.Decoder.hidden_states`).
 
-Attention is the one part that needs other devices' positions. Left to the partitioner, the
-blockwise attention's reshapes into query / key blocks of the sharded ``T`` axis make XLA
-all-gather the queries, keys, values *and* mask operands and replicate the attention itself
-over the axis (every device computing every row's attention: ``s`` times the FLOPs and the
-``[B, T, H, D]`` activations whole on each device). So :func:`attention` is a ``shard_map``
-manual over ``sequence`` only (``data`` / ``fsdp`` / ``tensor`` stay automatic): each device
+Attention is the one part that needs other devices' positions. It is a ``shard_map``
+manual over ``sequence`` only (``data`` / ``fsdp`` / ``tensor`` stay automatic), so the
+communication is the one this module states rather than what the partitioner derives from
+the blockwise attention's reshapes of the split ``T`` axis into query / key blocks:
+``benchmarks/context_parallel.py`` (the layers' gradient, T = 1024 over ``sequence`` = 4,
+2 layers, remat "full") compiles it to 7 all-gathers and 2 reduce-scatters, against 27
+all-gathers for the same attention left to XLA (temporaries 6.6 vs 6.7 MiB per device, 13.7
+MiB at ``sequence`` = 1). Each device
 
 1. all-gathers the keys and values ``[B, T/s, K, D]`` of the layer over the axis (the
    simplest correct scheme; with grouped-query attention ``K <= H``, so the gathered
@@ -48,19 +51,25 @@ AXIS = "sequence"
 
 
 def fold(x: jax.Array, sequence: int) -> jax.Array:
-    """``[B, T, ...]`` -> ``[B * s, T / s, ...]``: each row cut into its ``s`` position spans
-    (span ``c`` of row ``b`` at ``b * s + c``). The decoder runs its token-wise parts on this
-    view: its leading axis is split over ``data x fsdp x sequence`` as one block per device,
-    so the projections' ``[B * T, E]`` matmul rows (:func:`rlflow.models.decoder._dense`)
-    stay on their devices. Flattening ``[B, T]`` with ``T`` split but ``B`` not (or not
+    """``[B, T, ...]`` -> ``[s * B, T / s, ...]``: each row cut into its ``s`` position
+    spans, span ``c`` of row ``b`` at ``c * B + b`` (sequence-major). The decoder runs its
+    layers on this view, its leading axis split over ``sequence x data x fsdp`` as one block
+    per device: the projections' ``[B * T, E]`` matmul rows
+    (:func:`rlflow.models.decoder._dense`) stay on their devices, and a ``shard_map`` manual
+    over ``sequence`` takes the view as it is (``P("sequence")``: device ``c`` of the axis
+    gets ``[B, T / s, ...]``). Flattening ``[B, T]`` with ``T`` split but ``B`` not (or not
     one row per device) is not a block layout, and XLA all-gathers the positions there
     (measured: the MLP then ran on whole rows on every device)."""
-    return x.reshape((x.shape[0] * sequence, x.shape[1] // sequence) + x.shape[2:])
+    b, t = x.shape[:2]
+    x = x.reshape((b, sequence, t // sequence) + x.shape[2:]).swapaxes(0, 1)
+    return x.reshape((sequence * b, t // sequence) + x.shape[3:])
 
 
 def unfold(x: jax.Array, sequence: int) -> jax.Array:
-    """Inverse of :func:`fold`: ``[B * s, T / s, ...]`` -> ``[B, T, ...]``."""
-    return x.reshape((x.shape[0] // sequence, x.shape[1] * sequence) + x.shape[2:])
+    """Inverse of :func:`fold`: ``[s * B, T / s, ...]`` -> ``[B, T, ...]``."""
+    sb, tl = x.shape[:2]
+    x = x.reshape((sequence, sb // sequence, tl) + x.shape[2:]).swapaxes(0, 1)
+    return x.reshape((sb // sequence, tl * sequence) + x.shape[3:])
 
 
 def check_length(t: int, sequence: int, where: str = "row") -> None:
@@ -97,9 +106,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, attention_mask:
     if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d or h % k.shape[2]:
         raise ValueError(f"attention: q {q.shape} with k {k.shape} / v {v.shape}: expected "
                          f"k, v [B, T, K, D] with H % K == 0")
+    check_length(t, s)
+    out = folded_attention(*(fold(x, s) for x in (q, k, v)), mesh=mesh,
+                           attention_mask=attention_mask, segment_ids=segment_ids,
+                           prefix_ids=prefix_ids, impl=impl, block_size=block_size)
+    return unfold(out, s)
+
+
+def folded_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh,
+                     attention_mask: jax.Array, segment_ids: jax.Array | None = None,
+                     prefix_ids: jax.Array | None = None, impl: str = "auto",
+                     block_size: int | None = None) -> jax.Array:
+    """:func:`attention` on the :func:`fold`-ed view (what the decoder's layers hold):
+    ``q [s * B, T / s, H, D]``, ``k, v [s * B, T / s, K, D]``; the mask operands
+    ``[B, T]`` as :func:`attention` takes them. Returns ``[s * B, T / s, H, D]``.
+
+    Raises:
+      ValueError: as :func:`attention`.
+    """
+    s = sequence_size(mesh)
+    b, t = attention_mask.shape
+    if q.shape[:2] != (s * b, t // s) or t % s:
+        raise ValueError(f"folded attention: q {q.shape} is not the [s * B, T / s, H, D] "
+                         f"view of [B, T] = {attention_mask.shape} rows over sequence={s}")
     if prefix_ids is not None and segment_ids is None:
         raise ValueError("attention: prefix_ids needs segment_ids")
-    check_length(t, s)
     name = resolve(impl, prefix=prefix_ids is not None, sequence=s)
     row = {"valid": jnp.asarray(attention_mask, bool)}
     if segment_ids is not None:
@@ -117,9 +148,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, attention_mask:
                             q_prefix=row.get("prefix"))
         return attend(q, gather(k), gather(v), mask, name, block_size=block_size)
 
-    spec = P(None, AXIS)
+    folded, rows = P(AXIS), P(None, AXIS)
     # check_vma=False: the blockwise attention's scan carries start as constants (invariant
     # over the axis) and become varying; every operand here is split over the axis, so the
     # transpose of all_gather (a reduce-scatter) is the right backward either way
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec,
-                         axis_names={AXIS}, check_vma=False)(q, k, v, row)
+    return jax.shard_map(local, mesh=mesh, in_specs=(folded, folded, folded, rows),
+                         out_specs=folded, axis_names={AXIS}, check_vma=False)(q, k, v, row)

@@ -268,11 +268,8 @@ class Attention(nnx.Module):
         if isinstance(attend_mask, SequenceMask):
             kw = attend_mask._asdict()
             mesh = kw.pop("mesh")
-            n = sequence_size(mesh)
-            if n > 1:       # q, k, v in the folded view [B * s, T / s, ...] (hidden_states)
-                out = context_parallel.attention(*(context_parallel.unfold(x, n)
-                                                   for x in (q, k, v)), mesh=mesh, **kw)
-                return self._out(context_parallel.fold(out, n))
+            if sequence_size(mesh) > 1:   # q, k, v in the folded view (hidden_states)
+                return self._out(context_parallel.folded_attention(q, k, v, mesh=mesh, **kw))
             return self._out(attention(q, k, v, **kw))
         keys, values = kv_hook(k, v)
         q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
@@ -456,12 +453,13 @@ class Decoder(nnx.Module):
 
         ``mesh``: the learner's mesh, or None. With a ``sequence`` axis of ``s > 1`` devices
         (context parallelism, :mod:`rlflow.models.context_parallel`) the layers run on the
-        folded view ``[B * s, T / s, E]`` of the residual stream
+        folded view ``[s * B, T / s, E]`` of the residual stream
         (:func:`rlflow.models.context_parallel.fold`), constrained to one block per device of
-        ``data x fsdp x sequence`` at the embedding and at every layer boundary inside the
-        scan; attention unfolds it and all-gathers keys and values over the axis; the result
-        is ``[B, T, E]`` split ``(data x fsdp, sequence)``. ``T`` must be a multiple of
-        ``s``. Values do not change.
+        ``sequence x data x fsdp`` at the embedding and at every layer boundary inside the
+        scan; attention takes it as it is and all-gathers keys and values over the axis; the result
+        is unfolded to ``[B, T, E]`` (its positions stay on their devices; a constraint
+        there made XLA's partitioner replicate the cotangent in the backward). ``T`` must
+        be a multiple of ``s``. Values do not change.
 
         Raises (beside :meth:`__call__`'s):
           LayerScanError: the layers differ in structure, or ``remat`` is unknown or
@@ -474,12 +472,11 @@ class Decoder(nnx.Module):
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
                               attention_impl, mesh if n > 1 else None)  # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
-        x = self._embed(tokens)
         if n == 1:
-            x = scan_layers(self.layers, x,
+            x = scan_layers(self.layers, self._embed(tokens),
                             lambda block, h: block(h, positions, inv_freq, attend), remat)
             return self.final_norm(x)
-        # context parallelism: the layers see the folded view [B * s, T / s, E], one block
+        # context parallelism: the layers see the folded view [s * B, T / s, E], one block
         # of it per device (context_parallel.fold), constrained at every layer boundary
         context_parallel.check_length(tokens.shape[1], n)
 
@@ -488,12 +485,11 @@ class Decoder(nnx.Module):
                 h, activation_sharding(mesh, h.shape, folded=True))
 
         folded_positions = context_parallel.fold(positions, n)
-        x = scan_layers(self.layers, constrain(context_parallel.fold(x, n)),
+        x = constrain(self._embed(context_parallel.fold(tokens, n)))
+        x = scan_layers(self.layers, x,
                         lambda block, h: constrain(block(constrain(h), folded_positions,
                                                          inv_freq, attend)), remat)
-        return jax.lax.with_sharding_constraint(
-            self.final_norm(context_parallel.unfold(x, n)),
-            activation_sharding(mesh, tokens.shape + (x.shape[-1],)))
+        return self.final_norm(context_parallel.unfold(x, n))
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache, cache_index: jax.Array) -> tuple[jax.Array, KVCache]:
