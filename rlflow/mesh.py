@@ -3,8 +3,15 @@
 Parameters carry *logical* axis names (``nnx.Param`` ``out_sharding`` metadata, set by
 ``rlflow.models.decoder``): ``("embed", "mlp")`` for an MLP kernel. ``LOGICAL_AXIS_RULES``
 maps each logical name to mesh axes, MaxText-style: FSDP shards the ``embed`` dimension of
-every weight, tensor parallelism shards heads / MLP width / vocab, and the batch of
-activations is split over ``data`` x ``fsdp``. A logical name with no rule is an error.
+every weight, tensor parallelism shards heads / MLP width / vocab, the batch of
+activations is split over ``data`` x ``fsdp`` and the positions of the learner's activations
+(``seq``) over ``sequence`` (context parallelism, :mod:`rlflow.models.context_parallel`;
+parameters are replicated over it, as over ``data``). A logical name with no rule is an
+error.
+
+Axis order ``(data, fsdp, sequence, tensor)`` (MaxText's): the innermost axes, whose devices
+are nearest each other, carry the per-layer collectives (tensor: all-reduces of the
+projections; sequence: the all-gather of keys and values).
 
 A dimension whose size is not divisible by its mesh axes (two KV heads on a tensor axis
 of four) is replicated instead of sharded; that is the usual treatment of KV heads and
@@ -20,12 +27,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "sequence", "tensor")
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations
     ("batch", ("data", "fsdp")),
-    ("seq", None),
+    ("seq", "sequence"),       # the learner's [B, T, ...] activations (context parallelism)
     # parameters
     ("vocab", "tensor"),
     ("embed", "fsdp"),
@@ -50,24 +57,32 @@ KEY_CACHE_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``(data, fsdp, tensor)`` mesh of ``mesh_cfg.num_devices`` devices.
+    """A ``(data, fsdp, sequence, tensor)`` mesh (:data:`AXES`) of ``mesh_cfg.num_devices``
+    devices.
 
     Args:
       mesh_cfg: :class:`rlflow.config.MeshConfig` (axis sizes).
       devices: the program's devices (default: ``jax.devices()``); their number must equal
-        ``data * fsdp * tensor``.
+        ``data * fsdp * tensor * sequence``.
 
     Raises:
       ValueError: the device count does not match the mesh (names both).
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    sizes = dict(data=mesh_cfg.data, fsdp=mesh_cfg.fsdp, tensor=mesh_cfg.tensor,
+                 sequence=getattr(mesh_cfg, "sequence", 1))
+    shape = tuple(sizes[a] for a in AXES)
     if len(devices) != math.prod(shape):
         raise ValueError(
-            f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} needs {math.prod(shape)} "
+            f"mesh {' x '.join(f'{a}={n}' for a, n in sizes.items())} needs {math.prod(shape)} "
             f"devices, got {len(devices)}; pass `devices` or change the mesh config")
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+
+
+def sequence_size(mesh: Mesh | None) -> int:
+    """Devices along the ``sequence`` axis of ``mesh`` (1 without a mesh or the axis)."""
+    return 1 if mesh is None else dict(mesh.shape).get("sequence", 1)
 
 
 def _rule_table(rules) -> dict:
@@ -167,8 +182,24 @@ def shard_params(params: nnx.State, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> nnx
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of ``[batch, seq]`` arrays: batch over ``data`` x ``fsdp``."""
-    return NamedSharding(mesh, P(("data", "fsdp"), None))
+    """Sharding of ``[batch, seq]`` arrays: batch over ``data`` x ``fsdp``, positions over
+    ``sequence`` (the learner's context parallelism; 1 elsewhere, or a mesh without it)."""
+    seq = "sequence" if "sequence" in mesh.axis_names else None
+    return NamedSharding(mesh, P(("data", "fsdp"), seq))
+
+
+def activation_sharding(mesh: Mesh, shape: tuple[int, ...], folded: bool = False
+                        ) -> NamedSharding:
+    """Sharding of the learner's ``[batch, seq, ...]`` activations: logical axes
+    ``("batch", "seq", None, ...)`` (batch over ``data`` x ``fsdp``, positions over
+    ``sequence``); a dimension the axes do not divide stays replicated. ``folded``: the
+    ``[sequence x batch, seq / sequence, ...]`` view of context parallelism
+    (:func:`rlflow.models.context_parallel.fold`), its leading axis over ``sequence`` x
+    ``data`` x ``fsdp``."""
+    if folded:
+        spec = P(("sequence", "data", "fsdp"), *((None,) * (len(shape) - 1)))
+        return NamedSharding(mesh, _fit(spec, shape, mesh))
+    return logical_sharding(mesh, ("batch", "seq") + (None,) * (len(shape) - 2), shape)
 
 
 def cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):

@@ -159,3 +159,28 @@ def test_memory_efficient_attention_and_chunked_logits_drop_their_terms():
     assert learner_memory(big, cfg, logits_chunk_tokens=16).activations < unchunked.activations
     full_remat = learner_memory(arch, replace(cfg, learner=replace(cfg.learner, remat="full")))
     assert full_remat.activations < learner_memory(arch, cfg).activations
+
+
+def test_sequence_axis_counts_a_chip_s_positions_and_the_gathered_keys_values():
+    """``sequence = s`` (context parallelism): a chip keeps ``T / s`` positions of each row
+    (every per-token term divided by ``s``; the attention scores still span the whole row)
+    plus one layer's all-gathered keys, values and their cotangents over the whole row,
+    ``4 a kv d`` per token; the parameters and optimiser state are replicated over it."""
+    from rlflow.learner.memory import activation_bytes
+
+    arch = Architecture.from_model_config(MODEL)
+    rows, seq, a = 2, 64, 4
+    kv_gathered = rows * seq * 4 * a * MODEL.num_kv_heads * MODEL.head_dim
+    for remat in ("none", "full"):
+        for scores in (False, True):
+            kw = dict(rows=rows, seq=seq, compute_bytes=a, remat=remat,
+                      scores_materialised=scores)
+            one = activation_bytes(arch, **kw)
+            for s in (2, 4):
+                split = activation_bytes(arch, sequence=s, **kw)
+                assert split == pytest.approx(one / s + kv_gathered), (remat, scores, s)
+    cfg = tiny_experiment(MODEL, 4, 6, num_devices=2, mesh=MeshConfig(sequence=2))
+    one_chip = tiny_experiment(MODEL, 4, 6)
+    mem, ref = learner_memory(arch, cfg), learner_memory(arch, one_chip)
+    assert mem.params == ref.params and mem.optimizer == ref.optimizer
+    assert mem.activations < ref.activations

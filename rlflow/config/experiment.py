@@ -102,11 +102,38 @@ class ExperimentConfig:
                f"and that many tokens), got {self.env.max_episode_tokens}")
         self._check_eval()
         self._check_teacher()
+        self._check_sequence_axis()
         if lr.packs and lr.pack_length:
             longest = self.longest_row
             _check(lr.pack_length >= longest, "learner.pack_length",
                    f"must hold the longest row ({longest} tokens: learner.seq_buckets[-1], or "
                    f"sampler.max_prefill_length + sampler.max_tokens), got {lr.pack_length}")
+
+    def _check_sequence_axis(self) -> None:
+        """Training rows split over ``learner.mesh.sequence`` (context parallelism): every
+        row length the learner's step can see (the packed rows' ``pack_length``, else each
+        padded bucket) must be a multiple of it."""
+        lr, sp = self.learner, self.sampler
+        n = lr.mesh.sequence
+        if n == 1:
+            return
+        if lr.packs:
+            lengths, where = (self.pack_length,), (
+                "learner.pack_length" if lr.pack_length else
+                "the packed row length (learner.pack_length=0 resolves to it)")
+            fix = "set learner.pack_length to a multiple of it"
+        elif lr.seq_buckets:
+            lengths, where = lr.seq_buckets, "learner.seq_buckets"
+            fix = "make every learner.seq_buckets entry a multiple of it"
+        else:
+            lengths, where = (sp.max_prefill_length + sp.max_tokens,), (
+                "the padded row length (sampler.max_prefill_length + sampler.max_tokens; "
+                "learner.seq_buckets is empty)")
+            fix = "set learner.seq_buckets to multiples of it"
+        bad = [t for t in lengths if t % n]
+        _check(not bad, "learner.mesh.sequence",
+               f"is {n}, which must divide every training row length (each row's positions "
+               f"are split over the axis), but {where} has {bad}; {fix}")
 
     def _check_eval(self) -> None:
         """The ``eval`` section against the sampler and data sections."""

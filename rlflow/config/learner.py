@@ -128,6 +128,9 @@ class LearnerConfig:
         worth of groups dropped in a row by ``dynamic_sampling``) stop the run with an error
         naming the reason (``rlflow.learner.skips``); 0: never stop.
       num_devices / mesh: devices and mesh of the learner program (over all its hosts).
+        ``mesh.sequence > 1`` splits every training row's positions over that many devices
+        (context parallelism for rows longer than one chip holds,
+        :mod:`rlflow.models.context_parallel`); row lengths must be multiples of it.
       num_hosts: hosts (processes) of the learner program, joined by ``jax.distributed``:
         one global mesh of ``num_devices`` devices, ``num_devices / num_hosts`` per host, the
         same jitted step on every host; host 0 serves the ring buffer and the coordinator
@@ -190,8 +193,8 @@ class LearnerConfig:
         group). Off: each sample packed with its own prompt copy.
       attention: the learner's full-sequence attention (:mod:`rlflow.models.attention`):
         "auto" (TPU: Pallas splash attention; GPU: Pallas flash attention; CPU: "blockwise";
-        with shared-prompt packing, whose prefix mask the kernels cannot express:
-        "blockwise" on every backend), "xla" (materialised ``[B, H, T, T]`` float32 scores:
+        with shared-prompt packing, whose prefix mask the kernels cannot express, or with
+        ``mesh.sequence > 1``: "blockwise" on every backend), "xla" (materialised ``[B, H, T, T]`` float32 scores:
         the reference, quadratic memory), "blockwise" (online softmax over key blocks in
         plain XLA, never ``[T, T]``), "splash", "gpu_flash" (the kernels by name; refused
         with shared-prompt packing).
@@ -291,6 +294,11 @@ class LearnerConfig:
                     and self.packs), "learner.attention",
                f"{self.attention!r} cannot express the shared-prompt prefix mask; use 'auto' "
                f"or 'blockwise', or set learner.shared_prefix=False")
+        _check(not (self.attention in ("splash", "gpu_flash") and self.mesh.sequence > 1),
+               "learner.attention",
+               f"{self.attention!r} does not run under context parallelism "
+               f"(learner.mesh.sequence={self.mesh.sequence}: the kernels' causal masks are "
+               f"static, the local queries' offset is not); use 'auto' or 'blockwise'")
         _one_of(self.advantage, ("grpo", "drgrpo", "rloo", "gae"), "learner.advantage")
         _one_of(self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
                 "learner.loss_agg")

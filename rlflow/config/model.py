@@ -62,7 +62,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh of one program: sizes of the ``data``, ``fsdp`` and ``tensor`` axes.
+    """Device mesh of one program: sizes of the data, fsdp, tensor and sequence axes.
 
     The product must equal the number of devices the program sees.
 
@@ -70,17 +70,29 @@ class MeshConfig:
       data: data-parallel axis size (batch split, parameters replicated).
       fsdp: fully-sharded data-parallel axis size (batch and parameters split).
       tensor: tensor-parallel axis size (heads and MLP columns split).
+      sequence: context-parallel axis size (learner only): every row's ``T`` positions are
+        split into ``sequence`` contiguous chunks, one per device, parameters replicated
+        over it (:mod:`rlflow.models.context_parallel`: each layer all-gathers keys and
+        values over the axis, queries stay local). Activations per device shrink to
+        ``T / sequence`` per row; training row lengths (``learner.seq_buckets``,
+        ``learner.pack_length``) must be multiples of it. The sampler refuses values > 1.
     """
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    sequence: int = 1
 
     def __post_init__(self):
         _finite_floats(self, "mesh")
-        for name in ("data", "fsdp", "tensor"):
+        for name in ("data", "fsdp", "tensor", "sequence"):
             _positive(getattr(self, name), f"mesh.{name}")
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.tensor * self.sequence
+
+    def describe(self) -> str:
+        """``"data=1 x fsdp=4 x tensor=2"`` (`` x sequence=N`` when ``sequence > 1``)."""
+        out = f"data={self.data} x fsdp={self.fsdp} x tensor={self.tensor}"
+        return out + (f" x sequence={self.sequence}" if self.sequence > 1 else "")

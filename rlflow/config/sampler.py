@@ -160,5 +160,8 @@ class SamplerConfig:
                f"{self.page_size}), got {self.num_pages!r}")
         _check(self.dtype is None or self.dtype in DTYPES, "sampler.dtype",
                f"must be None (the model's dtypes) or one of {list(DTYPES)}, got {self.dtype!r}")
+        _check(self.mesh.sequence == 1, "sampler.mesh.sequence",
+               f"must be 1: the sequence axis (context parallelism) is a learner layout; "
+               f"give the sampler's devices to data / fsdp / tensor, got {self.mesh.sequence}")
         _check(self.mesh.num_devices == self.num_devices, "sampler.mesh",
                f"has {self.mesh.num_devices} devices but sampler.num_devices={self.num_devices}")

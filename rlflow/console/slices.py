@@ -84,7 +84,7 @@ def slice_mismatches(cfg, learner: Slice, sampler: Slice, sampler_slices: int) -
 
 
 def _mesh(mesh) -> str:
-    return f"data={mesh.data} x fsdp={mesh.fsdp} x tensor={mesh.tensor}"
+    return mesh.describe()
 
 
 def _load(config: str, overrides: Sequence[str]):

@@ -2,7 +2,8 @@
 
 What one chip of the learner mesh holds during a train step (bytes):
 
-* parameters: ``N x param bytes / (fsdp x tensor)`` (replicated over ``data``);
+* parameters: ``N x param bytes / (fsdp x tensor)`` (replicated over ``data`` and
+  ``sequence``);
 * AdamW moments ``mu``, ``nu``: ``2 x N x param bytes / (fsdp x tensor)`` (optax keeps them in
   the parameters' dtype);
 * gradients: ``N x (4 + param bytes) / (fsdp x tensor)``: the float32 accumulator over
@@ -15,8 +16,10 @@ What one chip of the learner mesh holds during a train step (bytes):
   sending, and writes the new ones beside them (``rlflow.learner.publish.keeps_params``);
 * activations of one micro-batch for the backward pass, which depend on ``learner.remat``
   (:mod:`rlflow.models.layer_scan`). Per token, with ``a`` = compute dtype bytes, ``t`` =
-  tensor axis, ``T`` = row length, rows per chip = micro-batch rows / (data x fsdp), one
-  layer's intermediates are ``A = a x (4 h + 4 i / t + 2 (q + 2 kv) d / t) + S`` bytes (norms /
+  tensor axis, ``T`` = row length, rows per chip = micro-batch rows / (data x fsdp), and
+  ``T / sequence`` positions of each row per chip (context parallelism: the ``sequence``
+  axis splits every row's positions, so every per-token term below counts ``rows x T /
+  sequence`` tokens), one layer's intermediates are ``A = a x (4 h + 4 i / t + 2 (q + 2 kv) d / t) + S`` bytes (norms /
   residuals, MLP gate, up, product, activation, attention projections) with the attention
   scores and probabilities ``S = 2 x 4 x (q / t) x T`` in float32 (``S = 0`` when
   ``scores_materialised=False``: a memory-efficient attention that never holds ``[T, T]``).
@@ -33,13 +36,17 @@ What one chip of the learner mesh holds during a train step (bytes):
     up, down): ``L x a (h + (q + 2 kv) d / t + 2 h + 2 i / t)``, plus ``W = A`` (the saved
     gate and up outputs are not recomputed).
 
+  With ``sequence > 1`` the layer being differentiated also holds its keys and values
+  all-gathered over the axis and their cotangents, ``4 x a x kv d / t`` per token of the
+  whole row (:mod:`rlflow.models.context_parallel`).
+
   The float32 logits, log-softmax and their gradient, ``3 x 4 x V / t`` per token, for every
   token of the micro-batch, or for ``logits_chunk_tokens`` tokens when the logprobs are
   computed in chunks of that many tokens, are live only while the output layer runs, when
-  no decoder layer is being differentiated: the activations are ``kept + max(W x tokens,
-  logits)``, not their sum. The working-set factors were measured against XLA's compiled
-  temporaries (``benchmarks/long_context.py``, remat "full": 1.53 A and 1.51 A per token at
-  hidden 256 and 512, against ``A + 3 a i / t`` = 1.50 A for both).
+  no decoder layer is being differentiated: the activations are ``kept + max(W x tokens
+  + gathered, logits)``, not their sum. The working-set factors were measured against XLA's
+  compiled temporaries (``benchmarks/long_context.py``, remat "full": 1.53 A and 1.51 A per
+  token at hidden 256 and 512, against ``A + 3 a i / t`` = 1.50 A for both).
   The scan's stacked copy of the layer parameters is not counted (XLA slices it in place).
   Checked against XLA's compiled temporaries by ``benchmarks/long_context.py``.
 
@@ -117,7 +124,7 @@ class LearnerMemory:
 
 def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes: int,
                      tensor: int = 1, remat: str = "none", scores_materialised: bool = True,
-                     logits_chunk_tokens: int | None = None) -> float:
+                     logits_chunk_tokens: int | None = None, sequence: int = 1) -> float:
     """Bytes of one micro-batch's activations on one chip (module doc: the math per remat
     policy).
 
@@ -127,6 +134,8 @@ def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes
       remat: ``learner.remat``: "none", "full", "dots" or "offload".
       scores_materialised: whether attention holds float32 ``[T, T]`` scores per head.
       logits_chunk_tokens: tokens whose logits are held at once (None: every token).
+      sequence: the ``sequence`` axis (context parallelism): a chip holds ``seq / sequence``
+        positions of each row, and the all-gathered keys and values of the whole row.
 
     Raises:
       ValueError: an unknown ``remat``.
@@ -145,10 +154,11 @@ def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes
         kept, working = a * (h + (q + 2 * kv) * d / t + 2 * h + 2 * i / t), layer
     else:
         raise ValueError(f"learner.remat must be one of none, full, dots, offload, got {remat!r}")
-    tokens = rows * seq
+    tokens = rows * seq / sequence
+    gathered = rows * seq * 4 * a * kv * d / t if sequence > 1 else 0.0
     head_tokens = tokens if logits_chunk_tokens is None else min(logits_chunk_tokens, tokens)
     logits = head_tokens * 12 * arch.vocab_size / t
-    return tokens * arch.num_layers * kept + max(tokens * working, logits)
+    return tokens * arch.num_layers * kept + max(tokens * working + gathered, logits)
 
 
 def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None = None,
@@ -176,7 +186,7 @@ def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None 
     seq = max(lc.seq_buckets) if lc.seq_buckets else sc.max_prefill_length + sc.max_tokens
     act = activation_bytes(arch, rows=rows, seq=seq, compute_bytes=a, tensor=mesh.tensor,
                            remat=lc.remat, scores_materialised=scores_materialised,
-                           logits_chunk_tokens=logits_chunk_tokens)
+                           logits_chunk_tokens=logits_chunk_tokens, sequence=mesh.sequence)
     return LearnerMemory(params=n * pb / shards, optimizer=2 * n * pb / shards,
                          grads=n * (4 + pb) / shards,
                          reference=n * pb / shards if lc.kl_coef > 0 else 0.0,
@@ -201,7 +211,7 @@ def check_fits(arch: Architecture, cfg, chip_gib: float, *, headroom: float = 0.
     if mem.total > headroom * chip_gib * GIB:
         m = cfg.learner.mesh
         raise LearnerDoesNotFit(
-            f"learner.mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor}: "
+            f"learner.mesh {m.describe()}: "
             f"{arch.num_params() / 1e9:.1f}B parameters need per chip {mem.describe()}, more "
             f"than {headroom:.0%} of a {chip_gib:.1f} GiB chip; use more chips (fsdp) or more "
             "learner.micro_batches")

@@ -147,14 +147,14 @@ def global_mesh(mesh_cfg):
     :func:`initialize`); hosts' devices are contiguous, so each host holds a contiguous block
     of batch rows.
 
-    Raises: ValueError: ``data * fsdp * tensor`` differs from the global device count (names
+    Raises: ValueError: ``data * fsdp * tensor * sequence`` differs from the global device count (names
     the hosts and devices per host).
     """
     devices = jax.devices()
     if mesh_cfg.num_devices != len(devices):
         raise ValueError(
-            f"learner.mesh data={mesh_cfg.data} x fsdp={mesh_cfg.fsdp} x tensor="
-            f"{mesh_cfg.tensor} = {mesh_cfg.num_devices} devices, but the learner slice has "
+            f"learner.mesh {mesh_cfg.describe()} = {mesh_cfg.num_devices} devices, but the "
+            f"learner slice has "
             f"{jax.process_count()} hosts x {jax.local_device_count()} devices = {len(devices)}")
     return make_mesh(mesh_cfg, devices)
 

@@ -44,7 +44,7 @@ from rlflow.learner import advantages as adv_lib
 from rlflow.learner import loss_positions, losses
 from rlflow.learner import rollout_correction as rc
 from rlflow.learner.batch import TrainBatch
-from rlflow.mesh import param_shardings, replicated
+from rlflow.mesh import param_shardings, replicated, sequence_size
 from rlflow.models.logprobs import chunked_logprobs
 from rlflow.run.metrics import LAG_BUCKETS
 
@@ -155,22 +155,26 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 
 
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
-                  value_graphdef=None, frozen=None, loss_slots: tuple[int, int] | None = None,
-                  attention: str = "auto", logprob_chunk: int = 0, remat: str = "none"):
+                  value_graphdef=None, frozen=None, loss_slots: tuple[int, ...] | None = None,
+                  attention: str = "auto", logprob_chunk: int = 0, remat: str = "none",
+                  mesh=None):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
       params: the policy's ``nnx.State``, or ``(policy, value head)`` with ``value_graphdef``.
       frozen: parameters merged into the model but not trained (LoRA: the base, with
         ``params`` the adapters), or None.
-      loss_slots: ``(shards, capacity)``: logits only at ``batch.loss_mask`` positions
-        (:func:`rlflow.learner.loss_positions.loss_index`; the caller guarantees at most
-        ``capacity`` per row group), logprobs and entropy 0 elsewhere; None: every position.
+      loss_slots: ``(shards, capacity)`` or ``(shards, capacity, seq_shards)``: logits only
+        at ``batch.loss_mask`` positions (:func:`rlflow.learner.loss_positions.loss_index`;
+        the caller guarantees at most ``capacity`` per group), logprobs and entropy 0
+        elsewhere; None: every position.
       attention: the decoder's attention implementation (``learner.attention``).
       logprob_chunk: positions projected to the vocabulary at a time (``learner.logprob_chunk``;
         0: all at once), :func:`rlflow.models.logprobs.chunked_logprobs`.
       remat: the layers' rematerialisation policy (:mod:`rlflow.models.layer_scan`; what a
         backward pass through this forward keeps, never the values).
+      mesh: the learner's mesh, for context parallelism (a ``sequence`` axis > 1:
+        :meth:`rlflow.models.decoder.Decoder.hidden_states`), or None.
 
     Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
     gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head.
@@ -179,33 +183,35 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
                                  segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
-                                 attention_impl=attention, remat=remat)
+                                 attention_impl=attention, remat=remat, mesh=mesh)
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
-        targets = batch.targets
-    else:
-        index = loss_positions.loss_index(batch.loss_mask, *loss_slots)
-        hidden = loss_positions.gather(hidden, index)
-        targets = loss_positions.gather(batch.targets, index)
-    logp, ent = chunked_logprobs(model.project, hidden, targets, temperature, logprob_chunk)
-    if loss_slots is not None:
-        shape = batch.loss_mask.shape
-        logp = loss_positions.scatter(logp, index, shape)
-        ent = loss_positions.scatter(ent, index, shape)
-    return logp, ent, values
+        logp, ent = chunked_logprobs(model.project, hidden, batch.targets, temperature,
+                                     logprob_chunk)
+        return logp, ent, values
+    shards, capacity, seq_shards = (tuple(loss_slots) + (1,))[:3]
+    index = loss_positions.loss_index(batch.loss_mask, shards, capacity, seq_shards)
+    hidden = loss_positions.gather(hidden, index, seq_shards)
+    targets = loss_positions.gather(batch.targets, index, seq_shards)
+    # one chunk of every group at a time: the groups are the devices' own loss positions
+    logp, ent = chunked_logprobs(model.project, hidden, targets, temperature, logprob_chunk,
+                                 groups=index.shape[0])
+    shape = batch.loss_mask.shape
+    return (loss_positions.scatter(logp, index, shape, seq_shards),
+            loss_positions.scatter(ent, index, shape, seq_shards), values)
 
 
 def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None,
-                    loss_slots: tuple[int, int] | None = None, attention: str = "auto",
-                    logprob_chunk: int = 0):
+                    loss_slots: tuple[int, ...] | None = None, attention: str = "auto",
+                    logprob_chunk: int = 0, mesh=None):
     """Tempered logprobs of ``batch.targets`` and the policy entropy at each position
-    (``loss_slots``, ``attention``, ``logprob_chunk``: as :func:`model_outputs`).
+    (``loss_slots``, ``attention``, ``logprob_chunk``, ``mesh``: as :func:`model_outputs`).
 
     Returns: ``(logprobs, entropy)``, both float32 ``[B, L]`` (entropy carries no gradient).
     """
     return model_outputs(graphdef, params, batch, temperature, frozen=frozen,
                          loss_slots=loss_slots, attention=attention,
-                         logprob_chunk=logprob_chunk)[:2]
+                         logprob_chunk=logprob_chunk, mesh=mesh)[:2]
 
 
 _SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
@@ -226,16 +232,16 @@ def _targets(mb: TrainBatch, v_old, logp, ref_logp, s: StepSettings):
 
 def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
                 value_graphdef=None, old=None, frozen=None, loss_slots=None, pre=None,
-                num_segments=None):
+                num_segments=None, mesh=None):
     """Loss of one micro-batch. PPO: ``old = (advantages, returns, V_old)`` from the
     old-values pass, or None (computed here from this forward's detached values).
     ``pre``: ``(correction, old logprobs)`` of this micro-batch from the start pass
     (group-level rejection over several micro-batches), or None (computed here from this
-    forward's detached logprobs). ``loss_slots``: as :func:`model_outputs`.
+    forward's detached logprobs). ``loss_slots``, ``mesh``: as :func:`model_outputs`.
     ``num_segments``: the whole batch's bound on segment ids (``B * L + 1``)."""
     logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
                                       frozen, loss_slots, s.attention, s.logprob_chunk,
-                                      s.remat)
+                                      s.remat, mesh)
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:
@@ -314,27 +320,34 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
                          f"got value_graphdef={value_graphdef!r}")
     sums_names = _SUMS + _MISMATCH_SUMS + (_VALUE_SUMS if s.gae else ())
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    seq_shards = sequence_size(mesh)
     old_values_pass = s.gae and s.whiten and k > 1
     # a prompt group spans micro-batches: group rejection needs the whole batch's logprobs
     group_pass = s.correction.reject != "off" and s.correction.unit == "group" and k > 1
 
     def constrain(x, lead):
+        """``x [..., B, L]`` (``lead`` axes before the batch) in the batch sharding:
+        batch over ``data`` x ``fsdp``, positions over ``sequence`` when it is > 1."""
         if mesh is None:
             return x
-        spec = P(*((None,) * lead), ("data", "fsdp"), *((None,) * (x.ndim - lead - 1)))
+        seq = ("sequence",) if seq_shards > 1 and x.ndim > lead + 1 else ()
+        spec = P(*((None,) * lead), ("data", "fsdp"), *seq,
+                 *((None,) * (x.ndim - lead - 1 - len(seq))))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     def slots(mb: TrainBatch):
-        """``(shards, capacity)`` of a micro-batch's loss positions, or None (every position)."""
+        """``(shards, capacity, seq_shards)`` of a micro-batch's loss positions, or None
+        (every position)."""
         if s.max_loss_tokens <= 0:
             return None
         rows, seq = mb.tokens.shape
-        return shards, loss_positions.capacity_for(rows, seq, shards, s.max_loss_tokens)
+        return shards, loss_positions.capacity_for(rows, seq, shards, s.max_loss_tokens,
+                                                   seq_shards), seq_shards
 
     def ref_logprobs(ref_params, mb, frozen, loss_slots=None):
         return None if ref_params is None else jax.lax.stop_gradient(
             policy_logprobs(graphdef, ref_params, mb, s.temperature, frozen, loss_slots,
-                            s.attention, s.logprob_chunk)[0])
+                            s.attention, s.logprob_chunk, mesh)[0])
 
     def start_pass(params, micro: TrainBatch, ref_params, frozen):
         """Forward only, at the step-start params, over every micro-batch: GAE targets
@@ -345,7 +358,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
             mb = jax.tree.map(lambda x: constrain(x, 0), mb)
             logp, _, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
                                             frozen, attention=s.attention,
-                                            logprob_chunk=s.logprob_chunk)
+                                            logprob_chunk=s.logprob_chunk, mesh=mesh)
             logp = jax.lax.stop_gradient(logp)
             if not old_values_pass:
                 return None, (logp, None)
@@ -384,7 +397,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
             ref_logp = ref_logprobs(ref_params, mb, frozen, mb_slots)
             (loss, (sums, hi, lo)), g = value_and_grad(params, graphdef, mb, w_mb, ref_logp, s,
                                                        value_graphdef, old_mb, frozen, mb_slots,
-                                                       pre_mb, batch.tokens.size + 1)
+                                                       pre_mb, batch.tokens.size + 1, mesh)
             grads, acc = carry
             grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g)
             acc = {n: acc[n] + sums[n] for n in sums_names} | {

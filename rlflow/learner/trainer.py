@@ -37,7 +37,7 @@ from rlflow.learner.step import (StepSettings, TrainState, init_state, make_trai
 from rlflow.learner.step_jit import (abstract_args, abstract_batch, compile_train_step,
                                      jit_train_step, step_args)
 from rlflow.learner.value import init_value_head
-from rlflow.mesh import make_mesh, param_shardings
+from rlflow.mesh import make_mesh, param_shardings, sequence_size
 from rlflow.models.decoder import validate_tokens
 from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec, base_reference, zeros_like_adapters
@@ -348,10 +348,15 @@ class Learner:
         if rows % (k * shards):
             raise BatchError(f"batch of {rows} rows does not divide into learner.micro_batches x "
                              f"data x fsdp = {k * shards} parts")
+        cp = sequence_size(self.mesh)
+        if seq % cp:
+            raise BatchError(f"train batch rows of {seq} positions do not split over "
+                             f"learner.mesh.sequence={cp}: training row lengths "
+                             f"(learner.seq_buckets, learner.pack_length) must be multiples of it")
         if self.settings.max_loss_tokens > 0:
-            capacity = capacity_for(rows // k, seq, shards, self.settings.max_loss_tokens)
+            capacity = capacity_for(rows // k, seq, shards, self.settings.max_loss_tokens, cp)
             try:
-                check_capacity(batch.loss_mask, k, shards, capacity)
+                check_capacity(batch.loss_mask, k, shards, capacity, cp)
             except ValueError as e:
                 raise BatchError(f"train batch: {e}") from None
         return batch

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,26 +60,29 @@ class SequenceMask(NamedTuple):
     """The full-sequence mask as :func:`attention` takes it (the decoder passes it to every
     layer instead of a ``[B, T, T]`` boolean array): ``attention_mask [B, T]`` bool,
     ``segment_ids`` / ``prefix_ids`` ``[B, T]`` int or None, ``impl`` (a name of
-    :data:`IMPLEMENTATIONS`)."""
+    :data:`IMPLEMENTATIONS`), ``mesh``: the learner's mesh when its ``sequence`` axis is > 1
+    (context parallelism, :mod:`rlflow.models.context_parallel`), else None."""
     attention_mask: jax.Array
     segment_ids: jax.Array | None = None
     prefix_ids: jax.Array | None = None
     impl: str = "auto"
+    mesh: Any = None
 
 
-def resolve(impl: str, *, prefix: bool, backend: str | None = None) -> str:
+def resolve(impl: str, *, prefix: bool, backend: str | None = None, sequence: int = 1) -> str:
     """The implementation ``impl`` names: ``"auto"`` -> per backend (TPU ``"splash"``, GPU
     ``"gpu_flash"``, else ``"blockwise"``; ``"blockwise"`` wherever ``prefix``, the shared-
-    prompt mask the kernels cannot express).
+    prompt mask the kernels cannot express, or ``sequence > 1``, context parallelism, whose
+    local queries start at a traced offset the kernels' static causal masks cannot take).
 
     Raises:
       ValueError: ``impl`` is not one of :data:`IMPLEMENTATIONS`, or a kernel is asked for a
-        batch with ``prefix_ids``.
+        batch with ``prefix_ids`` or for a ``sequence`` axis > 1.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"learner.attention: expected one of {IMPLEMENTATIONS}, got {impl!r}")
     if impl == "auto":
-        if prefix:
+        if prefix or sequence > 1:
             return "blockwise"
         backend = backend or jax.default_backend()
         return {"tpu": "splash", "gpu": "gpu_flash"}.get(backend, "blockwise")
@@ -87,6 +90,10 @@ def resolve(impl: str, *, prefix: bool, backend: str | None = None) -> str:
         raise ValueError(f"learner.attention={impl!r} cannot express the shared-prompt prefix "
                          f"mask (prefix_ids); use 'auto' or 'blockwise', or turn "
                          f"learner.shared_prefix off")
+    if sequence > 1 and impl in ("splash", "gpu_flash"):
+        raise ValueError(f"learner.attention={impl!r} does not run under context parallelism "
+                         f"(learner.mesh.sequence={sequence}); use 'auto' or 'blockwise', or "
+                         f"learner.mesh.sequence=1")
     return impl
 
 
@@ -123,12 +130,30 @@ def _scores(q5, k, scale):
     return jnp.einsum("btkgd,bskd->bkgts", qs, ks, preferred_element_type=jnp.float32) * scale
 
 
-def _xla(q, k, v, mask_args, scale):
+class KeyQueryMask(NamedTuple):
+    """The mask's operands split by side, so that queries and keys may be different spans of
+    a row (context parallelism: a device's local queries against the whole row's keys,
+    :mod:`rlflow.models.context_parallel`). ``q_pos [Tq]`` / ``k_pos [Tk]`` int: row indices
+    (global positions) of the queries / keys; ``key_valid [B, Tk]`` bool; ``q_seg [B, Tq]``,
+    ``k_seg [B, Tk]``, ``q_prefix [B, Tq]`` int or None (as :func:`allowed`)."""
+    q_pos: jax.Array
+    k_pos: jax.Array
+    key_valid: jax.Array
+    q_seg: jax.Array | None = None
+    k_seg: jax.Array | None = None
+    q_prefix: jax.Array | None = None
+
+    @classmethod
+    def whole_row(cls, attention_mask, segment_ids=None, prefix_ids=None) -> "KeyQueryMask":
+        """Queries and keys both the whole row ``[B, T]`` (no context parallelism)."""
+        pos = jnp.arange(attention_mask.shape[1])
+        return cls(pos, pos, attention_mask, segment_ids, segment_ids, prefix_ids)
+
+
+def _xla(q, k, v, m: KeyQueryMask, scale):
     b, t, h, d = q.shape
     q5 = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
-    pos = jnp.arange(t)
-    key_valid, seg, prefix = mask_args
-    attend = allowed(pos, pos, key_valid, seg, seg, prefix)                 # [B, T, T]
+    attend = allowed(m.q_pos, m.k_pos, m.key_valid, m.q_seg, m.k_seg, m.q_prefix)  # [B, Tq, Tk]
     scores = jnp.where(attend[:, None, None], _scores(q5, k, scale), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
@@ -145,23 +170,22 @@ def _blocks(x, n, blk, axis=1, fill=0):
     return jnp.moveaxis(x, axis, 0)
 
 
-def _blockwise(q, k, v, mask_args, scale, block_q: int, block_k: int):
+def _blockwise(q, k, v, m: KeyQueryMask, scale, block_q: int, block_k: int):
     b, t, h, d = q.shape
-    kh = k.shape[2]
+    tk, kh = k.shape[1], k.shape[2]
     g = h // kh
-    bq, bk = min(block_q, t), min(block_k, t)
-    nq, nk = -(-t // bq), -(-t // bk)
-    key_valid, seg, prefix = mask_args
-    seg = jnp.zeros((b, t), jnp.int32) if seg is None else seg
-    prefix = seg if prefix is None else prefix
-    # keys past T (block padding) are out of range: -inf, not MASK_VALUE, so a padding row
-    # still averages exactly the T real keys (block 0 always holds key 0: m stays finite)
-    kv = (_blocks(k, nk, bk), _blocks(v, nk, bk), _blocks(jnp.arange(t)[None], nk, bk)[:, 0],
-          _blocks(key_valid, nk, bk, fill=False), _blocks(seg, nk, bk))
-    in_range = _blocks(jnp.ones((1, t), bool), nk, bk, fill=False)[:, 0]     # [nk, bk]
-    qb = (_blocks(q.reshape(b, t, kh, g, d), nq, bq), _blocks(jnp.arange(t)[None], nq, bq)[:, 0],
-          _blocks(seg, nq, bq), _blocks(prefix, nq, bq))
-
+    bq, bk = min(block_q, t), min(block_k, tk)
+    nq, nk = -(-t // bq), -(-tk // bk)
+    seg_k = jnp.zeros((b, tk), jnp.int32) if m.k_seg is None else m.k_seg
+    seg_q = jnp.zeros((b, t), jnp.int32) if m.q_seg is None else m.q_seg
+    prefix = seg_q if m.q_prefix is None else m.q_prefix
+    # keys past Tk (block padding) are out of range: -inf, not MASK_VALUE, so a padding row
+    # still averages exactly the Tk real keys (block 0 always holds key 0: m stays finite)
+    kv = (_blocks(k, nk, bk), _blocks(v, nk, bk), _blocks(m.k_pos[None], nk, bk)[:, 0],
+          _blocks(m.key_valid, nk, bk, fill=False), _blocks(seg_k, nk, bk))
+    in_range = _blocks(jnp.ones((1, tk), bool), nk, bk, fill=False)[:, 0]     # [nk, bk]
+    qb = (_blocks(q.reshape(b, t, kh, g, d), nq, bq), _blocks(m.q_pos[None], nq, bq)[:, 0],
+          _blocks(seg_q, nq, bq), _blocks(prefix, nq, bq))
     def key_step(carry, xs, q5, q_pos, q_seg, q_pre):
         m, l, acc = carry                       # [B, K, G, bq], same, [B, K, G, bq, D] f32
         kb, vb, k_pos, k_valid, k_seg, k_in = xs
@@ -189,10 +213,10 @@ def _blockwise(q, k, v, mask_args, scale, block_q: int, block_k: int):
     return jnp.moveaxis(out, 0, 1).reshape(b, nq * bq, h, d)[:, :t]
 
 
-def _kernel_segments(t_pad, mask_args):
+def _kernel_segments(t_pad, m: KeyQueryMask):
     """Segment ids for a kernel: ``[B, t_pad]`` int32, padding (and block padding) in a
     segment of its own (-1) so real queries never attend it."""
-    key_valid, seg, _ = mask_args
+    key_valid, seg = m.key_valid, m.k_seg
     b, t = key_valid.shape
     seg = jnp.zeros((b, t), jnp.int32) if seg is None else seg.astype(jnp.int32)
     seg = jnp.where(key_valid, seg, -1)
@@ -203,7 +227,7 @@ def _pad_seq(x, t_pad):
     return jnp.pad(x, ((0, 0), (0, t_pad - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
 
 
-def _splash(q, k, v, mask_args, scale, interpret: bool):
+def _splash(q, k, v, mask_args: KeyQueryMask, scale, interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
     b, t, h, d = q.shape
     t_pad = -(-t // _KERNEL_BLOCK) * _KERNEL_BLOCK
@@ -217,7 +241,7 @@ def _splash(q, k, v, mask_args, scale, interpret: bool):
     return out.swapaxes(1, 2)[:, :t].astype(q.dtype)
 
 
-def _gpu_flash(q, k, v, mask_args, scale, interpret: bool):
+def _gpu_flash(q, k, v, mask_args: KeyQueryMask, scale, interpret: bool):
     from jax.experimental.pallas.ops.gpu import attention as ga
     b, t, h, d = q.shape
     t_pad = -(-t // _KERNEL_BLOCK) * _KERNEL_BLOCK
@@ -263,19 +287,30 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, attention_mask: jax.A
                          f"k, v [B, T, K, D] with H % K == 0")
     if prefix_ids is not None and segment_ids is None:
         raise ValueError("attention: prefix_ids needs segment_ids")
+    name = resolve(impl, prefix=prefix_ids is not None)
+    mask = KeyQueryMask.whole_row(jnp.asarray(attention_mask, bool),
+                                  None if segment_ids is None else jnp.asarray(segment_ids),
+                                  None if prefix_ids is None else jnp.asarray(prefix_ids))
+    return attend(q, k, v, mask, name, block_size=block_size, interpret=interpret)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: KeyQueryMask, name: str, *,
+           block_size: int | None = None, interpret: bool | None = None) -> jax.Array:
+    """:func:`attention` of queries ``q [B, Tq, H, D]`` against keys / values
+    ``[B, Tk, K, D]`` under ``mask`` (:class:`KeyQueryMask`), by the resolved implementation
+    ``name`` (not "auto"). The kernels need ``Tq == Tk`` and the mask of the whole row.
+
+    Raises:
+      ValueError: ``block_size <= 0``.
+    """
     block_size = BLOCK if block_size is None else block_size
     if block_size <= 0:
         raise ValueError(f"attention: block_size must be > 0, got {block_size}")
-    name = resolve(impl, prefix=prefix_ids is not None)
-    mask_args = (jnp.asarray(attention_mask, bool),
-                 None if segment_ids is None else jnp.asarray(segment_ids),
-                 None if prefix_ids is None else jnp.asarray(prefix_ids))
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     if name == "xla":
-        return _xla(q, k, v, mask_args, scale)
+        return _xla(q, k, v, mask, scale)
     if name == "blockwise":
-        return _blockwise(q, k, v, mask_args, scale, block_size, block_size)
+        return _blockwise(q, k, v, mask, scale, block_size, block_size)
     own = "tpu" if name == "splash" else "gpu"
     interp = (jax.default_backend() != own) if interpret is None else interpret
-    return (_splash if name == "splash" else _gpu_flash)(q, k, v, mask_args, scale, interp)
-
+    return (_splash if name == "splash" else _gpu_flash)(q, k, v, mask, scale, interp)

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlflow.mesh import activation_sharding, sequence_size
+from rlflow.models import context_parallel
 from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
@@ -266,7 +268,11 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         b, t, h, d = q.shape
         if isinstance(attend_mask, SequenceMask):
-            return self._out(attention(q, k, v, **attend_mask._asdict()))
+            kw = attend_mask._asdict()
+            mesh = kw.pop("mesh")
+            if sequence_size(mesh) > 1:   # q, k, v in the folded view (hidden_states)
+                return self._out(context_parallel.folded_attention(q, k, v, mesh=mesh, **kw))
+            return self._out(attention(q, k, v, **kw))
         read = kv_hook(k, v)
         if callable(read):                  # the cache runs attention itself (a paged kernel)
             return self._out(read(q))
@@ -438,7 +444,8 @@ class Decoder(nnx.Module):
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                       *, segment_ids: jax.Array | None = None,
                       prefix_ids: jax.Array | None = None,
-                      attention_impl: str = "auto", remat: str = "none") -> jax.Array:
+                      attention_impl: str = "auto", remat: str = "none",
+                      mesh=None) -> jax.Array:
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
@@ -449,17 +456,45 @@ class Decoder(nnx.Module):
         ``"offload"``; :data:`rlflow.models.layer_scan.REMAT_POLICIES`), which changes what
         the backward pass keeps, never the values.
 
+        ``mesh``: the learner's mesh, or None. With a ``sequence`` axis of ``s > 1`` devices
+        (context parallelism, :mod:`rlflow.models.context_parallel`) the layers run on the
+        folded view ``[s * B, T / s, E]`` of the residual stream
+        (:func:`rlflow.models.context_parallel.fold`), constrained to one block per device of
+        ``sequence x data x fsdp`` at the embedding and at every layer boundary inside the
+        scan; attention takes it as it is and all-gathers keys and values over the axis; the result
+        is unfolded to ``[B, T, E]`` (its positions stay on their devices; a constraint
+        there made XLA's partitioner replicate the cotangent in the backward). ``T`` must
+        be a multiple of ``s``. Values do not change.
+
         Raises (beside :meth:`__call__`'s):
           LayerScanError: the layers differ in structure, or ``remat`` is unknown or
             unsupported on this backend.
+          ValueError: ``T`` is not a multiple of the ``sequence`` axis (names
+            ``learner.mesh.sequence`` and ``T``).
         """
         self._check_tokens(tokens)
+        n = sequence_size(mesh)
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
-                              attention_impl)                # never a [B, T, T] array
+                              attention_impl, mesh if n > 1 else None)  # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
-        x = scan_layers(self.layers, self._embed(tokens),
-                        lambda block, h: block(h, positions, inv_freq, attend), remat)
-        return self.final_norm(x)
+        if n == 1:
+            x = scan_layers(self.layers, self._embed(tokens),
+                            lambda block, h: block(h, positions, inv_freq, attend), remat)
+            return self.final_norm(x)
+        # context parallelism: the layers see the folded view [s * B, T / s, E], one block
+        # of it per device (context_parallel.fold), constrained at every layer boundary
+        context_parallel.check_length(tokens.shape[1], n)
+
+        def constrain(h):
+            return jax.lax.with_sharding_constraint(
+                h, activation_sharding(mesh, h.shape, folded=True))
+
+        folded_positions = context_parallel.fold(positions, n)
+        x = constrain(self._embed(context_parallel.fold(tokens, n)))
+        x = scan_layers(self.layers, x,
+                        lambda block, h: constrain(block(constrain(h), folded_positions,
+                                                         inv_freq, attend)), remat)
+        return self.final_norm(context_parallel.unfold(x, n))
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache | PagedKVCache, cache_index: jax.Array

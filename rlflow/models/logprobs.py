@@ -45,44 +45,63 @@ def tempered_entropy(logits: jax.Array, temperature: float | jax.Array = 1.0) ->
 
 
 def chunked_logprobs(project, hidden: jax.Array, tokens: jax.Array,
-                     temperature: float | jax.Array = 1.0, chunk: int = 0
+                     temperature: float | jax.Array = 1.0, chunk: int = 0, groups: int = 1
                      ) -> tuple[jax.Array, jax.Array]:
     """:func:`token_logprobs` of ``tokens`` and :func:`tempered_entropy`, from hidden states,
     ``chunk`` positions at a time, so ``[N, vocab]`` float32 logits are never held at once.
 
-    The positions (all leading axes flattened, ``N`` of them) are cut into ``ceil(N / chunk)``
-    chunks (the last padded); ``lax.map`` runs one chunk at a time through ``project`` and
-    the log-softmax under ``jax.checkpoint``, so the backward recomputes a chunk's logits
-    instead of storing them: live float32 ``[chunk, vocab]`` (x3 with the log-softmax and
-    its gradient) instead of ``[N, vocab]``, for one extra LM-head matmul in the backward.
-    The same definition as the unchunked path (each token's logprob depends on its own row
-    only), so values agree within float32 rounding.
+    The positions (all leading axes flattened, ``N`` of them) are viewed as ``groups``
+    equal spans (``[groups, N / groups]``; the sharded groups of the learner's loss
+    positions, one per device, :mod:`rlflow.learner.loss_positions`), each cut into
+    ``ceil(N / groups / chunk)`` chunks (the last padded); ``lax.map`` runs one chunk of
+    every group at a time through ``project`` and the log-softmax under ``jax.checkpoint``,
+    so the backward recomputes a chunk's logits instead of storing them: live float32
+    ``[groups, chunk, vocab]`` (x3 with the log-softmax and its gradient; ``[chunk, vocab]``
+    per device when the groups are split over the devices) instead of ``[N, vocab]``, for
+    one extra LM-head matmul in the backward. The same definition as the unchunked path
+    (each token's logprob depends on its own row only), so values agree within float32
+    rounding.
 
     Args:
-      project: ``[n, E] -> [n, vocab]`` float32 logits (``Decoder.project``).
+      project: ``[..., E] -> [..., vocab]`` float32 logits (``Decoder.project``).
       hidden: ``[..., E]`` final-normed hidden states.
       tokens: ``[...]`` int32 ids (``hidden``'s leading shape).
       temperature: > 0 scalar.
-      chunk: positions per chunk; 0 (or >= N): one pass over all positions.
+      chunk: positions per chunk and group; 0 (or >= N / groups): one pass over all
+        positions.
+      groups: spans chunked side by side (must divide ``N``).
 
     Returns:
       ``(logprobs, entropy)``, float32 ``[...]`` each (entropy carries no gradient).
     """
     lead = tokens.shape
     n = math.prod(lead)
-    if chunk <= 0 or chunk >= n:
+    if n % groups:
+        raise ValueError(f"chunked_logprobs: {n} positions do not split into {groups} groups")
+    per = n // groups
+    if chunk <= 0 or chunk >= per:
         logits = project(hidden)
         return token_logprobs(logits, tokens, temperature), tempered_entropy(logits, temperature)
-    chunks = -(-n // chunk)
-    pad = chunks * chunk - n
-    h = jnp.pad(hidden.reshape(n, hidden.shape[-1]), ((0, pad), (0, 0)))
-    t = jnp.pad(tokens.reshape(n), (0, pad))
+    chunks = -(-per // chunk)
+    pad = chunks * chunk - per
+    h = jnp.pad(hidden.reshape(groups, per, hidden.shape[-1]), ((0, 0), (0, pad), (0, 0)))
+    t = jnp.pad(tokens.reshape(groups, per), ((0, 0), (0, pad)))
 
     @jax.checkpoint
     def one(xs):
-        h_c, t_c = xs
-        logits = project(h_c)
+        h_c, t_c = xs                        # [groups, chunk, E], [groups, chunk]
+        logits = project(h_c.reshape(-1, h_c.shape[-1]))           # one 2-D matmul
+        logits = logits.reshape(t_c.shape + logits.shape[-1:])
         return token_logprobs(logits, t_c, temperature), tempered_entropy(logits, temperature)
 
-    logp, ent = jax.lax.map(one, (h.reshape(chunks, chunk, -1), t.reshape(chunks, chunk)))
-    return logp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
+    def to_chunks(x):                        # [groups, chunks * chunk, ...] -> [chunks, groups, chunk, ...]
+        x = x.reshape((groups, chunks, chunk) + x.shape[2:])
+        # one group: a reshape, no transpose (a copy of the hidden states and its gradient)
+        return x.reshape((chunks, 1, chunk) + x.shape[3:]) if groups == 1 else x.swapaxes(0, 1)
+
+    def back(x):                             # [chunks, groups, chunk] -> lead
+        x = x.reshape(1, -1) if groups == 1 else x.swapaxes(0, 1).reshape(groups, -1)
+        return x[:, :per].reshape(lead)
+
+    logp, ent = jax.lax.map(one, (to_chunks(h), to_chunks(t)))
+    return back(logp), back(ent)
