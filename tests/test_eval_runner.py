@@ -115,3 +115,36 @@ def test_a_nan_reward_scores_zero_in_the_evaluation(tmp_path):
     (result,) = runner.take_results()
     assert [r["rewards"] for r in result["records"]] == [[1.0, 0.0]] * 3
     runner.close()
+
+
+def test_the_evaluations_reward_failures_are_counted_apart_from_trainings(tmp_path):
+    """A reward function that raises on the held-out samples: each failure is scored 0 and
+    counted in the replica's status metrics as ``eval/reward_errors/<fn>`` (not in
+    training's ``reward/errors/<fn>``, whose health check compares them with the training
+    samples delivered)."""
+    import dataclasses
+
+    from rlflow.data.rewards import register_reward
+    from rlflow.sampler.eval_runner import EvalRunner
+
+    @register_reward("test_eval_raises_when_long")
+    def raises_when_long(completion, answer):
+        if len(completion) > 1:
+            raise ValueError("too long")
+        return 1.0
+
+    cfg = _cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
+        cfg.eval, functions=("test_eval_raises_when_long",), weights=(1.0,)))
+    tok = pc.run_tokenizer(cfg)
+    runner, batcher = EvalRunner(cfg, tok), Batcher()
+    assert runner.metrics() == {}                       # no evaluation yet
+    runner.start(0, 0, batcher)
+    runner.take([_group(r, ["1", "12"], tok, 0) for r in batcher.requests])
+    runner.collect()
+    (result,) = runner.take_results()
+    assert [r["rewards"] for r in result["records"]] == [[1.0, 0.0]] * 3
+    m = runner.metrics()
+    assert m["eval/reward_errors/test_eval_raises_when_long"] == 3.0   # 3 prompts x 1 long
+    assert not any(k.startswith("reward/") for k in m)
+    runner.close()

@@ -77,8 +77,9 @@ def test_two_hosts_train_like_one_host(two_hosts):
     # sample of 2 groups, no longer than twice the unpacked bucket of 16 (room for a group,
     # ExperimentConfig.pack_length), and a whole number of rows per host
     assert 1 <= rows <= 2 * mp_jobs.G and 1 <= seq <= 2 * 16 and rows % 2 == 0
-    # the broadcast buffer is the 10 TrainBatch fields as int32 [10, B, L]
-    assert info["batch/broadcast_bytes"] == 10 * rows * seq * 4
+    # the broadcast buffer is the 12 TrainBatch fields (with the rollout correction's group
+    # ids and policy lags) as int32 [12, B, L]
+    assert info["batch/broadcast_bytes"] == 12 * rows * seq * 4
     # each host keeps its half of the rows: 5 int32 (incl. segment and prefix ids) + 3
     # float32 fields (4 B) + 2 bool (1 B)
     assert info["batch/local_bytes"] == rows // 2 * seq * (8 * 4 + 2 * 1)

@@ -58,9 +58,15 @@ def test_a_sigkill_the_counter_cannot_prove_is_possibly_out_of_memory(tmp_path):
     control.write_text(OOM_CONTROL.format(n=0))
     sup = _sup(tmp_path, [str(tmp_path / "missing.events"), str(control)])
     _killed_child(tmp_path, sup)
+    # a small program (0.2 GB resident) is not the OOM killer's likely victim: a plain kill
+    assert sup.exit_text("sampler") == "killed by SIGKILL"
+    # one that held a quarter of the machine or more may have been
+    total = oom.machine_memory_bytes()
+    sup.oom.peaks[sup.children["sampler"].proc.pid] = int(oom.LIKELY_VICTIM_FRACTION * total)
     assert sup.exit_text("sampler").startswith(
         "killed by SIGKILL (possibly out of memory: the kernel's OOM killer sends SIGKILL; "
-        "this cgroup's oom_kill counter did not change; its peak resident memory was 0.2 GB")
+        "this cgroup's oom_kill counter did not change; its peak resident memory was "
+        f"{oom.LIKELY_VICTIM_FRACTION * total / 1e9:.1f} GB")
     unreadable = _sup(tmp_path, [str(tmp_path / "missing.events")])
     assert unreadable.oom.killed_text(-9) == (
         "killed by SIGKILL (possibly out of memory: the kernel's OOM killer sends SIGKILL; no "

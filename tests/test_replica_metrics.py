@@ -24,7 +24,8 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
                                                      "sampler/dropped_bad_reward_groups": 2.0,
                                                      "reward/errors/f": 1.0,
                                                      "reward/timeouts/f": 4.0,
-                                                     "reward/http_retries/judge": 5.0}),
+                                                     "reward/http_retries/judge": 5.0,
+                                                     "eval/reward_timeouts/f": 1.0}),
         "sampler-2": _status("sampler-2", -1, 11.0, **{"sampler/tokens_per_s": 20.0,
                                                       "sampler/slot_occupancy": 0.25,
                                                       "sync/swap_version": 2.0,
@@ -32,7 +33,8 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
                                                       "sampler/dropped_bad_reward_groups": 1.0,
                                                       "reward/errors/f": 3.0,
                                                       "reward/errors/g": 1.0,
-                                                      "reward/http_retries/judge": 2.0}),
+                                                      "reward/http_retries/judge": 2.0,
+                                                      "eval/reward_timeouts/f": 2.0}),
     }
     m = replica_metrics(statuses, {"sampler-0": 0, "sampler-2": 2}, {2: 40.0, 3: 49.0})
     assert m["sampler/replicas_alive"] == 2.0
@@ -45,6 +47,7 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
     assert m["sampler/dropped_bad_reward_groups"] == 3.0
     assert (m["reward/errors/f"], m["reward/errors/g"], m["reward/timeouts/f"]) == (4.0, 1.0, 4.0)
     assert m["reward/http_retries/judge"] == 7.0       # a served reward's tries, too
+    assert m["eval/reward_timeouts/f"] == 3.0          # and the held-out evaluations' failures
     assert replica_metrics({}, {}, {}) == {"sampler/replicas_alive": 0.0}
     assert "sampler/replicas_lost" not in m
 

@@ -43,6 +43,7 @@ HANG_GUARD_S = 300
 TOKEN = "tok-9f3e71c2-not-for-files"
 NUM_STEPS, SAMPLES_EVERY, STALENESS = 10, 2, 2
 PLOTS = ("reward", "length", "kl_entropy", "throughput", "staleness", "perf", "timing",
+         "mismatch", "rollout_correction",  # every train step logs the mismatch diagnostics
          "replicas", "ledger")          # the last two: every run has a replica and a ledger
 # C0 controls except tab and newline (so: ESC of ANSI codes, carriage return, backspace ...),
 # DEL and the C1 controls.

@@ -2,6 +2,7 @@
 bf16 compute keeps fp32 master weights, bad batches get named errors."""
 
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -214,7 +215,11 @@ def test_bf16_compute_keeps_fp32_master_params(learner, caplog):
         m16 = bf16.step(batch)
         bf16.step(batch._replace(advantages=-batch.advantages))   # same bucket: no recompile
     assert len(bf16._compiled) == 1
-    assert sum("temporaries" in r.getMessage() for r in caplog.records) == 1
+    # one compile of this learner's step (on this thread: another learner of the module may
+    # compile a packed shape in its background thread meanwhile)
+    compiles = [r.getMessage() for r in caplog.records
+                if "temporaries" in r.getMessage() and r.thread == threading.get_ident()]
+    assert len(compiles) == 1, compiles
     assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(bf16.params))
     assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(bf16.state.opt_state)
                if hasattr(v, "dtype") and v.ndim)

@@ -63,8 +63,9 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
         vals = [f[key] for f in figures.values() if key in f]
         if vals:
             out[key] = float(sum(vals))
-    # environments' info, reward functions' failures, served rewards' tries
-    summed = ("env/", "reward/errors/", "reward/timeouts/", "reward/http_")
+    # environments' info, reward functions' failures (training's and the held-out
+    # evaluations', rlflow.sampler.eval_runner.EvalRunner.metrics), served rewards' tries
+    summed = ("env/", "reward/errors/", "reward/timeouts/", "reward/http_", "eval/reward_")
     for key in sorted({k for f in figures.values() for k in f if k.startswith(summed)}):
         out[key] = float(sum(f.get(key, 0.0) for f in figures.values()))
     versions = [st.version for st in statuses.values() if st.version >= 0]

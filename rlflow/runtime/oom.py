@@ -12,9 +12,12 @@ Two signals are readable by any process:
   launcher while the program lives, against this machine's memory.
 
 :func:`killed_text` words the exit of a program: ``killed by SIGKILL: out of memory (...)``
-when the counter proves it, ``killed by SIGKILL (possibly out of memory: ...)`` otherwise,
-with what is known (the counter unreadable or unchanged, the peak resident memory), and the
-plain exit text for any other exit.
+when the counter proves it; plain ``killed by SIGKILL`` when the program's peak resident
+memory was under :data:`LIKELY_VICTIM_FRACTION` of the machine's (the kernel's OOM killer
+ends the process with the largest footprint: a ``kill -9`` by a person or a scheduler is
+far likelier); ``killed by SIGKILL (possibly out of memory: ...)`` otherwise, with what is
+known (the counter unreadable or unchanged, the peak resident memory); and the plain exit
+text for any other exit.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from typing import Optional, Sequence
 from rlflow.runtime.process_limits import exit_text
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+LIKELY_VICTIM_FRACTION = 0.25
+"""A SIGKILLed program whose peak resident memory was at least this fraction of the
+machine's memory may have been the OOM killer's victim (when the counter cannot prove it)."""
 
 
 def counter_files(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT
@@ -123,6 +129,8 @@ class OomWatch:
             return (f"killed by SIGKILL: out of memory (the kernel's OOM killer: this "
                     f"cgroup's oom_kill counter went from {self.start} to {now} during the "
                     f"run{'; ' + rss if rss else ''})")
+        if peak is not None and total is not None and peak < LIKELY_VICTIM_FRACTION * total:
+            return "killed by SIGKILL"
         counter = ("this cgroup's oom_kill counter did not change" if now is not None
                    else "no cgroup OOM counter is readable here")
         return (f"killed by SIGKILL (possibly out of memory: the kernel's OOM killer sends "

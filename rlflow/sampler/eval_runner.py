@@ -120,6 +120,16 @@ class EvalRunner:
             self.task, self._records = None, []
             self.evaluations += 1
 
+    def metrics(self) -> dict:
+        """The held-out evaluations' reward failures on this replica since it started
+        (samples scored 0), apart from training's: ``eval/reward_errors/<fn>``,
+        ``eval/reward_timeouts/<fn>`` and the served rewards' ``eval/reward_http_<kind>/<name>``
+        (:meth:`rlflow.data.rewarder.Rewarder.metrics`, renamed)."""
+        if self._rewarder is None:
+            return {}
+        return {"eval/" + k.replace("reward/", "reward_", 1): float(v)
+                for k, v in self._rewarder.metrics().items()}
+
     @property
     def busy(self) -> bool:
         """An evaluation is decoding or being scored."""

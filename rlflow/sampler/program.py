@@ -276,6 +276,8 @@ class SamplerProgram:
         metrics["sync/sampler_pause_s"] = self.pause_s
         metrics["sampler/instance"] = float(self.control.instance)
         metrics.update(self.delivery.metrics())
+        if self.evals is not None:       # the held-out evaluations' reward failures
+            metrics.update(self.evals.metrics())
         if self.episodes is not None:    # environments that raised or timed out: counted
             metrics.update(self.episodes.metrics())
             metrics["sampler/env_reset_errors"] = float(self.env_reset_errors)
