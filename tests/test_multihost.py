@@ -80,9 +80,9 @@ def test_two_hosts_train_like_one_host(two_hosts):
     # the broadcast buffer is the 12 TrainBatch fields (with the rollout correction's group
     # ids and policy lags) as int32 [12, B, L]
     assert info["batch/broadcast_bytes"] == 12 * rows * seq * 4
-    # each host keeps its half of the rows: 5 int32 (incl. segment and prefix ids) + 3
-    # float32 fields (4 B) + 2 bool (1 B)
-    assert info["batch/local_bytes"] == rows // 2 * seq * (8 * 4 + 2 * 1)
+    # each host keeps its half of the rows: 7 int32 (incl. segment and prefix ids, group ids
+    # and policy lags) + 3 float32 fields (4 B) + 2 bool (1 B)
+    assert info["batch/local_bytes"] == rows // 2 * seq * (10 * 4 + 2 * 1)
 
 
 def logit_tol(logits):
