@@ -6,6 +6,28 @@ from __future__ import annotations
 import os
 
 
+def run_records(cfg) -> list[dict]:
+    """Run ``cfg`` with ``rlflow.runtime.supervisor.run_train``; its ``metrics.jsonl``
+    records.
+
+    Raises:
+      RuntimeError: the run exited non-zero (names the logs folder) or a metrics line is
+        malformed.
+    """
+    from rlflow.run.folder import read_jsonl
+    from rlflow.run.metrics import METRICS_FILE
+    from rlflow.runtime.supervisor import run_train
+
+    code = run_train(cfg)
+    if code != 0:
+        raise RuntimeError(f"rlflow train ({cfg.name}) exited with {code}; see "
+                           f"{cfg.run_path}/logs")
+    records, problems = read_jsonl(os.path.join(cfg.run_path, METRICS_FILE))
+    if problems:
+        raise RuntimeError(f"{cfg.name}: bad metrics lines: {problems[:3]}")
+    return records
+
+
 def steady_steps(cfg, warmup: int) -> tuple[list, dict, dict]:
     """Run ``cfg`` with ``rlflow.runtime.supervisor.run_train`` and return ``(steps, times,
     by_step)``: the logged steps after the first ``warmup`` (start-up and compilation
@@ -16,17 +38,9 @@ def steady_steps(cfg, warmup: int) -> tuple[list, dict, dict]:
       RuntimeError: the run exited non-zero (names the logs folder), a metrics line is
         malformed, or fewer than 2 steps remain after ``warmup``.
     """
-    from rlflow.run.metrics import METRICS_FILE
-    from rlflow.run.folder import metrics_by_step, read_jsonl
-    from rlflow.runtime.supervisor import run_train
+    from rlflow.run.folder import metrics_by_step
 
-    code = run_train(cfg)
-    if code != 0:
-        raise RuntimeError(f"rlflow train ({cfg.name}) exited with {code}; see "
-                           f"{cfg.run_path}/logs")
-    records, problems = read_jsonl(os.path.join(cfg.run_path, METRICS_FILE))
-    if problems:
-        raise RuntimeError(f"{cfg.name}: bad metrics lines: {problems[:3]}")
+    records = run_records(cfg)
     times = {r["step"]: r["time"] for r in records if "learner/step_time_s" in r}
     steps = sorted(times)[warmup:]
     if len(steps) < 2:

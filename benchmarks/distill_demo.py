@@ -28,6 +28,9 @@ import tempfile
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runs import run_records  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEACHER_STEPS = int(os.environ.get("TEACHER_STEPS", "300"))
 DISTILL_STEPS = int(os.environ.get("DISTILL_STEPS", "0"))      # 0: the config's
@@ -43,18 +46,9 @@ def load_config(name: str):
 
 def run(cfg) -> dict:
     """``rlflow train`` of ``cfg`` (learner and sampler processes); its metrics by step."""
-    from rlflow.run.folder import metrics_by_step, read_jsonl
-    from rlflow.run.metrics import METRICS_FILE
-    from rlflow.runtime.supervisor import run_train
+    from rlflow.run.folder import metrics_by_step
 
-    code = run_train(cfg)
-    if code != 0:
-        raise RuntimeError(f"rlflow train ({cfg.name}) exited with {code}; see "
-                           f"{cfg.run_path}/logs")
-    records, problems = read_jsonl(os.path.join(cfg.run_path, METRICS_FILE))
-    if problems:
-        raise RuntimeError(f"{cfg.name}: bad metrics lines: {problems[:3]}")
-    return metrics_by_step(records)
+    return metrics_by_step(run_records(cfg))
 
 
 def ends(by_step: dict, key: str) -> tuple[float, float]:

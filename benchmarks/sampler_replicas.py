@@ -44,6 +44,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=1").strip()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peers import stop_peers  # noqa: E402
 
 LEAVES = 8
 
@@ -105,13 +107,7 @@ def measure(n: int, mb: float, relay: bool, versions: int, warmup: int) -> tuple
         last = max(offers.learner_bytes_by_version)
         egress = offers.learner_bytes_by_version[last] / pub.nbytes
     finally:
-        for p in peers:
-            try:
-                p.stdin.write("quit\n")
-                p.stdin.flush()
-                p.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                p.kill()
+        stop_peers(peers, 30)
         coord.close()
     return statistics.median(times), egress
 

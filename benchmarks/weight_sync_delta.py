@@ -61,6 +61,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peers import stop_peers  # noqa: E402
 
 
 def replica(name: str, address: str, sync: str) -> None:
@@ -191,13 +192,7 @@ def measure(n: int, versions: list, sync: str) -> tuple[float, float]:
             assert all(int(d[2]) == len(versions) - 1 for d in done), done
         sent = (sum(offers.bytes_sent.values()) - sent_before) / (len(versions) - 1)
     finally:
-        for p in peers:
-            try:
-                p.stdin.write("quit\n")
-                p.stdin.flush()
-                p.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                p.kill()
+        stop_peers(peers, 60)
         coord.close()
     return statistics.median(times), sent
 

@@ -72,6 +72,34 @@ def assert_same_train_step(ma: dict, mb: dict, params_a, params_b, model_cfg, ro
         np.testing.assert_allclose(got[k], want[k], atol=0.1 * 1e-4, err_msg=str(k))
 
 
+def assert_same_packed_step(model_cfg, packed, today, new) -> None:
+    """One grad step of a packed batch (``packed``: its :class:`TrainBatch` fields, numpy) on
+    two paths agrees: ``today`` and ``new`` are each ``(loss, grads, stats, logprobs)`` of
+    ``make_grad_fn`` and ``policy_logprobs``. Logprobs on the loss positions within
+    ``2 x chain x eps`` of their scale, the loss and the KL / entropy / importance-weight sums
+    within the reordering bound of the loss positions (tests/tolerances.py), each gradient
+    leaf's relative error within twice that plus a sum's rounding."""
+    from tolerances import (F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol,
+                            sum_tol)
+
+    (l0, g0, s0, lp0), (l1, g1, s1, lp1) = today, new
+    lp0, lp1 = np.asarray(lp0), np.asarray(lp1)
+    chain, n = model_chain_len(model_cfg, packed.tokens.shape[1]), int(packed.loss_mask.sum())
+    rtol = reorder_rtol(chain, n)
+    m = packed.loss_mask
+    np.testing.assert_allclose(lp1[m], lp0[m], rtol=0,
+                               atol=2 * chain * F32_EPS * (np.abs(lp0[m]).max() + 1))
+    np.testing.assert_allclose(float(l1), float(l0), rtol=rtol * MIXED_SIGN_CANCEL)
+    for key in ("kl", "entropy", "is_weight", "is_kept", "mismatch/truncated_tokens"):
+        np.testing.assert_allclose(np.asarray(s1[key]), np.asarray(s0[key]), rtol=rtol,
+                                   atol=2 * F32_EPS * n if key == "kl" else 0.0, err_msg=key)
+    assert float(s0["kl"]) > 0
+    f0, f1 = flat(g0), flat(g1)
+    for key in f0:
+        err = np.linalg.norm(f1[key] - f0[key]) / np.linalg.norm(f0[key])
+        assert err <= (2 * rtol + sum_tol(n)) * MIXED_SIGN_CANCEL, (key, err)
+
+
 def model_and_reference(model_cfg):
     """A random model of ``model_cfg`` split for the train step: ``(graphdef, params, ref)``,
     ``ref`` the params moved by ``0.01 sin(i)`` (element ``i`` of each leaf): a KL reference

@@ -13,9 +13,9 @@ from rlflow.learner.packing import PackSpec, pack_batch
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.learner.trainer import Learner
 from rlflow.models import attention as A
-from learner_fixtures import (assert_same_train_step, flat, make_group_records,
-                              model_and_reference, one_device_mesh, tiny_experiment)
-from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol, sum_tol
+from learner_fixtures import (assert_same_packed_step, assert_same_train_step,
+                              make_group_records, model_and_reference, one_device_mesh,
+                              tiny_experiment)
 
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -54,21 +54,7 @@ def test_blockwise_attention_and_chunked_logprobs_step_equals_todays(tiny_model,
         out[name] = jax.jit(make_grad_fn(graphdef, s))(params, jb, ref) + (np.asarray(
             policy_logprobs(graphdef, params, jb, attention=attention,
                             logprob_chunk=chunk)[0]),)
-    (l0, g0, s0, lp0), (l1, g1, s1, lp1) = out["today"], out["new"]
-    chain, n = model_chain_len(MODEL, packed.tokens.shape[1]), int(packed.loss_mask.sum())
-    rtol = reorder_rtol(chain, n)
-    m = packed.loss_mask
-    np.testing.assert_allclose(lp1[m], lp0[m], rtol=0,
-                               atol=2 * chain * F32_EPS * (np.abs(lp0[m]).max() + 1))
-    np.testing.assert_allclose(float(l1), float(l0), rtol=rtol * MIXED_SIGN_CANCEL)
-    for key in ("kl", "entropy", "is_weight", "is_kept", "mismatch/truncated_tokens"):
-        np.testing.assert_allclose(np.asarray(s1[key]), np.asarray(s0[key]), rtol=rtol,
-                                   atol=2 * F32_EPS * n if key == "kl" else 0.0, err_msg=key)
-    assert float(s0["kl"]) > 0
-    f0, f1 = flat(g0), flat(g1)
-    for key in f0:
-        err = np.linalg.norm(f1[key] - f0[key]) / np.linalg.norm(f0[key])
-        assert err <= (2 * rtol + sum_tol(n)) * MIXED_SIGN_CANCEL, (key, err)
+    assert_same_packed_step(MODEL, packed, out["today"], out["new"])
 
 
 @pytest.mark.slow

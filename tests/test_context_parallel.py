@@ -23,9 +23,10 @@ from rlflow.mesh import batch_sharding, make_mesh, param_shardings
 from rlflow.models import attention as A
 from rlflow.models import context_parallel
 from rlflow.learner.trainer import Learner
-from learner_fixtures import (assert_same_train_step, flat, make_group_records,
-                              model_and_reference, one_device_mesh, tiny_experiment)
-from tolerances import F32_EPS, MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol, sum_tol
+from learner_fixtures import (assert_same_packed_step, assert_same_train_step,
+                              make_group_records, model_and_reference, one_device_mesh,
+                              tiny_experiment)
+from tolerances import sum_tol
 
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -176,21 +177,7 @@ def test_train_step_on_a_sequence_mesh_equals_single_device_today(packed_case, n
     l1, g1, s1 = jax.jit(make_grad_fn(graphdef, settings("auto", 5, "full"), mesh))(p, jb, r)
     lp1 = jax.jit(functools.partial(policy_logprobs, graphdef, logprob_chunk=5,
                                     mesh=mesh))(p, jb)[0]
-    chain, n = model_chain_len(MODEL, packed.tokens.shape[1]), int(packed.loss_mask.sum())
-    rtol = reorder_rtol(chain, n)
-    m = packed.loss_mask
-    lp1 = np.asarray(lp1)
-    np.testing.assert_allclose(lp1[m], lp0[m], rtol=0,
-                               atol=2 * chain * F32_EPS * (np.abs(lp0[m]).max() + 1))
-    np.testing.assert_allclose(float(l1), float(l0), rtol=rtol * MIXED_SIGN_CANCEL)
-    for key in ("kl", "entropy", "is_weight", "is_kept", "mismatch/truncated_tokens"):
-        np.testing.assert_allclose(np.asarray(s1[key]), np.asarray(s0[key]), rtol=rtol,
-                                   atol=2 * F32_EPS * n if key == "kl" else 0.0, err_msg=key)
-    assert float(s0["kl"]) > 0
-    f0, f1 = flat(g0), flat(g1)
-    for key in f0:
-        err = np.linalg.norm(f1[key] - f0[key]) / np.linalg.norm(f0[key])
-        assert err <= (2 * rtol + sum_tol(n)) * MIXED_SIGN_CANCEL, (key, err)
+    assert_same_packed_step(MODEL, packed, (l0, g0, s0, lp0), (l1, g1, s1, lp1))
 
 
 @pytest.mark.slow
