@@ -61,27 +61,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _peers import stop_peers  # noqa: E402
-
-
-def replica(name: str, address: str, sync: str) -> None:
-    """Replica process: on "pull", poll until it holds a newer version; print DONE <t>."""
-    from rlflow.exchange.transfer import WeightSubscriber
-
-    sub = WeightSubscriber(address, consumer_id=name, timeout_s=120, retries=2,
-                           relay_fanout=2, relay_timeout_s=120, weight_sync=sync)
-    for line in sys.stdin:
-        if line.strip() == "pull":
-            have = sub.version
-            while True:
-                got = sub.poll()
-                if got is not None and got[0] > have:
-                    break
-                time.sleep(0.002)
-            print("DONE", time.time(), sub.metrics["delta_pulls"], flush=True)
-        elif line.strip() == "quit":
-            break
-    sub.close()
+from _peers import run_replica, stop_peers  # noqa: E402
 
 
 def train_versions(steps: int) -> list:
@@ -265,6 +245,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["replica"]:
-        replica(*sys.argv[2:])
+        run_replica(sys.argv[2], sys.argv[3], fanout=2, weight_sync=sys.argv[4])
     else:
         main()
