@@ -160,21 +160,16 @@ def kv_cache_bytes(cfg, m) -> int:
     return positions * m.num_layers * 2 * m.num_kv_heads * m.head_dim * per
 
 
-def _physical_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _check_kv_cache(cfg) -> None:
     """A sampler KV cache larger than this machine's whole memory (spread over the
     replica's devices) cannot be allocated on any of its devices: refuse it before start-up
     instead of an out-of-memory error from inside the sampler that names no field."""
+    from rlflow.runtime.oom import machine_memory_bytes
+
     m = _model_sizes(cfg)
     if m is None:
         return
-    need, have = kv_cache_bytes(cfg, m), _physical_memory_bytes()
+    need, have = kv_cache_bytes(cfg, m), machine_memory_bytes()
     sp = cfg.sampler
     if have is None or need / sp.num_devices <= have:
         return

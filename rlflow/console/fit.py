@@ -177,10 +177,12 @@ def host_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[float]:
     """This machine's memory for the CPU backend: its RAM, or its cgroup's memory limit
     when smaller (cgroup v2 ``memory.max``, v1 ``memory/memory.limit_in_bytes``); None when
     unknown."""
-    try:
-        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
+    from rlflow.runtime.oom import machine_memory_bytes
+
+    ram = machine_memory_bytes()
+    if ram is None:
         return None
+    ram = float(ram)
     for path in ("memory.max", "memory/memory.limit_in_bytes"):
         try:
             with open(os.path.join(cgroup_root, path)) as f:

@@ -89,6 +89,8 @@ def peak_resident_bytes(pid: int) -> Optional[int]:
 
 
 def machine_memory_bytes() -> Optional[int]:
+    """This machine's physical memory in bytes (``sysconf``), or None where unknown (the
+    one reading of it: the OOM note, the pre-start KV cache and memory-fit checks)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
