@@ -4,12 +4,15 @@ Versions: the GSM8K headline model (``benchmarks/_gsm8k_model.py``, Qwen2 4.46M 
 float32) trained here for ``--steps`` (20) steps of next-token loss on GSM8K questions
 (4 rows of 128 tokens, the BPE tokenizer trained on GSM8K) with the learner's optimizer
 (``rlflow.learner.optimizer.make_optimizer``) at the learning rate, warm-up and clipping of
-``configs/gsm8k.py`` (AdamW, lr 1e-6, 10 warm-up steps, clip 1.0). Each version is also
-rounded to bfloat16: what a learner publishing in a bf16 sampler's dtype would send.
+``configs/gsm8k.py`` (AdamW, lr 1e-6, 10 warm-up steps, clip 1.0). ``configs/gsm8k.py`` runs its sampler in
+bfloat16, so its learner publishes each version rounded to bf16 (``ExperimentConfig.
+published_dtype``, cast by the learner's own ``rlflow.learner.publish.published_params``).
 
 1. **Bytes per version** (every version after the first; ``rlflow.exchange.delta``):
 
-       RESULT delta_bytes_over_full <x> x          float32 (what rlflow's learner publishes)
+       RESULT delta_bytes_over_full_gsm8k_config <x> x   the headline: lr AND published
+           dtype of configs/gsm8k.py as shipped (bf16), over a full version of that dtype
+       RESULT delta_bytes_over_full <x> x          float32 versions (a float32 sampler)
        RESULT delta_bytes_over_full_bfloat16 <x> x
        RESULT delta_encode_mb_per_s_<dtype> / delta_decode_mb_per_s_<dtype>   (one core,
            the fastest version: XOR, byte planes, zstd and the hash of the model's bytes)
@@ -23,6 +26,11 @@ rounded to bfloat16: what a learner publishing in a bf16 sampler's dtype would s
        RESULT replicas_<n>_<dtype>_<full|delta>_all_swapped_s <s> s
        RESULT replicas_<n>_<dtype>_wire_bytes_delta_over_full <x> x
        RESULT replicas_<n>_<dtype>_all_swapped_delta_over_full <x> x
+       RESULT replicas_<n>_<dtype>_<full|delta>_publish_call_ms <ms> ms   median time of
+           ``WeightPublisher.publish`` on the caller's (the learner's) thread
+       RESULT replicas_<n>_<dtype>_delta_encode_ms <ms> ms   median time the background
+           thread spent making a version's delta (rlflow.exchange.delta_worker): what
+           ``publish`` took on the learner's thread before it moved there
 
    On one 2-core host every process shares the cores and the link is loopback, so the
    time saved by moving fewer bytes is traded against the host codec's CPU time; the
@@ -105,6 +113,19 @@ def train_versions(steps: int) -> list:
     return out
 
 
+def published(versions: list, cfg) -> list:
+    """``versions`` as the learner of ``cfg`` publishes them: in ``cfg.published_dtype``,
+    cast on the device by ``rlflow.learner.publish.published_params``."""
+    import jax
+    import numpy as np
+
+    from rlflow.learner.publish import published_params
+
+    return [[np.array(x) for x in published_params([jax.device_put(x) for x in leaves],
+                                                   cfg.published_dtype)]
+            for leaves in versions]
+
+
 def as_dtype(versions: list, dtype: str) -> list:
     import ml_dtypes
     import numpy as np
@@ -136,9 +157,10 @@ def codec_figures(versions: list) -> tuple[float, float, float]:
     return statistics.median(ratios), full / min(enc_t) / 1e6, full / min(dec_t) / 1e6
 
 
-def measure(n: int, versions: list, sync: str) -> tuple[float, float]:
+def measure(n: int, versions: list, sync: str) -> tuple[float, float, float, float]:
     """(median publish -> all-swapped s over the versions after the first, bytes sent by
-    every source per such version)."""
+    every source per such version, median ms of the ``publish`` call, median ms of the
+    background delta encode (0 for full))."""
     import jax
 
     from rlflow.exchange.coordinator import Coordinator
@@ -153,7 +175,7 @@ def measure(n: int, versions: list, sync: str) -> tuple[float, float]:
     peers = [subprocess.Popen([sys.executable, __file__, "replica", f"r{i}", coord.address,
                                sync], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True) for i in range(n)]
-    times, sent_before = [], 0
+    times, calls, encodes, sent_before = [], [], [], 0
     try:
         for v, leaves in enumerate(versions):
             tree = {f"{i:03d}": jax.device_put(x) for i, x in enumerate(leaves)}
@@ -162,23 +184,31 @@ def measure(n: int, versions: list, sync: str) -> tuple[float, float]:
                 sent_before = sum(offers.bytes_sent.values())
             t0 = time.time()
             pub.publish(v, tree)
+            call_ms = (time.time() - t0) * 1e3
             for p in peers:
                 p.stdin.write("pull\n")
                 p.stdin.flush()
             done = [p.stdout.readline().split() for p in peers]
             if v >= 1:
                 times.append(max(float(d[1]) for d in done) - t0)
+                calls.append(call_ms)
+                pub.wait_delta()
+                encodes.append(pub.delta_encode_s * 1e3)
         if sync == "delta":
             assert all(int(d[2]) == len(versions) - 1 for d in done), done
         sent = (sum(offers.bytes_sent.values()) - sent_before) / (len(versions) - 1)
     finally:
         stop_peers(peers, 60)
         coord.close()
-    return statistics.median(times), sent
+        pub.close()
+    return (statistics.median(times), sent, statistics.median(calls),
+            statistics.median(encodes))
 
 
 def main() -> None:
     from sampler_replicas import tree_levels
+
+    from configs.gsm8k import config as gsm8k_config
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -192,6 +222,12 @@ def main() -> None:
     full_mb = sum(x.nbytes for x in base[0]) / 2**20
     print(f"# {args.steps} optimizer steps of the GSM8K model ({full_mb:.1f} MB float32) in "
           f"{time.time() - t0:.0f} s", flush=True)
+    gsm8k = gsm8k_config()
+    ratio, _, _ = codec_figures(published(base, gsm8k))
+    print(f"RESULT delta_bytes_over_full_gsm8k_config {ratio:.4f} x median over {args.steps} "
+          f"versions, configs/gsm8k.py as shipped: lr {gsm8k.learner.lr:g} AdamW, published "
+          f"in {gsm8k.published_dtype} (sampler.dtype {gsm8k.sampler.dtype}), target <= 0.10",
+          flush=True)
     codec = {}
     for dtype in args.dtypes.split(","):
         ratio, enc, dec = codec_figures(as_dtype(base, dtype))
@@ -208,10 +244,14 @@ def main() -> None:
         full_bytes = sum(x.nbytes for x in versions[0])
         for n in [int(x) for x in args.replicas.split(",")]:
             got = {sync: measure(n, versions, sync) for sync in ("full", "delta")}
-            for sync, (t, _) in got.items():
+            for sync, (t, _, call, _) in got.items():
                 print(f"RESULT replicas_{n}_{dtype}_{sync}_all_swapped_s {t:.3f} s median "
                       f"publish -> all swapped, relay fan-out 2, loopback", flush=True)
-            (tf, bf), (td, bd) = got["full"], got["delta"]
+                print(f"RESULT replicas_{n}_{dtype}_{sync}_publish_call_ms {call:.1f} ms "
+                      "median WeightPublisher.publish on the learner's thread", flush=True)
+            (tf, bf, _, _), (td, bd, _, enc) = got["full"], got["delta"]
+            print(f"RESULT replicas_{n}_{dtype}_delta_encode_ms {enc:.1f} ms median delta "
+                  "encode on the background thread (formerly on the learner's)", flush=True)
             print(f"RESULT replicas_{n}_{dtype}_wire_bytes_delta_over_full {bd / bf:.4f} x "
                   f"bytes sent per version: delta {bd / 1e6:.2f} MB, full {bf / 1e6:.2f} MB "
                   f"({n} x {full_bytes / 1e6:.2f} MB)", flush=True)

@@ -13,6 +13,16 @@ Held-out evaluation (off by default): ``--eval.every-steps N`` evaluates the fir
 of ``test.jsonl`` (next to the default training file; ``--eval.path`` another) greedily every N
 steps, the same template and reward; ``rlflow eval --run runs/gsm8k`` evaluates a checkpoint.
 
+Precision: the learner keeps float32 master weights and Adam state; the sampler runs in
+bfloat16 (``sampler.dtype``), as verl's vLLM rollouts do. Each version is published already
+rounded to bf16 (``ExperimentConfig.published_dtype``): half the bytes per weight sync, and
+a version's delta against the previous one (``--runtime.weight-sync delta``) is ~4% of the
+full model at this lr instead of ~44% for float32 (``benchmarks/weight_sync_delta.py``). A
+decode step reads half the weight bytes. The behaviour logprobs are then those of the
+bf16 policy; the learner recomputes the old policy's logprobs in float32
+(``learner.off_policy="decoupled"``) and corrects the gap with its default rollout
+correction (token-level truncated importance weight, cap 2), logging ``mismatch/*``.
+
 Sizes are for one accelerator host; a laptop run of a tiny model overrides them, e.g.
 ``--learner.num-steps 3 --sampler.max-tokens 16 --learner.groups-per-step 2
 --metrics.samples-every 1``.
@@ -38,7 +48,7 @@ def config() -> ExperimentConfig:
         reward=RewardConfig(functions=("math_verify",), weights=(1.0,), timeout_s=10.0),
         sampler=SamplerConfig(num_slots=64, max_prefill_length=256,
                               prefill_buckets=(64, 128, 256), max_tokens=512, group_size=8,
-                              temperature=1.0),
+                              temperature=1.0, dtype="bfloat16"),
         learner=LearnerConfig(num_steps=200, groups_per_step=8, lr=1e-6, warmup_steps=10,
                               advantage="grpo", loss_agg="token-mean", clip_low=0.2,
                               clip_high=0.28, max_grad_norm=1.0),

@@ -60,6 +60,12 @@ def test_state_terms_equal_the_sharded_learner_state_on_one_chip():
     from rlflow.learner.publish import keeps_params     # the learner's own rule
     assert keeps_params(cfg) and not keeps_params(
         replace(cfg, runtime=replace(cfg.runtime, weight_transfer="orbax")))
+    # a bf16 sampler: the server holds the bf16 cast (half the params' bytes) and the step
+    # donates its float32 params
+    bf16 = replace(cfg, sampler=replace(cfg.sampler, dtype="bfloat16"))
+    assert not keeps_params(bf16)
+    assert learner_memory(Architecture.from_model_config(MODEL), bf16).published == \
+        mem.params / 2
 
 
 def test_activations_scale_with_rows_per_chip():

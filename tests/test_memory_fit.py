@@ -160,7 +160,9 @@ def qwen_16k(tmp_path, monkeypatch):
 
 def test_qwen2_5_7b_at_16896_tokens_fits_a_named_tpu_slice(tmp_path, monkeypatch, capsys):
     """Issue 43: the memory model names the smallest v5p and v6e slice on which the 7B
-    learner holds rows of 16,896 tokens (printed: docs/tpu.md has the same lines)."""
+    learner holds rows of 16,896 tokens (printed: docs/tpu.md has the same lines). The
+    config's sampler is bf16, so the learner publishes a bf16 copy and its step donates the
+    float32 params: a v6e-8 holds it (a v6e-16 was needed while it kept them)."""
     cfg = qwen_16k(tmp_path, monkeypatch)
     arch = fit.architecture(cfg)
     assert arch.num_params() == 7_615_616_512          # Qwen2.5-7B's published count
@@ -169,13 +171,13 @@ def test_qwen2_5_7b_at_16896_tokens_fits_a_named_tpu_slice(tmp_path, monkeypatch
         for tpu_type, f in found.items():
             print(f"\nQwen2.5-7B, 16,896 tokens a row: {tpu_type}: per chip "
                   f"{f.learner.describe()} of {f.where}")
-    assert set(found) == {"v5p-8", "v6e-16"}
+    assert set(found) == {"v5p-8", "v6e-8"}
     for tpu_type, f in found.items():
         assert f.learner_fits
         m = fit.fit_to_slice(cfg, tpu_type).learner
         assert m.num_devices == m.mesh.fsdp * m.mesh.tensor == fit.device_count(tpu_type)
         assert m.groups_per_step * 8 // (m.micro_batches * m.mesh.fsdp) == 1   # one row a chip
-    smaller = fit.fit_to_slice(cfg, "v6e-8")                 # the size below v6e-16
+    smaller = fit.fit_to_slice(cfg, "v6e-4")                 # the size below v6e-8
     assert not fit.memory_fit(smaller, arch, 32e9).learner_fits
     # the same through the command
     assert fit.main(["--config", os.path.join(REPO, "configs", "gsm8k_qwen2_5_7b.py"),
@@ -183,7 +185,7 @@ def test_qwen2_5_7b_at_16896_tokens_fits_a_named_tpu_slice(tmp_path, monkeypatch
                      "--learner.attention", "splash", "--learner.shared-prefix", "false",
                      "--learner.micro-batches", "128"]) == 0
     out = capsys.readouterr().out
-    assert "rows of 16896 tokens" in out and "v6e-16: learner mesh fsdp=8 x tensor=2" in out
+    assert "rows of 16896 tokens" in out and "v6e-8: learner mesh fsdp=4 x tensor=2" in out
 
 
 def test_a_dataclass_config_without_sizes_in_a_stand_in_folder_is_not_checked(tmp_path):
@@ -215,7 +217,7 @@ def test_the_smollm2_run_fits_24_gib_with_the_defaults_and_was_refused_without_t
     old = ["--learner.remat", "none", "--learner.attention", "xla", "--learner.logprob-chunk",
            "0"]
     with pytest.raises(fit.MemoryDoesNotFit, match=r"^learner.micro_batches: the learner needs "
-                                                   r"27.1 GiB per device .* set "
+                                                   r"26.8 GiB per device .* set "
                                                    r"--learner.micro-batches 2 "):
         fit.check_memory(parse_train_args(args + old))
     arith = parse_train_args(["--config", os.path.join(REPO, "configs", "smollm2_arith.py")])

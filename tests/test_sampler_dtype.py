@@ -37,6 +37,21 @@ def test_sampler_model_config_sets_both_dtypes_only_when_asked():
     assert sampler_model_config(same) is same.model
 
 
+@pytest.mark.parametrize("model, sampler, want", [
+    (("float32", "float32"), None, "float32"),
+    (("float32", "float32"), "bfloat16", "bfloat16"),      # bf16 sampler, f32 learner
+    (("bfloat16", "float32"), None, "bfloat16"),           # the model section computes bf16
+    (("bfloat16", "float32"), "float32", "float32"),       # a float32 sampler asked for
+    (("bfloat16", "bfloat16"), "float32", "bfloat16"),     # never wider than the master
+    (("bfloat16", "bfloat16"), None, "bfloat16"),
+])
+def test_versions_are_published_in_the_samplers_compute_dtype_when_narrower(
+        model, sampler, want):
+    cfg = ExperimentConfig(model=ModelConfig(dtype=model[0], param_dtype=model[1]),
+                           sampler=SamplerConfig(dtype=sampler))
+    assert cfg.published_dtype == want
+
+
 def test_bf16_engine_pulls_float32_versions_and_rounds_them_once():
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
                  num_heads=2, num_kv_heads=1, head_dim=8, init_seed=1)

@@ -184,6 +184,12 @@ def served():
         c.close()
 
 
+def offer_counts(pub) -> dict:
+    """``pub.sync`` less ``pending_answers`` (how many asks came while a delta was being
+    made on the publisher's thread depends on the scheduling)."""
+    return {k: v for k, v in pub.sync.items() if k != "pending_answers"}
+
+
 def _subscriber(coord, name, target=None, **kw):
     return WeightSubscriber(coord.address, consumer_id=name, target=target, timeout_s=30,
                             weight_sync="delta", **kw)
@@ -205,7 +211,7 @@ def test_twenty_steps_of_deltas_stay_bitwise_equal_and_a_missed_version_pulls_wh
         assert_trees_bitwise_equal(got[1], params)
     # versions 0, 8 and 16 go whole; 15 too (the replica holds 12, missed 13 and 14)
     assert sub.metrics["full_pulls"] == 4 and sub.metrics["delta_pulls"] == 15
-    assert pub.sync == {"delta_offers": 15, "full_offers": 4, "full_fallbacks": 1}
+    assert offer_counts(pub) == {"delta_offers": 15, "full_offers": 4, "full_fallbacks": 1}
     assert 0 < pub.delta_nbytes < pub.nbytes
     assert sub.metrics["delta_rejected"] == 0
 
@@ -282,20 +288,27 @@ def test_a_relay_tree_forwards_deltas_and_the_learner_serves_a_replica_that_miss
     assert offers.learner_bytes_by_version[4] == pub.delta_nbytes + pub.nbytes
 
 
-def test_each_learner_host_deltas_its_own_shards(versions, served):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_learner_host_deltas_its_own_shards(versions, served, dtype):
     """A 2-host learner's per-host shards (the host units split between two publishers,
-    each with its own coordinator) through a HostShardPuller of delta subscribers."""
+    each with its own coordinator) through a HostShardPuller of delta subscribers; with a
+    bf16 sampler each host's units are of the learner's bf16 cast (LearnerHosts.publish)."""
+    from rlflow.learner.publish import published_params
+    from rlflow.sampler.precision import pull_target
+
     pubs = [WeightPublisher(pull_timeout_s=30, weight_sync="delta") for _ in range(2)]
     coords = [served(p) for p in pubs]
-    target = versions[0][1]
+    target = pull_target(versions[0][1], dtype)
     puller = HostShardPuller([_subscriber(c, "s0") for c in coords], target)
     for v, params in versions[:4]:
-        units = sorted(host_units(params).items())
+        sent = published_params(params, dtype)
+        units = sorted(host_units(sent).items())
         for h, pub in enumerate(pubs):
             pub.publish(v, dict(units[h::2]))
         got = puller.poll()
         assert got is not None and got[0] == v
-        assert_trees_bitwise_equal(got[1], params)
+        want = jax.tree.leaves(params) if dtype == "float32" else bf16_oracle(params)
+        assert all(bits_equal(g, w) for g, w in zip(jax.tree.leaves(got[1]), want))
     assert [s.metrics["delta_pulls"] for s in puller.subscribers] == [3, 3]
 
 
@@ -310,7 +323,7 @@ def test_a_full_subscriber_beside_a_delta_learner_still_gets_every_version_whole
         assert_trees_bitwise_equal(sub.poll()[1], params)
     # it holds no base, so it asks whole versions: never offered a delta
     assert (sub.metrics["full_pulls"], sub.metrics["delta_rejected"]) == (3, 0)
-    assert pub.sync == {"delta_offers": 0, "full_offers": 3, "full_fallbacks": 2}
+    assert offer_counts(pub) == {"delta_offers": 0, "full_offers": 3, "full_fallbacks": 2}
 
 
 def test_relay_offers_pass_full_on_only_to_a_source_that_takes_it():
@@ -325,3 +338,114 @@ def test_relay_offers_pass_full_on_only_to_a_source_that_takes_it():
     got = relay.offer("a", -1, full=True)
     assert (got["source"], got["uuid"]) == ("learner", 7)
     assert relay.bytes_sent == {"learner": 100}
+
+
+# ----------------------------------------------------------------- a bf16 sampler
+
+
+def bf16_oracle(tree) -> list:
+    """numpy's float32 -> bfloat16 rounding (ml_dtypes, round to nearest even) of each leaf."""
+    return [np.asarray(x).astype(ml_dtypes.bfloat16) for x in jax.tree.leaves(tree)]
+
+
+def test_a_bf16_sampler_holds_the_learners_bf16_cast_bitwise_through_20_steps(
+        versions, served):
+    """The learner's own Publisher with ``sampler.dtype="bfloat16"``: each float32 version
+    is published cast to bf16 (half the bytes), and a delta subscriber that misses versions
+    13-14 and receives one corrupted delta still holds, after every pull, exactly numpy's
+    bf16 rounding of the learner's float32 weights."""
+    from rlflow.config import ExperimentConfig, RuntimeConfig, SamplerConfig
+    from rlflow.learner.publish import Publisher, keeps_params
+    from rlflow.sampler.precision import pull_target
+
+    cfg = ExperimentConfig(sampler=SamplerConfig(dtype="bfloat16"),
+                           runtime=RuntimeConfig(weight_sync="delta", delta_full_every=8,
+                                                 transfer_timeout_s=30))
+    assert cfg.published_dtype == "bfloat16" and not keeps_params(cfg)
+    pub = Publisher(cfg, "127.0.0.1", params_kept=keeps_params(cfg))
+    coord = served(pub.offers)
+    target = pull_target(versions[0][1], cfg.published_dtype)   # bf16, the learner's mesh
+    sub = CorruptsInTransit(coord.address, consumer_id="s0", target=target, timeout_s=30,
+                            weight_sync="delta")
+    try:
+        for v, params in versions:
+            pub.publish(v, params)
+            if v in (13, 14):
+                continue
+            got = sub.poll()
+            assert got is not None and got[0] == v
+            for i, (g, w, t) in enumerate(zip(jax.tree.leaves(got[1]), bf16_oracle(params),
+                                              jax.tree.leaves(target))):
+                assert bits_equal(g, w), f"version {v}, leaf {i}"
+                assert g.sharding == t.sharding
+    finally:
+        pub.close()
+    f32_bytes = tree_bytes(versions[-1][1])
+    assert pub.bytes == pub.impl.nbytes == f32_bytes // 2
+    # whole: 0, 8, 16 (keyframes), 1 (its delta was corrupted), 15 (after missing 13-14)
+    assert sub.flipped and sub.metrics["delta_rejected"] == 1
+    assert (sub.metrics["full_pulls"], sub.metrics["delta_pulls"]) == (5, 14)
+    assert 0 < pub.impl.delta_nbytes < pub.impl.nbytes
+
+
+def test_published_params_cast_model_leaves_keep_adapters_and_never_alias(tiny_decoder):
+    from rlflow.learner.publish import published_params
+
+    _, adapters, _ = lora_model_parts(*tiny_decoder, LoraSpec(rank=2, alpha=4.0,
+                                                              train_embeddings=True))
+    tree = on_mesh(adapters)
+    out = published_params(tree, "bfloat16")
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
+    assert any("_lora" in p for p in paths) and any("embed" in p for p in paths)
+    for p, x, y in zip(paths, jax.tree.leaves(tree), jax.tree.leaves(out)):
+        want = np.asarray(x) if "_lora" in p else np.asarray(x).astype(ml_dtypes.bfloat16)
+        assert bits_equal(y, want), p
+        assert y.sharding == x.sharding, p
+    # fresh buffers: the learner's next step may donate (here: delete) the originals
+    for x in jax.tree.leaves(tree):
+        x.delete()
+    assert all(np.isfinite(np.asarray(y, np.float32)).all() for y in jax.tree.leaves(out))
+
+
+def test_the_delta_is_made_off_the_publishing_thread_in_order(versions, served):
+    """``publish`` returns while the delta is still being made (the encoder is held on an
+    event here): a subscriber holding the base is answered "pending" and gets the delta once
+    it is made, one that needs the whole version gets it at once; versions published while
+    the worker is busy are encoded in order, each against the one before it."""
+    import threading
+
+    pub = WeightPublisher(pull_timeout_s=30, weight_sync="delta")
+    gate, entered = threading.Event(), threading.Event()
+    encoder = pub._deltas._encoder
+    update = encoder.update
+
+    def held(*a, **kw):
+        entered.set()
+        assert gate.wait(30)
+        return update(*a, **kw)
+    try:
+        pub.publish(0, versions[0][1])
+        assert pub.wait_delta(30)
+        encoder.update = held
+        pub.publish(1, versions[1][1])             # returns with the encoder held
+        assert entered.wait(30)
+        assert pub.offer("holds-0", 0) == {"version": 1, "pending": True}
+        whole = pub.offer("new", -1)
+        assert "uuid" in whole and "delta" not in whole and whole["nbytes"] == pub.nbytes
+        pub.publish(2, versions[2][1])             # queued behind version 1
+        assert pub.offer("holds-1", 1) == {"version": 2, "pending": True}
+        gate.set()
+        assert pub.wait_delta(30)
+        assert pub.offer("holds-0", 0)["version"] == 2 and "delta" not in pub.offer("h", 0)
+        got = pub.offer("holds-1", 1)
+        assert got["delta"]["base"] == 1
+        # version 2's delta was made against version 1: it rebuilds version 2 from 1
+        dec = delta.DeltaDecoder()
+        dec.hold(1, [np.asarray(x) for x in jax.tree.leaves(versions[1][1])])
+        d = pub._deltas.ready(2, 1)[0]
+        out = dec.apply(2, 1, d.payloads, d.checksums)
+        assert all(bits_equal(a, b) for a, b in zip(out, jax.tree.leaves(versions[2][1])))
+        assert pub.sync["pending_answers"] == 2
+    finally:
+        gate.set()
+        pub.close()

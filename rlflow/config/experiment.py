@@ -198,6 +198,24 @@ class ExperimentConfig:
         return max(longest, min(group, 2 * longest))
 
     @property
+    def published_dtype(self) -> str:
+        """The dtype the learner publishes its model weights in (LoRA adapters stay float32):
+        the sampler's compute dtype (``sampler.dtype``, else ``model.dtype``) when it is
+        narrower than the learner's ``model.param_dtype``, else ``model.param_dtype``.
+
+        Every parameter is cast to the compute dtype at use (:mod:`rlflow.models.decoder`),
+        so a bf16 sampler only ever uses the bf16 rounding of a float32 version: publishing
+        that rounding moves half the bytes for the same policy, and makes a delta between
+        two versions small (an optimizer step at an RL learning rate changes few bf16
+        values, but the low float32 mantissa bits of every element; verl syncs bf16 weights
+        to its vLLM rollouts the same way). A float32 sampler beside a bf16 learner gets the
+        bf16 versions (widening them at the swap is exact)."""
+        narrow = {"float32": 4, "bfloat16": 2}
+        compute = self.sampler.dtype or self.model.dtype
+        master = self.model.param_dtype
+        return compute if narrow[compute] < narrow[master] else master
+
+    @property
     def run_path(self) -> str:
         return os.path.join(self.run_dir, self.name)
 

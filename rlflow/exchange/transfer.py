@@ -57,12 +57,14 @@ glibc malloc thresholds (``mallopt``: 5x fewer page faults at 200 MB, CPU within
 Figures: ``benchmarks/README.md``.
 
 Delta sync (``weight_sync="delta"``, :mod:`rlflow.exchange.delta`): the publisher also
-keeps each version's compressed XOR against the previous one, as one ``uint8`` array per leaf
-on its first device, and offers it (``"delta"`` in the offer: base version, per-leaf hashes,
+makes each version's compressed XOR against the previous one on a background thread, off the
+learner's (:mod:`rlflow.exchange.delta_worker`), as one ``uint8`` array per leaf on its first
+device, and offers it (``"delta"`` in the offer: base version, per-leaf hashes,
 the full layout; ``"layout"`` is then the delta arrays') to a subscriber that asks holding
 exactly the base; anyone else, or a subscriber that asks ``full`` (it holds no base, or its
-last delta failed the hash check), is offered the full version. The delta arrays travel and
-relay like any version.
+last delta failed the hash check), is offered the full version. While the newest delta is still being made, a subscriber that holds its base
+is answered ``"pending"`` and asks again (:meth:`WeightSubscriber.poll`). The delta arrays
+travel and relay like any version.
 
 Versions never go backwards: the publisher refuses a version <= the last one; the subscriber
 ignores offers <= the version it has. The transfer server has no authentication of its own:
@@ -85,6 +87,7 @@ from jax.experimental import transfer as jax_transfer
 
 from rlflow.exchange import delta as delta_lib
 from rlflow.exchange import layout as layout_lib
+from rlflow.exchange.delta_worker import DeltaWorker
 from rlflow.exchange.coordinator import CoordinatorClient
 from rlflow.runtime.ports import advertised_host
 
@@ -171,10 +174,12 @@ class WeightPublisher:
         chain; ``runtime.delta_full_every``).
 
     Attributes:
-      sync: counts of offers: ``delta_offers``, ``full_offers`` and ``full_fallbacks``
+      sync: counts of offers: ``delta_offers``, ``full_offers``, ``full_fallbacks``
         (full offers, while a delta existed, to a subscriber holding another version or
-        asking ``full`` after a failed delta).
-      delta_nbytes: compressed bytes of the newest version's delta (0: none).
+        asking ``full`` after a failed delta) and ``pending_answers`` (asks told to wait
+        for the delta being made).
+      delta_nbytes: compressed bytes of the last delta made (0: none).
+      delta_encode_s: seconds the background thread spent on the last version.
     """
 
     def __init__(self, *, bind_address: str = "127.0.0.1", advertise_host: str | None = None,
@@ -186,13 +191,11 @@ class WeightPublisher:
         if weight_sync not in ("full", "delta"):
             raise ValueError(f"weight_sync must be 'full' or 'delta', got {weight_sync!r}")
         self.weight_sync = weight_sync
-        self._encoder = (delta_lib.DeltaEncoder(delta_full_every) if weight_sync == "delta"
-                         else None)
-        self._delta: tuple[delta_lib.Delta, list, dict] | None = None
-        self.sync = dict(delta_offers=0, full_offers=0, full_fallbacks=0)
-        self.delta_nbytes = 0
         self.pull_timeout_s, self.donated, self.layout = pull_timeout_s, donated, layout
         self._devices = jax.local_devices()
+        self._deltas = (DeltaWorker(delta_full_every, self._devices[0])
+                        if weight_sync == "delta" else None)
+        self.sync = dict(delta_offers=0, full_offers=0, full_fallbacks=0, pending_answers=0)
         self._server, self.transports = _start_server(bind_address, transports,
                                                       raw_buffers=True)
         port = self._server.address().rsplit(":", 1)[1]
@@ -206,12 +209,31 @@ class WeightPublisher:
         self.nbytes = 0             # bytes of the newest version (one pull sends them)
         self.layout_desc: dict | None = None
 
+    @property
+    def delta_nbytes(self) -> int:
+        return 0 if self._deltas is None else self._deltas.last_nbytes
+
+    @property
+    def delta_encode_s(self) -> float:
+        return 0.0 if self._deltas is None else self._deltas.last_encode_s
+
+    def wait_delta(self, timeout_s: float | None = None) -> bool:
+        """Block until the newest version's delta is made (benchmarks); False on timeout."""
+        return True if self._deltas is None else self._deltas.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the delta thread (after the version in hand)."""
+        if self._deltas is not None:
+            self._deltas.close()
+
     def publish(self, version: int, params) -> None:
-        """Make ``params`` (pytree of ``jax.Array``) the newest version.
+        """Make ``params`` (pytree of ``jax.Array``) the newest version. With delta sync its
+        delta is made on the background thread (:class:`DeltaWorker`); this returns first.
 
         Raises:
           ValueError: ``version`` is not greater than the last published one.
           layout.LayoutError: a leaf cannot be described (see ``layout.describe``).
+          RuntimeError: making an earlier version's delta failed.
         """
         if version <= self.version:
             raise ValueError(f"weight versions never go backwards: publishing {version} after "
@@ -223,30 +245,28 @@ class WeightPublisher:
         elif self.donated:
             leaves = _copy_leaves(leaves)
         desc = layout_lib.describe(paths, leaves)
-        delta = None
-        if self._encoder is not None:     # host bits of this version, its delta (module doc)
-            d = self._encoder.update(version, [np.asarray(x) for x in leaves])
-            if d is not None:
-                dl = delta_lib.payload_arrays(d, self._devices[0])
-                delta = (d, dl, layout_lib.describe(paths, dl))
+        if self._deltas is not None:      # marks the delta pending before the version shows
+            self._deltas.submit(version, paths, leaves)
         with self._lock:
             self._current = (version, leaves, desc)
-            self._delta = delta
             self.version = version
             self.nbytes = int(sum(x.nbytes for x in leaves))
-            self.delta_nbytes = 0 if delta is None else delta[0].nbytes
             self.layout_desc = desc
 
-    def _delta_fields(self, base: int) -> dict | None:
-        if self._delta is None or self._delta[0].base != base:
+    def _delta(self, base: int):
+        """``(Delta, arrays, fields)`` of the newest version from ``base``, or None."""
+        got = None if self._deltas is None else self._deltas.ready(self.version, base)
+        if got is None:
             return None
-        return delta_lib.offer_fields(self._delta[0], self._delta[2], self.layout_desc)
+        d, arrays, dl = got
+        return d, arrays, delta_lib.offer_fields(d, dl, self.layout_desc)
 
     def delta_fields(self, base: int) -> dict | None:
         """The offer fields (``layout``, ``nbytes``, ``delta``) of the newest version's delta
         from ``base``, or None when it has none from there (for relays' offers)."""
         with self._lock:
-            return self._delta_fields(base)
+            got = self._delta(base)
+            return None if got is None else got[2]
 
     def offer(self, consumer: str, have_version: int, full: bool = False) -> dict:
         """Register one pull of the newest version for ``consumer`` (called by the
@@ -257,16 +277,22 @@ class WeightPublisher:
             if self._current is None or self._current[0] <= have_version:
                 return {"version": self.version}
             version, leaves, desc = self._current
-            fields = None if full else self._delta_fields(have_version)
+            if not full and self._deltas is not None and \
+                    self._deltas.pending(version, have_version):
+                self.sync["pending_answers"] += 1
+                return {"version": version, "pending": True}
+            got = None if full else self._delta(have_version)
             uuid = secrets.randbits(63)
             deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.pull_timeout_s)
-            if fields is not None:
-                self._server.await_pull(uuid, self._delta[1], timeout=deadline)
+            if got is not None:
+                self._server.await_pull(uuid, got[1], timeout=deadline)
                 self.sync["delta_offers"] += 1
+                fields = got[2]
             else:
                 self._server.await_pull(uuid, leaves, timeout=deadline)
                 self.sync["full_offers"] += 1
-                if self._delta is not None and (full or have_version >= 0):
+                if (full or have_version >= 0) and self._deltas is not None and \
+                        self._deltas.expected(version):
                     self.sync["full_fallbacks"] += 1
                 fields = {"layout": desc, "nbytes": self.nbytes}
             self.offers += 1
@@ -355,8 +381,7 @@ class WeightSubscriber:
         # a delta needs the held version's host copy; without one, ask for the whole version
         full = self._decoder is None or self._decoder.version != self.version
         for attempt in range(self.retries + 1):
-            self._check_cancelled("a poll")
-            offer = self._coord.latest(self.version, failed=failed, full=full)
+            offer = self._latest(failed, full)
             if "uuid" not in offer or offer["version"] <= self.version:
                 return None
             if "delta" in offer:
@@ -398,6 +423,21 @@ class WeightSubscriber:
         if self.relay_fanout > 0 and "delta" not in offer:   # (a delta was forwarded above)
             self._serve(offer, arrays)
         return self.version, out
+
+    def _latest(self, failed: str | None, full: bool) -> dict:
+        """The coordinator's answer, asked again (pauses of 1 -> 20 ms) while it is
+        ``"pending"`` (the learner is making the delta from the version held here, module
+        doc), for up to ``timeout_s``; after that the pending answer is returned (no uuid:
+        the poll finds nothing new, and the next one asks again)."""
+        deadline, pause = time.monotonic() + self.timeout_s, 1e-3
+        while True:
+            self._check_cancelled("a poll")
+            offer = self._coord.latest(self.version, failed=failed, full=full)
+            if not offer.get("pending") or time.monotonic() > deadline:
+                return offer
+            if self._cancelled.wait(pause):
+                self._check_cancelled("a poll")
+            pause = min(pause * 2, 0.02)
 
     def _failed(self, attempt: int, offer: dict, e: BaseException) -> None:
         self.metrics["failed_pulls"] += 1

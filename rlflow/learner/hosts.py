@@ -141,13 +141,17 @@ class LearnerHosts:
                  jax.process_index(), jax.process_count(), self.weight_hosts)
 
     def publish(self, version: int, params) -> None:
-        """This host's shards of ``params`` become version ``version`` (host 0 first sends
-        PUBLISH)."""
+        """This host's shards of ``params``, in ``cfg.published_dtype``
+        (:func:`rlflow.learner.publish.published_params`), become version ``version`` (host
+        0 first sends PUBLISH)."""
         from rlflow.exchange.host_shards import host_units
+        from rlflow.learner.publish import casts_for_sampler, published_params
 
         if self.commands.leader:
             self.commands.send(PUBLISH, version)
         self.relay_totals = gather_relay_totals(self.offers)
+        if casts_for_sampler(self.cfg):      # the sampler's dtype, cast on every host
+            params = published_params(params, self.cfg.published_dtype)
         self.publisher.publish(version, host_units(params))
 
     def dispatch(self, learner, batch, *, checked: bool = False) -> tuple[dict, dict]:
@@ -174,18 +178,6 @@ class LearnerHosts:
             self.publisher.close()
 
 
-def weight_publisher(cfg, bind_host: str, *, params_kept: bool):
-    """This host's ``WeightPublisher`` (``runtime.transfer_layout``); ``params_kept``: the
-    learner's step keeps its params (``Learner.keeps_params``), so they are sent without a
-    copy."""
-    from rlflow.exchange.transfer import WeightPublisher
-
-    rt = cfg.runtime
-    return WeightPublisher(bind_address=bind_host, pull_timeout_s=rt.transfer_timeout_s,
-                           donated=not params_kept, layout=rt.transfer_layout,
-                           weight_sync=rt.weight_sync, delta_full_every=rt.delta_full_every)
-
-
 def follower_main(cfg, endpoints: pc.Endpoints) -> None:
     """The learner program on hosts 1..N-1: follow host 0's commands until DONE.
 
@@ -209,6 +201,8 @@ def follower_main(cfg, endpoints: pc.Endpoints) -> None:
     # samplers reach this host's weight server: loopback when host 0's is (one machine),
     # else every interface (a pod; off loopback the token is required, rlflow.exchange.wire)
     from rlflow.exchange.wire import is_loopback
+
+    from rlflow.learner.publish import weight_publisher
 
     bind = "127.0.0.1" if is_loopback(pc.split_address(endpoints.coordinator)[0]) else "0.0.0.0"
     hosts = LearnerHosts(cfg, bind, weight_publisher(cfg, bind,

@@ -11,9 +11,12 @@ What one chip of the learner mesh holds during a train step (bytes):
   dtype); both are live through the backward pass (XLA's compiled temporaries hold two
   gradient-sized buffers also with one micro-batch, ``benchmarks/long_context.py``);
 * KL reference copy (``learner.kl_coef > 0``): ``N x param bytes / (fsdp x tensor)``;
-* the published version (``runtime.weight_transfer = "transfer"``): ``N x param bytes /
-  (fsdp x tensor)``: the step keeps the params it was given, which the weight server may be
-  sending, and writes the new ones beside them (``rlflow.learner.publish.keeps_params``);
+* the published version (``runtime.weight_transfer = "transfer"``): ``N x published bytes /
+  (fsdp x tensor)``: in the learner's dtype the step keeps the params it was given, which
+  the weight server may be sending, and writes the new ones beside them
+  (``rlflow.learner.publish.keeps_params``); in a narrower sampler dtype
+  (``ExperimentConfig.published_dtype``) the server holds that cast copy instead and the
+  step donates its params;
 * activations of one micro-batch for the backward pass, which depend on ``learner.remat``
   (:mod:`rlflow.models.layer_scan`). Per token, with ``a`` = compute dtype bytes, ``t`` =
   tensor axis, ``T`` = row length, rows per chip = micro-batch rows / (data x fsdp), and
@@ -190,13 +193,16 @@ def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None 
     return LearnerMemory(params=n * pb / shards, optimizer=2 * n * pb / shards,
                          grads=n * (4 + pb) / shards,
                          reference=n * pb / shards if lc.kl_coef > 0 else 0.0,
-                         published=n * pb / shards if _keeps_params(cfg) else 0.0,
+                         published=(n * _BYTES[cfg.published_dtype] / shards
+                                    if _by_transfer(cfg) else 0.0),
                          activations=act)
 
 
-def _keeps_params(cfg) -> bool:
-    """:func:`rlflow.learner.publish.keeps_params` (weights by transfer), without importing
-    jax: the TPU scripts evaluate the memory model where they are started."""
+def _by_transfer(cfg) -> bool:
+    """Whether versions go by the transfer server, which holds the newest one on the
+    learner's devices (:func:`rlflow.learner.publish.keeps_params` and ``published_params``),
+    without importing jax: the TPU scripts evaluate the memory model where they are
+    started."""
     return cfg.runtime.weight_transfer == "transfer"
 
 

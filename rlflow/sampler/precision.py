@@ -1,9 +1,12 @@
 """The sampler's own dtype beside the learner's (``sampler.dtype``).
 
 A bf16 sampler beside a float32 learner: the engine is built from the model section with
-both dtypes set to ``sampler.dtype`` (:func:`sampler_model_config`), weight pulls land in
-the dtypes the learner publishes (:func:`pull_target`), and the engine rounds each version
-once at the swap (``RlflowEngine.load_params``).
+both dtypes set to ``sampler.dtype`` (:func:`sampler_model_config`), the learner publishes
+each version already rounded to bf16 (``ExperimentConfig.published_dtype``,
+:func:`rlflow.learner.publish.published_params`), weight pulls land in that dtype
+(:func:`pull_target`), and the engine casts to its own dtype at the swap
+(``RlflowEngine.load_params``; a no-op for bf16 versions in a bf16 engine, exact widening
+for a float32 engine).
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ def sampler_model_config(cfg):
 
 def pull_target(state, learner_dtype: str):
     """What a weight pull lands in: ``state``'s shapes and shardings with the dtypes the
-    learner publishes. Model leaves carry the learner's ``model.param_dtype``: where the
-    engine's dtype differs (``sampler.dtype``) they become ``jax.ShapeDtypeStruct`` leaves
-    of that dtype, and the engine rounds each version at the swap
-    (``RlflowEngine.load_params``). LoRA adapter leaves (inside ``*_lora`` modules) are
+    learner publishes. Model leaves carry ``learner_dtype`` (``cfg.published_dtype``): where
+    the engine's dtype differs they become ``jax.ShapeDtypeStruct`` leaves of that dtype,
+    and the engine casts each version at the swap (``RlflowEngine.load_params``). LoRA adapter leaves (inside ``*_lora`` modules) are
     float32 on both sides and keep theirs; with LoRA, ``state`` is the adapter tree, whose
     modules trained whole (``embed``, ``final_norm``, ``lm_head``) are model leaves.
     Returns ``state`` itself when no leaf changes."""

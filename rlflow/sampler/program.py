@@ -124,8 +124,9 @@ class SamplerProgram:
         self.mesh = make_mesh(sc.mesh)
         engine_cfg = sampler_model_config(cfg)
         model, dcfg = build_model(engine_cfg, mesh=self.mesh)
-        log.info("engine dtype %s, params %s (learner params %s)", engine_cfg.dtype,
-                 engine_cfg.param_dtype, cfg.model.param_dtype)
+        log.info("engine dtype %s, params %s (learner params %s, published in %s)",
+                 engine_cfg.dtype, engine_cfg.param_dtype, cfg.model.param_dtype,
+                 cfg.published_dtype)
         # LoRA: the learner publishes adapters only; the base is held here once
         self.adapters = None
         spec = LoraSpec.from_config(cfg.learner.lora)
@@ -207,7 +208,7 @@ class SamplerProgram:
         from flax import nnx
 
         target = pull_target(nnx.state(model, nnx.Param) if self.adapters is None
-                             else self.adapters.target, self.cfg.model.param_dtype)
+                             else self.adapters.target, self.cfg.published_dtype)
         hosts = (self.control.status(version=-1).weight_hosts
                  if self.cfg.learner.num_hosts > 1 else ())
         return weight_subscriber(self.cfg, coord, target, weight_hosts=hosts,
