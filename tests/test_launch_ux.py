@@ -277,8 +277,8 @@ def test_failure_report_puts_the_exception_line_first_then_the_log_tail(tmp_path
     assert lines[1] == (f"rlflow train: the sampler process died (exit code 1); stopping the "
                         f"run. Last lines of {log}:")
     log_lines = log.read_text().splitlines()
-    assert len(log_lines) > supervisor.LOG_TAIL_LINES      # a traceback longer than the tail
-    assert lines[2:] == [f"  [sampler] {x}" for x in log_lines[-supervisor.LOG_TAIL_LINES:]]
+    assert len(log_lines) > child_logs.LOG_TAIL_LINES      # a traceback longer than the tail
+    assert lines[2:] == [f"  [sampler] {x}" for x in log_lines[-child_logs.LOG_TAIL_LINES:]]
 
 
 BAD_RECORD_PROGRAM = """

@@ -1,7 +1,8 @@
 """The runtime: how the programs run together.
 
 * :mod:`rlflow.runtime.supervisor`: ``rlflow train``: start and supervise the learner and the
-  sampler replicas on one machine.
+  sampler replicas on one machine; :mod:`rlflow.runtime.children`: its child processes
+  (environment, start, stop, exit and failure texts).
 * :mod:`rlflow.runtime.launch`: ``python -m rlflow.runtime.launch``: one program in one process
   (started by the supervisor, or by the TPU launch scripts on every host of a pod).
 * :mod:`rlflow.runtime.control`: run control between the programs (status, admission rule,
