@@ -407,13 +407,14 @@ def test_published_params_cast_model_leaves_keep_adapters_and_never_alias(tiny_d
     assert all(np.isfinite(np.asarray(y, np.float32)).all() for y in jax.tree.leaves(out))
 
 
-def test_the_delta_is_made_off_the_publishing_thread_in_order(versions, served):
+def test_the_delta_is_made_off_the_publishing_thread_in_order(versions, served, monkeypatch):
     """``publish`` returns while the delta is still being made (the encoder is held on an
     event here): a subscriber holding the base is answered "pending" and gets the delta once
     it is made, one that needs the whole version gets it at once; versions published while
     the worker is busy are encoded in order, each against the one before it."""
     import threading
 
+    monkeypatch.setattr(delta, "PARALLEL_MIN_BYTES", 0)    # the codec's threads too
     pub = WeightPublisher(pull_timeout_s=30, weight_sync="delta")
     gate, entered = threading.Event(), threading.Event()
     encoder = pub._deltas._encoder
@@ -449,3 +450,7 @@ def test_the_delta_is_made_off_the_publishing_thread_in_order(versions, served):
     finally:
         gate.set()
         pub.close()
+    # no delta thread outlives close(): a finished learner exits without joining one
+    # (rlflow.runtime.learner_hosts.leave_background_compiles counts the threads left)
+    own = (pub._deltas.thread_name, "rlflow-delta_")      # its thread, the codec's threads
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(own)]

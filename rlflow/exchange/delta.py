@@ -63,11 +63,18 @@ CODEC = "zstd-byteplanes"
 LEVEL = 1        # zstd level: 3 made no smaller deltas (4M float32 / bf16 weights, one step)
 
 
-def _each(fn: Callable, *args: Sequence) -> list:
+PARALLEL_MIN_BYTES = 4 << 20   # below this a version is coded on the calling thread
+
+
+def _each(fn: Callable, *args: Sequence, nbytes: int) -> list:
     """``[fn(*a) for a in zip(*args)]`` over a thread per core (the leaves are independent;
-    zstd, xxhash and numpy's large-array loops release the GIL)."""
+    zstd, xxhash and numpy's large-array loops release the GIL), or on the calling thread
+    for a version of fewer than ``PARALLEL_MIN_BYTES`` (``nbytes``): starting the threads
+    cost more than coding a small model (configs/demo.py's 150 KB: ~27 -> ~9 ms a version
+    on the 2-core host). The threads end with each call (no idle thread outlives it, so
+    none keeps a finished program from exiting)."""
     workers = min(len(args[0]), os.cpu_count() or 1)
-    if workers <= 1:
+    if workers <= 1 or nbytes < PARALLEL_MIN_BYTES:
         return [fn(*a) for a in zip(*args)]
     with ThreadPoolExecutor(workers, thread_name_prefix="rlflow-delta") as pool:
         return list(pool.map(fn, *args))
@@ -177,9 +184,11 @@ class DeltaEncoder:
         if not make or prev is None or keyframe or len(prev[1]) != len(leaves) or any(
                 (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(prev[1], leaves)):
             return None
+        nbytes = sum(x.nbytes for x in leaves)
         return Delta(version, prev[0],
-                     _each(lambda a, b: encode(a, b, self.level), prev[1], leaves),
-                     _each(checksum, leaves))
+                     _each(lambda a, b: encode(a, b, self.level), prev[1], leaves,
+                           nbytes=nbytes),
+                     _each(checksum, leaves, nbytes=nbytes))
 
 
 class DeltaDecoder:
@@ -224,7 +233,8 @@ class DeltaDecoder:
                                  f"xxh3-64 {got} is not the learner's {int(want)}")
             return new
 
-        out = _each(one, range(len(payloads)), self._leaves, payloads, checksums)
+        out = _each(one, range(len(payloads)), self._leaves, payloads, checksums,
+                    nbytes=sum(x.nbytes for x in self._leaves))
         self.hold(version, out)
         return out
 

@@ -52,6 +52,7 @@ class DeltaWorker:
         local device).
 
     Attributes:
+      thread_name: the prefix of its thread's name.
       last_nbytes: compressed bytes of the last delta made (0: none yet).
       last_encode_s: seconds the worker spent on the last version (host copy + codec).
     """
@@ -59,7 +60,8 @@ class DeltaWorker:
     def __init__(self, full_every: int, device):
         self._encoder = delta_lib.DeltaEncoder(full_every)
         self._device = device
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlflow-delta-encode")
+        self.thread_name = f"rlflow-delta-encode-{id(self):x}"
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.thread_name)
         self._cond = threading.Condition()
         self._newest = -1                 # the newest submitted version
         self._submitted = 0               # versions submitted (the encoder's count)
