@@ -5,7 +5,9 @@ One scenario covers three acceptance lines of issue 13: kill -9 of learner host 
 stops the run naming it; the rerun (same command) resumes from the last checkpoint and
 finishes within the staleness bound; the sampler's weights, pulled from both learner hosts
 inside the run, equal the learner's checkpointed parameters bitwise (sha256 digests,
-``RLFLOW_WEIGHT_DIGESTS=1``).
+``RLFLOW_WEIGHT_DIGESTS=1``). The sampler runs in bfloat16, so each host publishes its
+shards of the float32 weights cast to bf16 (issue 41): the sampler's digest is that of the
+checkpoint's parameters cast the same way.
 """
 
 import json
@@ -36,17 +38,20 @@ def _cmd(run_dir):
                    "--buffer.timeout_s", "300", "--learner.num_steps", str(STEPS),
                    "--learner.num-hosts", "2", "--learner.num_devices", "2",
                    "--learner.mesh.fsdp", "2", "--checkpoint.every_steps", str(EVERY),
-                   "--checkpoint.keep_last", "100", "--runtime.max_staleness", str(STALENESS)]
+                   "--checkpoint.keep_last", "100", "--runtime.max_staleness", str(STALENESS),
+                   "--sampler.dtype", "bfloat16"]
 
 
 def _checkpoint_digest(run, step):
-    """Digest of checkpoint ``step``'s parameters restored in this process (1 device)."""
+    """Digest of checkpoint ``step``'s parameters restored in this process (1 device), cast
+    as the learner publishes them (``cfg.published_dtype``: bf16 for this bf16 sampler)."""
     import jax
     from flax import nnx
 
     from rlflow import checkpoint as ckpt_lib
     from rlflow.config import MeshConfig
     from rlflow.exchange.host_shards import weights_digest
+    from rlflow.learner.publish import published_params
     from rlflow.mesh import make_mesh
     from rlflow.models.hf import build_model
     from rlflow.runtime.programs_common import load_config
@@ -55,7 +60,8 @@ def _checkpoint_digest(run, step):
     model, _ = build_model(cfg.model, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
     target = ckpt_lib.abstract_target(nnx.state(model, nnx.Param))
     _, params, _ = ckpt_lib.restore_params(ckpt_lib.checkpoint_dir(run), step, target=target)
-    return weights_digest(params)
+    assert cfg.published_dtype == "bfloat16" and cfg.model.param_dtype == "float32"
+    return weights_digest(published_params(params, cfg.published_dtype))
 
 
 def test_killed_learner_host_is_named_and_the_rerun_resumes_and_matches(tmp_path):
