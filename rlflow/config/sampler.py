@@ -59,9 +59,10 @@ class SamplerConfig:
         Cloud TPU each sampler host is one replica (``scripts/tpu --sampler-slices``).
       dtype: the sampler's weights, activations and KV cache, "float32" or "bfloat16";
         None: the model section's ``dtype`` / ``param_dtype``. "bfloat16" beside a float32
-        learner is the usual split (verl's vLLM rollouts default to bf16): every pulled
-        version is rounded once to bf16 at the swap, and a decode step reads half the
-        bytes (benchmarks/sampler_throughput.py). The behaviour logprobs are then those of
+        learner is the usual split (verl's vLLM rollouts default to bf16): the learner
+        publishes every version rounded once to bf16 (``ExperimentConfig.published_dtype``:
+        half the bytes per weight sync, and deltas ~10x smaller than float32 ones), and a
+        decode step reads half the bytes (benchmarks/sampler_throughput.py). The behaviour logprobs are then those of
         the rounded policy; with ``learner.off_policy="decoupled"`` (the default) the
         learner recomputes the old policy's logprobs in its own dtype, so the rounding
         enters only the truncated behaviour weight.
