@@ -120,3 +120,16 @@ def test_bf16_lora_sampler_target_types_whole_modules_like_the_learner(mode):
     want = np.asarray(published["embed"][...]).astype(ml_dtypes.bfloat16)
     assert got.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    # what the learner publishes beside this bf16 sampler (published_params): the whole
+    # modules in bf16, the adapters in float32; the bf16 pull target takes it as it is and
+    # the swap gives the same engine weights
+    from rlflow.learner.publish import published_params
+    sent = published_params(published, "bfloat16")
+    target16 = pull_target(applier.target, "bfloat16")
+    sent_leaves = [{"path": p, "shape": list(x.shape), "dtype": str(x.dtype)}
+                   for p, x in zip(*layout_lib.flatten(sent)[:2])]
+    assert {d["dtype"] for d in sent_leaves} == {"bfloat16", "float32"}
+    layout_lib.target_shardings(target16, sent_leaves)                   # passes
+    params16 = engine.param_state(engine.load_params(applier.engine_params(sent), 2))
+    for a, b in zip(jax.tree.leaves(params16), jax.tree.leaves(params)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
