@@ -171,17 +171,15 @@ class DeltaEncoder:
         """Whether the ``index``-th version given to :meth:`update` (from 0) goes whole."""
         return index % self.full_every == 0
 
-    def update(self, version: int, leaves: Sequence[np.ndarray],
-               make: bool = True) -> Delta | None:
+    def update(self, version: int, leaves: Sequence[np.ndarray]) -> Delta | None:
         """Remember ``leaves`` as ``version``; return its delta against the previous version,
         or None when this version goes whole (the first, every ``full_every``-th, or a leaf
-        whose shape or dtype changed) or ``make`` is False (a version already superseded:
-        only remembered, as the next one's base)."""
+        whose shape or dtype changed)."""
         leaves = [np.asarray(x) for x in leaves]
         prev, self._prev = self._prev, (version, leaves)
         keyframe = self.keyframe(self._count)
         self._count += 1
-        if not make or prev is None or keyframe or len(prev[1]) != len(leaves) or any(
+        if prev is None or keyframe or len(prev[1]) != len(leaves) or any(
                 (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(prev[1], leaves)):
             return None
         nbytes = sum(x.nbytes for x in leaves)

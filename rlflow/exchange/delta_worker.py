@@ -13,9 +13,10 @@ GB of a 7B bf16 model at the measured 675 MB/s one-core codec rate: ~20 s).
 
 Ordering and exactness:
 
-* One worker thread, a FIFO queue: version ``v``'s delta is always made against the
-  leaves of the version published just before it (the encoder remembers every version,
-  even one it no longer needs to encode because a newer one was published meanwhile).
+* One worker thread and at most one version waiting for it: a version published while
+  another waits replaces it (the replaced one is never coded and is no delta's base). Each
+  delta is made against the version the encoder took before it (the base its offer names),
+  in publish order.
 * A delta is offered only for the version it was made for (:meth:`DeltaWorker.ready`
   checks the version and the base), with the xxh3 hashes of that version's tensors, so a
   subscriber can never apply a stale or mismatched delta without the hash check catching it.
@@ -64,7 +65,10 @@ class DeltaWorker:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.thread_name)
         self._cond = threading.Condition()
         self._newest = -1                 # the newest submitted version
-        self._submitted = 0               # versions submitted (the encoder's count)
+        self._queued = None               # (version, paths, leaves) not taken yet
+        self._busy = False                # a version is being coded
+        self._last_taken = -1             # the version the encoder holds (or is taking)
+        self._taken = 0                   # versions given to the encoder (its count)
         self._pending: tuple[int, int] | None = None   # (version, base) being made
         self._ready = None                # (version, Delta, payload arrays, their layout)
         self._error: BaseException | None = None
@@ -73,7 +77,9 @@ class DeltaWorker:
 
     def submit(self, version: int, paths: Sequence[str], leaves: Sequence) -> None:
         """Hand over ``version`` (its flattened ``paths`` and ``leaves``: ``jax.Array`` the
-        caller never writes or donates afterwards); returns at once.
+        caller never writes or donates afterwards); returns at once. A version handed over
+        earlier and not started yet is dropped (never coded, never a base: at most one
+        version waits, so a slow codec never piles up versions in device memory).
 
         Raises: RuntimeError: the worker failed on an earlier version (chained to its error).
         """
@@ -81,19 +87,23 @@ class DeltaWorker:
             if self._error is not None:
                 err, self._error = self._error, None
                 raise RuntimeError(f"making a weight delta failed: {err}") from err
-            base, self._newest = self._newest, version
-            due = base >= 0 and not self._encoder.keyframe(self._submitted)
-            self._submitted += 1
+            base = self._last_taken       # what the encoder will hold before this version
+            due = base >= 0 and not self._encoder.keyframe(self._taken)
             self._pending = (version, base) if due else None    # (a keyframe goes whole)
-            self._ready = None
-        self._pool.submit(self._make, version, list(paths), list(leaves))
+            self._queued = (version, list(paths), list(leaves))
+            self._newest, self._ready = version, None
+        self._pool.submit(self._make)
 
-    def _make(self, version: int, paths: list, leaves: list) -> None:
+    def _make(self) -> None:
+        with self._cond:
+            if self._queued is None:      # an earlier task took the newest version
+                return
+            (version, paths, leaves), self._queued = self._queued, None
+            self._last_taken, self._busy = version, True
+            self._taken += 1
         t0 = time.perf_counter()
         try:
-            with self._cond:
-                newest = version == self._newest
-            d = self._encoder.update(version, [np.asarray(x) for x in leaves], make=newest)
+            d = self._encoder.update(version, [np.asarray(x) for x in leaves])
             made = None
             if d is not None:
                 arrays = delta_lib.payload_arrays(d, self._device)
@@ -112,6 +122,7 @@ class DeltaWorker:
             with self._cond:
                 if self._pending is not None and self._pending[0] == version:
                     self._pending = None
+                self._busy = False
                 self._cond.notify_all()
 
     def pending(self, version: int, base: int) -> bool:
@@ -137,9 +148,11 @@ class DeltaWorker:
                 self._pending is not None and self._pending[0] == version)
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until no delta is being made (tests, benchmarks); False on timeout."""
+        """Block until every version handed over is coded (tests, benchmarks); False on
+        timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None, timeout_s)
+            return self._cond.wait_for(lambda: self._queued is None and not self._busy,
+                                       timeout_s)
 
     def close(self) -> None:
         """Finish the version in hand and stop the thread."""
