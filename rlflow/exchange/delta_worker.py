@@ -7,9 +7,9 @@ planes, zstd and the xxh3 hash) took that thread a median 30-54 ms per version o
 model (17.8 MB float32 or 8.9 MB bf16) on this 2-core host, and it grows with the model (14
 GB of a 7B bf16 model at the measured 675 MB/s one-core codec rate: ~20 s).
 :class:`DeltaWorker` makes the deltas on one background thread instead, in publish order;
-``publish`` returns once the version is handed over: a median 1.7 ms (float32) / 4.4 ms
-(bf16) with delta sync against 1.5-1.6 ms with full sync
-(``benchmarks/weight_sync_delta.py``, ``replicas_1_*_publish_call_ms``).
+``publish`` returns once the version is handed over: a median 1.7-2.7 ms (float32) /
+2.7-4.4 ms (bf16) with delta sync against 1.5-2.7 ms with full sync, two runs of
+``benchmarks/weight_sync_delta.py`` (``replicas_1_*_publish_call_ms``).
 
 Ordering and exactness:
 
