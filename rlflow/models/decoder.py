@@ -34,6 +34,8 @@ from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
 from rlflow.models.layer_scan import scan_layers
 from rlflow.models.lora import LoraAdapter, LoraSpec
+from rlflow.models import moe as moe_lib
+from rlflow.models.moe import MoE
 
 INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
 
@@ -346,18 +348,31 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer."""
+    """One pre-norm decoder layer; ``mlp`` is a :class:`rlflow.models.moe.MoE` when the
+    config has experts (``cfg.is_moe``), else an :class:`MLP`."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
         self.attn = Attention(cfg, rngs=rngs, lora=lora)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
-        self.mlp = MLP(cfg, rngs=rngs, lora=lora)
+        self.mlp = (MoE if cfg.is_moe else MLP)(cfg, rngs=rngs, lora=lora)
 
-    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None):
+    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None, *,
+                 replay_ids=None, return_routing: bool = False):
+        """``x [B, T, E]`` -> ``[B, T, E]``; with ``return_routing`` the pair ``(x, routing)``,
+        ``routing`` the MoE layer's :class:`rlflow.models.moe.Routing` over the ``B * T``
+        tokens (None for a dense layer). ``replay_ids``: ``[B, T, k]`` expert ids to replay
+        (MoE layers only; :func:`rlflow.models.moe.route`)."""
         x = x + self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
-        return x + self.mlp(self.post_attn_norm(x))
+        h = self.post_attn_norm(x)
+        if isinstance(self.mlp, MoE):
+            y, routing = self.mlp(h, replay_ids)
+        else:
+            if replay_ids is not None:
+                raise ValueError("replay_ids given to a dense layer (the model has no experts)")
+            y, routing = self.mlp(h), None
+        return (x + y, routing) if return_routing else x + y
 
 
 class Decoder(nnx.Module):
@@ -445,7 +460,7 @@ class Decoder(nnx.Module):
                       *, segment_ids: jax.Array | None = None,
                       prefix_ids: jax.Array | None = None,
                       attention_impl: str = "auto", remat: str = "none",
-                      mesh=None) -> jax.Array:
+                      mesh=None, moe_aux: bool = False):
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
@@ -466,6 +481,11 @@ class Decoder(nnx.Module):
         there made XLA's partitioner replicate the cotangent in the backward). ``T`` must
         be a multiple of ``s``. Values do not change.
 
+        ``moe_aux`` (mixture-of-experts models only): also return the load-balancing loss
+        of this forward, the pair ``(hidden, aux)`` with ``aux`` float32 ``[]``
+        (:func:`rlflow.models.moe.balance_loss` over every layer and the tokens where
+        ``attention_mask`` is True, as HF's ``load_balancing_loss_func``).
+
         Raises (beside :meth:`__call__`'s):
           LayerScanError: the layers differ in structure, or ``remat`` is unknown or
             unsupported on this backend.
@@ -473,14 +493,17 @@ class Decoder(nnx.Module):
             ``learner.mesh.sequence`` and ``T``).
         """
         self._check_tokens(tokens)
+        if moe_aux and not self.cfg.is_moe:
+            raise ValueError("moe_aux=True needs a mixture-of-experts model (cfg.num_experts > 0)")
         n = sequence_size(mesh)
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
                               attention_impl, mesh if n > 1 else None)  # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
         if n == 1:
-            x = scan_layers(self.layers, self._embed(tokens),
-                            lambda block, h: block(h, positions, inv_freq, attend), remat)
-            return self.final_norm(x)
+            x = self._scan(self._embed(tokens), lambda block, h: block(
+                h, positions, inv_freq, attend, return_routing=moe_aux), remat,
+                attention_mask if moe_aux else None)
+            return self._with_aux(x, attention_mask, moe_aux, lambda h: self.final_norm(h))
         # context parallelism: the layers see the folded view [s * B, T / s, E], one block
         # of it per device (context_parallel.fold), constrained at every layer boundary
         context_parallel.check_length(tokens.shape[1], n)
@@ -491,10 +514,40 @@ class Decoder(nnx.Module):
 
         folded_positions = context_parallel.fold(positions, n)
         x = constrain(self._embed(context_parallel.fold(tokens, n)))
-        x = scan_layers(self.layers, x,
-                        lambda block, h: constrain(block(constrain(h), folded_positions,
-                                                         inv_freq, attend)), remat)
-        return self.final_norm(context_parallel.unfold(x, n))
+
+        def layer(block, h):
+            out = block(constrain(h), folded_positions, inv_freq, attend, return_routing=moe_aux)
+            return (constrain(out[0]), out[1]) if moe_aux else constrain(out)
+
+        x = self._scan(x, layer, remat,
+                       context_parallel.fold(attention_mask, n) if moe_aux else None)
+        return self._with_aux(x, attention_mask, moe_aux,
+                              lambda h: self.final_norm(context_parallel.unfold(h, n)))
+
+    def _scan(self, x, layer, remat, token_mask):
+        """The layers under :func:`scan_layers`; with ``token_mask`` (the MoE load-balancing
+        loss) the carry is ``(x, sums)``, ``sums [2, n]`` the layers'
+        :func:`rlflow.models.moe.balance_sums` over the tokens where ``token_mask``."""
+        if token_mask is None:
+            return scan_layers(self.layers, x, layer, remat)
+        weights = jnp.asarray(token_mask, jnp.float32).reshape(-1)
+
+        def apply(block, carry):
+            h, sums = carry
+            h, routing = layer(block, h)
+            return h, sums + moe_lib.balance_sums(routing, weights)
+
+        return scan_layers(self.layers, (x, jnp.zeros((2, self.cfg.num_experts), jnp.float32)),
+                           apply, remat)
+
+    def _with_aux(self, x, attention_mask, moe_aux, finish):
+        """``finish(x)``, or with ``moe_aux`` (``x`` the pair ``(x, sums)`` of :meth:`_scan`)
+        ``(finish(x), load-balancing loss)``."""
+        if not moe_aux:
+            return finish(x)
+        x, sums = x
+        rows = self.cfg.num_layers * jnp.sum(jnp.asarray(attention_mask, jnp.float32))
+        return finish(x), moe_lib.balance_loss(sums, rows)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache | PagedKVCache, cache_index: jax.Array
