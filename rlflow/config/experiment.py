@@ -80,10 +80,11 @@ class ExperimentConfig:
                f"must be >= 2 with learner.advantage={lr.advantage!r} (group-relative "
                f"advantages compare the G samples of a prompt), got {sp.group_size}")
         rows = lr.groups_per_step * sp.group_size
-        split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
+        split = lr.micro_batches * lr.mesh.batch_shards
         _check(rows % split == 0, "learner.micro_batches",
                f"learner.groups_per_step * sampler.group_size = {rows} samples must divide into "
-               f"learner.micro_batches * learner.mesh.data * learner.mesh.fsdp = {split} parts")
+               f"learner.micro_batches * learner.mesh.data * learner.mesh.fsdp * "
+               f"learner.mesh.expert = {split} parts")
         if lr.num_hosts > 1:        # weights leave a multi-host learner as per-host shards
             rt = self.runtime
             _check(rt.weight_transfer == "transfer", "runtime.weight_transfer",
