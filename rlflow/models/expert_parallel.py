@@ -39,6 +39,7 @@ there (``check_vma``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -168,3 +169,19 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: ja
     out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gu_spec, gu_spec, down_spec),
                         out_specs=tok)(x, expert_ids, gates, w_gate, w_up, w_down)
     return out[:n] if pad else out
+
+
+def context_mesh():
+    """The mesh a mixture-of-experts layer splits its experts over: the abstract mesh of
+    :func:`mesh_context` (set by the decoder's forwards), or None (one device, or no
+    ``expert`` axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or expert_size(mesh) == 1 else mesh
+
+
+def mesh_context(mesh):
+    """A context in which :func:`context_mesh` is ``mesh`` (when it has an ``expert`` axis
+    of more than one device; else a no-op), usable inside a traced function."""
+    if mesh is None or expert_size(mesh) == 1:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
