@@ -322,7 +322,7 @@ def _learner_advice(cfg, arch: Architecture, fit: Fit, device_bytes) -> str:
     """The refusal of a learner that does not fit: the setting first, then the terms."""
     lr, sp = cfg.learner, cfg.sampler
     m = lr.mesh
-    rows = lr.groups_per_step * sp.group_size / lr.micro_batches / (m.data * m.fsdp)
+    rows = lr.groups_per_step * sp.group_size / lr.micro_batches / m.batch_shards
     seq = max(lr.seq_buckets) if lr.seq_buckets else sp.max_prefill_length + sp.max_tokens
     shape = (f"{rows:g} row(s) of {seq} tokens per device per micro-batch, learner.remat="
              f"{lr.remat!r}, learner.attention={lr.attention!r}, learner.logprob_chunk="
@@ -361,7 +361,7 @@ def _micro_batches_that_fit(cfg, arch, device_bytes, fit) -> Optional[int]:
     per device) with which the learner fits, or None."""
     lr, sp = cfg.learner, cfg.sampler
     samples = lr.groups_per_step * sp.group_size
-    shards = lr.mesh.data * lr.mesh.fsdp
+    shards = lr.mesh.batch_shards
     for k in range(lr.micro_batches + 1, samples // shards + 1):
         if samples % (k * shards):
             continue
@@ -374,24 +374,26 @@ def _micro_batches_that_fit(cfg, arch, device_bytes, fit) -> Optional[int]:
 def fit_to_slice(cfg, tpu_type: str):
     """``cfg`` with its learner on every chip of ``tpu_type``: ``learner.num_devices`` = the
     slice's chips, ``num_hosts`` its hosts, mesh ``fsdp`` = chips / the config's other
-    model axes (``tensor``, and ``sequence`` where the mesh has one; ``data`` 1), and
-    ``micro_batches`` keeping the config's rows per device per micro-batch (at least one
-    row). None when the step's samples do not split that way."""
+    model axes (``tensor``, ``expert``, and ``sequence`` where the mesh has one; ``data``
+    1), and ``micro_batches`` keeping the config's rows per device per micro-batch (at least
+    one row; the batch is split over ``fsdp x expert``). None when the step's samples do
+    not split that way."""
     hosts, chips = slice_shape(tpu_type)[0], device_count(tpu_type)
     lr, sp = cfg.learner, cfg.sampler
     m = lr.mesh
-    other = m.tensor * getattr(m, "sequence", 1)
+    expert = getattr(m, "expert", 1)
+    other = m.tensor * getattr(m, "sequence", 1) * expert
     if chips % other:
         return None
     fsdp = chips // other
-    rows = max(1, lr.groups_per_step * sp.group_size // (lr.micro_batches * m.data * m.fsdp))
+    rows = max(1, lr.groups_per_step * sp.group_size // (lr.micro_batches * m.batch_shards))
     samples = lr.groups_per_step * sp.group_size
-    if samples % (fsdp * rows):
+    if samples % (fsdp * expert * rows):
         return None
     mesh = dataclasses.replace(m, data=1, fsdp=fsdp)
     return dataclasses.replace(cfg, learner=dataclasses.replace(
         lr, num_devices=chips, num_hosts=hosts, mesh=mesh,
-        micro_batches=samples // (fsdp * rows)))
+        micro_batches=samples // (fsdp * expert * rows)))
 
 
 def smallest_slice(cfg, arch: Architecture, generations: Sequence[str] = ("v5p", "v6e")
@@ -461,7 +463,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         trial = fit_to_slice(cfg, tpu_type)
         m = trial.learner.mesh
-        print(f"{tpu_type}: learner mesh fsdp={m.fsdp} x tensor={m.tensor}, "
+        print(f"{tpu_type}: learner mesh fsdp={m.fsdp} x tensor={m.tensor}"
+              f"{f' x expert={m.expert}' if m.expert > 1 else ''}, "
               f"micro_batches={trial.learner.micro_batches}; per chip "
               f"{fit.learner.describe()} of {fit.where}")
     return code

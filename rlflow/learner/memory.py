@@ -182,7 +182,7 @@ def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None 
     shards = mesh.fsdp * mesh.tensor
     pb = _BYTES[cfg.model.param_dtype]
     a = _BYTES[lc.compute_dtype]
-    rows = lc.groups_per_step * sc.group_size / lc.micro_batches / (mesh.data * mesh.fsdp)
+    rows = lc.groups_per_step * sc.group_size / lc.micro_batches / mesh.batch_shards
     seq = max(lc.seq_buckets) if lc.seq_buckets else sc.max_prefill_length + sc.max_tokens
     act = activation_bytes(arch, rows=rows, seq=seq, compute_bytes=a, tensor=mesh.tensor,
                            remat=lc.remat, scores_materialised=scores_materialised,
