@@ -48,7 +48,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
-    ("expert", "expert"),      # a MoE layer's experts [n_experts, ...] (and their router columns)
+    ("expert", "expert"),      # a MoE layer's experts [n_experts, ...] (rlflow.models.moe)
     ("norm", None),
     ("lora_rank", None),      # LoRA adapter rank: small, never sharded
     # KV cache, per layer keys [B, K, D, S], values [B, K, S, D]
