@@ -42,8 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from rlflow.config import MeshConfig  # noqa: E402
 from rlflow.mesh import BATCH_AXES, logical_sharding, make_mesh  # noqa: E402
-from rlflow.models.expert_parallel import (DOWN_AXES, GATE_UP_AXES, expert_ffn,  # noqa: E402
-                                           local_experts)
+from rlflow.models.expert_parallel import DOWN_AXES, GATE_UP_AXES, expert_ffn  # noqa: E402
+from rlflow.models.moe import dispatch  # noqa: E402
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 _BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "f16": 2}
@@ -93,8 +93,8 @@ def main() -> int:
     wu = put(jnp.asarray(rng.normal(size=(x, e, f)), jnp.float32), GATE_UP_AXES)
     wd = put(jnp.asarray(rng.normal(size=(x, f, e)), jnp.float32), DOWN_AXES)
     cot = jnp.cos(jnp.arange(n * e, dtype=jnp.float32)).reshape(n, e)
-    routes = {"shard_map": lambda *a: expert_ffn(*a, mesh=mesh),
-              "auto": lambda *a: local_experts(*a)}
+    routes = {"shard_map": lambda *a: expert_ffn(*a, mesh=mesh, experts_fn=dispatch),
+              "auto": lambda *a: dispatch(*a)}
     print(f"# {n} tokens x {e}, {x} experts of {f}, top-{k}, expert=4 fake CPU devices")
     for name, fn in routes.items():
         grad = jax.jit(jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) * cot), argnums=(0, 3, 4, 5)))

@@ -1,5 +1,6 @@
-"""Expert parallelism (issue 40 item 2): the ``expert`` mesh axis. The dropless local experts
-equal a plain numpy mixture of SwiGLU experts; split over expert=4, fsdp x expert,
+"""Expert parallelism (issue 40 item 2): the ``expert`` mesh axis. The dropless experts of
+one shard (:func:`rlflow.models.moe.dispatch` with ``first_expert``) equal a plain numpy
+mixture of SwiGLU experts over the pairs routed to that shard; split over expert=4, fsdp x expert,
 data x expert and expert x tensor meshes of fake CPU devices (tokens that do not divide the
 token shards are padded) the output and its gradients (tokens, gates, every expert weight)
 equal the one-device result; an expert count the axis does not divide is refused."""
@@ -11,8 +12,8 @@ import pytest
 
 from rlflow.config import MeshConfig
 from rlflow.mesh import logical_sharding, make_mesh
-from rlflow.models.expert_parallel import (DOWN_AXES, GATE_UP_AXES, expert_ffn,
-                                           local_experts)
+from rlflow.models.expert_parallel import DOWN_AXES, GATE_UP_AXES, expert_ffn
+from rlflow.models.moe import dispatch
 from tolerances import sum_tol
 
 N, E, F, X, K = 10, 8, 12, 8, 2          # 10 tokens: padded to 12 on 4 token shards
@@ -32,7 +33,7 @@ def case():
     wd = 0.3 * rng.normal(size=(X, F, E)).astype(np.float32)
     cot = np.cos(np.arange(N * E, dtype=np.float32)).reshape(N, E)
     args = tuple(jnp.asarray(a) for a in (x, ids, gates, wg, wu, wd))
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(local_experts(*a) * cot),
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(dispatch(*a) * cot),
                              argnums=(0, 2, 3, 4, 5)))(*args)
     return args, cot, grads
 
@@ -55,13 +56,13 @@ def _bound(x, wg, wu, wd):
     return sum_tol(E + F + K, scale)
 
 
-def test_local_experts_equal_a_numpy_mixture(case):
+def test_dispatch_of_all_or_one_shards_experts_equals_a_numpy_mixture(case):
     (x, ids, gates, wg, wu, wd), _, _ = case
     want = _numpy_moe(*(np.asarray(a) for a in (x, ids, gates, wg, wu, wd)))
-    got = np.asarray(jax.jit(local_experts)(x, ids, gates, wg, wu, wd))
+    got = np.asarray(jax.jit(dispatch)(x, ids, gates, wg, wu, wd))
     np.testing.assert_allclose(got, want, rtol=0, atol=_bound(x, wg, wu, wd))
     # the experts of one shard only: tokens routed elsewhere get nothing from it
-    half = np.asarray(jax.jit(local_experts)(x, ids, gates, wg[4:], wu[4:], wd[4:], 4))
+    half = np.asarray(jax.jit(dispatch)(x, ids, gates, wg[4:], wu[4:], wd[4:], 4))
     only = np.where(np.asarray(ids) >= 4, np.asarray(ids), -1)
     want_half = np.zeros_like(want)
     for t in range(N):
@@ -84,11 +85,11 @@ def test_split_experts_equal_one_device(case, name):
     assert args[3].sharding.spec[0] == "expert"
 
     def f(*a):
-        return expert_ffn(*a, mesh=mesh)
+        return expert_ffn(*a, mesh=mesh, experts_fn=dispatch)
 
     got = jax.jit(f)(*args)
     got_grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 2, 3, 4, 5)))(*args)
-    one = jax.jit(local_experts)(x, ids, gates, wg, wu, wd)
+    one = jax.jit(dispatch)(x, ids, gates, wg, wu, wd)
     bound = _bound(x, wg, wu, wd)
     np.testing.assert_allclose(got, one, rtol=0, atol=2 * bound)
     for a, b, what in zip(got_grads, grads, ("x", "gates", "w_gate", "w_up", "w_down")):
@@ -102,4 +103,5 @@ def test_an_expert_count_the_axis_does_not_divide_is_refused(case):
     (x, ids, gates, wg, wu, wd), _, _ = case
     mesh = make_mesh(MeshConfig(expert=4))
     with pytest.raises(ValueError, match=r"6 experts do not split over mesh\.expert=4"):
-        expert_ffn(x, ids % 6, gates, wg[:6], wu[:6], wd[:6], mesh=mesh)
+        expert_ffn(x, ids % 6, gates, wg[:6], wu[:6], wd[:6], mesh=mesh,
+                   experts_fn=dispatch)

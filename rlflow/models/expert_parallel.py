@@ -12,9 +12,10 @@ Dispatch and combine (:func:`expert_ffn`, under ``jax.shard_map`` over every mes
 1. all-gather over ``expert`` the ``n`` local tokens, their top-k expert ids and gates:
    every device of an expert group sees the group's ``ep x n`` tokens;
 2. all-gather over ``fsdp`` the local experts' ``E`` slices (FSDP's weight gather);
-3. the local experts run on the tokens routed to them, dropless (``experts_fn``: sort the
-   ``ep x n x k`` assignments by local expert, ``jax.lax.ragged_dot`` with the group sizes;
-   assignments to other devices' experts sort after the last group and get no product);
+3. the local experts run on the tokens routed to them, dropless
+   (:func:`rlflow.models.moe.dispatch`: sort the ``ep x n x k`` assignments by local expert,
+   ``jax.lax.ragged_dot`` with the group sizes; assignments to other devices' experts sort
+   after the last group and get no product);
 4. reduce-scatter (sum) over ``expert`` back to each device's ``n`` tokens: a token's output
    is the gate-weighted sum of its ``k`` experts wherever they live; then sum over
    ``tensor`` (each device held ``F / tensor`` columns of every expert).
@@ -58,46 +59,6 @@ DOWN_AXES = ("expert", "mlp", "embed")
 ExpertsFn = Callable[..., jax.Array]
 
 
-def local_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, first_expert=0) -> jax.Array:
-    """Dropless SwiGLU experts ``first_expert .. first_expert + X_local - 1`` on the tokens
-    routed to them: ``out[t] = sum_j [first <= ids[t, j] < first + X_local] gates[t, j] *
-    down_e(silu(x_t gate_e) * (x_t up_e))`` with ``e = ids[t, j] - first`` (Shazeer et al.
-    2017, eq. 1, top-k gating; dropless grouped matmul as MegaBlocks, Gale et al. 2023).
-
-    Args:
-      x: ``[N, E]`` tokens (compute dtype).
-      expert_ids: ``[N, k]`` int, each token's chosen experts (global ids).
-      gates: ``[N, k]`` float, their combine weights.
-      w_gate, w_up: ``[X_local, E, F]``; w_down: ``[X_local, F, E]`` (compute dtype).
-      first_expert: global id of ``w_*[0]`` (int or int32 scalar).
-
-    Returns:
-      ``[N, E]`` in ``x``'s dtype (products in float32 by ``jax.lax.ragged_dot``'s
-      ``preferred_element_type``, the gate-weighted sum over ``k`` in float32).
-    """
-    n, k = expert_ids.shape
-    xl = w_gate.shape[0]
-    local = expert_ids.astype(jnp.int32) - jnp.asarray(first_expert, jnp.int32)
-    own = (local >= 0) & (local < xl)
-    key = jnp.where(own, local, xl).reshape(-1)                 # others sort last
-    order = jnp.argsort(key, stable=True)
-    token = order // k
-    sizes = jnp.sum(key[None, :] == jnp.arange(xl, dtype=jnp.int32)[:, None], axis=1,
-                    dtype=jnp.int32)                             # [X_local]
-    rows = x[token]                                              # [N k, E]
-    dt = x.dtype
-
-    def dot(a, w):
-        return jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(dt)
-
-    h = jax.nn.silu(dot(rows, w_gate)) * dot(rows, w_up)
-    y = dot(h, w_down).astype(jnp.float32)
-    g = jnp.where(own.reshape(-1), gates.reshape(-1).astype(jnp.float32), 0.0)[order]
-    y = jnp.where(own.reshape(-1)[order][:, None], y * g[:, None], 0.0)
-    return jax.ops.segment_sum(y, token, num_segments=n).astype(dt)
-
-
 def token_axes(mesh) -> tuple[str, ...]:
     """Mesh axes that split the tokens: :data:`rlflow.mesh.BATCH_AXES` and ``sequence``."""
     return batch_axes(mesh) + tuple(a for a in ("sequence",) if a in mesh.axis_names)
@@ -111,7 +72,7 @@ def _axis_of(spec: P, dim: int) -> tuple[str, ...]:
 
 def expert_ffn(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
                w_up: jax.Array, w_down: jax.Array, *, mesh=None,
-               experts_fn: ExpertsFn = local_experts) -> jax.Array:
+               experts_fn: ExpertsFn) -> jax.Array:
     """The experts' gate-weighted output of every token, with the experts split over the
     mesh's ``expert`` axis (module doc); without a mesh, or with ``expert = 1``,
     ``experts_fn`` on all experts at once.
@@ -121,8 +82,9 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: ja
       w_gate, w_up: ``[X, E, F]``; w_down: ``[X, F, E]``, all experts (sharded as
         :data:`GATE_UP_AXES` / :data:`DOWN_AXES` say on ``mesh``).
       mesh: the program's mesh (a ``Mesh`` or ``AbstractMesh``), or None.
-      experts_fn: ``(x, ids, gates, w_gate, w_up, w_down, first_expert) -> [N, E]`` for the
-        experts ``first_expert ..`` of the given weights (:func:`local_experts`).
+      experts_fn: ``(x, ids, gates, w_gate, w_up, w_down, first_expert) -> [N, E]``, the
+        dropless experts ``first_expert ..`` of the given weights on the tokens routed to
+        them, nothing for the others (:func:`rlflow.models.moe.dispatch`).
 
     Returns:
       ``[N, E]`` in ``x``'s dtype.
