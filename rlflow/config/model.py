@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -80,6 +81,23 @@ class ModelConfig:
                    f"{self.num_experts_per_tok}")
             _check(self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
                    f"must be >= 0, got {self.router_aux_loss_coef}")
+
+    def expert_count(self) -> int:
+        """Experts per layer of the policy, 0 for a dense model: ``path``'s config.json when
+        it names a ``model_type`` (``num_experts`` of a ``qwen3_moe`` model), else the
+        random model's fields (a stand-in folder, or none)."""
+        d = {}
+        if self.path:
+            try:
+                with open(os.path.join(self.path, "config.json"), encoding="utf-8") as f:
+                    d = json.load(f)
+            except (OSError, ValueError):
+                d = {}
+        if isinstance(d, dict) and d.get("model_type"):
+            if d["model_type"] != "qwen3_moe":
+                return 0
+            return int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        return self.num_experts if self.model_type == "qwen3_moe" else 0
 
 
 @dataclass(frozen=True)

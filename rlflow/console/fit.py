@@ -158,19 +158,34 @@ def hf_architecture(path: str) -> Optional[Architecture]:
             head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=d.get("model_type") == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=d.get("model_type") == "qwen3")
+            qk_norm=d.get("model_type") in ("qwen3", "qwen3_moe"),
+            **_moe_sizes(d))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
+def _moe_sizes(d: dict) -> dict:
+    """A ``qwen3_moe`` config.json's expert sizes as :class:`Architecture` fields (none for
+    a dense model)."""
+    if d.get("model_type") != "qwen3_moe":
+        return {}
+    return dict(num_experts=int(d.get("num_experts") or d["num_local_experts"]),
+                num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]))
+
+
 def sampler_bytes(cfg, arch: Architecture) -> float:
     """Bytes of one sampler replica over all its devices: ``sampler.mesh.data`` copies of
-    the weights in the sampler's dtype, and its KV cache."""
+    the weights in the sampler's dtype (the weights outside a mixture-of-experts model's
+    experts once more for every device of ``sampler.mesh.expert``, which splits only the
+    experts), and its KV cache."""
     from rlflow.console.checks import kv_cache_bytes
 
     sp = cfg.sampler
     per = 2 if (sp.dtype or cfg.model.dtype) == "bfloat16" else 4
-    return sp.mesh.data * arch.num_params() * per + kv_cache_bytes(cfg, arch)
+    expert = getattr(sp.mesh, "expert", 1)
+    weights = expert * arch.params_per_shard(1, expert)
+    return sp.mesh.data * weights * per + kv_cache_bytes(cfg, arch)
 
 
 def host_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[float]:
@@ -313,7 +328,8 @@ def check_memory(cfg, *, device_bytes: Optional[float] = None, where: str = "",
             f"+ max_tokens {sp.max_tokens}) positions) over {sp.num_devices} device(s), "
             f"{_size(fit.sampler_need)} a device, more than {HEADROOM:.0%} of "
             f"{fit.sampler_where}; lower sampler.max_tokens "
-            f"or sampler.num_slots, or give the sampler more devices (sampler.mesh.tensor), "
+            f"or sampler.num_slots, or give the sampler more devices (sampler.mesh.tensor"
+            f"{', sampler.mesh.expert' if arch.num_experts else ''}), "
             f"or skip this check with --runtime.check-memory false")
     return fit
 
@@ -351,8 +367,9 @@ def _learner_advice(cfg, arch: Architecture, fit: Fit, device_bytes) -> str:
         return (f"sampler.max_tokens: {head}; one row of {seq} tokens does not fit: shorten "
                 f"the rows (sampler.max_tokens, sampler.max_prefill_length, "
                 f"learner.seq_buckets) or split them over more devices")
+    axes = "learner.mesh.fsdp, learner.mesh.expert" if arch.num_experts else "learner.mesh.fsdp"
     return (f"learner.mesh: {head}; the parameters and optimizer state need more devices "
-            f"(learner.mesh.fsdp, a larger slice){'' if device_bytes else ' or a machine with more memory'}"
+            f"({axes}, a larger slice){'' if device_bytes else ' or a machine with more memory'}"
             f", or skip this check with --runtime.check-memory false")
 
 
