@@ -82,7 +82,7 @@ def test_the_memory_model_splits_only_the_experts_over_the_expert_axis(moe):
     # rows (module doc of rlflow.learner.memory); the logits of 128 tokens are smaller
     a, h, f, k, t = 2, 2048, 768, 8, 1280
     for expert in (1, 8):
-        mlp = a * (2 * expert * h + expert * k * (2 * h + 4 * f)) + 8 * 128
+        mlp = a * (2 * (expert - 1) * h + expert * k * (2 * h + 4 * f)) + 4 * 128
         working = a * (4 * h + 2 * (32 + 2 * 4) * 128) + mlp + 3 * a * expert * k * f
         want = t * 48 * a * h + max(t * working, 128 * 12 * 151936)
         got = activation_bytes(arch, rows=1, seq=t, compute_bytes=a, remat="full",

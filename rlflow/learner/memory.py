@@ -55,19 +55,21 @@ What one chip of the learner mesh holds during a train step (bytes):
 
 Mixture-of-experts layers (``num_experts > 0``): a layer's MLP intermediates ``4 i / t`` are
 replaced by what the dropless expert dispatch holds per local token with ``ep`` = the
-``expert`` axis and ``k`` = experts per token: the tokens all-gathered over the axis and the
-layer's partial output before the reduce-scatter, ``2 ep h``, and for every one of the ``ep
-k`` (token, expert) rows the sorted input and the expert output, ``2 h``, and the gate, up,
-product and activation, ``4 f / t`` (``f = moe_intermediate_size``): ``a (2 ep h + ep k (2 h
-+ 4 f / t))``, plus the float32 router logits and probabilities ``8 n``; the worst case
+``expert`` axis and ``k`` = experts per token: the other devices' tokens all-gathered over the
+axis and their partial outputs before the reduce-scatter, ``2 (ep - 1) h``, and for every one
+of the ``ep k`` (token, expert) rows the sorted input and the expert output, ``2 h``, and the
+gate, up, product and activation, ``4 f / t`` (``f = moe_intermediate_size``): ``a (2 (ep - 1)
+h + ep k (2 h + 4 f / t))``, plus the float32 router probabilities ``4 n``; the worst case
 (every gathered token routed to this device's experts), which static shapes must hold for the
 dispatch to stay dropless. Their cotangents ``3 a ep k f / t``; "dots" keeps
-``2 a ep k f / t`` of them.
+``2 a ep k f / t`` of them. With ``ep = 1`` this is a dense MLP of width ``i = k f`` plus the
+dispatch's ``2 a k h`` and the router's ``4 n``.
 
 ``N`` counts embeddings, ``L`` layers of (q, k, v, o projections, gate/up/down MLP, two RMSNorm
 scales), the final norm and (untied) the output projection, Qwen2's q/k/v biases included
 when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``; with experts, each layer's
-MLP is the router ``h n`` and ``n`` experts of ``3 h f``. The activation term is an
+MLP is the router ``h n`` and ``n`` experts of ``3 h f`` (all are stored, trained and
+published). The activation term is an
 estimate of what XLA keeps (it may fuse some away); the state terms are exact.
 """
 
@@ -88,7 +90,8 @@ class LearnerDoesNotFit(ConfigError):
 
 @dataclass(frozen=True)
 class Architecture:
-    """Sizes of a Llama / Qwen2 decoder (Hugging Face ``config.json`` names in comments)."""
+    """Sizes of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder (Hugging Face ``config.json``
+    names in comments)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -119,6 +122,14 @@ class Architecture:
         0 for a dense model): what the ``expert`` mesh axis splits."""
         return self.num_layers * self.num_experts * 3 * self.hidden_size * \
             self.moe_intermediate_size
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token goes through: ``intermediate_size``, or ``k x
+        moe_intermediate_size`` for a mixture of experts."""
+        if self.num_experts:
+            return self.num_experts_per_tok * self.moe_intermediate_size
+        return self.intermediate_size
 
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
@@ -179,12 +190,12 @@ def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes
       ValueError: an unknown ``remat``.
     """
     a, t = compute_bytes, tensor
-    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    h, i, d = arch.hidden_size, arch.active_intermediate, arch.head_dim
     q, kv = arch.num_heads, arch.num_kv_heads
     scores = 8 * (q / t) * seq if scores_materialised else 0.0
     if arch.num_experts:       # the dropless dispatch's rows per local token (module doc)
         pairs, f = expert * arch.num_experts_per_tok, arch.moe_intermediate_size
-        mlp = a * (2 * expert * h + pairs * (2 * h + 4 * f / t)) + 8 * arch.num_experts
+        mlp = a * (2 * (expert - 1) * h + pairs * (2 * h + 4 * f / t)) + 4 * arch.num_experts
         mlp_cotangents, mlp_dots = 3 * a * pairs * f / t, 2 * a * pairs * f / t
     else:
         mlp, mlp_cotangents, mlp_dots = 4 * a * i / t, 3 * a * i / t, 2 * a * i / t

@@ -79,6 +79,9 @@ class StepSettings:
     ``remat``: the decoder layers' rematerialisation policy in the differentiated forward
     (``learner.remat``, :mod:`rlflow.models.layer_scan`). ``correction``:
     ``learner.rollout_correction`` (:mod:`rlflow.learner.rollout_correction`).
+    ``moe_aux``: the policy is a mixture of experts: its load-balancing loss
+    (:func:`rlflow.models.moe.balance_loss`) is computed in every differentiated forward and
+    reported; ``moe_aux_coef`` weighs it in the loss (:func:`moe_aux_coef`; 0: reported only).
     """
     loss_agg: str = "token-mean"
     norm_len: int = 1
@@ -102,10 +105,14 @@ class StepSettings:
     attention: str = "auto"
     logprob_chunk: int = 0
     remat: str = "none"
+    moe_aux: bool = False
+    moe_aux_coef: float = 0.0
 
     @classmethod
-    def from_config(cls, cfg) -> "StepSettings":
-        """From an :class:`rlflow.config.ExperimentConfig` (``norm_len`` = ``sampler.max_tokens``)."""
+    def from_config(cls, cfg, decoder_cfg=None) -> "StepSettings":
+        """From an :class:`rlflow.config.ExperimentConfig` (``norm_len`` = ``sampler.max_tokens``)
+        and the policy's :class:`rlflow.models.config.DecoderConfig` (its
+        ``router_aux_loss_coef``; None: the one of ``cfg.model``'s random model)."""
         lr = cfg.learner
         return cls(loss_agg=lr.loss_agg, norm_len=cfg.sampler.max_tokens,
                    off_policy=lr.off_policy, clip_low=lr.clip_low, clip_high=lr.clip_high,
@@ -118,7 +125,21 @@ class StepSettings:
                    kl_in_reward=lr.gae_kl_in_reward,
                    max_loss_tokens=lr.groups_per_step * cfg.sampler.group_size
                    * cfg.sampler.max_tokens,
-                   attention=lr.attention, logprob_chunk=lr.logprob_chunk, remat=lr.remat)
+                   attention=lr.attention, logprob_chunk=lr.logprob_chunk, remat=lr.remat,
+                   moe_aux=(decoder_cfg.is_moe if decoder_cfg is not None
+                            else not cfg.model.path and cfg.model.model_type == "qwen3_moe"),
+                   moe_aux_coef=moe_aux_coef(cfg, decoder_cfg))
+
+
+def moe_aux_coef(cfg, decoder_cfg=None) -> float:
+    """``learner.moe_aux_loss_coef``, or when it is None the model's ``router_aux_loss_coef``
+    (HF config.json; ``decoder_cfg``, else ``cfg.model``'s random model); 0 for a dense model."""
+    if cfg.learner.moe_aux_loss_coef is not None:
+        return float(cfg.learner.moe_aux_loss_coef)
+    if decoder_cfg is not None:
+        return float(decoder_cfg.router_aux_loss_coef) if decoder_cfg.is_moe else 0.0
+    m = cfg.model
+    return float(m.router_aux_loss_coef) if not m.path and m.model_type == "qwen3_moe" else 0.0
 
 
 def trainable(params, value=None):
@@ -157,7 +178,7 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                   value_graphdef=None, frozen=None, loss_slots: tuple[int, ...] | None = None,
                   attention: str = "auto", logprob_chunk: int = 0, remat: str = "none",
-                  mesh=None):
+                  mesh=None, moe_aux: bool = False):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
@@ -175,20 +196,25 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
         backward pass through this forward keeps, never the values).
       mesh: the learner's mesh, for context parallelism (a ``sequence`` axis > 1:
         :meth:`rlflow.models.decoder.Decoder.hidden_states`), or None.
+      moe_aux: also return the mixture-of-experts load-balancing loss of this forward
+        (:meth:`rlflow.models.decoder.Decoder.hidden_states`; MoE models only).
 
     Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
-    gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head.
+    gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head;
+    with ``moe_aux`` a fourth element, the float32 ``[]`` load-balancing loss.
     """
     policy, vparams = (params, None) if value_graphdef is None else params
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
                                  segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
-                                 attention_impl=attention, remat=remat, mesh=mesh)
+                                 attention_impl=attention, remat=remat, mesh=mesh,
+                                 moe_aux=moe_aux)
+    hidden, aux = hidden if moe_aux else (hidden, None)
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
         logp, ent = chunked_logprobs(model.project, hidden, batch.targets, temperature,
                                      logprob_chunk)
-        return logp, ent, values
+        return (logp, ent, values) + ((aux,) if moe_aux else ())
     shards, capacity, seq_shards = (tuple(loss_slots) + (1,))[:3]
     index = loss_positions.loss_index(batch.loss_mask, shards, capacity, seq_shards)
     hidden = loss_positions.gather(hidden, index, seq_shards)
@@ -198,7 +224,8 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                                  groups=index.shape[0])
     shape = batch.loss_mask.shape
     return (loss_positions.scatter(logp, index, shape, seq_shards),
-            loss_positions.scatter(ent, index, shape, seq_shards), values)
+            loss_positions.scatter(ent, index, shape, seq_shards), values) + (
+        (aux,) if moe_aux else ())
 
 
 def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None,
@@ -239,9 +266,9 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
     (group-level rejection over several micro-batches), or None (computed here from this
     forward's detached logprobs). ``loss_slots``, ``mesh``: as :func:`model_outputs`.
     ``num_segments``: the whole batch's bound on segment ids (``B * L + 1``)."""
-    logp, ent, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
-                                      frozen, loss_slots, s.attention, s.logprob_chunk,
-                                      s.remat, mesh)
+    logp, ent, values, *aux = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
+                                            frozen, loss_slots, s.attention, s.logprob_chunk,
+                                            s.remat, mesh, moe_aux=s.moe_aux)
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:
@@ -284,6 +311,10 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
         sums |= dict(value_loss=vl, v_old=jnp.sum(m * v_old), ret=jnp.sum(m * returns),
                      ret_sq=jnp.sum(m * returns ** 2), res=jnp.sum(m * res),
                      res_sq=jnp.sum(m * res ** 2))
+    if aux:       # MoE: the load-balancing loss, each micro-batch's weighted 1 / k
+        sums["moe_aux"] = aux[0] / s.micro_batches
+        if s.moe_aux_coef > 0:
+            loss = loss + s.moe_aux_coef * sums["moe_aux"]
     sums = {k: v.astype(jnp.float32) for k, v in sums.items()}
     is_lr = old_logp - mb.behaviour_logprobs
     lr_big = jnp.where(mask, is_lr, -jnp.inf)
@@ -318,7 +349,8 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
     if s.gae != (value_graphdef is not None):
         raise ValueError(f"settings.gae={s.gae} needs a value head graphdef exactly when True, "
                          f"got value_graphdef={value_graphdef!r}")
-    sums_names = _SUMS + _MISMATCH_SUMS + (_VALUE_SUMS if s.gae else ())
+    sums_names = (_SUMS + _MISMATCH_SUMS + (_VALUE_SUMS if s.gae else ())
+                  + (("moe_aux",) if s.moe_aux else ()))
     shards = batch_shards(mesh)
     seq_shards = sequence_size(mesh)
     old_values_pass = s.gae and s.whiten and k > 1
@@ -448,7 +480,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     ``value/mean`` and ``value/return_mean`` (token means of ``V_old`` and of the returns) and
     ``value/explained_variance`` ``1 - Var(R - V_old) / Var(R)`` over response tokens (0 when
     the returns have no variance); ``learner/grad_norm`` is then the joint norm of policy and
-    value-head gradients.
+    value-head gradients. A mixture-of-experts policy (``settings.moe_aux``) adds
+    ``moe/aux_loss``, the load-balancing loss (mean over micro-batches; ``learner/loss``
+    holds it times ``settings.moe_aux_coef``).
     """
     grad_fn = make_grad_fn(graphdef, settings, mesh, value_graphdef)
 
@@ -487,6 +521,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         metrics |= rc.mismatch_metrics({n: acc[f"mismatch/{n}"] for n in rc.DIAGNOSTIC_SUMS})
         if settings.gae:
             metrics |= _value_metrics(acc, n_tok)
+        if settings.moe_aux:
+            metrics["moe/aux_loss"] = acc["moe_aux"]
         return TrainState(state.step + 1 - skip.astype(jnp.int32), params, opt_state,
                           value), metrics
 

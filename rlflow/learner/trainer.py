@@ -95,7 +95,7 @@ class Learner:
             self.tx, self.schedule = make_optimizer(
                 config_lib.replace(lc, lr=lc.lora.lr or lc.lr))
         del model
-        self.settings = StepSettings.from_config(cfg)
+        self.settings = StepSettings.from_config(cfg, self.model_config)
         self.batch_spec = BatchSpec.from_config(cfg)
         self.pack_spec = pack_spec_from_config(cfg)        # None: rows stay padded
         self.value_graphdef, value = None, None

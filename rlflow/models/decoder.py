@@ -34,6 +34,7 @@ from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
 from rlflow.models.layer_scan import scan_layers
 from rlflow.models.lora import LoraAdapter, LoraSpec
+from rlflow.models import moe as moe_lib
 from rlflow.models.moe import MoE
 
 INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
@@ -459,7 +460,7 @@ class Decoder(nnx.Module):
                       *, segment_ids: jax.Array | None = None,
                       prefix_ids: jax.Array | None = None,
                       attention_impl: str = "auto", remat: str = "none",
-                      mesh=None) -> jax.Array:
+                      mesh=None, moe_aux: bool = False):
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
@@ -482,6 +483,11 @@ class Decoder(nnx.Module):
         one device, mixture-of-experts layers split their experts over it
         (:mod:`rlflow.models.expert_parallel`).
 
+        ``moe_aux`` (mixture-of-experts models only): also return the load-balancing loss
+        of this forward, the pair ``(hidden, aux)`` with ``aux`` float32 ``[]``
+        (:func:`rlflow.models.moe.balance_loss` over every layer and the tokens where
+        ``attention_mask`` is True, as HF's ``load_balancing_loss_func``).
+
         Raises (beside :meth:`__call__`'s):
           LayerScanError: the layers differ in structure, or ``remat`` is unknown or
             unsupported on this backend.
@@ -490,19 +496,22 @@ class Decoder(nnx.Module):
         """
         with expert_parallel.mesh_context(mesh):
             return self._hidden_states(tokens, positions, attention_mask, segment_ids,
-                                       prefix_ids, attention_impl, remat, mesh)
+                                       prefix_ids, attention_impl, remat, mesh, moe_aux)
 
     def _hidden_states(self, tokens, positions, attention_mask, segment_ids, prefix_ids,
-                       attention_impl, remat, mesh):
+                       attention_impl, remat, mesh, moe_aux):
         self._check_tokens(tokens)
+        if moe_aux and not self.cfg.is_moe:
+            raise ValueError("moe_aux=True needs a mixture-of-experts model (cfg.num_experts > 0)")
         n = sequence_size(mesh)
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
                               attention_impl, mesh if n > 1 else None)  # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
         if n == 1:
-            x = scan_layers(self.layers, self._embed(tokens),
-                            lambda block, h: block(h, positions, inv_freq, attend), remat)
-            return self.final_norm(x)
+            x = self._scan(self._embed(tokens), lambda block, h: block(
+                h, positions, inv_freq, attend, return_routing=moe_aux), remat,
+                attention_mask if moe_aux else None)
+            return self._with_aux(x, attention_mask, moe_aux, lambda h: self.final_norm(h))
         # context parallelism: the layers see the folded view [s * B, T / s, E], one block
         # of it per device (context_parallel.fold), constrained at every layer boundary
         context_parallel.check_length(tokens.shape[1], n)
@@ -513,10 +522,40 @@ class Decoder(nnx.Module):
 
         folded_positions = context_parallel.fold(positions, n)
         x = constrain(self._embed(context_parallel.fold(tokens, n)))
-        x = scan_layers(self.layers, x,
-                        lambda block, h: constrain(block(constrain(h), folded_positions,
-                                                         inv_freq, attend)), remat)
-        return self.final_norm(context_parallel.unfold(x, n))
+
+        def layer(block, h):
+            out = block(constrain(h), folded_positions, inv_freq, attend, return_routing=moe_aux)
+            return (constrain(out[0]), out[1]) if moe_aux else constrain(out)
+
+        x = self._scan(x, layer, remat,
+                       context_parallel.fold(attention_mask, n) if moe_aux else None)
+        return self._with_aux(x, attention_mask, moe_aux,
+                              lambda h: self.final_norm(context_parallel.unfold(h, n)))
+
+    def _scan(self, x, layer, remat, token_mask):
+        """The layers under :func:`scan_layers`; with ``token_mask`` (the MoE load-balancing
+        loss) the carry is ``(x, sums)``, ``sums [2, n]`` the layers'
+        :func:`rlflow.models.moe.balance_sums` over the tokens where ``token_mask``."""
+        if token_mask is None:
+            return scan_layers(self.layers, x, layer, remat)
+        weights = jnp.asarray(token_mask, jnp.float32).reshape(-1)
+
+        def apply(block, carry):
+            h, sums = carry
+            h, routing = layer(block, h)
+            return h, sums + moe_lib.balance_sums(routing, weights)
+
+        return scan_layers(self.layers, (x, jnp.zeros((2, self.cfg.num_experts), jnp.float32)),
+                           apply, remat)
+
+    def _with_aux(self, x, attention_mask, moe_aux, finish):
+        """``finish(x)``, or with ``moe_aux`` (``x`` the pair ``(x, sums)`` of :meth:`_scan`)
+        ``(finish(x), load-balancing loss)``."""
+        if not moe_aux:
+            return finish(x)
+        x, sums = x
+        rows = self.cfg.num_layers * jnp.sum(jnp.asarray(attention_mask, jnp.float32))
+        return finish(x), moe_lib.balance_loss(sums, rows)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache | PagedKVCache, cache_index: jax.Array, *, mesh=None
