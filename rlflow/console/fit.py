@@ -174,16 +174,6 @@ def hf_architecture(path: str) -> Optional[Architecture]:
         return None
 
 
-def _moe_sizes(d: dict) -> dict:
-    """A ``qwen3_moe`` config.json's expert sizes as :class:`Architecture` fields (none for
-    a dense model)."""
-    if d.get("model_type") != "qwen3_moe":
-        return {}
-    return dict(num_experts=int(d.get("num_experts") or d["num_local_experts"]),
-                num_experts_per_tok=int(d["num_experts_per_tok"]),
-                moe_intermediate_size=int(d["moe_intermediate_size"]))
-
-
 def sampler_bytes(cfg, arch: Architecture) -> float:
     """Bytes of one sampler replica over all its devices: ``sampler.mesh.data`` copies of
     the weights in the sampler's dtype (the weights outside a mixture-of-experts model's
