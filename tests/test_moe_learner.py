@@ -132,3 +132,29 @@ def test_export_after_train_steps_gives_the_learners_logits(trained, tmp_path):
         want = _hf(out)(input_ids=torch.tensor(seq, dtype=torch.long)).logits[0].numpy()
     np.testing.assert_allclose(ours, want, rtol=0, atol=forward_atol(
         learner.model_config, seq.shape[1], float(np.abs(want).max())))
+
+
+def test_context_parallel_forward_and_aux_loss_equal_one_device():
+    """On a fsdp=2 x sequence=2 mesh the layers run on the folded view of the residual
+    stream (rlflow.models.context_parallel); the hidden states and the load-balancing loss
+    (its token mask folded alike) equal the one-device forward's."""
+    from rlflow.config import MeshConfig
+    from rlflow.mesh import make_mesh
+
+    model, cfg = build_model(MODEL)
+    mesh = make_mesh(MeshConfig(fsdp=2, sequence=2), jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    toks = rng.integers(1, VOCAB, (2, 16)).astype(np.int32)
+    mask = np.ones_like(toks, bool)
+    mask[0, :5] = False
+    toks[~mask] = 0
+    args = (jnp.asarray(toks), positions_from_mask(mask), jnp.asarray(mask))
+    want_h, want_aux = nnx.jit(lambda m, *a: m.hidden_states(*a, moe_aux=True))(model, *args)
+    got_h, got_aux = nnx.jit(lambda m, *a: m.hidden_states(*a, moe_aux=True, mesh=mesh))(
+        model, *args)
+    scale = float(np.abs(np.asarray(want_h)).max())
+    np.testing.assert_allclose(np.asarray(got_h)[mask], np.asarray(want_h)[mask], rtol=0,
+                               atol=forward_atol(cfg, 16, scale))
+    n = cfg.num_layers * toks.size + cfg.num_experts
+    np.testing.assert_allclose(float(got_aux), float(want_aux), rtol=2 * n * F32_EPS, atol=0)
+    assert float(want_aux) > 0
