@@ -3,15 +3,20 @@
 Parameters carry *logical* axis names (``nnx.Param`` ``out_sharding`` metadata, set by
 ``rlflow.models.decoder``): ``("embed", "mlp")`` for an MLP kernel. ``LOGICAL_AXIS_RULES``
 maps each logical name to mesh axes, MaxText-style: FSDP shards the ``embed`` dimension of
-every weight, tensor parallelism shards heads / MLP width / vocab, the batch of
-activations is split over ``data`` x ``fsdp`` and the positions of the learner's activations
+every weight, tensor parallelism shards heads / MLP width / vocab, expert parallelism splits
+a mixture-of-experts layer's experts (logical ``expert``, the leading axis of the expert
+weights ``[n_experts, ...]``) over ``expert``, the batch of activations is split over
+``data`` x ``fsdp`` x ``expert`` (:data:`BATCH_AXES`: tokens are data-sharded over the expert
+axis too, as in MaxText and GShard, and each MoE layer moves them to their experts' devices,
+:mod:`rlflow.models.expert_parallel`) and the positions of the learner's activations
 (``seq``) over ``sequence`` (context parallelism, :mod:`rlflow.models.context_parallel`;
-parameters are replicated over it, as over ``data``). A logical name with no rule is an
-error.
+parameters are replicated over it, as over ``data``; the parameters outside the experts are
+replicated over ``expert`` too). A logical name with no rule is an error.
 
-Axis order ``(data, fsdp, sequence, tensor)`` (MaxText's): the innermost axes, whose devices
-are nearest each other, carry the per-layer collectives (tensor: all-reduces of the
-projections; sequence: the all-gather of keys and values).
+Axis order ``(data, fsdp, expert, sequence, tensor)``: the innermost axes, whose devices
+are nearest each other, carry the most frequent collectives (tensor: all-reduces of the
+projections; sequence: the all-gather of keys and values; expert: one gather and one
+reduce-scatter of the tokens per MoE layer).
 
 A dimension whose size is not divisible by its mesh axes (two KV heads on a tensor axis
 of four) is replicated instead of sharded; that is the usual treatment of KV heads and
@@ -27,11 +32,14 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp", "sequence", "tensor")
+AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+
+BATCH_AXES = ("data", "fsdp", "expert")
+"""Mesh axes that split the batch's rows (and the sampler's slots)."""
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("seq", "sequence"),       # the learner's [B, T, ...] activations (context parallelism)
     # parameters
     ("vocab", "tensor"),
@@ -40,11 +48,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
-    ("expert", None),         # MoE expert kernels' leading axis [n, ...] (rlflow.models.moe)
+    ("expert", "expert"),      # a MoE layer's experts [n_experts, ...] (rlflow.models.moe)
     ("norm", None),
     ("lora_rank", None),      # LoRA adapter rank: small, never sharded
     # KV cache, per layer keys [B, K, D, S], values [B, K, S, D]
-    ("cache_batch", ("data", "fsdp")),
+    ("cache_batch", BATCH_AXES),
     ("cache_seq", None),
     # paged KV cache, per layer pools [K, N, P, D] (rlflow.models.paged_kv_cache)
     ("cache_pages", None),
@@ -58,24 +66,25 @@ KEY_CACHE_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``(data, fsdp, sequence, tensor)`` mesh (:data:`AXES`) of ``mesh_cfg.num_devices``
-    devices.
+    """A ``(data, fsdp, expert, sequence, tensor)`` mesh (:data:`AXES`) of
+    ``mesh_cfg.num_devices`` devices.
 
     Args:
       mesh_cfg: :class:`rlflow.config.MeshConfig` (axis sizes).
       devices: the program's devices (default: ``jax.devices()``); their number must equal
-        ``data * fsdp * tensor * sequence``.
+        ``data * fsdp * expert * tensor * sequence``.
 
     Raises:
       ValueError: the device count does not match the mesh (names both).
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = dict(data=mesh_cfg.data, fsdp=mesh_cfg.fsdp, tensor=mesh_cfg.tensor,
-                 sequence=getattr(mesh_cfg, "sequence", 1))
+                 sequence=getattr(mesh_cfg, "sequence", 1), expert=getattr(mesh_cfg, "expert", 1))
     shape = tuple(sizes[a] for a in AXES)
     if len(devices) != math.prod(shape):
         raise ValueError(
-            f"mesh {' x '.join(f'{a}={n}' for a, n in sizes.items())} needs {math.prod(shape)} "
+            f"mesh {' x '.join(f'{a}={n}' for a, n in sizes.items() if a != 'expert' or n > 1)} "
+            f"needs {math.prod(shape)} "
             f"devices, got {len(devices)}; pass `devices` or change the mesh config")
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
@@ -84,6 +93,22 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
 def sequence_size(mesh: Mesh | None) -> int:
     """Devices along the ``sequence`` axis of ``mesh`` (1 without a mesh or the axis)."""
     return 1 if mesh is None else dict(mesh.shape).get("sequence", 1)
+
+
+def expert_size(mesh: Mesh | None) -> int:
+    """Devices along the ``expert`` axis of ``mesh`` (1 without a mesh or the axis)."""
+    return 1 if mesh is None else dict(mesh.shape).get("expert", 1)
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes of :data:`BATCH_AXES` that ``mesh`` has (older meshes lack ``expert``)."""
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def batch_shards(mesh: Mesh | None) -> int:
+    """Parts the batch's rows are split into on ``mesh``: ``data x fsdp x expert`` (1
+    without a mesh)."""
+    return 1 if mesh is None else math.prod(dict(mesh.shape)[a] for a in batch_axes(mesh))
 
 
 def _rule_table(rules) -> dict:
@@ -183,22 +208,23 @@ def shard_params(params: nnx.State, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> nnx
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of ``[batch, seq]`` arrays: batch over ``data`` x ``fsdp``, positions over
-    ``sequence`` (the learner's context parallelism; 1 elsewhere, or a mesh without it)."""
+    """Sharding of ``[batch, seq]`` arrays: batch over ``data`` x ``fsdp`` x ``expert``,
+    positions over ``sequence`` (the learner's context parallelism; 1 elsewhere, or a mesh
+    without it)."""
     seq = "sequence" if "sequence" in mesh.axis_names else None
-    return NamedSharding(mesh, P(("data", "fsdp"), seq))
+    return NamedSharding(mesh, P(batch_axes(mesh), seq))
 
 
 def activation_sharding(mesh: Mesh, shape: tuple[int, ...], folded: bool = False
                         ) -> NamedSharding:
     """Sharding of the learner's ``[batch, seq, ...]`` activations: logical axes
-    ``("batch", "seq", None, ...)`` (batch over ``data`` x ``fsdp``, positions over
-    ``sequence``); a dimension the axes do not divide stays replicated. ``folded``: the
+    ``("batch", "seq", None, ...)`` (batch over ``data`` x ``fsdp`` x ``expert``, positions
+    over ``sequence``); a dimension the axes do not divide stays replicated. ``folded``: the
     ``[sequence x batch, seq / sequence, ...]`` view of context parallelism
     (:func:`rlflow.models.context_parallel.fold`), its leading axis over ``sequence`` x
-    ``data`` x ``fsdp``."""
+    ``data`` x ``fsdp`` x ``expert``."""
     if folded:
-        spec = P(("sequence", "data", "fsdp"), *((None,) * (len(shape) - 1)))
+        spec = P(("sequence",) + batch_axes(mesh), *((None,) * (len(shape) - 1)))
         return NamedSharding(mesh, _fit(spec, shape, mesh))
     return logical_sharding(mesh, ("batch", "seq") + (None,) * (len(shape) - 2), shape)
 

@@ -134,7 +134,8 @@ def test_unmatched_parameter_is_an_error():
 
 
 def test_logical_to_spec_and_mesh_errors():
-    assert logical_to_spec(("batch", "seq")) == P(("data", "fsdp"), "sequence")
+    assert logical_to_spec(("batch", "seq")) == P(("data", "fsdp", "expert"), "sequence")
+    assert logical_to_spec(("expert", "embed", "mlp")) == P("expert", "fsdp", "tensor")
     assert logical_to_spec(("embed", None, "mlp")) == P("fsdp", None, "tensor")
     assert logical_to_spec(("mlp", "vocab")) == P("tensor", None)    # a mesh axis is used once
     with pytest.raises(ValueError, match="logical axis 'nope' has no rule"):
@@ -142,9 +143,12 @@ def test_logical_to_spec_and_mesh_errors():
     with pytest.raises(ValueError, match="needs 8 devices, got 4"):
         make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     mesh = make_mesh(MeshConfig(data=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "sequence": 1, "tensor": 2}
-    assert mesh.axis_names == ("data", "fsdp", "sequence", "tensor")
-    assert batch_sharding(mesh).spec == P(("data", "fsdp"), "sequence")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 2}
+    assert mesh.axis_names == ("data", "fsdp", "expert", "sequence", "tensor")
+    assert batch_sharding(mesh).spec == P(("data", "fsdp", "expert"), "sequence")
+    assert dict(make_mesh(MeshConfig(expert=2, tensor=2)).shape)["expert"] == 2
+    assert MeshConfig(data=2, expert=2).batch_shards == 4
+    assert MeshConfig(expert=2).describe() == "data=1 x fsdp=1 x tensor=1 x expert=2"
     with pytest.raises(ValueError, match="mesh data=1 x fsdp=2 x tensor=1 x sequence=4 needs "
                                          "8 devices, got 4"):
         make_mesh(MeshConfig(fsdp=2, sequence=4))

@@ -54,6 +54,22 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
+    def _check_expert_axes(self) -> None:
+        """``learner.mesh.expert`` / ``sampler.mesh.expert`` > 1 only for a mixture-of-experts
+        model, and dividing its expert count (:mod:`rlflow.models.expert_parallel`)."""
+        experts = self.model.expert_count()
+        for prog in ("learner", "sampler"):
+            n = getattr(self, prog).mesh.expert
+            if n == 1:
+                continue
+            _check(experts > 0, f"{prog}.mesh.expert",
+                   f"is {n}, but the model is dense (model.model_type="
+                   f"{self.model.model_type!r}{', model.path ' + repr(self.model.path) if self.model.path else ''}): "
+                   f"the expert axis splits a mixture-of-experts model's experts; set it to 1")
+            _check(experts % n == 0, f"{prog}.mesh.expert",
+                   f"must divide the model's {experts} experts (each device holds "
+                   f"experts / expert of every layer), got {n}")
+
     def __post_init__(self):
         _finite_floats(self, "config")
         _check(bool(self.name) and "/" not in self.name, "name",
@@ -76,14 +92,16 @@ class ExperimentConfig:
                    "must weight or reject (weight or reject not 'off') when "
                    "runtime.stale_policy='correct'")
         lr, sp = self.learner, self.sampler
+        self._check_expert_axes()
         _check(lr.advantage == "gae" or sp.group_size >= 2, "sampler.group_size",
                f"must be >= 2 with learner.advantage={lr.advantage!r} (group-relative "
                f"advantages compare the G samples of a prompt), got {sp.group_size}")
         rows = lr.groups_per_step * sp.group_size
-        split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
+        split = lr.micro_batches * lr.mesh.batch_shards
         _check(rows % split == 0, "learner.micro_batches",
                f"learner.groups_per_step * sampler.group_size = {rows} samples must divide into "
-               f"learner.micro_batches * learner.mesh.data * learner.mesh.fsdp = {split} parts")
+               f"learner.micro_batches * learner.mesh.data * learner.mesh.fsdp * "
+               f"learner.mesh.expert = {split} parts")
         if lr.num_hosts > 1:        # weights leave a multi-host learner as per-host shards
             rt = self.runtime
             _check(rt.weight_transfer == "transfer", "runtime.weight_transfer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -81,16 +82,39 @@ class ModelConfig:
             _check(self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
                    f"must be >= 0, got {self.router_aux_loss_coef}")
 
+    def expert_count(self) -> int:
+        """Experts per layer of the policy, 0 for a dense model: ``path``'s config.json when
+        it names a ``model_type`` (``num_experts`` of a ``qwen3_moe`` model), else the
+        random model's fields (a stand-in folder, or none)."""
+        d = {}
+        if self.path:
+            try:
+                with open(os.path.join(self.path, "config.json"), encoding="utf-8") as f:
+                    d = json.load(f)
+            except (OSError, ValueError):
+                d = {}
+        if isinstance(d, dict) and d.get("model_type"):
+            if d["model_type"] != "qwen3_moe":
+                return 0
+            return int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        return self.num_experts if self.model_type == "qwen3_moe" else 0
+
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh of one program: sizes of the data, fsdp, tensor and sequence axes.
+    """Device mesh of one program: sizes of the data, fsdp, expert, tensor and sequence axes.
 
     The product must equal the number of devices the program sees.
 
     Attributes:
       data: data-parallel axis size (batch split, parameters replicated).
       fsdp: fully-sharded data-parallel axis size (batch and parameters split).
+      expert: expert-parallel axis size (mixture-of-experts models only): each device holds
+        ``n_experts / expert`` of every MoE layer's experts (the expert weights
+        ``[n_experts, ...]`` are split over it) and the batch is split over it as over
+        ``data`` (the other parameters are replicated over it); every MoE layer gathers the
+        tokens of the axis, runs its own experts on them and reduce-scatters the result
+        (:mod:`rlflow.models.expert_parallel`). Must divide the model's expert count.
       tensor: tensor-parallel axis size (heads and MLP columns split).
       sequence: context-parallel axis size (learner only): every row's ``T`` positions are
         split into ``sequence`` contiguous chunks, one per device, parameters replicated
@@ -104,17 +128,25 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     sequence: int = 1
+    expert: int = 1
 
     def __post_init__(self):
         _finite_floats(self, "mesh")
-        for name in ("data", "fsdp", "tensor", "sequence"):
+        for name in ("data", "fsdp", "tensor", "sequence", "expert"):
             _positive(getattr(self, name), f"mesh.{name}")
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.sequence
+        return self.data * self.fsdp * self.tensor * self.sequence * self.expert
+
+    @property
+    def batch_shards(self) -> int:
+        """Parts the batch's rows are split into: ``data x fsdp x expert``."""
+        return self.data * self.fsdp * self.expert
 
     def describe(self) -> str:
-        """``"data=1 x fsdp=4 x tensor=2"`` (`` x sequence=N`` when ``sequence > 1``)."""
+        """``"data=1 x fsdp=4 x tensor=2"`` (`` x sequence=N`` when ``sequence > 1``,
+        `` x expert=N`` when ``expert > 1``)."""
         out = f"data={self.data} x fsdp={self.fsdp} x tensor={self.tensor}"
-        return out + (f" x sequence={self.sequence}" if self.sequence > 1 else "")
+        out += f" x sequence={self.sequence}" if self.sequence > 1 else ""
+        return out + (f" x expert={self.expert}" if self.expert > 1 else "")

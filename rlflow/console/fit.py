@@ -176,12 +176,16 @@ def hf_architecture(path: str) -> Optional[Architecture]:
 
 def sampler_bytes(cfg, arch: Architecture) -> float:
     """Bytes of one sampler replica over all its devices: ``sampler.mesh.data`` copies of
-    the weights in the sampler's dtype, and its KV cache."""
+    the weights in the sampler's dtype (the weights outside a mixture-of-experts model's
+    experts once more for every device of ``sampler.mesh.expert``, which splits only the
+    experts), and its KV cache."""
     from rlflow.console.checks import kv_cache_bytes
 
     sp = cfg.sampler
     per = 2 if (sp.dtype or cfg.model.dtype) == "bfloat16" else 4
-    return sp.mesh.data * arch.num_params() * per + kv_cache_bytes(cfg, arch)
+    expert = getattr(sp.mesh, "expert", 1)
+    weights = expert * arch.params_per_shard(1, expert)
+    return sp.mesh.data * weights * per + kv_cache_bytes(cfg, arch)
 
 
 def host_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[float]:
@@ -324,7 +328,8 @@ def check_memory(cfg, *, device_bytes: Optional[float] = None, where: str = "",
             f"+ max_tokens {sp.max_tokens}) positions) over {sp.num_devices} device(s), "
             f"{_size(fit.sampler_need)} a device, more than {HEADROOM:.0%} of "
             f"{fit.sampler_where}; lower sampler.max_tokens "
-            f"or sampler.num_slots, or give the sampler more devices (sampler.mesh.tensor), "
+            f"or sampler.num_slots, or give the sampler more devices (sampler.mesh.tensor"
+            f"{', sampler.mesh.expert' if arch.num_experts else ''}), "
             f"or skip this check with --runtime.check-memory false")
     return fit
 
@@ -333,7 +338,7 @@ def _learner_advice(cfg, arch: Architecture, fit: Fit, device_bytes) -> str:
     """The refusal of a learner that does not fit: the setting first, then the terms."""
     lr, sp = cfg.learner, cfg.sampler
     m = lr.mesh
-    rows = lr.groups_per_step * sp.group_size / lr.micro_batches / (m.data * m.fsdp)
+    rows = lr.groups_per_step * sp.group_size / lr.micro_batches / m.batch_shards
     seq = max(lr.seq_buckets) if lr.seq_buckets else sp.max_prefill_length + sp.max_tokens
     shape = (f"{rows:g} row(s) of {seq} tokens per device per micro-batch, learner.remat="
              f"{lr.remat!r}, learner.attention={lr.attention!r}, learner.logprob_chunk="
@@ -362,8 +367,9 @@ def _learner_advice(cfg, arch: Architecture, fit: Fit, device_bytes) -> str:
         return (f"sampler.max_tokens: {head}; one row of {seq} tokens does not fit: shorten "
                 f"the rows (sampler.max_tokens, sampler.max_prefill_length, "
                 f"learner.seq_buckets) or split them over more devices")
+    axes = "learner.mesh.fsdp, learner.mesh.expert" if arch.num_experts else "learner.mesh.fsdp"
     return (f"learner.mesh: {head}; the parameters and optimizer state need more devices "
-            f"(learner.mesh.fsdp, a larger slice){'' if device_bytes else ' or a machine with more memory'}"
+            f"({axes}, a larger slice){'' if device_bytes else ' or a machine with more memory'}"
             f", or skip this check with --runtime.check-memory false")
 
 
@@ -372,7 +378,7 @@ def _micro_batches_that_fit(cfg, arch, device_bytes, fit) -> Optional[int]:
     per device) with which the learner fits, or None."""
     lr, sp = cfg.learner, cfg.sampler
     samples = lr.groups_per_step * sp.group_size
-    shards = lr.mesh.data * lr.mesh.fsdp
+    shards = lr.mesh.batch_shards
     for k in range(lr.micro_batches + 1, samples // shards + 1):
         if samples % (k * shards):
             continue
@@ -385,24 +391,26 @@ def _micro_batches_that_fit(cfg, arch, device_bytes, fit) -> Optional[int]:
 def fit_to_slice(cfg, tpu_type: str):
     """``cfg`` with its learner on every chip of ``tpu_type``: ``learner.num_devices`` = the
     slice's chips, ``num_hosts`` its hosts, mesh ``fsdp`` = chips / the config's other
-    model axes (``tensor``, and ``sequence`` where the mesh has one; ``data`` 1), and
-    ``micro_batches`` keeping the config's rows per device per micro-batch (at least one
-    row). None when the step's samples do not split that way."""
+    model axes (``tensor``, ``expert``, and ``sequence`` where the mesh has one; ``data``
+    1), and ``micro_batches`` keeping the config's rows per device per micro-batch (at least
+    one row; the batch is split over ``fsdp x expert``). None when the step's samples do
+    not split that way."""
     hosts, chips = slice_shape(tpu_type)[0], device_count(tpu_type)
     lr, sp = cfg.learner, cfg.sampler
     m = lr.mesh
-    other = m.tensor * getattr(m, "sequence", 1)
+    expert = getattr(m, "expert", 1)
+    other = m.tensor * getattr(m, "sequence", 1) * expert
     if chips % other:
         return None
     fsdp = chips // other
-    rows = max(1, lr.groups_per_step * sp.group_size // (lr.micro_batches * m.data * m.fsdp))
+    rows = max(1, lr.groups_per_step * sp.group_size // (lr.micro_batches * m.batch_shards))
     samples = lr.groups_per_step * sp.group_size
-    if samples % (fsdp * rows):
+    if samples % (fsdp * expert * rows):
         return None
     mesh = dataclasses.replace(m, data=1, fsdp=fsdp)
     return dataclasses.replace(cfg, learner=dataclasses.replace(
         lr, num_devices=chips, num_hosts=hosts, mesh=mesh,
-        micro_batches=samples // (fsdp * rows)))
+        micro_batches=samples // (fsdp * expert * rows)))
 
 
 def smallest_slice(cfg, arch: Architecture, generations: Sequence[str] = ("v5p", "v6e")
@@ -472,7 +480,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         trial = fit_to_slice(cfg, tpu_type)
         m = trial.learner.mesh
-        print(f"{tpu_type}: learner mesh fsdp={m.fsdp} x tensor={m.tensor}, "
+        print(f"{tpu_type}: learner mesh fsdp={m.fsdp} x tensor={m.tensor}"
+              f"{f' x expert={m.expert}' if m.expert > 1 else ''}, "
               f"micro_batches={trial.learner.micro_batches}; per chip "
               f"{fit.learner.describe()} of {fit.where}")
     return code

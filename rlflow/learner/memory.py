@@ -3,7 +3,10 @@
 What one chip of the learner mesh holds during a train step (bytes):
 
 * parameters: ``N x param bytes / (fsdp x tensor)`` (replicated over ``data`` and
-  ``sequence``);
+  ``sequence``; with mixture-of-experts layers ``N`` is the parameters outside the experts
+  plus the experts' ``N_x / expert``, the expert weights being split over the ``expert``
+  axis and everything else replicated over it, :mod:`rlflow.models.expert_parallel`; the
+  same count for every state term below);
 * AdamW moments ``mu``, ``nu``: ``2 x N x param bytes / (fsdp x tensor)`` (optax keeps them in
   the parameters' dtype);
 * gradients: ``N x (4 + param bytes) / (fsdp x tensor)``: the float32 accumulator over
@@ -53,15 +56,23 @@ What one chip of the learner mesh holds during a train step (bytes):
   The scan's stacked copy of the layer parameters is not counted (XLA slices it in place).
   Checked against XLA's compiled temporaries by ``benchmarks/long_context.py``.
 
+Mixture-of-experts layers (``num_experts > 0``): a layer's MLP intermediates ``4 i / t`` are
+replaced by what the dropless expert dispatch holds per local token with ``ep`` = the
+``expert`` axis and ``k`` = experts per token: the other devices' tokens all-gathered over the
+axis and their partial outputs before the reduce-scatter, ``2 (ep - 1) h``, and for every one
+of the ``ep k`` (token, expert) rows the sorted input and the expert output, ``2 h``, and the
+gate, up, product and activation, ``4 f / t`` (``f = moe_intermediate_size``): ``a (2 (ep - 1)
+h + ep k (2 h + 4 f / t))``, plus the float32 router probabilities ``4 n``; the worst case
+(every gathered token routed to this device's experts), which static shapes must hold for the
+dispatch to stay dropless. Their cotangents ``3 a ep k f / t``; "dots" keeps
+``2 a ep k f / t`` of them. With ``ep = 1`` this is a dense MLP of width ``i = k f`` plus the
+dispatch's ``2 a k h`` and the router's ``4 n``.
+
 ``N`` counts embeddings, ``L`` layers of (q, k, v, o projections, gate/up/down MLP, two RMSNorm
 scales), the final norm and (untied) the output projection, Qwen2's q/k/v biases included
-when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``. A mixture-of-experts model
-(``num_experts`` n > 0, Qwen3-MoE) counts every expert in ``N`` (the router ``h x n`` and
-``n`` SwiGLU experts of width ``moe_intermediate_size`` per layer: all are stored, trained
-and published); its activations count the width a token actually goes through, ``i = k x
-moe_intermediate_size`` (top-k), plus per token the dispatch's ``k`` copies of its input
-and of the experts' outputs (``2 k h`` in the compute dtype) and the router's float32
-probabilities (``4 n``) in ``A``. The activation term is an
+when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``; with experts, each layer's
+MLP is the router ``h n`` and ``n`` experts of ``3 h f`` (all are stored, trained and
+published). The activation term is an
 estimate of what XLA keeps (it may fuse some away); the state terms are exact.
 """
 
@@ -94,9 +105,9 @@ class Architecture:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False   # Qwen2
     qk_norm: bool = False    # Qwen3: per-head RMSNorm scales on q and k
-    num_experts: int = 0             # Qwen3-MoE: experts per layer (0: dense MLP)
-    num_experts_per_tok: int = 0     # top-k
-    moe_intermediate_size: int = 0   # each expert's SwiGLU width
+    num_experts: int = 0     # Qwen3-MoE: experts per layer (0: a dense MLP)
+    num_experts_per_tok: int = 0        # top-k
+    moe_intermediate_size: int = 0      # each expert's SwiGLU width
 
     @classmethod
     def from_model_config(cls, m) -> "Architecture":
@@ -105,8 +116,15 @@ class Architecture:
         return cls(m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
                    m.num_kv_heads, m.head_dim, m.tie_word_embeddings, m.model_type == "qwen2",
                    m.model_type in ("qwen3", "qwen3_moe"),
-                   m.num_experts if moe else 0, m.num_experts_per_tok if moe else 0,
-                   m.moe_intermediate_size if moe else 0)
+                   num_experts=m.num_experts if moe else 0,
+                   num_experts_per_tok=m.num_experts_per_tok if moe else 0,
+                   moe_intermediate_size=m.moe_intermediate_size if moe else 0)
+
+    def expert_params(self) -> int:
+        """Parameters of the experts (every MoE layer's ``[n, E, F]`` x 2 and ``[n, F, E]``;
+        0 for a dense model): what the ``expert`` mesh axis splits."""
+        return self.num_layers * self.num_experts * 3 * self.hidden_size * \
+            self.moe_intermediate_size
 
     @property
     def active_intermediate(self) -> int:
@@ -120,11 +138,16 @@ class Architecture:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        mlp = (self.num_experts * (3 * h * self.moe_intermediate_size + h) if self.num_experts
-               else 3 * h * i)
+        mlp = h * self.num_experts if self.num_experts else 3 * h * i     # router, or the MLP
         layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_layers * layer + h
+        return embed + self.num_layers * layer + h + self.expert_params()
+
+    def params_per_shard(self, shards: int, expert: int = 1) -> float:
+        """Parameters one device holds with the weights split ``shards`` ways (``fsdp x
+        tensor``) and the experts ``expert`` ways more (the ``expert`` axis)."""
+        experts = self.expert_params()
+        return ((self.num_params() - experts) + experts / expert) / shards
 
 
 @dataclass(frozen=True)
@@ -150,7 +173,8 @@ class LearnerMemory:
 
 def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes: int,
                      tensor: int = 1, remat: str = "none", scores_materialised: bool = True,
-                     logits_chunk_tokens: int | None = None, sequence: int = 1) -> float:
+                     logits_chunk_tokens: int | None = None, sequence: int = 1,
+                     expert: int = 1) -> float:
     """Bytes of one micro-batch's activations on one chip (module doc: the math per remat
     policy).
 
@@ -162,6 +186,8 @@ def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes
       logits_chunk_tokens: tokens whose logits are held at once (None: every token).
       sequence: the ``sequence`` axis (context parallelism): a chip holds ``seq / sequence``
         positions of each row, and the all-gathered keys and values of the whole row.
+      expert: the ``expert`` axis (mixture-of-experts layers: the dispatch's rows, module
+        doc).
 
     Raises:
       ValueError: an unknown ``remat``.
@@ -170,16 +196,19 @@ def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes
     h, i, d = arch.hidden_size, arch.active_intermediate, arch.head_dim
     q, kv = arch.num_heads, arch.num_kv_heads
     scores = 8 * (q / t) * seq if scores_materialised else 0.0
-    routing = (2 * a * arch.num_experts_per_tok * h + 4 * arch.num_experts
-               if arch.num_experts else 0.0)
-    layer = a * (4 * h + 4 * i / t + 2 * (q + 2 * kv) * d / t) + scores + routing  # A, per token
-    mlp_cotangents = 3 * a * i / t
+    if arch.num_experts:       # the dropless dispatch's rows per local token (module doc)
+        pairs, f = expert * arch.num_experts_per_tok, arch.moe_intermediate_size
+        mlp = a * (2 * (expert - 1) * h + pairs * (2 * h + 4 * f / t)) + 4 * arch.num_experts
+        mlp_cotangents, mlp_dots = 3 * a * pairs * f / t, 2 * a * pairs * f / t
+    else:
+        mlp, mlp_cotangents, mlp_dots = 4 * a * i / t, 3 * a * i / t, 2 * a * i / t
+    layer = a * (4 * h + 2 * (q + 2 * kv) * d / t) + mlp + scores     # A, per token
     if remat == "none":
         kept, working = layer, layer + mlp_cotangents
     elif remat in ("full", "offload"):
         kept, working = a * h, layer + mlp_cotangents
     elif remat == "dots":
-        kept, working = a * (h + (q + 2 * kv) * d / t + 2 * h + 2 * i / t), layer
+        kept, working = a * (h + (q + 2 * kv) * d / t + 2 * h) + mlp_dots, layer
     else:
         raise ValueError(f"learner.remat must be one of none, full, dots, offload, got {remat!r}")
     tokens = rows * seq / sequence
@@ -206,19 +235,18 @@ def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None 
         scores_materialised = lc.attention == "xla"
     if logits_chunk_tokens is None:
         logits_chunk_tokens = lc.logprob_chunk or None
-    n = arch.num_params()
-    shards = mesh.fsdp * mesh.tensor
+    n = arch.params_per_shard(mesh.fsdp * mesh.tensor, getattr(mesh, "expert", 1))
     pb = _BYTES[cfg.model.param_dtype]
     a = _BYTES[lc.compute_dtype]
-    rows = lc.groups_per_step * sc.group_size / lc.micro_batches / (mesh.data * mesh.fsdp)
+    rows = lc.groups_per_step * sc.group_size / lc.micro_batches / mesh.batch_shards
     seq = max(lc.seq_buckets) if lc.seq_buckets else sc.max_prefill_length + sc.max_tokens
     act = activation_bytes(arch, rows=rows, seq=seq, compute_bytes=a, tensor=mesh.tensor,
                            remat=lc.remat, scores_materialised=scores_materialised,
-                           logits_chunk_tokens=logits_chunk_tokens, sequence=mesh.sequence)
-    return LearnerMemory(params=n * pb / shards, optimizer=2 * n * pb / shards,
-                         grads=n * (4 + pb) / shards,
-                         reference=n * pb / shards if lc.kl_coef > 0 else 0.0,
-                         published=(n * _BYTES[cfg.published_dtype] / shards
+                           logits_chunk_tokens=logits_chunk_tokens, sequence=mesh.sequence,
+                           expert=getattr(mesh, "expert", 1))
+    return LearnerMemory(params=n * pb, optimizer=2 * n * pb, grads=n * (4 + pb),
+                         reference=n * pb if lc.kl_coef > 0 else 0.0,
+                         published=(n * _BYTES[cfg.published_dtype]
                                     if _by_transfer(cfg) else 0.0),
                          activations=act)
 
@@ -244,6 +272,7 @@ def check_fits(arch: Architecture, cfg, chip_gib: float, *, headroom: float = 0.
         raise LearnerDoesNotFit(
             f"learner.mesh {m.describe()}: "
             f"{arch.num_params() / 1e9:.1f}B parameters need per chip {mem.describe()}, more "
-            f"than {headroom:.0%} of a {chip_gib:.1f} GiB chip; use more chips (fsdp) or more "
+            f"than {headroom:.0%} of a {chip_gib:.1f} GiB chip; use more chips (fsdp"
+            f"{', or learner.mesh.expert for the experts' if arch.num_experts else ''}) or more "
             "learner.micro_batches")
     return mem

@@ -2,9 +2,9 @@
 
 Every host of the learner slice runs the same program: :func:`initialize` joins it to the
 others (``jax.distributed``; on CPU with gloo collectives), :func:`global_mesh` builds the
-``(data, fsdp, tensor)`` mesh over all hosts' devices with the usual logical-axis rules, and
-the jitted train step of :class:`rlflow.learner.trainer.Learner` runs unchanged on it. Only
-host 0 (``jax.process_index() == 0``) holds the rollout records and builds each step's batch;
+``(data, fsdp, expert, sequence, tensor)`` mesh over all hosts' devices with the usual
+logical-axis rules, and the jitted train step of :class:`rlflow.learner.trainer.Learner`
+runs unchanged on it. Only host 0 (``jax.process_index() == 0``) holds the rollout records and builds each step's batch;
 :func:`distribute_batch` broadcasts it and every host then builds *its own rows* of the global
 batch arrays (``jax.make_array_from_process_local_data``) under
 :func:`rlflow.mesh.batch_sharding`::
@@ -147,7 +147,7 @@ def global_mesh(mesh_cfg):
     :func:`initialize`); hosts' devices are contiguous, so each host holds a contiguous block
     of batch rows.
 
-    Raises: ValueError: ``data * fsdp * tensor * sequence`` differs from the global device count (names
+    Raises: ValueError: ``data * fsdp * expert * tensor * sequence`` differs from the global device count (names
     the hosts and devices per host).
     """
     devices = jax.devices()

@@ -297,7 +297,7 @@ def pack_spec_from_config(cfg) -> PackSpec | None:
     if not lr.packs:
         return None
     longest = cfg.longest_row
-    split = lr.micro_batches * lr.mesh.data * lr.mesh.fsdp
+    split = lr.micro_batches * lr.mesh.batch_shards
     return PackSpec.create(num_rows=lr.groups_per_step * cfg.sampler.group_size,
                            max_row=longest, pack_length=cfg.pack_length,
                            buckets=lr.pack_row_buckets, split=split,

@@ -44,7 +44,7 @@ from rlflow.learner import advantages as adv_lib
 from rlflow.learner import loss_positions, losses
 from rlflow.learner import rollout_correction as rc
 from rlflow.learner.batch import TrainBatch
-from rlflow.mesh import param_shardings, replicated, sequence_size
+from rlflow.mesh import batch_axes, batch_shards, param_shardings, replicated, sequence_size
 from rlflow.models.logprobs import chunked_logprobs
 from rlflow.run.metrics import LAG_BUCKETS
 
@@ -351,7 +351,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
                          f"got value_graphdef={value_graphdef!r}")
     sums_names = (_SUMS + _MISMATCH_SUMS + (_VALUE_SUMS if s.gae else ())
                   + (("moe_aux",) if s.moe_aux else ()))
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = batch_shards(mesh)
     seq_shards = sequence_size(mesh)
     old_values_pass = s.gae and s.whiten and k > 1
     # a prompt group spans micro-batches: group rejection needs the whole batch's logprobs
@@ -359,11 +359,12 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
 
     def constrain(x, lead):
         """``x [..., B, L]`` (``lead`` axes before the batch) in the batch sharding:
-        batch over ``data`` x ``fsdp``, positions over ``sequence`` when it is > 1."""
+        batch over ``data`` x ``fsdp`` x ``expert``, positions over ``sequence`` when it is
+        > 1."""
         if mesh is None:
             return x
         seq = ("sequence",) if seq_shards > 1 and x.ndim > lead + 1 else ()
-        spec = P(*((None,) * lead), ("data", "fsdp"), *seq,
+        spec = P(*((None,) * lead), batch_axes(mesh), *seq,
                  *((None,) * (x.ndim - lead - 1 - len(seq))))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

@@ -37,7 +37,7 @@ from rlflow.learner.step import (StepSettings, TrainState, init_state, make_trai
 from rlflow.learner.step_jit import (abstract_args, abstract_batch, compile_train_step,
                                      jit_train_step, step_args)
 from rlflow.learner.value import init_value_head
-from rlflow.mesh import make_mesh, param_shardings, sequence_size
+from rlflow.mesh import batch_shards, make_mesh, param_shardings, sequence_size
 from rlflow.models.decoder import validate_tokens
 from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec, base_reference, zeros_like_adapters
@@ -344,10 +344,10 @@ class Learner:
                                "must carry the value head too")
         validate_tokens(batch.tokens, self.model_config.vocab_size, where="train batch tokens")
         rows, seq = np.shape(batch.tokens)
-        k, shards = self.settings.micro_batches, self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        k, shards = self.settings.micro_batches, batch_shards(self.mesh)
         if rows % (k * shards):
             raise BatchError(f"batch of {rows} rows does not divide into learner.micro_batches x "
-                             f"data x fsdp = {k * shards} parts")
+                             f"data x fsdp x expert = {k * shards} parts")
         cp = sequence_size(self.mesh)
         if seq % cp:
             raise BatchError(f"train batch rows of {seq} positions do not split over "

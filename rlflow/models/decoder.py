@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from rlflow.mesh import activation_sharding, sequence_size
-from rlflow.models import context_parallel
+from rlflow.models import context_parallel, expert_parallel
 from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
@@ -479,7 +479,9 @@ class Decoder(nnx.Module):
         scan; attention takes it as it is and all-gathers keys and values over the axis; the result
         is unfolded to ``[B, T, E]`` (its positions stay on their devices; a constraint
         there made XLA's partitioner replicate the cotangent in the backward). ``T`` must
-        be a multiple of ``s``. Values do not change.
+        be a multiple of ``s``. Values do not change. With an ``expert`` axis of more than
+        one device, mixture-of-experts layers split their experts over it
+        (:mod:`rlflow.models.expert_parallel`).
 
         ``moe_aux`` (mixture-of-experts models only): also return the load-balancing loss
         of this forward, the pair ``(hidden, aux)`` with ``aux`` float32 ``[]``
@@ -492,6 +494,12 @@ class Decoder(nnx.Module):
           ValueError: ``T`` is not a multiple of the ``sequence`` axis (names
             ``learner.mesh.sequence`` and ``T``).
         """
+        with expert_parallel.mesh_context(mesh):
+            return self._hidden_states(tokens, positions, attention_mask, segment_ids,
+                                       prefix_ids, attention_impl, remat, mesh, moe_aux)
+
+    def _hidden_states(self, tokens, positions, attention_mask, segment_ids, prefix_ids,
+                       attention_impl, remat, mesh, moe_aux):
         self._check_tokens(tokens)
         if moe_aux and not self.cfg.is_moe:
             raise ValueError("moe_aux=True needs a mixture-of-experts model (cfg.num_experts > 0)")
@@ -550,7 +558,7 @@ class Decoder(nnx.Module):
         return finish(x), moe_lib.balance_loss(sums, rows)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                       cache: KVCache | PagedKVCache, cache_index: jax.Array
+                       cache: KVCache | PagedKVCache, cache_index: jax.Array, *, mesh=None
                        ) -> tuple[jax.Array, KVCache | PagedKVCache]:
         """Forward over ``T`` new tokens per row against a KV cache (prefill / decode).
 
@@ -570,6 +578,9 @@ class Decoder(nnx.Module):
             page table per row, ``S = M * P`` logical positions): the same function, the
             entries written into the rows' pages (pages the host allocated).
           cache_index: ``[B]`` int32 first cache position written for each row.
+          mesh: the sampler's mesh, or None: with an ``expert`` axis of more than one device,
+            mixture-of-experts layers split their experts over it
+            (:mod:`rlflow.models.expert_parallel`).
 
         Returns:
           ``(logits [B, T, V] float32, new cache)``.
@@ -581,6 +592,10 @@ class Decoder(nnx.Module):
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
         """
+        with expert_parallel.mesh_context(mesh):
+            return self._forward_cached(tokens, positions, attention_mask, cache, cache_index)
+
+    def _forward_cached(self, tokens, positions, attention_mask, cache, cache_index):
         self._check_tokens(tokens)
         b, t = tokens.shape
         s = cache.max_len

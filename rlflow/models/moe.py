@@ -13,7 +13,9 @@ Large Neural Networks", eq. 3-5 for softmax top-k gating): for a token ``x [E]``
 Dispatch is dropless (no capacity factor, no token dropped; Gale et al. 2023, "MegaBlocks"):
 the ``N x k`` (token, expert) pairs are sorted by expert and each expert's contiguous rows
 are multiplied by its weights with one ``jax.lax.ragged_dot`` (group sizes = tokens per
-expert); the results are unsorted and summed per token weighted by the gates.
+expert); the results are unsorted and summed per token weighted by the gates. On a mesh with
+an ``expert`` axis the experts are split over it and the tokens reach them by
+:func:`rlflow.models.expert_parallel.expert_ffn`.
 
 Rollout routing replay (R3: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by
 Aligning Training and Inference Routers", arXiv 2510.11370, Sec. 3): given the expert ids
@@ -34,6 +36,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from rlflow.models.expert_parallel import context_mesh, expert_ffn
 
 EXPERT_AXES = ("expert", "embed", "mlp")        # gate / up kernels [n, E, F]
 EXPERT_DOWN_AXES = ("expert", "mlp", "embed")   # down kernel [n, F, E]
@@ -86,28 +90,37 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
 
 
 def dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, gate_kernel: jax.Array,
-             up_kernel: jax.Array, down_kernel: jax.Array) -> jax.Array:
+             up_kernel: jax.Array, down_kernel: jax.Array, first_expert=0) -> jax.Array:
     """Dropless expert computation (module doc): every (token, expert) pair is computed.
 
     Args:
       x: ``[N, E]`` tokens (compute dtype).
       expert_ids: ``[N, k]`` int32 in ``[0, n)``.
       gates: ``[N, k]`` combine weights (cast to ``x.dtype`` before the combine, as HF).
-      gate_kernel / up_kernel: ``[n, E, F]``; down_kernel: ``[n, F, E]`` (``x.dtype``).
+      gate_kernel / up_kernel: ``[n_here, E, F]``; down_kernel: ``[n_here, F, E]``
+        (``x.dtype``): the experts ``first_expert .. first_expert + n_here - 1`` (all ``n``
+        with the default 0; one device's share under expert parallelism,
+        :mod:`rlflow.models.expert_parallel`).
+      first_expert: global id of the kernels' expert 0 (int or int32 scalar). Pairs whose
+        expert is not among these sort after the last group, get no product, and add 0.
 
     Returns:
-      ``[N, E]`` in ``x.dtype``: ``sum_j gates[:, j] * expert_{ids[:, j]}(x)``.
+      ``[N, E]`` in ``x.dtype``: ``sum_j gates[:, j] * expert_{ids[:, j]}(x)`` over the
+      pairs whose expert is here.
     """
     n_tokens, k = expert_ids.shape
     n_experts = gate_kernel.shape[0]
-    flat = expert_ids.reshape(-1)                                   # [N k]
+    local = expert_ids.reshape(-1).astype(jnp.int32) - jnp.asarray(first_expert, jnp.int32)
+    here = (local >= 0) & (local < n_experts)                       # [N k]
+    flat = jnp.where(here, local, n_experts)                        # others: after the last
     order = jnp.argsort(flat, stable=True)                          # pairs sorted by expert
     rows = jnp.take(x, order // k, axis=0)                          # [N k, E]
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [n]
+    sizes = jnp.bincount(flat, length=n_experts + 1)[:n_experts].astype(jnp.int32)  # [n]
     h = (jax.nn.silu(jax.lax.ragged_dot(rows, gate_kernel, sizes))
          * jax.lax.ragged_dot(rows, up_kernel, sizes))              # [N k, F]
     out = jax.lax.ragged_dot(h, down_kernel, sizes)                 # [N k, E]
-    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(n_tokens, k, -1)
+    out = jnp.take(out, jnp.argsort(order), axis=0)
+    out = jnp.where(here[:, None], out, 0).reshape(n_tokens, k, -1)
     return jnp.einsum("nk,nke->ne", gates.astype(x.dtype), out)
 
 
@@ -146,10 +159,11 @@ class MoE(nnx.Module):
                         preferred_element_type=jnp.float32)
         replay = None if replay_ids is None else replay_ids.reshape(-1, self.k)
         routing = route(logits, self.k, self.norm_topk_prob, replay)
-        y = dispatch(flat, routing.expert_ids, routing.gates,
-                     self.gate_kernel[...].astype(self.dtype),
-                     self.up_kernel[...].astype(self.dtype),
-                     self.down_kernel[...].astype(self.dtype))
+        y = expert_ffn(flat, routing.expert_ids, routing.gates,
+                       self.gate_kernel[...].astype(self.dtype),
+                       self.up_kernel[...].astype(self.dtype),
+                       self.down_kernel[...].astype(self.dtype), mesh=context_mesh(),
+                       experts_fn=dispatch)
         return y.reshape(*lead, e), routing
 
 

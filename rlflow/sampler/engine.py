@@ -64,7 +64,7 @@ class RlflowEngine(engine_api.Engine):
     Args:
       model: a ``Decoder`` (its graph is kept; its weights are the default params).
       sampler_cfg: :class:`rlflow.config.SamplerConfig` (slots, buckets, max_tokens).
-      mesh: the sampler's mesh (axes ``data, fsdp, tensor``); ``None``: built from
+      mesh: the sampler's mesh (axes ``data, fsdp, expert, tensor``); ``None``: built from
         ``sampler_cfg.mesh`` over ``jax.devices()`` (``rlflow.mesh.make_mesh``).
       tokenizer_path: HF tokenizer folder for ``get_tokenizer`` / ``build_tokenizer``.
       eos_token_ids: stop ids; ``None``: the model config's ``eos_token_ids`` (which
@@ -183,7 +183,7 @@ class RlflowEngine(engine_api.Engine):
         mask = idx < lengths[:, None]
         cache = init_cache(self.cfg, n, p)
         _, cache = model.forward_cached(padded_tokens, idx, mask, cache,
-                                        jnp.zeros((n,), jnp.int32))
+                                        jnp.zeros((n,), jnp.int32), mesh=self._mesh)
         last = jnp.take_along_axis(padded_tokens, lengths[:, None], axis=1)[:, 0]
         return Prefix(cache=cache, last_token=last, length=lengths,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -439,7 +439,7 @@ class RlflowEngine(engine_api.Engine):
         b = self.num_slots
         logits, cache = model.forward_cached(
             state.tokens[:, None], state.index[:, None], jnp.ones((b, 1), bool), state.cache,
-            state.index)
+            state.index, mesh=self._mesh)
         t = jnp.minimum(state.gen_len, state.uniforms.shape[1] - 1)
         u = jnp.take_along_axis(state.uniforms, t[:, None], axis=1)[:, 0]
         tokens, logprobs = sample_tokens(logits[:, 0], u, state.temperature, state.top_k,
