@@ -9,8 +9,8 @@ tokens of ``sampler.max_tokens`` (eq. 13, sec. 3.4); no KL term; G = 16 samples 
 Topology: the slices the memory model picks (``rlflow.console.fit.smallest_slice``, the
 learner given one 16,384-token row per chip per micro-batch): learner on a v5p-8 (1 host, 4
 chips of 95 GB, mesh fsdp=4), per chip float32 params 8.2 GB, AdamW moments 16.4,
-gradients 16.4 (accumulator and micro-batch), the published version 8.2 and activations 8.6
-(remat "full", splash attention, logprobs in chunks of 1,024 positions) = 53.8 GiB of 88.5
+gradients 16.4 (accumulator and micro-batch), the published version (cast to the bf16 sampler's dtype) 4.1 and activations 8.6
+(remat "full", splash attention, logprobs in chunks of 1,024 positions) = 50.0 GiB of 88.5
 (checked by ``rlflow.console.fit`` when the scripts start it; a fuller layout is refused
 naming the setting). A v5p-8 is also where each sampler replica runs (4 chips,
 mesh tensor=4: the 8 KV heads 2 a chip; bfloat16 weights 4.1 GB and a KV cache of 64 slots x

@@ -14,8 +14,8 @@ ragged all-to-all of the routed rows. Learner: the slice the memory model picks
 micro-batch), a **v5p-32** (4 hosts, 16 chips of 95 GB, mesh fsdp=2 x expert=8,
 ``learner.num_hosts`` 4 set by the scripts): per chip float32 parameters (the 1.5B outside
 the experts over fsdp=2, the experts over all 16 chips) 9.6 GiB, AdamW moments 19.2,
-gradients 19.2, the published version 9.6 and activations 2.0 (remat "full", the experts'
-dropless rows for 8 x 8 (token, expert) pairs a token) = 59.7 GiB of 88.5 (printed by
+gradients 19.2, the published version (cast to the bf16 sampler's dtype) 4.8 and activations 2.0 (remat "full", the experts'
+dropless rows for 8 x 8 (token, expert) pairs a token) = 54.9 GiB of 88.5 (printed by
 ``python -m rlflow.console.fit --config configs/gsm8k_qwen3_30b_a3b.py --tpu v5p,v6e``; a
 v5p-16 is refused: 117.4 GiB a chip; on v6e the pick is a v6e-64, fsdp=8 x expert=8).
 Sampler replicas on v5p-8 (1 host, 4 chips, mesh expert=4: attention data-parallel over the
