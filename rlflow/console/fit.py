@@ -7,8 +7,9 @@ check (:mod:`rlflow.console.slices`) call :func:`check_memory`, which compares, 
   version and one micro-batch's activations with the config's ``learner.remat``,
   ``learner.attention``, ``learner.logprob_chunk`` and row length
   (:func:`rlflow.learner.memory.learner_memory`);
-* a sampler replica: its weights in the sampler's dtype (split over the ``tensor`` axis,
-  one copy per ``data`` replica) and its KV cache
+* a sampler replica: its weights in the sampler's dtype, int8 projection kernels and their
+  scales with ``sampler.quantization="int8"`` (split over the ``tensor`` axis, one copy per
+  ``data`` replica) and its KV cache
   (:func:`rlflow.console.checks.kv_cache_bytes`), spread over its devices;
 
 against :data:`HEADROOM` of the device's memory: an accelerator's HBM per chip
@@ -163,14 +164,35 @@ def hf_architecture(path: str) -> Optional[Architecture]:
         return None
 
 
+def sampler_weight_bytes(arch: Architecture, dtype_bytes: int,
+                         quantization: str = "none") -> float:
+    """Bytes of one copy of the sampler's weights: every parameter in the sampler dtype
+    (``dtype_bytes`` a value), or with ``sampler.quantization="int8"`` the projection
+    kernels (attention q/k/v/o, MLP gate/up/down, an untied LM head) at 1 byte a value plus
+    one scale in the sampler dtype per output channel, the rest (embeddings, norms,
+    biases) in the sampler dtype (:mod:`rlflow.sampler.quantization`)."""
+    total = arch.num_params() * dtype_bytes
+    if quantization != "int8":
+        return total
+    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    kernels = arch.num_layers * (2 * h * q + 2 * h * kv + 3 * h * i)
+    channels = arch.num_layers * (q + 2 * kv + h + 2 * i + h)
+    if not arch.tie_word_embeddings:
+        kernels, channels = kernels + h * arch.vocab_size, channels + arch.vocab_size
+    return total - kernels * dtype_bytes + kernels + channels * dtype_bytes
+
+
 def sampler_bytes(cfg, arch: Architecture) -> float:
     """Bytes of one sampler replica over all its devices: ``sampler.mesh.data`` copies of
-    the weights in the sampler's dtype, and its KV cache."""
+    the weights in the sampler's dtype (int8 projection kernels and their scales with
+    ``sampler.quantization="int8"``, :func:`sampler_weight_bytes`), and its KV cache."""
     from rlflow.console.checks import kv_cache_bytes
 
     sp = cfg.sampler
     per = 2 if (sp.dtype or cfg.model.dtype) == "bfloat16" else 4
-    return sp.mesh.data * arch.num_params() * per + kv_cache_bytes(cfg, arch)
+    weights = sampler_weight_bytes(arch, per, sp.quantization)
+    return sp.mesh.data * weights + kv_cache_bytes(cfg, arch)
 
 
 def host_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[float]:

@@ -8,10 +8,11 @@ in the sampler dtype (a gather table; with tied embeddings also the LM head, so 
 is not quantized either), and so do norms and biases; the KV cache keeps the sampler dtype.
 
 How: ``qwix.quantize(w, jnp.int8, channelwise_axes=...)``: symmetric absmax, one scale per
-output channel, ``scale = max_k |w[k, c]| / 127`` over the projection's input axes ``k``
-and ``q = round(w / scale)`` in int8 (qwix's ``calibrate`` / ``compute_scale_zero_point`` /
-``quantize_with_scale_zero_point``; the scale in the sampler dtype). The rounding error of
-each weight is at most ``scale / 2``. A kernel's input (contracting) axes come from its
+output channel, ``scale = max_k |w[k, c]| / 127.5`` over the projection's input axes
+``k`` (qwix maps the channel onto ``[-127.5, 127.5]`` so the end buckets are whole) and
+``q = round(w / scale)`` in int8, saturating (qwix's ``calibrate`` /
+``compute_scale_zero_point`` / ``quantize_with_scale_zero_point``; the scale in the sampler
+dtype). The rounding error of each weight is at most ``scale / 2``. A kernel's input (contracting) axes come from its
 logical axes (``nnx.Param`` ``out_sharding``, :mod:`rlflow.mesh`): leading axes that are
 not projection axes (a stacking ``layers`` axis) are channelwise, i.e. one scale per
 layer; after them the first axis is the input, and both ``("q_heads", "head_dim")`` of an
