@@ -7,24 +7,30 @@ prompts; ``smollm2``: the real SmolLM2-135M-Instruct checkpoint,
 device, BATCH slots, prompts of PROMPT tokens, NEW new tokens at temperature 1, the default
 ``decode_steps_per_call``:
 
-* ``int8_decode_tokens_per_s_<size>`` / ``..._float32_<size>``: the whole loop (prefill,
+* ``int8_decode_tokens_per_s_<size>`` / ``float32_...``: the whole loop (prefill,
   insert, decode, host bookkeeping), best of REPEATS after a warm-up, and
-  ``int8_over_float32_tokens_per_s_<size>`` their ratio (target >= 1.5 at the 135M size);
-* ``int8_device_ms_per_step_<size>`` / ``float32_...``: the jitted decode calls alone, all
-  slots busy, back to back;
-* ``int8_decode_over_read_bound_<size>`` (and ``float32_...``): that step over the time a
-  jitted ``jnp.sum`` reads the step's bytes here (the engine's own weights, int8 + scales
-  for int8, plus its KV cache): int8 reads fewer bytes, so its bound is lower;
+  ``int8_over_float32_tokens_per_s_<size>`` their ratio (target >= 1.5 at the 135M size).
+  ``int8`` is what the CPU backend runs: kernels quantized at the swap and held dequantized
+  (``rlflow.sampler.quantization.holds_float``); ``int8_in_call_...`` is the accelerator
+  path on this CPU (int8 + scales held, dequantized inside each jitted decode call), and
+  ``int8_in_call_over_float32_tokens_per_s_<size>`` its ratio: the measured reason the CPU
+  does not take it;
+* ``<variant>_device_ms_per_step_<size>``: the jitted decode calls alone, all slots busy,
+  back to back;
+* ``decode_device_over_read_bound_<variant>_<size>``: that step over the time a jitted
+  ``jnp.sum`` reads the step's bytes here (the engine's own weights, int8 + scales for
+  ``int8_in_call``, plus its KV cache);
 * ``int8_dequant_ms_per_call_<size>``: a jitted ``qwix.dequantize`` of all the int8 kernels
   alone (what XLA:CPU does once per decode call, see below), and
-  ``int8_dequant_hoisted_<size>``: 1 when the compiled decode call's int8 -> float converts
-  sit outside its ``while`` loop (hoisted: a float copy of every kernel is written each call
-  and the k steps read float32 weights, so int8 cannot read fewer bytes per step), read from
-  the optimized HLO;
-* ``int8_dot_speedup_<size>``: why int8 activations (qwix's ``act_qtype``) would not
-  reach the target either: XLA:CPU's ``s8 x s8 -> s32`` dot against its float32 dot at the
-  decode step's MLP shape ``[slots, hidden] @ [hidden, mlp]`` (jitted, chained), and
-  ``int8_weight_only_dot_speedup_<size>`` the float32 x dequantized-int8 dot in one jit;
+  ``int8_kernels_read_as_float_<size>``: how many of the int8 kernels the compiled decode
+  call's ``while`` loop carries as float copies (from the optimized HLO): all of them means
+  XLA hoisted the dequantize out of the loop, writes a float copy of every kernel each call
+  and the k steps read float32 weights, so int8 reads no fewer bytes per step;
+* ``int8_dot_speedup_<size>``: what int8 activations too (qwix's ``act_qtype``, dynamic
+  per-row scales; not built) could gain per projection: XLA:CPU's ``s8 x s8 -> s32`` dot
+  against its float32 dot at the decode step's MLP shape ``[slots, hidden] @ [hidden,
+  mlp]`` (jitted, 8 chained), and ``int8_weight_only_dot_speedup_<size>`` the float32 x
+  dequantized-int8 dot in one jit;
 * ``int8_logprob_gap_<size>``: mean ``|behaviour - learner|`` logprob over the int8
   sampler's sampled tokens, the learner being the float32 model (full forward), and
   ``float32_logprob_gap_<size>`` the same for the float32 sampler (rounding only).
@@ -59,30 +65,18 @@ def _model_and_prompts(size: str, tmp: str, batch: int, plen: int):
     raise SystemExit(f"SAMPLER_BENCH_INT8_SIZES: unknown size {size!r} (gsm8k, smollm2)")
 
 
-def _hoisted(engine, params, state) -> int:
-    """1 when every dequantize of the compiled decode call (a fused computation taking an
-    s8 operand) is called outside its while loop, 0 when one is called inside the loop."""
+def _float_kernels_in_loop(engine, params, state) -> tuple[int, int]:
+    """(float arrays of an int8 kernel's shape carried by the compiled decode call's while
+    loop, int8 kernels): equal counts mean XLA dequantized every kernel once before the
+    loop (hoisted) and the loop's steps read float copies."""
+    import qwix
+    kernels = [x for x in params.leaves if isinstance(x, qwix.QArray)]
     text = engine._generate_packed.lower(params, state).compile().as_text()
-    bodies, heads, name = {}, {}, None
-    for line in text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
-        if head and line.rstrip().endswith("{"):
-            name = head.group(1)
-            heads[name] = line
-        elif name is not None:
-            bodies.setdefault(name, []).append(line)
-    calls = r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)"
-    # computations reachable from a loop body (its fusions, nested calls) run in the loop
-    inside, todo = set(), re.findall(r"body=%?([\w.\-]+)", text)
-    while todo:
-        c = todo.pop()
-        if c not in inside:
-            inside.add(c)
-            todo += [x for line in bodies.get(c, []) for x in re.findall(calls, line)]
-    dequant = {c for c, h in heads.items() if "s8[" in h.split("->")[0]}
-    callers = {c for c, lines in bodies.items() for line in lines
-               if set(re.findall(calls, line)) & dequant}
-    return int(bool(callers) and not callers & inside)
+    loop = next(line for line in text.splitlines() if " while(" in line)
+    carried = loop.split(" while(")[0]
+    shapes = {",".join(map(str, x.qvalue.shape)) for x in kernels}
+    found = sum(len(re.findall(rf"(?:f32|bf16)\[{re.escape(sh)}\]", carried)) for sh in shapes)
+    return found, len(kernels)
 
 
 def _dot_speedups(m: int, k: int, n: int) -> tuple[float, float]:
@@ -92,13 +86,13 @@ def _dot_speedups(m: int, k: int, n: int) -> tuple[float, float]:
     import jax.numpy as jnp
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.random((m, k)), jnp.float32)
-    w = jnp.asarray(rng.random((8, k, n)), jnp.float32)
+    w = [jnp.asarray(rng.random((k, n)), jnp.float32) for _ in range(8)]
     xq = jnp.asarray(rng.integers(-127, 128, (m, k)), jnp.int8)
-    wq = jnp.asarray(rng.integers(-127, 128, (8, k, n)), jnp.int8)
+    wq = [jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8) for _ in range(8)]
     dims = (((1,), (0,)), ((), ()))
 
-    def chain(dot):
-        return jax.jit(lambda a, b: sum(dot(a, b[i]) for i in range(8)))
+    def chain(dot):        # 8 separate weight arrays (slices of one would add copies)
+        return jax.jit(lambda a, bs: sum(dot(a, b) for b in bs))
     f32 = chain(lambda a, b: jax.lax.dot_general(a, b, dims))
     s8 = chain(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.int32))
     w8 = chain(lambda a, b: jax.lax.dot_general(a, b.astype(jnp.float32), dims))
@@ -119,6 +113,7 @@ def measure_int8(size: str, tmp: str, *, batch: int, plen: int, new: int, repeat
     from rlflow.models import positions_from_mask
     from rlflow.models.logprobs import token_logprobs
     from rlflow.sampler.batching import ContinuousBatcher, Request
+    from rlflow.sampler import quantization
     from rlflow.sampler.engine import RlflowEngine
     from rlflow.sampler.sampling import SamplingParams
 
@@ -127,8 +122,11 @@ def measure_int8(size: str, tmp: str, *, batch: int, plen: int, new: int, repeat
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     engines = {q: RlflowEngine(model, SamplerConfig(
         num_slots=batch, max_prefill_length=plen, prefill_buckets=(plen,), max_tokens=new,
-        temperature=1.0, group_size=1, quantization=q), mesh=mesh)
-        for q in ("none", "int8")}
+        temperature=1.0, group_size=1, quantization=q.split("_")[0]), mesh=mesh)
+        for q in ("none", "int8", "int8_in_call")}
+    # the accelerator path on this CPU: int8 QArrays held, dequantized inside each call
+    in_call = engines["int8_in_call"]
+    in_call._quant = quantization.QuantizedKernels(in_call._default_state, "int8", "tpu")
     sampling = SamplingParams(temperature=1.0, max_tokens=new, stop_token_ids=())
     batchers = {q: ContinuousBatcher(e) for q, e in engines.items()}
     reqs = [Request(i, prompts[i], 1, sampling.replace(seed=i)) for i in range(batch)]
@@ -161,20 +159,25 @@ def measure_int8(size: str, tmp: str, *, batch: int, plen: int, new: int, repeat
         for q in engines:
             t_loop[q] = min(t_loop[q], best_of(lambda: loop(q), 1))
             t_dev[q] = min(t_dev[q], device(q))
-    names = {"none": "float32", "int8": "int8"}
+    names = {"none": "float32", "int8": "int8", "int8_in_call": "int8_in_call"}
     for q in engines:
         print(f"RESULT {names[q]}_decode_tokens_per_s_{size} {batch * new / t_loop[q]:.1f} "
               f"tokens/s whole loop, sampler.quantization={q!r}, {what}")
         print(f"RESULT {names[q]}_device_ms_per_step_{size} {t_dev[q] * 1e3:.2f} ms jitted "
               f"decode calls alone per step of {batch} slots")
     print(f"RESULT int8_over_float32_tokens_per_s_{size} {t_loop['none'] / t_loop['int8']:.2f} "
-          f"x {'target>=1.5 ' if size == 'smollm2' else ''}whole loop; device step "
+          f"x {'target>=1.5 ' if size == 'smollm2' else ''}whole loop (the CPU backend's "
+          f"int8: dequantized once per version); device step "
           f"{t_dev['none'] / t_dev['int8']:.2f} x", flush=True)
+    print(f"RESULT int8_in_call_over_float32_tokens_per_s_{size} "
+          f"{t_loop['none'] / t_loop['int8_in_call']:.2f} x whole loop, the accelerator path "
+          f"(int8 + scales held, dequantized inside each decode call) on this CPU; device "
+          f"step {t_dev['none'] / t_dev['int8_in_call']:.2f} x", flush=True)
     for q in engines:
         read_bound(engines[q], t_dev[q], None, f"_{names[q]}_{size}")
 
     # what XLA:CPU does with the int8 kernels inside a decode call
-    int8 = engines["int8"]
+    int8 = in_call
     params = int8.load_params()
     kernels = [x for x in params.leaves if isinstance(x, qwix.QArray)]
     deq = jax.jit(lambda ks: [qwix.dequantize(x) for x in ks])
@@ -182,10 +185,10 @@ def measure_int8(size: str, tmp: str, *, batch: int, plen: int, new: int, repeat
     print(f"RESULT int8_dequant_ms_per_call_{size} {t_deq * 1e3:.2f} ms a jitted "
           f"qwix.dequantize of the {len(kernels)} int8 kernels alone (per decode call of "
           f"{int8.decode_steps_per_call} steps when hoisted)")
-    hoisted = _hoisted(int8, params, int8.init_decode_state())
-    print(f"RESULT int8_dequant_hoisted_{size} {hoisted} (1: the compiled decode call "
-          f"converts s8 -> float outside its while loop, so its steps read float weights)",
-          flush=True)
+    found, n = _float_kernels_in_loop(int8, params, int8.init_decode_state())
+    print(f"RESULT int8_kernels_read_as_float_{size} {found} of {n} int8 kernels: float "
+          f"copies carried by the compiled decode call's while loop (XLA:CPU dequantizes "
+          f"before the loop; its steps read float weights)", flush=True)
 
     cfg = model.cfg
     s8, w8 = _dot_speedups(batch, cfg.hidden_size, cfg.intermediate_size)
@@ -200,7 +203,7 @@ def measure_int8(size: str, tmp: str, *, batch: int, plen: int, new: int, repeat
     rest = nnx.state(model, nnx.Not(nnx.Param))
     forward = jax.jit(lambda t, m: nnx.merge(graphdef, state, rest)(
         t, positions_from_mask(m), m))
-    for q in engines:
+    for q in ("none", "int8"):
         gaps = []
         for g in groups[q]:
             c = g.completions[0]

@@ -47,12 +47,17 @@ def np_int8(w, contract):
     return np.clip(np.round(w / scale), -128, 127).astype(np.int8), scale
 
 
-def engine_of(model, q="none", **kw):
+def engine_of(model, q="none", backend=None, **kw):
+    """An engine on one CPU device; ``backend="tpu"``: its int8 kernels held as on an
+    accelerator (int8 ``QArray`` s dequantized inside each call, not at the swap)."""
     base = dict(num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16), max_tokens=8,
                 temperature=0.0, quantization=q)
     base.update(kw)
-    return RlflowEngine(model, SamplerConfig(**base), mesh=make_mesh(MeshConfig(),
-                                                                     jax.devices()[:1]))
+    engine = RlflowEngine(model, SamplerConfig(**base), mesh=make_mesh(MeshConfig(),
+                                                                       jax.devices()[:1]))
+    if backend is not None:
+        engine._quant = quantization.QuantizedKernels(engine._default_state, q, backend)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +120,11 @@ def test_input_axes_cover_stacked_and_attention_output_kernels():
 # --------------------------------------------------------------------------- the swap
 
 def test_kernels_are_quantized_per_output_channel_and_remade_every_version(sharp_model):
+    """The int8 values and scales qwix makes at a swap (held as QArrays on an accelerator)
+    against the numpy oracle; the CPU engine holds exactly their dequantized values; a new
+    version is quantized anew, the same arrays again are not."""
     model, _, engine = sharp_model
+    accel = engine_of(model, "int8", backend="tpu")
     plain = nnx.state(model, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(plain)[0]
     names = [jax.tree_util.keystr(p) for p, _ in flat]
@@ -126,10 +135,11 @@ def test_kernels_are_quantized_per_output_channel_and_remade_every_version(sharp
     assert any("lm_head" in n for n in quantized)
     assert not any("embed" in n or "norm" in n for n in quantized)
 
-    def check(params, state):
+    def check(state, version):
         leaves = [x for _, x in jax.tree_util.tree_flatten_with_path(state)[0]]
-        stored = engine._kernels.model_leaves(params.leaves)
-        for i, x in enumerate(stored):
+        held = accel._kernels.model_leaves(accel.load_params(state, version).leaves)
+        on_cpu = engine._kernels.model_leaves(engine.load_params(state, version).leaves)
+        for i, x in enumerate(held):
             if i not in kernels:
                 assert not isinstance(x, qwix.QArray)
                 continue
@@ -150,55 +160,70 @@ def test_kernels_are_quantized_per_output_channel_and_remade_every_version(sharp
             scale = np.asarray(x.scale)
             # the dequantized weight is within half a step of the weight (plus the
             # roundings of the scale and of q * scale, |q| <= 128: 2 + 1 eps relative)
-            deq = np.asarray(qwix.dequantize(x), np.float64)
+            deq = np.asarray(qwix.dequantize(x))
             bound = scale * (0.5 + 3 * 128 * F32_EPS)
-            assert np.all(np.abs(deq - leaves[i]) <= bound), names[i]
-        return stored
+            assert np.all(np.abs(deq.astype(np.float64) - leaves[i]) <= bound), names[i]
+            # the CPU engine holds those dequantized values (same jitted quantization)
+            assert not isinstance(on_cpu[i], qwix.QArray)
+            np.testing.assert_array_equal(np.asarray(on_cpu[i]), deq, err_msg=names[i])
+        return held
 
-    v1 = engine.load_params(plain, version=1)
-    first = check(v1, plain)
+    first = check(plain, 1)
     # the next version (other values, not a rescaling) is quantized anew ...
     noise = jax.tree.map(lambda x: x * (1 + 0.05 * jax.random.normal(
         jax.random.key(1), x.shape, x.dtype)), plain)
-    second = check(engine.load_params(noise, version=2), noise)
+    second = check(noise, 2)
     changed = [not np.array_equal(np.asarray(first[i].qvalue), np.asarray(second[i].qvalue))
                for i in kernels]
     assert all(changed)
     # ... and the same arrays again (a LoRA forward swap passes its base): kept, not redone
-    kept = [engine._quant._kept[i][1] for i in kernels]
-    engine.load_params(noise, version=3)
-    assert all(a is b for a, b in zip(kept, [engine._quant._kept[i][1] for i in kernels]))
+    for e in (engine, accel):
+        kept = [e._quant._kept[i][1] for i in kernels]
+        e.load_params(noise, version=3)
+        assert all(a is b for a, b in zip(kept, [e._quant._kept[i][1] for i in kernels]))
 
 
-def test_memory_model_counts_int8_kernels_and_scales(sharp_model):
-    """sampler_weight_bytes equals the bytes the int8 engine holds (tied and untied)."""
+def test_memory_model_counts_int8_kernels_and_scales():
+    """sampler_weight_bytes equals the bytes an engine holds (tied and untied LM head):
+    int8 values and scales on an accelerator, the dequantized float kernels on the CPU
+    backend (which the CPU memory check counts)."""
     for tie in (False, True):
         cfg = ModelConfig(hidden_size=64, num_layers=2, vocab_size=128, init_seed=3,
                           tie_word_embeddings=tie)
         model = build_model(cfg)[0]
         arch = Architecture.from_model_config(cfg)
-        for q in ("none", "int8"):
-            held = quantization.kernel_bytes(engine_of(model, q).load_params().leaves)
-            assert sampler_weight_bytes(arch, 4, q) == held, (tie, q)
+        float32, accel, cpu = (quantization.kernel_bytes(engine_of(model, q, b).load_params(
+        ).leaves) for q, b in (("none", None), ("int8", "tpu"), ("int8", None)))
+        assert float32 == sampler_weight_bytes(arch, 4), tie
+        assert accel == sampler_weight_bytes(arch, 4, "int8") < float32, tie
+        assert cpu == float32, tie
     exp = ExperimentConfig(sampler=SamplerConfig(quantization="int8"))
     full = ExperimentConfig()
     arch = Architecture.from_model_config(exp.model)
     saved = sampler_bytes(full, arch) - sampler_bytes(exp, arch)
     assert saved == sampler_weight_bytes(arch, 4) - sampler_weight_bytes(arch, 4, "int8") > 0
+    assert sampler_bytes(exp, arch, accelerator=False) == sampler_bytes(full, arch)
 
 
 # --------------------------------------------------------------------------- decoding
 
 def test_behaviour_logprobs_are_the_quantized_policy_s(sharp_model):
     """Sampled tokens' logprobs from the int8 engine equal a full forward of the dequantized
-    weights (engine.param_state) and differ from the float policy's by more than rounding."""
+    weights (engine.param_state) and differ from the float policy's by more than rounding;
+    the accelerator path (int8 kernels dequantized inside each call) samples the same."""
     model, _, engine = sharp_model
     deq = engine.param_state(engine.load_params())
     reqs = [Request(i, p, 2, SamplingParams(temperature=1.0, max_tokens=8, seed=7 + i))
             for i, p in enumerate(PROMPTS[:2])]
+    groups = ContinuousBatcher(engine).run(reqs)
+    accel = {g.prompt_id: g for g in ContinuousBatcher(
+        engine_of(model, "int8", backend="tpu")).run(reqs)}
     gap = []
-    for g in ContinuousBatcher(engine).run(reqs):
-        for c in g.completions:
+    for g in groups:
+        for c, a in zip(g.completions, accel[g.prompt_id].completions):
+            assert c.tokens.tolist() == a.tokens.tolist()
+            np.testing.assert_allclose(a.logprobs, c.logprobs, rtol=0, atol=forward_atol(
+                model.cfg, 24, float(np.abs(c.logprobs).max())))
             seq = list(g.request.prompt_tokens) + c.tokens.tolist()
             p, n = len(g.request.prompt_tokens), len(c.tokens)
             for state, out in ((deq, None), (nnx.state(model, nnx.Param), gap)):

@@ -98,11 +98,13 @@ class SamplerConfig:
         one symmetric absmax scale per output channel (per layer of a stacked kernel),
         stored int8 + scales in the sampler dtype; embeddings (a gather table, and with
         tied embeddings the LM head too), norms and biases stay in the sampler dtype, and
-        so does the KV cache. Weight-only: activations stay in the sampler dtype and each
-        kernel is dequantized in front of its dot inside the jitted decode call, qwix's
-        own path for a float x int8 dot (``qwix.dot_general``); that fuses into the dot on
-        TPU / GPU, while XLA:CPU materialises the dequantized kernel (measured in
-        benchmarks/sampler_throughput.py). The behaviour logprobs are those of the
+        so does the KV cache. Weight-only: activations stay in the sampler dtype. On TPU /
+        GPU the engine holds int8 + scales and dequantizes each kernel in front of its dot
+        inside the jitted call (qwix's own path for a float x int8 dot, which XLA fuses);
+        XLA:CPU fuses no such dot (a 135M decode step ran 0.6x float32 that way,
+        benchmarks/sampler_throughput.py), so on the CPU backend the engine dequantizes once
+        per version and decodes the same values at float32's speed and memory. The
+        behaviour logprobs are those of the
         quantized policy; the learner's ``learner.rollout_correction`` (on by default:
         token-level truncated IS) corrects for it, and an explicit setting there, "off"
         included, is honoured (:mod:`rlflow.sampler.quantization`).

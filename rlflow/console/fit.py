@@ -8,8 +8,8 @@ check (:mod:`rlflow.console.slices`) call :func:`check_memory`, which compares, 
   ``learner.attention``, ``learner.logprob_chunk`` and row length
   (:func:`rlflow.learner.memory.learner_memory`);
 * a sampler replica: its weights in the sampler's dtype, int8 projection kernels and their
-  scales with ``sampler.quantization="int8"`` (split over the ``tensor`` axis, one copy per
-  ``data`` replica) and its KV cache
+  scales with ``sampler.quantization="int8"`` on an accelerator (split over the ``tensor``
+  axis, one copy per ``data`` replica) and its KV cache
   (:func:`rlflow.console.checks.kv_cache_bytes`), spread over its devices;
 
 against :data:`HEADROOM` of the device's memory: an accelerator's HBM per chip
@@ -183,15 +183,17 @@ def sampler_weight_bytes(arch: Architecture, dtype_bytes: int,
     return total - kernels * dtype_bytes + kernels + channels * dtype_bytes
 
 
-def sampler_bytes(cfg, arch: Architecture) -> float:
+def sampler_bytes(cfg, arch: Architecture, accelerator: bool = True) -> float:
     """Bytes of one sampler replica over all its devices: ``sampler.mesh.data`` copies of
-    the weights in the sampler's dtype (int8 projection kernels and their scales with
-    ``sampler.quantization="int8"``, :func:`sampler_weight_bytes`), and its KV cache."""
+    the weights in the sampler's dtype (with ``sampler.quantization="int8"`` on an
+    ``accelerator``, int8 projection kernels and their scales, :func:`sampler_weight_bytes`;
+    the CPU backend holds them dequantized, :func:`rlflow.sampler.quantization.holds_float`),
+    and its KV cache."""
     from rlflow.console.checks import kv_cache_bytes
 
     sp = cfg.sampler
     per = 2 if (sp.dtype or cfg.model.dtype) == "bfloat16" else 4
-    weights = sampler_weight_bytes(arch, per, sp.quantization)
+    weights = sampler_weight_bytes(arch, per, sp.quantization if accelerator else "none")
     return sp.mesh.data * weights + kv_cache_bytes(cfg, arch)
 
 
@@ -258,7 +260,7 @@ def memory_fit(cfg, arch: Architecture, device_bytes: Optional[float] = None,
     learner and sampler totals together."""
     mem = learner_memory(arch, cfg)
     sp = cfg.sampler
-    sampler = sampler_bytes(cfg, arch)
+    sampler = sampler_bytes(cfg, arch, accelerator=device_bytes is not None)
     if device_bytes is not None:
         where = where or f"{_size(device_bytes)} a chip"
         if sampler_device_bytes is None:

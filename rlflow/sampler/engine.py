@@ -86,7 +86,8 @@ class RlflowEngine(engine_api.Engine):
                 getattr(sampler_cfg, "kernel_layout", "auto"),
                 self._mesh.devices.flat[0].platform) else ())
         self._quant = quantization.QuantizedKernels(     # int8 projection kernels or not
-            state, getattr(sampler_cfg, "quantization", "none"))
+            state, getattr(sampler_cfg, "quantization", "none"),
+            self._mesh.devices.flat[0].platform)
         self.tokenizer_path = tokenizer_path
         self.eos_token_ids = tuple(int(e) for e in (
             self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))

@@ -23,16 +23,18 @@ When: once per weight version, at the swap (:meth:`QuantizedKernels.quantize`, f
 version's kernels. A kernel passed again as the same array (a LoRA forward swap passes its
 base every version) keeps its quantized copy.
 
-Where it runs: weight-only. Inside each jitted engine call the int8 kernels are
-dequantized (``qwix.dequantize``: ``q * scale`` in the sampler dtype) in front of their
-dots. That is qwix's own path for a dot of a float activation with an int8 weight
+Where it runs: weight-only (activations stay in the sampler dtype; qwix's ``act_qtype`` is
+not used). On TPU and GPU the engine holds the int8 ``QArray`` s and dequantizes them
+(``qwix.dequantize``: ``q * scale`` in the sampler dtype) inside each jitted call in front
+of their dots: qwix's own path for a float activation times an int8 weight
 (``qwix.dot_general`` dequantizes the weight operand: "XLA is able to fuse the dequantize
-and the matmul"), done at the engine seam so the decoder code is the same for both. On TPU
-and GPU XLA fuses the dequantize into the dot's operand read, so a decode step reads 1 byte
-a weight (plus the scales); XLA:CPU does not fuse it: inside the ``lax.scan`` of a decode
-call it hoists the loop-invariant dequantize out of the loop and materialises a float
-kernel per call (``benchmarks/sampler_throughput.py``, ``int8`` lines). Int8 activations
-(qwix's ``act_qtype``) are not used.
+and the matmul"), so a decode step reads 1 byte a weight plus the scales. XLA:CPU fuses no
+dequantize into a dot: inside a decode call it hoists the dequantize out of the
+``lax.scan`` and writes a float copy of every kernel per call, and the 135M SmolLM2 decode
+step ran 0.6x float32's speed that way (``benchmarks/sampler_throughput.py``, ``int8``
+lines). So on the CPU backend (the test bed) the engine dequantizes once per version, at
+the swap, and holds the dequantized float kernels: the same values, hence the same policy
+and behaviour logprobs, decoded at float32's speed and memory (:func:`holds_float`).
 """
 
 from __future__ import annotations
@@ -107,27 +109,46 @@ def _weak(x):
         return lambda: None
 
 
+def quantize_kernel(w, channelwise_axes: Sequence[int]) -> qwix.QArray:
+    """``w`` as an int8 ``qwix.QArray``: symmetric absmax, one scale (in ``w``'s dtype) per
+    index of ``channelwise_axes``, reduced over the other (input) axes (module doc)."""
+    return qwix.quantize(w, jnp.int8, channelwise_axes=tuple(channelwise_axes))
+
+
+def holds_float(backend: str) -> bool:
+    """Whether an engine on ``backend`` holds its int8 kernels dequantized (CPU: module doc)
+    rather than as int8 ``QArray`` s dequantized inside each call (TPU, GPU)."""
+    return backend == "cpu"
+
+
 class QuantizedKernels:
-    """An engine's projection kernels held as int8 ``qwix.QArray`` s (``qvalue`` int8 of the
-    kernel's shape, ``scale`` in the kernel's dtype with 1 on the input axes).
+    """An engine's projection kernels quantized to int8 once per version: held as
+    ``qwix.QArray`` s (``qvalue`` int8 of the kernel's shape, ``scale`` in the kernel's
+    dtype with 1 on the input axes), or on the CPU backend as their dequantized values
+    (:func:`holds_float`).
 
     Args:
       state: the model's parameter tree (``nnx.State`` of ``nnx.Param`` variables).
       mode: ``sampler.quantization``: "none" (nothing is quantized) or "int8".
+      backend: the engine mesh's platform ("cpu", "tpu", "gpu").
 
     Raises: ValueError for a mode not in :data:`rlflow.config.sampler.QUANTIZATIONS`.
     """
 
-    def __init__(self, state, mode: str = "none"):
+    def __init__(self, state, mode: str = "none", backend: str = "cpu"):
         if mode not in QUANTIZATIONS:
             raise ValueError(f"sampler.quantization must be one of {list(QUANTIZATIONS)}, "
                              f"got {mode!r}")
         self.mode = mode
         self.kernels = projection_kernels(state) if mode == "int8" else ()
+        self.holds_float = holds_float(backend)
         axes = tuple(a for _, a in self.kernels)
-        self._quantize = jax.jit(lambda xs: [
-            qwix.quantize(x, jnp.int8, channelwise_axes=a) for x, a in zip(xs, axes)])
-        self._kept: dict = {}        # leaf position -> (weak ref to the array given, QArray)
+
+        def quantize(xs):
+            qs = [quantize_kernel(x, a) for x, a in zip(xs, axes)]
+            return [qwix.dequantize(q) for q in qs] if self.holds_float else qs
+        self._quantize = jax.jit(quantize)
+        self._kept: dict = {}        # leaf position -> (weak ref to the array given, held)
 
     @property
     def enabled(self) -> bool:
@@ -135,9 +156,10 @@ class QuantizedKernels:
 
     def quantize(self, given: Sequence, placed: Sequence) -> list:
         """``placed`` (the version's leaves on the engine mesh, model layout) with every
-        projection kernel replaced by its int8 ``QArray``, quantized once per version: when
-        every kernel's ``given`` array (the caller's, before placement) is the one of the
-        previous call, the quantized copies are kept; else all are quantized again."""
+        projection kernel replaced by its int8 ``QArray`` (or its dequantized values,
+        :func:`holds_float`), quantized once per version: when every kernel's ``given``
+        array (the caller's, before placement) is the one of the previous call, the
+        quantized copies are kept; else all are quantized again."""
         leaves = list(placed)
         if any(self._kept.get(i, (lambda: None,))[0]() is not given[i]
                for i, _ in self.kernels):
