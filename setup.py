@@ -29,6 +29,7 @@ RUNTIME = [
     "zstandard>=0.22",      # delta weight sync's codec (rlflow/exchange/delta.py)
     "xxhash>=3",            # delta weight sync's hash of each rebuilt tensor
     "httpx>=0.27",          # served rewards (reward.http / reward.judge): rlflow/data/http_scorer.py
+    "qwix==0.1.8",          # int8 sampler weights (sampler.quantization): rlflow/sampler/quantization.py
 ]
 
 TEST = [

@@ -50,9 +50,14 @@ Last, ``decode_gemm_xla_over_blas``: the decode step's MLP matmuls (``[slots, hi
 [hidden, mlp] @ [mlp, hidden]``) jitted by XLA:CPU against numpy's BLAS on the same
 arrays: the share of the gap to an eager loop that lies in the compiler's small-M dot.
 
+Then the int8 lines (``sampler.quantization="int8"`` against float32 on the headline model
+and the real SmolLM2-135M checkpoint: tokens/s, the decode step over its read bound, where
+XLA:CPU dequantizes, the behaviour - learner logprob gap): ``benchmarks/_sampler_int8.py``.
+
 Sizes come from environment variables (defaults in brackets): SAMPLER_BENCH_BATCH [16],
 SAMPLER_BENCH_THREADS [all cores], SAMPLER_BENCH_REPEATS [3], SAMPLER_BENCH_BURST [3], SAMPLER_BENCH_OCC_REQUESTS
-[8 x batch], SAMPLER_BENCH_SIZES [gsm8k,tiny], SAMPLER_BENCH_LANES [2].
+[8 x batch], SAMPLER_BENCH_SIZES [gsm8k,tiny], SAMPLER_BENCH_LANES [2],
+SAMPLER_BENCH_INT8_SIZES [gsm8k,smollm2], SAMPLER_BENCH_INT8_NEW [64] (an empty list skips).
 """
 
 from __future__ import annotations
@@ -83,7 +88,11 @@ def env(name, default):
 
 BATCH, REPEATS = env("BATCH", 16), env("REPEATS", 3)
 OCC_REQUESTS = env("OCC_REQUESTS", 8 * BATCH)
-SIZES = os.environ.get("SAMPLER_BENCH_SIZES", "gsm8k,tiny").split(",")
+SIZES = [s for s in os.environ.get("SAMPLER_BENCH_SIZES", "gsm8k,tiny").split(",") if s]
+# sampler.quantization="int8" against float32 (benchmarks/_sampler_int8.py)
+INT8_SIZES = [s for s in os.environ.get("SAMPLER_BENCH_INT8_SIZES", "gsm8k,smollm2").split(",")
+              if s]
+INT8_NEW = env("INT8_NEW", 64)
 PAUSE_S, BURST = 0.5, env("BURST", 3)   # pause, timed runs per burst (see measure)
 LANES = env("LANES", 2)                 # sampler.decode_lanes of the _lanes lines
 
@@ -332,7 +341,7 @@ def read_roofline(engine, t_step: float, t_hf_step: float, suffix: str) -> None:
     import jax.numpy as jnp
     params = engine.load_params()
     state = engine.init_decode_state()
-    n_param = sum(x.nbytes for x in params.leaves)
+    n_param = sum(x.nbytes for x in jax.tree.leaves(params.leaves))   # int8: values + scales
     n_cache = sum(x.nbytes for x in (*state.cache.k, *state.cache.v))
     n = n_param + n_cache
     x = jnp.ones((n // 4,), jnp.float32)
@@ -344,9 +353,10 @@ def read_roofline(engine, t_step: float, t_hf_step: float, suffix: str) -> None:
           f"over the same bytes ({n / t_read / 1e9:.1f} GB/s, baseline)")
     print(f"RESULT decode_device_over_read_bound{suffix} {t_step / t_read:.2f} x device step "
           f"{t_step * 1e3:.2f} ms over the read bound")
-    print(f"RESULT decode_speedup_at_read_bound{suffix} {t_hf_step / t_read:.1f} x the speedup "
-          f"over transformers ({t_hf_step * 1e3:.2f} ms per step) of a loop at the read bound",
-          flush=True)
+    if t_hf_step is not None:
+        print(f"RESULT decode_speedup_at_read_bound{suffix} {t_hf_step / t_read:.1f} x the "
+              f"speedup over transformers ({t_hf_step * 1e3:.2f} ms per step) of a loop at "
+              f"the read bound", flush=True)
 
 
 def small_gemm(m: int, k: int, n: int, suffix: str) -> None:
@@ -382,10 +392,14 @@ def small_gemm(m: int, k: int, n: int, suffix: str) -> None:
 
 def main() -> int:
     import torch
+    from _sampler_int8 import measure_int8
     torch.set_num_threads(THREADS)
     with tempfile.TemporaryDirectory() as tmp:
         for size in SIZES:
             measure(size, "" if size == SIZES[0] else f"_{size}", tmp)
+        for size in INT8_SIZES:
+            measure_int8(size, tmp, batch=BATCH, plen=64, new=INT8_NEW, repeats=REPEATS,
+                         read_bound=read_roofline)
     return 0
 
 

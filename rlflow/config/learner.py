@@ -121,7 +121,9 @@ class LearnerConfig:
         Reported as ``moe/aux_loss`` for MoE models; ignored for dense ones.
       rollout_correction: importance weights and rejection of tokens, samples or groups
         between the learner's old policy and the sampler's behaviour policy
-        (:class:`RolloutCorrectionConfig`; default: token-level truncation at 2).
+        (:class:`RolloutCorrectionConfig`; default: token-level truncation at 2, which is
+        also what corrects an int8 sampler, ``sampler.quantization="int8"``: it stays on
+        unless set off here).
       is_cap: deprecated alias: ``rollout_correction.weight="token"`` with
         ``weight_cap=is_cap`` (0: ``weight="off"``); None: not used.
       mask_truncated: drop completions cut by max_tokens from the loss (DAPO).

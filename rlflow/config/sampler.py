@@ -11,6 +11,9 @@ from rlflow.config.model import MeshConfig
 # how the engine stores its wide projection kernels (rlflow.sampler.kernel_layout)
 KernelLayout = Literal["auto", "in_out", "out_in"]
 KERNEL_LAYOUTS = get_args(KernelLayout)
+# how the engine stores its projection kernels' values (rlflow.sampler.quantization)
+Quantization = Literal["none", "int8"]
+QUANTIZATIONS = get_args(Quantization)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,22 @@ class SamplerConfig:
         each slot's pages, any backend), "kernel" (the Pallas TPU kernel
         ``jax.experimental.pallas.ops.tpu.paged_attention``, TPU only), "auto" (default:
         "kernel" on TPU, "gather" elsewhere).
+      quantization: the engine's projection weights, "none" (default: the sampler dtype) or
+        "int8": at every weight swap, once per version, each projection kernel (attention
+        q/k/v/o, MLP gate/up/down, an untied LM head) is quantized with qwix to int8 with
+        one symmetric absmax scale per output channel (per layer of a stacked kernel),
+        stored int8 + scales in the sampler dtype; embeddings (a gather table, and with
+        tied embeddings the LM head too), norms and biases stay in the sampler dtype, and
+        so does the KV cache. Weight-only: activations stay in the sampler dtype. On TPU /
+        GPU the engine holds int8 + scales and dequantizes each kernel in front of its dot
+        inside the jitted call (qwix's own path for a float x int8 dot, which XLA fuses);
+        XLA:CPU fuses no such dot (a 135M decode step ran 0.6x float32 that way,
+        benchmarks/sampler_throughput.py), so on the CPU backend the engine dequantizes once
+        per version and decodes the same values at float32's speed and memory. The
+        behaviour logprobs are those of the
+        quantized policy; the learner's ``learner.rollout_correction`` (on by default:
+        token-level truncated IS) corrects for it, and an explicit setting there, "off"
+        included, is honoured (:mod:`rlflow.sampler.quantization`).
     """
 
     num_slots: int = 16
@@ -114,6 +133,7 @@ class SamplerConfig:
     page_size: int = 16
     num_pages: int = 0
     paged_attention: Literal["auto", "gather", "kernel"] = "auto"
+    quantization: Quantization = "none"
 
     @property
     def pages_per_slot(self) -> int:
@@ -151,6 +171,7 @@ class SamplerConfig:
         _one_of(self.kernel_layout, KERNEL_LAYOUTS, "sampler.kernel_layout")
         _one_of(self.kv_cache, ("contiguous", "paged"), "sampler.kv_cache")
         _one_of(self.paged_attention, ("auto", "gather", "kernel"), "sampler.paged_attention")
+        _one_of(self.quantization, QUANTIZATIONS, "sampler.quantization")
         _positive(self.page_size, "sampler.page_size")
         _check(isinstance(self.num_pages, int) and (self.num_pages == 0 or
                                                     self.num_pages >= self.pages_per_slot),

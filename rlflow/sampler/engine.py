@@ -50,7 +50,7 @@ from flax import nnx
 from rlflow.sampler.jetstream_api import engine_api, tokenizer_pb2
 
 from rlflow.models.kv_cache import KVCache, init_cache
-from rlflow.sampler import kernel_layout, paged
+from rlflow.sampler import kernel_layout, paged, quantization
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
                                          EngineParams, Prefix, PromptError, SampledTokens,
                                          pick_bucket)
@@ -85,6 +85,9 @@ class RlflowEngine(engine_api.Engine):
             kernel_layout.wide_kernels(state) if kernel_layout.stores_out_first(
                 getattr(sampler_cfg, "kernel_layout", "auto"),
                 self._mesh.devices.flat[0].platform) else ())
+        self._quant = quantization.QuantizedKernels(     # int8 projection kernels or not
+            state, getattr(sampler_cfg, "quantization", "none"),
+            self._mesh.devices.flat[0].platform)
         self.tokenizer_path = tokenizer_path
         self.eos_token_ids = tuple(int(e) for e in (
             self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
@@ -135,7 +138,9 @@ class RlflowEngine(engine_api.Engine):
         Each array is cast to the dtype of the model's own parameter (e.g. fp32 learner
         weights into a bf16 sampler), and with ``sampler.kernel_layout`` resolving to
         ``"out_in"`` (the CPU default) each wide kernel is stored transposed
-        (:mod:`rlflow.sampler.kernel_layout`); :meth:`param_state` gives the model's tree.
+        (:mod:`rlflow.sampler.kernel_layout`); with ``sampler.quantization="int8"`` each
+        projection kernel is quantized to int8 once here, before that
+        (:mod:`rlflow.sampler.quantization`). :meth:`param_state` gives the model's tree.
 
         Raises:
           ValueError: the params' tree does not match the model's, or a parameter's shape
@@ -156,20 +161,23 @@ class RlflowEngine(engine_api.Engine):
         state = jax.tree_util.tree_map(
             lambda x, r: x if x.dtype == r.dtype else x.astype(r.dtype), state,
             self._default_state)
-        leaves = self._kernels.store(given, jax.tree_util.tree_leaves(
-            self._mesh_lib.shard_params(state, self._mesh)))
+        placed = jax.tree_util.tree_leaves(self._mesh_lib.shard_params(state, self._mesh))
+        leaves = self._kernels.store(given, self._quant.quantize(given, placed))
         return EngineParams(leaves=tuple(leaves), version=jnp.asarray(version, jnp.int32))
 
     def param_state(self, params: EngineParams):
         """The ``nnx.State`` of ``params`` in the model's own layout (inverse of
-        :meth:`load_params`' flattening and kernel layout)."""
+        :meth:`load_params`' flattening and kernel layout); int8 kernels dequantized (the
+        weights of the policy the engine samples from)."""
         return jax.tree_util.tree_unflatten(
-            self._state_treedef, self._kernels.model_leaves(params.leaves))
+            self._state_treedef,
+            self._quant.dequantize(self._kernels.model_leaves(params.leaves)))
 
     def _model(self, params: EngineParams):
-        """The model on the stored leaves, its wide kernels marked ``[out, in]``."""
-        model = nnx.merge(self.graphdef,
-                          jax.tree_util.tree_unflatten(self._state_treedef, params.leaves))
+        """The model on the stored leaves, its wide kernels marked ``[out, in]``, its int8
+        kernels dequantized in front of their dots (:mod:`rlflow.sampler.quantization`)."""
+        model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(
+            self._state_treedef, self._quant.dequantize(params.leaves)))
         self._kernels.mark(model)
         return model
 
