@@ -42,6 +42,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("lora_rank", None),      # LoRA adapter rank: small, never sharded
+    ("layers", None),         # leading [L] axis of the stacked layers (models.layer_scan):
+                              # each device holds every layer's slice of its shard
     # KV cache, per layer keys [B, K, D, S], values [B, K, S, D]
     ("cache_batch", ("data", "fsdp")),
     ("cache_seq", None),

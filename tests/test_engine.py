@@ -190,11 +190,12 @@ def test_kernel_layouts_give_the_same_completions(tie):
     for layout in ("in_out", "out_in"):
         engine = RlflowEngine(model, sampler_cfg(kernel_layout=layout), mesh=one_device_mesh())
         params = engine.load_params()
-        shapes = collections.Counter(x.shape for x in params.leaves if x.ndim == 2)
+        shapes = collections.Counter(x.shape for x in params.leaves if x.ndim in (2, 3))
         flipped = layout == "out_in"
-        # gate and up [E, F] (wide), down [F, E]; embed [V, E]; an untied head [E, V] (wide)
-        want = collections.Counter({(e, f): 0 if flipped else 2 * n,
-                                    (f, e): 3 * n if flipped else n,
+        # stacked over the layers: gate and up [L, E, F] (wide), down [L, F, E]; embed [V,
+        # E]; an untied head [E, V] (wide); the two norm scales [L, E]
+        want = collections.Counter({(n, e): 2, (n, e, f): 0 if flipped else 2,
+                                    (n, f, e): 3 if flipped else 1,
                                     (v, e): 1 if tie else (1 + flipped),
                                     (e, v): 0 if tie or flipped else 1})
         assert shapes == +want, (layout, shapes)
