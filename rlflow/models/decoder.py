@@ -529,9 +529,11 @@ class Decoder(nnx.Module):
         Returns:
           ``(logits [B, T, V] float32, new cache)``.
 
-        The layers run as a Python loop here over static slices of the stacked parameters
-        (:func:`rlflow.models.layer_scan.layer_modules`; one cache array per layer, written
-        through ``kv_hook``), unlike :meth:`hidden_states`' scan.
+        The layers run as a Python loop here (one cache array per layer, written through
+        ``kv_hook``), unlike :meth:`hidden_states`' scan: over static slices of the stacked
+        parameters (:func:`rlflow.models.layer_scan.layer_modules`), or over the blocks of
+        a model whose ``layers`` is an ``nnx.List`` (the sampler engine's view, weights
+        sliced once per version: :mod:`rlflow.sampler.layer_storage`).
 
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
@@ -548,7 +550,8 @@ class Decoder(nnx.Module):
         ks, vs = list(cache.k), list(cache.v)
         paged = isinstance(cache, PagedKVCache)
         x = self._embed(tokens)
-        for layer, block in enumerate(layer_modules(self.layers)):
+        blocks = self.layers if isinstance(self.layers, nnx.List) else layer_modules(self.layers)
+        for layer, block in enumerate(blocks):
             def hook(k, v, layer=layer):
                 if paged:
                     ks[layer], vs[layer], read = layer_attention_inputs(

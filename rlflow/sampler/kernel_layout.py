@@ -47,7 +47,8 @@ def stores_out_first(layout: str, backend: str) -> bool:
 
 
 def _keys(path) -> tuple:
-    """A parameter's tree path as plain keys: ``('layers', 'mlp', 'gate_kernel')``."""
+    """A parameter's tree path as plain keys: ``('layers', 'mlp', 'gate_kernel')`` (stacked),
+    ``('layers', 0, 'mlp', 'gate_kernel')`` (the engine's per-layer view)."""
     return tuple(k.key for k in path if hasattr(k, "key"))
 
 
@@ -56,9 +57,11 @@ def wide_kernels(state) -> tuple[tuple[int, tuple, str], ...]:
 
     Args:
       state: the model's parameter tree (``nnx.State``): leaves named ``*_kernel`` or
-        ``lm_head`` that are 2-D ``[in, out]`` with ``in < out`` are wide, under ``layers``
-        (stacked, :mod:`rlflow.models.layer_scan`) after their leading ``[L]`` axis (``[L,
-        in, out]``); LoRA factors, embeddings, norms and the 3-D attention kernels are not.
+        ``lm_head`` that are 2-D ``[in, out]`` with ``in < out`` are wide, under stacked
+        ``layers`` (:mod:`rlflow.models.layer_scan`) after their leading ``[L]`` axis (``[L,
+        in, out]``; the engine's per-layer ``layers.<i>`` leaves,
+        :mod:`rlflow.sampler.layer_storage`, are 2-D); LoRA factors, embeddings, norms and
+        the 3-D attention kernels are not.
 
     Returns: per wide kernel, ``(position in jax.tree_util.tree_leaves(state), keys of the
     module that owns it, its attribute name)``.
@@ -67,7 +70,8 @@ def wide_kernels(state) -> tuple[tuple[int, tuple, str], ...]:
     for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
         keys = _keys(path)
         name = keys[-1] if keys and isinstance(keys[-1], str) else ""
-        shape = tuple(x.shape)[1:] if keys[:1] == (LAYER_AXIS,) else tuple(x.shape)
+        stacked = keys[:1] == (LAYER_AXIS,) and len(keys) > 1 and not isinstance(keys[1], int)
+        shape = tuple(x.shape)[1:] if stacked else tuple(x.shape)
         if ((name.endswith("_kernel") or name == "lm_head") and len(shape) == 2
                 and shape[0] < shape[1]):
             out.append((i, keys[:-1], name))
