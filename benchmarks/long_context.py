@@ -21,12 +21,19 @@ Figures (``RESULT`` lines, benchmarks/README.md):
   (target <= 9: linear in T; the ``[T, T]`` attention scores make it quadratic);
 * ``learner_temp_mib_<model>_<T>`` and ``memory_model_over_compiled_<model>_<T>`` per length
   (target within 25%: 0.75..1.25);
-* ``compile_s_28_over_4_layers``: compile time of the grad step of the 4.46M model's shape
-  with 28 layers over 4 layers (the layers under one scan: ~1, not ~7).
+* ``train_step_compile_28_over_4``: compile time of the learner's whole train step
+  (:meth:`rlflow.learner.trainer.Learner.compiled_step`: forward, loss, backward, micro-batch
+  accumulation, clipping and the optax update) of a tiny-width model of the same family
+  (hidden 64, one row of 128 tokens) with 28 layers over 4 layers (target ~1: the layers are
+  stored stacked and run under one scan, so neither the layer body nor the optimiser's
+  per-parameter work is repeated per layer; 7 = compile time linear in depth), with
+  ``train_step_compile_s_<L>_layers`` the seconds of each (best of two compiles, interleaved:
+  a process's first compile also pays one-time costs).
 
 Usage: ``.venv/bin/python benchmarks/long_context.py [--remat full] [--attention ...]
-[--lengths 2048,4096,...]``; ``--remat`` / ``--attention`` set ``learner.remat`` /
-``learner.attention`` when the config has the field (an unknown field is an error).
+[--lengths 2048,4096,...] [--depth-only]``; ``--remat`` / ``--attention`` set
+``learner.remat`` / ``learner.attention`` when the config has the field (an unknown field is
+an error); ``--depth-only`` prints the compile-time lines alone (about a minute).
 ``LONG_CONTEXT_BIG_MAX`` (default 32768): the longest row compiled for the hidden-512 model
 (lower it if a compile takes too long on a slow machine; each took 5-45 s on 2 shared cores,
 the whole script about 6 minutes under load).
@@ -90,6 +97,34 @@ def compile_step(cfg, seq: int):
     return compiled, time.perf_counter() - t0
 
 
+def train_step_compile_s(cfg, seq: int) -> float:
+    """Seconds the learner of ``cfg`` (one device) takes to compile its whole train step for
+    a ``[2, seq]`` batch (:meth:`rlflow.learner.trainer.Learner.compiled_step`)."""
+    import jax
+
+    from rlflow.config import MeshConfig
+    from rlflow.learner.trainer import Learner
+    from rlflow.mesh import make_mesh
+
+    learner = Learner(cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    learner.compiled_step(2, seq)
+    return learner.last_compile_s
+
+
+def depth_lines(model_config, overrides: dict, note: str) -> None:
+    """The ``train_step_compile_*`` lines (module doc): 4 and 28 layers, same width."""
+    seq, secs = 128, {4: float("inf"), 28: float("inf")}
+    # best of two, interleaved: the first compile of a process also pays one-time costs
+    for layers in (4, 28, 4, 28):
+        cfg = experiment(model_config(hidden=64, layers=layers), seq, overrides)
+        secs[layers] = min(secs[layers], train_step_compile_s(cfg, seq))
+    for layers in (4, 28):
+        print(f"RESULT train_step_compile_s_{layers}_layers {secs[layers]:.2f} s whole train "
+              f"step, hidden 64, one row of {seq} tokens, {note}", flush=True)
+    print(f"RESULT train_step_compile_28_over_4 {secs[28] / secs[4]:.2f} x target ~1 (stacked "
+          f"layers under one scan); 7 = compile time linear in depth", flush=True)
+
+
 def model_estimate(cfg) -> float:
     """The memory model's figure comparable to compiled temporaries: activations + the
     float32 gradient accumulator (bytes)."""
@@ -122,6 +157,8 @@ def main() -> int:
                         help="learner.attention, when the config has the field")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
                         help="tokens per row, comma-separated")
+    parser.add_argument("--depth-only", action="store_true",
+                        help="only the compile time at 4 vs 28 layers")
     args = parser.parse_args()
     from _gsm8k_model import model_config
 
@@ -131,6 +168,9 @@ def main() -> int:
     settings = experiment(model_config(), lengths[0], overrides).learner
     note = f"remat={settings.remat}" + (
         f" attention={settings.attention}" if hasattr(settings, "attention") else "")
+    if args.depth_only:
+        depth_lines(model_config, overrides, note)
+        return 0
     temps: dict[tuple[str, int], float] = {}
     for name, model in (("4m", model_config()), ("h512l8", model_config(hidden=512, layers=8))):
         for seq in lengths:
@@ -152,14 +192,7 @@ def main() -> int:
         ratio = temps[("4m", 16384)] / temps[("4m", 2048)]
         print(f"RESULT learner_temp_bytes_16k_over_2k {ratio:.2f} x target<=9 (linear in T); "
               f"4.46M GSM8K model, one row, {note}")
-    secs = {}
-    for layers in (4, 28):
-        cfg = experiment(model_config(layers=layers), 512, overrides)
-        secs[layers] = compile_step(cfg, 512)[1]
-        print(f"RESULT compile_s_{layers}_layers {secs[layers]:.1f} s grad step, hidden 256, "
-              f"one row of 512 tokens, {note}", flush=True)
-    print(f"RESULT compile_s_28_over_4_layers {secs[28] / secs[4]:.2f} x target ~1 (layers "
-          f"under one scan); 7 = compile time linear in depth")
+    depth_lines(model_config, overrides, note)
     return 0
 
 

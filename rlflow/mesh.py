@@ -51,6 +51,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert", "expert"),      # a MoE layer's experts [n_experts, ...] (rlflow.models.moe)
     ("norm", None),
     ("lora_rank", None),      # LoRA adapter rank: small, never sharded
+    ("layers", None),         # leading [L] axis of the stacked layers (models.layer_scan):
+                              # each device holds every layer's slice of its shard
     # KV cache, per layer keys [B, K, D, S], values [B, K, S, D]
     ("cache_batch", BATCH_AXES),
     ("cache_seq", None),

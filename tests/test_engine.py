@@ -15,7 +15,7 @@ from rlflow.mesh import make_mesh
 from rlflow.models import build_model, load_hf, positions_from_mask
 from rlflow.models.logprobs import token_logprobs
 from rlflow.sampler.batching import ContinuousBatcher, Request
-from rlflow.sampler import kernel_layout
+from rlflow.sampler import kernel_layout, layer_storage
 from rlflow.sampler.engine import PromptError, RlflowEngine
 from rlflow.sampler.sampling import SamplingParams
 from tests.hf_fixtures import FAMILIES, make_tiny_hf_model
@@ -202,7 +202,10 @@ def test_kernel_layouts_give_the_same_completions(tie):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         if flipped:  # the same arrays again (a LoRA forward swap shares its base): kept
             again = engine.load_params(plain, version=1)
-            for i, _, _ in kernel_layout.wide_kernels(plain):
+            # positions in the engine's leaves: its view holds one array per layer
+            view = nnx.state(layer_storage.unstacked_view(model), nnx.Param)
+            assert len(kernel_layout.wide_kernels(view)) == (2 * n + (not tie))
+            for i, _, _ in kernel_layout.wide_kernels(view):
                 assert again.leaves[i] is params.leaves[i]
             # ... and new arrays (the next version) are stored anew, not served stale
             doubled = jax.tree.map(lambda x: x * 2, plain)

@@ -153,10 +153,10 @@ def test_load_into_mesh_places_each_parameter_in_its_sharding(hf_dir):
     for arr, sh, ref in zip(jax.tree.leaves(ps), want, jax.tree.leaves(nnx.state(plain, nnx.Param))):
         assert arr.sharding == sh
         np.testing.assert_array_equal(np.asarray(arr), np.asarray(ref))
-    q = sharded.layers[0].attn.q_kernel[...]
-    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (cfg.hidden_size // 2, cfg.num_heads // 2,
-                                                  cfg.head_dim)
+    q = sharded.layers.attn.q_kernel[...]          # stacked [L, E, H, D]: layers unsharded
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    assert q.addressable_shards[0].data.shape == (cfg.num_layers, cfg.hidden_size // 2,
+                                                  cfg.num_heads // 2, cfg.head_dim)
 
 
 def test_tokenizer_files_are_copied(hf_dir, tmp_path):

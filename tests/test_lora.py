@@ -61,10 +61,10 @@ def _numpy_merged(base, adapters, scale):
         node = pure
         for k in path[:-1]:
             node = node[k]
-        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        d = np.tensordot(a64, b64, axes=([a64.ndim - 1], [0]))
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)   # [L, ...] stacked
+        d = np.stack([np.tensordot(ai, bi, axes=([ai.ndim - 1], [0])) for ai, bi in zip(a64, b64)])
         node[path[-1]] = (node[path[-1]].astype(np.float64) + scale * d).astype(np.float32)
-        n += 1
+        n += len(a64)
     return pure, n
 
 
@@ -110,14 +110,15 @@ def test_trained_embeddings_move_from_the_base_to_the_trained_tree():
 
 def test_adapters_on_every_projection_with_logical_axes():
     _, dcfg, _, adapters, _ = _parts()
-    pairs = adapter_pairs(adapters)
-    assert len(pairs) == 7 * MODEL.num_layers
-    q = adapters["layers"][0]["attn"]["q_lora"]
-    assert q["a"].shape == (32, 4) and q["b"].shape == (4, 4, 8)
-    assert q["a"].get_metadata()["out_sharding"] == ("embed", "lora_rank")
-    assert q["b"].get_metadata()["out_sharding"] == ("lora_rank", "q_heads", "head_dim")
-    o = adapters["layers"][1]["attn"]["o_lora"]
-    assert o["a"].shape == (4, 8, 4) and o["b"].shape == (4, 32)
+    pairs = adapter_pairs(adapters)                  # one per projection, stacked over layers
+    assert len(pairs) == 7
+    n = MODEL.num_layers
+    q = adapters["layers"]["attn"]["q_lora"]
+    assert q["a"].shape == (n, 32, 4) and q["b"].shape == (n, 4, 4, 8)
+    assert q["a"].get_metadata()["out_sharding"] == ("layers", "embed", "lora_rank")
+    assert q["b"].get_metadata()["out_sharding"] == ("layers", "lora_rank", "q_heads", "head_dim")
+    o = adapters["layers"]["attn"]["o_lora"]
+    assert o["a"].shape == (n, 4, 8, 4) and o["b"].shape == (n, 4, 32)
     assert all(np.all(np.asarray(b) == 0) for _, _, _, b in pairs)      # B = 0 at init
     # only q/v targeted: the others are absent
     spec = LoraSpec(rank=2, alpha=2.0, projections=("q_proj", "v_proj"))
@@ -186,15 +187,16 @@ def test_adapter_gradients_follow_the_chain_rule_of_the_full_weight_gradient():
         node = gf
         for k in path:
             node = node[k]
-        dw = np.asarray(node, np.float64)
-        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        n_in = a64.ndim - 1
-        want_a = SPEC.scale * np.tensordot(dw, b64, axes=(list(range(n_in, dw.ndim)),
-                                                          list(range(1, b64.ndim))))
-        want_b = SPEC.scale * np.tensordot(a64, dw, axes=(list(range(n_in)),
-                                                          list(range(n_in))))
-        gnode = g_lora.to_pure_dict()["layers"][path[1]][path[2]][path[3].replace("kernel",
-                                                                                   "lora")]
+        dws = np.asarray(node, np.float64)                     # [L, ...]: per layer
+        a64s, b64s = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        n_in = a64s.ndim - 2
+        want_a = SPEC.scale * np.stack([
+            np.tensordot(dw, b64, axes=(list(range(n_in, dw.ndim)), list(range(1, b64.ndim))))
+            for dw, b64 in zip(dws, b64s)])
+        want_b = SPEC.scale * np.stack([
+            np.tensordot(a64, dw, axes=(list(range(n_in)), list(range(n_in))))
+            for a64, dw in zip(a64s, dws)])
+        gnode = g_lora.to_pure_dict()["layers"][path[1]][path[2].replace("kernel", "lora")]
         tol = 1e-4 * max(np.abs(want_a).max(), np.abs(want_b).max())
         np.testing.assert_allclose(np.asarray(gnode["a"]), want_a, atol=tol, err_msg=str(path))
         np.testing.assert_allclose(np.asarray(gnode["b"]), want_b, atol=tol, err_msg=str(path))
@@ -238,7 +240,7 @@ def test_sharded_lora_step_equals_single_device():
     cfg = tiny_experiment(MODEL, G, T, num_devices=4, mesh=MeshConfig(fsdp=2, tensor=2),
                           kl_coef=0.2, lora=LoraConfig(rank=4, alpha=8.0, lr=1e-2))
     sharded, single = Learner(cfg), Learner(cfg, mesh=one_device_mesh())
-    a = sharded.params["layers"][0]["mlp"]["down_lora"]["a"][...]      # [F, r]: F over tensor
+    a = sharded.params["layers"]["mlp"]["down_lora"]["a"][...]   # [L, F, r]: F over tensor
     assert len(a.sharding.device_set) == 4 and not a.sharding.is_fully_replicated
     # other reduction orders in every matmul and token sum (tests/tolerances.py): the forward
     # chain (each adapted projection adds its rank-r contraction: 7 per layer) twice plus the

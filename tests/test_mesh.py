@@ -59,8 +59,8 @@ def test_fsdp2_tensor2_forward_equals_one_device(family):
     mesh1 = make_mesh(MeshConfig(), devices=jax.devices()[:1])
     model1, cfg = build_model(mcfg)
     model4, _ = build_model(mcfg, mesh=mesh4)      # initialised directly in its shardings
-    q = model4.layers[0].attn.q_kernel[...]
-    assert len(q.sharding.device_set) == 4 and q.sharding.spec == P("fsdp", "tensor", None)
+    q = model4.layers.attn.q_kernel[...]          # stacked [L, E, H, D]
+    assert len(q.sharding.device_set) == 4 and q.sharding.spec == P(None, "fsdp", "tensor", None)
     # same parameter values (jit vs eager init may differ in the last bit)
     for a, b in zip(jax.tree.leaves(nnx.state(model1, nnx.Param)),
                     jax.tree.leaves(nnx.state(model4, nnx.Param))):
@@ -93,11 +93,12 @@ def test_param_shardings_follow_the_rules():
     sh = param_shardings(nnx.state(model, nnx.Param), mesh)
     expected = {  # MaxText-style: FSDP on embed, tensor on heads / mlp / vocab
         ("embed",): P("tensor", "fsdp"),
-        ("layers", 0, "attn", "q_kernel"): P("fsdp", "tensor", None),
-        ("layers", 0, "attn", "k_bias"): P("tensor", None),
-        ("layers", 0, "attn", "o_kernel"): P("tensor", None, "fsdp"),
-        ("layers", 1, "mlp", "down_kernel"): P("tensor", "fsdp"),
-        ("layers", 1, "input_norm", "scale"): P(None),
+        # the stacked layers' leading [L] axis is never sharded
+        ("layers", "attn", "q_kernel"): P(None, "fsdp", "tensor", None),
+        ("layers", "attn", "k_bias"): P(None, "tensor", None),
+        ("layers", "attn", "o_kernel"): P(None, "tensor", None, "fsdp"),
+        ("layers", "mlp", "down_kernel"): P(None, "tensor", "fsdp"),
+        ("layers", "input_norm", "scale"): P(None, None),
         ("final_norm", "scale"): P(None),
     }
     pure = sh.to_pure_dict()
@@ -114,8 +115,8 @@ def test_indivisible_dimension_is_replicated():
     model, cfg = build_model(_cfg("llama"))        # 2 kv heads, 4 query heads
     mesh = make_mesh(MeshConfig(tensor=4))
     pure = param_shardings(nnx.state(model, nnx.Param), mesh).to_pure_dict()
-    assert pure["layers"][0]["attn"]["k_kernel"].spec == P("fsdp", None, None)
-    assert pure["layers"][0]["attn"]["q_kernel"].spec == P("fsdp", "tensor", None)
+    assert pure["layers"]["attn"]["k_kernel"].spec == P(None, "fsdp", None, None)
+    assert pure["layers"]["attn"]["q_kernel"].spec == P(None, "fsdp", "tensor", None)
 
 
 def test_unmatched_parameter_is_an_error():
@@ -123,7 +124,7 @@ def test_unmatched_parameter_is_an_error():
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2))
     params = nnx.state(model, nnx.Param)
     rules = tuple(r for r in __import__("rlflow.mesh").mesh.LOGICAL_AXIS_RULES if r[0] != "mlp")
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_kernel.*'mlp' has no rule"):
+    with pytest.raises(ValueError, match=r"layers\.mlp\.down_kernel.*'mlp' has no rule"):
         param_shardings(params, mesh, rules)
 
     class Bare(nnx.Module):

@@ -30,9 +30,10 @@ SETTINGS = dict(norm_len=T, kl_coef=0.3, correction=RolloutCorrectionConfig(
     weight_cap=1.5, reject="token", reject_low=0.4, reject_high=2.5))
 
 
-def unrolled(layers, x, apply, remat="none"):
-    """The oracle: the layers as a Python loop (what the decoder ran before the scan)."""
-    for layer in layers:
+def unrolled(stacked, x, apply, remat="none"):
+    """The oracle: the layers as a Python loop over static slices of the stacked parameters
+    (what the decoder ran before the scan)."""
+    for layer in layer_scan.layer_modules(stacked):
         x = apply(layer, x)
     return x
 
@@ -164,16 +165,59 @@ def test_layers_of_different_structure_are_refused():
     adapted = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0),
                                            lora=LoraSpec.from_config(LoraConfig(rank=2))))
     with pytest.raises(layer_scan.LayerScanError, match="layer 1 has another structure"):
-        layer_scan.stack_layers([plain, adapted])
+        layer_scan.stack_modules([plain, adapted])
+    with pytest.raises(layer_scan.LayerScanError, match="at least one layer"):
+        layer_scan.stack_modules([])
+
+
+def _axes(module):
+    return {tuple(v.get_metadata()["out_sharding"]) for v in
+            jax.tree.leaves(nnx.state(module), is_leaf=lambda x: isinstance(x, nnx.Variable))}
 
 
 def test_stacked_layers_hold_each_layer_in_order():
+    """stack_modules: every variable [L, ...] with slice i = block i, logical axes led by
+    "layers"; layer_modules gives each block back (its own axes); the decoder's layers are the
+    blocks drawn from its rngs after the embedding."""
+    cfg = decoder_mod.DecoderConfig.from_model_config(MODEL)
+    lora = LoraSpec.from_config(LoraConfig(rank=2))
+    rngs = nnx.Rngs(params=3)
+    blocks = [Block(cfg, rngs=rngs, lora=lora) for _ in range(MODEL.num_layers)]
+    stacked = layer_scan.stack_modules(blocks)
+    assert layer_scan.num_layers(stacked) == MODEL.num_layers
+    got = [np.asarray(x) for x in jax.tree.leaves(nnx.state(stacked))]
+    assert all(x.shape[0] == MODEL.num_layers for x in got)
+    assert all(axes[0] == layer_scan.LAYER_AXIS for axes in _axes(stacked))
+    for i, (block, view) in enumerate(zip(blocks, layer_scan.layer_modules(stacked))):
+        want = jax.tree.leaves(nnx.state(block))
+        for g, w, v in zip(got, want, jax.tree.leaves(nnx.state(view))):
+            np.testing.assert_array_equal(g[i], np.asarray(w))
+            np.testing.assert_array_equal(np.asarray(v), np.asarray(w))
+        assert _axes(view) == _axes(block)
+        assert nnx.graphdef(view) == nnx.graphdef(block)
     model, _ = build_model(MODEL)
-    _, stacked = layer_scan.stack_layers(model.layers)
-    got = np.asarray(stacked["mlp"]["up_kernel"][...])
-    assert got.shape[0] == MODEL.num_layers
-    for i, block in enumerate(model.layers):
-        np.testing.assert_array_equal(got[i], np.asarray(block.mlp.up_kernel[...]))
+    rngs = nnx.Rngs(params=MODEL.init_seed)
+    rngs.params()                                  # the embedding's draw
+    first = Block(cfg, rngs=rngs)
+    np.testing.assert_array_equal(np.asarray(model.layers.mlp.up_kernel[...][0]),
+                                  np.asarray(first.mlp.up_kernel[...]))
+
+
+def test_layer_trees_stack_and_unstack():
+    """The boundary helpers (HF names, checkpoints of per-layer trees): stack_trees of L
+    per-layer trees is leaf-wise np.stack (numpy stays numpy) and unstack_tree inverts it."""
+    rng = np.random.default_rng(0)
+    trees = [{"attn": {"q": rng.normal(size=(2, 3))}, "norm": rng.normal(size=(3,))}
+             for _ in range(4)]
+    stacked = layer_scan.stack_trees(trees)
+    assert isinstance(stacked["attn"]["q"], np.ndarray) and stacked["attn"]["q"].shape == (4, 2, 3)
+    for i, tree in enumerate(layer_scan.unstack_tree(stacked)):
+        np.testing.assert_array_equal(tree["attn"]["q"], trees[i]["attn"]["q"])
+        np.testing.assert_array_equal(tree["norm"], trees[i]["norm"])
+    with pytest.raises(layer_scan.LayerScanError, match="differ in shape"):
+        layer_scan.stack_trees([trees[0], {"attn": {"q": np.zeros((3, 3))}, "norm": trees[0]["norm"]}])
+    with pytest.raises(layer_scan.LayerScanError, match="layer 1's tree differs"):
+        layer_scan.stack_trees([trees[0], {"attn": trees[0]["attn"]}])
 
 
 def test_remat_policy_names_are_checked():

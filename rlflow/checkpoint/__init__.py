@@ -35,6 +35,8 @@ Modules, one concept each:
   metric (orbax ``LatestN`` or ``BestN``).
 * :mod:`~rlflow.checkpoint.targets`: restore targets and re-sharding onto another mesh
   (:func:`abstract_target`), and the check that a target fits what was saved.
+* :mod:`~rlflow.checkpoint.layer_layout`: checkpoints written with per-layer parameters
+  (before the decoder stored its layers stacked) restored into the stacked layout.
 * :mod:`~rlflow.checkpoint.json_items`: the JSON encodings of RNG keys and iterator state.
 * :mod:`~rlflow.checkpoint.metadata`: :func:`run_metadata` (the ``meta`` item).
 """

@@ -13,6 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from rlflow.checkpoint import layer_layout
 from rlflow.checkpoint.json_items import (decode_data_state, decode_rngs, encode_data_state,
                                           encode_rngs)
 from rlflow.checkpoint.metadata import run_metadata
@@ -261,26 +262,51 @@ class Checkpointer:
             args["value"] = self._array_restore_args(step, "value", value_target)
         got = self._manager.restore(step, args=ocp.args.Composite(**args))
         progress = got["progress"]
-        params = got["params"]
+        params = self._stacked(step, "params", got["params"], params_target)
         if params_target is None:
             params = jax.device_get(params)
         return LearnerCheckpoint(
             step=progress["step"], params=params,
-            opt_state=got["opt_state"] if want_opt else None,
-            value=got["value"] if want_value else None,
+            opt_state=(self._stacked(step, "opt_state", got["opt_state"], opt_state_target)
+                       if want_opt else None),
+            value=(self._stacked(step, "value", got["value"], value_target)
+                   if want_value else None),
             rngs=decode_rngs(progress.get("rngs", {})),
             data_state=decode_data_state(got["data"]),
             policy_version=progress["policy_version"], extra=progress.get("extra", {}),
             metadata=got["meta"])
 
+    def _saved_tree(self, step: int, item: str) -> PyTree:
+        saved = self._manager.item_metadata(step).get(item)
+        return getattr(saved, "tree", saved)
+
+    def _converts(self, step: int, item: str, target: PyTree) -> bool:
+        """Whether ``item`` was saved per layer (before the layers were stored stacked) and
+        is restored into the stacked layout (:mod:`rlflow.checkpoint.layer_layout`)."""
+        saved = self._saved_tree(step, item)
+        return (saved is not None and layer_layout.is_per_layer(saved)
+                and (target is None or not layer_layout.is_per_layer(target)))
+
     def _array_restore_args(self, step: int, item: str, target: PyTree):
         if target is None:
             # No target: read onto the host CPU device (works whatever mesh saved it).
-            saved = self._manager.item_metadata(step).get(item)
-            target = host_target(getattr(saved, "tree", saved))
+            target = host_target(self._saved_tree(step, item))
+        elif self._converts(step, item, target):
+            target = layer_layout.per_layer_target(f"{self.directory}/{step}/{item}",
+                                                   self._saved_tree(step, item),
+                                                   abstract_target(target))
         else:
             self._check_target(step, item, target)
         return ocp.args.StandardRestore(abstract_target(target))
+
+    def _stacked(self, step: int, item: str, restored: PyTree, target: PyTree) -> PyTree:
+        """``restored`` in the stacked layout: as it is, or (a per-layer checkpoint) its
+        layers stacked onto ``target``'s shardings, or on the host without a target."""
+        if not self._converts(step, item, target):
+            return restored
+        if target is None:
+            return layer_layout.stack_host_tree(jax.device_get(restored))
+        return layer_layout.stack_restored(restored, abstract_target(target))
 
 
 def resume(checkpointer: Checkpointer, *, params_target: PyTree,

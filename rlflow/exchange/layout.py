@@ -3,8 +3,8 @@
 A published pytree (e.g. the learner's ``nnx.State`` of params) is described leaf by leaf,
 in ``jax.tree_util`` flatten order, as JSON-able dicts::
 
-    {"path": "['layers'][0]['attn']['q'].value", "shape": [64, 4, 16], "dtype": "float32",
-     "mesh": 0, "spec": ["fsdp", null, "tensor"]}
+    {"path": "['layers']['attn']['q_kernel'].value", "shape": [4, 64, 4, 16],
+     "dtype": "float32", "mesh": 0, "spec": [null, "fsdp", "tensor", null]}
 
 with a shared list of meshes ``{"shape": [2, 2], "axes": ["fsdp", "tensor"],
 "devices": [0, 1, 2, 3]}`` whose ``devices`` are positions in the publisher's

@@ -40,15 +40,21 @@ _MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 
 def peft_tensors(adapters, dtype=np.float32) -> dict[str, np.ndarray]:
     """PEFT tensor name -> array (``lora_A [r, in]``, ``lora_B [out, r]``) of an adapter tree
-    (``nnx.State`` or pure dict; rlflow ``A [in..., r]``, ``B [r, out...]``)."""
+    (``nnx.State`` or pure dict; rlflow ``A [L, in..., r]``, ``B [L, r, out...]``, stacked
+    over the layers: PEFT's names are per layer)."""
     out = {}
-    for path, name, a, b in adapter_pairs(adapters):
-        a = np.asarray(jax.device_get(a[...] if hasattr(a, "get_value") else a), np.float32)
-        b = np.asarray(jax.device_get(b[...] if hasattr(b, "get_value") else b), np.float32)
-        r = a.shape[-1]
-        prefix = f"base_model.model.model.layers.{path[1]}.{_MODULE[name]}.{name}"
-        out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T.astype(dtype))
-        out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T.astype(dtype))
+    for _, name, a_all, b_all in adapter_pairs(adapters):      # stacked: [L, ...] factors
+        a_all = np.asarray(jax.device_get(a_all[...] if hasattr(a_all, "get_value") else a_all),
+                           np.float32)
+        b_all = np.asarray(jax.device_get(b_all[...] if hasattr(b_all, "get_value") else b_all),
+                           np.float32)
+        for i, (a, b) in enumerate(zip(a_all, b_all)):      # PEFT names them per layer
+            r = a.shape[-1]
+            prefix = f"base_model.model.model.layers.{i}.{_MODULE[name]}.{name}"
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(
+                a.reshape(-1, r).T.astype(dtype))
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(
+                b.reshape(r, -1).T.astype(dtype))
     # modules_to_save: saved under the module's own name, in HF layout
     whole = full_trained(adapters)
     host = lambda x: np.asarray(jax.device_get(x), np.float32)      # noqa: E731

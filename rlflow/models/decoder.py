@@ -32,7 +32,7 @@ from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
-from rlflow.models.layer_scan import scan_layers
+from rlflow.models.layer_scan import layer_modules, scan_layers, stack_modules
 from rlflow.models.lora import LoraAdapter, LoraSpec
 from rlflow.models import moe as moe_lib
 from rlflow.models.moe import MoE
@@ -349,7 +349,10 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     """One pre-norm decoder layer; ``mlp`` is a :class:`rlflow.models.moe.MoE` when the
-    config has experts (``cfg.is_moe``), else an :class:`MLP`."""
+    config has experts (``cfg.is_moe``), else an :class:`MLP`. The decoder stores its ``L``
+    blocks as one stacked module of this structure
+    (:func:`rlflow.models.layer_scan.stack_modules`: every variable ``[L, ...]``); what a
+    block holds does not matter to it."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
@@ -376,8 +379,14 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Causal LM: ``embed [V, E]``, ``layers`` (a list of :class:`Block`), ``final_norm``,
-    ``lm_head [E, V]`` (None when ``tie_word_embeddings``: logits use ``embed``).
+    """Causal LM: ``embed [V, E]``, ``layers``, ``final_norm``, ``lm_head [E, V]`` (None when
+    ``tie_word_embeddings``: logits use ``embed``).
+
+    ``layers``: the ``L`` :class:`Block` s stored stacked, as one module of a block's
+    structure whose every parameter has a leading ``[L, ...]`` axis (logical axis
+    ``"layers"``: :mod:`rlflow.models.layer_scan`), e.g. ``layers.attn.q_kernel [L, E, H,
+    D]``; the blocks are drawn one after the other from ``rngs`` (layer 0 first), then
+    stacked.
 
     ``lora``: a :class:`rlflow.models.lora.LoraSpec` adds LoRA adapters (``nnx.LoRAParam``)
     to the targeted projections of every layer. They draw from ``rngs`` too, so the base
@@ -395,7 +404,8 @@ class Decoder(nnx.Module):
         self.lora = lora
         pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), pdt, ("vocab", "embed"))
-        self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora) for _ in range(cfg.num_layers)])
+        self.layers = stack_modules([Block(cfg, rngs=rngs, lora=lora)
+                                     for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         _normal(rngs, (cfg.hidden_size, cfg.vocab_size), pdt, ("embed", "vocab")))
@@ -465,7 +475,7 @@ class Decoder(nnx.Module):
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
 
-        The layers run under one ``jax.lax.scan`` over their stacked parameters
+        The layers run under one ``jax.lax.scan`` over their stored stacked parameters
         (:func:`rlflow.models.layer_scan.scan_layers`: one compiled layer body whatever the
         depth); ``remat`` is its rematerialisation policy (``"none"``, ``"full"``, ``"dots"``,
         ``"offload"``; :data:`rlflow.models.layer_scan.REMAT_POLICIES`), which changes what
@@ -489,8 +499,7 @@ class Decoder(nnx.Module):
         ``attention_mask`` is True, as HF's ``load_balancing_loss_func``).
 
         Raises (beside :meth:`__call__`'s):
-          LayerScanError: the layers differ in structure, or ``remat`` is unknown or
-            unsupported on this backend.
+          LayerScanError: ``remat`` is unknown or unsupported on this backend.
           ValueError: ``T`` is not a multiple of the ``sequence`` axis (names
             ``learner.mesh.sequence`` and ``T``).
         """
@@ -586,8 +595,10 @@ class Decoder(nnx.Module):
           ``(logits [B, T, V] float32, new cache)``.
 
         The layers run as a Python loop here (one cache array per layer, written through
-        ``kv_hook``), unlike :meth:`hidden_states`' scan: the paged KV cache restructures
-        this path.
+        ``kv_hook``), unlike :meth:`hidden_states`' scan: over static slices of the stacked
+        parameters (:func:`rlflow.models.layer_scan.layer_modules`), or over the blocks of
+        a model whose ``layers`` is an ``nnx.List`` (the sampler engine's view, weights
+        sliced once per version: :mod:`rlflow.sampler.layer_storage`).
 
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
@@ -608,7 +619,8 @@ class Decoder(nnx.Module):
         ks, vs = list(cache.k), list(cache.v)
         paged = isinstance(cache, PagedKVCache)
         x = self._embed(tokens)
-        for layer, block in enumerate(self.layers):
+        blocks = self.layers if isinstance(self.layers, nnx.List) else layer_modules(self.layers)
+        for layer, block in enumerate(blocks):
             def hook(k, v, layer=layer):
                 if paged:
                     ks[layer], vs[layer], read = layer_attention_inputs(

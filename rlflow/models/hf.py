@@ -5,7 +5,10 @@ or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, opti
 ``generation_config.json`` and tokenizer files. HF ``nn.Linear`` weights are
 ``[out, in]``; rlflow kernels are ``[in, out]`` with heads split out (``q [E, H, D]``,
 ``o [H, D, E]``), so each tensor is transposed / reshaped through one table
-(:func:`hf_weight_map`) that both directions use.
+(:func:`hf_weight_map`) that both directions use. The decoder stores its layers stacked
+(``layers.attn.q_kernel [L, E, H, D]``, :mod:`rlflow.models.layer_scan`): HF's per-layer
+tensors (``model.layers.{i}.``, :data:`LAYER_TENSORS`) are read into slice ``i`` of one
+stacked array per parameter, and written from it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import shutil
 import warnings
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +29,7 @@ from safetensors.numpy import save_file
 
 from rlflow.models import hf_settings
 from rlflow.models import hf_moe
-from rlflow.models.hf_moe import is_expert_slice, moe_weight_map
+from rlflow.models.hf_moe import moe_layer_tensors
 from rlflow.models.config import DecoderConfig, ModelFormatError, eos_token_ids
 from rlflow.models.decoder import Decoder
 
@@ -49,32 +53,69 @@ _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bf
 #   expert_linear: HF [out, in] -> slice j of [n, in, out] (MoE experts, rlflow.models.hf_moe)
 
 
-def hf_weight_map(cfg: DecoderConfig) -> list[tuple[str, tuple, str]]:
-    """``(hf_name, rlflow parameter path, kind)`` for every tensor of ``cfg``'s model."""
-    m = [("model.embed_tokens.weight", ("embed",), "copy")]
+class LayerTensor(NamedTuple):
+    """One per-layer tensor: its HF name inside ``model.layers.{i}.``, its parameter path
+    inside a :class:`rlflow.models.decoder.Block`, its kind (above), ``at``: the index of
+    the tensor inside one layer's array (``()``: the whole array; e.g. ``(e,)`` for expert
+    ``e`` of an ``[n_experts, ...]`` kernel) and ``when``: whether a config has it."""
+    hf: str
+    path: tuple
+    kind: str
+    at: tuple = ()
+    when: Callable[[DecoderConfig], bool] = lambda cfg: True
+
+
+LAYER_TENSORS: tuple[LayerTensor, ...] = (
+    LayerTensor("input_layernorm.weight", ("input_norm", "scale"), "copy"),
+    LayerTensor("post_attention_layernorm.weight", ("post_attn_norm", "scale"), "copy"),
+    *(t for p in ("q", "k", "v") for t in (
+        LayerTensor(f"self_attn.{p}_proj.weight", ("attn", f"{p}_kernel"), "in_heads"),
+        LayerTensor(f"self_attn.{p}_proj.bias", ("attn", f"{p}_bias"), "heads",
+                    when=lambda cfg: cfg.attention_bias))),
+    LayerTensor("self_attn.o_proj.weight", ("attn", "o_kernel"), "out_heads"),
+    LayerTensor("self_attn.o_proj.bias", ("attn", "o_bias"), "copy", when=lambda cfg: cfg.o_bias),
+    LayerTensor("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), "copy",
+                when=lambda cfg: cfg.qk_norm),
+    LayerTensor("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), "copy",
+                when=lambda cfg: cfg.qk_norm),
+    *(LayerTensor(f"mlp.{p}_proj.weight", ("mlp", f"{p}_kernel"), "linear",
+                  when=lambda cfg: not cfg.is_moe)
+      for p in ("gate", "up", "down")),
+)
+"""The per-layer HF tensors of a decoder block, in file order (the table to extend for a new
+kind of block: an entry per tensor, ``at`` for tensors that share one stacked array)."""
+
+
+def layer_tensors(cfg: DecoderConfig) -> list[LayerTensor]:
+    """The :data:`LAYER_TENSORS` entries ``cfg``'s blocks have."""
+    fixed = [t for t in LAYER_TENSORS if t.when(cfg)]
+    if not cfg.is_moe:
+        return fixed
+    return fixed + [LayerTensor(*entry) for entry in moe_layer_tensors(cfg.num_experts)]
+
+
+class HfTensor(NamedTuple):
+    """One HF tensor of a model: ``name``, the rlflow parameter ``path`` it lives in, its
+    ``kind`` and ``index``: where in that parameter (``()``: all of it; ``(i, *at)`` for
+    layer ``i`` of the stacked layers, ``[L, ...]``)."""
+    name: str
+    path: tuple
+    kind: str
+    index: tuple = ()
+
+
+def hf_weight_map(cfg: DecoderConfig) -> list[HfTensor]:
+    """Every tensor of ``cfg``'s model: the embedding, :func:`layer_tensors` for each layer
+    (``model.layers.{i}.`` -> ``("layers", ...)`` at index ``i``), the final norm and an
+    untied LM head."""
+    m = [HfTensor("model.embed_tokens.weight", ("embed",), "copy")]
+    per_layer = layer_tensors(cfg)
     for i in range(cfg.num_layers):
-        hf, ours = f"model.layers.{i}.", ("layers", i)
-        attn = ours + ("attn",)
-        m += [(hf + "input_layernorm.weight", ours + ("input_norm", "scale"), "copy"),
-              (hf + "post_attention_layernorm.weight", ours + ("post_attn_norm", "scale"), "copy")]
-        for p in ("q", "k", "v"):
-            m.append((hf + f"self_attn.{p}_proj.weight", attn + (f"{p}_kernel",), "in_heads"))
-            if cfg.attention_bias:
-                m.append((hf + f"self_attn.{p}_proj.bias", attn + (f"{p}_bias",), "heads"))
-        m.append((hf + "self_attn.o_proj.weight", attn + ("o_kernel",), "out_heads"))
-        if cfg.o_bias:
-            m.append((hf + "self_attn.o_proj.bias", attn + ("o_bias",), "copy"))
-        if cfg.qk_norm:
-            m += [(hf + "self_attn.q_norm.weight", attn + ("q_norm", "scale"), "copy"),
-                  (hf + "self_attn.k_norm.weight", attn + ("k_norm", "scale"), "copy")]
-        if cfg.is_moe:
-            m += moe_weight_map(cfg.num_experts, i)
-            continue
-        for p in ("gate", "up", "down"):
-            m.append((hf + f"mlp.{p}_proj.weight", ours + ("mlp", f"{p}_kernel"), "linear"))
-    m.append(("model.norm.weight", ("final_norm", "scale"), "copy"))
+        m += [HfTensor(f"model.layers.{i}.{t.hf}", ("layers",) + t.path, t.kind, (i, *t.at))
+              for t in per_layer]
+    m.append(HfTensor("model.norm.weight", ("final_norm", "scale"), "copy"))
     if not cfg.tie_word_embeddings:
-        m.append(("lm_head.weight", ("lm_head",), "linear"))
+        m.append(HfTensor("lm_head.weight", ("lm_head",), "linear"))
     return m
 
 
@@ -118,12 +159,6 @@ def _get(tree, path):
             key = str(key)
         tree = tree[key]
     return tree
-
-
-def _param_path(ours: tuple, kind: str) -> tuple:
-    """The parameter an entry of :func:`hf_weight_map` belongs to (an expert slice's path
-    ends with the expert index: drop it)."""
-    return ours[:-1] if is_expert_slice(kind) else ours
 
 
 def _set(tree, path, value):
@@ -206,6 +241,32 @@ def read_decoder_config(path: str, *, dtype: str | None = None,
     return cfg
 
 
+def _read_parameter(tensors: list[HfTensor], shape: tuple, np_dtype, files: dict,
+                    handles: dict) -> np.ndarray:
+    """One parameter ``shape`` (host, ``np_dtype``) from its HF tensors: the whole array, or
+    each tensor into its ``index`` of a stacked one (the per-layer arrays stacked in place:
+    one parameter's bytes on the host at a time).
+
+    Raises: ModelFormatError for a tensor whose shape does not match (names it and its file).
+    """
+    out = None if tensors[0].index == () else np.empty(shape, np_dtype)
+    for t in tensors:
+        fname = files[t.name]
+        if fname not in handles:
+            handles[fname] = safe_open(fname, framework="numpy").__enter__()
+        want = shape[len(t.index):]
+        hf_shape = tuple(handles[fname].get_slice(t.name).get_shape())
+        if hf_shape != _hf_shape(t.kind, want):
+            raise ModelFormatError(
+                f"{fname}: tensor {t.name!r} has shape {list(hf_shape)}, expected "
+                f"{list(_hf_shape(t.kind, want))} from {CONFIG_FILE}")
+        arr = _to_ours(t.kind, handles[fname].get_tensor(t.name), want).astype(np_dtype)
+        if out is None:
+            return arr
+        out[t.index] = arr
+    return out
+
+
 def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
             mesh: jax.sharding.Mesh | None = None) -> tuple[Decoder, DecoderConfig]:
     """Load a local HF folder (Llama / Qwen2 / Qwen3 / Qwen3-MoE) into a :class:`Decoder`.
@@ -235,52 +296,37 @@ def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = No
         shardings = param_shardings(abs_params, mesh).to_pure_dict()
     files = _tensor_files(path)
     wanted = hf_moe.stored_layout(hf_weight_map(cfg), files) if cfg.is_moe else hf_weight_map(cfg)
-    missing = [name for name, _, _ in wanted if name not in files]
+    missing = [t.name for t in wanted if t.name not in files]
     if missing:
         raise ModelFormatError(
             f"{path}: tensor {missing[0]!r} is missing from the safetensors files "
             f"({len(missing)} missing in all: {missing[:5]}{' ...' if len(missing) > 5 else ''})")
-    known = {name for name, _, _ in wanted} | {"lm_head.weight"}
+    known = {t.name for t in wanted} | {"lm_head.weight"}
     unused = sorted(n for n in files if n not in known and not n.endswith(IGNORED_SUFFIXES))
     if unused:
         warnings.warn(f"{path}: ignoring {len(unused)} tensors rlflow does not use: {unused[:5]}")
 
     abs_pure = abs_params.to_pure_dict()
     np_dtype = _NP_DTYPES[cfg.param_dtype]
+    by_path: dict[tuple, list[HfTensor]] = {}
+    for t in wanted:
+        by_path.setdefault(t.path, []).append(t)
     loaded: dict = {}
     handles: dict = {}
-    arrays: dict = {}      # parameter path -> host array (expert slices filled one by one)
     try:
-        for name, ours, kind in wanted:
-            fname = files[name]
-            if fname not in handles:
-                handles[fname] = safe_open(fname, framework="numpy").__enter__()
-            param = _param_path(ours, kind)
-            shape = tuple(_get(abs_pure, param).shape)
-            if is_expert_slice(kind):
-                shape = shape[1:]
-            hf_shape = tuple(handles[fname].get_slice(name).get_shape())
-            if hf_shape != _hf_shape(kind, shape):
-                raise ModelFormatError(
-                    f"{fname}: tensor {name!r} has shape {list(hf_shape)}, expected "
-                    f"{list(_hf_shape(kind, shape))} from {CONFIG_FILE}")
-            arr = _to_ours(kind, handles[fname].get_tensor(name), shape).astype(np_dtype)
-            if is_expert_slice(kind):
-                if param not in arrays:
-                    arrays[param] = np.empty(_get(abs_pure, param).shape, np_dtype)
-                arrays[param][ours[-1]] = arr
+        for ours, tensors in by_path.items():    # one parameter (stacked: all its layers) at a time
+            shape = tuple(_get(abs_pure, ours).shape)
+            arr = _read_parameter(tensors, shape, np_dtype, files, handles)
+            if shardings is None:
+                value = jnp.asarray(arr)
             else:
-                arrays[param] = arr
+                value = jax.make_array_from_callback(shape, _get(shardings, ours),
+                                                     lambda idx, a=arr: a[idx])
+            _set(loaded, ours, value)
+            del arr
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
-    for param, arr in arrays.items():
-        if shardings is None:
-            value = jnp.asarray(arr)
-        else:
-            value = jax.make_array_from_callback(arr.shape, _get(shardings, param),
-                                                 lambda idx, a=arr: a[idx])
-        _set(loaded, param, value)
     nnx.replace_by_pure_dict(abs_params, loaded)
     return nnx.merge(graphdef, abs_params), cfg
 
@@ -313,18 +359,16 @@ def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | N
     if dtype not in _NP_DTYPES:
         raise ModelFormatError(f"dtype: must be one of {sorted(_NP_DTYPES)}, got {dtype!r}")
     pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
-    tensors = {}
-    for name, ours, kind in hf_weight_map(cfg):
-        param = _param_path(ours, kind)
-        try:
-            value = _get(pure, param)
-        except (KeyError, TypeError):
-            raise ModelFormatError(f"params: missing {'.'.join(map(str, param))} "
-                                   f"(for HF tensor {name!r})") from None
-        if is_expert_slice(kind):
-            value = value[ours[-1]]
-        arr = np.asarray(jax.device_get(value)).astype(_NP_DTYPES[dtype])
-        tensors[name] = _to_hf(kind, arr)
+    tensors, host = {}, {}
+    for t in hf_weight_map(cfg):
+        if t.path not in host:          # a stacked parameter is fetched once, for all layers
+            try:
+                value = _get(pure, t.path)
+            except (KeyError, TypeError):
+                raise ModelFormatError(f"params: missing {'.'.join(map(str, t.path))} "
+                                       f"(for HF tensor {t.name!r})") from None
+            host[t.path] = np.asarray(jax.device_get(value)).astype(_NP_DTYPES[dtype])
+        tensors[t.name] = _to_hf(t.kind, host[t.path][t.index])
     os.makedirs(out_dir, exist_ok=True)
     _write_safetensors(tensors, out_dir, max_shard_bytes)
     source_cfg = source_gen = None

@@ -9,9 +9,9 @@ the experts in memory only, through its ``conversion_mapping``), layer ``i`` hol
   rlflow's ``gate_kernel`` / ``up_kernel`` ``[n, E, F]`` and ``down_kernel`` ``[n, F, E]``,
   transposed.
 
-Expert entries have the kind :data:`EXPERT_LINEAR`, and their rlflow path ends with the
-expert index ``j`` (an index into the parameter's leading ``expert`` axis), which
-:mod:`rlflow.models.hf` reads and writes slice by slice.
+Expert entries have the kind :data:`EXPERT_LINEAR` and sit at index ``(i, j)`` of the stacked
+kernel ``[L, n, ...]`` (layer ``i``, expert ``j``), which :mod:`rlflow.models.hf` reads and
+writes slice by slice.
 
 Checkpoints that store the experts fused, as transformers 5.x holds them in memory
 (``mlp.experts.gate_up_proj`` ``[n, 2F, E]``, gate rows first, and ``mlp.experts.down_proj``
@@ -28,42 +28,41 @@ FUSED_GATE, FUSED_UP, FUSED_DOWN = "fused_gate", "fused_up", "fused_down"
 FUSED_KINDS = (FUSED_GATE, FUSED_UP, FUSED_DOWN)
 
 
-def moe_weight_map(num_experts: int, layer: int) -> list[tuple[str, tuple, str]]:
-    """``(hf_name, rlflow path, kind)`` of layer ``layer``'s MoE MLP (module doc)."""
-    hf, ours = f"model.layers.{layer}.mlp.", ("layers", layer, "mlp")
-    m = [(hf + "gate.weight", ours + ("router",), "linear")]
+def moe_layer_tensors(num_experts: int) -> list[tuple[str, tuple, str, tuple]]:
+    """``(hf name inside model.layers.{i}., path inside a Block, kind, at)`` of one layer's
+    MoE MLP (module doc; :class:`rlflow.models.hf.LayerTensor`'s fields): the router, and
+    expert ``j``'s projections at index ``(j,)`` of their ``[n, ...]`` kernels."""
+    m = [("mlp.gate.weight", ("mlp", "router"), "linear", ())]
     for p in ("gate", "up", "down"):
-        m += [(hf + f"experts.{j}.{p}_proj.weight", ours + (f"{p}_kernel", j), EXPERT_LINEAR)
+        m += [(f"mlp.experts.{j}.{p}_proj.weight", ("mlp", f"{p}_kernel"), EXPERT_LINEAR, (j,))
               for j in range(num_experts)]
     return m
 
 
-def is_expert_slice(kind: str) -> bool:
-    """Whether an entry of kind ``kind`` is one expert's slice of a stacked kernel (its path's
-    last element is the expert index)."""
-    return kind == EXPERT_LINEAR
-
-
-def stored_layout(entries: list[tuple[str, tuple, str]], names) -> list[tuple[str, tuple, str]]:
-    """``entries`` (:func:`rlflow.models.hf.hf_weight_map`) with the per-expert entries of
-    every layer whose files hold the fused tensors (``names``: the tensor names in the
-    safetensors files) replaced by entries of the fused kinds."""
+def stored_layout(entries: list, names) -> list:
+    """``entries`` (:func:`rlflow.models.hf.hf_weight_map`'s ``HfTensor`` list) with the
+    per-expert entries of every layer whose files hold the fused tensors (``names``: the
+    tensor names in the safetensors files) replaced by entries of the fused kinds (one per
+    kernel, at the layer's index of the stacked ``[L, n, ...]`` kernel)."""
     names = set(names)
     fused_layers = set()
     out = []
-    for name, ours, kind in entries:
-        if kind != EXPERT_LINEAR:
-            out.append((name, ours, kind))
+    for t in entries:
+        if t.kind != EXPERT_LINEAR:
+            out.append(t)
             continue
-        prefix = name[:name.index("experts.") + len("experts.")]
+        prefix = t.name[:t.name.index("experts.") + len("experts.")]
         if prefix + "gate_up_proj" not in names:
-            out.append((name, ours, kind))
+            out.append(t)
         elif prefix not in fused_layers:
             fused_layers.add(prefix)
-            mlp = ours[:-2]
-            out += [(prefix + "gate_up_proj", mlp + ("gate_kernel",), FUSED_GATE),
-                    (prefix + "gate_up_proj", mlp + ("up_kernel",), FUSED_UP),
-                    (prefix + "down_proj", mlp + ("down_kernel",), FUSED_DOWN)]
+            mlp, layer = t.path[:-1], t.index[:1]
+            out += [t._replace(name=prefix + "gate_up_proj", path=mlp + ("gate_kernel",),
+                               kind=FUSED_GATE, index=layer),
+                    t._replace(name=prefix + "gate_up_proj", path=mlp + ("up_kernel",),
+                               kind=FUSED_UP, index=layer),
+                    t._replace(name=prefix + "down_proj", path=mlp + ("down_kernel",),
+                               kind=FUSED_DOWN, index=layer)]
     return out
 
 

@@ -1,13 +1,22 @@
-"""The decoder's layers under one ``jax.lax.scan``, with rematerialisation policies.
+"""The decoder's layers stored stacked and run under one ``jax.lax.scan``, with
+rematerialisation policies.
 
-The full-sequence forward (the learner's) runs its ``L`` homogeneous layers as a scan over
-their parameters stacked along a leading ``layers`` axis, so XLA compiles one layer body
-whatever the depth (MaxText's ``scan_layers``). Storage stays per layer (``layers[i]``, what
-the sampler, HF import/export, LoRA, checkpoints and the transfer layout address): each
-:class:`rlflow.models.decoder.Block` is split (``nnx.split``) inside the traced forward,
-the per-layer states are stacked with ``jnp.stack`` and the scan body merges one slice back
-(``nnx.merge``). Stacking is differentiable, so gradients flow back to the per-layer
-parameters unchanged, and LoRA adapters, which live inside the blocks, follow.
+Storage (MaxText's scanned decoder): ``Decoder.layers`` is ONE module of the structure of a
+:class:`rlflow.models.decoder.Block` whose every variable (kernels, norm scales, LoRA
+adapters, whatever a block holds) has a leading ``[L, ...]`` axis, slice ``i`` being layer
+``i``; its logical axis name is :data:`LAYER_AXIS` (``"layers"``, never sharded:
+``rlflow.mesh``). :func:`stack_modules` builds it from ``L`` modules of one structure once, at
+construction, so it does not care what a block holds. Parameter paths lose the layer index
+(``layers.attn.q_kernel`` ``[L, E, H, D]``); the outside world's per-layer names (HF
+``model.layers.{i}.``, PEFT, checkpoints written before the stacking) convert at the
+boundary with :func:`stack_trees` / :func:`unstack_tree`.
+
+The full-sequence forward (the learner's) scans over the stored stacked state directly
+(:func:`scan_layers`): XLA compiles one layer body whatever the depth, and the gradient of
+the stacked parameters comes out of the scan stacked (no per-layer slices or stacks in the
+program; the optimiser updates ``O(1)`` leaves per kind of parameter, not ``O(L)``). The
+cached forward (the sampler's) loops over :func:`layer_modules` (one static slice per
+layer: each layer keeps its own KV cache arrays).
 
 Rematerialisation (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost";
 ``jax.checkpoint``): the scan body is wrapped in ``jax.checkpoint`` with one of
@@ -29,18 +38,21 @@ Rematerialisation (Chen et al. 2016, "Training Deep Nets with Sublinear Memory C
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 REMAT_POLICIES = ("none", "full", "dots", "offload")
+LAYER_AXIS = "layers"
+"""Logical axis name of the leading ``[L]`` axis of the stacked layers' variables."""
 
 
 class LayerScanError(ValueError):
-    """The layers cannot run under one scan (their structures differ), or a remat policy is
-    unknown or unsupported on this backend."""
+    """The layers cannot be stacked (their structures differ), or a remat policy is unknown
+    or unsupported on this backend."""
 
 
 def checkpoint_policy(remat: str):
@@ -69,38 +81,71 @@ def checkpoint_policy(remat: str):
                          f"got {remat!r}")
 
 
-def stack_layers(layers) -> tuple[nnx.GraphDef, nnx.State]:
-    """The shared graphdef of ``layers`` and their states stacked along a new axis 0.
+def _axis_metadata() -> dict:
+    return {nnx.PARTITION_NAME: LAYER_AXIS}
+
+
+def stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
+    """One module of the modules' structure holding all of them stacked (module doc).
 
     Args:
-      layers: a sequence of ``L >= 1`` nnx modules of the same structure (the decoder's
-        blocks).
+      modules: ``L >= 1`` nnx modules of the same structure (the decoder's blocks, built one
+        after the other from the same ``nnx.Rngs``).
 
     Returns:
-      ``(graphdef, state)``: every leaf of ``state`` is ``[L, ...]``, slice ``i`` being layer
-      ``i``'s leaf (same dtype).
+      A module of ``modules[0]``'s structure whose every variable is ``[L, ...]`` (slice
+      ``i`` is ``modules[i]``'s, same dtype), its ``out_sharding`` metadata (logical axes)
+      led by :data:`LAYER_AXIS`. Do not call it as a block: run it with
+      :func:`scan_layers` or :func:`layer_modules`.
 
     Raises:
-      LayerScanError: the layers' graphdefs differ (naming the first that differs from
-        layer 0).
+      LayerScanError: no module, or a module's structure (parameters, LoRA adapters, static
+        attributes) differs from the first's (names the first that differs).
     """
-    splits = [nnx.split(layer) for layer in layers]
+    if not modules:
+        raise LayerScanError("a decoder needs at least one layer (num_layers >= 1)")
+    splits = [nnx.split(m) for m in modules]
     graphdef = splits[0][0]
     for i, (g, _) in enumerate(splits[1:], start=1):
         if g != graphdef:
             raise LayerScanError(
                 f"decoder layer {i} has another structure than layer 0 (parameters, LoRA "
-                f"adapters or static attributes differ), so the layers cannot run under one "
-                f"scan; give every layer the same structure")
-    state = jax.tree.map(lambda *xs: jnp.stack(xs), *(s for _, s in splits))
-    return graphdef, state
+                f"adapters or static attributes differ), so the layers cannot be stored "
+                f"stacked and run under one scan; give every layer the same structure")
+    stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *(s for _, s in splits)))
+    nnx.spmd.add_axis(nnx.state(stacked), 0, _axis_metadata())
+    return stacked
 
 
-def scan_layers(layers, x: jax.Array, apply: Callable, remat: str = "none") -> jax.Array:
-    """``x`` through every layer in order, as one ``jax.lax.scan`` (module doc).
+def num_layers(stacked: nnx.Module) -> int:
+    """``L``: the leading axis of a stacked module's variables."""
+    return int(jax.tree.leaves(nnx.state(stacked))[0].shape[0])
+
+
+def _layer(graphdef: nnx.GraphDef, layer_state) -> nnx.Module:
+    """A stacked module's graphdef merged with one layer's slice of its state, the
+    :data:`LAYER_AXIS` taken off the variables' logical axes (what one block has)."""
+    layer = nnx.merge(graphdef, layer_state)
+    nnx.spmd.remove_axis(nnx.state(layer), 0, _axis_metadata())
+    return layer
+
+
+def layer_modules(stacked: nnx.Module) -> list[nnx.Module]:
+    """The ``L`` layers of a stacked module, each a module of one layer's shapes whose
+    variables are static slices ``[i]`` of the stacked ones (inside ``jit``: slices in the
+    program; eagerly: copies). For per-layer Python loops (the KV-cached forward)."""
+    graphdef, state = nnx.split(stacked)
+    return [_layer(graphdef, jax.tree.map(lambda x, i=i: x[i], state))
+            for i in range(num_layers(stacked))]
+
+
+def scan_layers(stacked: nnx.Module, x: jax.Array, apply: Callable, remat: str = "none"
+                ) -> jax.Array:
+    """``x`` through every layer in order, as one ``jax.lax.scan`` over the stored stacked
+    state (module doc).
 
     Args:
-      layers: the decoder's blocks (:func:`stack_layers`).
+      stacked: the decoder's stacked blocks (:func:`stack_modules`).
       x: the residual stream ``[B, T, E]`` (any float dtype).
       apply: ``apply(layer, x) -> x`` for one layer (the other arguments closed over; they
         are the same for every layer).
@@ -108,20 +153,60 @@ def scan_layers(layers, x: jax.Array, apply: Callable, remat: str = "none") -> j
 
     Returns:
       The last layer's output, shaped and typed as ``x``; equal to
-      ``for layer in layers: x = apply(layer, x)`` (the same operations per layer).
+      ``for layer in layer_modules(stacked): x = apply(layer, x)`` (the same operations per
+      layer).
 
     Raises:
-      LayerScanError: see :func:`stack_layers` and :func:`checkpoint_policy`.
+      LayerScanError: see :func:`checkpoint_policy`.
     """
     policy = checkpoint_policy(remat)
-    graphdef, stacked = stack_layers(layers)
+    graphdef, state = nnx.split(stacked)
 
     def body(carry, layer_state):
-        return apply(nnx.merge(graphdef, layer_state), carry), None
+        return apply(_layer(graphdef, layer_state), carry), None
 
     if remat != "none":
         # prevent_cse=False: inside a scan the loop boundary already keeps XLA from fusing
         # the recomputation into the forward (jax.checkpoint's documentation)
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    out, _ = jax.lax.scan(body, x, stacked)
+    out, _ = jax.lax.scan(body, x, state)
     return out
+
+
+# ------------------------------------------------------------------------------ boundaries
+def stack_trees(trees: Sequence) -> object:
+    """Per-layer trees (the same structure, e.g. pure dicts of one layer's arrays) -> one
+    tree of ``[L, ...]`` leaves; numpy leaves stay numpy (host memory), others become jax
+    arrays. The inverse of :func:`unstack_tree`.
+
+    Raises:
+      LayerScanError: no tree, or the trees' structures or a leaf's shapes differ (names the
+        layer).
+    """
+    if not trees:
+        raise LayerScanError("no layers to stack")
+    ref = jax.tree.structure(trees[0])
+    for i, t in enumerate(trees[1:], start=1):
+        if jax.tree.structure(t) != ref:
+            raise LayerScanError(f"layer {i}'s tree differs from layer 0's: {jax.tree.structure(t)} "
+                                 f"vs {ref}")
+
+    def stack(*xs):
+        shapes = {tuple(np.shape(x)) for x in xs}
+        if len(shapes) != 1:
+            raise LayerScanError(f"the layers' arrays differ in shape ({sorted(shapes)}); "
+                                 f"cannot stack them")
+        if all(isinstance(x, np.ndarray) for x in xs):
+            return np.stack(xs)
+        return jnp.stack([jnp.asarray(x) for x in xs])
+
+    return jax.tree.map(stack, *trees)
+
+
+def unstack_tree(tree) -> list:
+    """A tree of ``[L, ...]`` leaves -> ``L`` trees of one layer's leaves (``x[i]``; numpy
+    stays numpy). The inverse of :func:`stack_trees`."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return []
+    return [jax.tree.map(lambda x, i=i: x[i], tree) for i in range(int(np.shape(leaves[0])[0]))]

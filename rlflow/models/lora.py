@@ -12,8 +12,10 @@ Adapter matrices are ``flax.nnx.LoRAParam`` (a subclass of ``nnx.Param``) with l
 ``nnx.split(model, nnx.LoRAParam, nnx.Param)`` separates the trainable adapters from the
 frozen base, and ``rlflow.mesh.param_shardings`` lays them out like their kernels.
 
-The adapters live beside the kernels they modify (``layers.i.attn.q_lora`` next to
-``layers.i.attn.q_kernel``; ``layers.i.mlp.gate_lora`` next to ``gate_kernel``).
+The adapters live beside the kernels they modify (``layers.attn.q_lora`` next to
+``layers.attn.q_kernel``; ``layers.mlp.gate_lora`` next to ``gate_kernel``), stacked with
+them over the layers (:mod:`rlflow.models.layer_scan`): ``A [L, in..., r]``, ``B [L, r,
+out...]``.
 """
 
 from __future__ import annotations
@@ -130,26 +132,27 @@ def _pure(tree):
 
 def adapter_pairs(adapters) -> list[tuple[tuple, str, object, object]]:
     """``(kernel path, hf projection name, A, B)`` for every adapter of a (pure-dict or
-    ``nnx.State``) adapter tree, in layer order; ``kernel path`` is the base parameter the
-    adapter modifies, e.g. ``("layers", 0, "attn", "q_kernel")``."""
+    ``nnx.State``) adapter tree, attention projections first; ``kernel path`` is the stacked
+    base parameter the adapter modifies, e.g. ``("layers", "attn", "q_kernel")``, and ``A [L,
+    in..., r]``, ``B [L, r, out...]`` hold every layer's factors (slice ``i``: layer ``i``)."""
     pure = _pure(adapters)
     out = []
-    layers = pure["layers"]
-    for i in sorted(layers, key=int):
-        layer = layers[i]
-        for mod, names in (("attn", ATTN), ("mlp", MLP)):
-            for n in names:
-                ad = layer.get(mod, {}).get(f"{n}_lora")
-                if ad:
-                    out.append((("layers", int(i), mod, f"{n}_kernel"), f"{n}_proj",
-                                ad["a"], ad["b"]))
+    layers = pure.get("layers", {})
+    for mod, names in (("attn", ATTN), ("mlp", MLP)):
+        for n in names:
+            ad = layers.get(mod, {}).get(f"{n}_lora")
+            if ad:
+                out.append((("layers", mod, f"{n}_kernel"), f"{n}_proj", ad["a"], ad["b"]))
     return out
 
 
-def delta(a, b, scale: float, dtype=jnp.float32):
-    """``scale * A @ B`` contracting the rank axis: ``[in..., r] x [r, out...] -> [in..., out...]``
-    (float32 accumulation, cast to ``dtype``)."""
-    d = jnp.tensordot(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), axes=1)
+def delta(a, b, scale: float, dtype=jnp.float32, *, stacked: bool = False):
+    """``scale * A @ B`` contracting the rank axis: ``[in..., r] x [r, out...] -> [in...,
+    out...]`` (float32 accumulation, cast to ``dtype``); ``stacked``: per layer, ``[L, in...,
+    r] x [L, r, out...] -> [L, in..., out...]`` (:func:`adapter_pairs`' factors)."""
+    def one(a, b):
+        return jnp.tensordot(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), axes=1)
+    d = jax.vmap(one)(a, b) if stacked else one(a, b)
     return (d * jnp.float32(scale)).astype(dtype)
 
 
@@ -176,7 +179,8 @@ def merged_params(base, adapters, scale: float):
         for k in path[:-1]:
             node = node[k]
         w = node[path[-1]]
-        node[path[-1]] = (jnp.asarray(w, jnp.float32) + delta(a, b, scale)).astype(w.dtype)
+        node[path[-1]] = (jnp.asarray(w, jnp.float32)
+                          + delta(a, b, scale, stacked=True)).astype(w.dtype)
     return pure
 
 

@@ -50,7 +50,7 @@ from flax import nnx
 from rlflow.sampler.jetstream_api import engine_api, tokenizer_pb2
 
 from rlflow.models.kv_cache import KVCache, init_cache
-from rlflow.sampler import kernel_layout, paged, quantization
+from rlflow.sampler import kernel_layout, layer_storage, paged, quantization
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
                                          EngineParams, Prefix, PromptError, SampledTokens,
                                          pick_bucket)
@@ -78,9 +78,13 @@ class RlflowEngine(engine_api.Engine):
         self.cfg = model.cfg
         self.sampler_cfg = sampler_cfg
         self._mesh = mesh if mesh is not None else mesh_lib.make_mesh(sampler_cfg.mesh)
-        self.graphdef, state = nnx.split(model, nnx.Param)
-        self._default_state = state
+        self._default_state = nnx.state(model, nnx.Param)       # the model's tree: stacked
+        # the engine runs a view with one array per layer (rlflow.sampler.layer_storage)
+        self.graphdef, state = nnx.split(layer_storage.unstacked_view(model), nnx.Param)
+        self._layers = layer_storage.LayerStorage(self._default_state, state)
         self._state_treedef = jax.tree_util.tree_structure(state)
+        self._view_dtypes = [x.dtype for x in jax.tree_util.tree_leaves(state)]
+        self._model_treedef = jax.tree_util.tree_structure(self._default_state)
         self._kernels = kernel_layout.StoredKernels(    # wide kernels held [out, in] or not
             kernel_layout.wide_kernels(state) if kernel_layout.stores_out_first(
                 getattr(sampler_cfg, "kernel_layout", "auto"),
@@ -138,8 +142,9 @@ class RlflowEngine(engine_api.Engine):
         Each array is cast to the dtype of the model's own parameter (e.g. fp32 learner
         weights into a bf16 sampler), and with ``sampler.kernel_layout`` resolving to
         ``"out_in"`` (the CPU default) each wide kernel is stored transposed
-        (:mod:`rlflow.sampler.kernel_layout`); with ``sampler.quantization="int8"`` each
-        projection kernel is quantized to int8 once here, before that
+        (:mod:`rlflow.sampler.kernel_layout`); the stacked layers are held one array per
+        layer (:mod:`rlflow.sampler.layer_storage`); with ``sampler.quantization="int8"``
+        each projection kernel is quantized to int8 once here, before the kernel layout
         (:mod:`rlflow.sampler.quantization`). :meth:`param_state` gives the model's tree.
 
         Raises:
@@ -157,21 +162,20 @@ class RlflowEngine(engine_api.Engine):
             if tuple(np.shape(x)) != tuple(r.shape):
                 raise ValueError(f"load_params: parameter {jax.tree_util.keystr(path)} has "
                                  f"shape {tuple(np.shape(x))}, the model's is {tuple(r.shape)}")
-        given = jax.tree_util.tree_leaves(state)
-        state = jax.tree_util.tree_map(
-            lambda x, r: x if x.dtype == r.dtype else x.astype(r.dtype), state,
-            self._default_state)
-        placed = jax.tree_util.tree_leaves(self._mesh_lib.shard_params(state, self._mesh))
+        # one leaf per layer (sliced once per array given), each in the model's dtype
+        given = self._layers.view_leaves(jax.tree_util.tree_leaves(state))
+        view = jax.tree_util.tree_unflatten(self._state_treedef, [
+            x if x.dtype == dt else x.astype(dt) for x, dt in zip(given, self._view_dtypes)])
+        placed = jax.tree_util.tree_leaves(self._mesh_lib.shard_params(view, self._mesh))
         leaves = self._kernels.store(given, self._quant.quantize(given, placed))
         return EngineParams(leaves=tuple(leaves), version=jnp.asarray(version, jnp.int32))
 
     def param_state(self, params: EngineParams):
-        """The ``nnx.State`` of ``params`` in the model's own layout (inverse of
-        :meth:`load_params`' flattening and kernel layout); int8 kernels dequantized (the
-        weights of the policy the engine samples from)."""
-        return jax.tree_util.tree_unflatten(
-            self._state_treedef,
-            self._quant.dequantize(self._kernels.model_leaves(params.leaves)))
+        """The ``nnx.State`` of ``params`` in the model's own layout, layers stacked (inverse
+        of :meth:`load_params`' flattening, per-layer storage and kernel layout); int8
+        kernels dequantized (the weights of the policy the engine samples from)."""
+        return jax.tree_util.tree_unflatten(self._model_treedef, self._layers.stacked_leaves(
+            self._quant.dequantize(self._kernels.model_leaves(params.leaves))))
 
     def _model(self, params: EngineParams):
         """The model on the stored leaves, its wide kernels marked ``[out, in]``, its int8

@@ -26,8 +26,10 @@ import weakref
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from rlflow.config.sampler import KERNEL_LAYOUTS as LAYOUTS
+from rlflow.models.layer_scan import LAYER_AXIS
 
 
 def stores_out_first(layout: str, backend: str) -> bool:
@@ -45,7 +47,8 @@ def stores_out_first(layout: str, backend: str) -> bool:
 
 
 def _keys(path) -> tuple:
-    """A parameter's tree path as plain keys: ``('layers', 0, 'mlp', 'gate_kernel')``."""
+    """A parameter's tree path as plain keys: ``('layers', 'mlp', 'gate_kernel')`` (stacked),
+    ``('layers', 0, 'mlp', 'gate_kernel')`` (the engine's per-layer view)."""
     return tuple(k.key for k in path if hasattr(k, "key"))
 
 
@@ -54,8 +57,11 @@ def wide_kernels(state) -> tuple[tuple[int, tuple, str], ...]:
 
     Args:
       state: the model's parameter tree (``nnx.State``): leaves named ``*_kernel`` or
-        ``lm_head`` that are 2-D ``[in, out]`` with ``in < out`` are wide; LoRA factors,
-        embeddings, norms and the 3-D attention kernels are not.
+        ``lm_head`` that are 2-D ``[in, out]`` with ``in < out`` are wide, under stacked
+        ``layers`` (:mod:`rlflow.models.layer_scan`) after their leading ``[L]`` axis (``[L,
+        in, out]``; the engine's per-layer ``layers.<i>`` leaves,
+        :mod:`rlflow.sampler.layer_storage`, are 2-D); LoRA factors, embeddings, norms and
+        the 3-D attention kernels are not.
 
     Returns: per wide kernel, ``(position in jax.tree_util.tree_leaves(state), keys of the
     module that owns it, its attribute name)``.
@@ -64,10 +70,18 @@ def wide_kernels(state) -> tuple[tuple[int, tuple, str], ...]:
     for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
         keys = _keys(path)
         name = keys[-1] if keys and isinstance(keys[-1], str) else ""
-        if ((name.endswith("_kernel") or name == "lm_head") and len(x.shape) == 2
-                and x.shape[0] < x.shape[1]):
+        stacked = keys[:1] == (LAYER_AXIS,) and len(keys) > 1 and not isinstance(keys[1], int)
+        shape = tuple(x.shape)[1:] if stacked else tuple(x.shape)
+        if ((name.endswith("_kernel") or name == "lm_head") and len(shape) == 2
+                and shape[0] < shape[1]):
             out.append((i, keys[:-1], name))
     return tuple(out)
+
+
+def _flip(x):
+    """``[..., in, out] <-> [..., out, in]``: the last two axes swapped (a stacked kernel
+    keeps its leading layer axis)."""
+    return jnp.swapaxes(x, -1, -2)
 
 
 def _weak(x):
@@ -104,7 +118,7 @@ class StoredKernels:
         for i, _, _ in self.wide:
             src, kept = self._kept.get(i, (lambda: None, None))
             if src() is not given[i]:
-                kept = placed[i].T
+                kept = _flip(placed[i])
                 self._kept[i] = (_weak(given[i]), kept)
             leaves[i] = kept
         return leaves
@@ -112,7 +126,7 @@ class StoredKernels:
     def model_leaves(self, leaves: Sequence) -> list:
         """Stored leaves -> the model's own layout (eager: copies; traced: transposes)."""
         at = {i for i, _, _ in self.wide}
-        return [x.T if i in at else x for i, x in enumerate(leaves)]
+        return [_flip(x) if i in at else x for i, x in enumerate(leaves)]
 
     def mark(self, model) -> None:
         """Tell the modules of ``model`` (merged from stored leaves, inside a jitted call)

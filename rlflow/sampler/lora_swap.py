@@ -67,7 +67,7 @@ class AdapterApplier:
             self._kernels = [self._get(self._plain, p) for p in self._paths]
             scale = spec.scale
             self._merge = jax.jit(lambda ws, pairs: [
-                (w.astype(jnp.float32) + delta(a, b, scale)).astype(w.dtype)
+                (w.astype(jnp.float32) + delta(a, b, scale, stacked=True)).astype(w.dtype)
                 for w, (a, b) in zip(ws, pairs)])
 
     @staticmethod

@@ -1,0 +1,105 @@
+"""How the sampler engine stores the decoder's layers: one array per layer.
+
+The decoder stores its layers stacked (``layers.mlp.up_kernel [L, E, F]``,
+:mod:`rlflow.models.layer_scan`), what the learner's scan wants. The sampler's KV-cached
+forward runs the layers as a Python loop (each layer has its own KV cache arrays); on the
+stacked arrays every layer would take a static slice ``[i]`` of each weight inside the jitted
+decode call, and XLA:CPU copies such a slice before its dot: the decode step of the 4.46M
+GSM8K model ran 1.2-1.3x slower (3.4 -> 3.9-4.4 ms, ``benchmarks/sampler_throughput.py``
+device step, 16 slots). So the engine holds a *view* of the model
+(:func:`unstacked_view`): a :class:`rlflow.models.decoder.Decoder` whose ``layers`` is an
+``nnx.List`` of ``L`` blocks (per-layer parameter paths ``layers.<i>.mlp.up_kernel``),
+which ``Decoder.forward_cached`` runs directly. Each weight version is sliced once, when
+the engine loads it (:meth:`LayerStorage.view_leaves`; a stacked array given again, as a
+LoRA forward swap passes its base every version, keeps its slices), and stacked back for
+:meth:`rlflow.sampler.engine.RlflowEngine.param_state`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlflow.models.layer_scan import LAYER_AXIS, layer_modules
+
+
+def unstacked_view(model) -> nnx.Module:
+    """A copy of the decoder ``model`` whose ``layers`` is an ``nnx.List`` of its ``L``
+    blocks (:func:`rlflow.models.layer_scan.layer_modules`: eager slices); the other
+    modules are ``model``'s own (shared, not copied)."""
+    graphdef, state = nnx.split(model)
+    view = nnx.merge(graphdef, state)          # new module objects over the same arrays
+    view.layers = nnx.List(layer_modules(model.layers))
+    return view
+
+
+def _keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def _weak(x):
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return lambda: None
+
+
+class LayerStorage:
+    """The map between a decoder's parameter leaves (stacked layers, the model's and the
+    learner's tree) and the engine's (:func:`unstacked_view`'s, one leaf per layer).
+
+    Args:
+      stacked: the model's parameter state (``nnx.State``, stacked layers).
+      view: the engine view's parameter state (``nnx.State`` of :func:`unstacked_view`).
+
+    Raises: ValueError when the two trees do not correspond (a view leaf without its
+    stacked source).
+    """
+
+    def __init__(self, stacked, view):
+        src = {_keys(p): j for j, (p, _) in
+               enumerate(jax.tree_util.tree_flatten_with_path(stacked)[0])}
+        self.sources: list[tuple[int, int | None]] = []   # per view leaf: (stacked leaf, layer)
+        for path, _ in jax.tree_util.tree_flatten_with_path(view)[0]:
+            keys = _keys(path)
+            layered = keys[:1] == (LAYER_AXIS,) and len(keys) > 1 and isinstance(keys[1], int)
+            key = keys[:1] + keys[2:] if layered else keys
+            if key not in src:
+                raise ValueError(f"engine view parameter {'.'.join(map(str, keys))} has no "
+                                 f"stacked source {'.'.join(map(str, key))}")
+            self.sources.append((src[key], keys[1] if layered else None))
+        self.num_stacked = len(src)
+        self._kept: dict = {}        # stacked leaf -> (weak ref to it, its per-layer slices)
+
+    def view_leaves(self, stacked_leaves: Sequence) -> list:
+        """The model's leaves -> the view's: slice ``[i]`` of a stacked leaf for layer ``i``
+        (eager: one copy per layer, once per array given)."""
+        out = []
+        for j, layer in self.sources:
+            x = stacked_leaves[j]
+            if layer is None:
+                out.append(x)
+                continue
+            ref, parts = self._kept.get(j, (lambda: None, None))
+            if ref() is not x:
+                parts = [x[i] for i in range(x.shape[0])]
+                self._kept[j] = (_weak(x), parts)
+            out.append(parts[layer])
+        return out
+
+    def stacked_leaves(self, view_leaves: Sequence) -> list:
+        """The view's leaves -> the model's (layers stacked in order: copies)."""
+        parts: dict[int, dict[int, object]] = {}
+        out: list = [None] * self.num_stacked
+        for (j, layer), x in zip(self.sources, view_leaves):
+            if layer is None:
+                out[j] = x
+            else:
+                parts.setdefault(j, {})[layer] = x
+        for j, layers in parts.items():
+            out[j] = jnp.stack([layers[i] for i in range(len(layers))])
+        return out
