@@ -24,7 +24,7 @@ from rlflow.learner.memory import Architecture
 from rlflow.learner.step import StepSettings, make_grad_fn, policy_logprobs
 from rlflow.mesh import make_mesh
 from rlflow.models import build_model, load_hf, positions_from_mask
-from rlflow.sampler import quantization
+from rlflow.sampler import layer_storage, quantization
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.sampling import SamplingParams
@@ -47,6 +47,11 @@ def np_int8(w, contract):
     return np.clip(np.round(w / scale), -128, 127).astype(np.int8), scale
 
 
+def view_state(model):
+    """The engine's parameter tree: one leaf per layer (:mod:`rlflow.sampler.layer_storage`)."""
+    return nnx.split(layer_storage.unstacked_view(model), nnx.Param)[1]
+
+
 def engine_of(model, q="none", backend=None, **kw):
     """An engine on one CPU device; ``backend="tpu"``: its int8 kernels held as on an
     accelerator (int8 ``QArray`` s dequantized inside each call, not at the swap)."""
@@ -56,7 +61,7 @@ def engine_of(model, q="none", backend=None, **kw):
     engine = RlflowEngine(model, SamplerConfig(**base), mesh=make_mesh(MeshConfig(),
                                                                        jax.devices()[:1]))
     if backend is not None:
-        engine._quant = quantization.QuantizedKernels(engine._default_state, q, backend)
+        engine._quant = quantization.QuantizedKernels(view_state(model), q, backend)
     return engine
 
 
@@ -126,9 +131,10 @@ def test_kernels_are_quantized_per_output_channel_and_remade_every_version(sharp
     model, _, engine = sharp_model
     accel = engine_of(model, "int8", backend="tpu")
     plain = nnx.state(model, nnx.Param)
-    flat = jax.tree_util.tree_flatten_with_path(plain)[0]
+    view = view_state(model)          # the engine holds the layers one leaf per layer
+    flat = jax.tree_util.tree_flatten_with_path(view)[0]
     names = [jax.tree_util.keystr(p) for p, _ in flat]
-    kernels = dict(quantization.projection_kernels(plain))
+    kernels = dict(quantization.projection_kernels(view))
     quantized = {n for i, n in enumerate(names) if i in kernels}
     # every projection kernel and the untied LM head; not the embedding, norms
     assert sum("_kernel" in n for n in names) == len(quantized) - 1
@@ -136,7 +142,7 @@ def test_kernels_are_quantized_per_output_channel_and_remade_every_version(sharp
     assert not any("embed" in n or "norm" in n for n in quantized)
 
     def check(state, version):
-        leaves = [x for _, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+        leaves = accel._layers.view_leaves(jax.tree_util.tree_leaves(state))
         held = accel._kernels.model_leaves(accel.load_params(state, version).leaves)
         on_cpu = engine._kernels.model_leaves(engine.load_params(state, version).leaves)
         for i, x in enumerate(held):

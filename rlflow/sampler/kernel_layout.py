@@ -80,8 +80,9 @@ def wide_kernels(state) -> tuple[tuple[int, tuple, str], ...]:
 
 def _flip(x):
     """``[..., in, out] <-> [..., out, in]``: the last two axes swapped (a stacked kernel
-    keeps its leading layer axis)."""
-    return jnp.swapaxes(x, -1, -2)
+    keeps its leading layer axis). A 2-D kernel takes ``.T``, which an int8 ``qwix.QArray``
+    (:mod:`rlflow.sampler.quantization`) has too."""
+    return x.T if len(x.shape) == 2 else jnp.swapaxes(x, -1, -2)
 
 
 def _weak(x):
