@@ -314,7 +314,8 @@ def test_params_that_do_not_match_the_base_config_name_the_tensor(trained, tmp_p
     rc, text = _export(["--run", t["run"], "--base-model", wider, "--out",
                         str(tmp_path / "o")], capsys)
     assert rc == 2 and "do not match the base model" in text
-    assert "layers/0/mlp/down_kernel" in text and "(96, 64)" in text and "(128, 64)" in text
+    # the layers are stored stacked: [L, F, E]
+    assert "layers/mlp/down_kernel" in text and "(2, 96, 64)" in text and "(2, 128, 64)" in text
     untied = _edited_base(t["base"], str(tmp_path / "untied"), tie_word_embeddings=False)
     rc, text = _export(["--run", t["run"], "--base-model", untied, "--out",
                         str(tmp_path / "o")], capsys)
