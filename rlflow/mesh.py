@@ -40,6 +40,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("expert", None),         # MoE expert kernels' leading axis [n, ...] (rlflow.models.moe)
     ("norm", None),
     ("lora_rank", None),      # LoRA adapter rank: small, never sharded
     # KV cache, per layer keys [B, K, D, S], values [B, K, S, D]

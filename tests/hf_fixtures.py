@@ -102,3 +102,34 @@ def make_gsm8k_model_folder(out_dir: str, questions) -> int:
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return len(tok)
+
+
+def make_tiny_hf_moe_model(out_dir: str, *, num_experts: int = 16, top_k: int = 2,
+                           norm_topk_prob: bool = True, tie: bool = False, seed: int = 0,
+                           num_layers: int = 2) -> str:
+    """A tiny random ``Qwen3MoeForCausalLM`` (vocab 256, hidden 32, 4 query / 2 kv heads of
+    head_dim 8, ``num_layers`` layers of ``num_experts`` experts of width 16, top-``top_k``
+    routing), weights drawn as :func:`make_tiny_hf_model`'s, ``save_pretrained`` to
+    ``out_dir``; returns ``out_dir``."""
+    import torch
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
+        rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        router_aux_loss_coef=0.01, bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
+    torch.manual_seed(seed)
+    model = tf.Qwen3MoeForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -18,7 +18,7 @@ from rlflow.models.decoder import rope_inv_freq
 from rlflow.models.logprobs import token_logprobs
 from tolerances import F32_EPS, forward_atol
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # jitted entry points (one compilation per shape instead of op-by-op dispatch)
 _forward = nnx.jit(lambda m, t, p, mask: m(t, p, mask))

@@ -39,9 +39,14 @@ def chain_len(*, hidden: int, heads: int, head_dim: int, intermediate: int, laye
 def model_chain_len(cfg, seq: int) -> int:
     """:func:`chain_len` of a :class:`rlflow.config.ModelConfig` or
     :class:`rlflow.models.config.DecoderConfig` at sequence length ``seq``."""
+    inter = cfg.intermediate_size
+    if cfg.model_type == "qwen3_moe":
+        # the router (hidden) and its softmax (experts), one expert's SwiGLU (its width),
+        # the gates' renormalisation and the combine over the top-k
+        inter = (cfg.moe_intermediate_size + cfg.hidden_size + cfg.num_experts
+                 + 2 * cfg.num_experts_per_tok)
     return chain_len(hidden=cfg.hidden_size, heads=cfg.num_heads, head_dim=cfg.head_dim,
-                     intermediate=cfg.intermediate_size, layers=cfg.num_layers,
-                     vocab=cfg.vocab_size, seq=seq)
+                     intermediate=inter, layers=cfg.num_layers, vocab=cfg.vocab_size, seq=seq)
 
 
 def forward_atol(cfg, seq: int, scale: float, eps: float = F32_EPS) -> float:

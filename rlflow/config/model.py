@@ -16,7 +16,8 @@ class ModelConfig:
     Attributes:
       path: local Hugging Face folder (config.json + safetensors). Empty: build a random
         model from the architecture fields below (used by the built-in demo and tests).
-      model_type: architecture family when ``path`` is empty: "llama", "qwen2" or "qwen3".
+      model_type: architecture family when ``path`` is empty: "llama", "qwen2", "qwen3" or
+        "qwen3_moe" (Qwen3 attention, every layer's MLP a top-k mixture of experts).
       vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim:
         architecture of the random model (ignored when ``path`` is set).
       rope_theta: RoPE base frequency of the random model.
@@ -24,10 +25,18 @@ class ModelConfig:
       dtype: activation/compute dtype.
       param_dtype: dtype of stored (master) parameters.
       init_seed: PRNG seed for a random model's initial parameters.
+      num_experts: experts per layer of the random "qwen3_moe" model (HF ``qwen3_moe``
+        names; this and the next four are ignored for dense families and when ``path`` is
+        set, where config.json gives them).
+      num_experts_per_tok: experts each token is routed to (top-k).
+      moe_intermediate_size: each expert's SwiGLU width.
+      norm_topk_prob: the k gates are renormalised to sum 1.
+      router_aux_loss_coef: the model's load-balancing loss weight (the default of
+        ``learner.moe_aux_loss_coef``).
     """
 
     path: str = ""
-    model_type: Literal["llama", "qwen2", "qwen3"] = "llama"
+    model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -40,10 +49,15 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     init_seed: int = 0
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         _finite_floats(self, "model")
-        _one_of(self.model_type, ("llama", "qwen2", "qwen3"), "model.model_type")
+        _one_of(self.model_type, ("llama", "qwen2", "qwen3", "qwen3_moe"), "model.model_type")
         _one_of(self.dtype, DTYPES, "model.dtype")
         _one_of(self.param_dtype, DTYPES, "model.param_dtype")
         if self.path:
@@ -58,6 +72,14 @@ class ModelConfig:
         _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                f"must divide model.num_heads={self.num_heads}, got {self.num_kv_heads}")
         _positive(self.rope_theta, "model.rope_theta")
+        if self.model_type == "qwen3_moe":
+            _positive(self.num_experts, "model.num_experts")
+            _positive(self.moe_intermediate_size, "model.moe_intermediate_size")
+            _check(1 <= self.num_experts_per_tok <= self.num_experts, "model.num_experts_per_tok",
+                   f"must be in [1, model.num_experts={self.num_experts}], got "
+                   f"{self.num_experts_per_tok}")
+            _check(self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
+                   f"must be >= 0, got {self.router_aux_loss_coef}")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ would reward drafts.
   answer the text after it (leading whitespace removed). ``<think>`` without ``</think>``:
   never closed. Neither tag: no reasoning, the whole completion is the answer (Qwen3 with
   ``enable_thinking=False`` renders an empty think block into the prompt).
-* ``"auto"`` (default): ``"qwen3"`` for a Qwen3 model (``model_type == "qwen3"``), else
+* ``"auto"`` (default): ``"qwen3"`` for a Qwen3 model (``model_type`` "qwen3" or "qwen3_moe"), else
   ``"none"``.
 * ``"package.module:function"`` / ``"path/file.py:function"`` (loaded like reward plug-ins,
   :mod:`rlflow.runtime.plugins`): ``function(completion: str)`` returning a
@@ -89,7 +89,7 @@ def get_reasoning_parser(name: str, *, model_type: Optional[str] = None) -> Reas
         (the message names ``data.reasoning_parser``).
     """
     if name == "auto":
-        name = "qwen3" if model_type == "qwen3" else "none"
+        name = "qwen3" if model_type in ("qwen3", "qwen3_moe") else "none"
     if name == "none":
         return split_none
     if name == "qwen3":

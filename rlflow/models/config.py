@@ -5,6 +5,8 @@ Supported families (``model_type``):
 * ``llama``: Llama 2/3.x (GQA, RoPE with ``rope_theta`` and optional Llama-3 ``rope_scaling``).
 * ``qwen2``: Qwen2 / Qwen2.5 (q/k/v projection biases, usually tied embeddings).
 * ``qwen3``: Qwen3 dense (per-head RMSNorm on q and k before RoPE).
+* ``qwen3_moe``: Qwen3-MoE (Qwen3 attention; every layer's MLP a top-k mixture of experts,
+  :mod:`rlflow.models.moe`).
 
 Both config.json layouts are read: the transformers 4.x one (``rope_theta`` and
 ``rope_scaling`` at top level) and the 5.x one (``rope_parameters`` holding both).
@@ -16,9 +18,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DTYPES = ("float32", "bfloat16")
+MOE_MODEL_TYPES = ("qwen3_moe",)
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
 
@@ -42,12 +45,41 @@ def eos_token_ids(value) -> tuple[int, ...]:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
+def _moe_fields(d: Mapping[str, Any], where: str) -> dict:
+    """The MoE fields of a HF ``qwen3_moe`` config.json (transformers 4.x names experts
+    ``num_experts``, 5.x ``num_local_experts``).
+
+    Raises:
+      ModelFormatError: a layout rlflow does not run: dense layers among the sparse ones
+        (``mlp_only_layers``, ``decoder_sparse_step`` > 1: the layers run under one scan of
+        one structure) or a shared expert (``shared_expert_intermediate_size``); names the
+        field.
+    """
+    n = d.get("num_experts", d.get("num_local_experts"))
+    _need(n is not None, f"{where}: num_experts", "required field is missing (also looked "
+          "for num_local_experts)")
+    _need(not d.get("mlp_only_layers"), f"{where}: mlp_only_layers",
+          f"dense layers among the MoE layers are not supported (every layer must be sparse, "
+          f"so that the layers share one structure), got {d.get('mlp_only_layers')}")
+    step = d.get("decoder_sparse_step", 1)
+    _need(step in (None, 1), f"{where}: decoder_sparse_step",
+          f"only 1 (every layer sparse) is supported, got {step}")
+    _need(not d.get("shared_expert_intermediate_size"), f"{where}: shared_expert_intermediate_size",
+          "a shared expert (Qwen2-MoE style) is not supported")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        _need(d.get(key) is not None, f"{where}: {key}", "required field is missing")
+    return dict(num_experts=int(n), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0) or 0.0))
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Architecture of a Llama / Qwen2 / Qwen3 decoder.
+    """Architecture of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder.
 
     Attributes:
-      model_type: "llama" | "qwen2" | "qwen3".
+      model_type: "llama" | "qwen2" | "qwen3" | "qwen3_moe".
       vocab_size: V, rows of the embedding.
       hidden_size: E, the residual width.
       intermediate_size: F, SwiGLU MLP width.
@@ -66,6 +98,13 @@ class DecoderConfig:
       bos_token_id / eos_token_ids / pad_token_id: special ids (``eos_token_ids`` holds
         every end-of-sequence id).
       dtype: activation / compute dtype; param_dtype: stored parameter dtype.
+      num_experts: n, experts per MoE layer (``qwen3_moe`` only; 0 for dense models).
+      num_experts_per_tok: k, experts each token is routed to (top-k).
+      moe_intermediate_size: each expert's SwiGLU width (``intermediate_size`` is then the
+        dense MLP width of HF's config, unused since every layer is sparse).
+      norm_topk_prob: the k gates are divided by their sum (HF flag).
+      router_aux_loss_coef: HF's load-balancing loss weight (the default of
+        ``learner.moe_aux_loss_coef``).
 
     Raises:
       ModelFormatError: on an unsupported family or inconsistent shape (names the field).
@@ -91,6 +130,11 @@ class DecoderConfig:
     pad_token_id: int | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         _need(self.model_type in SUPPORTED_MODEL_TYPES, "model_type",
@@ -115,7 +159,24 @@ class DecoderConfig:
             if rope_type == "llama3":
                 missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
                 _need(not missing, "rope_scaling", f"llama3 scaling is missing {missing}")
+        moe = self.model_type in MOE_MODEL_TYPES
+        _need(moe == (self.num_experts > 0), "num_experts",
+              f"must be > 0 exactly for model_type in {MOE_MODEL_TYPES}, got "
+              f"{self.num_experts} for {self.model_type!r}")
+        if moe:
+            _need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                  f"must be in [1, num_experts={self.num_experts}], got "
+                  f"{self.num_experts_per_tok}")
+            _need(self.moe_intermediate_size > 0, "moe_intermediate_size",
+                  f"must be a positive int, got {self.moe_intermediate_size!r}")
+            _need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
+                  f"must be >= 0, got {self.router_aux_loss_coef}")
         object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP is a mixture of experts (:class:`rlflow.models.moe.MoE`)."""
+        return self.num_experts > 0
 
     @property
     def rope_type(self) -> str:
@@ -174,6 +235,7 @@ class DecoderConfig:
             rope_params.setdefault("original_max_position_embeddings", max_pos)
             scaling = {"rope_type": "llama3", **{k: rope_params.get(k) for k in LLAMA3_ROPE_KEYS}}
         eos_ids = eos_token_ids(d.get("eos_token_id"))
+        moe = _moe_fields(d, where) if model_type in MOE_MODEL_TYPES else {}
         return cls(
             model_type=model_type,
             vocab_size=int(req("vocab_size")),
@@ -188,13 +250,14 @@ class DecoderConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),   # HF's default
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=max_pos,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=d.get("pad_token_id"),
             dtype=dtype,
             param_dtype=param_dtype,
+            **moe,
         )
 
     def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
@@ -204,7 +267,7 @@ class DecoderConfig:
         if self.rope_scaling is not None:
             rope_parameters.update({k: self.rope_scaling[k] for k in LLAMA3_ROPE_KEYS})
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
         eos = list(self.eos_token_ids)
         d = {
             "architectures": [arch],
@@ -236,6 +299,13 @@ class DecoderConfig:
         else:
             d.update(use_sliding_window=False, sliding_window=None,
                      max_window_layers=self.num_layers)
+        if self.is_moe:
+            d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                     mlp_only_layers=[], router_aux_loss_coef=self.router_aux_loss_coef,
+                     output_router_logits=False)
         return d
 
     @classmethod
@@ -253,9 +323,15 @@ class DecoderConfig:
             rope_theta=float(model_cfg.rope_theta),
             tie_word_embeddings=model_cfg.tie_word_embeddings,
             attention_bias=model_cfg.model_type == "qwen2",
-            qk_norm=model_cfg.model_type == "qwen3",
+            qk_norm=model_cfg.model_type in ("qwen3", "qwen3_moe"),
             dtype=model_cfg.dtype,
             param_dtype=model_cfg.param_dtype,
+            **({} if model_cfg.model_type not in MOE_MODEL_TYPES else dict(
+                num_experts=model_cfg.num_experts,
+                num_experts_per_tok=model_cfg.num_experts_per_tok,
+                moe_intermediate_size=model_cfg.moe_intermediate_size,
+                norm_topk_prob=model_cfg.norm_topk_prob,
+                router_aux_loss_coef=float(model_cfg.router_aux_loss_coef))),
         )
 
     def __hash__(self):  # rope_scaling is a dict: hash a frozen view (jit static args)

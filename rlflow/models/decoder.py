@@ -34,6 +34,7 @@ from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
 from rlflow.models.layer_scan import scan_layers
 from rlflow.models.lora import LoraAdapter, LoraSpec
+from rlflow.models.moe import MoE
 
 INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
 
@@ -346,18 +347,31 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer."""
+    """One pre-norm decoder layer; ``mlp`` is a :class:`rlflow.models.moe.MoE` when the
+    config has experts (``cfg.is_moe``), else an :class:`MLP`."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
         self.attn = Attention(cfg, rngs=rngs, lora=lora)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
-        self.mlp = MLP(cfg, rngs=rngs, lora=lora)
+        self.mlp = (MoE if cfg.is_moe else MLP)(cfg, rngs=rngs, lora=lora)
 
-    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None):
+    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None, *,
+                 replay_ids=None, return_routing: bool = False):
+        """``x [B, T, E]`` -> ``[B, T, E]``; with ``return_routing`` the pair ``(x, routing)``,
+        ``routing`` the MoE layer's :class:`rlflow.models.moe.Routing` over the ``B * T``
+        tokens (None for a dense layer). ``replay_ids``: ``[B, T, k]`` expert ids to replay
+        (MoE layers only; :func:`rlflow.models.moe.route`)."""
         x = x + self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
-        return x + self.mlp(self.post_attn_norm(x))
+        h = self.post_attn_norm(x)
+        if isinstance(self.mlp, MoE):
+            y, routing = self.mlp(h, replay_ids)
+        else:
+            if replay_ids is not None:
+                raise ValueError("replay_ids given to a dense layer (the model has no experts)")
+            y, routing = self.mlp(h), None
+        return (x + y, routing) if return_routing else x + y
 
 
 class Decoder(nnx.Module):

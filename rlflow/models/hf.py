@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlflow.models import hf_settings
+from rlflow.models.hf_moe import is_expert_slice, moe_weight_map
 from rlflow.models.config import DecoderConfig, ModelFormatError, eos_token_ids
 from rlflow.models.decoder import Decoder
 
@@ -44,6 +45,7 @@ _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bf
 #   in_heads:  HF [N*D, E]  -> [E, N, D] (q/k/v projections)
 #   out_heads: HF [E, H*D]  -> [H, D, E] (o projection)
 #   heads:     HF [N*D]     -> [N, D]    (q/k/v biases)
+#   expert_linear: HF [out, in] -> slice j of [n, in, out] (MoE experts, rlflow.models.hf_moe)
 
 
 def hf_weight_map(cfg: DecoderConfig) -> list[tuple[str, tuple, str]]:
@@ -64,6 +66,9 @@ def hf_weight_map(cfg: DecoderConfig) -> list[tuple[str, tuple, str]]:
         if cfg.qk_norm:
             m += [(hf + "self_attn.q_norm.weight", attn + ("q_norm", "scale"), "copy"),
                   (hf + "self_attn.k_norm.weight", attn + ("k_norm", "scale"), "copy")]
+        if cfg.is_moe:
+            m += moe_weight_map(cfg.num_experts, i)
+            continue
         for p in ("gate", "up", "down"):
             m.append((hf + f"mlp.{p}_proj.weight", ours + ("mlp", f"{p}_kernel"), "linear"))
     m.append(("model.norm.weight", ("final_norm", "scale"), "copy"))
@@ -75,7 +80,7 @@ def hf_weight_map(cfg: DecoderConfig) -> list[tuple[str, tuple, str]]:
 def _hf_shape(kind: str, shape: tuple) -> tuple:
     if kind == "copy":
         return tuple(shape)
-    if kind == "linear":
+    if kind in ("linear", "expert_linear"):
         return (shape[1], shape[0])
     if kind == "in_heads":
         return (shape[1] * shape[2], shape[0])
@@ -85,7 +90,7 @@ def _hf_shape(kind: str, shape: tuple) -> tuple:
 
 
 def _to_ours(kind: str, a: np.ndarray, shape: tuple) -> np.ndarray:
-    if kind in ("linear", "in_heads", "out_heads"):
+    if kind in ("linear", "expert_linear", "in_heads", "out_heads"):
         a = a.T
     return a.reshape(shape)
 
@@ -97,7 +102,7 @@ def _to_hf(kind: str, a: np.ndarray) -> np.ndarray:
         a = a.reshape(-1, a.shape[-1])
     elif kind == "heads":
         a = a.reshape(-1)
-    if kind in ("linear", "in_heads", "out_heads"):
+    if kind in ("linear", "expert_linear", "in_heads", "out_heads"):
         a = a.T
     return np.ascontiguousarray(a)
 
@@ -108,6 +113,12 @@ def _get(tree, path):
             key = str(key)
         tree = tree[key]
     return tree
+
+
+def _param_path(ours: tuple, kind: str) -> tuple:
+    """The parameter an entry of :func:`hf_weight_map` belongs to (an expert slice's path
+    ends with the expert index: drop it)."""
+    return ours[:-1] if is_expert_slice(kind) else ours
 
 
 def _set(tree, path, value):
@@ -192,7 +203,7 @@ def read_decoder_config(path: str, *, dtype: str | None = None,
 
 def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
             mesh: jax.sharding.Mesh | None = None) -> tuple[Decoder, DecoderConfig]:
-    """Load a local HF folder (Llama / Qwen2 / Qwen3) into a :class:`Decoder`.
+    """Load a local HF folder (Llama / Qwen2 / Qwen3 / Qwen3-MoE) into a :class:`Decoder`.
 
     Args:
       path: folder with config.json and safetensors weights (single or sharded).
@@ -233,27 +244,38 @@ def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = No
     np_dtype = _NP_DTYPES[cfg.param_dtype]
     loaded: dict = {}
     handles: dict = {}
+    arrays: dict = {}      # parameter path -> host array (expert slices filled one by one)
     try:
         for name, ours, kind in wanted:
             fname = files[name]
             if fname not in handles:
                 handles[fname] = safe_open(fname, framework="numpy").__enter__()
-            shape = tuple(_get(abs_pure, ours).shape)
+            param = _param_path(ours, kind)
+            shape = tuple(_get(abs_pure, param).shape)
+            if is_expert_slice(kind):
+                shape = shape[1:]
             hf_shape = tuple(handles[fname].get_slice(name).get_shape())
             if hf_shape != _hf_shape(kind, shape):
                 raise ModelFormatError(
                     f"{fname}: tensor {name!r} has shape {list(hf_shape)}, expected "
                     f"{list(_hf_shape(kind, shape))} from {CONFIG_FILE}")
             arr = _to_ours(kind, handles[fname].get_tensor(name), shape).astype(np_dtype)
-            if shardings is None:
-                value = jnp.asarray(arr)
+            if is_expert_slice(kind):
+                if param not in arrays:
+                    arrays[param] = np.empty(_get(abs_pure, param).shape, np_dtype)
+                arrays[param][ours[-1]] = arr
             else:
-                value = jax.make_array_from_callback(shape, _get(shardings, ours),
-                                                     lambda idx, a=arr: a[idx])
-            _set(loaded, ours, value)
+                arrays[param] = arr
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+    for param, arr in arrays.items():
+        if shardings is None:
+            value = jnp.asarray(arr)
+        else:
+            value = jax.make_array_from_callback(arr.shape, _get(shardings, param),
+                                                 lambda idx, a=arr: a[idx])
+        _set(loaded, param, value)
     nnx.replace_by_pure_dict(abs_params, loaded)
     return nnx.merge(graphdef, abs_params), cfg
 
@@ -288,11 +310,14 @@ def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | N
     pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
     tensors = {}
     for name, ours, kind in hf_weight_map(cfg):
+        param = _param_path(ours, kind)
         try:
-            value = _get(pure, ours)
+            value = _get(pure, param)
         except (KeyError, TypeError):
-            raise ModelFormatError(f"params: missing {'.'.join(map(str, ours))} "
+            raise ModelFormatError(f"params: missing {'.'.join(map(str, param))} "
                                    f"(for HF tensor {name!r})") from None
+        if is_expert_slice(kind):
+            value = value[ours[-1]]
         arr = np.asarray(jax.device_get(value)).astype(_NP_DTYPES[dtype])
         tensors[name] = _to_hf(kind, arr)
     os.makedirs(out_dir, exist_ok=True)
