@@ -105,3 +105,71 @@ def test_routing_rows_follow_the_batch_row_layout():
             want[s, 5 + c] = g["completion_routing"][s, c]
     np.testing.assert_array_equal(rows, want)
     assert rows.dtype == np.int8
+
+
+# ------------------------------------------------------------------- learner batch layout
+
+def _routed_records(seed, n_groups=2, group_size=4, max_tokens=6, layers=2, top_k=2):
+    from learner_fixtures import make_group_records
+    recs = make_group_records(seed, n_groups, vocab=64, group_size=group_size,
+                              max_tokens=max_tokens)
+    rng = np.random.default_rng(seed + 100)
+    return [r | routing.synthetic_routing(rng, r, num_layers=layers, top_k=top_k,
+                                          num_experts=8) for r in recs]
+
+
+def _expected_ids(recs, tokens_attended, positions, group_ids, segment_ids, group_size):
+    """Plain oracle: the ids of the token at each real position, from its record, by its
+    position in its sequence (prompt first, then its sample's completion)."""
+    want = np.full(positions.shape + (2, 2), -1, np.int8)
+    for r, c in zip(*np.nonzero(tokens_attended)):
+        gi = int(group_ids[r, c]) - 1
+        if gi < 0:
+            continue
+        rec, p = recs[gi], int(positions[r, c])
+        n_prompt = len(rec["prompt_tokens"])
+        if p < n_prompt:
+            want[r, c] = rec["prompt_routing"][p]
+        else:
+            sample = (int(segment_ids[r, c]) - 1) % group_size
+            want[r, c] = rec["completion_routing"][sample, p - n_prompt]
+    return want
+
+
+def test_batch_and_packed_batch_carry_the_ids_of_each_token():
+    from rlflow.learner.batch import BatchSpec, build_batch, row_segment_ids, validate_batch
+    from rlflow.learner.packing import PackSpec, pack_batch
+
+    recs = _routed_records(0)
+    spec = BatchSpec(group_size=4, num_rows=10, seq_buckets=(16,), max_tokens=6)
+    batch, info = build_batch(recs, spec, 0)
+    validate_batch(batch)
+    assert batch.routing_ids.shape == (10, 16, 2, 2) and info["batch/routed_samples"] == 8
+    want = _expected_ids(recs, batch.attention_mask, batch.positions, batch.group_ids,
+                         row_segment_ids(batch.attention_mask), 4)
+    np.testing.assert_array_equal(batch.routing_ids, want)
+    for shared in (False, True):
+        packed, _ = pack_batch(batch, PackSpec.create(num_rows=10, max_row=16, pack_length=24,
+                                                      buckets=2, split=1, shared_prefix=shared))
+        validate_batch(packed)
+        assert (packed.prefix_ids is None) if not shared else \
+            (packed.prefix_ids != packed.segment_ids).any()
+        # a shared prompt's own segment holds prompt positions only (its group's ids)
+        want = _expected_ids(recs, packed.attention_mask, packed.positions, packed.group_ids,
+                             packed.segment_ids, 4)
+        np.testing.assert_array_equal(packed.routing_ids, want)
+
+
+def test_records_without_routing_route_by_the_learner_and_shapes_must_agree():
+    from rlflow.learner.batch import BatchError, BatchSpec, build_batch
+
+    recs = _routed_records(1)
+    spec = BatchSpec(group_size=4, num_rows=8, seq_buckets=(16,), max_tokens=6)
+    plain = [{k: v for k, v in r.items() if k not in routing.ROUTING_FIELDS} for r in recs]
+    assert build_batch(plain, spec, 0)[0].routing_ids is None
+    mixed, _ = build_batch([recs[0], plain[1]], spec, 0)
+    assert (mixed.routing_ids[4:] == -1).all() and (mixed.routing_ids[:4] >= 0).any()
+    other = _routed_records(2, layers=3)
+    with pytest.raises(BatchError, match=r"record 1 .*\[layers, k\] = \[3, 2\], record 0 "
+                                         r"\[2, 2\]"):
+        build_batch([recs[0], other[1]], spec, 0)

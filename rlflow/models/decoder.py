@@ -19,6 +19,7 @@ whose keys are all masked (a padding row) gives a finite uniform average, never 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -35,6 +36,7 @@ from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
 from rlflow.models.layer_scan import scan_layers
 from rlflow.models.lora import LoraAdapter, LoraSpec
 from rlflow.models.moe import MoE
+from rlflow.models.moe_replay import agreement_sums, layer_major
 
 INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
 
@@ -459,7 +461,8 @@ class Decoder(nnx.Module):
                       *, segment_ids: jax.Array | None = None,
                       prefix_ids: jax.Array | None = None,
                       attention_impl: str = "auto", remat: str = "none",
-                      mesh=None) -> jax.Array:
+                      mesh=None, routing_ids: jax.Array | None = None,
+                      replay_routing: bool = False):
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
@@ -480,19 +483,47 @@ class Decoder(nnx.Module):
         there made XLA's partitioner replicate the cotangent in the backward). ``T`` must
         be a multiple of ``s``. Values do not change.
 
+        ``routing_ids`` (mixture-of-experts models; rollout routing replay,
+        :mod:`rlflow.models.moe_replay`): ``[B, T, L, k]`` int expert ids the sampler chose for
+        each token and layer, -1 where it recorded none. With ``replay_routing`` every MoE
+        layer routes the tokens with recorded ids to those experts (gates from its own
+        router: :func:`rlflow.models.moe.route`), the others by its own top-k; without, the
+        ids are only compared. Then the result is the pair ``(hidden, agreement)``,
+        ``agreement`` float32 ``[L, 2]``: per layer, the token-layers whose own top-k set
+        equals the recorded one, and those with a recorded choice
+        (:func:`rlflow.models.moe_replay.agreement_sums`).
+
         Raises (beside :meth:`__call__`'s):
           LayerScanError: the layers differ in structure, or ``remat`` is unknown or
             unsupported on this backend.
           ValueError: ``T`` is not a multiple of the ``sequence`` axis (names
-            ``learner.mesh.sequence`` and ``T``).
+            ``learner.mesh.sequence`` and ``T``); ``routing_ids`` for a dense model.
         """
         self._check_tokens(tokens)
         n = sequence_size(mesh)
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
                               attention_impl, mesh if n > 1 else None)  # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
+        if routing_ids is not None:
+            if not self.cfg.is_moe:
+                raise ValueError("routing_ids given to a dense model (it has no experts to "
+                                 "route; learner.routing_replay is for mixture-of-experts "
+                                 "models)")
+            if n > 1:
+                routing_ids = context_parallel.fold(routing_ids, n)
+            per_layer = layer_major(routing_ids)
+
+            def routed(block, h, ids, pos=positions, fix=lambda a: a):
+                h, routing = block(fix(h), pos, inv_freq, attend,
+                                   replay_ids=ids if replay_routing else None,
+                                   return_routing=True)
+                return fix(h), agreement_sums(routing, ids)
         if n == 1:
-            x = scan_layers(self.layers, self._embed(tokens),
+            x = self._embed(tokens)
+            if routing_ids is not None:
+                x, agreement = scan_layers(self.layers, x, routed, remat, per_layer)
+                return self.final_norm(x), agreement
+            x = scan_layers(self.layers, x,
                             lambda block, h: block(h, positions, inv_freq, attend), remat)
             return self.final_norm(x)
         # context parallelism: the layers see the folded view [s * B, T / s, E], one block
@@ -505,14 +536,19 @@ class Decoder(nnx.Module):
 
         folded_positions = context_parallel.fold(positions, n)
         x = constrain(self._embed(context_parallel.fold(tokens, n)))
+        if routing_ids is not None:
+            x, agreement = scan_layers(
+                self.layers, x, functools.partial(routed, pos=folded_positions, fix=constrain),
+                remat, per_layer)
+            return self.final_norm(context_parallel.unfold(x, n)), agreement
         x = scan_layers(self.layers, x,
                         lambda block, h: constrain(block(constrain(h), folded_positions,
                                                          inv_freq, attend)), remat)
         return self.final_norm(context_parallel.unfold(x, n))
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                       cache: KVCache | PagedKVCache, cache_index: jax.Array
-                       ) -> tuple[jax.Array, KVCache | PagedKVCache]:
+                       cache: KVCache | PagedKVCache, cache_index: jax.Array, *,
+                       return_routing: bool = False):
         """Forward over ``T`` new tokens per row against a KV cache (prefill / decode).
 
         Row ``b``'s new keys/values go to cache positions
@@ -532,8 +568,13 @@ class Decoder(nnx.Module):
             entries written into the rows' pages (pages the host allocated).
           cache_index: ``[B]`` int32 first cache position written for each row.
 
+          return_routing: (mixture-of-experts models) also return the expert ids each
+            layer's router chose for each new token: what the sampler records for rollout
+            routing replay (:mod:`rlflow.exchange.routing`).
+
         Returns:
-          ``(logits [B, T, V] float32, new cache)``.
+          ``(logits [B, T, V] float32, new cache)``; with ``return_routing`` the triple
+          ``(logits, new cache, expert ids int32 [B, T, L, k])``.
 
         The layers run as a Python loop here (one cache array per layer, written through
         ``kv_hook``), unlike :meth:`hidden_states`' scan: the paged KV cache restructures
@@ -541,8 +582,11 @@ class Decoder(nnx.Module):
 
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
+          ValueError: ``return_routing`` for a dense model.
         """
         self._check_tokens(tokens)
+        if return_routing and not self.cfg.is_moe:
+            raise ValueError("return_routing: a dense model has no experts to report")
         b, t = tokens.shape
         s = cache.max_len
         cache_index = jnp.asarray(cache_index, jnp.int32).reshape(b)
@@ -554,6 +598,7 @@ class Decoder(nnx.Module):
         ks, vs = list(cache.k), list(cache.v)
         paged = isinstance(cache, PagedKVCache)
         x = self._embed(tokens)
+        chosen = []                                         # [B, T, k] per layer
         for layer, block in enumerate(self.layers):
             def hook(k, v, layer=layer):
                 if paged:
@@ -563,7 +608,11 @@ class Decoder(nnx.Module):
                 ks[layer] = write_cache(ks[layer], k, cols, seq_axis=3)
                 vs[layer] = write_cache(vs[layer], v, cols, seq_axis=2)
                 return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
-            x = block(x, positions, inv_freq, attend, hook)
+            x, routing = block(x, positions, inv_freq, attend, hook, return_routing=True)
+            if return_routing:
+                chosen.append(routing.expert_ids.reshape(b, t, -1))
         if paged:
-            return self._logits(x), cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
-        return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)
+            out = self._logits(x), cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
+        else:
+            out = self._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)
+        return out + (jnp.stack(chosen, axis=2),) if return_routing else out

@@ -96,7 +96,7 @@ def stack_layers(layers) -> tuple[nnx.GraphDef, nnx.State]:
     return graphdef, state
 
 
-def scan_layers(layers, x: jax.Array, apply: Callable, remat: str = "none") -> jax.Array:
+def scan_layers(layers, x: jax.Array, apply: Callable, remat: str = "none", xs=None):
     """``x`` through every layer in order, as one ``jax.lax.scan`` (module doc).
 
     Args:
@@ -105,10 +105,13 @@ def scan_layers(layers, x: jax.Array, apply: Callable, remat: str = "none") -> j
       apply: ``apply(layer, x) -> x`` for one layer (the other arguments closed over; they
         are the same for every layer).
       remat: one of :data:`REMAT_POLICIES`.
+      xs: optional per-layer inputs, a pytree of ``[L, ...]`` arrays (e.g. rollout routing
+        replay's recorded expert ids); then ``apply(layer, x, xs_i) -> (x, ys_i)``.
 
     Returns:
       The last layer's output, shaped and typed as ``x``; equal to
-      ``for layer in layers: x = apply(layer, x)`` (the same operations per layer).
+      ``for layer in layers: x = apply(layer, x)`` (the same operations per layer). With
+      ``xs``: ``(x, ys)``, ``ys`` the per-layer outputs stacked ``[L, ...]``.
 
     Raises:
       LayerScanError: see :func:`stack_layers` and :func:`checkpoint_policy`.
@@ -116,12 +119,16 @@ def scan_layers(layers, x: jax.Array, apply: Callable, remat: str = "none") -> j
     policy = checkpoint_policy(remat)
     graphdef, stacked = stack_layers(layers)
 
-    def body(carry, layer_state):
-        return apply(nnx.merge(graphdef, layer_state), carry), None
+    def body(carry, inputs):
+        layer_state, per_layer = inputs
+        layer = nnx.merge(graphdef, layer_state)
+        if xs is None:
+            return apply(layer, carry), None
+        return apply(layer, carry, per_layer)
 
     if remat != "none":
         # prevent_cse=False: inside a scan the loop boundary already keeps XLA from fusing
         # the recomputation into the forward (jax.checkpoint's documentation)
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    out, _ = jax.lax.scan(body, x, stacked)
-    return out
+    out, ys = jax.lax.scan(body, x, (stacked, xs))
+    return out if xs is None else (out, ys)
