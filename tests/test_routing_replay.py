@@ -179,3 +179,29 @@ def test_agreement_counts_equal_top_k_sets_against_numpy():
     same = [set(a) == set(b) for a, b in zip(own, rec)]
     want = [sum(s for s, r in zip(same, rec) if r[0] >= 0), 17]
     np.testing.assert_array_equal(np.asarray(agreement_sums(routing, jnp.asarray(rec))), want)
+
+
+def test_replay_on_a_sequence_mesh_equals_one_device():
+    """Context parallelism folds the recorded ids like the tokens: the replayed forward on a
+    ``sequence=2`` mesh (fake CPU devices) equals the one-device one."""
+    from rlflow.config import MeshConfig
+    from rlflow.mesh import make_mesh
+
+    mesh = make_mesh(MeshConfig(sequence=2), jax.devices()[:2])
+    model = Decoder(CFG, rngs=nnx.Rngs(5))
+    tokens, pos, mask = _batch(3)
+    ids = _forced_ids(np.random.default_rng(4), (2, 8, 3))
+    ids[1, :2] = -1                                       # the left padding: no record
+    graphdef, params = nnx.split(model)
+
+    def run(p, m):
+        return nnx.merge(graphdef, p).hidden_states(tokens, pos, mask, routing_ids=ids,
+                                                    replay_routing=True, mesh=m)
+
+    one = jax.jit(lambda p: run(p, None))(params)
+    split = jax.jit(lambda p: run(p, mesh))(params)
+    np.testing.assert_allclose(np.asarray(split[0]), np.asarray(one[0]), rtol=0,
+                               atol=forward_atol(CFG, 8, float(np.abs(one[0]).max())))
+    np.testing.assert_array_equal(np.asarray(split[1])[:, 1], np.asarray(one[1])[:, 1])
+    # the learner's own top-k on another program: equal unless a near tie flips (one at most)
+    assert np.abs(np.asarray(split[1]) - np.asarray(one[1])).max() <= 1

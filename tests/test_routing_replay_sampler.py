@@ -55,3 +55,55 @@ def test_engine_records_each_tokens_experts_in_the_group_record():
         np.testing.assert_array_equal(np.asarray(agreement), [[counted, counted]] * 2)
         # the records travel: the learner batch's routing rows round-trip the bytes
         assert records.decode_bytes(records.encode_bytes(rec)).keys() == rec.keys()
+
+
+def test_episode_records_the_sampled_turns_experts_and_none_for_environment_tokens():
+    """A two-turn episode: the environment's tokens are appended by a prefill, so no decode
+    step records them (-1) and the sampled token before them has no recorded successor
+    either; every other token's ids are the full forward's choice (float32, one version)."""
+    from rlflow.config import EnvConfig
+    from rlflow.sampler.episodes import EpisodeDriver
+    from test_episodes import CONT, FakeRenderer, FakeTokenizer
+
+    model = build_model(MOE)[0]
+    nnx.update(model, jax.tree_util.tree_map(lambda x: x * 4.0, nnx.state(model, nnx.Param)))
+    cfg = SamplerConfig(num_slots=2, max_prefill_length=8, prefill_buckets=(8,), max_tokens=12,
+                        temperature=1.0, decode_steps_per_call=2)
+    engine = RlflowEngine(model, cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    prompt = [1, 20, 33, 47]
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=3, stop_token_ids=())
+    single = ContinuousBatcher(engine).run([Request(0, prompt, 2, sampling)])[0]
+    eot = sorted({int(c.tokens[1]) for c in single.completions})   # turn 1 ends by token 2
+    driver = EpisodeDriver(EnvConfig(name="test_two_turns", max_turns=4), FakeTokenizer(),
+                           FakeRenderer(eot))
+    prompt, group = driver.new_group({"prompt_id": 0}, 2)
+    batcher = ContinuousBatcher(engine, episodes=driver)
+    batcher.submit(Request(0, prompt, 2, SamplingParams(temperature=1.0, max_tokens=12, seed=3,
+                                                         stop_token_ids=tuple(eot)),
+                           episode=group))
+    out = []
+    while batcher.has_work:
+        out += batcher.step()
+    rec = out[0].to_record()
+    dims = records.validate_group(rec)
+    p = dims["P"]
+    for i, c in enumerate(out[0].completions):
+        n = len(c.tokens)
+        first_end = int(np.flatnonzero(np.isin(c.tokens, eot))[0])
+        env = np.arange(first_end + 1, first_end + 1 + len(CONT))
+        assert c.tokens[env].tolist() == CONT
+        recorded = (rec["completion_routing"][i, :n] >= 0).all(-1).all(-1)
+        want = np.ones(n, bool)
+        want[n - 1] = False                         # the last token: no forward took it in
+        want[env[:-1]] = False                      # environment tokens before the last
+        want[first_end] = False                     # its successor was prefilled, not decoded
+        assert recorded.tolist() == want.tolist()
+        seq = np.array([prompt.tolist() + c.tokens.tolist()], np.int32)
+        ids = np.concatenate([rec["prompt_routing"][None],
+                              rec["completion_routing"][i:i + 1, :n]], 1)
+        pos = np.arange(seq.shape[1], dtype=np.int32)[None]
+        _, agreement = model.hidden_states(jnp.asarray(seq), jnp.asarray(pos),
+                                           jnp.ones(seq.shape, bool),
+                                           routing_ids=jnp.asarray(ids))
+        counted = p + int(want.sum())
+        np.testing.assert_array_equal(np.asarray(agreement), [[counted, counted]] * 2)
