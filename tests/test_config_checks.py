@@ -438,3 +438,13 @@ def test_a_reasoning_parser_that_cannot_load_is_refused(no_programs, capsys):
     assert code == 2 and "data.reasoning_parser" in text and "nope" in text, text
     with pytest.raises(AssertionError, match="rlflow train started the programs"):
         _train(["--data.reasoning-parser", "think.py:split"], capsys)
+
+
+def test_lora_on_a_moe_models_mlp_is_refused_naming_the_targets(no_programs, capsys):
+    """Qwen3-MoE: LoRA adapts the attention projections only (the experts are not adapted);
+    the default targets (all seven projections) are refused at start, naming the field."""
+    code, out = _train(["--model.path", "", "--model.model-type", "qwen3_moe",
+                        "--learner.lora.rank", "4"], capsys)
+    assert code == 2
+    assert "learner.lora.targets" in out and "gate_proj" in out and "qwen3_moe" in out
+    assert not os.path.exists(no_programs / "runs")

@@ -20,12 +20,47 @@ MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_lay
 
 
 @pytest.mark.parametrize("model_type,tied", [("llama", True), ("llama", False),
-                                             ("qwen2", False), ("qwen3", True)])
+                                             ("qwen2", False), ("qwen3", True),
+                                             ("qwen3_moe", False)])
 def test_parameter_count_equals_the_built_model(model_type, tied):
     m = replace(MODEL, model_type=model_type, tie_word_embeddings=tied)
     params = nnx.split(build_model(m)[0], nnx.Param)[1]
     real = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     assert Architecture.from_model_config(m).num_params() == real
+
+
+def test_moe_counts_every_expert_in_params_and_the_top_k_in_activations(tmp_path):
+    """Expert weights count whole (all n stored and trained); activations and model FLOPs
+    count the k experts a token goes through; the HF config.json reader gives the same."""
+    import json
+
+    from rlflow.console.fit import hf_architecture
+    from rlflow.learner.memory import activation_bytes
+    from rlflow.models.config import DecoderConfig
+    from rlflow.run.perf import matmul_params
+
+    moe = replace(MODEL, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=16)
+    arch = Architecture.from_model_config(moe)
+    h, n, f = 32, 8, 16
+    dense = replace(MODEL, model_type="qwen3")
+    per_layer_mlp = n * (3 * h * f + h)
+    assert arch.num_params() == (Architecture.from_model_config(dense).num_params()
+                                 + MODEL.num_layers * (per_layer_mlp - 3 * h * 64))
+    # a dense model of MLP width k x F with the dispatch's copies and router probabilities
+    same_width = Architecture.from_model_config(replace(dense, intermediate_size=2 * f))
+    kw = dict(rows=4, seq=16, compute_bytes=4, remat="full")
+    extra = 4 * 16 * (2 * 4 * 2 * h + 4 * n)          # tokens x (2 a k h + 4 n), one layer
+    assert activation_bytes(arch, **kw) == activation_bytes(same_width, **kw) + extra
+    dcfg = DecoderConfig.from_model_config(moe)
+    assert matmul_params(dcfg) == matmul_params(DecoderConfig.from_model_config(
+        replace(dense, intermediate_size=2 * f))) + MODEL.num_layers * h * n
+    folder = tmp_path / "m"
+    folder.mkdir()
+    d = dcfg.to_hf_dict()
+    del d["num_experts"]                              # transformers 5.x writes only this one:
+    (folder / "config.json").write_text(json.dumps(d))
+    assert hf_architecture(str(folder)) == arch
 
 
 def test_state_terms_equal_the_sharded_learner_state_on_one_chip():

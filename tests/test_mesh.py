@@ -51,7 +51,7 @@ def _run(model, cfg, mesh, toks, mask, with_cache):
     return np.asarray(logits), np.concatenate([np.asarray(s[0]) for s in steps], axis=1)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_fsdp2_tensor2_forward_equals_one_device(family):
     assert jax.device_count() == 4
     mcfg = _cfg(family)

@@ -13,13 +13,12 @@ import torch
 from flax import nnx
 
 from hf_fixtures import make_tiny_hf_moe_model
-from rlflow.models import ModelFormatError, init_cache, load_hf, positions_from_mask, save_hf
+from rlflow.models import ModelFormatError, load_hf, positions_from_mask, save_hf
 from rlflow.models.config import DecoderConfig
 from rlflow.models.moe import balance_loss, balance_sums, dispatch, route
 from tolerances import F32_EPS, forward_atol, sum_tol
 
 _forward = nnx.jit(lambda m, t, p, mask: m(t, p, mask))
-_cached = nnx.jit(lambda m, t, p, mask, cache, idx: m.forward_cached(t, p, mask, cache, idx))
 
 SEQS = [np.array(s, np.int32) for s in
         ([17, 200, 31, 4, 99, 250, 8, 64, 128], [5, 77, 190, 3, 42], [211, 9])]
@@ -144,26 +143,55 @@ def test_logits_and_greedy_text_match_transformers(moe_dir, k, norm):
         np.testing.assert_allclose(ours[b, width - len(s):], want, rtol=0,
                                    atol=forward_atol(cfg, width, float(np.abs(want).max())),
                                    err_msg=f"k={k} norm={norm} row {b}")
-    # greedy text: transformers' generate against rlflow's prefill + cached decode
-    steps, prompt = 6, SEQS[1]
+    # greedy text: transformers' generate against rlflow's argmax, token by token, of the
+    # same jitted forward (the [3, 9] batch above: causal, so right padding changes nothing;
+    # the KV-cached sampler path is test_sampler_engine_greedy_matches_transformers's)
+    steps, prompt = 6, SEQS[2]
     with torch.no_grad():
         hf_text = ref.generate(torch.tensor(prompt[None], dtype=torch.long), do_sample=False,
-                               max_new_tokens=steps, min_new_tokens=steps,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-    cache = init_cache(cfg, 1, len(prompt) + steps)
-    t = jnp.asarray(prompt[None])
-    m = jnp.ones_like(t, bool)
-    logits, cache = _cached(model, t, positions_from_mask(m), m, cache,
-                            jnp.zeros((1,), jnp.int32))
-    text, pos = [], len(prompt)
-    for _ in range(steps):
-        nxt = int(jnp.argmax(logits[0, -1]))
-        text.append(nxt)
-        logits, cache = _cached(model, jnp.asarray([[nxt]], jnp.int32),
-                                jnp.asarray([[pos]], jnp.int32), jnp.ones((1, 1), bool), cache,
-                                jnp.asarray([pos], jnp.int32))
-        pos += 1
+                               max_new_tokens=steps, pad_token_id=0)[0, len(prompt):].tolist()
+    buf = np.zeros((len(SEQS), width), np.int32)
+    buf[0, :len(prompt)] = prompt
+    text = []
+    for n in range(len(prompt), len(prompt) + steps):
+        m = np.zeros_like(buf, bool)
+        m[0, :n] = True
+        logits = _forward(model, jnp.asarray(buf), positions_from_mask(m), jnp.asarray(m))
+        buf[0, n] = int(jnp.argmax(logits[0, n - 1]))
+        text.append(int(buf[0, n]))
+    if len(hf_text) < steps:                # transformers stopped at an EOS id (2 or 3)
+        assert hf_text[-1] in (2, 3)
+        text = text[:len(hf_text)]
     assert text == hf_text
+
+
+def test_sampler_engine_greedy_matches_transformers(moe_dir):
+    """The sampler's engine (continuous batching, prefill buckets, KV cache decode) on a MoE
+    model: the greedy tokens of transformers' ``generate`` for four prompts decoded together."""
+    from rlflow.config import MeshConfig, SamplerConfig
+    from rlflow.mesh import make_mesh
+    from rlflow.sampler.batching import ContinuousBatcher, Request
+    from rlflow.sampler.engine import RlflowEngine
+    from rlflow.sampler.sampling import SamplingParams
+
+    path = moe_dir(2, True)
+    model, _ = load_hf(path)
+    engine = RlflowEngine(model, SamplerConfig(num_slots=4, max_prefill_length=16,
+                                               prefill_buckets=(8, 16), max_tokens=6,
+                                               temperature=0.0),
+                          mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    prompts = [[1, 17, 42], [1, 5, 9, 200, 31, 77, 4, 8, 100, 12, 6], [1], [9, 8, 7, 6, 5, 13]]
+    groups = {g.prompt_id: g for g in ContinuousBatcher(engine).run(
+        [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=6))
+         for i, p in enumerate(prompts)])}
+    ref = _hf(path)
+    for i, prompt in enumerate(prompts):
+        ours = groups[i].completions[0].tokens.tolist()
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long), do_sample=False,
+                max_new_tokens=6)[0, len(prompt):].tolist()
+        assert ours == want[:len(ours)] and (len(ours) == 6 or ours[-1] in (2, 3)), (i, ours, want)
 
 
 def test_export_loads_in_transformers_with_the_same_logits(moe_dir, tmp_path):
@@ -217,3 +245,41 @@ def test_float32_tolerance_is_small():
     cfg = DecoderConfig(model_type="qwen3_moe", qk_norm=True, vocab_size=256, hidden_size=32,
                         num_experts=16, num_experts_per_tok=8, moe_intermediate_size=16)
     assert forward_atol(cfg, 9, 3.0) < 1e-3 and F32_EPS < 1e-6
+
+
+def test_fused_expert_checkpoints_load_the_same_parameters(moe_dir, tmp_path):
+    """A checkpoint holding the experts fused as transformers 5.x holds them in memory
+    (``experts.gate_up_proj [n, 2F, E]``, ``experts.down_proj [n, E, F]``) loads the same
+    parameters as the per-expert files."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = moe_dir(2, True)
+    out = tmp_path / "fused"
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts."
+        take = lambda name: np.stack([tensors.pop(f"{p}{j}.{name}.weight")   # noqa: E731
+                                      for j in range(16)])
+        gate, up, down = take("gate_proj"), take("up_proj"), take("down_proj")
+        tensors[p + "gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        tensors[p + "down_proj"] = down
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # the layout is transformers' own: it loads the fused file to the same model (the same
+    # weights; its kernels may differ in summation order with the tensors' memory layout)
+    ref = _hf_logits(_hf(src), SEQS[0])
+    np.testing.assert_allclose(_hf_logits(_hf(str(out)), SEQS[0]), ref, rtol=0,
+                               atol=forward_atol(load_hf(src)[1], len(SEQS[0]),
+                                                 float(np.abs(ref).max())))
+    want = nnx.to_pure_dict(nnx.state(load_hf(src)[0], nnx.Param))
+    got = nnx.to_pure_dict(nnx.state(load_hf(str(out))[0], nnx.Param))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 got, want)
+    # a fused tensor of the wrong width is named with both shapes
+    tensors["model.layers.1.mlp.experts.down_proj"] = down[:, :, :8]
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFormatError, match=r"layers.1.mlp.experts.down_proj.*\[16, 32, 8\]"
+                                               r".*\[16, 32, 16\]"):
+        load_hf(str(out))

@@ -205,3 +205,21 @@ def test_replay_on_a_sequence_mesh_equals_one_device():
     np.testing.assert_array_equal(np.asarray(split[1])[:, 1], np.asarray(one[1])[:, 1])
     # the learner's own top-k on another program: equal unless a near tie flips (one at most)
     assert np.abs(np.asarray(split[1]) - np.asarray(one[1])).max() <= 1
+
+
+def test_load_balancing_loss_and_replay_in_one_forward():
+    """``moe_aux`` with ``routing_ids``: ``(hidden, aux, agreement)``; replaying the model's
+    own choice, the same hidden states, loss and agreement as the separate forwards."""
+    model = Decoder(CFG, rngs=nnx.Rngs(6))
+    tokens, pos, mask = _batch(5)
+    _, _, own = model.forward_cached(tokens, pos, mask, init_cache(CFG, 2, 8),
+                                     jnp.zeros(2, jnp.int32), return_routing=True)
+    own = jnp.where(jnp.asarray(mask)[:, :, None, None], own, -1)
+    hidden, aux, agreement = model.hidden_states(tokens, pos, mask, moe_aux=True,
+                                                 routing_ids=own, replay_routing=True)
+    want_hidden, want_aux = model.hidden_states(tokens, pos, mask, moe_aux=True)
+    _, want_agreement = model.hidden_states(tokens, pos, mask, routing_ids=own)
+    np.testing.assert_array_equal(np.asarray(hidden)[mask], np.asarray(want_hidden)[mask])
+    np.testing.assert_allclose(float(aux), float(want_aux), rtol=sum_tol(8 * 3), atol=0)
+    np.testing.assert_array_equal(np.asarray(agreement), np.asarray(want_agreement))
+    assert np.asarray(agreement)[:, 1].tolist() == [mask.sum()] * 3

@@ -114,6 +114,11 @@ class LearnerConfig:
       clip_low / clip_high: PPO ratio clip range [1-clip_low, 1+clip_high] (DAPO clip-higher).
       dual_clip: dual-clip constant c > 1 for negative advantages (Ye et al. 2020), or 0 off.
       kl_coef / kl_estimator: KL penalty to the frozen reference policy (k1, k2, k3).
+      moe_aux_loss_coef: weight of a mixture-of-experts model's load-balancing loss in the
+        learner's loss (Switch Transformer, Fedus et al. 2021, eq. 4-6; HF
+        ``load_balancing_loss_func``, :mod:`rlflow.models.moe`); None: the model's
+        ``router_aux_loss_coef`` (config.json, or ``model.router_aux_loss_coef``); 0: off.
+        Reported as ``moe/aux_loss`` for MoE models; ignored for dense ones.
       rollout_correction: importance weights and rejection of tokens, samples or groups
         between the learner's old policy and the sampler's behaviour policy
         (:class:`RolloutCorrectionConfig`; default: token-level truncation at 2).
@@ -245,6 +250,7 @@ class LearnerConfig:
     dual_clip: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    moe_aux_loss_coef: Optional[float] = None
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     is_cap: Optional[float] = None
     mask_truncated: bool = False
@@ -319,6 +325,10 @@ class LearnerConfig:
         _check(self.dual_clip == 0 or self.dual_clip > 1, "learner.dual_clip",
                f"must be 0 (off) or > 1, got {self.dual_clip}")
         _check(self.kl_coef >= 0, "learner.kl_coef", "must be >= 0")
+        _check(self.moe_aux_loss_coef is None or self.moe_aux_loss_coef >= 0,
+               "learner.moe_aux_loss_coef",
+               f"must be None (the model's router_aux_loss_coef) or >= 0, got "
+               f"{self.moe_aux_loss_coef}")
         self._map_deprecated_correction()
         _check(self.max_grad_norm >= 0, "learner.max_grad_norm", "must be >= 0 (0 turns it off)")
         _check(self.weight_decay >= 0, "learner.weight_decay",

@@ -328,6 +328,17 @@ def _check_data(cfg, d=None, section: str = "data") -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def _check_moe_lora(cfg, model_type: str) -> None:
+    """LoRA on a mixture-of-experts model adapts the attention projections only."""
+    lora = cfg.learner.lora
+    mlp = [p for p in lora.projections if p in ("gate_proj", "up_proj", "down_proj")]
+    if model_type == "qwen3_moe" and lora.enabled and mlp:
+        raise ConfigError(f"learner.lora.targets: selects {', '.join(mlp)}, but the model is "
+                          f"a mixture of experts (model_type qwen3_moe), whose MLP projections "
+                          f"LoRA does not adapt; target the attention projections only, e.g. "
+                          f"--learner.lora.targets q_proj k_proj v_proj o_proj")
+
+
 def _check_model(cfg) -> None:
     path = cfg.model.path
     if not path:
@@ -335,6 +346,7 @@ def _check_model(cfg) -> None:
             raise ConfigError(f"model.path: required with data.source={cfg.data.source!r} (the "
                               f"prompts are tokenized with the model folder's tokenizer; only "
                               f"built-in tasks bring their own)")
+        _check_moe_lora(cfg, cfg.model.model_type)
         return
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.path: {path!r} has no config.json (expected a Hugging Face "
@@ -348,9 +360,11 @@ def _check_model(cfg) -> None:
     from rlflow.models.hf import read_decoder_config
 
     try:
-        vocab = read_decoder_config(path).vocab_size
+        decoder_cfg = read_decoder_config(path)
     except ValueError as e:         # ModelFormatError: names the file and the field
         raise ConfigError(f"model.path: {e}") from None
+    vocab = decoder_cfg.vocab_size
+    _check_moe_lora(cfg, decoder_cfg.model_type)
     ids = tokenizer_id_count(path)
     if ids is not None and ids > vocab:
         raise ConfigError(f"model.path: the tokenizer of {path!r} has ids up to {ids - 1}, "

@@ -137,6 +137,16 @@ _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "num_kv_heads", "head_dim")
 
 
+def _moe_sizes(d: dict) -> dict:
+    """The expert sizes of a ``qwen3_moe`` config.json (``num_experts``, 5.x
+    ``num_local_experts``), or none for a dense model."""
+    if d.get("model_type") != "qwen3_moe":
+        return {}
+    return dict(num_experts=int(d.get("num_experts") or d["num_local_experts"]),
+                num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]))
+
+
 def hf_architecture(path: str) -> Optional[Architecture]:
     """The sizes in a Hugging Face folder's ``config.json`` (Llama / Qwen2 / Qwen3 names:
     ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``
@@ -158,7 +168,8 @@ def hf_architecture(path: str) -> Optional[Architecture]:
             head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=d.get("model_type") == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=d.get("model_type") == "qwen3")
+            qk_norm=d.get("model_type") in ("qwen3", "qwen3_moe"),
+            **_moe_sizes(d))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

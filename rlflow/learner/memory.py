@@ -52,7 +52,13 @@ What one chip of the learner mesh holds during a train step (bytes):
 
 ``N`` counts embeddings, ``L`` layers of (q, k, v, o projections, gate/up/down MLP, two RMSNorm
 scales), the final norm and (untied) the output projection, Qwen2's q/k/v biases included
-when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``. The activation term is an
+when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``. A mixture-of-experts model
+(``num_experts`` n > 0, Qwen3-MoE) counts every expert in ``N`` (the router ``h x n`` and
+``n`` SwiGLU experts of width ``moe_intermediate_size`` per layer: all are stored, trained
+and published); its activations count the width a token actually goes through, ``i = k x
+moe_intermediate_size`` (top-k), plus per token the dispatch's ``k`` copies of its input
+and of the experts' outputs (``2 k h`` in the compute dtype) and the router's float32
+probabilities (``4 n``) in ``A``. The activation term is an
 estimate of what XLA keeps (it may fuse some away); the state terms are exact.
 """
 
@@ -73,7 +79,8 @@ class LearnerDoesNotFit(ConfigError):
 
 @dataclass(frozen=True)
 class Architecture:
-    """Sizes of a Llama / Qwen2 decoder (Hugging Face ``config.json`` names in comments)."""
+    """Sizes of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder (Hugging Face ``config.json``
+    names in comments)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -84,19 +91,35 @@ class Architecture:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False   # Qwen2
     qk_norm: bool = False    # Qwen3: per-head RMSNorm scales on q and k
+    num_experts: int = 0             # Qwen3-MoE: experts per layer (0: dense MLP)
+    num_experts_per_tok: int = 0     # top-k
+    moe_intermediate_size: int = 0   # each expert's SwiGLU width
 
     @classmethod
     def from_model_config(cls, m) -> "Architecture":
         """From a :class:`rlflow.config.ModelConfig` (a random model's fields)."""
+        moe = m.model_type == "qwen3_moe"
         return cls(m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
                    m.num_kv_heads, m.head_dim, m.tie_word_embeddings, m.model_type == "qwen2",
-                   m.model_type == "qwen3")
+                   m.model_type in ("qwen3", "qwen3_moe"),
+                   m.num_experts if moe else 0, m.num_experts_per_tok if moe else 0,
+                   m.moe_intermediate_size if moe else 0)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token goes through: ``intermediate_size``, or ``k x
+        moe_intermediate_size`` for a mixture of experts."""
+        if self.num_experts:
+            return self.num_experts_per_tok * self.moe_intermediate_size
+        return self.intermediate_size
 
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        mlp = (self.num_experts * (3 * h * self.moe_intermediate_size + h) if self.num_experts
+               else 3 * h * i)
+        layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embed + self.num_layers * layer + h
 
@@ -141,10 +164,12 @@ def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes
       ValueError: an unknown ``remat``.
     """
     a, t = compute_bytes, tensor
-    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    h, i, d = arch.hidden_size, arch.active_intermediate, arch.head_dim
     q, kv = arch.num_heads, arch.num_kv_heads
     scores = 8 * (q / t) * seq if scores_materialised else 0.0
-    layer = a * (4 * h + 4 * i / t + 2 * (q + 2 * kv) * d / t) + scores     # A, per token
+    routing = (2 * a * arch.num_experts_per_tok * h + 4 * arch.num_experts
+               if arch.num_experts else 0.0)
+    layer = a * (4 * h + 4 * i / t + 2 * (q + 2 * kv) * d / t) + scores + routing  # A, per token
     mlp_cotangents = 3 * a * i / t
     if remat == "none":
         kept, working = layer, layer + mlp_cotangents

@@ -44,6 +44,7 @@ from rlflow.learner import advantages as adv_lib
 from rlflow.learner import loss_positions, losses
 from rlflow.learner import rollout_correction as rc
 from rlflow.learner.batch import TrainBatch
+from rlflow.learner.routing_replay import replays
 from rlflow.mesh import param_shardings, replicated, sequence_size
 from rlflow.models.logprobs import chunked_logprobs
 from rlflow.run.metrics import LAG_BUCKETS
@@ -79,6 +80,9 @@ class StepSettings:
     ``remat``: the decoder layers' rematerialisation policy in the differentiated forward
     (``learner.remat``, :mod:`rlflow.models.layer_scan`). ``correction``:
     ``learner.rollout_correction`` (:mod:`rlflow.learner.rollout_correction`).
+    ``moe_aux``: the policy is a mixture of experts: its load-balancing loss
+    (:func:`rlflow.models.moe.balance_loss`) is computed in every differentiated forward and
+    reported; ``moe_aux_coef`` weighs it in the loss (:func:`moe_aux_coef`; 0: reported only).
     ``routing_replay``: ``learner.routing_replay`` resolved for the model
     (:func:`rlflow.learner.routing_replay.replays`): a batch's ``routing_ids`` are replayed,
     not only compared.
@@ -105,11 +109,15 @@ class StepSettings:
     attention: str = "auto"
     logprob_chunk: int = 0
     remat: str = "none"
+    moe_aux: bool = False
+    moe_aux_coef: float = 0.0
     routing_replay: bool = False
 
     @classmethod
-    def from_config(cls, cfg) -> "StepSettings":
-        """From an :class:`rlflow.config.ExperimentConfig` (``norm_len`` = ``sampler.max_tokens``)."""
+    def from_config(cls, cfg, decoder_cfg=None) -> "StepSettings":
+        """From an :class:`rlflow.config.ExperimentConfig` (``norm_len`` = ``sampler.max_tokens``)
+        and the policy's :class:`rlflow.models.config.DecoderConfig` (its
+        ``router_aux_loss_coef``; None: the one of ``cfg.model``'s random model)."""
         lr = cfg.learner
         return cls(loss_agg=lr.loss_agg, norm_len=cfg.sampler.max_tokens,
                    off_policy=lr.off_policy, clip_low=lr.clip_low, clip_high=lr.clip_high,
@@ -122,7 +130,35 @@ class StepSettings:
                    kl_in_reward=lr.gae_kl_in_reward,
                    max_loss_tokens=lr.groups_per_step * cfg.sampler.group_size
                    * cfg.sampler.max_tokens,
-                   attention=lr.attention, logprob_chunk=lr.logprob_chunk, remat=lr.remat)
+                   attention=lr.attention, logprob_chunk=lr.logprob_chunk, remat=lr.remat,
+                   moe_aux=(decoder_cfg.is_moe if decoder_cfg is not None
+                            else not cfg.model.path and cfg.model.model_type == "qwen3_moe"),
+                   moe_aux_coef=moe_aux_coef(cfg, decoder_cfg),
+                   routing_replay=routing_replay(cfg, decoder_cfg))
+
+
+def routing_replay(cfg, decoder_cfg=None) -> bool:
+    """``learner.routing_replay`` resolved (:func:`rlflow.learner.routing_replay.replays`) for
+    ``decoder_cfg``, else for ``cfg.model``'s random model (None: on for MoE models).
+
+    Raises:
+      ConfigError: ``learner.routing_replay=True`` for a dense model.
+    """
+    if decoder_cfg is not None:
+        return replays(cfg.learner.routing_replay, decoder_cfg)
+    moe = not cfg.model.path and cfg.model.model_type == "qwen3_moe"
+    return moe if cfg.learner.routing_replay is None else bool(cfg.learner.routing_replay)
+
+
+def moe_aux_coef(cfg, decoder_cfg=None) -> float:
+    """``learner.moe_aux_loss_coef``, or when it is None the model's ``router_aux_loss_coef``
+    (HF config.json; ``decoder_cfg``, else ``cfg.model``'s random model); 0 for a dense model."""
+    if cfg.learner.moe_aux_loss_coef is not None:
+        return float(cfg.learner.moe_aux_loss_coef)
+    if decoder_cfg is not None:
+        return float(decoder_cfg.router_aux_loss_coef) if decoder_cfg.is_moe else 0.0
+    m = cfg.model
+    return float(m.router_aux_loss_coef) if not m.path and m.model_type == "qwen3_moe" else 0.0
 
 
 def trainable(params, value=None):
@@ -161,7 +197,7 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                   value_graphdef=None, frozen=None, loss_slots: tuple[int, ...] | None = None,
                   attention: str = "auto", logprob_chunk: int = 0, remat: str = "none",
-                  mesh=None, routing_replay: bool = False):
+                  mesh=None, moe_aux: bool = False, routing_replay: bool = False):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
@@ -179,32 +215,36 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
         backward pass through this forward keeps, never the values).
       mesh: the learner's mesh, for context parallelism (a ``sequence`` axis > 1:
         :meth:`rlflow.models.decoder.Decoder.hidden_states`), or None.
+      moe_aux: also return the mixture-of-experts load-balancing loss of this forward
+        (:meth:`rlflow.models.decoder.Decoder.hidden_states`; MoE models only).
       routing_replay: route the tokens of ``batch.routing_ids`` (a mixture-of-experts
         model's recorded expert ids; rollout routing replay) to those experts; without,
         they are only compared with the model's own choice.
 
-    Returns: ``(logprobs, entropy, values, agreement)``: float32 ``[B, L]`` each of the first
-    three (entropy carries no gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is
-    None without a value head; ``agreement`` float32 ``[2]`` (token-layers whose own top-k
-    set equals the recorded one, token-layers with a recorded choice:
-    :func:`rlflow.models.moe_replay.agreement_sums` over the layers) when ``batch`` has
-    ``routing_ids``, else None.
+    Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
+    gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head;
+    with ``moe_aux`` one more element, the float32 ``[]`` load-balancing loss; then, when
+    ``batch`` has ``routing_ids``, the router agreement float32 ``[2]`` (token-layers whose
+    own top-k set equals the recorded one, token-layers with a recorded choice:
+    :func:`rlflow.models.moe_replay.agreement_sums` over the layers; no gradient).
     """
     policy, vparams = (params, None) if value_graphdef is None else params
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
     routed = {} if batch.routing_ids is None else dict(routing_ids=batch.routing_ids,
                                                         replay_routing=routing_replay)
-    hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
-                                 segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
-                                 attention_impl=attention, remat=remat, mesh=mesh, **routed)
-    agreement = None
-    if routed:
-        hidden, agreement = hidden[0], jax.lax.stop_gradient(jnp.sum(hidden[1], axis=0))
+    out = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
+                              segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
+                              attention_impl=attention, remat=remat, mesh=mesh,
+                              moe_aux=moe_aux, **routed)
+    hidden, extra = (out[0], list(out[1:])) if (moe_aux or routed) else (out, [])
+    if routed:                                      # summed over the layers
+        extra[-1] = jax.lax.stop_gradient(jnp.sum(extra[-1], axis=0))
+    extra = tuple(extra)
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
         logp, ent = chunked_logprobs(model.project, hidden, batch.targets, temperature,
                                      logprob_chunk)
-        return logp, ent, values, agreement
+        return (logp, ent, values) + extra
     shards, capacity, seq_shards = (tuple(loss_slots) + (1,))[:3]
     index = loss_positions.loss_index(batch.loss_mask, shards, capacity, seq_shards)
     hidden = loss_positions.gather(hidden, index, seq_shards)
@@ -214,7 +254,7 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                                  groups=index.shape[0])
     shape = batch.loss_mask.shape
     return (loss_positions.scatter(logp, index, shape, seq_shards),
-            loss_positions.scatter(ent, index, shape, seq_shards), values, agreement)
+            loss_positions.scatter(ent, index, shape, seq_shards), values) + extra
 
 
 def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None,
@@ -260,9 +300,11 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
     (group-level rejection over several micro-batches), or None (computed here from this
     forward's detached logprobs). ``loss_slots``, ``mesh``: as :func:`model_outputs`.
     ``num_segments``: the whole batch's bound on segment ids (``B * L + 1``)."""
-    logp, ent, values, agreement = model_outputs(
+    logp, ent, values, *extra = model_outputs(
         graphdef, params, mb, s.temperature, value_graphdef, frozen, loss_slots, s.attention,
-        s.logprob_chunk, s.remat, mesh, s.routing_replay)
+        s.logprob_chunk, s.remat, mesh, moe_aux=s.moe_aux, routing_replay=s.routing_replay)
+    aux = extra[:1] if s.moe_aux else []
+    agreement = extra[-1] if mb.routing_ids is not None else None
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:
@@ -309,6 +351,10 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
         sums |= dict(value_loss=vl, v_old=jnp.sum(m * v_old), ret=jnp.sum(m * returns),
                      ret_sq=jnp.sum(m * returns ** 2), res=jnp.sum(m * res),
                      res_sq=jnp.sum(m * res ** 2))
+    if aux:       # MoE: the load-balancing loss, each micro-batch's weighted 1 / k
+        sums["moe_aux"] = aux[0] / s.micro_batches
+        if s.moe_aux_coef > 0:
+            loss = loss + s.moe_aux_coef * sums["moe_aux"]
     sums = {k: v.astype(jnp.float32) for k, v in sums.items()}
     is_lr = old_logp - mb.behaviour_logprobs
     lr_big = jnp.where(mask, is_lr, -jnp.inf)
@@ -343,7 +389,8 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
     if s.gae != (value_graphdef is not None):
         raise ValueError(f"settings.gae={s.gae} needs a value head graphdef exactly when True, "
                          f"got value_graphdef={value_graphdef!r}")
-    sums_names = _SUMS + _MISMATCH_SUMS + _MOE_SUMS + (_VALUE_SUMS if s.gae else ())
+    sums_names = (_SUMS + _MISMATCH_SUMS + _MOE_SUMS + (_VALUE_SUMS if s.gae else ())
+                  + (("moe_aux",) if s.moe_aux else ()))
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     seq_shards = sequence_size(mesh)
     old_values_pass = s.gae and s.whiten and k > 1
@@ -381,7 +428,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
         and ``(correction, old logprobs)``, each leaf ``[k, B/k, L]``, or None."""
         def body(_, mb):
             mb = jax.tree.map(lambda x: constrain(x, 0), mb)
-            logp, _, values, _ = model_outputs(
+            logp, _, values, *_ = model_outputs(
                 graphdef, params, mb, s.temperature, value_graphdef, frozen,
                 attention=s.attention, logprob_chunk=s.logprob_chunk, mesh=mesh,
                 routing_replay=s.routing_replay)
@@ -473,10 +520,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     ``value/mean`` and ``value/return_mean`` (token means of ``V_old`` and of the returns) and
     ``value/explained_variance`` ``1 - Var(R - V_old) / Var(R)`` over response tokens (0 when
     the returns have no variance); ``learner/grad_norm`` is then the joint norm of policy and
-    value-head gradients. A mixture-of-experts model's batches (with ``routing_ids``) add
-    ``moe/router_agreement`` (fraction of the token-layers with a recorded expert choice
-    whose own top-k set equals it) and ``moe/logprob_gap`` (token mean of
-    ``|log pi_old - log mu|``), with or without ``settings.routing_replay``
+    value-head gradients. A mixture-of-experts policy (``settings.moe_aux``) adds
+    ``moe/aux_loss``, the load-balancing loss (mean over micro-batches; ``learner/loss``
+    holds it times ``settings.moe_aux_coef``). A mixture-of-experts model's batches (with
+    ``routing_ids``) add ``moe/router_agreement`` (fraction of the token-layers with a
+    recorded expert choice whose own top-k set equals it) and ``moe/logprob_gap`` (token mean
+    of ``|log pi_old - log mu|``), with or without ``settings.routing_replay``
     (:mod:`rlflow.learner.routing_replay`).
     """
     grad_fn = make_grad_fn(graphdef, settings, mesh, value_graphdef)
@@ -514,12 +563,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             "learner/skipped": skip.astype(jnp.float32),
         }
         metrics |= rc.mismatch_metrics({n: acc[f"mismatch/{n}"] for n in rc.DIAGNOSTIC_SUMS})
+        if settings.gae:
+            metrics |= _value_metrics(acc, n_tok)
+        if settings.moe_aux:
+            metrics["moe/aux_loss"] = acc["moe_aux"]
         if batch.routing_ids is not None:               # a mixture-of-experts model's batch
             metrics |= {"moe/router_agreement": acc["moe_agree"] / jnp.maximum(
                             acc["moe_routed"], 1.0),
                         "moe/logprob_gap": acc["moe_gap"] * per_tok}
-        if settings.gae:
-            metrics |= _value_metrics(acc, n_tok)
         return TrainState(state.step + 1 - skip.astype(jnp.int32), params, opt_state,
                           value), metrics
 

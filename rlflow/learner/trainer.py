@@ -16,7 +16,6 @@ policy alone.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -31,7 +30,7 @@ from rlflow import config as config_lib
 from rlflow.learner.batch import (BatchError, BatchSpec, TrainBatch, build_batch,
                                   validate_batch, with_sequence_ids)
 from rlflow.learner.loss_positions import capacity_for, check_capacity
-from rlflow.learner.routing_replay import replays, routing_shape, step_routing_ids
+from rlflow.learner.routing_replay import routing_shape, step_routing_ids
 from rlflow.learner.packing import pack_batch, pack_spec_from_config, padding_fraction
 from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import (StepSettings, TrainState, init_state, make_train_step,
@@ -97,9 +96,7 @@ class Learner:
             self.tx, self.schedule = make_optimizer(
                 config_lib.replace(lc, lr=lc.lora.lr or lc.lr))
         del model
-        self.settings = dataclasses.replace(
-            StepSettings.from_config(cfg),
-            routing_replay=replays(lc.routing_replay, self.model_config))
+        self.settings = StepSettings.from_config(cfg, self.model_config)
         self.batch_spec = BatchSpec.from_config(cfg)
         self.pack_spec = pack_spec_from_config(cfg)        # None: rows stay padded
         # rollout routing replay (MoE): (layers, k, dtype) of the batches' routing_ids, or

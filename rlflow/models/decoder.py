@@ -19,7 +19,6 @@ whose keys are all masked (a padding row) gives a finite uniform average, never 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -35,6 +34,7 @@ from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
 from rlflow.models.layer_scan import scan_layers
 from rlflow.models.lora import LoraAdapter, LoraSpec
+from rlflow.models import moe as moe_lib
 from rlflow.models.moe import MoE
 from rlflow.models.moe_replay import agreement_sums, layer_major
 
@@ -461,8 +461,8 @@ class Decoder(nnx.Module):
                       *, segment_ids: jax.Array | None = None,
                       prefix_ids: jax.Array | None = None,
                       attention_impl: str = "auto", remat: str = "none",
-                      mesh=None, routing_ids: jax.Array | None = None,
-                      replay_routing: bool = False):
+                      mesh=None, moe_aux: bool = False,
+                      routing_ids: jax.Array | None = None, replay_routing: bool = False):
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
@@ -483,49 +483,46 @@ class Decoder(nnx.Module):
         there made XLA's partitioner replicate the cotangent in the backward). ``T`` must
         be a multiple of ``s``. Values do not change.
 
+        ``moe_aux`` (mixture-of-experts models only): also return the load-balancing loss
+        of this forward, the pair ``(hidden, aux)`` with ``aux`` float32 ``[]``
+        (:func:`rlflow.models.moe.balance_loss` over every layer and the tokens where
+        ``attention_mask`` is True, as HF's ``load_balancing_loss_func``).
+
         ``routing_ids`` (mixture-of-experts models; rollout routing replay,
         :mod:`rlflow.models.moe_replay`): ``[B, T, L, k]`` int expert ids the sampler chose for
         each token and layer, -1 where it recorded none. With ``replay_routing`` every MoE
         layer routes the tokens with recorded ids to those experts (gates from its own
         router: :func:`rlflow.models.moe.route`), the others by its own top-k; without, the
-        ids are only compared. Then the result is the pair ``(hidden, agreement)``,
-        ``agreement`` float32 ``[L, 2]``: per layer, the token-layers whose own top-k set
-        equals the recorded one, and those with a recorded choice
-        (:func:`rlflow.models.moe_replay.agreement_sums`).
+        ids are only compared. The result then ends with ``agreement`` float32 ``[L, 2]``:
+        per layer, the token-layers whose own top-k set equals the recorded one, and those
+        with a recorded choice (:func:`rlflow.models.moe_replay.agreement_sums`). With both
+        ``moe_aux`` and ``routing_ids``: ``(hidden, aux, agreement)``.
 
         Raises (beside :meth:`__call__`'s):
           LayerScanError: the layers differ in structure, or ``remat`` is unknown or
             unsupported on this backend.
           ValueError: ``T`` is not a multiple of the ``sequence`` axis (names
-            ``learner.mesh.sequence`` and ``T``); ``routing_ids`` for a dense model.
+            ``learner.mesh.sequence`` and ``T``); ``moe_aux`` or ``routing_ids`` for a dense
+            model.
         """
         self._check_tokens(tokens)
+        if moe_aux and not self.cfg.is_moe:
+            raise ValueError("moe_aux=True needs a mixture-of-experts model (cfg.num_experts > 0)")
+        if routing_ids is not None and not self.cfg.is_moe:
+            raise ValueError("routing_ids given to a dense model (it has no experts to route; "
+                             "learner.routing_replay is for mixture-of-experts models)")
+        routed = moe_aux or routing_ids is not None       # the layers report their routing
         n = sequence_size(mesh)
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
                               attention_impl, mesh if n > 1 else None)  # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
-        if routing_ids is not None:
-            if not self.cfg.is_moe:
-                raise ValueError("routing_ids given to a dense model (it has no experts to "
-                                 "route; learner.routing_replay is for mixture-of-experts "
-                                 "models)")
-            if n > 1:
-                routing_ids = context_parallel.fold(routing_ids, n)
-            per_layer = layer_major(routing_ids)
-
-            def routed(block, h, ids, pos=positions, fix=lambda a: a):
-                h, routing = block(fix(h), pos, inv_freq, attend,
-                                   replay_ids=ids if replay_routing else None,
-                                   return_routing=True)
-                return fix(h), agreement_sums(routing, ids)
+        replay = replay_routing and routing_ids is not None
         if n == 1:
-            x = self._embed(tokens)
-            if routing_ids is not None:
-                x, agreement = scan_layers(self.layers, x, routed, remat, per_layer)
-                return self.final_norm(x), agreement
-            x = scan_layers(self.layers, x,
-                            lambda block, h: block(h, positions, inv_freq, attend), remat)
-            return self.final_norm(x)
+            x = self._scan(self._embed(tokens), lambda block, h, ids: block(
+                h, positions, inv_freq, attend, replay_ids=ids if replay else None,
+                return_routing=routed), remat, attention_mask if moe_aux else None,
+                None if routing_ids is None else layer_major(routing_ids))
+            return self._finish(x, attention_mask, moe_aux, lambda h: self.final_norm(h))
         # context parallelism: the layers see the folded view [s * B, T / s, E], one block
         # of it per device (context_parallel.fold), constrained at every layer boundary
         context_parallel.check_length(tokens.shape[1], n)
@@ -536,15 +533,58 @@ class Decoder(nnx.Module):
 
         folded_positions = context_parallel.fold(positions, n)
         x = constrain(self._embed(context_parallel.fold(tokens, n)))
-        if routing_ids is not None:
-            x, agreement = scan_layers(
-                self.layers, x, functools.partial(routed, pos=folded_positions, fix=constrain),
-                remat, per_layer)
-            return self.final_norm(context_parallel.unfold(x, n)), agreement
-        x = scan_layers(self.layers, x,
-                        lambda block, h: constrain(block(constrain(h), folded_positions,
-                                                         inv_freq, attend)), remat)
-        return self.final_norm(context_parallel.unfold(x, n))
+
+        def layer(block, h, ids):
+            out = block(constrain(h), folded_positions, inv_freq, attend,
+                        replay_ids=ids if replay else None, return_routing=routed)
+            return (constrain(out[0]), out[1]) if routed else constrain(out)
+
+        x = self._scan(x, layer, remat,
+                       context_parallel.fold(attention_mask, n) if moe_aux else None,
+                       None if routing_ids is None else
+                       layer_major(context_parallel.fold(routing_ids, n)))
+        return self._finish(x, attention_mask, moe_aux,
+                            lambda h: self.final_norm(context_parallel.unfold(h, n)))
+
+    def _scan(self, x, layer, remat, token_mask, per_layer_ids):
+        """The layers under :func:`scan_layers`; ``layer(block, h, ids) -> h``, or ``(h,
+        routing)`` when either of the two is given. With ``token_mask`` (the MoE
+        load-balancing loss) the carry holds ``sums [2, n]``, the layers'
+        :func:`rlflow.models.moe.balance_sums` over the tokens where ``token_mask``; with
+        ``per_layer_ids`` (``[L, ...tokens, k]`` recorded ids, scanned with the layers) each
+        layer also outputs its :func:`rlflow.models.moe_replay.agreement_sums`.
+
+        Returns: ``x``, or ``(x, sums or None, agreement [L, 2] or None)``."""
+        if token_mask is None and per_layer_ids is None:
+            return scan_layers(self.layers, x, lambda block, h: layer(block, h, None), remat)
+        weights = None if token_mask is None else jnp.asarray(token_mask, jnp.float32).reshape(-1)
+
+        def apply(block, carry, ids=None):
+            h, sums = carry
+            h, routing = layer(block, h, ids)
+            if weights is not None:
+                sums = sums + moe_lib.balance_sums(routing, weights)
+            if per_layer_ids is None:
+                return h, sums
+            return (h, sums), agreement_sums(routing, ids)
+
+        sums = None if weights is None else jnp.zeros((2, self.cfg.num_experts), jnp.float32)
+        out = scan_layers(self.layers, (x, sums), apply, remat, per_layer_ids)
+        (x, sums), agreement = out if per_layer_ids is not None else (out, None)
+        return x, sums, agreement
+
+    def _finish(self, x, attention_mask, moe_aux, finish):
+        """``finish(x)``, or (``x`` the triple of :meth:`_scan`) ``(finish(x), *extras)``:
+        the load-balancing loss with ``moe_aux``, then the router agreement when recorded
+        ids were given."""
+        if not isinstance(x, tuple):
+            return finish(x)
+        x, sums, agreement = x
+        out = (finish(x),)
+        if moe_aux:
+            rows = self.cfg.num_layers * jnp.sum(jnp.asarray(attention_mask, jnp.float32))
+            out += (moe_lib.balance_loss(sums, rows),)
+        return out + (() if agreement is None else (agreement,))
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache | PagedKVCache, cache_index: jax.Array, *,

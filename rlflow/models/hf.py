@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlflow.models import hf_settings
+from rlflow.models import hf_moe
 from rlflow.models.hf_moe import is_expert_slice, moe_weight_map
 from rlflow.models.config import DecoderConfig, ModelFormatError, eos_token_ids
 from rlflow.models.decoder import Decoder
@@ -78,6 +79,8 @@ def hf_weight_map(cfg: DecoderConfig) -> list[tuple[str, tuple, str]]:
 
 
 def _hf_shape(kind: str, shape: tuple) -> tuple:
+    if kind in hf_moe.FUSED_KINDS:
+        return hf_moe.fused_hf_shape(kind, shape)
     if kind == "copy":
         return tuple(shape)
     if kind in ("linear", "expert_linear"):
@@ -90,6 +93,8 @@ def _hf_shape(kind: str, shape: tuple) -> tuple:
 
 
 def _to_ours(kind: str, a: np.ndarray, shape: tuple) -> np.ndarray:
+    if kind in hf_moe.FUSED_KINDS:
+        return hf_moe.fused_to_ours(kind, a)
     if kind in ("linear", "expert_linear", "in_heads", "out_heads"):
         a = a.T
     return a.reshape(shape)
@@ -229,7 +234,7 @@ def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = No
         from rlflow.mesh import param_shardings
         shardings = param_shardings(abs_params, mesh).to_pure_dict()
     files = _tensor_files(path)
-    wanted = hf_weight_map(cfg)
+    wanted = hf_moe.stored_layout(hf_weight_map(cfg), files) if cfg.is_moe else hf_weight_map(cfg)
     missing = [name for name, _, _ in wanted if name not in files]
     if missing:
         raise ModelFormatError(

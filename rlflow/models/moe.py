@@ -126,9 +126,10 @@ class MoE(nnx.Module):
         from rlflow.models.decoder import _normal      # one init for every decoder kernel
 
         if lora is not None and any(lora.targets(p) for p in ("gate", "up", "down")):
-            raise ValueError("LoRA on the MLP projections of a mixture-of-experts model is not "
-                             "supported; target the attention projections only "
-                             "(lora.target_modules: q_proj, k_proj, v_proj, o_proj)")
+            raise ValueError("learner.lora.targets: LoRA on the MLP projections (gate_proj, "
+                             "up_proj, down_proj) of a mixture-of-experts model is not "
+                             "supported; target the attention projections only, e.g. "
+                             "targets=('q_proj', 'k_proj', 'v_proj', 'o_proj')")
         e, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob

@@ -50,9 +50,13 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 def matmul_params(cfg) -> int:
     """``N``: weights of the matrix multiplies one token goes through in a forward pass
     (module docstring). ``cfg``: a :class:`rlflow.models.config.DecoderConfig` (or any
-    object with its field names)."""
+    object with its field names). A mixture-of-experts layer counts its active weights:
+    the router ``E x n`` and the ``k`` experts a token goes to, ``3 E F k``."""
     e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * cfg.intermediate_size
+    n_exp = getattr(cfg, "num_experts", 0)
+    mlp = (3 * e * cfg.moe_intermediate_size * cfg.num_experts_per_tok + e * n_exp if n_exp
+           else 3 * e * cfg.intermediate_size)
+    per_layer = e * h * d + 2 * e * k * d + h * d * e + mlp
     return cfg.num_layers * per_layer + e * cfg.vocab_size
 
 
