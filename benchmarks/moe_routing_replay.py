@@ -12,8 +12,15 @@ drifts by rounding.
 
 Prints ``RESULT`` lines: the mean ``|behaviour - learner|`` logprob gap over the sampled
 tokens without and with replay, their ratio (issue 40's target: <= 0.5), and the router
-agreement (fraction of token-layers whose float32 top-k set equals the sampler's). About a
-minute on 2 CPU cores.
+agreement (fraction of token-layers whose float32 top-k set equals the sampler's). About 30 s
+of CPU (2-3 minutes on 2 shared cores).
+
+Measured (seed 0, 16 prompts x 4 samples, 1536 sampled tokens, 16 experts top-2, 4 layers):
+weights x3 (the default): gap 0.385 -> 0.157 nats, ratio 0.41, agreement 0.84; x2: 0.0385 ->
+0.0181, ratio 0.47, agreement 0.94; x1 (init scale, a near-uniform model): 0.0011 ->
+0.0009, ratio 0.85; x4: 0.97 -> 0.58, ratio 0.59 (logits so large that bfloat16 rounding
+elsewhere dominates); 32 experts top-4 at x2: 0.0316 -> 0.0185, ratio 0.58. Replay removes
+the routing flips' share of the gap; what remains is bfloat16 rounding of the rest.
 """
 
 from __future__ import annotations
