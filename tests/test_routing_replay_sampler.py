@@ -107,3 +107,30 @@ def test_episode_records_the_sampled_turns_experts_and_none_for_environment_toke
                                            routing_ids=jnp.asarray(ids))
         counted = p + int(want.sum())
         np.testing.assert_array_equal(np.asarray(agreement), [[counted, counted]] * 2)
+
+
+def test_preempted_and_resumed_samples_keep_the_experts_they_were_sampled_with():
+    """A paged pool too small for the slots (sequences preempted and resumed by prefill): each
+    record's routing equals the contiguous cache's run of the same requests; the ids of the
+    tokens decoded before a preemption are the saved ones, not the resume prefill's."""
+    import dataclasses
+
+    model = build_model(MOE)[0]
+    nnx.update(model, jax.tree_util.tree_map(lambda x: x * 4.0, nnx.state(model, nnx.Param)))
+    base = SamplerConfig(num_slots=4, max_prefill_length=8, prefill_buckets=(8,), max_tokens=16,
+                         temperature=1.0, decode_steps_per_call=3)
+    reqs = [Request(i, [1 + i, 5, 9, 2 + i], 2, SamplingParams(
+        temperature=1.0, max_tokens=16, seed=i, stop_token_ids=())) for i in range(3)]
+    out = {}
+    for name, cfg in (("contiguous", base), ("paged", dataclasses.replace(
+            base, kv_cache="paged", page_size=4, num_pages=6, num_slots=4))):
+        engine = RlflowEngine(model, cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+        batcher = ContinuousBatcher(engine)
+        out[name] = {g.prompt_id: g.to_record() for g in batcher.run(reqs)}
+        if name == "paged":
+            assert batcher.counters.preemptions > 0
+    for pid, rec in out["paged"].items():
+        want = out["contiguous"][pid]
+        np.testing.assert_array_equal(rec["completion_tokens"], want["completion_tokens"])
+        for field in routing.ROUTING_FIELDS:
+            np.testing.assert_array_equal(rec[field], want[field], err_msg=f"{pid} {field}")
