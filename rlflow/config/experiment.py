@@ -93,6 +93,11 @@ class ExperimentConfig:
                    "runtime.stale_policy='correct'")
         lr, sp = self.learner, self.sampler
         self._check_expert_axes()
+        _check(not (lr.routing_replay and not self.model.path
+                    and self.model.model_type != "qwen3_moe"), "learner.routing_replay",
+               f"True needs a mixture-of-experts model (it replays the sampler's expert "
+               f"choices), but model.model_type={self.model.model_type!r} is dense; leave it "
+               f"unset (None: on for mixture-of-experts models)")
         _check(lr.advantage == "gae" or sp.group_size >= 2, "sampler.group_size",
                f"must be >= 2 with learner.advantage={lr.advantage!r} (group-relative "
                f"advantages compare the G samples of a prompt), got {sp.group_size}")

@@ -224,6 +224,14 @@ class LearnerConfig:
         none 648 MiB / 2.9 s, full 194 MiB / 1.5 s, dots 278 MiB / 1.2 s; the demo model
         at 64 x 12: 14.5 / 5.9 / 7.6 MiB, 12 / 8 / 7 ms (``benchmarks/long_context.py``
         for the long-row figures).
+      routing_replay: rollout routing replay for mixture-of-experts models (R3, Ma et al.
+        2025, arXiv 2510.11370; :mod:`rlflow.learner.routing_replay`): the learner's forward
+        routes each token to the experts the sampler chose for it (recorded in the group
+        record, ``docs/interfaces.md`` version 3), gates from its own router, so that the
+        behaviour and learner logprobs come from the same experts. None (default): on for
+        mixture-of-experts models; True for a dense model is an error; False: the learner
+        routes by its own top-k (``moe/router_agreement`` and ``moe/logprob_gap`` are logged
+        either way).
     """
 
     num_steps: int = 20
@@ -280,6 +288,7 @@ class LearnerConfig:
     attention: Literal["auto", "xla", "blockwise", "splash", "gpu_flash"] = "auto"
     logprob_chunk: int = 1024
     remat: Literal["none", "full", "dots", "offload"] = "full"
+    routing_replay: Optional[bool] = None
 
     @property
     def packs(self) -> bool:

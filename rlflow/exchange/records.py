@@ -24,6 +24,10 @@ failed                bool     [G]       optional (record version 2): 1 on a com
                                          an infrastructure failure (an environment error or
                                          timeout, a reward function error or timeout), not by
                                          the policy; present only when one is set
+prompt_routing        int8     [P, L, k] optional (record version 3, with
+                      | int16              completion_routing): rollout routing replay, the
+completion_routing    int8     [G, T,    experts a mixture-of-experts sampler chose per
+                      | int16  L, k]     token and layer (:mod:`rlflow.exchange.routing`)
 ====================  =======  ========  ===============================================
 
 ``failed`` marks samples whose reward says nothing about the policy: the learner leaves them
@@ -56,6 +60,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from rlflow.exchange.routing import check_routing
+
 FORMAT = "rlflow-arrays/1"
 MAGIC = b"RLFA"
 MAX_HEADER_BYTES = 1 << 16
@@ -86,6 +92,9 @@ OPTIONAL_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
     "lease_id": ("int64", ()),
     "loss_mask": ("bool", ("G", "T")),
     "failed": ("bool", ("G",)),
+    # rollout routing replay (record version 3): int8 or int16 (rlflow.exchange.routing)
+    "prompt_routing": ("int8|int16", ("P", "L", "k")),
+    "completion_routing": ("int8|int16", ("G", "T", "L", "k")),
 }
 
 
@@ -135,7 +144,8 @@ def validate_group(group: Mapping[str, np.ndarray], *, group_size: int | None = 
         missing or extra field, a non-array, a wrong dtype or rank, sizes that disagree
         between fields, a length outside ``[0, T]``, a non-finite reward or logprob, a sampled
         token tagged with a policy version < 0, or (with ``loss_mask``) an environment token
-        with a version other than -1 or a logprob other than 0.
+        with a version other than -1 or a logprob other than 0, or routing fields that break
+        :func:`rlflow.exchange.routing.check_routing`.
     """
     if not isinstance(group, Mapping):
         raise RecordError("", "a mapping of field name -> numpy array", type(group).__name__)
@@ -155,8 +165,8 @@ def validate_group(group: Mapping[str, np.ndarray], *, group_size: int | None = 
         if not isinstance(arr, np.ndarray):
             raise RecordError(name, f"numpy array of {dtype}",
                               f"object of type {type(arr).__name__}")
-        if arr.dtype != np.dtype(dtype):
-            raise RecordError(name, f"dtype {dtype}", f"dtype {arr.dtype}")
+        if arr.dtype not in [np.dtype(d) for d in dtype.split("|")]:
+            raise RecordError(name, f"dtype {dtype.replace('|', ' or ')}", f"dtype {arr.dtype}")
         want = "[" + ", ".join(symbols) + "]"
         if arr.ndim != len(symbols):
             raise RecordError(name, f"shape {want}", f"shape {list(arr.shape)}")
@@ -187,6 +197,9 @@ def validate_group(group: Mapping[str, np.ndarray], *, group_size: int | None = 
                 (group["behaviour_logprobs"][env] != 0).any():
             raise RecordError("loss_mask", "policy version -1 and behaviour logprob 0 on every "
                               "environment token (loss_mask 0)", "other values")
+    bad = check_routing(group, dims)
+    if bad is not None:
+        raise RecordError(*bad)
     return dims
 
 

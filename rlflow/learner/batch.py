@@ -43,6 +43,7 @@ from typing import Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from rlflow.exchange.routing import NO_CHOICE, routing_rows
 from rlflow.learner import advantages as adv_lib
 from rlflow.run.metrics import staleness_histogram
 
@@ -84,6 +85,13 @@ class TrainBatch(NamedTuple):
     ``policy_lag`` int32 ``[B, L]`` (optional): the sample's staleness (learner version
     minus its oldest policy version, :func:`sample_staleness`) on its positions, 0 on
     padding (the mismatch diagnostics' lag buckets). None: 0 (the learner fills it).
+
+    ``routing_ids`` int8 / int16 ``[B, L, layers, k]`` (optional, rollout routing replay,
+    :mod:`rlflow.exchange.routing`): the experts the sampler chose for the token at each
+    position in each mixture-of-experts layer, aligned with ``tokens`` (not ``targets``), -1
+    where it recorded none (padding, each completion's last token, records without routing):
+    the learner's forward routes those by its own top-k. None: the learner routes every token
+    itself (dense models, ``learner.routing_replay=False``).
     """
     tokens: np.ndarray
     attention_mask: np.ndarray
@@ -97,6 +105,7 @@ class TrainBatch(NamedTuple):
     prefix_ids: np.ndarray | None = None
     group_ids: np.ndarray | None = None
     policy_lag: np.ndarray | None = None
+    routing_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -141,13 +150,17 @@ class BatchSpec:
 
 _KINDS = dict(tokens="i", attention_mask="b", positions="i", targets="i", loss_mask="b",
               behaviour_logprobs="f", advantages="f", token_rewards="f", segment_ids="i",
-              prefix_ids="i", group_ids="i", policy_lag="i")
+              prefix_ids="i", group_ids="i", policy_lag="i", routing_ids="i")
 # the optional fields (None allowed), filled by with_sequence_ids and the learner
-OPTIONAL_FIELDS = ("token_rewards", "segment_ids", "prefix_ids", "group_ids", "policy_lag")
+OPTIONAL_FIELDS = ("token_rewards", "segment_ids", "prefix_ids", "group_ids", "policy_lag",
+                   "routing_ids")
+# fields with trailing dimensions after [B, L]: routing_ids [B, L, layers, k]
+_TRAILING = {"routing_ids": 2}
 
 
 def validate_batch(batch: TrainBatch) -> None:
-    """Check that every field of ``batch`` is ``[B, L]`` like ``tokens`` with the right dtype kind.
+    """Check that every field of ``batch`` is ``[B, L]`` like ``tokens`` (``routing_ids``
+    ``[B, L, layers, k]``) with the right dtype kind.
 
     Raises: BatchError naming the field, its shape/dtype and what was expected.
     """
@@ -158,8 +171,9 @@ def validate_batch(batch: TrainBatch) -> None:
         x = getattr(batch, name)
         if x is None and name in OPTIONAL_FIELDS:
             continue
-        if np.shape(x) != shape:
-            raise BatchError(f"{name} has shape {np.shape(x)}, expected {shape} like tokens")
+        if np.shape(x)[:2] != shape or np.ndim(x) != 2 + _TRAILING.get(name, 0):
+            want = shape + ("...",) * _TRAILING.get(name, 0)
+            raise BatchError(f"{name} has shape {np.shape(x)}, expected {want} like tokens")
         kind = np.dtype(x.dtype).kind
         if kind != _KINDS[name] and not (_KINDS[name] == "i" and kind == "u"):
             raise BatchError(f"{name} has dtype {x.dtype}, expected kind {_KINDS[name]!r}")
@@ -431,7 +445,39 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
         "response/truncation_rate": float(truncated.mean()),
         **staleness_histogram(staleness.reshape(-1)),
     }
+    routing_ids = batch_routing(records, g, b_rows, p_max, seq)
+    if routing_ids is not None:
+        info["batch/routed_samples"] = sum(g for r in records if "completion_routing" in r)
     batch = TrainBatch(tokens=tokens, attention_mask=attn, positions=positions, targets=targets,
                        loss_mask=loss_mask, behaviour_logprobs=behaviour, advantages=adv_tok,
-                       token_rewards=rew_tok, group_ids=group_ids, policy_lag=lag)
+                       token_rewards=rew_tok, group_ids=group_ids, policy_lag=lag,
+                       routing_ids=routing_ids)
     return batch, info
+
+
+def batch_routing(records: Sequence[Mapping], group_size: int, num_rows: int, p_max: int,
+                  seq: int) -> np.ndarray | None:
+    """The batch's ``routing_ids`` ``[num_rows, seq, layers, k]`` from the records' routing
+    fields (:func:`rlflow.exchange.routing.routing_rows`; rows of records without them and
+    padding rows -1: routed by the learner itself), in the widest dtype of the records; None
+    when no record has them.
+
+    Raises:
+      BatchError: two records disagree on ``[layers, k]`` (names both records).
+    """
+    routed = [(i, r) for i, r in enumerate(records) if "completion_routing" in r]
+    if not routed:
+        return None
+    i0, r0 = routed[0]
+    tail = np.shape(r0["completion_routing"])[2:]
+    for i, r in routed[1:]:
+        if np.shape(r["completion_routing"])[2:] != tail:
+            raise BatchError(f"record {i} (prompt_id {r.get('prompt_id', '?')}): "
+                             f"completion_routing has [layers, k] = "
+                             f"{list(np.shape(r['completion_routing'])[2:])}, record {i0} "
+                             f"{list(tail)}: every record of a batch comes from one model")
+    dtype = np.result_type(*(r["completion_routing"].dtype for _, r in routed))
+    out = np.full((num_rows, seq) + tail, NO_CHOICE, dtype)
+    for i, r in routed:
+        out[i * group_size:(i + 1) * group_size] = routing_rows(r, p_max, seq)
+    return out

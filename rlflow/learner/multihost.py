@@ -162,7 +162,7 @@ def global_mesh(mesh_cfg):
 # -- batch distribution ------------------------------------------------------------------------
 
 _MSG = 480          # bytes of an error message carried in the header
-_FIELDS = TrainBatch._fields
+_FIELDS = tuple(f for f in TrainBatch._fields if f != "routing_ids")   # the [B, L] ones
 
 
 def _header(rows: int, seq: int, error: str = "") -> np.ndarray:
@@ -172,12 +172,16 @@ def _header(rows: int, seq: int, error: str = "") -> np.ndarray:
 
 def _pack(batch: TrainBatch) -> np.ndarray:
     """``[F, B, L]`` (F = the TrainBatch fields) int32: int and bool fields as values, float32 fields as their bits (the
-    broadcast is a sum with zeros, exact on int32 bits; on floats it would turn -0.0 into 0.0)."""
+    broadcast is a sum with zeros, exact on int32 bits; on floats it would turn -0.0 into 0.0);
+    a MoE batch's ``routing_ids`` ``[B, L, layers, k]`` follow as ``layers x k`` more planes."""
     out = []
     batch = with_sequence_ids(batch)
     for name in _FIELDS:
         x = np.asarray(getattr(batch, name))
         out.append(x.view(np.int32) if x.dtype == np.float32 else x.astype(np.int32))
+    if batch.routing_ids is not None:
+        ids = np.asarray(batch.routing_ids, np.int32)
+        out.extend(ids.reshape(ids.shape[:2] + (-1,)).transpose(2, 0, 1))
     return np.stack(out)
 
 
@@ -187,11 +191,16 @@ _DTYPES = dict(tokens=np.int32, attention_mask=np.bool_, positions=np.int32, tar
                group_ids=np.int32, policy_lag=np.int32)
 
 
-def _unpack(packed: np.ndarray) -> TrainBatch:
+def _unpack(packed: np.ndarray, routing=None) -> TrainBatch:
     fields = {}
     for name, x in zip(_FIELDS, packed):
         dt = _DTYPES[name]
         fields[name] = x.view(np.float32) if dt == np.float32 else x.astype(dt)
+    if routing is not None:                 # (layers, k, dtype): the planes after the fields
+        layers, k, dtype = routing
+        planes = packed[len(_FIELDS):]
+        fields["routing_ids"] = planes.transpose(1, 2, 0).reshape(
+            planes.shape[1:] + (layers, k)).astype(dtype)
     return TrainBatch(**fields)
 
 
@@ -213,14 +222,17 @@ def local_rows(sharding, global_shape) -> slice:
 
 
 def distribute_batch(batch: Optional[TrainBatch], mesh, *, source: int = 0,
-                     check=None) -> tuple[TrainBatch, dict]:
+                     check=None, routing=None) -> tuple[TrainBatch, dict]:
     """Host ``source``'s host batch -> global batch arrays in ``batch_sharding(mesh)``.
 
     Every process calls it; only ``source`` passes a batch (the others None). ``source``
     first broadcasts a header (shape, or the error ``check(batch)`` raised there: then every
     host raises it, none is left waiting in a collective), then the batch packed as one int32
     ``[F, B, L]`` (F = the TrainBatch fields) buffer; each host keeps its own rows (:func:`local_rows`) and assembles the
-    global arrays with ``jax.make_array_from_process_local_data``.
+    global arrays with ``jax.make_array_from_process_local_data``. ``routing``: a
+    mixture-of-experts learner's ``(layers, k, dtype)``
+    (:attr:`rlflow.learner.trainer.Learner.routing`): the checked batch's ``routing_ids``
+    travel as ``layers x k`` more planes.
 
     Returns:
       ``(TrainBatch of jax.Array [B, L], info)``; info: ``batch/broadcast_bytes`` (bytes
@@ -252,14 +264,15 @@ def distribute_batch(batch: Optional[TrainBatch], mesh, *, source: int = 0,
         msg = bytes(header[3:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
         raise BatchError(f"learner host {source} rejected the step's batch: {msg}")
     rows, seq = int(header[0]), int(header[1])
-    packed = _pack(batch) if is_source else np.zeros((len(_FIELDS), rows, seq), np.int32)
+    planes = len(_FIELDS) + (0 if routing is None else routing[0] * routing[1])
+    packed = _pack(batch) if is_source else np.zeros((planes, rows, seq), np.int32)
     packed = np.asarray(multihost_utils.broadcast_one_to_all(packed, is_source=is_source))
-    host = _unpack(packed)
+    host = _unpack(packed, routing)
     sh = batch_sharding(mesh)
     mine = local_rows(sh, (rows, seq))
-    out = TrainBatch(*(jax.make_array_from_process_local_data(sh, x[mine], (rows, seq))
-                       for x in host))
-    local = sum(x[mine].nbytes for x in host)
+    out = TrainBatch(*(None if x is None else jax.make_array_from_process_local_data(
+        sh, x[mine], (rows, seq) + x.shape[2:]) for x in host))
+    local = sum(x[mine].nbytes for x in host if x is not None)
     return out, {"batch/broadcast_bytes": float(packed.nbytes), "batch/local_bytes": float(local),
                  "batch/rows": float(rows), "batch/seq": float(seq),
                  "batch/distribute_s": time.perf_counter() - t0}
@@ -289,7 +302,8 @@ def dispatch_step(learner, batch: Optional[TrainBatch], *, source: int = 0,
     Raises: as :func:`train_step`.
     """
     dev, info = distribute_batch(batch, learner.mesh, source=source,
-                                 check=None if checked else learner.check_batch)
+                                 check=None if checked else learner.check_batch,
+                                 routing=learner.routing)
     return learner.dispatch_on_device(dev), info
 
 

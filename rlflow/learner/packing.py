@@ -4,7 +4,8 @@ An unpacked :class:`rlflow.learner.batch.TrainBatch` row holds one sample: its p
 (left-padded to the batch's longest prompt) and completion (right-padded to the bucket), so
 the step computes on every pad. Packing copies each sample's attended span (prompt +
 completion, contiguous in the row) into rows of ``pack_length`` positions, first-fit in
-order of decreasing length, and marks each span with its own segment id::
+order of decreasing length, and marks each span with its own segment id (the recorded
+expert ids of rollout routing replay, ``routing_ids``, move with their tokens too)::
 
     tokens       [p0 p1 c0 c1 c2 | q0 c0 c1 | pad pad]
     segment_ids  [ 1  1  1  1  1 |  2  2  2 |  0   0 ]
@@ -53,11 +54,12 @@ from typing import Iterable
 
 import numpy as np
 
+from rlflow.exchange.routing import NO_CHOICE
 from rlflow.learner.batch import BatchError, TrainBatch, row_segment_ids
 
 # per-token fields copied with their tokens (segment_ids and positions are rebuilt)
 _MOVED = ("tokens", "attention_mask", "targets", "loss_mask", "behaviour_logprobs",
-          "advantages", "token_rewards", "group_ids", "policy_lag")
+          "advantages", "token_rewards", "group_ids", "policy_lag", "routing_ids")
 
 
 @dataclass(frozen=True)
@@ -240,9 +242,14 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
     cc = np.where(real, first[rr] + pos, 0)
     out = {}
     for name in _MOVED:
+        if getattr(src, name) is None:             # routing_ids of a batch without routing
+            out[name] = None
+            continue
         x = np.asarray(getattr(src, name))
-        fill = spec.pad_id if name in ("tokens", "targets") else 0
-        out[name] = np.where(real, x[rr, cc], np.asarray(fill, x.dtype))
+        fill = {"tokens": spec.pad_id, "targets": spec.pad_id, "routing_ids": NO_CHOICE}
+        moved = x[rr, cc]                          # [R, lp, ...] (routing: [.., layers, k])
+        at = real.reshape(real.shape + (1,) * (moved.ndim - 2))
+        out[name] = np.where(at, moved, np.asarray(fill.get(name, 0), x.dtype))
     packed = TrainBatch(positions=pos, segment_ids=seg,
                         prefix_ids=pre if spec.shared_prefix else None, **out)
     info = {"learner/padding_fraction": padding_fraction(attn),

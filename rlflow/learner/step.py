@@ -44,6 +44,7 @@ from rlflow.learner import advantages as adv_lib
 from rlflow.learner import loss_positions, losses
 from rlflow.learner import rollout_correction as rc
 from rlflow.learner.batch import TrainBatch
+from rlflow.learner.routing_replay import replays
 from rlflow.mesh import batch_axes, batch_shards, param_shardings, replicated, sequence_size
 from rlflow.models.logprobs import chunked_logprobs
 from rlflow.run.metrics import LAG_BUCKETS
@@ -82,6 +83,9 @@ class StepSettings:
     ``moe_aux``: the policy is a mixture of experts: its load-balancing loss
     (:func:`rlflow.models.moe.balance_loss`) is computed in every differentiated forward and
     reported; ``moe_aux_coef`` weighs it in the loss (:func:`moe_aux_coef`; 0: reported only).
+    ``routing_replay``: ``learner.routing_replay`` resolved for the model
+    (:func:`rlflow.learner.routing_replay.replays`): a batch's ``routing_ids`` are replayed,
+    not only compared.
     """
     loss_agg: str = "token-mean"
     norm_len: int = 1
@@ -107,6 +111,7 @@ class StepSettings:
     remat: str = "none"
     moe_aux: bool = False
     moe_aux_coef: float = 0.0
+    routing_replay: bool = False
 
     @classmethod
     def from_config(cls, cfg, decoder_cfg=None) -> "StepSettings":
@@ -128,7 +133,21 @@ class StepSettings:
                    attention=lr.attention, logprob_chunk=lr.logprob_chunk, remat=lr.remat,
                    moe_aux=(decoder_cfg.is_moe if decoder_cfg is not None
                             else not cfg.model.path and cfg.model.model_type == "qwen3_moe"),
-                   moe_aux_coef=moe_aux_coef(cfg, decoder_cfg))
+                   moe_aux_coef=moe_aux_coef(cfg, decoder_cfg),
+                   routing_replay=routing_replay(cfg, decoder_cfg))
+
+
+def routing_replay(cfg, decoder_cfg=None) -> bool:
+    """``learner.routing_replay`` resolved (:func:`rlflow.learner.routing_replay.replays`) for
+    ``decoder_cfg``, else for ``cfg.model``'s random model (None: on for MoE models).
+
+    Raises:
+      ConfigError: ``learner.routing_replay=True`` for a dense model.
+    """
+    if decoder_cfg is not None:
+        return replays(cfg.learner.routing_replay, decoder_cfg)
+    moe = not cfg.model.path and cfg.model.model_type == "qwen3_moe"
+    return moe if cfg.learner.routing_replay is None else bool(cfg.learner.routing_replay)
 
 
 def moe_aux_coef(cfg, decoder_cfg=None) -> float:
@@ -178,7 +197,7 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                   value_graphdef=None, frozen=None, loss_slots: tuple[int, ...] | None = None,
                   attention: str = "auto", logprob_chunk: int = 0, remat: str = "none",
-                  mesh=None, moe_aux: bool = False):
+                  mesh=None, moe_aux: bool = False, routing_replay: bool = False):
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
@@ -198,23 +217,34 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
         :meth:`rlflow.models.decoder.Decoder.hidden_states`), or None.
       moe_aux: also return the mixture-of-experts load-balancing loss of this forward
         (:meth:`rlflow.models.decoder.Decoder.hidden_states`; MoE models only).
+      routing_replay: route the tokens of ``batch.routing_ids`` (a mixture-of-experts
+        model's recorded expert ids; rollout routing replay) to those experts; without,
+        they are only compared with the model's own choice.
 
     Returns: ``(logprobs, entropy, values)``, float32 ``[B, L]`` each (entropy carries no
     gradient); ``values`` ``V(s_t)`` (aligned with ``targets``) is None without a value head;
-    with ``moe_aux`` a fourth element, the float32 ``[]`` load-balancing loss.
+    with ``moe_aux`` one more element, the float32 ``[]`` load-balancing loss; then, when
+    ``batch`` has ``routing_ids``, the router agreement float32 ``[2]`` (token-layers whose
+    own top-k set equals the recorded one, token-layers with a recorded choice:
+    :func:`rlflow.models.moe_replay.agreement_sums` over the layers; no gradient).
     """
     policy, vparams = (params, None) if value_graphdef is None else params
     model = nnx.merge(graphdef, policy) if frozen is None else nnx.merge(graphdef, policy, frozen)
-    hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
-                                 segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
-                                 attention_impl=attention, remat=remat, mesh=mesh,
-                                 moe_aux=moe_aux)
-    hidden, aux = hidden if moe_aux else (hidden, None)
+    routed = {} if batch.routing_ids is None else dict(routing_ids=batch.routing_ids,
+                                                        replay_routing=routing_replay)
+    out = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
+                              segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids,
+                              attention_impl=attention, remat=remat, mesh=mesh,
+                              moe_aux=moe_aux, **routed)
+    hidden, extra = (out[0], list(out[1:])) if (moe_aux or routed) else (out, [])
+    if routed:                                      # summed over the layers
+        extra[-1] = jax.lax.stop_gradient(jnp.sum(extra[-1], axis=0))
+    extra = tuple(extra)
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
         logp, ent = chunked_logprobs(model.project, hidden, batch.targets, temperature,
                                      logprob_chunk)
-        return (logp, ent, values) + ((aux,) if moe_aux else ())
+        return (logp, ent, values) + extra
     shards, capacity, seq_shards = (tuple(loss_slots) + (1,))[:3]
     index = loss_positions.loss_index(batch.loss_mask, shards, capacity, seq_shards)
     hidden = loss_positions.gather(hidden, index, seq_shards)
@@ -224,27 +254,31 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                                  groups=index.shape[0])
     shape = batch.loss_mask.shape
     return (loss_positions.scatter(logp, index, shape, seq_shards),
-            loss_positions.scatter(ent, index, shape, seq_shards), values) + (
-        (aux,) if moe_aux else ())
+            loss_positions.scatter(ent, index, shape, seq_shards), values) + extra
 
 
 def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None,
                     loss_slots: tuple[int, ...] | None = None, attention: str = "auto",
-                    logprob_chunk: int = 0, mesh=None):
+                    logprob_chunk: int = 0, mesh=None, routing_replay: bool = False):
     """Tempered logprobs of ``batch.targets`` and the policy entropy at each position
-    (``loss_slots``, ``attention``, ``logprob_chunk``, ``mesh``: as :func:`model_outputs`).
+    (``loss_slots``, ``attention``, ``logprob_chunk``, ``mesh``, ``routing_replay``: as
+    :func:`model_outputs`).
 
     Returns: ``(logprobs, entropy)``, both float32 ``[B, L]`` (entropy carries no gradient).
     """
     return model_outputs(graphdef, params, batch, temperature, frozen=frozen,
                          loss_slots=loss_slots, attention=attention,
-                         logprob_chunk=logprob_chunk, mesh=mesh)[:2]
+                         logprob_chunk=logprob_chunk, mesh=mesh,
+                         routing_replay=routing_replay)[:2]
 
 
 _SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
          "is_kept")
 # the mismatch diagnostics' sums, each [len(LAG_BUCKETS)] (rlflow.learner.rollout_correction)
 _MISMATCH_SUMS = tuple(f"mismatch/{n}" for n in rc.DIAGNOSTIC_SUMS)
+# mixture-of-experts models (batches with routing_ids): router agreement terms and the token
+# sum of |log pi_old - log mu| (rlflow.learner.routing_replay); zeros for dense models
+_MOE_SUMS = ("moe_agree", "moe_routed", "moe_gap")
 # PPO: value loss; token sums of V_old, returns R, R^2, residual R - V_old and its square
 _VALUE_SUMS = ("value_loss", "v_old", "ret", "ret_sq", "res", "res_sq")
 
@@ -266,9 +300,11 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
     (group-level rejection over several micro-batches), or None (computed here from this
     forward's detached logprobs). ``loss_slots``, ``mesh``: as :func:`model_outputs`.
     ``num_segments``: the whole batch's bound on segment ids (``B * L + 1``)."""
-    logp, ent, values, *aux = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
-                                            frozen, loss_slots, s.attention, s.logprob_chunk,
-                                            s.remat, mesh, moe_aux=s.moe_aux)
+    logp, ent, values, *extra = model_outputs(
+        graphdef, params, mb, s.temperature, value_graphdef, frozen, loss_slots, s.attention,
+        s.logprob_chunk, s.remat, mesh, moe_aux=s.moe_aux, routing_replay=s.routing_replay)
+    aux = extra[:1] if s.moe_aux else []
+    agreement = extra[-1] if mb.routing_ids is not None else None
     mask = mb.loss_mask
     advantages = mb.advantages
     if s.gae:
@@ -304,6 +340,10 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
                             segment_ids=mb.segment_ids, policy_lag=mb.policy_lag,
                             num_segments=num_segments)
     sums |= {f"mismatch/{n}": v for n, v in diag.items()}
+    zero = jnp.zeros((), jnp.float32)
+    sums |= dict(moe_agree=zero, moe_routed=zero, moe_gap=zero) if agreement is None else dict(
+        moe_agree=agreement[0], moe_routed=agreement[1],
+        moe_gap=jnp.sum(m * jnp.abs(old_logp - mb.behaviour_logprobs)))
     if s.gae:
         vl = jnp.sum(w * losses.value_loss(values, v_old, returns, mask, clip=s.value_clip))
         loss = loss + s.value_coef * vl
@@ -349,7 +389,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
     if s.gae != (value_graphdef is not None):
         raise ValueError(f"settings.gae={s.gae} needs a value head graphdef exactly when True, "
                          f"got value_graphdef={value_graphdef!r}")
-    sums_names = (_SUMS + _MISMATCH_SUMS + (_VALUE_SUMS if s.gae else ())
+    sums_names = (_SUMS + _MISMATCH_SUMS + _MOE_SUMS + (_VALUE_SUMS if s.gae else ())
                   + (("moe_aux",) if s.moe_aux else ()))
     shards = batch_shards(mesh)
     seq_shards = sequence_size(mesh)
@@ -380,7 +420,7 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
     def ref_logprobs(ref_params, mb, frozen, loss_slots=None):
         return None if ref_params is None else jax.lax.stop_gradient(
             policy_logprobs(graphdef, ref_params, mb, s.temperature, frozen, loss_slots,
-                            s.attention, s.logprob_chunk, mesh)[0])
+                            s.attention, s.logprob_chunk, mesh, s.routing_replay)[0])
 
     def start_pass(params, micro: TrainBatch, ref_params, frozen):
         """Forward only, at the step-start params, over every micro-batch: GAE targets
@@ -389,9 +429,10 @@ def make_grad_fn(graphdef, settings: StepSettings, mesh=None, value_graphdef=Non
         and ``(correction, old logprobs)``, each leaf ``[k, B/k, L]``, or None."""
         def body(_, mb):
             mb = jax.tree.map(lambda x: constrain(x, 0), mb)
-            logp, _, values = model_outputs(graphdef, params, mb, s.temperature, value_graphdef,
-                                            frozen, attention=s.attention,
-                                            logprob_chunk=s.logprob_chunk, mesh=mesh)
+            logp, _, values, *_ = model_outputs(
+                graphdef, params, mb, s.temperature, value_graphdef, frozen,
+                attention=s.attention, logprob_chunk=s.logprob_chunk, mesh=mesh,
+                routing_replay=s.routing_replay)
             logp = jax.lax.stop_gradient(logp)
             if not old_values_pass:
                 return None, (logp, None)
@@ -482,7 +523,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     the returns have no variance); ``learner/grad_norm`` is then the joint norm of policy and
     value-head gradients. A mixture-of-experts policy (``settings.moe_aux``) adds
     ``moe/aux_loss``, the load-balancing loss (mean over micro-batches; ``learner/loss``
-    holds it times ``settings.moe_aux_coef``).
+    holds it times ``settings.moe_aux_coef``). A mixture-of-experts model's batches (with
+    ``routing_ids``) add ``moe/router_agreement`` (fraction of the token-layers with a
+    recorded expert choice whose own top-k set equals it) and ``moe/logprob_gap`` (token mean
+    of ``|log pi_old - log mu|``), with or without ``settings.routing_replay``
+    (:mod:`rlflow.learner.routing_replay`).
     """
     grad_fn = make_grad_fn(graphdef, settings, mesh, value_graphdef)
 
@@ -523,6 +568,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             metrics |= _value_metrics(acc, n_tok)
         if settings.moe_aux:
             metrics["moe/aux_loss"] = acc["moe_aux"]
+        if batch.routing_ids is not None:               # a mixture-of-experts model's batch
+            metrics |= {"moe/router_agreement": acc["moe_agree"] / jnp.maximum(
+                            acc["moe_routed"], 1.0),
+                        "moe/logprob_gap": acc["moe_gap"] * per_tok}
         return TrainState(state.step + 1 - skip.astype(jnp.int32), params, opt_state,
                           value), metrics
 

@@ -55,15 +55,22 @@ def step_args(state: TrainState, batch: TrainBatch, ref_params=None, frozen=None
     return state.params, state._replace(params=None), batch, ref_params, frozen
 
 
-def abstract_batch(rows: int, seq: int, mesh) -> TrainBatch:
-    """``jax.ShapeDtypeStruct`` batch of ``[rows, seq]`` in the batch sharding (for AOT)."""
+def abstract_batch(rows: int, seq: int, mesh, routing=None) -> TrainBatch:
+    """``jax.ShapeDtypeStruct`` batch of ``[rows, seq]`` in the batch sharding (for AOT).
+
+    ``routing``: ``(layers, k, dtype)`` of the batch's ``routing_ids`` ``[rows, seq, layers,
+    k]`` (rollout routing replay, :attr:`rlflow.learner.trainer.Learner.routing`), or None:
+    the batch has none."""
     sh = batch_sharding(mesh)
     dtypes = dict(tokens=jnp.int32, attention_mask=jnp.bool_, positions=jnp.int32,
                   targets=jnp.int32, loss_mask=jnp.bool_, behaviour_logprobs=jnp.float32,
                   advantages=jnp.float32, token_rewards=jnp.float32, segment_ids=jnp.int32,
                   prefix_ids=jnp.int32, group_ids=jnp.int32, policy_lag=jnp.int32)
-    return TrainBatch(**{f: jax.ShapeDtypeStruct((rows, seq), dtypes[f], sharding=sh)
-                         for f in TrainBatch._fields})
+    fields = {f: jax.ShapeDtypeStruct((rows, seq), dtypes[f], sharding=sh) for f in dtypes}
+    if routing is not None:
+        layers, k, dtype = routing
+        fields["routing_ids"] = jax.ShapeDtypeStruct((rows, seq, layers, k), dtype, sharding=sh)
+    return TrainBatch(**fields)
 
 
 def abstract_args(state: TrainState, batch: TrainBatch, ref_params=None, frozen=None) -> tuple:

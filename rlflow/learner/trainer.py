@@ -30,6 +30,7 @@ from rlflow import config as config_lib
 from rlflow.learner.batch import (BatchError, BatchSpec, TrainBatch, build_batch,
                                   validate_batch, with_sequence_ids)
 from rlflow.learner.loss_positions import capacity_for, check_capacity
+from rlflow.learner.routing_replay import routing_shape, step_routing_ids
 from rlflow.learner.packing import pack_batch, pack_spec_from_config, padding_fraction
 from rlflow.learner.optimizer import make_optimizer
 from rlflow.learner.step import (StepSettings, TrainState, init_state, make_train_step,
@@ -98,6 +99,9 @@ class Learner:
         self.settings = StepSettings.from_config(cfg, self.model_config)
         self.batch_spec = BatchSpec.from_config(cfg)
         self.pack_spec = pack_spec_from_config(cfg)        # None: rows stay padded
+        # rollout routing replay (MoE): (layers, k, dtype) of the batches' routing_ids, or
+        # None (dense); StepSettings.routing_replay says whether the forward uses them
+        self.routing = routing_shape(self.model_config)
         self.value_graphdef, value = None, None
         if self.settings.gae:
             self.value_graphdef, value = init_value_head(self.model_config.hidden_size)
@@ -226,7 +230,7 @@ class Learner:
 
     def _abstract_args(self, rows: int, seq: int) -> tuple:
         # shapes and shardings only: taken here, before a step donates the state's buffers
-        return abstract_args(self.state, abstract_batch(rows, seq, self.mesh),
+        return abstract_args(self.state, abstract_batch(rows, seq, self.mesh, self.routing),
                              self.ref_params, self.base)
 
     def _compile_in_background(self, rows: int, seq: int) -> concurrent.futures.Future:
@@ -315,7 +319,8 @@ class Learner:
         # Host arrays go straight into the compiled step, which places them on its batch
         # sharding (batch_sharding(self.mesh)) in the same C++ call: ~0.3 ms less host time
         # a step than a jax.device_put of the 12 fields first (a Python loop over them).
-        return self.dispatch_on_device(TrainBatch(*(np.asarray(x) for x in batch)))
+        return self.dispatch_on_device(TrainBatch(*(None if x is None else np.asarray(x)
+                                                    for x in batch)))
 
     def check_batch(self, batch: TrainBatch) -> TrainBatch:
         """The host-side checks of a step's batch; fills ``token_rewards`` with zeros
@@ -338,6 +343,8 @@ class Learner:
                                  "sample's reward on its last response token (build_batch)")
             batch = batch._replace(token_rewards=np.zeros(np.shape(batch.advantages), np.float32))
         batch = with_sequence_ids(batch)
+        batch = batch._replace(routing_ids=step_routing_ids(
+            batch.routing_ids, self.routing, *np.shape(batch.tokens)))
         if self.settings.gae and self.state.value is None:
             raise RuntimeError("learner.advantage='gae' but the train state has no value head "
                                "(TrainState.value is None): a state restored from a checkpoint "

@@ -36,6 +36,7 @@ from rlflow.models.layer_scan import layer_modules, scan_layers, stack_modules
 from rlflow.models.lora import LoraAdapter, LoraSpec
 from rlflow.models import moe as moe_lib
 from rlflow.models.moe import MoE
+from rlflow.models.moe_replay import agreement_sums, layer_major
 
 INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
 
@@ -470,7 +471,8 @@ class Decoder(nnx.Module):
                       *, segment_ids: jax.Array | None = None,
                       prefix_ids: jax.Array | None = None,
                       attention_impl: str = "auto", remat: str = "none",
-                      mesh=None, moe_aux: bool = False):
+                      mesh=None, moe_aux: bool = False,
+                      routing_ids: jax.Array | None = None, replay_routing: bool = False):
         """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
         the last layer's output after the final RMSNorm (arguments and errors as
         :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
@@ -498,29 +500,47 @@ class Decoder(nnx.Module):
         (:func:`rlflow.models.moe.balance_loss` over every layer and the tokens where
         ``attention_mask`` is True, as HF's ``load_balancing_loss_func``).
 
+        ``routing_ids`` (mixture-of-experts models; rollout routing replay,
+        :mod:`rlflow.models.moe_replay`): ``[B, T, L, k]`` int expert ids the sampler chose for
+        each token and layer, -1 where it recorded none. With ``replay_routing`` every MoE
+        layer routes the tokens with recorded ids to those experts (gates from its own
+        router: :func:`rlflow.models.moe.route`), the others by its own top-k; without, the
+        ids are only compared. The result then ends with ``agreement`` float32 ``[L, 2]``:
+        per layer, the token-layers whose own top-k set equals the recorded one, and those
+        with a recorded choice (:func:`rlflow.models.moe_replay.agreement_sums`). With both
+        ``moe_aux`` and ``routing_ids``: ``(hidden, aux, agreement)``.
+
         Raises (beside :meth:`__call__`'s):
           LayerScanError: ``remat`` is unknown or unsupported on this backend.
           ValueError: ``T`` is not a multiple of the ``sequence`` axis (names
-            ``learner.mesh.sequence`` and ``T``).
+            ``learner.mesh.sequence`` and ``T``); ``moe_aux`` or ``routing_ids`` for a dense
+            model.
         """
         with expert_parallel.mesh_context(mesh):
             return self._hidden_states(tokens, positions, attention_mask, segment_ids,
-                                       prefix_ids, attention_impl, remat, mesh, moe_aux)
+                                       prefix_ids, attention_impl, remat, mesh, moe_aux,
+                                       routing_ids, replay_routing)
 
     def _hidden_states(self, tokens, positions, attention_mask, segment_ids, prefix_ids,
-                       attention_impl, remat, mesh, moe_aux):
+                       attention_impl, remat, mesh, moe_aux, routing_ids, replay_routing):
         self._check_tokens(tokens)
         if moe_aux and not self.cfg.is_moe:
             raise ValueError("moe_aux=True needs a mixture-of-experts model (cfg.num_experts > 0)")
+        if routing_ids is not None and not self.cfg.is_moe:
+            raise ValueError("routing_ids given to a dense model (it has no experts to route; "
+                             "learner.routing_replay is for mixture-of-experts models)")
+        routed = moe_aux or routing_ids is not None       # the layers report their routing
         n = sequence_size(mesh)
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
                               attention_impl, mesh if n > 1 else None)  # never a [B, T, T] array
         inv_freq = rope_inv_freq(self.cfg)
+        replay = replay_routing and routing_ids is not None
         if n == 1:
-            x = self._scan(self._embed(tokens), lambda block, h: block(
-                h, positions, inv_freq, attend, return_routing=moe_aux), remat,
-                attention_mask if moe_aux else None)
-            return self._with_aux(x, attention_mask, moe_aux, lambda h: self.final_norm(h))
+            x = self._scan(self._embed(tokens), lambda block, h, ids: block(
+                h, positions, inv_freq, attend, replay_ids=ids if replay else None,
+                return_routing=routed), remat, attention_mask if moe_aux else None,
+                None if routing_ids is None else layer_major(routing_ids))
+            return self._finish(x, attention_mask, moe_aux, lambda h: self.final_norm(h))
         # context parallelism: the layers see the folded view [s * B, T / s, E], one block
         # of it per device (context_parallel.fold), constrained at every layer boundary
         context_parallel.check_length(tokens.shape[1], n)
@@ -532,43 +552,61 @@ class Decoder(nnx.Module):
         folded_positions = context_parallel.fold(positions, n)
         x = constrain(self._embed(context_parallel.fold(tokens, n)))
 
-        def layer(block, h):
-            out = block(constrain(h), folded_positions, inv_freq, attend, return_routing=moe_aux)
-            return (constrain(out[0]), out[1]) if moe_aux else constrain(out)
+        def layer(block, h, ids):
+            out = block(constrain(h), folded_positions, inv_freq, attend,
+                        replay_ids=ids if replay else None, return_routing=routed)
+            return (constrain(out[0]), out[1]) if routed else constrain(out)
 
         x = self._scan(x, layer, remat,
-                       context_parallel.fold(attention_mask, n) if moe_aux else None)
-        return self._with_aux(x, attention_mask, moe_aux,
-                              lambda h: self.final_norm(context_parallel.unfold(h, n)))
+                       context_parallel.fold(attention_mask, n) if moe_aux else None,
+                       None if routing_ids is None else
+                       layer_major(context_parallel.fold(routing_ids, n)))
+        return self._finish(x, attention_mask, moe_aux,
+                            lambda h: self.final_norm(context_parallel.unfold(h, n)))
 
-    def _scan(self, x, layer, remat, token_mask):
-        """The layers under :func:`scan_layers`; with ``token_mask`` (the MoE load-balancing
-        loss) the carry is ``(x, sums)``, ``sums [2, n]`` the layers'
-        :func:`rlflow.models.moe.balance_sums` over the tokens where ``token_mask``."""
-        if token_mask is None:
-            return scan_layers(self.layers, x, layer, remat)
-        weights = jnp.asarray(token_mask, jnp.float32).reshape(-1)
+    def _scan(self, x, layer, remat, token_mask, per_layer_ids):
+        """The layers under :func:`scan_layers`; ``layer(block, h, ids) -> h``, or ``(h,
+        routing)`` when either of the two is given. With ``token_mask`` (the MoE
+        load-balancing loss) the carry holds ``sums [2, n]``, the layers'
+        :func:`rlflow.models.moe.balance_sums` over the tokens where ``token_mask``; with
+        ``per_layer_ids`` (``[L, ...tokens, k]`` recorded ids, scanned with the layers) each
+        layer also outputs its :func:`rlflow.models.moe_replay.agreement_sums`.
 
-        def apply(block, carry):
+        Returns: ``x``, or ``(x, sums or None, agreement [L, 2] or None)``."""
+        if token_mask is None and per_layer_ids is None:
+            return scan_layers(self.layers, x, lambda block, h: layer(block, h, None), remat)
+        weights = None if token_mask is None else jnp.asarray(token_mask, jnp.float32).reshape(-1)
+
+        def apply(block, carry, ids=None):
             h, sums = carry
-            h, routing = layer(block, h)
-            return h, sums + moe_lib.balance_sums(routing, weights)
+            h, routing = layer(block, h, ids)
+            if weights is not None:
+                sums = sums + moe_lib.balance_sums(routing, weights)
+            if per_layer_ids is None:
+                return h, sums
+            return (h, sums), agreement_sums(routing, ids)
 
-        return scan_layers(self.layers, (x, jnp.zeros((2, self.cfg.num_experts), jnp.float32)),
-                           apply, remat)
+        sums = None if weights is None else jnp.zeros((2, self.cfg.num_experts), jnp.float32)
+        out = scan_layers(self.layers, (x, sums), apply, remat, per_layer_ids)
+        (x, sums), agreement = out if per_layer_ids is not None else (out, None)
+        return x, sums, agreement
 
-    def _with_aux(self, x, attention_mask, moe_aux, finish):
-        """``finish(x)``, or with ``moe_aux`` (``x`` the pair ``(x, sums)`` of :meth:`_scan`)
-        ``(finish(x), load-balancing loss)``."""
-        if not moe_aux:
+    def _finish(self, x, attention_mask, moe_aux, finish):
+        """``finish(x)``, or (``x`` the triple of :meth:`_scan`) ``(finish(x), *extras)``:
+        the load-balancing loss with ``moe_aux``, then the router agreement when recorded
+        ids were given."""
+        if not isinstance(x, tuple):
             return finish(x)
-        x, sums = x
-        rows = self.cfg.num_layers * jnp.sum(jnp.asarray(attention_mask, jnp.float32))
-        return finish(x), moe_lib.balance_loss(sums, rows)
+        x, sums, agreement = x
+        out = (finish(x),)
+        if moe_aux:
+            rows = self.cfg.num_layers * jnp.sum(jnp.asarray(attention_mask, jnp.float32))
+            out += (moe_lib.balance_loss(sums, rows),)
+        return out + (() if agreement is None else (agreement,))
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                       cache: KVCache | PagedKVCache, cache_index: jax.Array, *, mesh=None
-                       ) -> tuple[jax.Array, KVCache | PagedKVCache]:
+                       cache: KVCache | PagedKVCache, cache_index: jax.Array, *, mesh=None,
+                       return_routing: bool = False):
         """Forward over ``T`` new tokens per row against a KV cache (prefill / decode).
 
         Row ``b``'s new keys/values go to cache positions
@@ -591,8 +629,13 @@ class Decoder(nnx.Module):
             mixture-of-experts layers split their experts over it
             (:mod:`rlflow.models.expert_parallel`).
 
+          return_routing: (mixture-of-experts models) also return the expert ids each
+            layer's router chose for each new token: what the sampler records for rollout
+            routing replay (:mod:`rlflow.exchange.routing`).
+
         Returns:
-          ``(logits [B, T, V] float32, new cache)``.
+          ``(logits [B, T, V] float32, new cache)``; with ``return_routing`` the triple
+          ``(logits, new cache, expert ids int32 [B, T, L, k])``.
 
         The layers run as a Python loop here (one cache array per layer, written through
         ``kv_hook``), unlike :meth:`hidden_states`' scan: over static slices of the stacked
@@ -602,12 +645,17 @@ class Decoder(nnx.Module):
 
         Raises:
           TokenRangeError: an id is out of range (eager calls only).
+          ValueError: ``return_routing`` for a dense model.
         """
         with expert_parallel.mesh_context(mesh):
-            return self._forward_cached(tokens, positions, attention_mask, cache, cache_index)
+            return self._forward_cached(tokens, positions, attention_mask, cache, cache_index,
+                                        return_routing)
 
-    def _forward_cached(self, tokens, positions, attention_mask, cache, cache_index):
+    def _forward_cached(self, tokens, positions, attention_mask, cache, cache_index,
+                        return_routing):
         self._check_tokens(tokens)
+        if return_routing and not self.cfg.is_moe:
+            raise ValueError("return_routing: a dense model has no experts to report")
         b, t = tokens.shape
         s = cache.max_len
         cache_index = jnp.asarray(cache_index, jnp.int32).reshape(b)
@@ -620,6 +668,7 @@ class Decoder(nnx.Module):
         paged = isinstance(cache, PagedKVCache)
         x = self._embed(tokens)
         blocks = self.layers if isinstance(self.layers, nnx.List) else layer_modules(self.layers)
+        chosen = []                                         # [B, T, k] per layer
         for layer, block in enumerate(blocks):
             def hook(k, v, layer=layer):
                 if paged:
@@ -629,7 +678,11 @@ class Decoder(nnx.Module):
                 ks[layer] = write_cache(ks[layer], k, cols, seq_axis=3)
                 vs[layer] = write_cache(vs[layer], v, cols, seq_axis=2)
                 return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
-            x = block(x, positions, inv_freq, attend, hook)
+            x, routing = block(x, positions, inv_freq, attend, hook, return_routing=True)
+            if return_routing:
+                chosen.append(routing.expert_ids.reshape(b, t, -1))
         if paged:
-            return self._logits(x), cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
-        return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)
+            out = self._logits(x), cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
+        else:
+            out = self._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)
+        return out + (jnp.stack(chosen, axis=2),) if return_routing else out

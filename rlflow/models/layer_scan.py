@@ -139,8 +139,8 @@ def layer_modules(stacked: nnx.Module) -> list[nnx.Module]:
             for i in range(num_layers(stacked))]
 
 
-def scan_layers(stacked: nnx.Module, x: jax.Array, apply: Callable, remat: str = "none"
-                ) -> jax.Array:
+def scan_layers(stacked: nnx.Module, x: jax.Array, apply: Callable, remat: str = "none",
+                xs=None):
     """``x`` through every layer in order, as one ``jax.lax.scan`` over the stored stacked
     state (module doc).
 
@@ -150,11 +150,15 @@ def scan_layers(stacked: nnx.Module, x: jax.Array, apply: Callable, remat: str =
       apply: ``apply(layer, x) -> x`` for one layer (the other arguments closed over; they
         are the same for every layer).
       remat: one of :data:`REMAT_POLICIES`.
+      xs: optional per-layer inputs, a pytree of ``[L, ...]`` arrays (e.g. rollout routing
+        replay's recorded expert ids); then ``apply(layer, x, xs_i) -> (x, ys_i)``.
 
     Returns:
       The last layer's output, shaped and typed as ``x``; equal to
       ``for layer in layer_modules(stacked): x = apply(layer, x)`` (the same operations per
-      layer).
+      layer). With ``xs`` (a tree of ``[L, ...]`` per-layer inputs): ``apply(layer, x,
+      xs_i) -> (x, y_i)`` and the result is ``(x, ys)``, ``ys`` the per-layer outputs
+      stacked ``[L, ...]``.
 
     Raises:
       LayerScanError: see :func:`checkpoint_policy`.
@@ -162,15 +166,19 @@ def scan_layers(stacked: nnx.Module, x: jax.Array, apply: Callable, remat: str =
     policy = checkpoint_policy(remat)
     graphdef, state = nnx.split(stacked)
 
-    def body(carry, layer_state):
-        return apply(_layer(graphdef, layer_state), carry), None
+    def body(carry, inputs):
+        layer_state, per_layer = inputs
+        layer = _layer(graphdef, layer_state)
+        if xs is None:
+            return apply(layer, carry), None
+        return apply(layer, carry, per_layer)
 
     if remat != "none":
         # prevent_cse=False: inside a scan the loop boundary already keeps XLA from fusing
         # the recomputation into the forward (jax.checkpoint's documentation)
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    out, _ = jax.lax.scan(body, x, state)
-    return out
+    out, ys = jax.lax.scan(body, x, (state, xs))
+    return out if xs is None else (out, ys)
 
 
 # ------------------------------------------------------------------------------ boundaries

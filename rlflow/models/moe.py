@@ -67,10 +67,13 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
       k: experts per token (``num_experts_per_tok``), ``1 <= k <= n``.
       norm_topk_prob: divide the ``k`` gates by their sum.
       replay_ids: ``[N, k]`` int expert ids to use instead of this router's top-k (rollout
-        routing replay); None: this router's top-k.
+        routing replay); a token whose ids are -1 (no recorded choice,
+        :data:`rlflow.exchange.routing.NO_CHOICE`) takes this router's top-k; None: this
+        router's top-k for every token.
 
     Returns:
-      :class:`Routing`; ``expert_ids`` are ``replay_ids`` (as int32) when given.
+      :class:`Routing`; ``expert_ids`` are ``replay_ids`` (as int32) when given, this
+      router's top-k on tokens without a recorded choice.
 
     Raises:
       ValueError: ``replay_ids`` is not ``[N, k]``.
@@ -82,7 +85,9 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
         if replay_ids.shape != probs.shape[:-1] + (k,):
             raise ValueError(f"replay_ids must be [tokens, k] = {list(probs.shape[:-1]) + [k]}, "
                              f"got {list(replay_ids.shape)}")
-        ids = replay_ids.astype(jnp.int32)
+        own = jax.lax.top_k(probs, k)[1]
+        recorded = jnp.all(replay_ids >= 0, axis=-1, keepdims=True)
+        ids = jnp.where(recorded, replay_ids.astype(jnp.int32), own)
         gates = jnp.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)

@@ -44,7 +44,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rlflow.sampler.decode_state import EngineParams
+from rlflow.exchange.routing import NO_CHOICE
+from rlflow.sampler.decode_state import PACKED_FIELDS, EngineParams
 from rlflow.sampler.engine import MAX_STOP_IDS, PromptError
 from rlflow.sampler.episode_slots import EpisodeSlots
 from rlflow.sampler.paged_batching import PagedSlots
@@ -109,6 +110,7 @@ class _Live:
     pending: int = 0              # samples of it in the queue
     pages: object = None          # paged cache: the group's shared prompt pages
     pages_weights: int = -1
+    prompt_routing: object = None  # MoE: (Prefix.routing, row) of its first prefill
 
 
 @dataclass
@@ -164,6 +166,13 @@ class ContinuousBatcher(EpisodeSlots, PagedSlots):
         self._tokens = np.zeros(shape, np.int32)
         self._logprobs = np.zeros(shape, np.float32)
         self._versions = np.zeros(shape, np.int32)
+        # MoE engines (rollout routing replay): the expert ids of each decode step's input
+        # token, at the position of the token the step produced (-1: none recorded)
+        self._routing = None
+        if engine.records_routing:
+            self._routing = np.full(shape + (engine.cfg.num_layers,
+                                             engine.cfg.num_experts_per_tok), NO_CHOICE,
+                                    engine.routing_dtype)
         self._init_episodes(episodes)
         self._init_pages()
 
@@ -282,6 +291,8 @@ class ContinuousBatcher(EpisodeSlots, PagedSlots):
                                                [g[0].sampling for g in group])
             for row, (live, _, _) in enumerate(group):
                 live.prefix, live.prefix_weights = (prefix, row), self._weights_id
+                if prefix.routing is not None and live.prompt_routing is None:
+                    live.prompt_routing = (prefix.routing, row)
             self.counters.prefills += len(group)
             self.counters.prefill_calls += 1
 
@@ -408,6 +419,9 @@ class ContinuousBatcher(EpisodeSlots, PagedSlots):
         self._tokens[slot_i, pos] = packed[step_i, slot_i, 0]
         self._logprobs[slot_i, pos] = packed[step_i, slot_i, 5].view(np.float32)
         self._versions[slot_i, pos] = packed[step_i, slot_i, 4]
+        if self._routing is not None:                     # the step's input token's experts
+            self._routing[slot_i, pos] = packed[step_i, slot_i, len(PACKED_FIELDS):].reshape(
+                (-1,) + self._routing.shape[2:])
         done = []
         for j, slot, s in finished:
             reason = "stop" if packed[j, slot, 3] == 1 else "length"
@@ -436,13 +450,22 @@ class ContinuousBatcher(EpisodeSlots, PagedSlots):
             tokens=self._tokens[slot, :n].copy(), logprobs=self._logprobs[slot, :n].copy(),
             versions=versions, finish_reason=reason,
             reward=None if episode is None else float(reward or 0.0),
-            loss_mask=None if episode is None else versions >= 0, failed=failed)
+            loss_mask=None if episode is None else versions >= 0, failed=failed,
+            routing=None if self._routing is None else self._routing[slot, :n].copy())
+        if self._routing is not None:
+            self._routing[slot] = NO_CHOICE               # the next occupant starts blank
         if len(live.completions) < live.request.num_samples:
             return None
+        prompt_routing = None
+        if live.prompt_routing is not None:               # the prefill's, then step 0's
+            ids, row = live.prompt_routing
+            cached = np.asarray(ids[row, :len(live.tokens) - 1])
+            prompt_routing = np.concatenate([cached, live.completions[0].routing[:1]])
         return CompletedGroup(request=live.request, prompt_tokens=live.tokens,
                               max_tokens=live.sampling.max_tokens,
                               completions=[live.completions[i] for i in
-                                           range(live.request.num_samples)])
+                                           range(live.request.num_samples)],
+                              prompt_routing=prompt_routing)
 
     def run(self, requests: Sequence[Request] = ()) -> list[CompletedGroup]:
         """Submit ``requests`` and step until every queued sample has finished.

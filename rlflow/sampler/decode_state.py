@@ -31,7 +31,10 @@ PACKED_FIELDS = ("token", "valid", "length", "done", "version", "logprob_bits")
 """Columns of :meth:`RlflowEngine.generate_packed`'s ``[k, slots, 6]`` int32 result:
 token id; valid (1: the slot was active and emitted it); length (completion tokens so far,
 this one included); done (0: running, 1: stop id, 2: reached ``max_tokens``); policy
-version; the float32 logprob's bits (``view(np.float32)`` on the host)."""
+version; the float32 logprob's bits (``view(np.float32)`` on the host). A mixture-of-experts
+engine (:attr:`RlflowEngine.records_routing`) appends ``L * k`` more columns: the expert ids
+each layer chose for the step's *input* token (rollout routing replay,
+:mod:`rlflow.exchange.routing`), layer-major."""
 
 
 @struct.dataclass
@@ -62,6 +65,10 @@ class Prefix:
       version: int32 ``[]``, policy version of the weights the prefixes were computed with.
       max_tokens: int32 ``[n]``, most completion tokens; stop_ids: int32
         ``[n, MAX_STOP_IDS]``, the requests' stop ids padded with -1.
+      routing: (mixture-of-experts engines) the expert ids the prefill chose for each
+        cached prompt token and layer, ``[n, P, L, k]`` in
+        :func:`rlflow.exchange.routing.routing_dtype` (the first ``length[r]`` positions of
+        row ``r`` are its tokens'); None for a dense model.
     """
 
     cache: KVCache
@@ -75,6 +82,7 @@ class Prefix:
     version: jax.Array
     max_tokens: jax.Array
     stop_ids: jax.Array
+    routing: Optional[jax.Array] = None
 
 
 @struct.dataclass

@@ -49,6 +49,7 @@ import numpy as np
 from flax import nnx
 from rlflow.sampler.jetstream_api import engine_api, tokenizer_pb2
 
+from rlflow.exchange.routing import routing_dtype
 from rlflow.models.kv_cache import KVCache, init_cache
 from rlflow.sampler import kernel_layout, layer_storage, paged, quantization
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
@@ -99,6 +100,10 @@ class RlflowEngine(engine_api.Engine):
         self.cache_len = sampler_cfg.max_prefill_length + sampler_cfg.max_tokens
         self.num_slots = sampler_cfg.num_slots
         self.paged = getattr(sampler_cfg, "kv_cache", "contiguous") == "paged"
+        # rollout routing replay: a mixture-of-experts engine reports each token's experts
+        self.records_routing = bool(getattr(self.cfg, "is_moe", False))
+        self.routing_dtype = (routing_dtype(self.cfg.num_experts) if self.records_routing
+                              else None)
         self._paged = (paged.paged_settings(sampler_cfg, self._mesh.devices.flat[0].platform)
                        if self.paged else None)
         self._state_sharding = self._decode_state_sharding()
@@ -194,13 +199,16 @@ class RlflowEngine(engine_api.Engine):
         idx = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
         mask = idx < lengths[:, None]
         cache = init_cache(self.cfg, n, p)
-        _, cache = model.forward_cached(padded_tokens, idx, mask, cache,
-                                        jnp.zeros((n,), jnp.int32), mesh=self._mesh)
+        out = model.forward_cached(padded_tokens, idx, mask, cache,
+                                   jnp.zeros((n,), jnp.int32),
+                                   mesh=self._mesh, return_routing=self.records_routing)
+        cache = out[1]
+        routing = out[2].astype(self.routing_dtype) if self.records_routing else None
         last = jnp.take_along_axis(padded_tokens, lengths[:, None], axis=1)[:, 0]
         return Prefix(cache=cache, last_token=last, length=lengths,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                       sample_index=sample_index, version=params.version,
-                      max_tokens=max_tokens, stop_ids=stop_ids)
+                      max_tokens=max_tokens, stop_ids=stop_ids, routing=routing)
 
     def prefill(self, *, params: EngineParams, existing_prefix: Optional[Prefix] = None,
                 padded_tokens: jax.Array, true_length: int,
@@ -447,11 +455,13 @@ class RlflowEngine(engine_api.Engine):
 
     # ------------------------------------------------------------------ generate
     def _step(self, model, version, state: DecodeState):
-        """One decode step: ``(new state, packed int32 [B, 6])`` (:data:`PACKED_FIELDS`)."""
+        """One decode step: ``(new state, packed int32 [B, 6])`` (:data:`PACKED_FIELDS`; a
+        mixture-of-experts engine appends the input tokens' expert ids, ``[B, 6 + L * k]``)."""
         b = self.num_slots
-        logits, cache = model.forward_cached(
+        out = model.forward_cached(
             state.tokens[:, None], state.index[:, None], jnp.ones((b, 1), bool), state.cache,
-            state.index, mesh=self._mesh)
+            state.index, mesh=self._mesh, return_routing=self.records_routing)
+        logits, cache = out[:2]
         t = jnp.minimum(state.gen_len, state.uniforms.shape[1] - 1)
         u = jnp.take_along_axis(state.uniforms, t[:, None], axis=1)[:, 0]
         tokens, logprobs = sample_tokens(logits[:, 0], u, state.temperature, state.top_k,
@@ -468,6 +478,8 @@ class RlflowEngine(engine_api.Engine):
                             jnp.broadcast_to(version, (b,)).astype(jnp.int32),
                             jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32),
                                                          jnp.int32)], axis=-1)
+        if self.records_routing:                  # [B, 1, L, k] -> L * k columns
+            packed = jnp.concatenate([packed, out[2].reshape(b, -1)], axis=-1)
         return new_state, packed
 
     def _generate_impl(self, params: EngineParams, state: DecodeState):
@@ -494,9 +506,10 @@ class RlflowEngine(engine_api.Engine):
         """``sampler.decode_steps_per_call`` (k) decode steps in one call.
 
         Returns:
-          ``(new decode state, int32 [k, slots, 6])``, columns :data:`PACKED_FIELDS`; a
-          slot's entries after its ``done`` step have ``valid = 0``. ``decode_state`` is
-          donated: use the result.
+          ``(new decode state, int32 [k, slots, 6])``, columns :data:`PACKED_FIELDS` (a
+          mixture-of-experts engine: ``6 + L * k`` columns, the input tokens' expert ids
+          after them); a slot's entries after its ``done`` step have ``valid = 0``.
+          ``decode_state`` is donated: use the result.
         """
         return self._generate_packed(params, decode_state)
 
@@ -508,7 +521,8 @@ class RlflowEngine(engine_api.Engine):
             lambda: init_cache(self.cfg, 1, self.buckets[-1])))
         return Prefix(cache=kv._replace(mask=rep), last_token=rep, length=rep,
                       temperature=rep, top_k=rep, top_p=rep, seed=rep, sample_index=rep,
-                      version=rep, max_tokens=rep, stop_ids=rep)
+                      version=rep, max_tokens=rep, stop_ids=rep,
+                      routing=rep if self.records_routing else None)
 
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
         """The HF tokenizer folder as JetStream's ``TokenizerParameters.path``."""

@@ -158,6 +158,9 @@ class PagedSlots:
         g = self._gen[slot]
         saved = (self._tokens[slot, :g].copy(), self._logprobs[slot, :g].copy(),
                  self._versions[slot, :g].copy())
+        if self._routing is not None:          # MoE: the experts its decode steps chose
+            saved += (self._routing[slot, :g].copy(),)
+            self._routing[slot] = -1
         s.live.pending += 1
         self._queue.appendleft((s.live, s.sample_index, saved))
         self._slots[slot] = None
@@ -204,10 +207,12 @@ class PagedSlots:
         self._upload_table()
         self._file_pending()                   # the slots' previous occupants' last tokens
         w = self._extender.max_length()
-        for slot, live, (tokens, logprobs, versions) in resumed:
+        for slot, live, (tokens, logprobs, versions, *routing) in resumed:
             g = tokens.size
             self._tokens[slot, :g], self._logprobs[slot, :g] = tokens, logprobs
             self._versions[slot, :g] = versions
+            if routing:                        # as recorded when they were sampled
+                self._routing[slot, :g] = routing[0]
         longest = max(saved[0].size for _, _, saved in resumed)
         for start in range(0, longest, w):
             part = [(slot, live, saved[0]) for slot, live, saved in resumed

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from rlflow.exchange.routing import NO_CHOICE
 from rlflow.sampler.sampling import SamplingParams
 
 
@@ -48,7 +49,12 @@ class Completion:
     Episodes (multi-turn) also have ``reward`` (the environment's outcome reward) and
     ``loss_mask`` bool ``[T]`` (1 on sampled tokens; environment tokens have logprob 0 and
     version -1); "length" then means cut by a limit (turns, tokens). ``failed``: the episode
-    was cut by an environment error or timeout (the record's ``failed`` field)."""
+    was cut by an environment error or timeout (the record's ``failed`` field).
+
+    ``routing`` (mixture-of-experts engines; rollout routing replay): ``[T, L, k]`` expert ids
+    of the input token of the decode step that produced each token: row 0 the prompt's last
+    token's, row ``t`` completion token ``t - 1``'s; -1 where no decode step produced the
+    token (environment tokens, tokens re-prefilled after a preemption)."""
 
     prompt_id: int
     sample_index: int
@@ -59,6 +65,7 @@ class Completion:
     reward: Optional[float] = None
     loss_mask: Optional[np.ndarray] = None
     failed: bool = False
+    routing: Optional[np.ndarray] = None
 
     @property
     def truncated(self) -> bool:
@@ -67,12 +74,15 @@ class Completion:
 
 @dataclass
 class CompletedGroup:
-    """A request's G completions, ordered by ``sample_index``."""
+    """A request's G completions, ordered by ``sample_index``; ``prompt_routing``
+    (mixture-of-experts engines): ``[P, L, k]`` expert ids of the prompt tokens (the first
+    prefill's, the last token's from its first sample's first decode step), or None."""
 
     request: Request
     prompt_tokens: np.ndarray
     max_tokens: int
     completions: list
+    prompt_routing: Optional[np.ndarray] = None
 
     @property
     def prompt_id(self) -> int:
@@ -82,7 +92,10 @@ class CompletedGroup:
         """The "rollout group record" of ``docs/interfaces.md`` (rewards 0: the runtime
         fills them, except for episodes: their rewards and ``loss_mask`` are filled here, and
         ``failed`` when an environment error or timeout cut one). ``T`` = the request's
-        ``max_tokens``."""
+        ``max_tokens``. A mixture-of-experts engine's groups carry ``prompt_routing`` and
+        ``completion_routing`` (record version 3, :mod:`rlflow.exchange.routing`): token
+        ``t``'s ids are the completion's ``routing[t + 1]``, -1 on its last token and the
+        padding."""
         g, t = len(self.completions), self.max_tokens
         tokens = np.zeros((g, t), np.int32)
         logprobs = np.zeros((g, t), np.float32)
@@ -101,6 +114,8 @@ class CompletedGroup:
             if failed.any():                    # optional: only groups with a failure
                 episode["failed"] = failed
         rewards = np.array([c.reward or 0.0 for c in self.completions], np.float32)
+        if self.completions[0].routing is not None:
+            episode |= self._routing_fields(lengths)
         return {
             "prompt_id": np.asarray(self.prompt_id, np.int64),
             "prompt_tokens": self.prompt_tokens.astype(np.int32),
@@ -112,3 +127,17 @@ class CompletedGroup:
             "truncated": np.array([c.truncated for c in self.completions], bool),
             **episode,
         }
+
+    def _routing_fields(self, lengths) -> dict:
+        """``prompt_routing [P, L, k]`` and ``completion_routing [G, T, L, k]``."""
+        first = self.completions[0].routing
+        tail, dtype = first.shape[1:], first.dtype
+        completion = np.full((len(self.completions), self.max_tokens) + tail, NO_CHOICE, dtype)
+        for i, c in enumerate(self.completions):
+            n = int(lengths[i])
+            completion[i, :n - 1] = c.routing[1:n]
+        prompt = self.prompt_routing
+        if prompt is None:                  # no prefill record: the last token's only
+            prompt = np.full((len(self.prompt_tokens),) + tail, NO_CHOICE, dtype)
+            prompt[-1] = first[0]
+        return {"prompt_routing": prompt.astype(dtype), "completion_routing": completion}
