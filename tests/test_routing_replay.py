@@ -12,6 +12,7 @@ from flax import nnx
 from rlflow.models import init_cache, positions_from_mask
 from rlflow.models.config import DecoderConfig
 from rlflow.models.decoder import Decoder, rope_inv_freq
+from rlflow.models.layer_scan import layer_modules
 from rlflow.models.attention import SequenceMask
 from rlflow.models.moe import MoE, route
 from rlflow.models.moe_replay import agreement_sums
@@ -117,7 +118,7 @@ def test_decoder_replays_each_layers_ids_like_a_plain_loop_over_blocks():
     x = model._embed(tokens)
     attend = SequenceMask(jnp.asarray(mask), None, None, "auto", None)
     want_agree = np.zeros((3, 2))
-    for l, block in enumerate(model.layers):
+    for l, block in enumerate(layer_modules(model.layers)):
         x, routing = block(x, pos, rope_inv_freq(CFG), attend, replay_ids=jnp.asarray(ids[:, :, l]),
                            return_routing=True)
         own = np.sort(np.asarray(jax.lax.top_k(routing.probs, TOP_K)[1]), -1)
