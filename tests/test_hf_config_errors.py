@@ -43,3 +43,13 @@ def test_reader_errors_name_the_file_once():
     with pytest.raises(ModelFormatError) as err:
         DecoderConfig.from_hf_dict(d, where=WHERE)
     assert str(err.value) == f"{WHERE}: num_hidden_layers: required field is missing"
+
+
+def test_disagreeing_expert_counts_are_refused_naming_both():
+    """transformers 4.x names the expert count num_experts, 5.x num_local_experts: a file
+    holding both with different values has no one expert count."""
+    d = _config(num_experts=4, num_local_experts=8)
+    with pytest.raises(ModelFormatError,
+                       match=rf"^{WHERE}: num_local_experts: disagrees with num_experts=4.*8"):
+        DecoderConfig.from_hf_dict(d, where=WHERE)
+    assert DecoderConfig.from_hf_dict(_config(num_experts=4, num_local_experts=4)).num_experts == 4

@@ -50,7 +50,8 @@ def _moe_fields(d: Mapping[str, Any], where: str) -> dict:
     ``num_experts``, 5.x ``num_local_experts``).
 
     Raises:
-      ModelFormatError: a layout rlflow does not run: dense layers among the sparse ones
+      ModelFormatError: the two expert-count names disagree, or a layout rlflow does not
+        run: dense layers among the sparse ones
         (``mlp_only_layers``, ``decoder_sparse_step`` > 1: the layers run under one scan of
         one structure) or a shared expert (``shared_expert_intermediate_size``); names the
         field.
@@ -58,6 +59,9 @@ def _moe_fields(d: Mapping[str, Any], where: str) -> dict:
     n = d.get("num_experts", d.get("num_local_experts"))
     _need(n is not None, f"{where}: num_experts", "required field is missing (also looked "
           "for num_local_experts)")
+    local = d.get("num_local_experts")
+    _need(local is None or local == n, f"{where}: num_local_experts",
+          f"disagrees with num_experts={n} (both name the expert count), got {local}")
     _need(not d.get("mlp_only_layers"), f"{where}: mlp_only_layers",
           f"dense layers among the MoE layers are not supported (every layer must be sparse, "
           f"so that the layers share one structure), got {d.get('mlp_only_layers')}")
