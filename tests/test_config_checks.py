@@ -448,3 +448,28 @@ def test_lora_on_a_moe_models_mlp_is_refused_naming_the_targets(no_programs, cap
     assert code == 2
     assert "learner.lora.targets" in out and "gate_proj" in out and "qwen3_moe" in out
     assert not os.path.exists(no_programs / "runs")
+
+
+@pytest.mark.parametrize("args, field, where", [
+    (["--model.path", "", "--model.num-experts", "4"], "model.num_experts", "'llama' (dense)"),
+    (["--model.path", "", "--model.model-type", "qwen3", "--model.norm-topk-prob", "false"],
+     "model.norm_topk_prob", "'qwen3' (dense)"),
+    (["--model.num-experts-per-tok", "3"], "model.num_experts_per_tok", "'llama' (dense)"),
+    (["--learner.moe-aux-loss-coef", "0.1"], "learner.moe_aux_loss_coef", "(config.json)"),
+    (["--model.path", "", "--learner.moe-aux-loss-coef", "0"], "learner.moe_aux_loss_coef",
+     "model_type 'llama', model.model_type"),
+])
+def test_moe_settings_on_a_dense_model_are_refused_naming_the_field(no_programs, capsys, args,
+                                                                     field, where):
+    """A mixture-of-experts field on a dense model (the random one, or the demo's model.path
+    folder) would be silently ignored: refused at start, naming the field and the model."""
+    code, out = _train(args, capsys)
+    assert code == 2
+    assert f"{field}:" in out and where in out, out
+    assert not os.path.exists(no_programs / "runs")
+
+
+def test_moe_settings_on_a_moe_model_pass_the_checks(no_programs, capsys):
+    with pytest.raises(AssertionError, match="started the programs"):
+        _train(["--model.path", "", "--model.model-type", "qwen3_moe", "--model.num-experts", "4",
+                "--model.norm-topk-prob", "false", "--learner.moe-aux-loss-coef", "0.1"], capsys)

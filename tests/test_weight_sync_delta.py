@@ -113,6 +113,10 @@ def test_config_names_the_field_of_a_bad_delta_setting():
         RuntimeConfig(weight_sync="delta", weight_transfer="orbax")
     with pytest.raises(ConfigError, match=r"^runtime\.delta_full_every"):
         RuntimeConfig(weight_sync="delta", delta_full_every=0)
+    with pytest.raises(ConfigError, match=r"^runtime\.delta_full_every: only applies with "
+                                          r"runtime\.weight_sync='delta'.* 5 would be ignored"):
+        RuntimeConfig(delta_full_every=5)                  # a full sync, which never codes deltas
+    assert RuntimeConfig(weight_sync="delta", delta_full_every=5).delta_full_every == 5
     with pytest.raises(ConfigError, match=r"^runtime\.weight_sync"):
         RuntimeConfig(weight_sync="xor")
 

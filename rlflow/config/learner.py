@@ -118,7 +118,8 @@ class LearnerConfig:
         learner's loss (Switch Transformer, Fedus et al. 2021, eq. 4-6; HF
         ``load_balancing_loss_func``, :mod:`rlflow.models.moe`); None: the model's
         ``router_aux_loss_coef`` (config.json, or ``model.router_aux_loss_coef``); 0: off.
-        Reported as ``moe/aux_loss`` for MoE models; ignored for dense ones.
+        Reported as ``moe/aux_loss`` for MoE models; set on a dense model, ``rlflow train``
+        refuses it before the run starts (:func:`rlflow.console.checks.check_runnable`).
       rollout_correction: importance weights and rejection of tokens, samples or groups
         between the learner's old policy and the sampler's behaviour policy
         (:class:`RolloutCorrectionConfig`; default: token-level truncation at 2, which is

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from rlflow.config.validation import _check, _positive, _one_of, DTYPES, _finite_floats
@@ -27,8 +27,8 @@ class ModelConfig:
       param_dtype: dtype of stored (master) parameters.
       init_seed: PRNG seed for a random model's initial parameters.
       num_experts: experts per layer of the random "qwen3_moe" model (HF ``qwen3_moe``
-        names; this and the next four are ignored for dense families and when ``path`` is
-        set, where config.json gives them).
+        names; this and the next four are ignored when ``path`` is set, where config.json
+        gives them, and must keep their defaults for dense families).
       num_experts_per_tok: experts each token is routed to (top-k).
       moe_intermediate_size: each expert's SwiGLU width.
       norm_topk_prob: the k gates are renormalised to sum 1.
@@ -73,6 +73,14 @@ class ModelConfig:
         _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                f"must divide model.num_heads={self.num_heads}, got {self.num_kv_heads}")
         _positive(self.rope_theta, "model.rope_theta")
+        if self.model_type != "qwen3_moe":
+            for name in MOE_FIELDS:
+                value, default = getattr(self, name), _MOE_DEFAULTS[name]
+                _check(value == default, f"model.{name}",
+                       f"is a mixture-of-experts field, and model.model_type is "
+                       f"{self.model_type!r} (dense), so {value!r} would be ignored; leave it at "
+                       f"{default!r}, or set model.model_type='qwen3_moe' for a random MoE "
+                       f"model (a model.path folder's config.json gives its own)")
         if self.model_type == "qwen3_moe":
             _positive(self.num_experts, "model.num_experts")
             _positive(self.moe_intermediate_size, "model.moe_intermediate_size")
@@ -98,6 +106,12 @@ class ModelConfig:
                 return 0
             return int(d.get("num_experts") or d.get("num_local_experts") or 0)
         return self.num_experts if self.model_type == "qwen3_moe" else 0
+
+
+#: The mixture-of-experts fields of :class:`ModelConfig`: only with model_type "qwen3_moe".
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "router_aux_loss_coef")
+_MOE_DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.name in MOE_FIELDS}
 
 
 @dataclass(frozen=True)

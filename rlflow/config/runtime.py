@@ -8,6 +8,9 @@ from typing import Literal, Tuple
 from rlflow.config.secrets import ENV_BUFFER_TOKEN, token_source_given
 from rlflow.config.validation import _check, _positive, _one_of, _timeout, _finite_floats
 
+#: The default of ``runtime.delta_full_every`` (a value away from it needs delta sync).
+_DELTA_FULL_EVERY = 10
+
 
 @dataclass(frozen=True)
 class BufferConfig:
@@ -72,7 +75,7 @@ class RuntimeConfig:
         Needs ``weight_transfer="transfer"``.
       delta_full_every: with ``weight_sync="delta"``, every this many-th published version
         goes whole (no delta), bounding the chain of deltas a replica applies (1: never a
-        delta).
+        delta). Refused away from its default with ``weight_sync="full"``.
       bind_address: host the weight coordinator and the transfer server bind; off loopback
         requires ``buffer.token`` (the run's shared secret).
       coordinator_port: TCP port of the weight coordinator (0: pick a free one).
@@ -122,7 +125,7 @@ class RuntimeConfig:
     transfer_retries: int = 2
     transfer_layout: Literal["native", "single_device"] = "native"
     weight_sync: Literal["full", "delta"] = "full"
-    delta_full_every: int = 10
+    delta_full_every: int = _DELTA_FULL_EVERY
     bind_address: str = "127.0.0.1"
     coordinator_port: int = 0
     weights_keep_last: int = 2
@@ -156,6 +159,10 @@ class RuntimeConfig:
                "runtime.weight_sync", "'delta' needs runtime.weight_transfer='transfer', got "
                f"{self.weight_transfer!r}")
         _positive(self.delta_full_every, "runtime.delta_full_every")
+        _check(self.weight_sync == "delta" or self.delta_full_every == _DELTA_FULL_EVERY,
+               "runtime.delta_full_every", f"only applies with runtime.weight_sync='delta', and "
+               f"weight_sync is {self.weight_sync!r}, so {self.delta_full_every} would be "
+               f"ignored; add --runtime.weight-sync delta, or leave it at {_DELTA_FULL_EVERY}")
         _check(bool(self.bind_address), "runtime.bind_address", "must not be empty")
         _check(0 <= self.coordinator_port < 65536, "runtime.coordinator_port",
                f"must be in [0, 65535], got {self.coordinator_port}")

@@ -38,6 +38,8 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``learner.mesh`` ... (a learner or sampler that does not fit its devices' memory:
         :func:`rlflow.console.fit.check_memory`); with ``eval.every_steps > 0`` the same
         checks of the held-out data and reward functions, named ``eval.path``, ``eval.functions`` ...),
+        ``learner.moe_aux_loss_coef`` (set on a dense model), ``learner.lora.targets`` (MLP
+        projections of a MoE model),
         ``metrics.wandb.mode`` (W&B on without the ``wandb`` package), ``teacher.path`` (a
         teacher whose tokenizer or vocabulary size differs from the student's,
         :func:`rlflow.learner.teacher.check_teacher_tokenizer`) and what was
@@ -328,8 +330,19 @@ def _check_data(cfg, d=None, section: str = "data") -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _check_moe_lora(cfg, model_type: str) -> None:
-    """LoRA on a mixture-of-experts model adapts the attention projections only."""
+def _check_moe(cfg, model_type: str) -> None:
+    """The learner's mixture-of-experts settings against the model's ``model_type`` (the
+    random model's, or ``model.path``'s config.json): ``learner.moe_aux_loss_coef`` needs a
+    MoE model (on a dense one it would be ignored); LoRA on a MoE model adapts the attention
+    projections only."""
+    coef = cfg.learner.moe_aux_loss_coef
+    if model_type != "qwen3_moe" and coef is not None:
+        where = (f"model.path {cfg.model.path!r} (config.json)" if cfg.model.path
+                 else "model.model_type")
+        raise ConfigError(f"learner.moe_aux_loss_coef: set to {coef}, but the model is dense "
+                          f"(model_type {model_type!r}, {where}): it has no router, so the "
+                          f"load-balancing loss would be ignored; leave it unset (None) or "
+                          f"train a qwen3_moe model")
     lora = cfg.learner.lora
     mlp = [p for p in lora.projections if p in ("gate_proj", "up_proj", "down_proj")]
     if model_type == "qwen3_moe" and lora.enabled and mlp:
@@ -346,7 +359,7 @@ def _check_model(cfg) -> None:
             raise ConfigError(f"model.path: required with data.source={cfg.data.source!r} (the "
                               f"prompts are tokenized with the model folder's tokenizer; only "
                               f"built-in tasks bring their own)")
-        _check_moe_lora(cfg, cfg.model.model_type)
+        _check_moe(cfg, cfg.model.model_type)
         return
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.path: {path!r} has no config.json (expected a Hugging Face "
@@ -364,7 +377,7 @@ def _check_model(cfg) -> None:
     except ValueError as e:         # ModelFormatError: names the file and the field
         raise ConfigError(f"model.path: {e}") from None
     vocab = decoder_cfg.vocab_size
-    _check_moe_lora(cfg, decoder_cfg.model_type)
+    _check_moe(cfg, decoder_cfg.model_type)
     ids = tokenizer_id_count(path)
     if ids is not None and ids > vocab:
         raise ConfigError(f"model.path: the tokenizer of {path!r} has ids up to {ids - 1}, "

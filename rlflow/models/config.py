@@ -50,7 +50,8 @@ def _moe_fields(d: Mapping[str, Any], where: str) -> dict:
     ``num_experts``, 5.x ``num_local_experts``).
 
     Raises:
-      ModelFormatError: a layout rlflow does not run: dense layers among the sparse ones
+      ModelFormatError: the two expert-count names disagree, or a layout rlflow does not
+        run: dense layers among the sparse ones
         (``mlp_only_layers``, ``decoder_sparse_step`` > 1: the layers run under one scan of
         one structure) or a shared expert (``shared_expert_intermediate_size``); names the
         field.
@@ -58,6 +59,9 @@ def _moe_fields(d: Mapping[str, Any], where: str) -> dict:
     n = d.get("num_experts", d.get("num_local_experts"))
     _need(n is not None, f"{where}: num_experts", "required field is missing (also looked "
           "for num_local_experts)")
+    local = d.get("num_local_experts")
+    _need(local is None or local == n, f"{where}: num_local_experts",
+          f"disagrees with num_experts={n} (both name the expert count), got {local}")
     _need(not d.get("mlp_only_layers"), f"{where}: mlp_only_layers",
           f"dense layers among the MoE layers are not supported (every layer must be sparse, "
           f"so that the layers share one structure), got {d.get('mlp_only_layers')}")
@@ -236,29 +240,38 @@ class DecoderConfig:
             scaling = {"rope_type": "llama3", **{k: rope_params.get(k) for k in LLAMA3_ROPE_KEYS}}
         eos_ids = eos_token_ids(d.get("eos_token_id"))
         moe = _moe_fields(d, where) if model_type in MOE_MODEL_TYPES else {}
-        return cls(
-            model_type=model_type,
-            vocab_size=int(req("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(req("intermediate_size")),
-            num_layers=int(req("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),   # HF's default
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            max_position_embeddings=max_pos,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            pad_token_id=d.get("pad_token_id"),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            **moe,
-        )
+        try:
+            return cls(
+                model_type=model_type,
+                vocab_size=int(req("vocab_size")),
+                hidden_size=hidden,
+                intermediate_size=int(req("intermediate_size")),
+                num_layers=int(req("num_hidden_layers")),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rope_theta=float(theta),
+                rope_scaling=scaling,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),   # HF's default
+                attention_bias=(True if model_type == "qwen2"
+                                else bool(d.get("attention_bias", False))),
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                max_position_embeddings=max_pos,
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                pad_token_id=d.get("pad_token_id"),
+                dtype=dtype,
+                param_dtype=param_dtype,
+                **moe,
+            )
+        except ModelFormatError as e:
+            if str(e).startswith(where):     # req()'s: names the file already
+                raise
+            raise ModelFormatError(f"{where}: {e}") from None   # __post_init__'s: the field only
+        except (TypeError, ValueError) as e:                 # int() / float() of a wrong type
+            raise ModelFormatError(f"{where}: a numeric field holds a value of the wrong type "
+                                   f"({e})") from None
 
     def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
         """A HF ``config.json`` object: ``model_type``, every RoPE field and the tie flag at
