@@ -55,7 +55,7 @@ def fold(x: jax.Array, sequence: int) -> jax.Array:
     spans, span ``c`` of row ``b`` at ``c * B + b`` (sequence-major). The decoder runs its
     layers on this view, its leading axis split over ``sequence x data x fsdp`` as one block
     per device: the projections' ``[B * T, E]`` matmul rows
-    (:func:`rlflow.models.decoder._dense`) stay on their devices, and a ``shard_map`` manual
+    (:func:`rlflow.models.linear._dense`) stay on their devices, and a ``shard_map`` manual
     over ``sequence`` takes the view as it is (``P("sequence")``: device ``c`` of the axis
     gets ``[B, T / s, ...]``). Flattening ``[B, T]`` with ``T`` split but ``B`` not (or not
     one row per device) is not a block layout, and XLA all-gathers the positions there

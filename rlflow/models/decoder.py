@@ -15,11 +15,13 @@ Numerics: parameters are stored in ``cfg.param_dtype`` and cast to ``cfg.dtype``
 RMSNorm statistics, RoPE angles, attention logits and softmax, and output logits are
 float32. Masked attention entries get a large negative logit (not -inf), so a query
 whose keys are all masked (a padding row) gives a finite uniform average, never NaN.
+
+Beside this module: RoPE in :mod:`rlflow.models.rope`, the projections' matmul and init in
+:mod:`rlflow.models.linear`, the KV-cached forward in :mod:`rlflow.models.cached_forward`,
+the MoE extras of the full forward in :mod:`rlflow.models.moe_scan`.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,18 +29,24 @@ import numpy as np
 from flax import nnx
 
 from rlflow.mesh import activation_sharding, sequence_size
-from rlflow.models import context_parallel, expert_parallel
+from rlflow.models import cached_forward, context_parallel, expert_parallel
 from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
+from rlflow.models.cached_forward import write_cache
 from rlflow.models.config import DecoderConfig
 from rlflow.models.kv_cache import KVCache
-from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
-from rlflow.models.layer_scan import layer_modules, scan_layers, stack_modules
+from rlflow.models.paged_kv_cache import PagedKVCache
+from rlflow.models.layer_scan import scan_layers, stack_modules
+from rlflow.models.linear import INIT_STD, _cpu_dot_operands, _dense, _normal, _param
 from rlflow.models.lora import LoraAdapter, LoraSpec
-from rlflow.models import moe as moe_lib
 from rlflow.models.moe import MoE
-from rlflow.models.moe_replay import agreement_sums, layer_major
+from rlflow.models.moe_replay import layer_major
+from rlflow.models.moe_scan import finish_routed, scan_routed
+from rlflow.models.rope import apply_rope, positions_from_mask, rope_inv_freq
 
-INIT_STD = 0.02      # normal init of kernels / embedding of a random model (HF default)
+# Defined in the modules above and imported from here too (the one import path callers use).
+__all__ = ["Attention", "Block", "Decoder", "INIT_STD", "MLP", "RMSNorm", "TokenRangeError",
+           "apply_rope", "positions_from_mask", "rope_inv_freq", "validate_tokens",
+           "write_cache"]
 
 
 class TokenRangeError(ValueError):
@@ -69,138 +77,6 @@ def validate_tokens(tokens, vocab_size: int, *, where: str = "tokens") -> None:
             f"{where}: token id {int(arr[idx])} at index {idx} is out of range for vocab_size "
             f"{vocab_size} ({int(bad.sum())} ids out of range; expected 0 <= id < {vocab_size})")
 
-
-def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """Positions of a left/right-padded batch: ``cumsum(mask) - 1`` clipped at 0.
-
-    Args:
-      attention_mask: ``[B, T]`` bool/int, False/0 on padding.
-
-    Returns:
-      ``[B, T]`` int32; the real tokens of a row get 0, 1, 2, ... (pads get 0 before the
-      first real token, and repeat the last position after it).
-    """
-    mask = jnp.asarray(attention_mask).astype(jnp.int32)
-    return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
-
-
-def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
-    """Inverse RoPE frequencies ``[D/2]`` float32, with Llama-3 scaling when configured.
-
-    Matches transformers' ``_compute_default_rope_parameters`` and
-    ``_compute_llama3_parameters`` (Llama 3.1 report, sec. 3.1.3 / Meta reference code).
-    """
-    d = cfg.head_dim
-    exps = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    inv = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exps)).astype(np.float32)
-    if cfg.rope_type == "llama3":
-        s = cfg.rope_scaling
-        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old = float(s["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old / lo, old / hi
-        wavelen = (2 * math.pi / inv).astype(np.float32)
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv).astype(np.float32)
-        smooth = ((old / wavelen - lo) / (hi - lo)).astype(np.float32)
-        smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv = np.where(medium, smoothed, scaled).astype(np.float32)
-    return inv
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate ``x`` ``[B, T, N, D]`` by ``positions`` ``[B, T]`` (HF rotate-half layout)."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :].astype(x.dtype)
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
-def _dense(x: jax.Array, kernel: jax.Array, preferred_element_type=None,
-           out_in: bool = False) -> jax.Array:
-    """``x [..., I] @ kernel [I, O...] -> [..., O...]`` as one 2-D matmul ``[N, I] @ [I, O]``;
-    with ``out_in`` the kernel is 2-D and stored transposed, ``[O, I]``, and the dot
-    contracts its second axis (the sampler engine's CPU layout,
-    :mod:`rlflow.sampler.kernel_layout`).
-
-    One contracting dimension in the backward too: the weight gradient of an einsum over
-    ``[B, T, I]`` contracts two dimensions (b, t), and XLA:CPU then copies the output
-    gradient into a transposed layout (a strided ``[O, B * T]`` write per projection, 1.6x
-    the whole MLP step at 16 x 192 x 896); flattened, it multiplies in place.
-
-    Products of bfloat16 operands accumulate in float32 and the result is rounded once to
-    the operands' dtype (``preferred_element_type=None``). On the CPU backend the dot is
-    asked for the float32 result and rounded after it: asked for a bfloat16 result, XLA:CPU
-    upcasts both operands to float32 before the dot, and inside a decode loop hoists that
-    upcast of the weights out of the loop, so every step streams float32 weights, twice the
-    bytes of its native bf16 x bf16 -> f32 dot (benchmarks/sampler_throughput.py). TPU and
-    GPU dots accumulate bfloat16 products in float32 anyway, and there a float32 result
-    would make the backward's dots mixed-precision (float32 cotangents), so they keep it.
-    """
-    lead, out = x.shape[:-1], (kernel.shape[:1] if out_in else kernel.shape[1:])
-    widen = (preferred_element_type is None and x.dtype == kernel.dtype
-             and jnp.dtype(x.dtype).itemsize < 4 and jax.default_backend() == "cpu")
-    rows = x.reshape(-1, x.shape[-1])
-    want = jnp.float32 if widen else preferred_element_type
-    if out_in:      # explicit: XLA:CPU copied a transposed kernel back rather than fold it
-        y = jax.lax.dot_general(rows, kernel, (((1,), (1,)), ((), ())),
-                                preferred_element_type=want)
-    else:
-        y = jnp.matmul(rows, kernel.reshape(kernel.shape[0], -1), preferred_element_type=want)
-    if widen:
-        y = y.astype(x.dtype)
-    return y.reshape(lead + out)
-
-
-def write_cache(cache: jax.Array, new: jax.Array, cols: jax.Array, seq_axis: int) -> jax.Array:
-    """One layer's keys or values with ``T`` new entries per row written in.
-
-    Args:
-      cache: ``[B, K, D, S]`` keys (``seq_axis`` 3) or ``[B, K, S, D]`` values (2).
-      new: ``[B, T, K, D]`` new keys or values (any float dtype; rounded to the cache's).
-      cols: int32 ``[B, T]`` cache positions; positions ``>= S`` are dropped.
-
-    Returns:
-      The cache with ``new[b, t]`` at position ``cols[b, t]`` of row ``b``, in its dtype.
-
-    How (same bits either way): a scatter, done in place, except for a 2-byte cache
-    (bfloat16) at ``T == 1`` (the decode step), which takes a one-hot select: one pass over
-    the cache. XLA:CPU upcasts a bfloat16 scatter to float32, converting the whole cache
-    there and back on every step (benchmarks/sampler_throughput.py). A prefill (``T > 1``,
-    once per prompt) keeps the scatter.
-    """
-    b, t = cols.shape
-    new = new.astype(cache.dtype)
-    two_byte = jnp.dtype(cache.dtype).itemsize == 2
-    if two_byte and t == 1:
-        shape = [b, 1, 1, 1]
-        shape[seq_axis] = cache.shape[seq_axis]
-        hit = jnp.arange(cache.shape[seq_axis], dtype=jnp.int32)[None, :] == cols   # [B, S]
-        at = new.transpose(0, 2, 3, 1) if seq_axis == 3 else new.swapaxes(1, 2)
-        return jnp.where(hit.reshape(shape), at, cache)
-    # Index arrays around a slice: the indexed shape is [B, T, K, D], new's.
-    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-    index = (rows, slice(None), slice(None), cols) if seq_axis == 3 else (rows, slice(None), cols)
-    return cache.at[index].set(new, mode="drop")
-
-
-def _cpu_dot_operands(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Operands of a batched dot with a float32 result: on the CPU backend, bfloat16 ones
-    are upcast to float32 (XLA:CPU's batched dot has no BF16 x BF16 = F32 kernel: "Unsupported
-    element type for DotThunk::Execute"); elsewhere (TPU, GPU) they stay as they are."""
-    if jax.default_backend() == "cpu" and jnp.dtype(a.dtype).itemsize < 4:
-        return a.astype(jnp.float32), b.astype(jnp.float32)
-    return a, b
-
-
-def _param(value, axes: tuple) -> nnx.Param:
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
-def _normal(rngs: nnx.Rngs, shape, dtype, axes) -> nnx.Param:
-    return _param((INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype),
-                  axes)
 
 
 class RMSNorm(nnx.Module):
@@ -566,43 +442,21 @@ class Decoder(nnx.Module):
 
     def _scan(self, x, layer, remat, token_mask, per_layer_ids):
         """The layers under :func:`scan_layers`; ``layer(block, h, ids) -> h``, or ``(h,
-        routing)`` when either of the two is given. With ``token_mask`` (the MoE
-        load-balancing loss) the carry holds ``sums [2, n]``, the layers'
-        :func:`rlflow.models.moe.balance_sums` over the tokens where ``token_mask``; with
-        ``per_layer_ids`` (``[L, ...tokens, k]`` recorded ids, scanned with the layers) each
-        layer also outputs its :func:`rlflow.models.moe_replay.agreement_sums`.
+        routing)`` when ``token_mask`` (the MoE load-balancing loss) or ``per_layer_ids``
+        (recorded expert ids) is given: then :func:`rlflow.models.moe_scan.scan_routed`.
 
         Returns: ``x``, or ``(x, sums or None, agreement [L, 2] or None)``."""
         if token_mask is None and per_layer_ids is None:
             return scan_layers(self.layers, x, lambda block, h: layer(block, h, None), remat)
-        weights = None if token_mask is None else jnp.asarray(token_mask, jnp.float32).reshape(-1)
-
-        def apply(block, carry, ids=None):
-            h, sums = carry
-            h, routing = layer(block, h, ids)
-            if weights is not None:
-                sums = sums + moe_lib.balance_sums(routing, weights)
-            if per_layer_ids is None:
-                return h, sums
-            return (h, sums), agreement_sums(routing, ids)
-
-        sums = None if weights is None else jnp.zeros((2, self.cfg.num_experts), jnp.float32)
-        out = scan_layers(self.layers, (x, sums), apply, remat, per_layer_ids)
-        (x, sums), agreement = out if per_layer_ids is not None else (out, None)
-        return x, sums, agreement
+        return scan_routed(self.layers, x, layer, remat, token_mask, per_layer_ids,
+                           self.cfg.num_experts)
 
     def _finish(self, x, attention_mask, moe_aux, finish):
-        """``finish(x)``, or (``x`` the triple of :meth:`_scan`) ``(finish(x), *extras)``:
-        the load-balancing loss with ``moe_aux``, then the router agreement when recorded
-        ids were given."""
+        """``finish(x)``, or (``x`` the triple of :meth:`_scan`) ``(finish(x), *extras)``
+        (:func:`rlflow.models.moe_scan.finish_routed`)."""
         if not isinstance(x, tuple):
             return finish(x)
-        x, sums, agreement = x
-        out = (finish(x),)
-        if moe_aux:
-            rows = self.cfg.num_layers * jnp.sum(jnp.asarray(attention_mask, jnp.float32))
-            out += (moe_lib.balance_loss(sums, rows),)
-        return out + (() if agreement is None else (agreement,))
+        return finish_routed(x, attention_mask, moe_aux, finish, self.cfg.num_layers)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache | PagedKVCache, cache_index: jax.Array, *, mesh=None,
@@ -648,41 +502,5 @@ class Decoder(nnx.Module):
           ValueError: ``return_routing`` for a dense model.
         """
         with expert_parallel.mesh_context(mesh):
-            return self._forward_cached(tokens, positions, attention_mask, cache, cache_index,
-                                        return_routing)
-
-    def _forward_cached(self, tokens, positions, attention_mask, cache, cache_index,
-                        return_routing):
-        self._check_tokens(tokens)
-        if return_routing and not self.cfg.is_moe:
-            raise ValueError("return_routing: a dense model has no experts to report")
-        b, t = tokens.shape
-        s = cache.max_len
-        cache_index = jnp.asarray(cache_index, jnp.int32).reshape(b)
-        cols = cache_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]     # [B, T]
-        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-        new_mask = cache.mask.at[rows, cols].set(jnp.asarray(attention_mask, bool), mode="drop")
-        attend = new_mask[:, None, :] & (jnp.arange(s)[None, None, :] <= cols[:, :, None])
-        inv_freq = rope_inv_freq(self.cfg)
-        ks, vs = list(cache.k), list(cache.v)
-        paged = isinstance(cache, PagedKVCache)
-        x = self._embed(tokens)
-        blocks = self.layers if isinstance(self.layers, nnx.List) else layer_modules(self.layers)
-        chosen = []                                         # [B, T, k] per layer
-        for layer, block in enumerate(blocks):
-            def hook(k, v, layer=layer):
-                if paged:
-                    ks[layer], vs[layer], read = layer_attention_inputs(
-                        cache, ks[layer], vs[layer], k, v, cols)
-                    return read
-                ks[layer] = write_cache(ks[layer], k, cols, seq_axis=3)
-                vs[layer] = write_cache(vs[layer], v, cols, seq_axis=2)
-                return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
-            x, routing = block(x, positions, inv_freq, attend, hook, return_routing=True)
-            if return_routing:
-                chosen.append(routing.expert_ids.reshape(b, t, -1))
-        if paged:
-            out = self._logits(x), cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
-        else:
-            out = self._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)
-        return out + (jnp.stack(chosen, axis=2),) if return_routing else out
+            return cached_forward.forward_cached(self, tokens, positions, attention_mask,
+                                                 cache, cache_index, return_routing)

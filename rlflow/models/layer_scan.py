@@ -28,7 +28,7 @@ Rematerialisation (Chen et al. 2016, "Training Deep Nets with Sublinear Memory C
   residual carry ``[B, T, E]``) is kept; the backward recomputes that layer's forward
   (about one extra forward pass: ~4/3 of the step's FLOPs);
 * ``"dots"``: ``dots_with_no_batch_dims_saveable``: the outputs of the projections (2-D
-  matmuls, :func:`rlflow.models.decoder._dense`) are kept, the elementwise work and the
+  matmuls, :func:`rlflow.models.linear._dense`) are kept, the elementwise work and the
   attention's batched dots (the ``[T, T]`` scores and probabilities) are recomputed;
 * ``"offload"``: ``offload_dot_with_no_batch_dims("device", "pinned_host")``: the same
   projection outputs, moved to host memory during the forward and back for the backward

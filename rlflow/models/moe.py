@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlflow.models.expert_parallel import context_mesh, expert_ffn
+from rlflow.models.linear import _dense, _normal     # one matmul and init for every kernel
 
 EXPERT_AXES = ("expert", "embed", "mlp")        # gate / up kernels [n, E, F]
 EXPERT_DOWN_AXES = ("expert", "mlp", "embed")   # down kernel [n, F, E]
@@ -136,8 +137,6 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, lora=None):
-        from rlflow.models.decoder import _normal      # one init for every decoder kernel
-
         if lora is not None and any(lora.targets(p) for p in ("gate", "up", "down")):
             raise ValueError("learner.lora.targets: LoRA on the MLP projections (gate_proj, "
                              "up_proj, down_proj) of a mixture-of-experts model is not "
@@ -156,8 +155,6 @@ class MoE(nnx.Module):
         """``x [..., E]`` -> ``(y [..., E], routing)``; ``routing``'s arrays are flat over the
         leading axes (``N = prod(x.shape[:-1])``). ``replay_ids``: ``[..., k]`` int expert ids
         to replay (:func:`route`), or None."""
-        from rlflow.models.decoder import _dense
-
         lead, e = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, e)
         logits = _dense(flat, self.router[...].astype(self.dtype),
