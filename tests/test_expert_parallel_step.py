@@ -27,6 +27,7 @@ from rlflow.mesh import batch_sharding, make_mesh, param_shardings
 from rlflow.models import build_model, expert_parallel, moe
 from rlflow.models.attention import SequenceMask
 from rlflow.models.decoder import rope_inv_freq
+from rlflow.models.layer_scan import layer_modules
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.sampling import SamplingParams
@@ -78,7 +79,7 @@ def assert_routing_margins(model, tokens, positions, mask) -> None:
     x = model._embed(jnp.asarray(tokens))
     k = model.cfg.num_experts_per_tok
     real = np.asarray(mask).reshape(-1)
-    for layer, block in enumerate(model.layers):
+    for layer, block in enumerate(layer_modules(model.layers)):
         x, routing = block(x, jnp.asarray(positions), inv_freq, attend, return_routing=True)
         probs = np.maximum(np.asarray(routing.probs), np.finfo(np.float32).tiny)
         logp = np.log(-np.sort(-probs, axis=-1))[real]
@@ -123,8 +124,8 @@ def test_moe_train_step_on_an_expert_mesh_equals_one_device(moe_case, name, expe
     graphdef, params, ref, packed, (l0, g0, s0), lp0 = moe_case
     mesh = mesh_of(MESHES[name])
     psh = param_shardings(params, mesh)
-    kernel = psh["layers"][0]["mlp"]["gate_kernel"].get_value()
-    assert kernel.spec[0] == "expert"                          # the experts are split
+    kernel = psh["layers"]["mlp"]["gate_kernel"].get_value()    # [L, n, E, F]
+    assert kernel.spec[0] is None and kernel.spec[1] == "expert"   # the experts are split
     bsh = batch_sharding(mesh)
     jb = jax.device_put(TrainBatch(*packed), TrainBatch(*([bsh] * len(TrainBatch._fields))))
     p, r = jax.device_put(params, psh), jax.device_put(ref, psh)
@@ -134,8 +135,8 @@ def test_moe_train_step_on_an_expert_mesh_equals_one_device(moe_case, name, expe
                                     mesh=mesh))(p, jb)[0]
     assert_same_packed_step(MODEL, packed, (l0, g0, s0, lp0), (l1, g1, s1, lp1))
     assert expert_meshes and set(expert_meshes) == {2}      # every MoE layer split its experts
-    gk = g1["layers"][0]["mlp"]["gate_kernel"].get_value()
-    assert gk.sharding.spec[0] == "expert" and float(jnp.abs(gk).max()) > 0
+    gk = g1["layers"]["mlp"]["gate_kernel"].get_value()
+    assert gk.sharding.spec[1] == "expert" and float(jnp.abs(gk).max()) > 0
 
 
 # --------------------------------------------------------------------------- sampler

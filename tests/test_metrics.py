@@ -43,7 +43,8 @@ def test_run_folder_has_config(run):
     assert saved["name"] == "synthetic"
     assert saved["learner"]["lr"] == 3e-6 and saved["learner"]["num_steps"] == NUM_STEPS
     assert saved["metrics"]["samples_every"] == SAMPLES_EVERY
-    assert saved["sampler"]["mesh"] == {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
+    assert saved["sampler"]["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "sequence": 1,
+                                        "tensor": 1}
     assert saved["sampler"]["prefill_buckets"] == list(cfg.sampler.prefill_buckets)
 
 
