@@ -47,7 +47,7 @@ def test_expert_weights_reach_a_sampler_with_another_expert_layout():
     params = nnx.state(model, nnx.Param)
     described = {leaf["path"]: leaf for leaf in layout_lib.describe(
         *layout_lib.flatten(params)[:2])["leaves"]}
-    assert described[EXPERT_KERNEL]["spec"] == ["expert", "fsdp", "tensor"]   # [n, E, F]
+    assert described[EXPERT_KERNEL]["spec"] == [None, "expert", "fsdp", "tensor"]  # [L, n, E, F]
     pub = WeightPublisher(pull_timeout_s=30)
     coord = Coordinator(pub).start()
     try:
