@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
 import numpy as np
 
-from _timing import best_of
+from _timing import best_of, decode_step_seconds
 
 
 def _model_and_prompts(size: str, tmp: str, batch: int, plen: int):
@@ -136,20 +135,7 @@ def measure_int8(size: str, tmp: str, *, batch: int, plen: int, new: int, repeat
         return batchers[q].run(reqs)
 
     def device(q):
-        engine = engines[q]
-        params = engine.load_params()
-        padded, n = engine.pad_prompt(prompts[0])
-        prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n,
-                                sampling=sampling)
-        state = engine.insert_batch(prefix, engine.init_decode_state(), [0] * batch,
-                                    list(range(batch)), list(range(batch)))
-        jax.block_until_ready(state)
-        k = engine.decode_steps_per_call
-        t0 = time.perf_counter()
-        for _ in range(new // k):
-            state, out = engine.generate_packed(params, state)
-            np.asarray(out)
-        return (time.perf_counter() - t0) / (new // k * k)
+        return decode_step_seconds(engines[q], prompts[0], sampling, batch, new)
 
     groups = {q: loop(q) for q in engines}                      # compile + the gap's samples
     t_loop = {q: float("inf") for q in engines}

@@ -33,3 +33,27 @@ def run_like_rlflow_train() -> str:
     if host_memory.keeps_freed_memory(os.environ):
         return "malloc keeps freed memory, as in rlflow train's learner (both sides)"
     return "the environment's own malloc settings"
+
+
+def decode_step_seconds(engine, prompt, sampling, batch: int, new: int) -> float:
+    """Seconds per decode step of ``engine`` (an :class:`rlflow.sampler.engine.RlflowEngine`)
+    with ``batch`` slots all decoding ``prompt``'s continuation: one prefill inserted into
+    every slot, then ``new // k`` calls of ``k = engine.decode_steps_per_call`` steps back
+    to back, each call's packed output copied to the host (as the batcher does). Warm it up
+    once for a steady-state figure (the first call compiles)."""
+    import jax                      # after run_like_rlflow_train's re-exec
+    import numpy as np
+
+    params = engine.load_params()
+    padded, n = engine.pad_prompt(prompt)
+    prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n,
+                            sampling=sampling)
+    state = engine.insert_batch(prefix, engine.init_decode_state(), [0] * batch,
+                                list(range(batch)), list(range(batch)))
+    jax.block_until_ready(state)
+    k = engine.decode_steps_per_call
+    t0 = time.perf_counter()
+    for _ in range(new // k):
+        state, out = engine.generate_packed(params, state)
+        np.asarray(out)
+    return (time.perf_counter() - t0) / (new // k * k)

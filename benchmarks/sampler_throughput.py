@@ -79,7 +79,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import _gsm8k_model  # noqa: E402  (benchmarks/ is the script's folder)
-from _timing import best_of  # noqa: E402
+from _timing import best_of, decode_step_seconds  # noqa: E402
 
 
 def env(name, default):
@@ -180,20 +180,7 @@ def measure(size: str, suffix: str, tmp: str) -> None:
 
     def device_only(k):
         """The decode calls alone: every slot busy, calls back to back, one copy each."""
-        engine = engines[k]
-        params = engine.load_params()
-        padded, n = engine.pad_prompt(prompts[0])
-        prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n,
-                                sampling=sampling)
-        state = engine.insert_batch(prefix, engine.init_decode_state(), [0] * batch,
-                                    list(range(batch)), list(range(batch)))
-        jax.block_until_ready(state)
-        steps = engine.decode_steps_per_call
-        t0 = time.perf_counter()
-        for _ in range(new // steps):
-            state, out = engine.generate_packed(params, state)
-            np.asarray(out)
-        return (time.perf_counter() - t0) / (new // steps * steps)
+        return decode_step_seconds(engines[k], prompts[0], sampling, batch, new)
 
     hf_dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     with tempfile.TemporaryDirectory() as d:

@@ -37,20 +37,16 @@ when that folder exists. Without either, ``teacher.path`` is empty and the run w
 plain GRPO: pass ``--teacher.path``.
 """
 
-import importlib.util
 import os
 
-from rlflow.config import ExperimentConfig, TeacherConfig, replace
+from rlflow.config import ExperimentConfig, TeacherConfig, replace, config_module
 
 DEFAULT_TEACHER = os.path.join("runs", "distill-teacher-export")
 
 
 def _demo():
-    spec = importlib.util.spec_from_file_location(
-        "rlflow_demo_config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return config_module(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      "demo.py"))
 
 
 def teacher_path() -> str:

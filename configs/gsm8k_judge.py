@@ -21,10 +21,9 @@ sent as ``Authorization: Bearer <key>`` and never written to the run folder).
 """
 
 import dataclasses
-import importlib.util
 import os
 
-from rlflow.config import JudgeConfig
+from rlflow.config import JudgeConfig, config_module
 
 JUDGE_TEMPLATE = (
     "You are grading a student's solution to a math word problem.\n\n"
@@ -37,11 +36,8 @@ JUDGE_TEMPLATE = (
 
 
 def _gsm8k():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gsm8k.py")
-    spec = importlib.util.spec_from_file_location("rlflow_config_gsm8k", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.config()
+    here = os.path.dirname(os.path.abspath(__file__))
+    return config_module(os.path.join(here, "gsm8k.py")).config()
 
 
 def config():

@@ -27,11 +27,10 @@ The learner runs as ``learner.num_hosts`` = 8 processes, one per host of the sli
 """
 
 import dataclasses
-import importlib.util
 import os
 import sys
 
-from rlflow.config import MeshConfig
+from rlflow.config import MeshConfig, config_module
 from rlflow.learner.memory import Architecture, check_fits
 
 DEFAULT_MODEL = "~/models/Llama-3.1-70B-Instruct"
@@ -43,11 +42,8 @@ V5P_CHIP_GIB = 95.0 * 1e9 / 2 ** 30     # v5p: 95 GB of HBM per chip
 
 
 def _base():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gsm8k_qwen2_5_0_5b.py")
-    spec = importlib.util.spec_from_file_location("rlflow_config_gsm8k_qwen2_5_0_5b", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return config_module(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      "gsm8k_qwen2_5_0_5b.py"))
 
 
 def config(model_path=None, learner_mesh=MeshConfig(fsdp=16, tensor=2), micro_batches=32,

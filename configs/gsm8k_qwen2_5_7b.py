@@ -20,20 +20,16 @@ on one host each: multi-host slices are not supported by the programs yet (docs/
 """
 
 import dataclasses
-import importlib.util
 import os
 
-from rlflow.config import MeshConfig
+from rlflow.config import MeshConfig, config_module
 
 DEFAULT_MODEL = "~/models/Qwen2.5-7B-Instruct"
 
 
 def _base():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gsm8k_qwen2_5_0_5b.py")
-    spec = importlib.util.spec_from_file_location("rlflow_config_gsm8k_qwen2_5_0_5b", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return config_module(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      "gsm8k_qwen2_5_0_5b.py"))
 
 
 def config(model_path=None):

@@ -18,10 +18,9 @@ activations, which the 32 micro-batches of 16 sequences keep to a few GB): see
 """
 
 import dataclasses
-import importlib.util
 import os
 
-from rlflow.config import LoraConfig, MeshConfig
+from rlflow.config import LoraConfig, MeshConfig, config_module
 
 # Qwen2.5-7B (config.json of Qwen/Qwen2.5-7B-Instruct)
 ARCH = dict(vocab=152064, hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
@@ -32,11 +31,8 @@ SAMPLER_MESH = MeshConfig(tensor=4)
 
 
 def _full_7b():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gsm8k_qwen2_5_7b.py")
-    spec = importlib.util.spec_from_file_location("rlflow_config_gsm8k_qwen2_5_7b", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return config_module(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      "gsm8k_qwen2_5_7b.py"))
 
 
 def parameter_counts(arch=ARCH, rank=RANK) -> tuple[int, int]:

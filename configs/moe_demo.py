@@ -23,11 +23,10 @@ the gap between behaviour and learner logprobs is 0.001-0.012 nats.
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 
-from rlflow.config import ExperimentConfig, ModelConfig, replace
+from rlflow.config import ExperimentConfig, ModelConfig, replace, config_module
 
 ARCH = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
@@ -36,11 +35,8 @@ ARCH = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_l
 
 
 def _demo():
-    spec = importlib.util.spec_from_file_location(
-        "rlflow_demo_config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return config_module(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      "demo.py"))
 
 
 def moe_model_path() -> str:

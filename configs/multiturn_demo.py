@@ -26,11 +26,10 @@ little.
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 
-from rlflow.config import (BufferConfig, CheckpointConfig, DataConfig, EnvConfig,
+from rlflow.config import (BufferConfig, CheckpointConfig, DataConfig, EnvConfig, config_module,
                            ExperimentConfig, LearnerConfig, MetricsConfig, ModelConfig,
                            RuntimeConfig, SamplerConfig)
 
@@ -40,11 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _demo():
     """``configs/demo.py`` as a module (its model builder and architecture)."""
-    spec = importlib.util.spec_from_file_location("rlflow_configs_demo",
-                                                  os.path.join(HERE, "demo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return config_module(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      "demo.py"))
 
 
 def model_path() -> str:

@@ -6,22 +6,20 @@ LoRA on the attention projections of a MoE model trains on an expert mesh as on 
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from rlflow.checkpoint import Checkpointer, LearnerCheckpoint, abstract_target
 from rlflow.config import LoraConfig, MeshConfig, ModelConfig
 from rlflow.exchange import layout as layout_lib
 from rlflow.exchange.coordinator import Coordinator
 from rlflow.exchange.transfer import WeightPublisher, WeightSubscriber
 from rlflow.learner.trainer import Learner
 from rlflow.mesh import make_mesh, param_shardings
-from rlflow.models.decoder import positions_from_mask
 from rlflow.models.hf import build_model
+from checkpoint_fixtures import restore_on_another_mesh
 from learner_fixtures import flat, make_group_records, one_device_mesh, tiny_experiment
-from tolerances import MIXED_SIGN_CANCEL, forward_atol, model_chain_len, reorder_rtol
+from tolerances import MIXED_SIGN_CANCEL, model_chain_len, reorder_rtol
 
 VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=32,
@@ -71,29 +69,14 @@ def test_expert_weights_reach_a_sampler_with_another_expert_layout():
 
 def test_checkpoint_saved_on_one_expert_layout_restores_on_another(tmp_path):
     learner_mesh, sampler_mesh = meshes()
-    model, _ = build_model(MODEL, mesh=learner_mesh)
-    graphdef, params_a = nnx.split(model, nnx.Param)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 6)), jnp.int32)
-    mask = jnp.ones((2, 6), bool).at[0, :2].set(False)
-
-    @jax.jit
-    def logits(params):
-        return nnx.merge(graphdef, params)(tokens, positions_from_mask(mask), mask)
-
-    ref = np.asarray(logits(params_a))
-    with Checkpointer(str(tmp_path)) as ck:
-        ck.save_final(LearnerCheckpoint(step=1, params=params_a))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_a)
-    target = abstract_target(abstract, param_shardings(abstract, sampler_mesh))
-    with Checkpointer(str(tmp_path)) as ck:
-        params_b = ck.restore(params_target=target).params
+    params_a, params_b, logits, ref, atol = restore_on_another_mesh(tmp_path, MODEL,
+                                                                    learner_mesh, sampler_mesh)
     a, b = by_path(params_a), by_path(params_b)
     for path in a:
         np.testing.assert_array_equal(np.asarray(b[path]), np.asarray(a[path]), err_msg=path)
     assert b[EXPERT_KERNEL].sharding.mesh.shape == sampler_mesh.shape
     assert b[EXPERT_KERNEL].sharding.spec[1] == "expert"
-    np.testing.assert_allclose(np.asarray(logits(params_b)), ref, rtol=0,
-                               atol=forward_atol(MODEL, 6, float(np.abs(ref).max())))
+    np.testing.assert_allclose(np.asarray(logits(params_b)), ref, rtol=0, atol=atol)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from rlflow.config.learner import LORA_PROJECTIONS, LoraConfig, LearnerConfig
 from rlflow.config.rollout_correction import RolloutCorrectionConfig
 from rlflow.config.runtime import (BufferConfig, RuntimeConfig, CheckpointConfig, MetricsConfig,
                                    WandbConfig)
-from rlflow.config.experiment import ExperimentConfig, replace, load_config_file
+from rlflow.config.experiment import ExperimentConfig, config_module, replace, load_config_file
 
 __all__ = [
     "ConfigError",
@@ -50,4 +50,5 @@ __all__ = [
     "ExperimentConfig",
     "replace",
     "load_config_file",
+    "config_module",
 ]

@@ -248,6 +248,21 @@ def replace(cfg, **changes):
     return dataclasses.replace(cfg, **changes)
 
 
+def config_module(path: str):
+    """The Python config file ``path`` run as a fresh module (its ``config()`` and helpers),
+    e.g. a config built on another one: ``config_module(os.path.join(HERE, "demo.py"))``.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist (names it).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"rlflow_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_config_file(path: str) -> ExperimentConfig:
     """Load ``configs/<name>.py``, which defines ``config() -> ExperimentConfig``.
 
@@ -264,9 +279,7 @@ def load_config_file(path: str) -> ExperimentConfig:
     if not path.endswith(".py"):
         raise ConfigError(f"{path}: not a Python file; --config takes a .py file that defines "
                           "`config() -> ExperimentConfig` (e.g. configs/demo.py)")
-    spec = importlib.util.spec_from_file_location(f"rlflow_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = config_module(path)
     fn = getattr(module, "config", None)
     _check(callable(fn), path, "must define a function `config() -> ExperimentConfig`")
     cfg = fn()
