@@ -2,7 +2,6 @@
 resolution and errors, and a MoE learner's step replaying the batch's recorded ids, its
 ``moe/router_agreement`` and ``moe/logprob_gap`` against direct forwards."""
 
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +20,9 @@ from tolerances import sum_tol
 MOE = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8,
                   num_experts_per_tok=2, moe_intermediate_size=16)
+# the same shapes as a dense Qwen3 (the MoE fields would be refused on a dense model)
+DENSE_MODEL = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
 DENSE = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
 
@@ -35,7 +37,7 @@ def test_routing_replay_defaults_on_for_moe_and_refuses_dense_models():
     with pytest.raises(ConfigError, match="learner.routing_replay: True needs a mixture"):
         replays(True, DENSE)
     with pytest.raises(ConfigError, match="learner.routing_replay: True needs a mixture"):
-        tiny_experiment(dataclasses.replace(MOE, model_type="qwen3"), 4, 6, routing_replay=True)
+        tiny_experiment(DENSE_MODEL, 4, 6, routing_replay=True)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_step_replays_the_recorded_ids_and_logs_agreement_and_gap(learners, repl
 
 
 def test_dense_learner_logs_no_moe_metrics_and_drops_routing():
-    learner = Learner(tiny_experiment(dataclasses.replace(MOE, model_type="qwen3"), 4, 6,
+    learner = Learner(tiny_experiment(DENSE_MODEL, 4, 6,
                                       groups_per_step=1), mesh=one_device_mesh())
     batch = _routed_batch(learner, 1)
     metrics = learner.step(batch)

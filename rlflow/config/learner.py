@@ -230,7 +230,7 @@ class LearnerConfig:
         routes each token to the experts the sampler chose for it (recorded in the group
         record, ``docs/interfaces.md`` version 3), gates from its own router, so that the
         behaviour and learner logprobs come from the same experts. None (default): on for
-        mixture-of-experts models; True for a dense model is an error; False: the learner
+        mixture-of-experts models; true for a dense model is an error; false: the learner
         routes by its own top-k (``moe/router_agreement`` and ``moe/logprob_gap`` are logged
         either way).
     """
