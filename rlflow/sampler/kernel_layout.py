@@ -85,8 +85,10 @@ def _flip(x):
     return x.T if len(x.shape) == 2 else jnp.swapaxes(x, -1, -2)
 
 
-def _weak(x):
-    """A weak reference to ``x``, or one that is always dead where ``x`` takes none."""
+def weak_ref(x):
+    """A weak reference to ``x``, or one that is always dead where ``x`` takes none (the
+    engine's per-version caches key the arrays given by identity without keeping them
+    alive: here, :mod:`rlflow.sampler.layer_storage`, :mod:`rlflow.sampler.quantization`)."""
     try:
         return weakref.ref(x)
     except TypeError:
@@ -120,7 +122,7 @@ class StoredKernels:
             src, kept = self._kept.get(i, (lambda: None, None))
             if src() is not given[i]:
                 kept = _flip(placed[i])
-                self._kept[i] = (_weak(given[i]), kept)
+                self._kept[i] = (weak_ref(given[i]), kept)
             leaves[i] = kept
         return leaves
 

@@ -17,7 +17,6 @@ LoRA forward swap passes its base every version, keeps its slices), and stacked 
 
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlflow.models.layer_scan import LAYER_AXIS, layer_modules
+from rlflow.sampler.kernel_layout import weak_ref
 
 
 def unstacked_view(model) -> nnx.Module:
@@ -39,13 +39,6 @@ def unstacked_view(model) -> nnx.Module:
 
 def _keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-
-
-def _weak(x):
-    try:
-        return weakref.ref(x)
-    except TypeError:
-        return lambda: None
 
 
 class LayerStorage:
@@ -87,7 +80,7 @@ class LayerStorage:
             ref, parts = self._kept.get(j, (lambda: None, None))
             if ref() is not x:
                 parts = [x[i] for i in range(x.shape[0])]
-                self._kept[j] = (_weak(x), parts)
+                self._kept[j] = (weak_ref(x), parts)
             out.append(parts[layer])
         return out
 

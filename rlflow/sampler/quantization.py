@@ -39,7 +39,6 @@ and behaviour logprobs, decoded at float32's speed and memory (:func:`holds_floa
 
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import jax
@@ -49,6 +48,7 @@ import qwix
 from flax import nnx
 
 from rlflow.config.sampler import QUANTIZATIONS
+from rlflow.sampler.kernel_layout import weak_ref
 
 #: logical axes of the projections' own input / output sides (rlflow.models.decoder)
 PROJECTION_AXES = frozenset({"embed", "mlp", "q_heads", "kv_heads", "head_dim", "vocab"})
@@ -99,14 +99,6 @@ def projection_kernels(state) -> tuple[tuple[int, tuple[int, ...]], ...]:
         contract = input_axes(logical, value.ndim)
         out.append((i, tuple(a for a in range(value.ndim) if a not in contract)))
     return tuple(out)
-
-
-def _weak(x):
-    """A weak reference to ``x``, or one that is always dead where ``x`` takes none."""
-    try:
-        return weakref.ref(x)
-    except TypeError:
-        return lambda: None
 
 
 def quantize_kernel(w, channelwise_axes: Sequence[int]) -> qwix.QArray:
@@ -164,7 +156,7 @@ class QuantizedKernels:
         if any(self._kept.get(i, (lambda: None,))[0]() is not given[i]
                for i, _ in self.kernels):
             done = self._quantize([placed[i] for i, _ in self.kernels])
-            self._kept = {i: (_weak(given[i]), q) for (i, _), q in zip(self.kernels, done)}
+            self._kept = {i: (weak_ref(given[i]), q) for (i, _), q in zip(self.kernels, done)}
         for i, _ in self.kernels:
             leaves[i] = self._kept[i][1]
         return leaves
