@@ -1,11 +1,33 @@
-"""The scripts' dry-run memory line (``scripts/tpu/start.sh --dry-run``), read back and checked
-against the memory model's relations rather than against figures copied from a run."""
+"""The TPU scripts' dry run (``scripts/tpu/start.sh --dry-run``) and its memory line, read back
+and checked against the memory model's relations rather than against figures copied from a
+run."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 
 import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tpu_dry_run(name: str, config: str, model_dir: str, learner_type: str, sampler_type: str,
+                sampler_slices: int, *extra: str) -> subprocess.CompletedProcess:
+    """``scripts/tpu/start.sh --dry-run`` for ``config`` (a path from the repository root)
+    with a fixed zone, project, learner IP and run folder, ``RLFLOW_BUFFER_TOKEN`` set and
+    ``RLFLOW_MODEL_PATH`` unset; ``extra`` appended (e.g. ``"--", "--learner.x", "1"``)."""
+    env = {k: v for k, v in os.environ.items() if k != "RLFLOW_MODEL_PATH"}
+    env["RLFLOW_BUFFER_TOKEN"] = "t"
+    return subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "tpu", "start.sh"), "--dry-run", "--zone",
+         "us-east5-a", "--project", "p", "--name", name, "--learner-ip", "10.0.0.7",
+         "--learner-type", learner_type, "--sampler-type", sampler_type,
+         "--sampler-slices", str(sampler_slices), "--config", config, "--model-dir", model_dir,
+         "--run-dir", "gs://b/runs", *extra],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+
 
 _LINE = re.compile(
     r"memory: learner per device: params ([\d.]+), optimizer ([\d.]+), grads ([\d.]+), "

@@ -2,11 +2,10 @@
 the memory model picks; its scripts/tpu dry run checks the memory against the slices."""
 
 import os
-import subprocess
 
 import pytest
 
-from dry_run_memory import check_memory_line
+from dry_run_memory import check_memory_line, tpu_dry_run
 from rlflow.console import fit
 from rlflow.console.config_args import parse_train_args
 
@@ -51,15 +50,7 @@ def test_it_fits_the_slice_the_memory_model_picks_and_not_a_smaller_one(dapo):
 
 
 def _start(*extra):
-    env = {k: v for k, v in os.environ.items() if k != "RLFLOW_MODEL_PATH"}
-    env["RLFLOW_BUFFER_TOKEN"] = "t"
-    return subprocess.run(
-        ["bash", os.path.join(REPO, "scripts", "tpu", "start.sh"), "--dry-run", "--zone",
-         "us-east5-a", "--project", "p", "--name", "dapo", "--learner-ip", "10.0.0.7",
-         "--learner-type", "v5p-8", "--sampler-type", "v5p-8", "--sampler-slices", "4",
-         "--config", "configs/dapo_qwen3_8b_16k.py", "--model-dir", "/home/me/Qwen3-8B",
-         "--run-dir", "gs://b/runs", *extra],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    return tpu_dry_run("dapo", "configs/dapo_qwen3_8b_16k.py", "/home/me/Qwen3-8B", "v5p-8", "v5p-8", 4, *extra)
 
 
 def test_scripts_dry_run_prints_the_memory_and_refuses_rows_that_do_not_fit():

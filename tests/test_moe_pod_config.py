@@ -6,13 +6,12 @@ divide the expert count, naming ``learner.mesh.expert`` / ``sampler.mesh.expert`
 import dataclasses
 import os
 import re
-import subprocess
 
 import pytest
 
 from rlflow.config import (ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
                            ModelConfig, SamplerConfig)
-from dry_run_memory import check_memory_line
+from dry_run_memory import check_memory_line, tpu_dry_run
 from rlflow.console import fit
 from rlflow.console.config_args import parse_train_args
 from rlflow.learner.memory import Architecture, activation_bytes, learner_memory
@@ -97,15 +96,7 @@ def test_the_memory_model_splits_only_the_experts_over_the_expert_axis(moe):
 
 
 def _start(*extra):
-    env = {k: v for k, v in os.environ.items() if k != "RLFLOW_MODEL_PATH"}
-    env["RLFLOW_BUFFER_TOKEN"] = "t"
-    return subprocess.run(
-        ["bash", os.path.join(REPO, "scripts", "tpu", "start.sh"), "--dry-run", "--zone",
-         "us-east5-a", "--project", "p", "--name", "moe", "--learner-ip", "10.0.0.7",
-         "--learner-type", "v5p-32", "--sampler-type", "v5p-8", "--sampler-slices", "2",
-         "--config", "configs/gsm8k_qwen3_30b_a3b.py", "--model-dir", "/home/me/Qwen3-30B-A3B",
-         "--run-dir", "gs://b/runs", *extra],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    return tpu_dry_run("moe", "configs/gsm8k_qwen3_30b_a3b.py", "/home/me/Qwen3-30B-A3B", "v5p-32", "v5p-8", 2, *extra)
 
 
 def test_scripts_dry_run_prints_the_memory_of_the_picked_slices():
