@@ -16,14 +16,14 @@ def best_of(fn, repeats: int) -> float:
 
 def run_like_rlflow_train() -> str:
     """Re-execute this benchmark with the malloc settings ``rlflow train`` starts its
-    learner with (``rlflow.runtime.host_memory``; glibc reads them only at process start),
+    learner with (``rlflow.system.host_memory``; glibc reads them only at process start),
     unless they are in place or ``BENCH_SYSTEM_MALLOC=1``. The baseline measured in the same
     process gets them too. Call it before importing jax, with the repository on
     ``sys.path``. Returns a note for the results."""
     import os
     import sys
 
-    from rlflow.runtime import host_memory
+    from rlflow.system import host_memory
 
     if os.environ.get("BENCH_SYSTEM_MALLOC") == "1":
         return "system malloc settings (BENCH_SYSTEM_MALLOC=1)"

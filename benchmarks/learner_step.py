@@ -10,7 +10,7 @@ backward of every matmul parameter, Kaplan et al. 2020) plus attention
 their ratio.
 
 The script re-executes itself once with the glibc malloc settings ``rlflow train`` starts its
-learner with (``rlflow.runtime.host_memory``; ``BENCH_SYSTEM_MALLOC=1``: the system's).
+learner with (``rlflow.system.host_memory``; ``BENCH_SYSTEM_MALLOC=1``: the system's).
 
 Figures (``RESULT`` lines, see benchmarks/README.md): learner_step_tokens_per_s,
 learner_step_gflops, matmul_peak_gflops, learner_step_flops_vs_matmul (target >= 0.5 on CPU),

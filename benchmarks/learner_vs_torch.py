@@ -25,7 +25,7 @@ unpacked rlflow step (``learner.packing=False``, each row padded to the bucket) 
 the same run as a third line, with the padding fractions.
 
 The script re-executes itself once with the glibc malloc settings ``rlflow train`` starts its
-learner with (``rlflow.runtime.host_memory``); both sides run in that process, so torch gets
+learner with (``rlflow.system.host_memory``); both sides run in that process, so torch gets
 them too. ``BENCH_SYSTEM_MALLOC=1`` keeps the system's settings.
 
 Sizes from environment variables (defaults in brackets): LVT_HIDDEN [256], LVT_LAYERS [4],

@@ -204,7 +204,7 @@ def _run_cases(mb, repeats, warmup, serial, donated, cases, results):
     ``results[name]`` with the median row of ms figures. Returns the last params and the
     subscriber."""
     from rlflow.exchange.transfer import WeightSubscriber
-    from rlflow.runtime.host_memory import allocator_env
+    from rlflow.system.host_memory import allocator_env
 
     # the learner process with the malloc settings rlflow train gives its learner program
     proc = subprocess.Popen([sys.executable, __file__, "--learner", str(mb)] +

@@ -1,4 +1,4 @@
-"""rlflow.runtime.host_memory: the malloc environment the launcher gives its programs, and
+"""rlflow.system.host_memory: the malloc environment the launcher gives its programs, and
 that it does what it is for (a freed large block is reused without page faults)."""
 
 import os
@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from rlflow.runtime import host_memory
-from rlflow.runtime.host_memory import KEEP_FREED_MEMORY
+from rlflow.system import host_memory
+from rlflow.system.host_memory import KEEP_FREED_MEMORY
 
 
 def test_allocator_env_adds_the_settings_and_leaves_the_input_alone():

@@ -27,7 +27,7 @@ sys.exit(1 if failed else 0)
 # Entry points users import (the import-time cost is dominated by JAX; the rest imports the
 # data side, where the cycle was).
 ENTRY_POINTS = ["rlflow.data.rewarder", "rlflow.data.rewards", "rlflow.data.reward_workers",
-                "rlflow.data.pipeline", "rlflow.runtime.plugins", "rlflow.config",
+                "rlflow.data.pipeline", "rlflow.system.plugins", "rlflow.config",
                 "rlflow.console.cli",
                 "rlflow.run.identity", "rlflow.runtime.run_watch", "rlflow.runtime.launch",
                 "rlflow.runtime.supervisor", "rlflow.run.metrics", "rlflow.config.secrets",

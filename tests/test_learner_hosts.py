@@ -7,7 +7,7 @@ from rlflow.runtime import programs_common as pc
 from rlflow.config import (CheckpointConfig, ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
                            RuntimeConfig, SamplerConfig, replace)
 from rlflow.learner import multihost
-from rlflow.runtime.ports import free_port
+from rlflow.system.ports import free_port
 from rlflow.runtime import launch, learner_hosts
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlflow.learner import multihost
-from rlflow.runtime.ports import free_port
+from rlflow.system.ports import free_port
 import mp_jobs
 from mp_jobs import SHARED_RUN_TIMEOUT_S
 

@@ -1,11 +1,12 @@
-"""A program killed by the OOM killer is reported as out of memory (rlflow.runtime.oom):
+"""A program killed by the OOM killer is reported as out of memory (rlflow.system.oom):
 the cgroup's oom_kill counter (a fake memory.events here) and the program's peak resident
 memory, read without root."""
 
 import subprocess
 import sys
 
-from rlflow.runtime import oom, supervisor
+from rlflow.system import oom
+from rlflow.runtime import supervisor
 from rlflow.runtime import programs_common as pc
 
 EVENTS = "low 0\nhigh 0\nmax 12\noom 1\noom_kill {n}\noom_group_kill 0\n"       # cgroup v2

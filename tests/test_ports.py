@@ -1,11 +1,11 @@
-"""rlflow.runtime.ports: launch ports come from outside the kernel's ephemeral range, so an
+"""rlflow.system.ports: launch ports come from outside the kernel's ephemeral range, so an
 unrelated outgoing connection cannot take one between the launcher's pick and the child's bind."""
 
 import socket
 
 import pytest
 
-from rlflow.runtime import ports
+from rlflow.system import ports
 
 
 def test_ephemeral_range_reads_the_kernel_file(tmp_path):
@@ -46,7 +46,7 @@ def test_free_port_falls_back_to_the_kernel_when_no_range_is_left(monkeypatch):
 def test_advertised_host_names_this_machine_only_for_wildcard_binds():
     import socket
 
-    from rlflow.runtime.ports import WILDCARD_HOSTS, advertised_host, is_wildcard
+    from rlflow.system.ports import WILDCARD_HOSTS, advertised_host, is_wildcard
 
     here = socket.gethostbyname(socket.gethostname())
     for host in WILDCARD_HOSTS:
@@ -58,7 +58,7 @@ def test_advertised_host_names_this_machine_only_for_wildcard_binds():
 def test_port_taken_sees_a_listener_not_a_closed_port():
     import socket
 
-    from rlflow.runtime.ports import port_taken
+    from rlflow.system.ports import port_taken
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

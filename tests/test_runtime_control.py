@@ -13,7 +13,7 @@ from rlflow.runtime.ledger import PromptLedger
 from rlflow.runtime.replicas import ReplicaTable
 from rlflow.runtime.control import (DONE_ACK_SILENCE_S, ControlClient, RunCoordinator,
                                     groups_to_admit)
-from rlflow.runtime.ports import free_port
+from rlflow.system.ports import free_port
 
 
 def oracle_admit(version, gps, k, accepted, buffered, in_flight, n=1):

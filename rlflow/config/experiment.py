@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Tuple
 
-from rlflow.runtime.ports import is_wildcard
+from rlflow.system.ports import is_wildcard
 from rlflow.config.secrets import ENV_BUFFER_TOKEN, token_source_given
 from rlflow.config.validation import ConfigError, _check, _finite_floats
 from rlflow.config.runtime import BufferConfig
@@ -34,7 +34,7 @@ class ExperimentConfig:
       run_dir: parent folder of run folders.
       seed: global seed (data order, sampling, init).
       plugins: modules every program imports first (dotted names or ``.py`` paths), e.g.
-        to register reward functions (``rlflow.runtime.plugins``).
+        to register reward functions (``rlflow.system.plugins``).
     """
 
     name: str = "demo"

@@ -100,7 +100,7 @@ class RuntimeConfig:
         CPU stand-in for two accelerator slices. Ignored with fewer than 2 CPUs.
       keep_freed_host_memory: start the learner program(s) with glibc malloc set to keep
         freed memory for reuse (one arena, no ``mmap``, no trimming;
-        ``rlflow.runtime.host_memory``): on the CPU backend the train step's temporaries are
+        ``rlflow.system.host_memory``): on the CPU backend the train step's temporaries are
         then not page-faulted in again on every step (~20% of the GSM8K-size step). Its
         resident memory stays at its peak. Not the sampler: one arena slowed its decode
         lanes. Nothing is added where the environment sets any ``MALLOC_*`` variable or

@@ -166,7 +166,7 @@ def _check_kv_cache(cfg) -> None:
     """A sampler KV cache larger than this machine's whole memory (spread over the
     replica's devices) cannot be allocated on any of its devices: refuse it before start-up
     instead of an out-of-memory error from inside the sampler that names no field."""
-    from rlflow.runtime.oom import machine_memory_bytes
+    from rlflow.system.oom import machine_memory_bytes
 
     m = _model_sizes(cfg)
     if m is None:
@@ -215,7 +215,7 @@ def _check_wandb(cfg) -> None:
 
 
 def _check_plugins(cfg) -> None:
-    from rlflow.runtime.plugins import PluginError, import_plugins
+    from rlflow.system.plugins import PluginError, import_plugins
 
     try:
         import_plugins(cfg.plugins)
@@ -239,7 +239,7 @@ def _check_rewards(cfg, names=None, field: str = "reward.functions") -> None:
     from rlflow.config.data import SERVED_REWARDS
     from rlflow.data.http_scorer import ServedRewardError, request_headers
     from rlflow.data.rewards import get_reward
-    from rlflow.runtime.plugins import importable_elsewhere
+    from rlflow.system.plugins import importable_elsewhere
 
     for name in cfg.reward.functions if names is None else names:
         if name in SERVED_REWARDS:       # served: its API key must be in the environment

@@ -215,7 +215,7 @@ def host_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[float]:
     """This machine's memory for the CPU backend: its RAM, or its cgroup's memory limit
     when smaller (cgroup v2 ``memory.max``, v1 ``memory/memory.limit_in_bytes``); None when
     unknown."""
-    from rlflow.runtime.oom import machine_memory_bytes
+    from rlflow.system.oom import machine_memory_bytes
 
     ram = machine_memory_bytes()
     if ram is None:

@@ -25,7 +25,7 @@ would reward drafts.
 * ``"auto"`` (default): ``"qwen3"`` for a Qwen3 model (``model_type`` "qwen3" or "qwen3_moe"), else
   ``"none"``.
 * ``"package.module:function"`` / ``"path/file.py:function"`` (loaded like reward plug-ins,
-  :mod:`rlflow.runtime.plugins`): ``function(completion: str)`` returning a
+  :mod:`rlflow.system.plugins`): ``function(completion: str)`` returning a
   :class:`ReasoningSplit` or a pair ``(reasoning, answer)`` with ``answer=None`` for
   reasoning that never closed.
 """
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
-from rlflow.runtime import plugins as plugins_lib
+from rlflow.system import plugins as plugins_lib
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BUILT_IN = ("none", "qwen3", "auto")

@@ -51,7 +51,7 @@ import time
 from multiprocessing.connection import wait as wait_connections
 from typing import List, Sequence, Tuple
 
-from rlflow.runtime.process_limits import exit_text, kill_process_group, set_memory_limit
+from rlflow.system.process_limits import exit_text, kill_process_group, set_memory_limit
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _worker_main(conn, plugins: Sequence[str], functions: Sequence[Tuple[str, st
     try:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a plugin importing JAX: no accelerator
         from rlflow.data import rewards
-        from rlflow.runtime.plugins import import_module, import_plugins
+        from rlflow.system.plugins import import_module, import_plugins
 
         import_plugins(plugins)
         fns = []

@@ -39,7 +39,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from rlflow.config.data import SERVED_REWARDS
-from rlflow.runtime import plugins as plugins_lib
+from rlflow.system import plugins as plugins_lib
 from rlflow.data.reward_workers import RewardWorkerPool
 from rlflow.data.rewards import (LOG_FIRST_FAILURES, NonFiniteRewardError,
                                  RewardFunctionError, call_reward, get_reward, reward_value,
@@ -133,7 +133,7 @@ class Rewarder:
 
     Raises (construction):
       KeyError: an unknown function name (lists the registered ones).
-      rlflow.runtime.plugins.PluginError: a plugin cannot be imported.
+      rlflow.system.plugins.PluginError: a plugin cannot be imported.
       rlflow.data.http_scorer.ServedRewardError: a served reward's API key is not in the
         environment.
     """

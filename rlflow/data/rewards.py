@@ -12,7 +12,7 @@ Two ways to use your own:
   * decorate it with ``@register_reward("name")`` in a module listed in the top-level
     ``plugins`` config field, and list ``"name"``.
 
-Every program (and every reward worker) imports these itself (:mod:`rlflow.runtime.plugins`); a
+Every program (and every reward worker) imports these itself (:mod:`rlflow.system.plugins`); a
 function registered only inside a ``--config`` file is refused when the config is resolved,
 since the other programs never run that file.
 
@@ -70,7 +70,7 @@ from decimal import Decimal
 from typing import Callable, Dict, Sequence
 
 from rlflow.config.data import SERVED_REWARDS
-from rlflow.runtime import plugins as plugins_lib
+from rlflow.system import plugins as plugins_lib
 from rlflow.data import answer_values
 from rlflow.data.answer_values import plain_numbers
 from rlflow.data.tasks import digits_match

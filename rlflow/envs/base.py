@@ -12,7 +12,7 @@ by a factory registered by name, like rewards (:mod:`rlflow.data.rewards`)::
     def make(record: dict, **options) -> Environment: ...   # options: the config's env options
 
 or named ``"package.module:function"`` / ``"path/to/file.py:function"`` in the config
-(resolved by :func:`rlflow.runtime.plugins.resolve` in every program, so it must be importable
+(resolved by :func:`rlflow.system.plugins.resolve` in every program, so it must be importable
 there: a module listed in the top-level ``plugins`` field, or a module path).
 
 Messages are chat-template dicts: ``{"role": "system"|"user"|"assistant"|"tool",
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
-from rlflow.runtime import plugins as plugins_lib
+from rlflow.system import plugins as plugins_lib
 from rlflow.config.validation import FALSE_WORDS, TRUE_WORDS
 
 Message = Dict[str, Any]

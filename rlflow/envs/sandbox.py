@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from rlflow.runtime.process_limits import exit_text, kill_process_group
+from rlflow.system.process_limits import exit_text, kill_process_group
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from rlflow.exchange import layout as layout_lib
 from rlflow.exchange.coordinator import CoordinatorClient
 from rlflow.exchange.transfer_server import (WeightPullCancelled, WeightTransferError,
                                              WeightTransferTimeout, start_server)
-from rlflow.runtime.ports import advertised_host
+from rlflow.system.ports import advertised_host
 
 log = logging.getLogger("rlflow.exchange.transfer")
 

@@ -89,7 +89,7 @@ from rlflow.exchange.delta_worker import DeltaWorker
 from rlflow.exchange.subscriber import WeightSubscriber
 from rlflow.exchange.transfer_server import (WeightPullCancelled, WeightTransferError,
                                              WeightTransferTimeout, start_server)
-from rlflow.runtime.ports import advertised_host
+from rlflow.system.ports import advertised_host
 
 log = logging.getLogger(__name__)
 

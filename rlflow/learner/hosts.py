@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 
 from rlflow import checkpoint as ckpt_lib
 from rlflow.runtime import programs_common as pc
-from rlflow.runtime.ports import advertised_host
+from rlflow.system.ports import advertised_host
 
 log = logging.getLogger("rlflow.learner")
 

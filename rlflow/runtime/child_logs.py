@@ -10,7 +10,7 @@ import importlib
 import os
 from typing import Optional, Sequence
 
-from rlflow.runtime.process_limits import exit_text  # noqa: F401  (part of the failure report)
+from rlflow.system.process_limits import exit_text  # noqa: F401  (part of the failure report)
 
 LOG_TAIL_LINES = 30
 ERROR_SCAN_LINES = 400    # log lines searched for the last exception (tracebacks can be long)

@@ -22,11 +22,12 @@ from typing import Optional, Sequence
 from rlflow.config.secrets import ENV_BUFFER_TOKEN
 from rlflow.exchange.ring import ProducerError
 from rlflow.run import files
-from rlflow.runtime import host_memory, learner_hosts
+from rlflow.system import host_memory
+from rlflow.runtime import learner_hosts
 from rlflow.runtime import programs_common as pc
 from rlflow.runtime.child_logs import (LOG_TAIL_LINES, is_input_error, program_error,
                                        tail, without_repeated_fatal)
-from rlflow.runtime.oom import OomWatch
+from rlflow.system.oom import OomWatch
 
 STOP_GRACE_S = 20.0       # seconds a child gets between the stop request and SIGKILL
 PROCESSES_FILE = "processes.json"   # {"learner": pid, "sampler": pid} in the run folder
@@ -86,7 +87,7 @@ class Supervisor:
 
     def exit_text(self, name: str) -> str:
         """How child ``name`` ended: its exit code or signal, a SIGKILL named as out of
-        memory when the cgroup's OOM-kill counter rose (:mod:`rlflow.runtime.oom`)."""
+        memory when the cgroup's OOM-kill counter rose (:mod:`rlflow.system.oom`)."""
         c = self.children[name]
         return self.oom.killed_text(c.proc.returncode, c.proc.pid)
 

@@ -35,7 +35,8 @@ from typing import Optional, Sequence
 
 from rlflow.run import files
 from rlflow.runtime import programs_common as pc
-from rlflow.runtime import host_memory, learner_hosts
+from rlflow.system import host_memory
+from rlflow.runtime import learner_hosts
 from rlflow.runtime.child_logs import fatal_line
 from rlflow.config.secrets import install_log_redaction, secret_values
 

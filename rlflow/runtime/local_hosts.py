@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlflow.runtime.ports import free_port
+from rlflow.system.ports import free_port
 from rlflow.runtime.local_host_files import Job, read_value, result_path, write_job
 
 REPO_DIR = Path(__file__).resolve().parents[2]

@@ -95,8 +95,8 @@ def load_config(path: str, env=None):
     """Read a resolved config JSON written by :func:`save_config`; redacted secrets come
     back from their source (``RLFLOW_BUFFER_TOKEN`` or ``buffer.token_file``,
     :func:`rlflow.config.secrets.resolve_secrets`), and its ``plugins`` are imported (so this
-    program's registries hold the user's functions, :mod:`rlflow.runtime.plugins`)."""
-    from rlflow.runtime.plugins import import_plugins
+    program's registries hold the user's functions, :mod:`rlflow.system.plugins`)."""
+    from rlflow.system.plugins import import_plugins
 
     from rlflow.run import files
 

@@ -53,7 +53,7 @@ run, naming the host (``learner host 1 (pid N) ... killed by SIGKILL``).
 A program killed by SIGKILL is named as out of memory when this cgroup's OOM-kill counter
 rose during the run (``killed by SIGKILL: out of memory (the kernel's OOM killer ...)``),
 else ``killed by SIGKILL (possibly out of memory: ...)`` with its peak resident memory
-(:mod:`rlflow.runtime.oom`; no root, no ``dmesg``).
+(:mod:`rlflow.system.oom`; no root, no ``dmesg``).
 
 Each program is one process running :mod:`rlflow.runtime.launch` (its entry on a TPU pod
 too); ``runtime.pin_cpus`` gives each its own CPUs (half each, :func:`split_cpus`). The
@@ -76,7 +76,7 @@ from rlflow.runtime import programs_common as pc
 from rlflow.runtime import learner_hosts
 from rlflow.runtime.children import (PROCESSES_FILE, STOP_GRACE_S, Child, Supervisor,
                                      child_env, split_cpus)
-from rlflow.runtime.ports import free_port, port_taken
+from rlflow.system.ports import free_port, port_taken
 
 # the child-process names stay importable from here (tests, scripts)
 __all__ = ["run_train", "Supervisor", "Child", "child_env", "split_cpus", "PROCESSES_FILE",

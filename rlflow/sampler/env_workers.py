@@ -34,7 +34,7 @@ def env_worker_main(conn, plugins: Sequence[str], env_name: str) -> None:
     try:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a plugin importing JAX: no accelerator
         from rlflow.envs import get_environment
-        from rlflow.runtime.plugins import import_plugins
+        from rlflow.system.plugins import import_plugins
 
         import_plugins(plugins)
         get_environment(env_name)           # imports a "module:function" environment here

@@ -26,7 +26,7 @@ import os
 import signal
 from typing import Optional, Sequence
 
-from rlflow.runtime.process_limits import exit_text
+from rlflow.system.process_limits import exit_text
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 LIKELY_VICTIM_FRACTION = 0.25
