@@ -10,8 +10,8 @@ from rlflow.exchange.ring import BufferTimeoutError
 from rlflow.learner.batch import BatchSpec, build_batch
 from rlflow.learner.program import LearnerProgram
 from rlflow.learner.skips import FilterStreak, SkipCounter
-from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
-from rlflow.runtime.metrics import StepRates
+from rlflow.control.ledger import PromptLedger, TrainedPromptsLog
+from rlflow.control.replica_metrics import StepRates
 
 
 class ListBuffer:

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from rlflow.console import cli
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.config import ConfigError, ExperimentConfig, RewardConfig
 from rlflow.console.checks import check_runnable
 
@@ -260,7 +260,7 @@ USER_MODULE = textwrap.dedent("""
 
 PROGRAM = textwrap.dedent("""
     import sys
-    from rlflow.runtime import programs_common as pc
+    from rlflow.control import programs_common as pc
     from rlflow.data.rewarder import Rewarder
     cfg = pc.load_config(sys.argv[1])            # what a sampler child does
     with Rewarder(cfg.reward, plugins=cfg.plugins) as r:

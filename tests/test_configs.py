@@ -12,7 +12,7 @@ import pytest
 
 from rlflow.console.cli import parse_train_args
 from rlflow.config import ConfigError, ExperimentConfig, load_config_file
-from rlflow.runtime.programs_common import config_from_dict, config_to_dict
+from rlflow.control.programs_common import config_from_dict, config_to_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))

@@ -20,7 +20,7 @@ from rlflow import config as C
 from rlflow.run import files
 from rlflow.run.metrics import MetricsWriter
 from rlflow.runtime import launch, supervisor
-from rlflow.runtime.ledger import TrainedPromptsLog
+from rlflow.control.ledger import TrainedPromptsLog
 from rlflow.runtime.run_watch import latest_checkpoint_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from rlflow.run.folder import metrics_by_step, read_jsonl
-from rlflow.runtime.ledger import read_trained_prompts
+from rlflow.control.ledger import read_trained_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 
 from rlflow.config import DataConfig, EvalConfig, ExperimentConfig, RewardConfig, SamplerConfig
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.sampler.requests import CompletedGroup, Completion, Request
 
 

@@ -1,9 +1,9 @@
-"""rlflow.runtime.evals.EvalSchedule: which replica runs which evaluation, results, a lost
+"""rlflow.control.evals.EvalSchedule: which replica runs which evaluation, results, a lost
 replica's evaluation retried, a silent one given up; and its wiring into the run control."""
 
 import pytest
 
-from rlflow.runtime.evals import EvalSchedule, result_metrics
+from rlflow.control.evals import EvalSchedule, result_metrics
 
 
 class Clock:
@@ -61,7 +61,7 @@ def test_a_lost_replica_gives_its_evaluation_back_and_a_silent_one_is_given_up()
 
 
 def test_run_control_hands_out_evaluations_and_takes_results():
-    from rlflow.runtime.control import ControlClient, RunCoordinator
+    from rlflow.control.run_control import ControlClient, RunCoordinator
 
     class Offers:
         def latest(self, *a, **k):
@@ -86,8 +86,8 @@ def test_run_control_gives_a_restarted_or_silent_replicas_evaluation_to_the_next
     """A replica that restarts (new instance) or falls silent past the replica timeout loses
     its evaluation; the next replica that asks runs it; the lost one's late result is
     ignored and the run gets exactly one result per version."""
-    from rlflow.runtime.control import ControlClient, RunCoordinator
-    from rlflow.runtime.replicas import ReplicaTable
+    from rlflow.control.run_control import ControlClient, RunCoordinator
+    from rlflow.control.replicas import ReplicaTable
 
     class Offers:
         def latest(self, *a, **k):

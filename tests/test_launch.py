@@ -7,7 +7,7 @@ import pytest
 
 from rlflow import config as C
 from rlflow.runtime import supervisor
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 
 
 def test_config_round_trip_through_json(tmp_path):
@@ -276,7 +276,7 @@ def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
 
 _STUCK_AT_EXIT = """
 import threading
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 threading.Thread(target=threading.Event().wait, name="stuck-commit").start()   # never ends
 try:
     raise RuntimeError("the program failed")

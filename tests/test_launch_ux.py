@@ -13,7 +13,7 @@ import pytest
 
 from rlflow import config as C
 from rlflow.runtime import child_logs, supervisor
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.runtime.run_watch import latest_checkpoint_step
 
 
@@ -429,7 +429,7 @@ def test_the_programs_fatal_line_wins_over_errors_logged_after_it(tmp_path):
 
 
 def test_a_log_tail_shows_the_fatal_line_only_where_it_adds_something():
-    tb_end = "rlflow.runtime.replicas.NoReplicaError: no sampler replica for 10 s"
+    tb_end = "rlflow.control.replicas.NoReplicaError: no sampler replica for 10 s"
     lines = ["Traceback (most recent call last):", '  File "x.py", line 1', tb_end,
              "rlflow fatal: " + tb_end, "rlflow fatal: ValueError: other", "after"]
     assert child_logs.without_repeated_fatal(lines) == (

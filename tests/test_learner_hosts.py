@@ -3,7 +3,7 @@ the end-to-end run is tests/test_learner_hosts_e2e.py)."""
 
 import pytest
 
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.config import (CheckpointConfig, ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
                            RuntimeConfig, SamplerConfig, replace)
 from rlflow.learner import multihost

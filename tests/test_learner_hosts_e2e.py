@@ -54,7 +54,7 @@ def _checkpoint_digest(run, step):
     from rlflow.learner.publish import published_params
     from rlflow.mesh import make_mesh
     from rlflow.models.hf import build_model
-    from rlflow.runtime.programs_common import load_config
+    from rlflow.control.programs_common import load_config
 
     cfg = load_config(os.path.join(run, "config.json"))
     model, _ = build_model(cfg.model, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from rlflow.runtime.ledger import (LedgerError, PromptLedger, PromptsExhaustedError,
+from rlflow.control.ledger import (LedgerError, PromptLedger, PromptsExhaustedError,
                                    group_key)
-from rlflow.runtime.replicas import NoReplicaError, ReplicaTable
+from rlflow.control.replicas import NoReplicaError, ReplicaTable
 from rlflow.sampler.sampling import derive_seed
 
 

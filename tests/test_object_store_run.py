@@ -20,9 +20,9 @@ from rlflow.console.cli import main as cli_main
 from rlflow.run import files
 from rlflow.run.identity import prepare_run_folder
 from rlflow.run.report import PLOTS
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.runtime import supervisor
-from rlflow.runtime.ledger import TrainedPromptsLog, read_trained_prompts
+from rlflow.control.ledger import TrainedPromptsLog, read_trained_prompts
 from rlflow.runtime.run_lock import lock_path
 from rlflow.runtime.run_watch import (RunWatcher, discard_records_after,
                                       latest_checkpoint_step)

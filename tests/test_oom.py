@@ -7,7 +7,7 @@ import sys
 
 from rlflow.system import oom
 from rlflow.runtime import supervisor
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 
 EVENTS = "low 0\nhigh 0\nmax 12\noom 1\noom_kill {n}\noom_group_kill 0\n"       # cgroup v2
 OOM_CONTROL = "oom_kill_disable 0\nunder_oom 0\noom_kill {n}\n"                # cgroup v1

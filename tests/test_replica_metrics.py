@@ -1,13 +1,13 @@
-"""Per-replica metrics (rlflow.runtime.metrics) and the report's replica plots."""
+"""Per-replica metrics (rlflow.control.replica_metrics) and the report's replica plots."""
 
 import os
 
 from rlflow.run.report import PLOTS, plot, replica_plots
 import pytest
 
-from rlflow.runtime.metrics import StepRates, replica_metrics
+from rlflow.control.replica_metrics import StepRates, replica_metrics
 from rlflow.sampler.background import RateCounters
-from rlflow.runtime.control import SamplerStatus
+from rlflow.control.run_control import SamplerStatus
 
 
 def _status(name, version, received, **metrics):
@@ -63,7 +63,7 @@ def test_rates_are_averaged_over_each_step_interval_and_the_run():
     A 1-second window sampled at log time read 0 on such steps; the rate now spans the
     step's interval, at least MIN_RATE_SPAN_S (1 s) of reports, so a 20 ms step between
     two bursts does not read 0, and only an idle second does."""
-    from rlflow.runtime.metrics import MIN_RATE_SPAN_S
+    from rlflow.control.replica_metrics import MIN_RATE_SPAN_S
 
     assert MIN_RATE_SPAN_S == 1.0
     rates = StepRates(now=100.0)

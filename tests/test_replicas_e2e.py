@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from rlflow.runtime.ledger import read_trained_prompts
+from rlflow.control.ledger import read_trained_prompts
 from test_runtime_e2e import HANG_GUARD_S, _cmd, _start, _steps, _wait_for_step, env  # noqa: F401
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 
 from rlflow import config as C
 from rlflow.runtime import supervisor
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.learner.skips import SkipCounter
 from rlflow.run.identity import (RUN_FILE, RunFolderConflict, check_run_folder,
                                  earlier_run_records, prepare_run_folder)
@@ -340,8 +340,8 @@ def _stand_in_program(tmp_path, learner):
     from types import SimpleNamespace
 
     from rlflow.learner.program import LearnerProgram
-    from rlflow.runtime.metrics import StepRates
-    from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog
+    from rlflow.control.replica_metrics import StepRates
+    from rlflow.control.ledger import PromptLedger, TrainedPromptsLog
 
     program = LearnerProgram.__new__(LearnerProgram)
     program.cfg = _cfg(tmp_path, num_steps=20)

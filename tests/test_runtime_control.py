@@ -9,9 +9,9 @@ import pytest
 from rlflow.exchange import wire
 from rlflow.exchange.records import synthetic_group
 from rlflow.learner.batch import sample_staleness
-from rlflow.runtime.ledger import PromptLedger
-from rlflow.runtime.replicas import ReplicaTable
-from rlflow.runtime.control import (DONE_ACK_SILENCE_S, ControlClient, RunCoordinator,
+from rlflow.control.ledger import PromptLedger
+from rlflow.control.replicas import ReplicaTable
+from rlflow.control.run_control import (DONE_ACK_SILENCE_S, ControlClient, RunCoordinator,
                                     groups_to_admit)
 from rlflow.system.ports import free_port
 
@@ -207,7 +207,7 @@ def test_a_cancelled_request_ends_at_once_and_later_ones_are_refused():
 
 
 def test_closing_the_heartbeat_ends_its_thread_while_the_learner_is_gone():
-    from rlflow.runtime.replicas import HEARTBEAT_S
+    from rlflow.control.replicas import HEARTBEAT_S
     from rlflow.sampler.background import Heartbeat
 
     beat = Heartbeat(ControlClient(f"tcp://127.0.0.1:{free_port()}", consumer_id="sampler-0",

@@ -18,7 +18,7 @@ from rlflow.config import ExperimentConfig, LearnerConfig, RewardConfig
 from rlflow.data.rewarder import Rewarder
 from rlflow.data.rewards import NonFiniteRewardError
 from rlflow.sampler.batching import CompletedGroup, Completion, Request
-from rlflow.runtime.control import ControlReply
+from rlflow.control.run_control import ControlReply
 from rlflow.sampler.background import RateCounters
 from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.program import SamplerProgram

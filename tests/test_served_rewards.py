@@ -15,7 +15,7 @@ from rlflow.data.http_scorer import ServedRewardError, backoff_s, request_header
 from rlflow.data.rewards import register_reward
 from rlflow.data.served_rewards import (MalformedReply, json_path, judge_score, parse_reply,
                                         request_body, sample_dict)
-from rlflow.runtime.programs_common import config_from_dict, config_to_dict
+from rlflow.control.programs_common import config_from_dict, config_to_dict
 
 URL = "http://127.0.0.1:8000/score"
 

@@ -15,7 +15,7 @@ from rlflow.config import (ExperimentConfig, LearnerConfig, ModelConfig, Runtime
 from rlflow.learner.batch import BatchSpec, build_batch
 from rlflow.learner.skips import (DegenerateStepsError, FilterStreak, SkipCounter,
                                   skip_reason)
-from rlflow.runtime.control import groups_to_admit
+from rlflow.control.run_control import groups_to_admit
 from learner_fixtures import make_group_records
 from program_fakes import stand_in_program
 
@@ -236,7 +236,7 @@ def test_a_stop_during_a_periodic_checkpoint_lets_it_finish_first(monkeypatch):
     import signal
     import types
 
-    from rlflow.runtime import programs_common as pc
+    from rlflow.control import programs_common as pc
 
     monkeypatch.setattr(pc, "_stop_requested", [])
     previous = signal.getsignal(signal.SIGTERM)

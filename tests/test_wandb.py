@@ -91,9 +91,9 @@ def eval_records() -> list:
 
 def log_evaluation(writer, every_steps: int = 1) -> None:
     """An evaluation of EVAL_VERSION delivered by a replica and logged as the learner does
-    (rlflow.runtime.evals.RunEvals)."""
+    (rlflow.control.evals.RunEvals)."""
     from rlflow.config import EvalConfig
-    from rlflow.runtime.evals import EvalSchedule, RunEvals
+    from rlflow.control.evals import EvalSchedule, RunEvals
 
     evals = RunEvals(EvalSchedule(every_steps, len(EVAL_ROWS), 600.0), writer,
                      EvalConfig(every_steps=every_steps, num_logged_samples=len(EVAL_ROWS)))

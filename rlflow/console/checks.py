@@ -410,7 +410,7 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 
 def _check_tokenizer(cfg) -> None:
     """Build the tokenizer exactly as both programs will
-    (:func:`rlflow.runtime.programs_common.run_tokenizer`), then render a prompt with the
+    (:func:`rlflow.control.programs_common.run_tokenizer`), then render a prompt with the
     configured template (``data.chat_template``, ``data.plain_template``) and encode it as
     the prompt pipeline does (:class:`rlflow.data.pipeline.PromptFormatter`). A folder
     that merely holds a file with a tokenizer's name (``tokenizer_config.json`` alone, a
@@ -426,7 +426,7 @@ def _check_tokenizer(cfg) -> None:
     path = cfg.model.path
     if not path:
         return
-    from rlflow.runtime.programs_common import run_tokenizer
+    from rlflow.control.programs_common import run_tokenizer
 
     try:
         tok = run_tokenizer(cfg)

@@ -2,7 +2,7 @@
 
 An evaluation samples ``k`` completions of each of ``P`` prompts. Inputs are arrays
 ``[P, k]`` (one row per prompt, samples in order); a sample is *correct* when its reward
-reaches the accuracy threshold (:func:`rlflow.runtime.programs_common.accuracy_threshold`).
+reaches the accuracy threshold (:func:`rlflow.control.programs_common.accuracy_threshold`).
 
 * pass@k: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models
   Trained on Code"), eq. 1: ``1 - C(n - c, k) / C(n, k)`` per problem with ``n`` samples of

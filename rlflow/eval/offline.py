@@ -45,7 +45,7 @@ def generate_groups(cfg, requests, params=None, version: int = 0) -> list:
     """
     from rlflow.mesh import make_mesh
     from rlflow.models.hf import build_model
-    from rlflow.runtime import programs_common as pc
+    from rlflow.control import programs_common as pc
     from rlflow.sampler.batching import ContinuousBatcher
     from rlflow.sampler.engine import RlflowEngine
     from rlflow.sampler.precision import sampler_model_config
@@ -88,7 +88,7 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
     from rlflow.eval import scoring
     from rlflow.models.hf import read_decoder_config
     from rlflow.sampler.delivery import graded_texts
-    from rlflow.runtime import programs_common as pc
+    from rlflow.control import programs_common as pc
 
     tokenizer = pc.run_tokenizer(cfg)
     reasoning = get_reasoning_parser(cfg.data.reasoning_parser,
@@ -122,7 +122,7 @@ def _config_and_params(args, rest: Sequence[str]):
     from rlflow.console.config_args import DEFAULT_CONFIG, normalize_bools, parse_overrides
     from rlflow.config import load_config_file
     from rlflow.config.secrets import refuse_secret_flags
-    from rlflow.runtime import programs_common as pc
+    from rlflow.control import programs_common as pc
 
     refuse_secret_flags(rest)
     params, version = None, 0

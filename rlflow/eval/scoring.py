@@ -3,7 +3,7 @@ the held-out prompts, their sampling requests, a finished group scored into a sm
 per-prompt record, and the records aggregated into metrics (:mod:`rlflow.eval.metrics`).
 
 A *prompt record* (plain JSON types: it travels from a sampler replica to the learner in
-a status request, :mod:`rlflow.runtime.control`)::
+a status request, :mod:`rlflow.control.run_control`)::
 
     {"prompt_id": int,             # record index in the eval file
      "rewards": [k floats],        # total reward of each sample (eval reward functions)

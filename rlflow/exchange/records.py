@@ -40,7 +40,7 @@ between them, in order, right after the prompt; ``completion_lengths`` counts bo
 Without ``loss_mask`` every real token was sampled (single-turn).
 
 ``stream_index`` and ``lease_id`` (:data:`OPTIONAL_SCHEMA`) come with every group of the
-runtime's samplers: the learner's prompt ledger (``rlflow.runtime.ledger``) follows each
+runtime's samplers: the learner's prompt ledger (``rlflow.control.ledger``) follows each
 leased prompt by them.
 
 Framing (any dict of named arrays, not only groups). As ZeroMQ frames

@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rlflow import checkpoint as ckpt_lib
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.system.ports import advertised_host
 
 log = logging.getLogger("rlflow.learner")

@@ -6,16 +6,16 @@ learner's hosts, which follow its commands and serve their own weight shards,
 
     build model + train state on the mesh (rlflow.learner.trainer.Learner)
     resume from <run>/checkpoints when there is one (rlflow.checkpoint)
-    the prompt ledger (rlflow.runtime.ledger): the prompt stream (rlflow.data.pipeline),
+    the prompt ledger (rlflow.control.ledger): the prompt stream (rlflow.data.pipeline),
       restored from the checkpoint with the prompts admitted but not yet trained
     serve the ring buffer (rlflow.exchange.buffer) and the coordinator (run control,
-      prompt leases, replica heartbeats, weight offers: rlflow.runtime.control); publish v0
+      prompt leases, replica heartbeats, weight offers: rlflow.control.run_control); publish v0
     for each step:
         take learner.groups_per_step groups from the buffer (those taken while the step
           before ran first, see below); a group whose every sample is
           older than runtime.max_staleness versions (stale_policy "drop"), or that has no
           reward variance under learner.dynamic_sampling, is rejected and counted, and the
-          sampler makes a replacement (see rlflow.runtime.control)
+          sampler makes a replacement (see rlflow.control.run_control)
         build the batch; when it has no loss sample (all masked / stale / filtered / bad
           rewards) the step is skipped: counted, nothing trained or published, its groups
           given back to the admission budget (rlflow.learner.skips)
@@ -26,7 +26,7 @@ learner's hosts, which follow its commands and serve their own weight shards,
         publish every runtime.publish_every steps (rlflow.learner.publish); log one metrics
           record (rlflow.run.metrics);
         write sample completions and the step's prompts (trained_prompts.jsonl);
-        log the held-out evaluations finished meanwhile (rlflow.runtime.evals);
+        log the held-out evaluations finished meanwhile (rlflow.control.evals);
         checkpoint every checkpoint.every_steps (with the ledger)
     save the exit checkpoint; wait (at most eval.timeout_s) for the evaluations still
     running; tell the samplers the run is done.
@@ -50,7 +50,7 @@ import time
 import numpy as np
 
 from rlflow import checkpoint as ckpt_lib
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.exchange.buffer import BufferServer
 from rlflow.data.reasoning import get_reasoning_parser
 from rlflow.exchange.records import completion_samples, policy_version_range
@@ -63,10 +63,10 @@ from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner, pull_metrics
 from rlflow.run.metrics import MetricsWriter
 from rlflow.run.report import make_report
-from rlflow.runtime.ledger import PromptLedger, TrainedPromptsLog, group_key
-from rlflow.runtime.replicas import ReplicaTable
-from rlflow.runtime.control import RunCoordinator
-from rlflow.runtime.evals import RunEvals
+from rlflow.control.ledger import PromptLedger, TrainedPromptsLog, group_key
+from rlflow.control.replicas import ReplicaTable
+from rlflow.control.run_control import RunCoordinator
+from rlflow.control.evals import RunEvals
 from rlflow.sampler.sampling import derive_seed
 
 log = logging.getLogger("rlflow.learner")
@@ -85,7 +85,7 @@ class LearnerProgram:
     evals: RunEvals | None = None   # eval.every_steps > 0: the held-out evaluations
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
-        from rlflow.runtime.metrics import StepRates
+        from rlflow.control.replica_metrics import StepRates
 
         self.cfg = cfg
         self.rates = StepRates(time.time())    # sampler rates over each step, the run
@@ -226,7 +226,7 @@ class LearnerProgram:
             self.batch_keys = []
 
     def _buffer_counts(self) -> tuple[int, int]:
-        buffered = len(self.buffer.ring)          # read before accepted (see rlflow.runtime.control)
+        buffered = len(self.buffer.ring)   # read before accepted (see rlflow.control.run_control)
         return self.counts["accepted"], buffered
 
     def _publish(self) -> None:
@@ -434,7 +434,7 @@ class LearnerProgram:
                 "buffer/dropped_full": m["dropped_full"], "buffer/rejected": m["rejected"]}
 
     def _sampler_metrics(self) -> dict:
-        from rlflow.runtime.metrics import replica_metrics
+        from rlflow.control.replica_metrics import replica_metrics
 
         statuses = self.coordinator.live_statuses()
         out = replica_metrics(statuses, self.coordinator.restarts(),
@@ -519,10 +519,10 @@ def main(cfg, endpoints: pc.Endpoints) -> None:
     Raises:
       rlflow.exchange.ring.ProducerError: a sampler reported a failure.
       rlflow.exchange.ring.BufferTimeoutError: no groups for ``buffer.timeout_s`` seconds.
-      rlflow.runtime.ledger.PromptsExhaustedError: the prompts ran out before num_steps.
-      rlflow.runtime.replicas.NoReplicaError: no sampler replica alive for
+      rlflow.control.ledger.PromptsExhaustedError: the prompts ran out before num_steps.
+      rlflow.control.replicas.NoReplicaError: no sampler replica alive for
         ``runtime.replica_timeout_s`` seconds.
-      rlflow.runtime.programs_common.Stopped: SIGTERM (the exit checkpoint is saved first).
+      rlflow.control.programs_common.Stopped: SIGTERM (the exit checkpoint is saved first).
       rlflow.learner.skips.DegenerateStepsError: ``learner.max_consecutive_skipped_steps``
         steps in a row had no sample to train on (the message names the reason and fields).
     """

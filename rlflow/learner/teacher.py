@@ -75,7 +75,7 @@ def check_teacher_tokenizer(cfg, student_tokenizer=None, student_vocab_size=None
     Args:
       cfg: an :class:`rlflow.config.ExperimentConfig` with ``teacher.path`` set.
       student_tokenizer: the run's tokenizer (default:
-        :func:`rlflow.runtime.programs_common.run_tokenizer`).
+        :func:`rlflow.control.programs_common.run_tokenizer`).
       student_vocab_size: the student model's vocabulary size (default: its config.json's,
         or ``model.vocab_size`` of a random model).
 
@@ -86,7 +86,7 @@ def check_teacher_tokenizer(cfg, student_tokenizer=None, student_vocab_size=None
     """
     from rlflow.data.tokenizer import load_tokenizer
     from rlflow.models.hf import read_decoder_config
-    from rlflow.runtime.programs_common import run_tokenizer
+    from rlflow.control.programs_common import run_tokenizer
 
     tpath, spath = cfg.teacher.path, student_source(cfg)
     try:

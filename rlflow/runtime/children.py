@@ -24,7 +24,7 @@ from rlflow.exchange.ring import ProducerError
 from rlflow.run import files
 from rlflow.system import host_memory
 from rlflow.runtime import learner_hosts
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.runtime.child_logs import (LOG_TAIL_LINES, is_input_error, program_error,
                                        tail, without_repeated_fatal)
 from rlflow.system.oom import OomWatch

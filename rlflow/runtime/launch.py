@@ -34,7 +34,7 @@ import traceback
 from typing import Optional, Sequence
 
 from rlflow.run import files
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.system import host_memory
 from rlflow.runtime import learner_hosts
 from rlflow.runtime.child_logs import fatal_line

@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Mapping, Optional
 
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 
 log = logging.getLogger("rlflow.learner")
 

@@ -104,7 +104,7 @@ def throughput(by_step: Mapping[int, Mapping], after_step: int, wall_s: float) -
       ``learner_steps_per_s`` and ``learner_tokens_per_s`` (steps and trained tokens,
       ``learner/tokens``, per wall-clock second), ``sampler_tokens`` and
       ``sampler_tokens_per_s`` (tokens decoded, per second since the learner started:
-      :class:`rlflow.runtime.metrics.StepRates`, from the last step's record); NaN where the
+      :class:`rlflow.control.replica_metrics.StepRates`, from the last step's record); NaN where the
       records hold no figure (written as ``null``).
     """
     steps = sorted(s for s in by_step if s > after_step)
@@ -406,9 +406,10 @@ class RunWatcher:
 
     def _note_lost_replicas(self, rec: Mapping) -> None:
         """One console line each time the learner declares a sampler replica lost for
-        silence (``replica/<i>/lost`` rises, :func:`rlflow.runtime.metrics.replica_metrics`):
-        a hung or unreachable replica, whose process the launcher still sees running (one
-        whose death the launcher already printed, ``reported_dead``, is not told again)."""
+        silence (``replica/<i>/lost`` rises,
+        :func:`rlflow.control.replica_metrics.replica_metrics`): a hung or unreachable
+        replica, whose process the launcher still sees running (one whose death the launcher
+        already printed, ``reported_dead``, is not told again)."""
         for key, value in sorted(rec.items()):
             if not (key.startswith("replica/") and key.endswith("/lost")
                     and isinstance(value, (int, float)) and value > self._lost.get(key, 0)):

@@ -42,7 +42,7 @@ error (``the sampler process stopped after the learner's last step (...)``). Wit
 ``runtime.restart_sampler`` a dead replica is started again (it pulls the newest weights
 from the coordinator, never the initial ones) up to ``MAX_SAMPLER_RESTARTS`` times; without
 it a dead replica stays dead and the others carry the run (the learner hands its leased
-prompts to them, ``rlflow.runtime.ledger``).
+prompts to them, ``rlflow.control.ledger``).
 
 **Learner hosts** (``learner.num_hosts = N > 1``): the learner is N processes, one per
 host, ``learner.num_devices / N`` fake devices each, joined by ``jax.distributed``
@@ -72,7 +72,7 @@ import time
 from typing import Sequence
 
 from rlflow.run import files
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.runtime import learner_hosts
 from rlflow.runtime.children import (PROCESSES_FILE, STOP_GRACE_S, Child, Supervisor,
                                      child_env, split_cpus)

@@ -3,7 +3,7 @@ totals its rates are computed from.
 
 :class:`WeightPuller` pulls each newly published version on its own thread so decoding never
 waits on a pull; :class:`Heartbeat` keeps a replica counted alive while it compiles or
-decodes (``rlflow.runtime.replicas``); :class:`RateCounters` keeps the decode loop's totals
+decodes (``rlflow.control.replicas``); :class:`RateCounters` keeps the decode loop's totals
 (tokens, slot-steps, idle seconds) that the learner turns into rates over its steps.
 """
 
@@ -13,8 +13,8 @@ import logging
 import threading
 import time
 
-from rlflow.runtime.control import ControlClient
-from rlflow.runtime.replicas import HEARTBEAT_S
+from rlflow.control.run_control import ControlClient
+from rlflow.control.replicas import HEARTBEAT_S
 
 log = logging.getLogger("rlflow.sampler")
 
@@ -24,7 +24,7 @@ class RateCounters:
 
     Reported as totals with every status (:meth:`figures`); the learner turns them into
     rates over each step's interval and over the run
-    (:class:`rlflow.runtime.metrics.StepRates`). A rate of the last second sampled at
+    (:class:`rlflow.control.replica_metrics.StepRates`). A rate of the last second sampled at
     status time read 0 whenever that second happened to be idle: on short or slow runs,
     every step. ``chips``: devices of the replica's mesh (reported as ``sampler/chips``, for
     ``sampler/tokens_per_s_per_chip``).

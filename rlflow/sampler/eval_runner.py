@@ -1,6 +1,6 @@
 """A sampler replica's held-out evaluations (``eval.every_steps > 0``).
 
-When the learner's run control names an evaluation (:mod:`rlflow.runtime.evals`), the replica
+When the learner's run control names an evaluation (:mod:`rlflow.control.evals`), the replica
 submits the held-out prompts (:func:`rlflow.eval.scoring.eval_requests`) to its batcher beside
 the training prompts; their finished groups are taken out of what the batcher returns before
 the training groups go to the reward workers and the buffer (:meth:`EvalRunner.take`), scored
@@ -40,7 +40,7 @@ class EvalRunner:
     def __init__(self, cfg, tokenizer, reasoning=None):
         from rlflow.config.eval import eval_reward_config
         from rlflow.eval import scoring
-        from rlflow.runtime import programs_common as pc
+        from rlflow.control import programs_common as pc
 
         self.cfg, self.tokenizer, self.reasoning = cfg, tokenizer, reasoning
         self.prompts = scoring.load_eval_prompts(cfg, tokenizer)

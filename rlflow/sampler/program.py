@@ -5,12 +5,12 @@ One process per replica (one host of a sampler slice on a pod; ``sampler.num_rep
 processes on one machine), its own JAX runtime, mesh and engine::
 
     JetStream engine + continuous batching (rlflow.sampler.engine / batching)
-    heartbeats to the learner from a background thread (rlflow.runtime.replicas)
+    heartbeats to the learner from a background thread (rlflow.control.replicas)
     wait for the learner's first published version, load it
     loop:
-        status to the learner's run control (rlflow.runtime.control): figures and the
+        status to the learner's run control (rlflow.control.run_control): figures and the
           number of prompts wanted out; version / done / prompts leased by the learner's
-          prompt ledger in (rlflow.runtime.ledger owns the prompt stream and applies one
+          prompt ledger in (rlflow.control.ledger owns the prompt stream and applies one
           staleness budget to all replicas; in sync mode exactly learner.groups_per_step
           per version)
         newer version published -> a background thread pulls it (rlflow.exchange.transfer
@@ -54,7 +54,7 @@ from dataclasses import replace
 import jax
 import numpy as np
 
-from rlflow.runtime import programs_common as pc
+from rlflow.control import programs_common as pc
 from rlflow.data.rewarder import Rewarder
 from rlflow.envs.base import EnvFailureError
 from rlflow.exchange.buffer import BufferClient
@@ -64,7 +64,7 @@ from rlflow.exchange.wire import tcp_endpoint
 from rlflow.mesh import make_mesh
 from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec
-from rlflow.runtime.control import ControlClient
+from rlflow.control.run_control import ControlClient
 from rlflow.sampler.background import Heartbeat, RateCounters, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.delivery import GroupDelivery

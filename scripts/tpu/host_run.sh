@@ -101,7 +101,7 @@ case "$cmd" in
     (cd "$ROOT" && "$PY" -c '
 import sys
 from rlflow.console.config_args import parse_train_args
-from rlflow.runtime.programs_common import save_config
+from rlflow.control.programs_common import save_config
 save_config(parse_train_args(sys.argv[2:]), sys.argv[1])
 ' "$config_json" "${args[@]}")
     export RLFLOW_ROLE="$role" RLFLOW_CONFIG="$config_json" PYTHONUNBUFFERED=1

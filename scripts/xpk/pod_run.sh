@@ -64,7 +64,7 @@ config_json="${TMPDIR:-/tmp}/rlflow-$role-config.json"
 "$PY" -c '
 import sys
 from rlflow.console.config_args import parse_train_args
-from rlflow.runtime.programs_common import save_config
+from rlflow.control.programs_common import save_config
 save_config(parse_train_args(sys.argv[2:]), sys.argv[1])
 ' "$config_json" "${args[@]}"
 export RLFLOW_CONFIG="$config_json" PYTHONUNBUFFERED=1

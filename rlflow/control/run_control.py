@@ -5,10 +5,10 @@ answers ``status`` requests here (:class:`RunCoordinator`, same socket and addre
 pod needs no extra port). A sampler replica sends its figures (tokens/s, slot occupancy,
 idle time, swap times) and how many prompts it wants, and gets back what it needs
 (:class:`ControlReply`): prompts leased by the learner's prompt ledger
-(:mod:`rlflow.runtime.ledger`, which owns the prompt stream and applies the staleness
+(:mod:`rlflow.control.ledger`, which owns the prompt stream and applies the staleness
 budget below once for all replicas), the learner's version, the newest published version,
 whether the run is done. Replicas also send heartbeats from a background thread
-(:mod:`rlflow.runtime.replicas`).
+(:mod:`rlflow.control.replicas`).
 
 **Admission** (:func:`groups_to_admit`, the pure rule, applied by the ledger to all
 replicas at once; AReaL's rollout control, Fu et al.
@@ -41,7 +41,7 @@ from typing import Callable, Optional
 
 from rlflow.exchange import wire
 from rlflow.exchange.coordinator import Coordinator
-from rlflow.runtime.replicas import HEARTBEAT_S
+from rlflow.control.replicas import HEARTBEAT_S
 
 STATUS = b"status"
 HEARTBEAT = b"heartbeat"
@@ -97,7 +97,7 @@ class ControlReply:
         multi-host learner (each serves its host's shards; ``rlflow.learner.hosts``), else
         empty.
       eval_version: the held-out evaluation this replica is to run (the version requested,
-        :mod:`rlflow.runtime.evals`), or -1 for none.
+        :mod:`rlflow.control.evals`), or -1 for none.
     """
 
     done: bool = False
@@ -142,14 +142,14 @@ class RunCoordinator(Coordinator):
     Args:
       publisher: weight offer source (see :class:`Coordinator`).
       buffer_counts: ``() -> (accepted, buffered)`` read on each status request.
-      ledger: the run's :class:`rlflow.runtime.ledger.PromptLedger` (None: no prompts are
+      ledger: the run's :class:`rlflow.control.ledger.PromptLedger` (None: no prompts are
         leased, as in tests of the channel alone).
-      replicas: :class:`rlflow.runtime.replicas.ReplicaTable`; every request of a replica
+      replicas: :class:`rlflow.control.replicas.ReplicaTable`; every request of a replica
         counts as a heartbeat; replicas lost by timeout or restart get their leased
         prompts taken back (``ledger.release_replica``), checked on the serving thread.
       clock: monotonic clock (seconds) for the replica table.
       bind_address, port, token: where to listen (see ``rlflow.exchange.wire``).
-      evals: the learner's :class:`rlflow.runtime.evals.EvalSchedule` (None: no held-out
+      evals: the learner's :class:`rlflow.control.evals.EvalSchedule` (None: no held-out
         evaluation): a status names the evaluation its replica is to run and brings back
         the results of finished ones (``eval_results``); a lost replica's goes back.
     """
@@ -335,7 +335,7 @@ class ControlClient:
         ``dropped``: ``[stream_index, lease_id]`` of leased prompts whose groups this replica
         dropped (a NaN/inf reward under ``learner.on_bad_reward="drop"``); ``eval_results``:
         finished held-out evaluations, ``{"requested", "version", "records"}`` each
-        (:mod:`rlflow.runtime.evals`)."""
+        (:mod:`rlflow.control.evals`)."""
         body = {"consumer": self.consumer_id, "instance": self.instance, "version": version,
                 "prompts_started": prompts_started, "want": int(want),
                 "metrics": metrics or {}, "dropped": [list(map(int, k)) for k in dropped]}

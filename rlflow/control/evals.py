@@ -1,6 +1,6 @@
 """The learner's schedule of held-out evaluations during training (``eval.every_steps``).
 
-The learner owns it beside the prompt ledger; the run control (:mod:`rlflow.runtime.control`)
+The learner owns it beside the prompt ledger; the run control (:mod:`rlflow.control.run_control`)
 hands its evaluations to sampler replicas and takes their results back over the status
 channel. An evaluation never enters the prompt ledger or the ring buffer::
 
@@ -238,7 +238,7 @@ class RunEvals:
         """At the end of the run: log the evaluations still running as they finish (each is
         given up ``eval.timeout_s`` after its request); ``drain()`` is called between checks
         (the learner empties its buffer, so that no replica blocks on a full one)."""
-        from rlflow.runtime import programs_common as pc
+        from rlflow.control import programs_common as pc
 
         while self.schedule.pending:
             pc.raise_if_stopped()

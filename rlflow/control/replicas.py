@@ -10,7 +10,7 @@ says which replicas are alive:
 * a heartbeat from an older instance than the newest seen is ignored (a late message).
 
 The caller gives every lost replica's prompts back to the ledger
-(:meth:`rlflow.runtime.ledger.PromptLedger.release_replica`). :meth:`ReplicaTable.none_alive_for`
+(:meth:`rlflow.control.ledger.PromptLedger.release_replica`). :meth:`ReplicaTable.none_alive_for`
 says how long no replica has been alive (the learner stops with
 :class:`NoReplicaError` when that exceeds ``timeout_s``). Time is passed in (seconds on
 any monotonic clock), so tests drive it by hand.
