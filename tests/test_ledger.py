@@ -8,7 +8,7 @@ import pytest
 from rlflow.control.ledger import (LedgerError, PromptLedger, PromptsExhaustedError,
                                    group_key)
 from rlflow.control.replicas import NoReplicaError, ReplicaTable
-from rlflow.sampler.sampling import derive_seed
+from rlflow.control.seeds import derive_seed
 
 
 def _source(i):

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from rlflow.config import SamplerConfig
+from rlflow.control.seeds import derive_seed
 from rlflow.sampler.sampling import (SamplingError, SamplingParams, filter_logits,
-                                     derive_seed, request_uniforms, sample_tokens)
+                                     request_uniforms, sample_tokens)
 from tolerances import F32_EPS
 
 

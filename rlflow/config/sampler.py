@@ -32,7 +32,7 @@ class SamplerConfig:
       num_devices: devices of the sampler program (fake CPU devices on a laptop).
       mesh: the sampler's mesh (tensor parallel axis at least).
       seed: base PRNG seed; the sampler program derives each request's seed from it and
-        the request's position in the prompt stream (sampling.derive_seed).
+        the request's position in the prompt stream (control.seeds.derive_seed).
       decode_steps_per_call: decode steps per jitted decode call (k >= 1): the k steps run
         in one ``lax.scan`` with stop ids and ``max_tokens`` checked on device, and come back
         in one host copy. Weight swaps and slot refills happen between calls (every token

@@ -7,6 +7,7 @@ agree on and both import; it imports neither of them (``tests/test_layering.py``
 * :mod:`rlflow.control.replicas`: liveness of the sampler replicas.
 * :mod:`rlflow.control.replica_metrics`: replica figures as learner metrics.
 * :mod:`rlflow.control.evals`: the held-out evaluation schedule during training.
+* :mod:`rlflow.control.seeds`: request seeds (the prompt ledger's and the evaluation's).
 * :mod:`rlflow.control.programs_common`: what every program does at start (config, run
   folder, signals, tokenizer).
 """

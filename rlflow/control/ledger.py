@@ -79,7 +79,7 @@ class PromptLedger:
         it repeats forever.
       groups_per_step: ``learner.groups_per_step``.
       max_staleness: ``runtime.max_staleness`` (k >= 0).
-      seed_of: ``stream_index -> request seed`` (``sampling.derive_seed``).
+      seed_of: ``stream_index -> request seed`` (``rlflow.control.seeds.derive_seed``).
       trained_groups: groups of the learner steps already taken (resume: step x gps, with
         this run's gps: the admission rule and :meth:`check_enough` count a step as
         ``groups_per_step`` groups, so a run resumed with another ``learner.groups_per_step``

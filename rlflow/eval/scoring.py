@@ -54,7 +54,8 @@ def eval_sampling(cfg, index: int):
     set): ``eval``'s temperature, top-k, top-p and max tokens, seed
     ``derive_seed(eval.seed, index)`` (the same draws at every version)."""
     from rlflow.config.eval import eval_max_tokens
-    from rlflow.sampler.sampling import SamplingParams, derive_seed
+    from rlflow.control.seeds import derive_seed
+    from rlflow.sampler.sampling import SamplingParams
 
     ev = cfg.eval
     return SamplingParams(temperature=ev.temperature, top_k=ev.top_k, top_p=ev.top_p,

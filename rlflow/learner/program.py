@@ -67,7 +67,7 @@ from rlflow.control.ledger import PromptLedger, TrainedPromptsLog, group_key
 from rlflow.control.replicas import ReplicaTable
 from rlflow.control.run_control import RunCoordinator
 from rlflow.control.evals import RunEvals
-from rlflow.sampler.sampling import derive_seed
+from rlflow.control.seeds import derive_seed
 
 log = logging.getLogger("rlflow.learner")
 # build_batch info not written to metrics.jsonl (see LearnerProgram._step_and_record).

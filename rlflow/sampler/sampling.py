@@ -30,7 +30,6 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rlflow.models.logprobs import token_logprobs
 
@@ -173,14 +172,6 @@ def inverse_cdf_draw(uniforms: jax.Array, logits: jax.Array) -> jax.Array:
     x = u * cdf[:, -1]
     idx = jnp.sum(cdf <= x[:, None], axis=-1)
     return jnp.minimum(idx, logits.shape[-1] - 1).astype(jnp.int32)
-
-
-def derive_seed(base_seed: int, *keys: int) -> int:
-    """A 32-bit request seed from a base seed and non-negative integer keys (e.g. the
-    request's position in the prompt stream), by ``numpy.random.SeedSequence``:
-    distinct keys give unrelated streams, so a prompt seen again in a later epoch is not
-    drawn with the same uniforms."""
-    return int(np.random.SeedSequence([int(base_seed), *map(int, keys)]).generate_state(1)[0])
 
 
 def request_uniforms(seed: jax.Array | int, sample_index: jax.Array | int,
