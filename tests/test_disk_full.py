@@ -21,7 +21,7 @@ from rlflow.run import files
 from rlflow.run.metrics import MetricsWriter
 from rlflow.runtime import launch, supervisor
 from rlflow.control.ledger import TrainedPromptsLog
-from rlflow.runtime.run_watch import latest_checkpoint_step
+from rlflow.run.summary import latest_checkpoint_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

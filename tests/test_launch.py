@@ -78,7 +78,7 @@ def test_reward_rise_first_and_last_tenth_against_numpy():
 
     import numpy as np
 
-    from rlflow.runtime.run_watch import reward_rise
+    from rlflow.run.summary import reward_rise
 
     rng = np.random.default_rng(0)
     r = rng.random(37)
@@ -207,7 +207,8 @@ def test_summary_says_whether_the_run_was_healthy(tmp_path):
     """Issue 39.7: a run that finished with a reward function failing (timeouts included)
     on more than 1% of its calls, or an environment doing so, or NaN-reward drops, is not
     healthy; summary.json names why, and the console says so."""
-    from rlflow.runtime.run_watch import RunWatcher, health
+    from rlflow.run.summary import health
+    from rlflow.runtime.run_watch import RunWatcher
 
     assert health(True, {"reward/timeouts/f": 1.0}, {"sampler/groups_delivered": 50.0}, 8) == []
     assert health(True, {"reward/timeouts/f": 5.0, "reward/errors/f": 0.0},

@@ -14,7 +14,7 @@ import pytest
 from rlflow import config as C
 from rlflow.runtime import child_logs, supervisor
 from rlflow.control import programs_common as pc
-from rlflow.runtime.run_watch import latest_checkpoint_step
+from rlflow.run.summary import latest_checkpoint_step
 
 
 def _cfg(tmp_path, num_steps, resume="auto"):
@@ -61,11 +61,11 @@ def test_unusable_run_folder_is_a_clear_error_before_any_program(tmp_path, monke
 def test_a_second_launcher_on_a_run_folder_in_use_is_refused(tmp_path, monkeypatch, capsys):
     """Another process holds runs/demo (as a running rlflow train does): exit 2 naming its
     pid, nothing started or written; once it is killed (-9), the same call goes ahead."""
-    from rlflow.runtime.run_lock import lock_path
+    from rlflow.run.run_lock import lock_path
 
     (tmp_path / "demo" / "checkpoints" / "3").mkdir(parents=True)       # a finished run
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from rlflow.runtime.run_lock import RunLock; "
+        [sys.executable, "-c", "import sys, time; from rlflow.run.run_lock import RunLock; "
          f"RunLock({str(tmp_path / 'demo')!r}).acquire(); print('held', flush=True); "
          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:

@@ -80,7 +80,7 @@ class PreparedRun:
 def has_trained(run_path: str) -> bool:
     """Whether ``run_path`` holds a trained step: a complete checkpoint, or a
     ``metrics.jsonl`` record with an int ``step``."""
-    from rlflow.runtime.run_watch import latest_checkpoint_step
+    from rlflow.run.summary import latest_checkpoint_step
 
     if latest_checkpoint_step(run_path) is not None:
         return True

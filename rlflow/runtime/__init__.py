@@ -11,5 +11,5 @@
 * :mod:`rlflow.control.replicas`: liveness of the sampler replicas.
 * :mod:`rlflow.control.replica_metrics`: replica figures as learner metrics.
 * :mod:`rlflow.runtime.run_watch`: the launcher's view of a run (progress, summary).
-* :mod:`rlflow.runtime.run_lock`: one ``rlflow train`` per run folder at a time.
+* :mod:`rlflow.run.run_lock`: one ``rlflow train`` per run folder at a time.
 """

@@ -17,7 +17,7 @@ output goes to ``<run>/logs/<role>.log``; the launcher prints one progress line 
 step (read from the run folder's metrics JSONL).
 
 Re-runs: with ``checkpoint.resume="auto"`` the launcher reads the run folder's newest
-checkpoint step first (:func:`rlflow.runtime.run_watch.latest_checkpoint_step`: folder names only,
+checkpoint step first (:func:`rlflow.run.summary.latest_checkpoint_step`: folder names only,
 no JAX): at or past ``learner.num_steps`` it says the run is already complete and exits 0
 without starting anything or touching the run folder; below it, it prints ``resuming run
 <name> from step N`` and the summary counts the steps run by this invocation
@@ -97,20 +97,20 @@ def run_train(cfg) -> int:
       1 when a program died (the message on stderr names it and shows its log; samplers that
       die after the learner's last step are a warning, see the module docstring); 2 when the
       run folder cannot be used (another run's, a file in the way, read-only, or in use by
-      another ``rlflow train``: :mod:`rlflow.runtime.run_lock`; a ``--run-dir`` URL whose
+      another ``rlflow train``: :mod:`rlflow.run.run_lock`; a ``--run-dir`` URL whose
       file system this machine cannot write, :func:`rlflow.run.files.check_backend`;
       nothing started); 75 (:data:`rlflow.run.files.NO_SPACE_EXIT_CODE`) when the run
       folder's file system is full or read-only (one line naming it and its free space;
       the same command resumes once there is space); 130 on Ctrl-C.
     """
-    from rlflow.runtime.run_lock import RunFolderInUse, RunLock
+    from rlflow.run.run_lock import RunFolderInUse, RunLock
 
     run_path = files.absolute(cfg.run_path)
     problem = files.check_backend(run_path)     # gs:// without gcsfs: say so, start nothing
     if problem:
         print(f"rlflow train: {problem}", file=sys.stderr, flush=True)
         return 2
-    try:                                  # one launcher per run folder (rlflow.runtime.run_lock)
+    try:                                  # one launcher per run folder (rlflow.run.run_lock)
         lock = RunLock(run_path).acquire()
     except RunFolderInUse as e:
         print(f"rlflow train: {e}", file=sys.stderr, flush=True)
@@ -127,8 +127,8 @@ def run_train(cfg) -> int:
 def _run_train(cfg, run_path: str) -> int:
     """:func:`run_train` with the run folder's lock held."""
     from rlflow.run.identity import RunFolderConflict, check_run_folder, prepare_run_folder
-    from rlflow.runtime.run_watch import (RunWatcher, discard_records_after,
-                                          latest_checkpoint_step, mark_complete)
+    from rlflow.run.summary import discard_records_after, latest_checkpoint_step, mark_complete
+    from rlflow.runtime.run_watch import RunWatcher
     from rlflow.config.secrets import SecretError, resolve_secrets
 
     try:
