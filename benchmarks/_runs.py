@@ -7,7 +7,7 @@ import os
 
 
 def run_records(cfg) -> list[dict]:
-    """Run ``cfg`` with ``rlflow.runtime.supervisor.run_train``; its ``metrics.jsonl``
+    """Run ``cfg`` with ``rlflow.launcher.supervisor.run_train``; its ``metrics.jsonl``
     records.
 
     Raises:
@@ -16,7 +16,7 @@ def run_records(cfg) -> list[dict]:
     """
     from rlflow.run.folder import read_jsonl
     from rlflow.run.metrics import METRICS_FILE
-    from rlflow.runtime.supervisor import run_train
+    from rlflow.launcher.supervisor import run_train
 
     code = run_train(cfg)
     if code != 0:
@@ -29,7 +29,7 @@ def run_records(cfg) -> list[dict]:
 
 
 def steady_steps(cfg, warmup: int) -> tuple[list, dict, dict]:
-    """Run ``cfg`` with ``rlflow.runtime.supervisor.run_train`` and return ``(steps, times,
+    """Run ``cfg`` with ``rlflow.launcher.supervisor.run_train`` and return ``(steps, times,
     by_step)``: the logged steps after the first ``warmup`` (start-up and compilation
     excluded), each step's metrics-record wall time (``metrics.jsonl`` ``time``, seconds)
     and every step's metrics.

@@ -1,6 +1,6 @@
 """End-to-end samples/s of the asynchronous runtime against the synchronous baseline.
 
-Two runs of ``rlflow train`` (``rlflow.runtime.supervisor.run_train``: learner and sampler as separate
+Two runs of ``rlflow train`` (``rlflow.launcher.supervisor.run_train``: learner and sampler as separate
 processes) on the same config, measured in this script one after the other:
 
 * sync:  ``runtime.mode="sync"``, ``max_staleness=0`` (the sampler waits for each version);

@@ -1,6 +1,6 @@
 """End-to-end GRPO on GSM8K: completion tokens trained per second, async and sync.
 
-``rlflow train`` (``rlflow.runtime.supervisor.run_train``: learner and sampler as separate
+``rlflow train`` (``rlflow.launcher.supervisor.run_train``: learner and sampler as separate
 processes) on ``configs/gsm8k.py`` with the benchmarks' headline model
 (``benchmarks/_gsm8k_model.py``: a random Qwen2 of 4.46M parameters, hidden 256, 4 layers,
 byte-level BPE vocabulary of 2048 trained here on GSM8K, saved as a local Hugging Face

@@ -1,7 +1,7 @@
 """Multi-host learner on CPU: train-step time of 2 hosts x 1 device over 1 host x 2 devices
 (the same mesh, fsdp=2), and the per-step batch distribution against the step.
 
-Both sides are real processes started by :mod:`rlflow.runtime.local_hosts` (the 2-host side
+Both sides are real processes started by :mod:`rlflow.launcher.local_hosts` (the 2-host side
 joined by ``jax.distributed`` on 127.0.0.1 with gloo collectives); both run
 :func:`rlflow.learner.multihost.train_step`'s pieces: host 0 builds the batch,
 ``distribute_batch`` broadcasts it and each host keeps its rows, then the compiled step. On
@@ -99,7 +99,7 @@ def bench_job(ctx):
 
 
 def main():
-    from rlflow.runtime.local_hosts import run_processes
+    from rlflow.launcher.local_hosts import run_processes
 
     with tempfile.TemporaryDirectory() as tmp:
         one = run_processes("learner_multihost:bench_job", num_processes=1,

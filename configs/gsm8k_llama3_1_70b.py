@@ -20,7 +20,7 @@ of 88.5 in all). Too few chips for that is a
 starts. No reference model (kl_coef 0).
 
 The learner runs as ``learner.num_hosts`` = 8 processes, one per host of the slice, joined by
-``jax.distributed`` (:mod:`rlflow.runtime.learner_hosts`, docs/tpu.md).
+``jax.distributed`` (:mod:`rlflow.launcher.learner_hosts`, docs/tpu.md).
 
 ``model.path``: ``config(model_path=...)``, else ``$RLFLOW_MODEL_PATH``, else
 ``~/models/Llama-3.1-70B-Instruct``.

@@ -86,7 +86,7 @@ def two_learner_hosts(tmp_path_factory):
     from rlflow.config import MeshConfig
     from rlflow.exchange.host_shards import HostShardPuller
     from rlflow.exchange.transfer import WeightSubscriber
-    from rlflow.runtime.local_hosts import kill_all, start_processes, wait_processes
+    from rlflow.launcher.local_hosts import kill_all, start_processes, wait_processes
     from rlflow.mesh import make_mesh
     from rlflow.models.hf import build_model
 

@@ -1,4 +1,4 @@
-"""Functions run in every process of a rlflow.runtime.local_hosts group (``fn(ctx) -> result``)."""
+"""Functions run in every process of a rlflow.launcher.local_hosts group (``fn(ctx) -> result``)."""
 
 import jax
 import numpy as np

@@ -156,7 +156,7 @@ def test_a_checkpoint_damaged_on_disk_names_its_folder_and_the_way_out(tmp_path)
     DamagedCheckpointError naming the step folder and the underlying read error (one line,
     not tensorstore's spec), which the launcher shows as the failure's one line."""
     from rlflow.checkpoint.state import DamagedCheckpointError
-    from rlflow.runtime.child_logs import is_input_error
+    from rlflow.launcher.child_logs import is_input_error
 
     params, _ = _tiny_params_and_opt()
     for earlier in ([], [1]):

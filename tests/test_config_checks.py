@@ -21,12 +21,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture
 def no_programs(monkeypatch, tmp_path):
     """rlflow train may not get as far as starting the programs."""
-    import rlflow.runtime.supervisor
+    import rlflow.launcher.supervisor
 
     def refuse(cfg):
         raise AssertionError("rlflow train started the programs")
 
-    monkeypatch.setattr(rlflow.runtime.supervisor, "run_train", refuse)
+    monkeypatch.setattr(rlflow.launcher.supervisor, "run_train", refuse)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -335,9 +335,9 @@ def test_layouts_a_one_device_sampler_can_take_from_a_two_device_learner():
 def test_a_lora_rank_above_a_projections_smaller_side_is_a_warning(monkeypatch, tmp_path, capsys):
     """rank 48 on the demo model: k_proj (hidden -> kv heads x head_dim = 32) and down_proj
     are named, q_proj (64 -> 64) is not; the run still starts (exit code of run_train)."""
-    import rlflow.runtime.supervisor
+    import rlflow.launcher.supervisor
 
-    monkeypatch.setattr(rlflow.runtime.supervisor, "run_train", lambda cfg: 0)
+    monkeypatch.setattr(rlflow.launcher.supervisor, "run_train", lambda cfg: 0)
     monkeypatch.chdir(tmp_path)
     m = ExperimentConfig().model
     kv = m.num_kv_heads * m.head_dim
@@ -380,9 +380,9 @@ def test_greedy_sampling_with_group_relative_advantages_is_a_warning(monkeypatch
                                                                       capsys):
     """temperature 0, group of 8, GRPO: one warning, the run starts; with a temperature, or a
     truncating sampler over a longer data limit, none."""
-    import rlflow.runtime.supervisor
+    import rlflow.launcher.supervisor
 
-    monkeypatch.setattr(rlflow.runtime.supervisor, "run_train", lambda cfg: 0)
+    monkeypatch.setattr(rlflow.launcher.supervisor, "run_train", lambda cfg: 0)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--run-dir", "runs", "--sampler.temperature", "0"]) == 0
     warned = [x for x in capsys.readouterr().err.splitlines() if "warning:" in x]

@@ -19,7 +19,7 @@ import pytest
 from rlflow import config as C
 from rlflow.run import files
 from rlflow.run.metrics import MetricsWriter
-from rlflow.runtime import launch, supervisor
+from rlflow.launcher import launch, supervisor
 from rlflow.control.ledger import TrainedPromptsLog
 from rlflow.run.summary import latest_checkpoint_step
 

@@ -29,9 +29,9 @@ sys.exit(1 if failed else 0)
 ENTRY_POINTS = ["rlflow.data.rewarder", "rlflow.data.rewards", "rlflow.data.reward_workers",
                 "rlflow.data.pipeline", "rlflow.system.plugins", "rlflow.config",
                 "rlflow.console.cli",
-                "rlflow.run.identity", "rlflow.runtime.run_watch", "rlflow.runtime.launch",
-                "rlflow.runtime.supervisor", "rlflow.run.metrics", "rlflow.config.secrets",
-                "rlflow.console.checks", "rlflow.console.progress"]
+                "rlflow.run.identity", "rlflow.launcher.run_watch", "rlflow.launcher.launch",
+                "rlflow.launcher.supervisor", "rlflow.run.metrics", "rlflow.config.secrets",
+                "rlflow.console.checks", "rlflow.launcher.progress"]
 
 
 def test_entry_points_import_in_a_fresh_interpreter_each():

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rlflow import config as C
-from rlflow.runtime import supervisor
+from rlflow.launcher import supervisor
 from rlflow.control import programs_common as pc
 
 
@@ -95,7 +95,7 @@ def test_reward_rise_first_and_last_tenth_against_numpy():
 def test_run_watcher_reads_only_complete_step_records(tmp_path):
     import io
 
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=3),
@@ -121,7 +121,7 @@ def test_run_watcher_reads_only_complete_step_records(tmp_path):
 def test_a_run_without_new_steps_prints_a_stall_notice_with_each_logs_last_line(tmp_path):
     """No step for stall_notice_s: one notice naming the wait and the last line of every
     program's log; the next after twice as long; a new step restarts the count."""
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=3),
@@ -163,7 +163,7 @@ def test_a_run_without_new_steps_prints_a_stall_notice_with_each_logs_last_line(
 def test_summary_of_a_run_stopped_before_its_first_step_is_strict_json(tmp_path):
     """No step, so no reward figures: summary.json holds null for them, not NaN (which
     strict JSON readers reject)."""
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=3),
@@ -180,7 +180,7 @@ def test_summary_of_a_run_stopped_before_its_first_step_is_strict_json(tmp_path)
 def test_summary_holds_the_throughput_of_this_invocation(tmp_path):
     """Issue 39.10: summary.json holds the run's rates (steps and trained tokens per
     wall-clock second of this invocation, tokens decoded and their rate over the run)."""
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=4),
@@ -208,7 +208,7 @@ def test_summary_says_whether_the_run_was_healthy(tmp_path):
     on more than 1% of its calls, or an environment doing so, or NaN-reward drops, is not
     healthy; summary.json names why, and the console says so."""
     from rlflow.run.summary import health
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     assert health(True, {"reward/timeouts/f": 1.0}, {"sampler/groups_delivered": 50.0}, 8) == []
     assert health(True, {"reward/timeouts/f": 5.0, "reward/errors/f": 0.0},
@@ -243,7 +243,7 @@ def test_summary_says_whether_the_run_was_healthy(tmp_path):
 
 
 def test_run_watcher_shows_prompt_and_drop_counts_on_the_console(tmp_path):
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=3),
@@ -289,7 +289,7 @@ finally:
 def test_a_thread_stuck_at_exit_does_not_keep_the_program_alive():
     """What a learner killed by its parent's death in the middle of a save showed: orbax
     threads waiting forever kept the process alive (an orphan holding the run folder). The
-    watchdog armed by ``python -m rlflow.runtime.launch`` when the program ends exits it."""
+    watchdog armed by ``python -m rlflow.launcher.launch`` when the program ends exits it."""
     import subprocess
     import sys
 
@@ -312,7 +312,7 @@ def test_a_sampler_dying_after_the_last_step_is_a_warning_not_a_failed_run(
     import subprocess
     import sys
 
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=2),
@@ -361,7 +361,7 @@ def test_a_sampler_dying_after_the_last_step_is_a_warning_not_a_failed_run(
 def test_the_printed_rise_is_the_difference_of_the_printed_means(tmp_path):
     """Means 0.0734 -> 0.0726 print as 0.073 -> 0.073, so the rise shown is +0.000 (the
     exact -0.0008 would print as -0.001 beside two equal figures); summary.json keeps it."""
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="w", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=2),

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from rlflow import config as C
-from rlflow.runtime import child_logs, supervisor
+from rlflow.launcher import child_logs, supervisor
 from rlflow.control import programs_common as pc
 from rlflow.run.summary import latest_checkpoint_step
 
@@ -332,7 +332,7 @@ def test_a_learner_stopped_by_a_samplers_reported_error_is_one_line(tmp_path):
 
 LEFT_SLICE_PROGRAM = """
 import logging
-from rlflow.runtime import learner_hosts
+from rlflow.launcher import learner_hosts
 logging.basicConfig()
 for i in range(60):
     print("step", i, "of the learner's own log")
@@ -405,7 +405,7 @@ def test_the_programs_fatal_line_wins_over_errors_logged_after_it(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "rlflow.runtime.launch", "--role", "learner",
+    proc = subprocess.run([sys.executable, "-m", "rlflow.launcher.launch", "--role", "learner",
                            "--config", str(tmp_path / "missing.json")],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -478,7 +478,7 @@ class _SharedTTY:
 
 def test_on_a_tty_the_run_folder_line_comes_before_the_bar_and_no_0_of_n_frame(
         tmp_path, monkeypatch):
-    from rlflow.console.progress import plain_text
+    from rlflow.launcher.progress import plain_text
 
     run = tmp_path / "demo"
     run.mkdir()

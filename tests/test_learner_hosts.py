@@ -8,7 +8,7 @@ from rlflow.config import (CheckpointConfig, ConfigError, ExperimentConfig, Lear
                            RuntimeConfig, SamplerConfig, replace)
 from rlflow.learner import multihost
 from rlflow.system.ports import free_port
-from rlflow.runtime import launch, learner_hosts
+from rlflow.launcher import launch, learner_hosts
 
 
 def two_hosts(**runtime):
@@ -53,7 +53,7 @@ def test_slice_size_must_match_the_config():
 
 
 def test_a_host_that_cannot_reach_the_coordinator_fails_through_the_launch_entry(monkeypatch):
-    """``python -m rlflow.runtime.launch --role learner`` on host 1 whose coordinator never
+    """``python -m rlflow.launcher.launch --role learner`` on host 1 whose coordinator never
     answers: CoordinatorUnreachable naming the host and address after the timeout."""
     port = free_port()
     for key, value in {pc.ENV_NUM_PROCESSES: "2", pc.ENV_PROCESS_ID: "1",
@@ -94,7 +94,7 @@ def test_a_failed_collective_is_found_in_the_exception_chain():
 
 _LEAVE = """
 import logging, sys, threading, types
-from rlflow.runtime import learner_hosts
+from rlflow.launcher import learner_hosts
 logging.basicConfig(level=logging.INFO)          # the program's logging (setup_logging)
 trainer = types.ModuleType("rlflow.learner.trainer")   # only its thread name is read
 trainer.COMPILE_THREAD_NAME = {name!r}
@@ -111,7 +111,7 @@ never.set()
 
 @pytest.mark.parametrize("other", [False, True])
 def test_a_finished_learner_leaves_only_background_compiles_behind(other):
-    """``python -m rlflow.runtime.launch`` ends a learner whose only running threads are
+    """``python -m rlflow.launcher.launch`` ends a learner whose only running threads are
     background compiles with its exit code at once (the interpreter would wait for them);
     any other non-daemon thread still running means a normal exit."""
     import subprocess
@@ -131,7 +131,7 @@ def test_a_finished_learner_leaves_only_background_compiles_behind(other):
 
 _WAIT_IN_A_BARRIER = """
 import logging, select, signal
-from rlflow.runtime import learner_hosts
+from rlflow.launcher import learner_hosts
 logging.basicConfig(level=logging.INFO)
 signal.signal(signal.SIGTERM, lambda signum, frame: None)   # the program's own handler
 learner_hosts.watch_for_lost_peer()

@@ -1,4 +1,4 @@
-"""Job and result files of rlflow.runtime.local_hosts children: JSON + .npz, no pickle.
+"""Job and result files of rlflow.launcher.local_hosts children: JSON + .npz, no pickle.
 
 Pure file tests (no child process); the real processes that use these files are those of
 tests/test_multihost.py."""
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from rlflow.runtime.local_host_files import (HostFileError, Job, job_path, read_job, read_value,
+from rlflow.launcher.local_host_files import (HostFileError, Job, job_path, read_job, read_value,
                                              result_path, write_job, write_value)
 
 

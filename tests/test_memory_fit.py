@@ -91,10 +91,10 @@ def test_state_larger_than_a_chip_names_the_mesh_and_a_full_kv_cache_the_sampler
 
 @pytest.fixture
 def no_programs(monkeypatch, tmp_path):
-    import rlflow.runtime.supervisor
+    import rlflow.launcher.supervisor
 
     started = []
-    monkeypatch.setattr(rlflow.runtime.supervisor, "run_train",
+    monkeypatch.setattr(rlflow.launcher.supervisor, "run_train",
                         lambda cfg: started.append(cfg) or 0)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")

@@ -265,7 +265,7 @@ def test_truncate_after_drops_later_steps_and_a_cut_last_line(tmp_path):
 
 def test_importing_the_writer_and_progress_stays_light():
     # Every program imports these; torch (behind tensorboardX) loads only with a TB writer.
-    code = ("import sys, rlflow.run.metrics, rlflow.console.progress, rlflow.run.folder; "
+    code = ("import sys, rlflow.run.metrics, rlflow.launcher.progress, rlflow.run.folder; "
             "print(sorted(m for m in ('torch', 'tensorboardX', 'jax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout

@@ -126,7 +126,7 @@ def test_a_killed_learner_host_stops_the_others_naming_it(tmp_path):
     import signal
     import time
 
-    from rlflow.runtime.local_hosts import start_processes, wait_processes
+    from rlflow.launcher.local_hosts import start_processes, wait_processes
 
     procs = start_processes("mp_jobs:collectives_until_killed", num_processes=2,
                             devices_per_process=1, work_dir=tmp_path, extra_paths=[TESTS],

@@ -21,11 +21,11 @@ from rlflow.run import files
 from rlflow.run.identity import prepare_run_folder
 from rlflow.run.report import PLOTS
 from rlflow.control import programs_common as pc
-from rlflow.runtime import supervisor
+from rlflow.launcher import supervisor
 from rlflow.control.ledger import TrainedPromptsLog, read_trained_prompts
 from rlflow.run.run_lock import lock_path
 from rlflow.run.summary import discard_records_after, latest_checkpoint_step
-from rlflow.runtime.run_watch import RunWatcher
+from rlflow.launcher.run_watch import RunWatcher
 
 RUNS = "gs://bucket/runs"
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from rlflow.system import oom
-from rlflow.runtime import supervisor
+from rlflow.launcher import supervisor
 from rlflow.control import programs_common as pc
 
 EVENTS = "low 0\nhigh 0\nmax 12\noom 1\noom_kill {n}\noom_group_kill 0\n"       # cgroup v2

@@ -76,7 +76,7 @@ def test_train_refuses_a_port_in_use_naming_the_field(monkeypatch, tmp_path, cap
     import socket
 
     from rlflow.console import cli
-    from rlflow.runtime import supervisor
+    from rlflow.launcher import supervisor
 
     monkeypatch.setattr(supervisor.Supervisor, "start",
                         lambda *a, **k: pytest.fail("a program was started"))

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from rlflow.console.progress import (ProgressReporter, format_duration, format_status, plain_text,
+from rlflow.launcher.progress import (ProgressReporter, format_duration, format_status, plain_text,
                              use_bar)
 
 # Any C0/C1 control character other than newline (ESC, CR, BS, TAB, ...).
@@ -54,7 +54,7 @@ def test_plain_lines_when_not_a_tty():
 def test_subprocess_piped_output_has_no_control_characters():
     script = textwrap.dedent("""
         import sys
-        from rlflow.console.progress import ProgressReporter
+        from rlflow.launcher.progress import ProgressReporter
         p = ProgressReporter(4, stream=sys.stdout)
         for step in range(1, 5):
             p.update(step, {"reward/mean": step / 4, "buffer/fill": 0.5})
@@ -164,7 +164,7 @@ def test_watcher_keeps_showing_counts_from_earlier_records(tmp_path):
     import json
 
     from rlflow import config as C
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=2),
@@ -186,7 +186,7 @@ def test_watcher_says_when_the_learner_declares_a_replica_lost(tmp_path):
     import json
 
     from rlflow import config as C
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
 
     cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
                              learner=C.LearnerConfig(num_steps=4),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rlflow import config as C
-from rlflow.runtime import supervisor
+from rlflow.launcher import supervisor
 from rlflow.control import programs_common as pc
 from rlflow.learner.skips import SkipCounter
 from rlflow.run.identity import (RUN_FILE, RunFolderConflict, check_run_folder,

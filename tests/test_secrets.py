@@ -12,7 +12,7 @@ import pytest
 
 from rlflow.console import cli
 from rlflow import config as C
-from rlflow.runtime import supervisor
+from rlflow.launcher import supervisor
 from rlflow.control import programs_common as pc
 from rlflow.run.metrics import MetricsWriter
 from rlflow.config.secrets import (ENV_BUFFER_TOKEN, REDACTED, SecretError, install_log_redaction,

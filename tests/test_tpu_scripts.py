@@ -455,10 +455,10 @@ def test_host_run_start_then_stop(tmp_path, metadata_server):
     # the token is read from its file (made owner-only), never passed on a command line
     assert oct(token_file.stat().st_mode & 0o777) == oct(0o600)
     assert "tok-3b1f-secret" not in resolve.read_text()
-    # 2) the program: python -m rlflow.runtime.launch with its role, config and this slice's env
+    # 2) the program: python -m rlflow.launcher.launch with its role, config and this slice's env
     launch_env = launch.read_text()
     assert "tok-3b1f-secret" not in launch_env
-    assert f"ARGS -m rlflow.runtime.launch --role learner --config {config_json}" in launch_env
+    assert f"ARGS -m rlflow.launcher.launch --role learner --config {config_json}" in launch_env
     for line in ("RLFLOW_ROLE=learner", f"RLFLOW_CONFIG={config_json}",
                  "RLFLOW_JAX_COORDINATOR=10.0.0.2:8476", "RLFLOW_NUM_PROCESSES=2",
                  "RLFLOW_PROCESS_ID=1", "RLFLOW_BUFFER_ADDRESS=10.0.0.2:5555"):

@@ -461,6 +461,6 @@ def test_the_delta_is_made_off_the_publishing_thread_in_order(versions, served, 
         gate.set()
         pub.close()
     # no delta thread outlives close(): a finished learner exits without joining one
-    # (rlflow.runtime.learner_hosts.leave_background_compiles counts the threads left)
+    # (rlflow.launcher.learner_hosts.leave_background_compiles counts the threads left)
     own = (pub._deltas.thread_name, "rlflow-delta_")      # its thread, the codec's threads
     assert not [t.name for t in threading.enumerate() if t.name.startswith(own)]

@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         for warning in warnings:
             print(f"rlflow train: warning: {warning}", file=sys.stderr, flush=True)
-        from rlflow.runtime.supervisor import run_train
+        from rlflow.launcher.supervisor import run_train
         return run_train(cfg)
     if command == "export":
         from rlflow.export.hf_folder import main as export_main

@@ -4,8 +4,8 @@
   file (``config_to_dict`` / ``config_from_dict``: plain types, no pickle).
 * :class:`Endpoints` are the addresses one program needs to reach the other: the learner
   serves the rollout ring buffer and the weight coordinator, the samplers connect to both.
-  They come from environment variables (set by ``rlflow.runtime.supervisor`` on one machine, or by the
-  Cloud TPU scripts on a pod: see ``rlflow/runtime/launch.py``).
+  They come from environment variables (set by ``rlflow.launcher.supervisor`` on one machine, or by the
+  Cloud TPU scripts on a pod: see ``rlflow/launcher/launch.py``).
 * ``install_signal_handlers`` turns SIGTERM (the launcher's stop request) into
   :class:`Stopped`, so a program's ``finally`` blocks close sockets and servers.
 """
@@ -35,7 +35,7 @@ ENV_DIST_COORDINATOR = "RLFLOW_JAX_COORDINATOR"  # jax.distributed coordinator o
 ENV_NUM_PROCESSES = "RLFLOW_NUM_PROCESSES"    # hosts in this program's slice
 ENV_PROCESS_ID = "RLFLOW_PROCESS_ID"          # this host's index in its slice
 ENV_REPLICA = "RLFLOW_REPLICA"                # sampler replica index (0..num_replicas-1)
-ENV_PARENT_PID = "RLFLOW_LAUNCHER_PID"        # set by rlflow.runtime.supervisor: die with the launcher
+ENV_PARENT_PID = "RLFLOW_LAUNCHER_PID"        # set by rlflow.launcher.supervisor: die with the launcher
 ENV_CPUS = "RLFLOW_CPUS"                      # comma-separated CPU ids this program runs on
 ENV_PROFILE = "RLFLOW_PROFILE"                # folder: each program writes <role>.prof (cProfile)
 
@@ -151,7 +151,7 @@ class Endpoints:
         missing = [k for k in (ENV_BUFFER, ENV_COORDINATOR) if not env.get(k)]
         if missing:
             raise KeyError(f"environment variable(s) {missing} must hold host:port addresses "
-                           "(set by rlflow train, rlflow.runtime.supervisor, or scripts/tpu)")
+                           "(set by rlflow train, rlflow.launcher.supervisor, or scripts/tpu)")
         return cls(env[ENV_BUFFER], env[ENV_COORDINATOR], int(env.get(ENV_INSTANCE, "0")))
 
     def to_env(self) -> dict[str, str]:

@@ -26,7 +26,7 @@ pulls from every host and assembles its own layout (``HostShardPuller``).
 Faults: a follower never stops by itself on SIGTERM (it waits for host 0's SAVE_FINAL /
 DONE, so the exit checkpoint is a whole one); a host that dies breaks the next collective
 (gloo: "Connection closed by peer") and every other host exits with that error;
-``rlflow train`` names the dead host (:mod:`rlflow.runtime.learner_hosts`).
+``rlflow train`` names the dead host (:mod:`rlflow.launcher.learner_hosts`).
 """
 
 from __future__ import annotations

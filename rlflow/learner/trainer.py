@@ -46,7 +46,7 @@ from rlflow.models.lora_decoder import lora_model_parts
 from rlflow.run import perf
 
 logger = logging.getLogger("rlflow.learner")
-COMPILE_THREAD_NAME = "rlflow-compile"   # background compiles (rlflow.runtime.learner_hosts)
+COMPILE_THREAD_NAME = "rlflow-compile"   # background compiles (rlflow.launcher.learner_hosts)
 
 
 class Learner:

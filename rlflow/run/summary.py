@@ -1,6 +1,6 @@
 """The run summary: ``summary.json`` of an invocation of ``rlflow train`` and the counts it
 prints, from the run folder's ``metrics.jsonl`` (no JAX; the launcher's
-:class:`rlflow.runtime.run_watch.RunWatcher` writes it at the end of a run).
+:class:`rlflow.launcher.run_watch.RunWatcher` writes it at the end of a run).
 
 The summary holds the reward rise of the run (:func:`reward_rise`), the learner step reached
 (``steps_completed``), the step the invocation resumed from (``resumed_from_step``, 0 for a

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON a TPU host (start.sh / stop.sh / logs.sh call it over `gcloud ... ssh --worker=all`).
 #   host_run.sh env ROLE                 print the environment the program gets on this host
-#   host_run.sh start ROLE [TRAIN_ARGS]  resolve the config, start `python -m rlflow.runtime.launch`
+#   host_run.sh start ROLE [TRAIN_ARGS]  resolve the config, start `python -m rlflow.launcher.launch`
 #   host_run.sh stop ROLE                SIGTERM (the learner saves its exit checkpoint), then
 #                                        SIGKILL after RLFLOW_STOP_GRACE_S seconds (default 120)
 #   host_run.sh logs ROLE                follow this host's log of ROLE
@@ -106,7 +106,7 @@ save_config(parse_train_args(sys.argv[2:]), sys.argv[1])
 ' "$config_json" "${args[@]}")
     export RLFLOW_ROLE="$role" RLFLOW_CONFIG="$config_json" PYTHONUNBUFFERED=1
     cd "$ROOT"
-    nohup setsid "$PY" -m rlflow.runtime.launch --role "$role" --config "$config_json" \
+    nohup setsid "$PY" -m rlflow.launcher.launch --role "$role" --config "$config_json" \
       >"$LOGS/$role.log" 2>&1 </dev/null &
     echo $! >"$pidfile"
     echo "$(hostname): started $role (pid $!, process $RLFLOW_PROCESS_ID of $RLFLOW_NUM_PROCESSES), log $LOGS/$role.log"

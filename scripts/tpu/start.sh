@@ -59,7 +59,7 @@ if [ "$DRY_RUN" = 1 ]; then
   for ((i = 0; i < learner_hosts; i++)); do
     note "learner host $i of $learner_hosts ($LEARNER_TYPE):" \
       "RLFLOW_JAX_COORDINATOR=${LEARNER_NODE}-HOST0_IP:$JAX_PORT" \
-      "RLFLOW_NUM_PROCESSES=$learner_hosts RLFLOW_PROCESS_ID=$i python -m rlflow.runtime.launch --role learner"
+      "RLFLOW_NUM_PROCESSES=$learner_hosts RLFLOW_PROCESS_ID=$i python -m rlflow.launcher.launch --role learner"
   done
 fi
 for ((s = 0; s < SAMPLER_SLICES; s++)); do
@@ -70,7 +70,7 @@ for ((s = 0; s < SAMPLER_SLICES; s++)); do
     if [ "$DRY_RUN" = 1 ]; then
       note "sampler host $((s * sampler_hosts + w)) of $replicas ($SAMPLER_TYPE):" \
         "RLFLOW_REPLICA=$((s * sampler_hosts + w)) RLFLOW_NUM_PROCESSES=1 RLFLOW_PROCESS_ID=0" \
-        "python -m rlflow.runtime.launch --role sampler"
+        "python -m rlflow.launcher.launch --role sampler"
     fi
   done
 done

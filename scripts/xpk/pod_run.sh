@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs IN each pod of an xpk workload (start.sh's --command):
-#   pod_run.sh ROLE [TRAIN_ARGS...]     resolve the config, exec `python -m rlflow.runtime.launch`
+#   pod_run.sh ROLE [TRAIN_ARGS...]     resolve the config, exec `python -m rlflow.launcher.launch`
 #   pod_run.sh --print-env ROLE         print the RLFLOW_ environment this pod would get
 # The pod's place in its slice comes from the GKE TPU environment: TPU_WORKER_ID (this host)
 # and TPU_WORKER_HOSTNAMES (every host of THIS slice, comma-separated; the first is the
@@ -68,4 +68,4 @@ from rlflow.control.programs_common import save_config
 save_config(parse_train_args(sys.argv[2:]), sys.argv[1])
 ' "$config_json" "${args[@]}"
 export RLFLOW_CONFIG="$config_json" PYTHONUNBUFFERED=1
-exec "$PY" -m rlflow.runtime.launch --role "$role" --config "$config_json"
+exec "$PY" -m rlflow.launcher.launch --role "$role" --config "$config_json"

@@ -51,12 +51,12 @@ for role in learner sampler; do
         if [ "$role" = learner ]; then
           note "learner host $i of $hosts ($type): TPU_WORKER_ID=$i ->" \
             "RLFLOW_JAX_COORDINATOR=${workload}-slice-job-0-0.${workload}:$JAX_PORT" \
-            "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.runtime.launch --role learner"
+            "RLFLOW_NUM_PROCESSES=$hosts RLFLOW_PROCESS_ID=$i python -m rlflow.launcher.launch --role learner"
         else
           note "sampler host $((s * hosts + i)) of $((slices * hosts)) ($type):" \
             "MEGASCALE_SLICE_ID=$s TPU_WORKER_ID=$i ->" \
             "RLFLOW_REPLICA=$((s * hosts + i)) RLFLOW_NUM_PROCESSES=1 RLFLOW_PROCESS_ID=0" \
-            "python -m rlflow.runtime.launch --role sampler"
+            "python -m rlflow.launcher.launch --role sampler"
         fi
       done
     done

@@ -1,4 +1,4 @@
-"""The files a local host child (:mod:`rlflow.runtime.local_hosts`) reads and writes: no pickle.
+"""The files a local host child (:mod:`rlflow.launcher.local_hosts`) reads and writes: no pickle.
 
 Each file is a pair: ``<name>.json`` holds the plain fields and ``<name>.npz`` the arrays
 (``numpy.savez``, read with ``allow_pickle=False``). The job (``job.json``/``job.npz``:

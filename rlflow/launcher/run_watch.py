@@ -2,7 +2,7 @@
 
 The learner program logs one ``metrics.jsonl`` record per step (``step`` = policy version
 after the step, 1-based). :class:`RunWatcher` tails that file (only complete lines), feeds
-each new step to :class:`rlflow.console.progress.ProgressReporter`, and at the end writes
+each new step to :class:`rlflow.launcher.progress.ProgressReporter`, and at the end writes
 ``summary.json`` (:mod:`rlflow.run.summary`) with the reward rise of the run, the learner step reached
 (``steps_completed``), the step the invocation resumed from (``resumed_from_step``, 0 for a
 fresh run) and the steps it ran (``steps_this_run``) (:func:`reward_rise`), prints it and the
@@ -26,7 +26,7 @@ from rlflow.run.summary import (PROMPT_COUNTS, SUMMARY_FILE, count_metrics, coun
                                 prompt_counts_line, reward_rise, throughput, write_report,
                                 write_summary)
 
-LOGS_SUBDIR = "logs"       # rlflow.runtime.supervisor's per-program logs: <role>.log
+LOGS_SUBDIR = "logs"       # rlflow.launcher.supervisor's per-program logs: <role>.log
 STALL_NOTICE_S = 300.0     # seconds without a new step before the first notice (then x2)
 
 
@@ -61,7 +61,7 @@ class RunWatcher:
 
     def __init__(self, cfg, run_path: str, stream=None, resumed_from: int = 0,
                  stall_notice_s: float = STALL_NOTICE_S, clock=time.monotonic):
-        from rlflow.console.progress import ProgressReporter
+        from rlflow.launcher.progress import ProgressReporter
 
         self.cfg = cfg
         self.run_path = run_path

@@ -1,6 +1,6 @@
 """What a program's log says when it died: its end, and its last exception line.
 
-Used by the launcher's failure report (:mod:`rlflow.runtime.supervisor`): the last exception
+Used by the launcher's failure report (:mod:`rlflow.launcher.supervisor`): the last exception
 line first (``ValueError: .../bad.jsonl:7: ...``), then the exit status and the log's end.
 """
 
@@ -30,7 +30,7 @@ def without_repeated_fatal(lines: Sequence[str]) -> list[str]:
 
 
 def fatal_line(error: BaseException) -> str:
-    """The line a program (:mod:`rlflow.runtime.launch`) prints after the traceback of the
+    """The line a program (:mod:`rlflow.launcher.launch`) prints after the traceback of the
     exception that ends it: :data:`FATAL_PREFIX` + its exception line, as a traceback ends
     (``module.Class: message``, first line of the message). Errors printed after it (threads
     and asyncio loops torn down at interpreter exit) cannot take the failure's headline."""

@@ -1,6 +1,6 @@
-"""One child of rlflow/runtime/local_hosts.py: ``python _local_host_child.py JOB.json ID``.
+"""One child of rlflow/launcher/local_hosts.py: ``python _local_host_child.py JOB.json ID``.
 
-Reads the job (:class:`rlflow.runtime.local_host_files.Job`), runs its ``fn(ctx)`` and
+Reads the job (:class:`rlflow.launcher.local_host_files.Job`), runs its ``fn(ctx)`` and
 writes the result as ``result_<ID>.json`` + ``.npz`` (no pickle). XLA_FLAGS (fake device
 count) and JAX_PLATFORMS come from the parent's environment and are read when jax is
 imported, below.
@@ -11,7 +11,7 @@ import sys
 
 
 def main() -> None:
-    from rlflow.runtime.local_host_files import read_job, result_path, write_value
+    from rlflow.launcher.local_host_files import read_job, result_path, write_value
 
     job = read_job(sys.argv[1])
     pid = int(sys.argv[2])
@@ -26,7 +26,7 @@ def main() -> None:
     else:
         multihost.use_gloo_collectives()
     assert jax.local_device_count() == job.devices_per_process, jax.local_devices()
-    from rlflow.runtime.local_hosts import Context
+    from rlflow.launcher.local_hosts import Context
     module, fn = job.target.split(":")
     ctx = Context(process_id=pid, num_processes=job.num_processes,
                   devices_per_process=job.devices_per_process, work_dir=job.work_dir,

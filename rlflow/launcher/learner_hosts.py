@@ -6,7 +6,7 @@ process to the learner slice (:func:`rlflow.learner.multihost.initialize`:
 CPU, :class:`~rlflow.learner.multihost.CoordinatorUnreachable` within the timeout when host
 0 cannot be reached), then runs the learner program: host 0 the full program
 (:mod:`rlflow.learner.program`), hosts 1..N-1 :func:`rlflow.learner.hosts.follower_main`.
-``scripts/tpu`` and ``scripts/xpk`` start ``python -m rlflow.runtime.launch --role learner``
+``scripts/tpu`` and ``scripts/xpk`` start ``python -m rlflow.launcher.launch --role learner``
 on every host of the learner slice with ``RLFLOW_NUM_PROCESSES`` / ``RLFLOW_PROCESS_ID`` /
 ``RLFLOW_JAX_COORDINATOR`` of that host: the same entry as below.
 
@@ -95,13 +95,13 @@ def join_slice(cfg, env=None) -> int:
 
 class PeerLostError(RuntimeError):
     """This learner host stopped because another host of its slice died (never raised: its
-    :func:`rlflow.runtime.child_logs.fatal_line` ends the host's log, so the launcher reports
+    :func:`rlflow.launcher.child_logs.fatal_line` ends the host's log, so the launcher reports
     the host that died, not this consequence of it, with a traceback)."""
 
 
 def _leave_slice(why: str) -> None:
     """Log ``why``, print the :class:`PeerLostError` fatal line and exit with code 1."""
-    from rlflow.runtime.child_logs import fatal_line
+    from rlflow.launcher.child_logs import fatal_line
 
     log.error("%s; exiting without the slice's shutdown", why)
     print(fatal_line(PeerLostError(why)), file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
-"""The launcher's child processes (``rlflow train`` on one machine, :mod:`rlflow.runtime.
+"""The launcher's child processes (``rlflow train`` on one machine, :mod:`rlflow.launcher.
 supervisor`): each program's environment and CPUs, starting one (``python -m
-rlflow.runtime.launch``, its own session, its log under ``<run>/logs/<name>.log``), the run
+rlflow.launcher.launch``, its own session, its log under ``<run>/logs/<name>.log``), the run
 folder's ``processes.json``, stopping them all (SIGTERM, then SIGKILL after
 ``STOP_GRACE_S``), and what a child's exit and log say (its exit code or signal, an OOM kill
 named, a full run folder, the failure report with its last exception line and the end of its
@@ -23,9 +23,9 @@ from rlflow.config.secrets import ENV_BUFFER_TOKEN
 from rlflow.exchange.ring import ProducerError
 from rlflow.run import files
 from rlflow.system import host_memory
-from rlflow.runtime import learner_hosts
+from rlflow.launcher import learner_hosts
 from rlflow.control import programs_common as pc
-from rlflow.runtime.child_logs import (LOG_TAIL_LINES, is_input_error, program_error,
+from rlflow.launcher.child_logs import (LOG_TAIL_LINES, is_input_error, program_error,
                                        tail, without_repeated_fatal)
 from rlflow.system.oom import OomWatch
 
@@ -130,7 +130,7 @@ class Supervisor:
             log.write(f"--- rlflow {role} start #{instance} ---\n".encode())
             log.flush()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "rlflow.runtime.launch", "--role", role,
+                [sys.executable, "-m", "rlflow.launcher.launch", "--role", role,
                  "--config", self.config_path],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
@@ -163,7 +163,7 @@ class Supervisor:
         """The warning for sampler ``role`` dying after the learner's last step (every step
         trained, final checkpoint saved: the run succeeds): its last exception line, or its
         exit status when its log has no traceback, and its log's path."""
-        from rlflow.console.progress import plain_text
+        from rlflow.launcher.progress import plain_text
 
         c = self.children[role]
         error = program_error(c.log_path, "--- rlflow sampler start")
@@ -198,7 +198,7 @@ class Supervisor:
         log's path only; the same for a learner that stopped on a sampler's reported error
         (``ProducerError``: that sampler's own report comes first), or a learner host that
         left its slice because another host died (``learner_hosts.PeerLostError``)."""
-        from rlflow.console.progress import plain_text     # no control characters in CI logs
+        from rlflow.launcher.progress import plain_text     # no control characters in CI logs
 
         c = self.children[role]
         kind = "learner" if role.startswith("learner") else "sampler"

@@ -7,7 +7,7 @@ coordinator on ``127.0.0.1:<free port>``); then it runs ``fn(ctx)`` and writes t
 ``<work_dir>/result_<i>.json`` + ``.npz``. The parent waits for all, kills every process group
 on timeout (never hangs) and raises :class:`ProcessesFailed` naming the failed process with its
 log tail. The job and the results travel as JSON + ``.npz`` files, never pickle
-(:mod:`rlflow.runtime.local_host_files`: ``fn``'s result is a tree of plain values and numpy
+(:mod:`rlflow.launcher.local_host_files`: ``fn``'s result is a tree of plain values and numpy
 arrays).
 
 Used by the multi-host tests and ``benchmarks/learner_multihost.py``. Usage (``fn`` must be
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlflow.system.ports import free_port
-from rlflow.runtime.local_host_files import Job, read_value, result_path, write_job
+from rlflow.launcher.local_host_files import Job, read_value, result_path, write_job
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parent / "_local_host_child.py"

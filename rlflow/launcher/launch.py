@@ -1,10 +1,10 @@
-"""Entry of one rlflow program process: ``python -m rlflow.runtime.launch --role R --config C``.
+"""Entry of one rlflow program process: ``python -m rlflow.launcher.launch --role R --config C``.
 
-On one machine :mod:`rlflow.runtime.supervisor` (``rlflow train``) starts these processes;
+On one machine :mod:`rlflow.launcher.supervisor` (``rlflow train``) starts these processes;
 on a TPU pod the launch scripts do.
 
 **TPU pod** (one learner slice, one or more sampler slices): ``scripts/tpu`` / ``scripts/xpk``
-start ``python -m rlflow.runtime.launch --role learner --config <resolved config.json>`` on
+start ``python -m rlflow.launcher.launch --role learner --config <resolved config.json>`` on
 every host of the learner slice (with ``--learner.num_hosts`` = its host count) and
 ``--role sampler`` on every host of every sampler slice (each sampler host is one replica,
 its own JAX program: ``RLFLOW_NUM_PROCESSES=1``, ``RLFLOW_REPLICA=<index>``), with:
@@ -15,7 +15,7 @@ its own JAX program: ``RLFLOW_NUM_PROCESSES=1``, ``RLFLOW_REPLICA=<index>``), wi
     RLFLOW_NUM_PROCESSES        hosts in this slice
     RLFLOW_PROCESS_ID           this host's index in its slice
 
-:func:`run_role` runs the learner through :func:`rlflow.runtime.learner_hosts.run_learner`
+:func:`run_role` runs the learner through :func:`rlflow.launcher.learner_hosts.run_learner`
 (the entry every learner host runs, here and on a pod).
 
 Other knobs: ``runtime.pin_cpus`` gives each program its own CPUs (``RLFLOW_CPUS``);
@@ -36,8 +36,8 @@ from typing import Optional, Sequence
 from rlflow.run import files
 from rlflow.control import programs_common as pc
 from rlflow.system import host_memory
-from rlflow.runtime import learner_hosts
-from rlflow.runtime.child_logs import fatal_line
+from rlflow.launcher import learner_hosts
+from rlflow.launcher.child_logs import fatal_line
 from rlflow.config.secrets import install_log_redaction, secret_values
 
 
@@ -61,7 +61,7 @@ def run_role(role: str, cfg, endpoints: pc.Endpoints) -> int:
     if role not in pc.ROLES:
         raise ValueError(f"role must be one of {pc.ROLES}, got {role!r}")
     if role == "learner":               # one host or a slice of learner.num_hosts hosts
-        from rlflow.runtime.learner_hosts import run_learner
+        from rlflow.launcher.learner_hosts import run_learner
 
         run_learner(cfg, endpoints)
         return 0
@@ -79,8 +79,8 @@ def run_role(role: str, cfg, endpoints: pc.Endpoints) -> int:
 
 
 def child_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry of ``python -m rlflow.runtime.launch --role R --config C``: one program, one process."""
-    ap = argparse.ArgumentParser(prog="python -m rlflow.runtime.launch")
+    """Entry of ``python -m rlflow.launcher.launch --role R --config C``: one program, one process."""
+    ap = argparse.ArgumentParser(prog="python -m rlflow.launcher.launch")
     ap.add_argument("--role", choices=pc.ROLES, default=os.environ.get(pc.ENV_ROLE))
     ap.add_argument("--config", default=os.environ.get(pc.ENV_CONFIG),
                     help="resolved config JSON (written by rlflow train)")
@@ -140,7 +140,7 @@ def _pin_cpus(env=None) -> None:
 
 def run_child(argv: Optional[Sequence[str]] = None) -> int:
     """:func:`child_main` with its failure made a line for the launcher: the traceback and
-    :func:`rlflow.runtime.child_logs.fatal_line` (exit code 1), or, when the run folder's
+    :func:`rlflow.launcher.child_logs.fatal_line` (exit code 1), or, when the run folder's
     file system is full or read-only (:func:`rlflow.run.files.no_space` anywhere in the
     exception's chain: a metrics line, a checkpoint, the ledger), the one line of
     :func:`rlflow.run.files.full_line` and exit code

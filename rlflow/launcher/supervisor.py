@@ -4,8 +4,8 @@
 **One machine** (``rlflow train``): :func:`run_train` writes the resolved config to the run
 folder, picks two free loopback ports (ring buffer, weight coordinator), and starts
 
-    python -m rlflow.runtime.launch --role learner     (XLA sees learner.num_devices devices)
-    python -m rlflow.runtime.launch --role sampler     (XLA sees sampler.num_devices devices)
+    python -m rlflow.launcher.launch --role learner     (XLA sees learner.num_devices devices)
+    python -m rlflow.launcher.launch --role sampler     (XLA sees sampler.num_devices devices)
 
 as separate OS processes, each its own JAX runtime, the sampler ``sampler.num_replicas``
 times (replica ``i`` gets ``RLFLOW_REPLICA=i``; its log is ``logs/sampler-<i>.log``, or
@@ -47,7 +47,7 @@ prompts to them, ``rlflow.control.ledger``).
 **Learner hosts** (``learner.num_hosts = N > 1``): the learner is N processes, one per
 host, ``learner.num_devices / N`` fake devices each, joined by ``jax.distributed``
 (``127.0.0.1:<free port>``, gloo); children ``learner`` (host 0) and ``learner-<i>``
-(:mod:`rlflow.runtime.learner_hosts`). Any of them exiting before the run is done stops the
+(:mod:`rlflow.launcher.learner_hosts`). Any of them exiting before the run is done stops the
 run, naming the host (``learner host 1 (pid N) ... killed by SIGKILL``).
 
 A program killed by SIGKILL is named as out of memory when this cgroup's OOM-kill counter
@@ -55,10 +55,10 @@ rose during the run (``killed by SIGKILL: out of memory (the kernel's OOM killer
 else ``killed by SIGKILL (possibly out of memory: ...)`` with its peak resident memory
 (:mod:`rlflow.system.oom`; no root, no ``dmesg``).
 
-Each program is one process running :mod:`rlflow.runtime.launch` (its entry on a TPU pod
+Each program is one process running :mod:`rlflow.launcher.launch` (its entry on a TPU pod
 too); ``runtime.pin_cpus`` gives each its own CPUs (half each, :func:`split_cpus`). The
 child processes themselves (environment, start, pids file, stop, exit and failure texts)
-are kept by :class:`rlflow.runtime.children.Supervisor`; this module decides what happens
+are kept by :class:`rlflow.launcher.children.Supervisor`; this module decides what happens
 to the run.
 """
 
@@ -73,8 +73,8 @@ from typing import Sequence
 
 from rlflow.run import files
 from rlflow.control import programs_common as pc
-from rlflow.runtime import learner_hosts
-from rlflow.runtime.children import (PROCESSES_FILE, STOP_GRACE_S, Child, Supervisor,
+from rlflow.launcher import learner_hosts
+from rlflow.launcher.children import (PROCESSES_FILE, STOP_GRACE_S, Child, Supervisor,
                                      child_env, split_cpus)
 from rlflow.system.ports import free_port, port_taken
 
@@ -128,7 +128,7 @@ def _run_train(cfg, run_path: str) -> int:
     """:func:`run_train` with the run folder's lock held."""
     from rlflow.run.identity import RunFolderConflict, check_run_folder, prepare_run_folder
     from rlflow.run.summary import discard_records_after, latest_checkpoint_step, mark_complete
-    from rlflow.runtime.run_watch import RunWatcher
+    from rlflow.launcher.run_watch import RunWatcher
     from rlflow.config.secrets import SecretError, resolve_secrets
 
     try:
