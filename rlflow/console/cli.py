@@ -53,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from rlflow.export.hf_folder import main as export_main
         return export_main(rest, process_exits=console)
     if command == "eval":
-        from rlflow.eval.offline import main as eval_main
+        from rlflow.console.offline_eval import main as eval_main
         return eval_main(rest)
     if command == "report":
         from rlflow.run.report import main as report_main

@@ -2,7 +2,7 @@
 ``--section.field value`` overrides parsed with tyro, the boolean words every flag accepts
 (``true/false/1/0/yes/no/on/off``), the ``--help`` / ``--help-all`` texts, and the refusal of
 ``--buffer.token`` (argv is visible in ``ps``). Used by ``rlflow train``
-(:mod:`rlflow.console.cli`), ``rlflow eval`` (:mod:`rlflow.eval.offline`), the TPU scripts'
+(:mod:`rlflow.console.cli`), ``rlflow eval`` (:mod:`rlflow.console.offline_eval`), the TPU scripts'
 slice check (:mod:`rlflow.console.slices`) and the hosts' start scripts.
 """
 

@@ -1,6 +1,7 @@
 """One evaluation, the parts shared by ``rlflow eval`` and the evaluation during training:
-the held-out prompts, their sampling requests, a finished group scored into a small
-per-prompt record, and the records aggregated into metrics (:mod:`rlflow.eval.metrics`).
+the held-out prompts, a finished group scored into a small per-prompt record, and the
+records aggregated into metrics (:mod:`rlflow.eval.metrics`). Their sampling requests are the
+sampler's (:func:`rlflow.sampler.eval_runner.eval_requests`).
 
 A *prompt record* (plain JSON types: it travels from a sampler replica to the learner in
 a status request, :mod:`rlflow.control.run_control`)::
@@ -47,30 +48,6 @@ def load_eval_prompts(cfg, tokenizer) -> list[dict]:
     kept, _ = scan(formatter, data, f"eval: {origin}")
     n = cfg.eval.num_prompts or len(kept)
     return [formatter(int(i)) for i in kept[:n]]
-
-
-def eval_sampling(cfg, index: int):
-    """Sampling settings of held-out prompt number ``index`` (its position in the eval
-    set): ``eval``'s temperature, top-k, top-p and max tokens, seed
-    ``derive_seed(eval.seed, index)`` (the same draws at every version)."""
-    from rlflow.config.eval import eval_max_tokens
-    from rlflow.control.seeds import derive_seed
-    from rlflow.sampler.sampling import SamplingParams
-
-    ev = cfg.eval
-    return SamplingParams(temperature=ev.temperature, top_k=ev.top_k, top_p=ev.top_p,
-                          max_tokens=eval_max_tokens(cfg), seed=derive_seed(ev.seed, index))
-
-
-def eval_requests(cfg, prompts: Sequence[Mapping]) -> list:
-    """One :class:`rlflow.sampler.requests.Request` per held-out prompt, ``eval.num_samples``
-    samples each."""
-    from rlflow.sampler.requests import Request
-
-    return [Request(prompt_id=int(p["prompt_id"]),
-                    prompt_tokens=np.asarray(p["prompt_tokens"], np.int32),
-                    num_samples=cfg.eval.num_samples, sampling=eval_sampling(cfg, i))
-            for i, p in enumerate(prompts)]
 
 
 def zero_unclosed(rewards, unclosed: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from rlflow.data.rewards import NonFiniteRewardError
 
 def graded_texts(group, tokenizer, reasoning=None) -> tuple[list[str], list[str], np.ndarray]:
     """What the reward functions grade of a finished group (training here, and the held-out
-    evaluation: :mod:`rlflow.sampler.eval_runner`, :mod:`rlflow.eval.offline`).
+    evaluation: :mod:`rlflow.sampler.eval_runner`, :mod:`rlflow.console.offline_eval`).
 
     Args:
       group: :class:`rlflow.sampler.requests.CompletedGroup` (k completions).

@@ -1,7 +1,7 @@
 """A sampler replica's held-out evaluations (``eval.every_steps > 0``).
 
 When the learner's run control names an evaluation (:mod:`rlflow.control.evals`), the replica
-submits the held-out prompts (:func:`rlflow.eval.scoring.eval_requests`) to its batcher beside
+submits the held-out prompts (:func:`eval_requests`) to its batcher beside
 the training prompts; their finished groups are taken out of what the batcher returns before
 the training groups go to the reward workers and the buffer (:meth:`EvalRunner.take`), scored
 by this runner's own reward workers (the eval's reward functions), and turned into prompt
@@ -17,11 +17,37 @@ done (:class:`rlflow.sampler.program.SamplerProgram`); the result carries that v
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
 
 from rlflow.sampler.delivery import graded_texts
 
 log = logging.getLogger("rlflow.sampler")
+
+
+def eval_sampling(cfg, index: int):
+    """Sampling settings of held-out prompt number ``index`` (its position in the eval
+    set): ``eval``'s temperature, top-k, top-p and max tokens, seed
+    ``derive_seed(eval.seed, index)`` (the same draws at every version)."""
+    from rlflow.config.eval import eval_max_tokens
+    from rlflow.control.seeds import derive_seed
+    from rlflow.sampler.sampling import SamplingParams
+
+    ev = cfg.eval
+    return SamplingParams(temperature=ev.temperature, top_k=ev.top_k, top_p=ev.top_p,
+                          max_tokens=eval_max_tokens(cfg), seed=derive_seed(ev.seed, index))
+
+
+def eval_requests(cfg, prompts: Sequence[Mapping]) -> list:
+    """One :class:`rlflow.sampler.requests.Request` per held-out prompt, ``eval.num_samples``
+    samples each."""
+    from rlflow.sampler.requests import Request
+
+    return [Request(prompt_id=int(p["prompt_id"]),
+                    prompt_tokens=np.asarray(p["prompt_tokens"], np.int32),
+                    num_samples=cfg.eval.num_samples, sampling=eval_sampling(cfg, i))
+            for i, p in enumerate(prompts)]
 
 
 class EvalRunner:
@@ -73,7 +99,7 @@ class EvalRunner:
             self._rewarder = Rewarder(self.reward_cfg, plugins=self.cfg.plugins)
         self.task = (int(requested), int(version))
         self._records = []
-        for request, prompt in zip(scoring.eval_requests(self.cfg, self.prompts), self.prompts):
+        for request, prompt in zip(eval_requests(self.cfg, self.prompts), self.prompts):
             batcher.submit(request)
             self._requests[id(request)] = (request, prompt)
         log.info("held-out evaluation of version %d: %d prompts x %d samples at version %d",

@@ -4,8 +4,9 @@
     rlflow eval --run RUN_FOLDER [--step N] [--base-model DIR] [--out FILE] [--eval.FIELD V ...]
 
 The same code as the evaluation during training: the sampler's engine and continuous batcher
-(:mod:`rlflow.sampler.batching`) in this process, the held-out prompts, requests and prompt
-records of :mod:`rlflow.eval.scoring`, the reward functions in reward workers
+(:mod:`rlflow.sampler.batching`) in this process, the held-out prompts and prompt records of
+:mod:`rlflow.eval.scoring`, their requests (:func:`rlflow.sampler.eval_runner.eval_requests`),
+the reward functions in reward workers
 (:class:`rlflow.data.rewarder.Rewarder`) and the metric functions of
 :mod:`rlflow.eval.metrics`. The settings: ``--run`` takes the run's resolved ``config.json``
 (its ``eval`` section; the architecture and tokenizer of its base model, ``--base-model``
@@ -88,6 +89,7 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
     from rlflow.eval import scoring
     from rlflow.models.hf import read_decoder_config
     from rlflow.sampler.delivery import graded_texts
+    from rlflow.sampler.eval_runner import eval_requests
     from rlflow.control import programs_common as pc
 
     tokenizer = pc.run_tokenizer(cfg)
@@ -95,7 +97,7 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
                                      model_type=read_decoder_config(cfg.model.path).model_type
                                      if cfg.model.path else cfg.model.model_type)
     prompts = scoring.load_eval_prompts(cfg, tokenizer)
-    requests = scoring.eval_requests(cfg, prompts)
+    requests = eval_requests(cfg, prompts)
     groups = generate_groups(cfg, requests, params, version)
     reward_cfg = eval_reward_config(cfg)
     threshold = pc.accuracy_threshold(reward_cfg)
