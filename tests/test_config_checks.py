@@ -399,7 +399,7 @@ def test_greedy_sampling_with_group_relative_advantages_is_a_warning(monkeypatch
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_kv_cache_bytes_are_those_the_engine_allocates(dtype):
     from rlflow.config import SamplerConfig, replace
-    from rlflow.console.checks import kv_cache_bytes
+    from rlflow.sampler.memory import kv_cache_bytes
     from rlflow.models.config import DecoderConfig
     from rlflow.models.kv_cache import init_cache
 
@@ -416,7 +416,7 @@ def test_paged_kv_cache_bytes_are_those_the_engine_allocates():
     import jax
 
     from rlflow.config import SamplerConfig, replace
-    from rlflow.console.checks import kv_cache_bytes
+    from rlflow.sampler.memory import kv_cache_bytes
     from rlflow.models.config import DecoderConfig
     from rlflow.models.paged_kv_cache import init_paged_cache
 

@@ -12,6 +12,7 @@ from rlflow.config import (ExperimentConfig, LearnerConfig, ModelConfig, Sampler
                            replace)
 from rlflow.console import cli, fit
 from rlflow.learner.memory import GIB, Architecture, learner_memory
+from rlflow.sampler.memory import sampler_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +81,7 @@ def test_state_larger_than_a_chip_names_the_mesh_and_a_full_kv_cache_the_sampler
         fit.check_memory(cfg, device_bytes=state / 2)
     assert mem.activations < state      # short rows: the parameters and optimizer dominate
     kv = replace(cfg, sampler=replace(cfg.sampler, num_slots=4096))
-    sampler = fit.sampler_bytes(kv, Architecture.from_model_config(cfg.model))
+    sampler = sampler_bytes(kv, Architecture.from_model_config(cfg.model))
     chip = max(mem.total, sampler / 2) / fit.HEADROOM
     with pytest.raises(fit.MemoryDoesNotFit, match=r"^sampler.max_tokens: a sampler replica "
                                                    r"needs .* sampler.num_slots=4096"):

@@ -17,7 +17,7 @@ from flax import nnx
 
 from rlflow.config import (ConfigError, ExperimentConfig, LearnerConfig, MeshConfig,
                            ModelConfig, RolloutCorrectionConfig as RC, SamplerConfig)
-from rlflow.console.fit import sampler_bytes, sampler_weight_bytes
+from rlflow.sampler.memory import sampler_bytes, sampler_weight_bytes
 from rlflow.learner import losses
 from rlflow.learner.batch import TrainBatch, build_batch, with_sequence_ids
 from rlflow.learner.memory import Architecture

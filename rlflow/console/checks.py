@@ -23,6 +23,7 @@ import glob
 import os
 
 from rlflow.config import ConfigError, ExperimentConfig
+from rlflow.sampler.memory import kv_cache_bytes
 
 
 def check_runnable(cfg: ExperimentConfig) -> None:
@@ -146,20 +147,6 @@ def _lora_rank_warnings(cfg) -> list[str]:
     return [f"learner.lora.rank {lora.rank} is above the smaller side of {', '.join(over)}: "
             f"an adapter's update there has rank at most that side, so the rest of the rank "
             f"only costs memory and compute"]
-
-
-def kv_cache_bytes(cfg, m) -> int:
-    """Bytes of one sampler replica's KV cache (``rlflow.models.kv_cache.init_cache``):
-    ``num_slots x (max_prefill_length + max_tokens)`` positions (``sampler.kv_cache =
-    "paged"``: ``pool_pages x page_size``, :mod:`rlflow.models.paged_kv_cache`) x layers x
-    keys and values x ``num_kv_heads x head_dim`` x the sampler dtype's bytes (``m``: the
-    model's ``DecoderConfig``)."""
-    sp = cfg.sampler
-    dtype = sp.dtype or cfg.model.dtype
-    per = 2 if dtype == "bfloat16" else 4
-    positions = (sp.pool_pages * sp.page_size if sp.kv_cache == "paged" else
-                 sp.num_slots * (sp.max_prefill_length + sp.max_tokens))
-    return positions * m.num_layers * 2 * m.num_kv_heads * m.head_dim * per
 
 
 def _check_kv_cache(cfg) -> None:

@@ -10,7 +10,7 @@ check (:mod:`rlflow.console.slices`) call :func:`check_memory`, which compares, 
 * a sampler replica: its weights in the sampler's dtype, int8 projection kernels and their
   scales with ``sampler.quantization="int8"`` on an accelerator (split over the ``tensor``
   axis, one copy per ``data`` replica) and its KV cache
-  (:func:`rlflow.console.checks.kv_cache_bytes`), spread over its devices;
+  (:func:`rlflow.sampler.memory.sampler_bytes`), spread over its devices;
 
 against :data:`HEADROOM` of the device's memory: an accelerator's HBM per chip
 (:data:`DEVICE_MEMORY`, by the TPU type the scripts were given or ``TPU_ACCELERATOR_TYPE``
@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 
 from rlflow.config import ConfigError
 from rlflow.learner.memory import GIB, Architecture, LearnerMemory, learner_memory
+from rlflow.sampler.memory import sampler_bytes
 
 #: The share of a device's memory a run may plan to use (XLA's own buffers, fragmentation,
 #: the runtime and, on the CPU backend, the Python processes take the rest).
@@ -173,42 +174,6 @@ def hf_architecture(path: str) -> Optional[Architecture]:
             **_moe_sizes(d))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-
-
-def sampler_weight_bytes(arch: Architecture, dtype_bytes: int,
-                         quantization: str = "none") -> float:
-    """Bytes of one copy of the sampler's weights: every parameter in the sampler dtype
-    (``dtype_bytes`` a value), or with ``sampler.quantization="int8"`` the projection
-    kernels (attention q/k/v/o, MLP gate/up/down, an untied LM head) at 1 byte a value plus
-    one scale in the sampler dtype per output channel, the rest (embeddings, norms,
-    biases) in the sampler dtype (:mod:`rlflow.sampler.quantization`)."""
-    total = arch.num_params() * dtype_bytes
-    if quantization != "int8":
-        return total
-    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    q, kv = arch.num_heads * d, arch.num_kv_heads * d
-    kernels = arch.num_layers * (2 * h * q + 2 * h * kv + 3 * h * i)
-    channels = arch.num_layers * (q + 2 * kv + h + 2 * i + h)
-    if not arch.tie_word_embeddings:
-        kernels, channels = kernels + h * arch.vocab_size, channels + arch.vocab_size
-    return total - kernels * dtype_bytes + kernels + channels * dtype_bytes
-
-
-def sampler_bytes(cfg, arch: Architecture, accelerator: bool = True) -> float:
-    """Bytes of one sampler replica over all its devices: ``sampler.mesh.data`` copies of
-    the weights in the sampler's dtype (with ``sampler.quantization="int8"`` on an
-    ``accelerator``, int8 projection kernels and their scales, :func:`sampler_weight_bytes`;
-    the CPU backend holds them dequantized, :func:`rlflow.sampler.quantization.holds_float`;
-    the weights outside a mixture-of-experts model's experts once more for every device of
-    ``sampler.mesh.expert``, which splits only the experts), and its KV cache."""
-    from rlflow.console.checks import kv_cache_bytes
-
-    sp = cfg.sampler
-    per = 2 if (sp.dtype or cfg.model.dtype) == "bfloat16" else 4
-    expert = getattr(sp.mesh, "expert", 1)
-    weights = sampler_weight_bytes(arch, per, sp.quantization if accelerator else "none")
-    weights += (expert - 1) * (arch.num_params() - arch.expert_params()) * per
-    return sp.mesh.data * weights + kv_cache_bytes(cfg, arch)
 
 
 def host_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[float]:
