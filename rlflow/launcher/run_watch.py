@@ -3,12 +3,13 @@
 The learner program logs one ``metrics.jsonl`` record per step (``step`` = policy version
 after the step, 1-based). :class:`RunWatcher` tails that file (only complete lines), feeds
 each new step to :class:`rlflow.launcher.progress.ProgressReporter`, and at the end writes
-``summary.json`` (:mod:`rlflow.run.summary`) with the reward rise of the run, the learner step reached
-(``steps_completed``), the step the invocation resumed from (``resumed_from_step``, 0 for a
-fresh run) and the steps it ran (``steps_this_run``) (:func:`reward_rise`), prints it and the
-path of the ``rlflow report`` page. When no new step arrives for ``STALL_NOTICE_S`` (then
-twice as long, and so on), it prints how long, and the last line of each program's log, so a
-run that waits (a compile, rollouts that never come) never waits silently.
+``summary.json`` (:mod:`rlflow.run.summary`) with the reward rise of the run, the learner
+step reached (``steps_completed``), the step the invocation resumed from
+(``resumed_from_step``, 0 for a fresh run) and the steps it ran (``steps_this_run``)
+(:func:`rlflow.run.summary.reward_rise`), prints it and the path of the ``rlflow report``
+page. When no new step arrives for ``STALL_NOTICE_S`` (then twice as long, and so on), it
+prints how long, and the last line of each program's log, so a run that waits (a compile,
+rollouts that never come) never waits silently.
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ class RunWatcher:
         self.progress.message("\n".join(lines))
 
     def _note_counts(self, rec: Mapping) -> None:
-        """Keep the newest value of each count of :func:`count_metrics`; print the prompt
-        filter counts once, when they first arrive (they are fixed for the run)."""
+        """Keep the newest value of each count of :func:`rlflow.run.summary.count_metrics`;
+        print the prompt filter counts once, when they first arrive (they are fixed for the
+        run)."""
         new = count_metrics(rec)
         self._note_lost_replicas(rec)
         self.counts.update(new)
@@ -187,7 +189,8 @@ class RunWatcher:
         """Reward rise over the run's whole ``metrics.jsonl`` (``reward/mean`` per step), wall
         time of this invocation, outcome, ``steps_completed`` (learner step reached),
         ``resumed_from_step``, ``steps_this_run``, this invocation's ``throughput``
-        (:func:`throughput`), and ``healthy`` with ``unhealthy_reasons`` (:func:`health`)."""
+        (:func:`rlflow.run.summary.throughput`), and ``healthy`` with ``unhealthy_reasons``
+        (:func:`rlflow.run.summary.health`)."""
         try:
             records, _ = read_jsonl(self.path)
         except ValueError:
