@@ -86,7 +86,33 @@ def _check_eval(cfg) -> None:
 
     if cfg.eval.functions:
         _check_rewards(cfg, cfg.eval.functions, "eval.functions")
+    check_held_out(cfg)
     _check_data(cfg, eval_data_config(cfg), "eval")
+
+
+def check_held_out(cfg) -> None:
+    """``eval.path`` reaches no file that ``data.path`` reaches, whatever the spelling
+    (symlink, hard link, ``..``, a glob or folder covering it: file identity,
+    :func:`rlflow.data.file_identity.shared_files`), so training prompts are never reported
+    as held-out results.
+
+    Raises: ConfigError naming ``eval.path``, both paths and the shared file.
+    """
+    from rlflow.config.eval import eval_data_config
+    from rlflow.data.file_identity import shared_files
+
+    ev = eval_data_config(cfg)
+    if not cfg.eval.enabled or ev.source == "builtin" or cfg.data.source == "builtin":
+        return
+    pairs = shared_files(cfg.data.path, ev.path)
+    if pairs:
+        train, held = pairs[0]
+        more = f" (and {len(pairs) - 1} more)" if len(pairs) > 1 else ""
+        raise ConfigError(
+            f"eval.path: {ev.path!r} reaches the training file {train!r} of data.path="
+            f"{cfg.data.path!r} (as {held!r}: the same file, {os.path.realpath(train)!r}){more};"
+            f" the held-out prompts must not be the training prompts: give eval.path a file "
+            f"that is not read for training")
 
 
 def config_warnings(cfg: ExperimentConfig) -> list[str]:
