@@ -119,7 +119,7 @@ def test_a_training_glob_covering_the_eval_file_is_refused(tmp_path):
 
 def test_a_different_eval_file_with_the_same_contents_is_accepted(tmp_path):
     """Identity, not contents: a copy is another file (it may be a real held-out split)."""
-    from rlflow.console.checks import check_held_out
+    from rlflow.console.file_checks import check_held_out
 
     train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     for p in (train, test):

@@ -23,6 +23,7 @@ import glob
 import os
 
 from rlflow.config import ConfigError, ExperimentConfig
+from rlflow.console import file_checks
 
 
 def check_runnable(cfg: ExperimentConfig) -> None:
@@ -43,9 +44,10 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``metrics.wandb.mode`` (W&B on without the ``wandb`` package), ``teacher.path`` (a
         teacher whose tokenizer or vocabulary size differs from the student's,
         :func:`rlflow.learner.teacher.check_teacher_tokenizer`) and what was
-        expected; ``model.path`` / ``data.chat_template`` also when the tokenizer cannot be
-        built, or a prompt cannot be rendered and encoded, the way the programs will
-        (:func:`_check_tokenizer`).
+        expected (also :mod:`rlflow.console.file_checks`: damaged weight files, an
+        ``eval.path`` that is a training file); ``model.path`` / ``data.chat_template``
+        also when the tokenizer cannot be built, or a prompt cannot be rendered and
+        encoded, the way the programs will (:func:`_check_tokenizer`).
     """
     _check_weight_layout(cfg)
     _check_wandb(cfg)
@@ -57,6 +59,7 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_eval(cfg)
     _check_model(cfg)
     _check_tokenizer(cfg)
+    file_checks.check_weights(cfg)
     _check_teacher(cfg)
     _check_kv_cache(cfg)
     _check_memory(cfg)
@@ -86,33 +89,8 @@ def _check_eval(cfg) -> None:
 
     if cfg.eval.functions:
         _check_rewards(cfg, cfg.eval.functions, "eval.functions")
-    check_held_out(cfg)
+    file_checks.check_held_out(cfg)
     _check_data(cfg, eval_data_config(cfg), "eval")
-
-
-def check_held_out(cfg) -> None:
-    """``eval.path`` reaches no file that ``data.path`` reaches, whatever the spelling
-    (symlink, hard link, ``..``, a glob or folder covering it: file identity,
-    :func:`rlflow.data.file_identity.shared_files`), so training prompts are never reported
-    as held-out results.
-
-    Raises: ConfigError naming ``eval.path``, both paths and the shared file.
-    """
-    from rlflow.config.eval import eval_data_config
-    from rlflow.data.file_identity import shared_files
-
-    ev = eval_data_config(cfg)
-    if not cfg.eval.enabled or ev.source == "builtin" or cfg.data.source == "builtin":
-        return
-    pairs = shared_files(cfg.data.path, ev.path)
-    if pairs:
-        train, held = pairs[0]
-        more = f" (and {len(pairs) - 1} more)" if len(pairs) > 1 else ""
-        raise ConfigError(
-            f"eval.path: {ev.path!r} reaches the training file {train!r} of data.path="
-            f"{cfg.data.path!r} (as {held!r}: the same file, {os.path.realpath(train)!r}){more};"
-            f" the held-out prompts must not be the training prompts: give eval.path a file "
-            f"that is not read for training")
 
 
 def config_warnings(cfg: ExperimentConfig) -> list[str]:
