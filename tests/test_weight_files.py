@@ -221,3 +221,13 @@ def _names_without_check(fname):
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return {k: str(fname) for k in header}
+
+
+def test_the_launcher_reports_a_damaged_weight_file_as_bad_input():
+    """A program that dies on a ModelFormatError (a file damaged after the pre-start check)
+    is reported in one line without the traceback, like other bad input."""
+    from rlflow.runtime.child_logs import is_input_error
+
+    assert is_input_error("rlflow.models.config.ModelFormatError: /m/model.safetensors: "
+                          "tensor 'a' ends at byte 48 of the data ...")
+    assert not is_input_error("safetensors_rust.SafetensorError: incomplete metadata")
