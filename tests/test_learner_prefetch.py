@@ -50,9 +50,10 @@ def groups(versions=VERSIONS):
 class RecordingLearner(FakeLearner):
     """Records the order of builds, dispatches and metric pulls, and every dispatched batch."""
 
-    def __init__(self, cfg, events, *, no_update_at=()):
+    def __init__(self, cfg, events, *, no_update_at=(), rejected_tokens=0.0):
         super().__init__(cfg)
         self.events, self.dispatched, self.no_update_at = events, [], set(no_update_at)
+        self.rejected_tokens = rejected_tokens
 
     def build_batch(self, recs, version=None):
         self.events.append(("build", self.version if version is None else version))
@@ -63,7 +64,7 @@ class RecordingLearner(FakeLearner):
         self.dispatched.append((self.version, batch, checked))
         if self.version in self.no_update_at:    # the step's guard: no loss token, no update
             self.no_update_at.discard(self.version)
-            return {"learner/skipped": 1.0}
+            return {"learner/skipped": 1.0, "learner/tokens": self.rejected_tokens}
         return super().dispatch(batch, checked)
 
 
@@ -134,6 +135,27 @@ def test_a_step_that_makes_no_update_has_the_next_batch_rebuilt_at_its_version(m
     assert (version, checked) == (0, False)
     assert taken == [2, 3]                  # groups 0 and 1 went with the skipped step
     assert p.ledger.metrics()["ledger/trained"] == GPS
+
+
+def test_a_step_whose_loss_tokens_the_correction_all_rejects_is_counted_as_all_rejected(
+        monkeypatch):
+    """The step's guard with loss tokens (every one rejected by the rollout correction): no
+    new version, counted under its own reason, whose message names the setting."""
+    p, _ = run_program(monkeypatch, learner_kw=dict(no_update_at={0}, rejected_tokens=12.0),
+                       versions=[0] * 6)
+    assert p.step() is None and p.version == 0
+    m = p.skips.metrics()
+    assert m["learner/skipped_steps/all_rejected"] == 1.0 and m["learner/skipped_steps"] == 1.0
+    assert m["learner/skipped_steps/mixed"] == 0.0
+    assert p.step() is not None and p.version == 1
+
+
+def test_all_rejected_skips_name_the_rollout_correction():
+    from rlflow.learner.skips import DegenerateStepsError, SkipCounter
+    counter = SkipCounter(config())
+    with pytest.raises(DegenerateStepsError, match=r"rejected by learner\.rollout_correction"):
+        for _ in range(counter.limit):
+            counter.skipped("all_rejected", 3)
 
 
 class FailingBuffer(ListBuffer):

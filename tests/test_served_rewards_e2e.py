@@ -85,3 +85,44 @@ def test_a_run_scores_through_a_local_reward_server(tmp_path):
     assert count["reward/http_timeouts/http"] >= 1 and count["reward/http_errors/http"] >= 1, \
         count
     assert count["reward/http_requests/http"] >= 2 * NUM_STEPS, count
+
+
+def test_a_key_echoed_by_a_401_reaches_no_log_stderr_or_failure_line(tmp_path):
+    """Issue 49 fault 2 on a real run: the key comes from the environment with an editor's
+    trailing CR/LF (stripped: the server receives the bare key), the server answers 401 with
+    the key echoed; the sampler stops after reward.max_consecutive_errors. Neither the run
+    folder (program logs, metrics, samples) nor the launcher's stdout/stderr (its failure
+    line) holds the key in any spelling."""
+    key = "sk-live-9b8e7d6c5a4f"
+    seen = []
+
+    def respond(n, path, body, headers):
+        auth = {k.lower(): v for k, v in headers.items()}.get("authorization", "")
+        seen.append(auth)
+        return 401, f"invalid api key {auth!r} ({auth[7:]})"
+
+    env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"), RM_KEY=key + "\r\n")
+    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
+    with RewardServer(respond) as server:
+        cmd = ([exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]) + [
+            "train", "--config", os.path.join(REPO, "configs", "demo.py"),
+            "--run-dir", str(tmp_path / "runs"), "--name", "leak",
+            "--metrics.progress", "plain", "--buffer.timeout-s", "120",
+            "--checkpoint.every-steps", "0", "--learner.num-steps", "2",
+            "--reward.functions", "http", "--reward.weights", "1.0",
+            "--reward.max-consecutive-errors", "2",
+            "--reward.http.url", server.url + "/score", "--reward.http.api-key-env", "RM_KEY",
+            "--reward.http.max-retries", "0"]
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=HANG_GUARD_S)
+    assert proc.returncode != 0 and seen and set(seen) == {"Bearer " + key}, proc.stderr[-3000:]
+    assert "rlflow train: the sampler failed" in proc.stderr, proc.stderr[-3000:]
+    assert "<redacted>" in proc.stderr, proc.stderr[-3000:]   # the reason is shown, hidden
+    texts = {"stdout": proc.stdout, "stderr": proc.stderr}
+    for d, _, names in os.walk(tmp_path / "runs"):
+        for name in names:
+            with open(os.path.join(d, name), "rb") as f:
+                texts[os.path.join(d, name)] = f.read().decode("utf-8", "replace")
+    assert any(name.endswith(".log") for name in texts), sorted(texts)
+    for where, text in texts.items():
+        assert "sk-live" not in text, (where, text[-2000:])

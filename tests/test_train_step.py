@@ -273,3 +273,41 @@ def test_adamw_clips_and_decays_matrices_only():
     updates, _ = tx.update(grads, tx.init(params), params)
     g_c = 3.0 * 1e-8 / np.sqrt(68.0)
     np.testing.assert_allclose(updates["w"], -0.1 * g_c / (g_c + 1e-8), rtol=1e-4)
+
+
+@pytest.mark.parametrize("unit", ["token", "sequence"])
+def test_a_step_whose_every_token_the_correction_rejects_is_skipped(unit):
+    """Every loss token rejected by ``learner.rollout_correction`` (behaviour logprobs 10 nats
+    below the learner's: weight e^10, above ``reject_high``): no optimiser update (parameters
+    and Adam moments bit-identical), no new version, ``learner/skipped`` 1; the same batch with
+    one sample in band still trains."""
+    corr = RolloutCorrectionConfig(reject="token", reject_low=0.5, reject_high=2.0,
+                                   reject_unit=unit)
+    lrn = Learner(experiment(groups_per_step=1, lr=3e-3, micro_batches=2,
+                             rollout_correction=corr), mesh=one_device_mesh())
+    batch, info = lrn.build_batch(make_records(3, 1, noise=0.0, version=lrn.version))
+    lrn.step(batch)                                # Adam moments are non-zero from here on
+    assert lrn.version == 1                        # near-uniform policy: every token in band
+    mask = batch.loss_mask.astype(bool)
+    far = batch.behaviour_logprobs - np.where(mask, 10.0, 0.0).astype(np.float32)
+    before, opt_before = flat(lrn.params), jax.tree.map(np.asarray, lrn.state.opt_state)
+    version = lrn.version
+    metrics = lrn.step(batch._replace(behaviour_logprobs=far))
+    assert metrics["learner/tokens"] > 0                 # the loss mask alone keeps tokens
+    assert metrics["rollout_correction/masked_token_frac"] == 1.0
+    assert metrics["learner/skipped"] == 1.0 and lrn.version == version
+    assert metrics["learner/kept_tokens"] == 0.0
+    after = flat(lrn.params)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    opt_after = jax.tree.map(np.asarray, lrn.state.opt_state)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(opt_after),
+                                                    jax.tree.leaves(opt_before)))
+    # one sample (the first row's first segment) in band: it trains
+    rows = np.nonzero(mask.any(axis=1))[0]
+    seg = (batch.segment_ids == batch.segment_ids[rows[0]][mask[rows[0]]][0]
+           if batch.segment_ids is not None else np.arange(mask.shape[0])[:, None] == rows[0])
+    part = np.where(seg & mask, batch.behaviour_logprobs, far)
+    metrics = lrn.step(batch._replace(behaviour_logprobs=part))
+    assert metrics["learner/skipped"] == 0.0 and lrn.version == version + 1
+    assert 0 < metrics["learner/kept_tokens"] < metrics["learner/tokens"]
+    assert any(not np.array_equal(v, before[k]) for k, v in flat(lrn.params).items())

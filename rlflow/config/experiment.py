@@ -170,10 +170,12 @@ class ExperimentConfig:
             return
         data = eval_data_config(self)
         same_file = (data.source != "builtin" and self.data.source != "builtin"
-                     and os.path.abspath(data.path) == os.path.abspath(self.data.path))
+                     and os.path.realpath(data.path) == os.path.realpath(self.data.path))
+        # other spellings of the same file (hard links, globs, folders) are refused by
+        # rlflow.console.checks.check_held_out, which looks at the files
         _check(not same_file, "eval.path",
-               f"must differ from data.path={self.data.path!r}: the held-out prompts must not "
-               f"be the training prompts")
+               f"{data.path!r} must differ from data.path={self.data.path!r}: the held-out "
+               f"prompts must not be the training prompts")
         _check(not self.env.enabled, "eval.every_steps",
                f"evaluation of multi-turn episodes (env.name={self.env.name!r}) is not "
                f"supported; set eval.every_steps=0")

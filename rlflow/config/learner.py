@@ -130,8 +130,8 @@ class LearnerConfig:
       mask_truncated: drop completions cut by max_tokens from the loss (DAPO).
       dynamic_sampling: drop groups with zero reward variance (DAPO).
       max_consecutive_skipped_steps: a step whose groups leave no sample for the loss (all
-        truncated and masked, all stale, all without reward variance, all with bad rewards)
-        is skipped: no update, no new version, not counted in ``num_steps``, its groups
+        truncated and masked, all stale, all without reward variance, all with bad rewards,
+        every loss token rejected by ``rollout_correction``) is skipped: no update, no new version, not counted in ``num_steps``, its groups
         given back to the admission budget. This many skips in a row (or this many steps'
         worth of groups dropped in a row by ``dynamic_sampling``) stop the run with an error
         naming the reason (``rlflow.learner.skips``); 0: never stop.

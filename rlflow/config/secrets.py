@@ -7,9 +7,15 @@ through this module:
 
 * :func:`redact_config` replaces each non-empty secret field of a config dict with
   :data:`REDACTED` (``config.json``, the TensorBoard config text, checkpoint metadata).
-* :func:`install_log_redaction` adds a ``logging`` filter that replaces each secret value
-  found in a log message with :data:`REDACTED` (the programs' logs).
+* :func:`install_log_redaction` makes every ``logging`` handler replace each secret found in
+  what it writes (message, traceback) with :data:`REDACTED` (the programs' logs), and
+  :func:`install_stream_redaction` does the same for ``sys.stdout`` / ``sys.stderr`` (a fatal
+  traceback, ``print``); a program installs both.
 * :func:`redact_text` does the same for any other text (reports, error messages).
+
+Each secret is redacted in every form it takes in text (:func:`secret_forms`): with and
+without surrounding whitespace, and as ``repr`` of str and bytes and JSON escape it (an
+httpx ``Illegal header value b'Bearer sk-...\\r'``).
 
 Where the token comes from (:func:`resolve_secrets`, first match wins):
 
@@ -27,17 +33,19 @@ back from the environment.
 A served reward's API key (``reward.http`` / ``reward.judge``) is never in a config: the
 config names the environment variable that holds it (``api_key_env``,
 :data:`SECRET_ENV_FIELDS`), the programs inherit it, the sampler reads it where it makes the
-requests (:mod:`rlflow.data.http_scorer`), and :func:`secret_values` gives its value to the
-log redaction.
+requests (:mod:`rlflow.data.http_scorer`; stripped and checked by :func:`clean_api_key`),
+and :func:`secret_values` gives its value to the log redaction.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
 import stat
+import sys
 from typing import Any, Iterable, Mapping, Optional
 
 ENV_BUFFER_TOKEN = "RLFLOW_BUFFER_TOKEN"
@@ -92,35 +100,127 @@ def secret_values(cfg_or_dict: Any, env: Optional[Mapping[str, str]] = None) -> 
     return [v for v in values if isinstance(v, str) and v and v != REDACTED]
 
 
+def secret_forms(secret: str) -> list[str]:
+    """Every spelling in which ``secret`` can reach a log or a terminal, longest first: the
+    value and the value stripped of surrounding whitespace (an editor's trailing CR/LF), each
+    as is, as Python's ``repr`` of the str and of its bytes writes it (``b'Bearer sk-..\\r'``
+    in an httpx error), and as JSON escapes it. Empty for an empty or all-space value."""
+    out: set[str] = set()
+    for value in {secret, secret.strip()}:
+        if not value.strip():
+            continue
+        out.update({value, repr(value)[1:-1], json.dumps(value)[1:-1],
+                    repr(value.encode("utf-8", "backslashreplace"))[2:-1]})
+    return sorted(out, key=len, reverse=True)
+
+
 def redact_text(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every occurrence of each secret replaced by :data:`REDACTED`."""
-    for s in sorted({s for s in secrets if s}, key=len, reverse=True):
-        text = text.replace(s, REDACTED)
+    """``text`` with every occurrence of each secret, in each of its
+    :func:`secret_forms`, replaced by :data:`REDACTED`."""
+    forms = sorted({f for s in secrets if s for f in secret_forms(s)}, key=len, reverse=True)
+    for f in forms:
+        text = text.replace(f, REDACTED)
     return text
 
 
-class _RedactingFilter(logging.Filter):
-    def __init__(self, secrets: Iterable[str]):
-        super().__init__()
-        self.secrets = [s for s in secrets if s]
+# the secrets given to install_log_redaction in this process (redact_installed)
+_INSTALLED: list[str] = []
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.secrets:
-            message = record.getMessage()
-            clean = redact_text(message, self.secrets)
-            if clean != message:
-                record.msg, record.args = clean, None
-        return True
+
+def redact_installed(text: str) -> str:
+    """``text`` redacted of every secret :func:`install_log_redaction` was given in this
+    process (for text written outside ``logging``: a fatal traceback, a failure line)."""
+    return redact_text(text, _INSTALLED)
+
+
+class _RedactingFormatter(logging.Formatter):
+    """A handler's formatter whose whole output (message, arguments, traceback, stack) is
+    redacted: a secret in an exception logged with ``exc_info`` is hidden too."""
+
+    def __init__(self, inner: Optional[logging.Formatter], secrets: list[str]):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+        self.secrets = secrets
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(self.inner.format(record), self.secrets)
+
+
+class _RedactingStream:
+    """A text stream (``sys.stdout`` / ``sys.stderr``) whose writes are redacted; every
+    other attribute is the wrapped stream's."""
+
+    def __init__(self, stream, secrets: list[str]):
+        self._stream, self._secrets = stream, secrets
+
+    def write(self, text):
+        return self._stream.write(redact_text(text, self._secrets))
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def install_log_redaction(secrets: Iterable[str],
                           logger: Optional[logging.Logger] = None) -> None:
-    """Redact ``secrets`` in every record that reaches the handlers of ``logger`` (default:
-    the root logger, i.e. every ``rlflow`` log line; call after ``logging.basicConfig``)."""
+    """Redact ``secrets`` (each in every one of its :func:`secret_forms`) in everything the
+    handlers of ``logger`` (default: the root logger, i.e. every ``rlflow`` log line; call
+    after ``logging.basicConfig``) write, tracebacks included, and remember them for
+    :func:`redact_installed`."""
+    secrets = [s for s in secrets if s]
+    _INSTALLED.extend(s for s in secrets if s not in _INSTALLED)
     logger = logger or logging.getLogger()
-    flt = _RedactingFilter(secrets)
     for handler in logger.handlers:
-        handler.addFilter(flt)
+        if not isinstance(handler.formatter, _RedactingFormatter):
+            handler.setFormatter(_RedactingFormatter(handler.formatter, secrets))
+        else:
+            handler.formatter.secrets = sorted(set(handler.formatter.secrets) | set(secrets))
+
+
+def install_stream_redaction(secrets: Iterable[str]) -> None:
+    """Redact ``secrets`` in everything this process writes through ``sys.stdout`` and
+    ``sys.stderr`` (``print``, ``traceback.print_exc``, the default ``sys.excepthook`` and
+    ``threading.excepthook``, ``warnings``); for a program whose output is its log file."""
+    secrets = [s for s in secrets if s]
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, _RedactingStream):
+            stream._secrets = sorted(set(stream._secrets) | set(secrets))
+        elif stream is not None:
+            setattr(sys, name, _RedactingStream(stream, secrets))
+
+
+def clean_api_key(value: Optional[str], where: str) -> str:
+    """An API key as read from its source (an environment variable filled from a file),
+    stripped of surrounding whitespace (an editor's trailing CR/LF) and checked.
+
+    Args:
+      value: the raw value (None: unset).
+      where: the source for messages, e.g. ``"reward.http.api_key_env: the environment
+        variable MY_KEY"``.
+
+    Returns: the key, printable ASCII without spaces.
+
+    Raises: SecretError naming ``where`` (never the key): unset or blank, or holding a
+      space, a control character or a non-ASCII character inside (an HTTP header value
+      cannot carry them, and such a key is a pasting mistake).
+    """
+    key = (value or "").strip()
+    if not key:
+        raise SecretError(f"{where} holds no API key")
+    for i, ch in enumerate(key):
+        if not "!" <= ch <= "~":
+            what = ("a space" if ch == " " else
+                    f"a control character (U+{ord(ch):04X})" if ord(ch) < 32 or ord(ch) == 127
+                    else "a non-ASCII character")            # never the character itself
+            raise SecretError(
+                f"{where} holds an API key with {what} at character {i + 1} of {len(key)} "
+                f"(expected printable ASCII without spaces; whitespace around the key, such "
+                f"as a trailing CR/LF, is removed)")
+    return key
 
 
 def read_token_file(path: str) -> str:

@@ -23,6 +23,7 @@ import glob
 import os
 
 from rlflow.config import ConfigError, ExperimentConfig
+from rlflow.console import file_checks
 from rlflow.sampler.memory import kv_cache_bytes
 
 
@@ -44,9 +45,10 @@ def check_runnable(cfg: ExperimentConfig) -> None:
         ``metrics.wandb.mode`` (W&B on without the ``wandb`` package), ``teacher.path`` (a
         teacher whose tokenizer or vocabulary size differs from the student's,
         :func:`rlflow.learner.teacher.check_teacher_tokenizer`) and what was
-        expected; ``model.path`` / ``data.chat_template`` also when the tokenizer cannot be
-        built, or a prompt cannot be rendered and encoded, the way the programs will
-        (:func:`_check_tokenizer`).
+        expected (also :mod:`rlflow.console.file_checks`: damaged weight files, an
+        ``eval.path`` that is a training file); ``model.path`` / ``data.chat_template``
+        also when the tokenizer cannot be built, or a prompt cannot be rendered and
+        encoded, the way the programs will (:func:`_check_tokenizer`).
     """
     _check_weight_layout(cfg)
     _check_wandb(cfg)
@@ -58,6 +60,7 @@ def check_runnable(cfg: ExperimentConfig) -> None:
     _check_eval(cfg)
     _check_model(cfg)
     _check_tokenizer(cfg)
+    file_checks.check_weights(cfg)
     _check_teacher(cfg)
     _check_kv_cache(cfg)
     _check_memory(cfg)
@@ -87,6 +90,7 @@ def _check_eval(cfg) -> None:
 
     if cfg.eval.functions:
         _check_rewards(cfg, cfg.eval.functions, "eval.functions")
+    file_checks.check_held_out(cfg)
     _check_data(cfg, eval_data_config(cfg), "eval")
 
 

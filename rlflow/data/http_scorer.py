@@ -34,6 +34,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import httpx
 
+from rlflow.config.secrets import SecretError, clean_api_key, redact_text
 from rlflow.config.served_reward import ServedRewardConfig, header_pairs
 from rlflow.data.served_rewards import MalformedReply, parse_reply, request_body
 
@@ -51,17 +52,22 @@ def request_headers(cfg: ServedRewardConfig,
                     env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """``cfg.headers`` plus the API key (from ``$cfg.api_key_env``) as its header.
 
+    The key is stripped of surrounding whitespace (a key file's trailing CR/LF) and checked
+    (:func:`rlflow.config.secrets.clean_api_key`).
+
     Raises:
-      ServedRewardError: ``api_key_env`` is set and that variable is unset or empty (names
-        the field and the variable).
+      ServedRewardError: ``api_key_env`` is set and that variable is unset or empty, or its
+        key holds a space, control or non-ASCII character (names the field and the
+        variable, never the key).
     """
     env = os.environ if env is None else env
     headers = dict(header_pairs(cfg.headers))
     if cfg.api_key_env:
-        key = env.get(cfg.api_key_env, "")
-        if not key:
-            raise ServedRewardError(f"{cfg.SECTION}.api_key_env: the environment variable "
-                                    f"{cfg.api_key_env} holds no API key")
+        try:
+            key = clean_api_key(env.get(cfg.api_key_env), f"{cfg.SECTION}.api_key_env: the "
+                                f"environment variable {cfg.api_key_env}")
+        except SecretError as e:
+            raise ServedRewardError(str(e)) from None
         headers[cfg.api_key_header] = cfg.api_key_prefix + key
     return headers
 
@@ -92,6 +98,10 @@ class HttpScorer:
         self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "errors": 0}
         self._results = results
         self._headers = request_headers(cfg)
+        # the header and the key: hidden in every reason this scorer reports (a server may
+        # echo the key in its reply; httpx quotes the header in its errors)
+        sent = self._headers[cfg.api_key_header] if cfg.api_key_env else ""
+        self._secrets = [sent, sent[len(cfg.api_key_prefix):]] if sent else []
         self._rng = random.Random(seed)
         self._next_id = 0
         self._tasks: set = set()
@@ -155,6 +165,8 @@ class HttpScorer:
             raise
         except Exception as e:  # noqa: BLE001 - a bug here must not leave samples unscored
             status, value = "error", f"{type(e).__name__}: {e}"
+        if status != "ok":
+            value = redact_text(value, self._secrets)
         for j, task_id in enumerate(ids):
             self._results.put((self.slot, task_id, status,
                                value[j] if status == "ok" else value))

@@ -101,8 +101,11 @@ def is_input_error(exception_line: str) -> bool:
     rlflow error about the user's input: a :class:`rlflow.data.sources.DataError` (a bad or
     missing record, an empty data set), a :class:`rlflow.config.ConfigError`, or an error of
     the user's reward function or environment (:class:`rlflow.data.rewards.NonFiniteRewardError`,
-    :class:`rlflow.data.rewards.RewardFunctionError`, :class:`rlflow.envs.EnvFailureError`), or a
-    checkpoint damaged on disk (:class:`rlflow.checkpoint.state.DamagedCheckpointError`).
+    :class:`rlflow.data.rewards.RewardFunctionError`, :class:`rlflow.envs.EnvFailureError`), a
+    checkpoint damaged on disk (:class:`rlflow.checkpoint.state.DamagedCheckpointError`), or a
+    model folder's file that does not match what rlflow reads
+    (:class:`rlflow.models.config.ModelFormatError`: a weight file damaged after the
+    pre-start checks, named with what is wrong).
     Their messages name the file, line, field or function and sample; rlflow's traceback adds
     nothing for the user."""
     name = exception_line.split(":", 1)[0].strip()
@@ -118,7 +121,8 @@ def is_input_error(exception_line: str) -> bool:
     from rlflow.data.rewards import NonFiniteRewardError, RewardFunctionError
     from rlflow.data.sources import DataError
     from rlflow.envs.base import EnvFailureError
+    from rlflow.models.config import ModelFormatError
 
     return isinstance(cls, type) and issubclass(
         cls, (DataError, ConfigError, NonFiniteRewardError, RewardFunctionError, EnvFailureError,
-              DamagedCheckpointError))
+              DamagedCheckpointError, ModelFormatError))

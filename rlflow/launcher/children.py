@@ -191,6 +191,14 @@ class Supervisor:
         return None
 
     def failure(self, role: str) -> str:
+        """:meth:`_failure`, with the run's secrets (the buffer token, the served rewards'
+        API keys, :func:`rlflow.config.secrets.secret_values`) redacted in every form: a
+        log written without redaction must not put them on the terminal."""
+        from rlflow.config.secrets import redact_text, secret_values
+
+        return redact_text(self._failure(role), secret_values(self.cfg))
+
+    def _failure(self, role: str) -> str:
         """The failure report of child ``role``: its last exception line first (when its log
         has a traceback), then the exit status and the last ``LOG_TAIL_LINES`` lines of its
         log; for an error about the user's input (:func:`child_logs.is_input_error`: a bad

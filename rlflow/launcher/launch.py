@@ -38,7 +38,8 @@ from rlflow.control import programs_common as pc
 from rlflow.system import host_memory
 from rlflow.launcher import learner_hosts
 from rlflow.launcher.child_logs import fatal_line
-from rlflow.config.secrets import install_log_redaction, secret_values
+from rlflow.config.secrets import (install_log_redaction, install_stream_redaction,
+                                   redact_installed, secret_values)
 
 
 def _distributed_init(env=None) -> None:
@@ -93,7 +94,9 @@ def child_main(argv: Optional[Sequence[str]] = None) -> int:
     log = pc.setup_logging(args.role)
     pc.install_signal_handlers()
     cfg = pc.load_config(args.config)
-    install_log_redaction(secret_values(cfg))   # a token in an error message stays hidden
+    secrets = secret_values(cfg)            # a token or key in an error message stays hidden:
+    install_log_redaction(secrets)          # in log lines and logged tracebacks,
+    install_stream_redaction(secrets)       # and in whatever reaches stdout / stderr
     note = (host_memory.startup_note(os.environ, cfg.runtime.keep_freed_host_memory)
             if args.role == "learner" else None)
     if note:
@@ -156,9 +159,9 @@ def run_child(argv: Optional[Sequence[str]] = None) -> int:
             if full is not None:
                 folder = os.path.dirname(os.environ.get(pc.ENV_CONFIG) or ".")
                 print(f"rlflow: {files.full_line(folder, full)}", file=sys.stderr, flush=True)
-            else:
-                traceback.print_exc()
-                print(fatal_line(e), file=sys.stderr, flush=True)
+            else:                       # redacted as the log lines (a key echoed back)
+                sys.stderr.write(redact_installed(traceback.format_exc()))
+                print(redact_installed(fatal_line(e)), file=sys.stderr, flush=True)
         except OSError:                 # the log itself is on the full file system
             pass
         return 1 if full is None else files.NO_SPACE_EXIT_CODE

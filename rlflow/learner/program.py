@@ -370,8 +370,10 @@ class LearnerProgram:
         metrics = pull_metrics(pending)
         metrics.update(distributed)
         t_step = time.monotonic() - t1
-        if self.learner.version == self.version:  # the step's own guard: no loss token
-            self.skip(groups, "mixed", info)
+        if self.learner.version == self.version:  # the step's own guard: no kept token
+            # loss tokens there were (skip_reason passed): the rollout correction rejected all
+            rejected = metrics.get("learner/tokens", 0) > 0
+            self.skip(groups, "all_rejected" if rejected else "mixed", info)
             return None
         self.skips.trained()
         self.version = self.learner.version

@@ -15,6 +15,9 @@ reason             every sample of the step's groups ...
 ``all_failed``     was cut by an environment or reward failure
                    (``learner.on_failed_sample="mask"``)
 ``mixed``          is dropped by one of the above, none of which alone covers the step
+``all_rejected``   has its loss tokens rejected by ``learner.rollout_correction`` (found
+                   inside the jitted step, which then leaves parameters, optimiser state
+                   and version unchanged: ``learner/skipped``)
 =================  =====================================================================
 
 Such a step is **skipped**: no optimiser update, no new policy version, nothing published
@@ -40,7 +43,8 @@ from typing import Mapping, Optional
 
 log = logging.getLogger("rlflow.learner")
 
-REASONS = ("all_bad_reward", "all_stale", "all_filtered", "all_masked", "all_failed", "mixed")
+REASONS = ("all_bad_reward", "all_stale", "all_filtered", "all_masked", "all_failed", "mixed",
+           "all_rejected")
 
 
 class DegenerateStepsError(RuntimeError):
@@ -99,6 +103,12 @@ def explain(reason: str, cfg, info: Optional[Mapping[str, float]] = None) -> str
         return ("every sample was cut by an environment error or timeout or a reward "
                 "function's error or timeout, and learner.on_failed_sample='mask' (see "
                 "sampler/env_errors, sampler/env_timeouts, reward/errors/*, reward/timeouts/*)")
+    if reason == "all_rejected":
+        c = cfg.learner.rollout_correction
+        return (f"every loss token was rejected by learner.rollout_correction (reject="
+                f"{c.reject!r}, reject_unit={c.reject_unit!r}, band [reject_low={c.reject_low}, "
+                f"reject_high={c.reject_high}]): the learner's and the sampler's logprobs differ "
+                "beyond the band (see mismatch/* and rollout_correction/masked_token_frac)")
     parts = ""
     if info is not None:
         parts = (f": {int(info['batch/dropped_bad_reward_groups'])} groups with bad rewards, "

@@ -273,7 +273,7 @@ def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.
 
 
 _SUMS = ("pg_loss", "kl", "entropy", "clip_low", "clip_high", "clip_dual", "is_weight",
-         "is_kept")
+         "is_kept", "effective")
 # the mismatch diagnostics' sums, each [len(LAG_BUCKETS)] (rlflow.learner.rollout_correction)
 _MISMATCH_SUMS = tuple(f"mismatch/{n}" for n in rc.DIAGNOSTIC_SUMS)
 # mixture-of-experts models (batches with routing_ids): router agreement terms and the token
@@ -335,7 +335,10 @@ def _micro_loss(params, graphdef, mb: TrainBatch, w, ref_logp, s: StepSettings,
     sums = dict(pg_loss=pg, kl=jnp.sum(m * kl), entropy=jnp.sum(m * ent),
                 clip_low=jnp.sum(t.clipped_low), clip_high=jnp.sum(t.clipped_high),
                 clip_dual=jnp.sum(t.dual_clipped), is_weight=jnp.sum(kept * t.is_weight),
-                is_kept=jnp.sum(kept))
+                is_kept=jnp.sum(kept),
+                # tokens whose policy-loss weight is not zero: loss mask x aggregation weight x
+                # the correction's keep mask and weight (the step's skip test)
+                effective=jnp.sum((w * t.is_weight) > 0))
     diag = rc.mismatch_sums(old_logp, mb.behaviour_logprobs, mask, corr,
                             segment_ids=mb.segment_ids, policy_lag=mb.policy_lag,
                             num_segments=num_segments)
@@ -516,8 +519,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     ``.../masked_seq_frac``, ``.../truncated_token_frac``, ``.../truncated_seq_frac``, and
     the same with ``_lag0``, ``_lag1``, ``_lag2plus``:
     :func:`rlflow.learner.rollout_correction.mismatch_metrics`), ``learner/grad_norm`` (before clipping), ``learner/tokens``, ``learner/lr``,
-    ``learner/skipped`` (1 when the batch had no loss tokens: parameters, optimiser state and
-    step are then left unchanged). PPO adds ``value/loss`` (aggregated like the policy loss),
+    ``learner/kept_tokens`` (loss tokens with a non-zero policy-loss weight: not rejected by
+    the rollout correction), ``learner/skipped`` (1 when ``learner/kept_tokens`` is 0, i.e.
+    no loss token or every one rejected: parameters, optimiser state and step are then left
+    unchanged, bit for bit; the KL and value terms of such a step are not applied either). PPO adds ``value/loss`` (aggregated like the policy loss),
     ``value/mean`` and ``value/return_mean`` (token means of ``V_old`` and of the returns) and
     ``value/explained_variance`` ``1 - Var(R - V_old) / Var(R)`` over response tokens (0 when
     the returns have no variance); ``learner/grad_norm`` is then the joint norm of policy and
@@ -538,8 +543,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         updates, opt_state = tx.update(grads, state.opt_state, current)
         new = optax.apply_updates(current, updates)
         n_tok = jnp.sum(batch.loss_mask).astype(jnp.float32)
-        # a batch without loss tokens carries no signal: keep params, moments and version
-        skip = n_tok == 0
+        # a batch whose every token has policy-loss weight 0 (no loss token, or every one
+        # rejected by the rollout correction) carries no signal: an AdamW update on it would
+        # still move every parameter by about lr (the first moment, weight decay), so keep
+        # params, moments and version (verl PR #3915, NeMo-RL PR #4001 fixed the same)
+        skip = acc["effective"] == 0
         new, opt_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new),
                                       (current, state.opt_state), (new, opt_state))
         params, value = (new, None) if state.value is None else new
@@ -560,6 +568,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                               jnp.exp(jnp.maximum(acc["is_lr_min"], -80.0)), 1.0),
             "learner/grad_norm": grad_norm,
             "learner/tokens": n_tok,
+            "learner/kept_tokens": acc["effective"],
             "learner/lr": jnp.asarray(schedule(state.step), jnp.float32),
             "learner/skipped": skip.astype(jnp.float32),
         }

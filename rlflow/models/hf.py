@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from rlflow.models import hf_settings
@@ -32,11 +32,10 @@ from rlflow.models import hf_moe
 from rlflow.models.hf_moe import moe_layer_tensors
 from rlflow.models.config import DecoderConfig, ModelFormatError, eos_token_ids
 from rlflow.models.decoder import Decoder
+from rlflow.models.weight_files import INDEX_FILE, SINGLE_FILE, check_weight_files
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json")
@@ -188,29 +187,9 @@ def read_hf_config(path: str) -> dict:
 
 
 def _tensor_files(path: str) -> dict[str, str]:
-    """tensor name -> safetensors file, from the index (sharded) or the single file."""
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelFormatError(f"{index}: has no 'weight_map' object")
-        files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
-        for fname in sorted(set(files.values())):
-            if not os.path.isfile(fname):
-                raise ModelFormatError(f"{index}: lists {os.path.basename(fname)}, which is missing")
-        # the index can lie: trust the files' own headers
-        out = {}
-        for fname in sorted(set(files.values())):
-            with safe_open(fname, framework="numpy") as f:
-                out.update({k: fname for k in f.keys()})
-        return out
-    single = os.path.join(path, SINGLE_FILE)
-    if not os.path.isfile(single):
-        raise ModelFormatError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
-                               "weights are supported)")
-    with safe_open(single, framework="numpy") as f:
-        return {k: single for k in f.keys()}
+    """tensor name -> safetensors file, from the files' own headers (the index can lie),
+    each file's header checked against its size (:mod:`rlflow.models.weight_files`)."""
+    return check_weight_files(path)
 
 
 def generation_eos_ids(path: str) -> tuple[int, ...]:
@@ -252,15 +231,21 @@ def _read_parameter(tensors: list[HfTensor], shape: tuple, np_dtype, files: dict
     out = None if tensors[0].index == () else np.empty(shape, np_dtype)
     for t in tensors:
         fname = files[t.name]
-        if fname not in handles:
-            handles[fname] = safe_open(fname, framework="numpy").__enter__()
-        want = shape[len(t.index):]
-        hf_shape = tuple(handles[fname].get_slice(t.name).get_shape())
-        if hf_shape != _hf_shape(t.kind, want):
+        try:
+            if fname not in handles:
+                handles[fname] = safe_open(fname, framework="numpy").__enter__()
+            want = shape[len(t.index):]
+            hf_shape = tuple(handles[fname].get_slice(t.name).get_shape())
+            if hf_shape != _hf_shape(t.kind, want):
+                raise ModelFormatError(
+                    f"{fname}: tensor {t.name!r} has shape {list(hf_shape)}, expected "
+                    f"{list(_hf_shape(t.kind, want))} from {CONFIG_FILE}")
+            arr = _to_ours(t.kind, handles[fname].get_tensor(t.name), want).astype(np_dtype)
+        except (SafetensorError, OSError) as e:     # damaged after the pre-start check
             raise ModelFormatError(
-                f"{fname}: tensor {t.name!r} has shape {list(hf_shape)}, expected "
-                f"{list(_hf_shape(t.kind, want))} from {CONFIG_FILE}")
-        arr = _to_ours(t.kind, handles[fname].get_tensor(t.name), want).astype(np_dtype)
+                f"{fname}: cannot read tensor {t.name!r} ({' '.join(str(e).split())[:200]}) "
+                f"(expected a complete safetensors file; was it changed or cut while "
+                f"loading?)") from None
         if out is None:
             return arr
         out[t.index] = arr
@@ -284,8 +269,10 @@ def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = No
 
     Raises:
       ModelFormatError: no config.json; unsupported ``model_type`` (lists the supported);
-        a tensor missing from the safetensors files (names it); a tensor whose shape does
-        not match config.json (names tensor, file and both shapes).
+        a weight file missing, truncated or with a bad header
+        (:func:`rlflow.models.weight_files.check_weight_files`; names the file); a tensor
+        missing from the safetensors files (names it); a tensor whose shape does not match
+        config.json (names tensor, file and both shapes).
     """
     cfg = read_decoder_config(path, dtype=dtype, param_dtype=param_dtype)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
