@@ -53,6 +53,9 @@ def test_eval_model_path_on_the_demo_folder(tmp_path, capsys):
     np.testing.assert_allclose(m["eval/reward_mean"], np.mean(rewards), rtol=0, atol=sum_tol(
         2 * len(rewards), scale=max(map(abs, rewards)), eps=float(np.finfo(np.float64).eps)))
     assert 1 <= m["eval/completion_length"] <= 4     # demo sampler.max_tokens = 4
+    # reward failures are counted (issue 49, fault 8): none for the demo's reward
+    assert m["eval/reward_timeouts/digits_match"] == 0.0
+    assert m["eval/reward_errors/digits_match"] == 0.0
 
 
 def test_eval_refuses_a_missing_path_naming_the_field(capsys):

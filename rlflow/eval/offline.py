@@ -76,7 +76,8 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
 
     Returns:
       ``(metrics, records)``: :func:`rlflow.eval.scoring.aggregate` of the prompt records
-      (with ``eval/version``), and the records.
+      (with ``eval/version``, and the reward calls that failed: ``eval/reward_errors/<fn>``,
+      ``eval/reward_timeouts/<fn>``), and the records.
 
     Raises:
       as :func:`rlflow.eval.scoring.load_eval_prompts`; the reward functions' errors
@@ -110,7 +111,12 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
                                                  prompt_text=prompt["prompt_text"],
                                                  answer=prompt["answer"],
                                                  components=components))
+        # the reward calls that failed (scored 0), named as a run's held-out evaluations
+        # name them (rlflow.sampler.eval_runner): eval/reward_timeouts/<fn>, ...
+        failures = {"eval/" + k.replace("reward/", "reward_", 1): float(v)
+                    for k, v in rewarder.metrics().items()}
     metrics = scoring.aggregate(records)
+    metrics.update(failures)
     metrics["eval/version"] = float(version)
     return metrics, records
 
