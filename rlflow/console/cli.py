@@ -13,10 +13,17 @@ on the default config.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
-from rlflow.console.config_args import parse_train_args
+# transformers prints "[transformers] PyTorch was not found ..." when it is imported without
+# torch, which rlflow never needs (JAX models; torch only builds the SmolLM2 folder): every
+# rlflow command printed it. Set before anything imports transformers; the programs
+# inherit it (rlflow.runtime.launch sets it too, for programs started otherwise).
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from rlflow.console.config_args import parse_train_args  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
