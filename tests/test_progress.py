@@ -227,3 +227,37 @@ def test_watcher_says_when_the_learner_declares_a_replica_lost(tmp_path):
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         ProgressReporter(stream=io.StringIO(), **kwargs)
+
+
+def test_summary_counts_the_held_out_evaluations_reward_failures(tmp_path):
+    """Issue 49, fault 8: a reward timeout during a held-out evaluation (the replicas'
+    ``eval/reward_timeouts/<fn>``) is counted in summary.json and on the counts line, apart
+    from training's, and does not make the run unhealthy by itself."""
+    import json
+
+    from rlflow import config as C
+    from rlflow.launcher.run_watch import RunWatcher
+    from rlflow.run.summary import counts_line
+
+    cfg = C.ExperimentConfig(name="demo", run_dir=str(tmp_path),
+                             learner=C.LearnerConfig(num_steps=2),
+                             metrics=C.MetricsConfig(progress="plain"))
+    os.makedirs(cfg.run_path)
+    with open(os.path.join(cfg.run_path, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 1, "learner/step_time_s": 1.0, "reward/mean": 0.5,
+                            "sampler/groups_delivered": 4,
+                            "eval/reward_timeouts/slow": 1, "eval/reward_errors/slow": 0}) + "\n")
+        f.write(json.dumps({"step": 2, "learner/step_time_s": 1.0, "reward/mean": 0.5,
+                            "sampler/groups_delivered": 8,
+                            "eval/reward_timeouts/slow": 3, "eval/pass@1": 0.5}) + "\n")
+    watcher = RunWatcher(cfg, cfg.run_path, stream=io.StringIO())
+    watcher.poll()
+    summary = watcher.summary(True)
+    assert summary["counts"]["eval/reward_timeouts/slow"] == 3.0     # the newest value
+    assert summary["counts"]["eval/reward_errors/slow"] == 0.0
+    assert "eval/pass@1" not in summary["counts"]
+    assert summary["healthy"], summary["unhealthy_reasons"]
+    assert counts_line(summary["counts"]) == (
+        "counts: 3 held-out evaluation reward timeouts in slow")
+    assert counts_line({"eval/reward_errors/f": 1.0}) == (
+        "counts: 1 held-out evaluation reward error in f")

@@ -38,6 +38,8 @@ from tolerances import F32_EPS
 
 pytestmark = pytest.mark.slow
 
+from test_phases import no_torch_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_GUARD_S = 300
 TOKEN = "tok-9f3e71c2-not-for-files"
@@ -58,7 +60,7 @@ def _rlflow():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("run-outputs")
-    env = dict(os.environ)
+    env = no_torch_env(root / "site")       # as installed without torch: no advisory printed
     env["RLFLOW_CACHE_DIR"] = str(root / "cache")
     env["TERM"] = "xterm-256color"          # only the missing TTY may make the output plain
     for name in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
@@ -132,6 +134,29 @@ def test_non_tty_output_has_no_control_characters(run):
         assert not bad, f"{name} holds control characters {bad}: {text[-1500:]!r}"
     out = (proc.stdout + proc.stderr).decode("utf-8")
     assert f"step {NUM_STEPS}/{NUM_STEPS}" in out       # the plain progress lines are there
+
+
+def test_start_up_phases_are_printed_and_no_torch_advisory(run):
+    """Issue 49, fault 9: before step 1 the console says what the programs are doing
+    (from the phase lines of their logs), and transformers' "PyTorch was not found" advisory
+    is printed nowhere, though this run's Python cannot import torch."""
+    proc, run_dir, _ = run
+    _ok(proc)
+    out = (proc.stdout + proc.stderr).decode("utf-8")
+    before = out[:out.index("step 1/")]
+    sampler = "sampler"                     # one replica: logs/sampler.log (named by its log)
+    assert os.path.isfile(os.path.join(run_dir, "logs", f"{sampler}.log"))
+    for phase in ("[learner] loading the model", "[learner] waiting for the first rollouts",
+                  f"[{sampler}] loading the model",
+                  f"[{sampler}] waiting for the learner's first weights"):
+        assert f"rlflow train: {phase}" in before, before
+    # the last phase before step 1 is reported when the first groups are in; printed unless
+    # step 1 was logged within the same poll (so it is looked for in the learner's log)
+    with open(os.path.join(run_dir, "logs", "learner.log"), encoding="utf-8") as f:
+        assert "rlflow.phase: compiling the train step" in f.read()
+    logs = "".join(open(os.path.join(run_dir, "logs", n), encoding="utf-8").read()
+                   for n in os.listdir(os.path.join(run_dir, "logs")))
+    assert "PyTorch was not found" not in out + logs
 
 
 def test_token_is_in_no_file_of_the_run_folder_and_in_no_argv(run):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from rlflow.models import load_hf, positions_from_mask, save_hf
-from rlflow.models.smollm2 import smollm2_model_path
+from smollm2_fixtures import smollm2_or_skip
 from test_engine import one_device_mesh, recompute_logprobs
 from tolerances import forward_atol
 
@@ -36,10 +36,10 @@ def rlflow_logits(model, seq):
 @pytest.fixture(scope="module")
 def smol():
     """(folder, rlflow model, its DecoderConfig, transformers model, tokenizer)."""
+    path = smollm2_or_skip()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = smollm2_model_path()
     model, cfg = load_hf(path)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return path, model, cfg, ref, AutoTokenizer.from_pretrained(path)

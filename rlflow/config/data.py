@@ -82,7 +82,10 @@ class RewardConfig:
         ``reward.http`` and ``reward.judge`` (:mod:`rlflow.data.http_scorer`; their own
         timeouts and retries, not ``timeout_s``).
       weights: one weight per function; the reward is the weighted sum.
-      timeout_s: seconds one reward call may take before it scores 0 (counted).
+      timeout_s: CPU seconds one reward call may use before its worker is killed and the
+        sample scores 0 (counted as a timeout); CPU time, so that a loaded host does not cut a
+        trivial call. A call that waits instead (sleep, lock, I/O) is cut after 10 x this of
+        wall time (``rlflow.data.reward_workers.WALL_BACKSTOP_FACTOR``).
       num_workers: reward worker processes of the sampler (scoring overlaps decoding).
         0 calls the functions in the sampler process on a thread: for debugging only
         (a call that holds the GIL or allocates without bound is then not stopped).

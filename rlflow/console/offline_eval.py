@@ -35,11 +35,16 @@ class EvalError(ValueError):
     """``rlflow eval`` cannot run (the message names the flag or file and what was expected)."""
 
 
-def generate_groups(cfg, requests, params=None, version: int = 0) -> list:
+def _quiet(text: str) -> None:
+    """The default ``say``: phases go nowhere."""
+
+
+def generate_groups(cfg, requests, params=None, version: int = 0, say=_quiet) -> list:
     """Run ``requests`` to completion on an in-process sampler engine built from ``cfg``
     (``model.path``, ``sampler`` settings: slots, buckets, dtype, mesh over this process's
     first ``sampler.num_devices`` devices); ``params``: an
     ``nnx.State`` to load (None: the model folder's weights), tagged ``version``.
+    ``say(text)`` is told each phase (loading, compiling and generating).
 
     Returns:
       The finished :class:`rlflow.sampler.requests.CompletedGroup` s, in request order.
@@ -55,6 +60,7 @@ def generate_groups(cfg, requests, params=None, version: int = 0) -> list:
 
     sc = dataclasses.replace(cfg.sampler, decode_lanes=1)
     mesh = make_mesh(sc.mesh, jax.devices()[:sc.num_devices])   # the first sampler.num_devices
+    say(f"loading the model ({cfg.model.path or 'built in'})")
     model, dcfg = build_model(sampler_model_config(cfg), mesh=mesh)
     tokenizer = pc.run_tokenizer(cfg)
     eos = set(dcfg.eos_token_ids)
@@ -65,6 +71,8 @@ def generate_groups(cfg, requests, params=None, version: int = 0) -> list:
     batcher = ContinuousBatcher(engine, params, version)
     for request in requests:
         batcher.submit(request)
+    say(f"compiling prefill and decode, then generating {len(requests)} prompt(s) x "
+        f"{cfg.eval.num_samples} sample(s)")
     groups = []
     while batcher.has_work:
         groups += batcher.step()
@@ -72,12 +80,14 @@ def generate_groups(cfg, requests, params=None, version: int = 0) -> list:
     return sorted(groups, key=lambda g: order[id(g.request)])
 
 
-def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
-    """One evaluation of ``cfg.eval`` on the policy ``params`` (None: ``model.path``'s).
+def evaluate(cfg, params=None, version: int = 0, say=_quiet) -> tuple[dict, list]:
+    """One evaluation of ``cfg.eval`` on the policy ``params`` (None: ``model.path``'s);
+    ``say(text)`` is told each phase (:func:`generate_groups`'s, then scoring).
 
     Returns:
       ``(metrics, records)``: :func:`rlflow.eval.scoring.aggregate` of the prompt records
-      (with ``eval/version``), and the records.
+      (with ``eval/version``, and the reward calls that failed: ``eval/reward_errors/<fn>``,
+      ``eval/reward_timeouts/<fn>``), and the records.
 
     Raises:
       as :func:`rlflow.eval.scoring.load_eval_prompts`; the reward functions' errors
@@ -98,8 +108,10 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
                                      if cfg.model.path else cfg.model.model_type)
     prompts = scoring.load_eval_prompts(cfg, tokenizer)
     requests = eval_requests(cfg, prompts)
-    groups = generate_groups(cfg, requests, params, version)
+    groups = generate_groups(cfg, requests, params, version, say=say)
     reward_cfg = eval_reward_config(cfg)
+    say(f"scoring {sum(len(g.completions) for g in groups)} completion(s) with "
+        f"{', '.join(reward_cfg.functions)}")
     threshold = pc.accuracy_threshold(reward_cfg)
     records = []
     with Rewarder(reward_cfg, plugins=cfg.plugins) as rewarder:
@@ -112,12 +124,17 @@ def evaluate(cfg, params=None, version: int = 0) -> tuple[dict, list]:
                                                  prompt_text=prompt["prompt_text"],
                                                  answer=prompt["answer"],
                                                  components=components))
+        # the reward calls that failed (scored 0), named as a run's held-out evaluations
+        # name them (rlflow.sampler.eval_runner): eval/reward_timeouts/<fn>, ...
+        failures = {"eval/" + k.replace("reward/", "reward_", 1): float(v)
+                    for k, v in rewarder.metrics().items()}
     metrics = scoring.aggregate(records)
+    metrics.update(failures)
     metrics["eval/version"] = float(version)
     return metrics, records
 
 
-def _config_and_params(args, rest: Sequence[str]):
+def _config_and_params(args, rest: Sequence[str], say=_quiet):
     """(config, params, version) for the parsed flags; ``rest``: field overrides."""
     import tyro
 
@@ -137,6 +154,8 @@ def _config_and_params(args, rest: Sequence[str]):
             raise EvalError(f"--run {args.run}: no {CONFIG_FILE} (expected a run folder "
                             "written by rlflow train)")
         cfg = pc.load_config(path)
+        say(f"reading the checkpoint ({args.run}, step "
+            f"{'latest' if args.step is None else args.step})")
         got = params_from_run(args.run, args.step, base_model=args.base_model)
         if got.lora is not None:
             raise EvalError(f"--run {args.run} is a LoRA run: merge it first (rlflow export "
@@ -189,8 +208,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "(override fields with --eval.FIELD VALUE)", file=sys.stderr)
         return 2
     try:
-        cfg, params, version = _config_and_params(args, rest)
-        metrics, records = evaluate(cfg, params, version)
+        def say(text: str) -> None:     # the phases, on stderr (stdout: the figures)
+            print(f"rlflow eval: {text}", file=sys.stderr, flush=True)
+
+        cfg, params, version = _config_and_params(args, rest, say)
+        metrics, records = evaluate(cfg, params, version, say=say)
     except (EvalError, ConfigError, SecretError, DataError, ExportError, CheckpointError,
             ModelFormatError, FileNotFoundError) as e:
         print(f"rlflow eval: {e}", file=sys.stderr)

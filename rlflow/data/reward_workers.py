@@ -13,11 +13,19 @@ killed; so does rlflow. :class:`RewardWorkerPool` keeps ``reward.num_workers`` p
     counted as an error,
   * then scores one sample at a time, in the order they were sent to it.
 
-Each worker runs in its own process group. A call still running ``reward.timeout_s``
-seconds after it started (the worker received it, or finished its previous call) is
+Each worker runs in its own process group. A reward call is timed by **CPU time**: once the
+worker has spent ``reward.timeout_s`` seconds of CPU (user + system, ``/proc/<pid>/stat``) on
+it since it started (the worker received it, or finished its previous call), it is
 abandoned: the worker's group is killed (SIGKILL: the worker and any process the call
 started), the sample scores 0 (counted as a timeout) and a new worker is started in the
-background. A worker that dies (e.g. killed by the OS) scores its sample 0 as an error and
+background. CPU time, not wall time, because a loaded host stretches wall time: at load
+average 9-15 on 2 cores a one-character ``digits_match`` call ran past 5 s of wall time and
+a correct sample scored 0. A call that waits instead of computing (``sleep``, a lock, I/O, a
+subprocess it waits on: a child's CPU counts only once waited for) is cut by the wall-clock
+backstop, :data:`WALL_BACKSTOP_FACTOR` x ``reward.timeout_s`` after it started. Where CPU time
+cannot be read (no ``/proc``) the call gets ``timeout_s`` of wall time. A pool can time its
+calls by wall time alone (``clock="wall"``: the environment workers, whose steps may wait on
+a tool's subprocess). A worker that dies (e.g. killed by the OS) scores its sample 0 as an error and
 is replaced the same way. Calls sent to a killed worker that had not started go back to the
 head of the queue.
 
@@ -44,19 +52,30 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import os
 import sys
 import time
 from multiprocessing.connection import wait as wait_connections
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-from rlflow.system.process_limits import exit_text, kill_process_group, set_memory_limit
+from rlflow.system.process_limits import (exit_text, kill_process_group, own_cpu_s,
+                                           process_cpu_s, set_memory_limit)
 
 logger = logging.getLogger(__name__)
 
 #: Seconds a new worker may take to import and warm up before the pool gives up on it.
 STARTUP_TIMEOUT_S = 300.0
+
+#: A CPU-timed call (``clock="cpu"``) is cut after this many times its timeout of wall time
+#: too, whatever CPU it used: the backstop for a call that waits (sleep, lock, I/O) instead
+#: of computing. Generous, so that only a call that really hangs reaches it on a loaded host
+#: (a process given 1/10 of a core still gets its timeout's worth of CPU before it).
+WALL_BACKSTOP_FACTOR = 10.0
+
+#: Least wall time between two readings of a busy worker's CPU time (seconds).
+_MIN_CPU_CHECK_S = 0.02
 
 # A result: (task id, "ok" | "error" | "timeout", value or message)
 Result = Tuple[int, str, object]
@@ -83,10 +102,11 @@ def serve(conn, handle, memory_limit_mb: int = 0, what: str = "reward") -> None:
                                      f"{memory_limit_mb}")
         except BaseException as e:  # noqa: BLE001 - a failed call is reported, counted
             out = (task_id, "error", f"{type(e).__name__}: {e}")
-        # when the call ended (CLOCK_MONOTONIC, the same clock in every process): the next
-        # call queued in this worker started then, and its deadline counts from it
+        # when the call ended (CLOCK_MONOTONIC, the same clock in every process) and this
+        # process's CPU time then: the next call queued in this worker started at that point,
+        # and its wall and CPU budgets count from it
         try:
-            conn.send(out + (time.monotonic(),))
+            conn.send(out + (time.monotonic(), own_cpu_s()))
         except ConnectionError:                 # BrokenPipeError / reset: the parent is gone
             return
 
@@ -163,6 +183,8 @@ class _Worker:
         self.ready = False
         self.calls: collections.deque = collections.deque()   # sent, not answered (in order)
         self.deadline = 0.0                # when the first of ``calls`` must have answered
+        self.cpu_start = None              # the worker's CPU seconds when that call started
+        self.check_at = math.inf           # when its CPU time is read next (clock "cpu")
 
     def kill(self) -> None:
         """SIGKILL the worker's process group (the worker and any process a reward call
@@ -201,24 +223,37 @@ class WorkerPool:
       target: the worker entry point (module level, importable in a spawned process).
       args: its arguments after the pipe (picklable).
       num_workers: processes (>= 1).
-      timeout_s: seconds a call may run before its worker is killed ("timeout").
+      timeout_s: seconds a call may run before its worker is killed ("timeout"): CPU
+        seconds of the worker with ``clock="cpu"``, wall seconds with ``clock="wall"``.
       what: the workers' kind in messages and process names ("reward", "env").
       error: the exception raised when workers cannot start.
       calls_per_worker: calls sent ahead into each worker's pipe (>= 1); a worker runs them
         one after the other, each with its own ``timeout_s``.
+      clock: "cpu" (a call is cut at ``timeout_s`` of the worker's CPU time, or at
+        ``wall_timeout_s`` of wall time) or "wall" (at ``timeout_s`` of wall time).
+      wall_timeout_s: the wall-clock backstop of ``clock="cpu"``, seconds (None:
+        :data:`WALL_BACKSTOP_FACTOR` x ``timeout_s``).
 
     Raises:
-      ValueError: ``num_workers`` or ``calls_per_worker`` below 1.
+      ValueError: ``num_workers`` or ``calls_per_worker`` below 1, ``clock`` not "cpu" or
+        "wall".
     """
 
     def __init__(self, target, args: tuple, num_workers: int = 2, timeout_s: float = 5.0,
-                 what: str = "worker", error=RuntimeError, calls_per_worker: int = 1):
+                 what: str = "worker", error=RuntimeError, calls_per_worker: int = 1,
+                 clock: str = "cpu", wall_timeout_s: Optional[float] = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if calls_per_worker < 1:
             raise ValueError(f"calls_per_worker must be >= 1, got {calls_per_worker}")
+        if clock not in ("cpu", "wall"):
+            raise ValueError(f"clock must be 'cpu' or 'wall', got {clock!r}")
         self.calls_per_worker = int(calls_per_worker)
         self.timeout_s = float(timeout_s)
+        self.clock = clock
+        self.wall_timeout_s = (self.timeout_s if clock == "wall" else
+                               float(wall_timeout_s) if wall_timeout_s is not None else
+                               WALL_BACKSTOP_FACTOR * self.timeout_s)
         self.what, self._error = what, error
         self._ctx = mp.get_context("spawn")
         self._target, self._args = target, tuple(args)
@@ -267,7 +302,7 @@ class WorkerPool:
             self._dispatch()
             now = time.monotonic()
             busy = [w for w in self._workers if w.calls or not w.ready]
-            deadlines = [w.deadline for w in busy if w.calls]
+            deadlines = [min(w.deadline, w.check_at) for w in busy if w.calls]
             wait_s = max(0.0, min([end - now] + [d - now for d in deadlines]))
             ready = wait_connections([w.conn for w in busy], wait_s) if busy else []
             if not busy and wait_s > 0 and not results:
@@ -279,8 +314,9 @@ class WorkerPool:
                         results.extend(self._receive(i, w))
             now = time.monotonic()
             for i, w in enumerate(list(self._workers)):
-                if w.calls and now >= w.deadline:
-                    results.append((w.calls[0][0], "timeout", f"ran past {self.timeout_s} s"))
+                why = self._overrun(w, now) if w.calls else None
+                if why:
+                    results.append((w.calls[0][0], "timeout", why))
                     w.calls.popleft()
                     self._replace(i)
                 elif not w.ready and now - w.started > STARTUP_TIMEOUT_S:
@@ -304,12 +340,43 @@ class WorkerPool:
         self._workers = []
 
     # ------------------------------------------------------------------ internals
+    def _start_call(self, w: _Worker, now: float, cpu_s: Optional[float]) -> None:
+        """The first of ``w.calls`` started at ``now`` (monotonic) with the worker at
+        ``cpu_s`` CPU seconds (None: unknown; the call then gets ``timeout_s`` of wall)."""
+        if self.clock == "wall" or cpu_s is None:
+            w.deadline, w.cpu_start, w.check_at = now + self.timeout_s, None, math.inf
+        else:
+            # CPU time cannot pass timeout_s before as much wall time has (one thread)
+            w.deadline, w.cpu_start = now + self.wall_timeout_s, cpu_s
+            w.check_at = now + self.timeout_s
+
+    def _overrun(self, w: _Worker, now: float) -> Optional[str]:
+        """Why the running call of ``w`` is past its budget (None: it is not)."""
+        if now >= w.deadline:
+            if w.cpu_start is None:
+                return f"ran past {self.timeout_s:g} s"
+            return (f"ran past {self.wall_timeout_s:g} s of wall time (the backstop of a "
+                    f"call timed by CPU time, {self.timeout_s:g} s: it was waiting, "
+                    "not computing)")
+        if now < w.check_at:
+            return None
+        cpu_s = process_cpu_s(w.process.pid)
+        if cpu_s is None:                       # gone: its pipe's EOF reports it
+            w.check_at = now + _MIN_CPU_CHECK_S
+            return None
+        used = cpu_s - w.cpu_start
+        if used >= self.timeout_s:
+            return f"ran past {self.timeout_s:g} s of CPU time"
+        w.check_at = now + max(self.timeout_s - used, _MIN_CPU_CHECK_S)
+        return None
+
     def _dispatch(self) -> None:
         for w in self._workers:
             while self._queue and w.ready and len(w.calls) < self.calls_per_worker:
                 task = self._queue.popleft()
                 if not w.calls:                 # an idle worker starts it now
-                    w.deadline = time.monotonic() + self.timeout_s
+                    self._start_call(w, time.monotonic(), process_cpu_s(w.process.pid)
+                                     if self.clock == "cpu" else None)
                 w.conn.send(task)
                 w.calls.append(task)
 
@@ -332,7 +399,7 @@ class WorkerPool:
             return []
         w.calls.popleft()
         if w.calls:                             # the next call started when this one ended
-            w.deadline = msg[3] + self.timeout_s
+            self._start_call(w, msg[3], msg[4])
         return [msg[:3]]
 
     def _replace(self, i: int) -> None:
@@ -350,7 +417,9 @@ class RewardWorkerPool(WorkerPool):
       functions: (name, registering module) per reward function; calls name them by index.
       plugins: modules each worker imports first (the ``plugins`` config field).
       num_workers: processes (>= 1).
-      timeout_s: seconds a call may run before its worker is killed (reward 0, "timeout").
+      timeout_s: CPU seconds a call may use before its worker is killed (reward 0,
+        "timeout"); a call is also killed :data:`WALL_BACKSTOP_FACTOR` x ``timeout_s`` of
+        wall time after it started (see the module docstring).
       memory_limit_mb: address-space limit of each worker (0: none).
       calls_per_worker: calls queued ahead in each worker (see the module docstring).
     """

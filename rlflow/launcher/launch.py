@@ -33,7 +33,11 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-from rlflow.run import files
+# transformers' "PyTorch was not found" advisory (printed when it is imported without torch,
+# which rlflow never needs): not in every program's log. Before anything imports it.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from rlflow.run import files  # noqa: E402
 from rlflow.control import programs_common as pc
 from rlflow.system import host_memory
 from rlflow.launcher import learner_hosts

@@ -22,6 +22,7 @@ from typing import Mapping, Optional
 
 from rlflow.run import files
 from rlflow.run.metrics import METRICS_FILE
+from rlflow.run.phases import PhaseTail
 from rlflow.run.folder import metrics_by_step, read_jsonl
 from rlflow.run.summary import (PROMPT_COUNTS, SUMMARY_FILE, count_metrics, counts_line, health,
                                 prompt_counts_line, reward_rise, throughput, write_report,
@@ -69,6 +70,9 @@ class RunWatcher:
         self.stream = stream if stream is not None else sys.stderr
         self.path = files.join(run_path, METRICS_FILE)
         self.logs = os.path.join(files.local_side(run_path), LOGS_SUBDIR)
+        # the programs' start-up phases (loading, compiling, waiting for rollouts), printed
+        # until the first step: lines they add to their logs from now on
+        self._phases = PhaseTail(self.logs)
         # From the start: the learner may rewrite the file shorter on resume (records after
         # its checkpoint removed); steps <= resumed_from are skipped below.
         self._offset = 0
@@ -90,8 +94,16 @@ class RunWatcher:
                                          stream=self.stream, start_step=resumed_from)
 
     def poll(self) -> int:
-        """Read new complete records; one progress update per new step. Returns the newest
-        step seen (``resumed_from`` before the first)."""
+        """Read new complete records; one progress update per new step; before the first
+        step, a line per start-up phase a program reports (:mod:`rlflow.run.phases`).
+        Returns the newest step seen (``resumed_from`` before the first)."""
+        if self.last_step <= self.resumed_from:     # phases first: they came before step 1
+            for role, text in self._phases.new_phases():
+                self.progress.message(f"rlflow train: [{role}] {text}")
+        self._read_records()
+        return self.last_step
+
+    def _read_records(self) -> None:
         try:
             if files.is_url(self.path):    # an object: read whole, keep what is new
                 data = files.read_bytes(self.path)
@@ -106,7 +118,7 @@ class RunWatcher:
                     chunk = f.read()
         except OSError:                    # no metrics yet
             self._stall_notice()
-            return self.last_step
+            return
         self._offset += len(chunk)
         data = self._partial + chunk
         lines = data.split(b"\n")
@@ -128,7 +140,6 @@ class RunWatcher:
                                       if isinstance(v, (int, float))}},
                     at=at if isinstance(at, (int, float)) else None)
         self._stall_notice()
-        return self.last_step
 
     def _stall_notice(self) -> None:
         """After ``stall_notice_s`` (then 2x, 4x ...) without a new step: how long, and the

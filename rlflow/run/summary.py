@@ -201,13 +201,18 @@ DROP_COUNTS = {"learner/stale_groups_dropped": "stale group{s} dropped",
                "sampler/replicas_lost": "time{s} a sampler replica was declared lost "
                                         "(no heartbeat for runtime.replica_timeout_s)"}
 COUNT_PREFIXES = ("reward/errors/", "reward/timeouts/")
+# The held-out evaluations' reward failures (rlflow.sampler.eval_runner), counted apart:
+# summary.json's "counts" and the counts line, not the run's health.
+EVAL_COUNT_PREFIXES = {"eval/reward_errors/": "held-out evaluation reward error{s}",
+                       "eval/reward_timeouts/": "held-out evaluation reward timeout{s}"}
 
 
 def count_metrics(record: Mapping) -> dict[str, float]:
     """The count metrics of one ``metrics.jsonl`` record (prompt filter counts, dropped
-    groups, reward function errors / timeouts)."""
+    groups, reward function errors / timeouts, in training and in held-out evaluations)."""
     return {k: float(v) for k, v in record.items()
-            if (k in PROMPT_COUNTS or k in DROP_COUNTS or k.startswith(COUNT_PREFIXES))
+            if (k in PROMPT_COUNTS or k in DROP_COUNTS or k.startswith(COUNT_PREFIXES)
+                or k.startswith(tuple(EVAL_COUNT_PREFIXES)))
             and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
@@ -232,6 +237,9 @@ def counts_line(counts: Mapping[str, float]) -> str:
     parts = [_counted(counts[k], label) for k, label in DROP_COUNTS.items() if counts.get(k)]
     parts += [_counted(v, f"reward {k.split('/')[1][:-1]}{{s}} in {k.split('/', 2)[2]}")
               for k, v in sorted(counts.items()) if k.startswith(COUNT_PREFIXES) and v]
+    parts += [_counted(v, f"{label} in {k[len(prefix):]}")
+              for prefix, label in EVAL_COUNT_PREFIXES.items()
+              for k, v in sorted(counts.items()) if k.startswith(prefix) and v]
     return ("counts: " + ", ".join(parts)) if parts else ""
 
 

@@ -46,7 +46,8 @@ def env_worker_main(conn, plugins: Sequence[str], env_name: str) -> None:
 
 
 def env_pool(env_cfg, plugins: Sequence[str] = ()) -> WorkerPool:
-    """``env.num_workers`` environment workers, ``env.step_timeout_s`` per step."""
+    """``env.num_workers`` environment workers, ``env.step_timeout_s`` of wall time per step
+    (not CPU time, as rewards: a step may wait on a tool's subprocess or a service)."""
     return WorkerPool(env_worker_main, (tuple(plugins), env_cfg.name),
                       num_workers=env_cfg.num_workers, timeout_s=env_cfg.step_timeout_s,
-                      what="env", error=EnvWorkerError)
+                      what="env", error=EnvWorkerError, clock="wall")

@@ -65,6 +65,7 @@ from rlflow.mesh import make_mesh
 from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec
 from rlflow.control.run_control import ControlClient
+from rlflow.run.phases import report_phase
 from rlflow.sampler.background import Heartbeat, RateCounters, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.delivery import GroupDelivery
@@ -123,6 +124,7 @@ class SamplerProgram:
         self.cap = lease_cap(sc, cfg.learner.groups_per_step, sc.num_replicas)
         self.mesh = make_mesh(sc.mesh)
         engine_cfg = sampler_model_config(cfg)
+        report_phase(f"loading the model ({cfg.model.path or 'built in'})")
         model, dcfg = build_model(engine_cfg, mesh=self.mesh)
         log.info("engine dtype %s, params %s (learner params %s, published in %s)",
                  engine_cfg.dtype, engine_cfg.param_dtype, cfg.model.param_dtype,
@@ -189,8 +191,10 @@ class SamplerProgram:
         self.sleeping = False
         self.version = -1          # version of the weights new groups start with
         reply = self._status()
+        report_phase("waiting for the learner's first weights")
         self.batcher = self._first_weights(reply)
         self.puller = WeightPuller(self.subscriber, self._on_weights)
+        report_phase("compiling prefill and decode, then generating the first rollouts")
 
     def _episode_driver(self):
         from rlflow.sampler.env_workers import env_pool

@@ -59,3 +59,25 @@ def exit_text(code) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def process_cpu_s(pid) -> "float | None":
+    """CPU seconds process ``pid`` has used: user + system time of the process (all its
+    threads) and of the children it has waited for (``utime + stime + cutime + cstime`` of
+    ``/proc/<pid>/stat``, proc(5); the same counters as ``os.times()`` in that process).
+    None when unknown (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()    # after "(comm)", which may hold spaces
+        ticks = os.sysconf("SC_CLK_TCK")
+        # fields[0] is the state (field 3 of proc(5)): utime..cstime are fields 14-17
+        return sum(int(x) for x in fields[11:15]) / ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process has used, counted as :func:`process_cpu_s` counts them
+    (``os.times()``: user + system, own and waited-for children's)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
