@@ -3,12 +3,14 @@
 Measured on the CPU test machine (2026-12-07, 2 cores shared with other jobs, VmHWM),
 ``configs/smollm2_arith.py`` for 2 steps, against ``python -m rlflow.console.fit``:
 
-=========  =======================  =====================  ======================
-process    fit before (device only)  measured before fixes  fit now / measured now
-=========  =======================  =====================  ======================
-learner    3.7 GiB                   4.75 GiB               see the report
-sampler    0.7 GiB                   3.74 GiB               see the report
-=========  =======================  =====================  ======================
+=======  ===============  ===================  ===========  =====================
+process  fit, device only  measured, old code   fit now      measured now
+=======  ===============  ===================  ===========  =====================
+learner  3.7 GiB           4.75 GiB             4.95 GiB     4.75-5.30 GiB (3 runs)
+sampler  0.7 GiB           3.74 GiB             2.60 GiB     2.30 GiB
+=======  ===============  ===================  ===========  =====================
+
+That run takes 10-12 minutes here; the measured test below runs the demo config instead.
 """
 
 import dataclasses

@@ -39,11 +39,12 @@ the evaluation's own rewarder with ``eval.every_steps > 0``,
 :func:`rlflow.config.eval.eval_reward_config`).
 
 Measured (2026-12-07, this repository's CPU test machine: 2 cores, 23.5 GiB, Python 3.11,
-jax CPU, shared by other jobs; ``VmHWM`` of ``/proc/<pid>/status``), SmolLM2-135M
-(``configs/smollm2_arith.py``, 2 steps): learner peak 4.86 GiB, sampler 3.33 GiB before
-the sampler fixes of the same commit series (the engine kept the start-up weights, the
-pull target kept them too, and every version's per-layer slices stayed beside their
-transposes), against this model's figures in ``tests/test_process_memory.py``'s docstring.
+jax CPU, shared by other jobs; ``VmHWM`` of ``/proc/<pid>/status`` sampled every 2 s),
+SmolLM2-135M (``configs/smollm2_arith.py``, 2 steps, the evaluation at version 0): this
+model says learner 4.95 GiB, sampler 2.60 GiB; the runs peaked at learner 4.75-5.30 GiB
+(three runs of the same code) and sampler 2.30 GiB (3.74 GiB before the sampler kept one
+copy of the weights and gave freed pages back, :mod:`rlflow.sampler.layer_storage`,
+:func:`rlflow.runtime.host_memory.release_freed_memory`).
 
 Left out: the compiled programs' code (XLA reports 0.0 MiB of code for the learner's step
 on CPU); a second packed shape's temporaries beyond the first's (the step's activations
