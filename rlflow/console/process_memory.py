@@ -13,11 +13,15 @@ learner process (:func:`learner_process`):
 * ``device``: the learner's per-device terms (params, optimizer, grads, reference,
   published, activations) x ``learner.num_devices`` (every fake CPU device is this
   process's memory);
-* ``load``: the weights read from ``model.path``, one host copy in the parameter dtype
-  (:func:`rlflow.models.hf.load_hf` reads each parameter into numpy before placing it).
-  The learner runs with ``runtime.keep_freed_host_memory`` (glibc never returns freed
-  heap, :mod:`rlflow.runtime.host_memory`), so that copy's pages stay resident after it is
-  freed; 0 for a random model (initialised on the device) or with the setting off;
+* ``load``: one host copy of the weights in the parameter dtype, with ``model.path`` and
+  ``runtime.keep_freed_host_memory`` (glibc never returns freed heap,
+  :mod:`rlflow.runtime.host_memory`): :func:`rlflow.models.hf.load_hf` reads each
+  parameter into numpy before placing it, and the heap keeps those pages. Measured, the
+  learner holds 0.3-0.85 GiB above ``runtime`` + ``device`` for SmolLM2-135M (0.5 GiB of
+  float32 weights); a ``malloc_trim`` right after start-up did not lower its peak (4.87
+  GiB against 4.75-5.30 without), so this term stands for host memory the steps use as
+  well (the weight server's and the batches' host buffers), not for the loader's pages
+  alone. 0 for a random model (initialised on the device) or with the setting off;
 
 sampler replica process (:func:`sampler_process`):
 
@@ -52,8 +56,9 @@ are counted once: at most two packed shapes a run, ``rlflow.learner.packing``, o
 executing at a time); the orbax checkpoint's host copies while saving; the start-up peak
 of a sampler reading its weights from disk (the file's mapped pages plus the arrays, about
 twice the weights, before any version is pulled: below the steady figure); the heap the
-allocator keeps after frees beyond the ``load`` term (fragmentation, which grows with the
-run: the README's 24-step run). Those are what :data:`rlflow.console.fit.HEADROOM` leaves.
+allocator keeps after frees beyond the ``load`` term; the learner's growth over a longer
+run (issue 49: 5.8 GiB after 5 steps, 8.7 GB at step 24 of the README's run; not measured
+here, where runs were 2 steps). Those are what :data:`rlflow.console.fit.HEADROOM` leaves.
 """
 
 from __future__ import annotations
