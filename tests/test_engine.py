@@ -386,3 +386,37 @@ def test_prefill_and_insert_shapes_stay_bounded():
     assert {(k[0], k[2]) for k, _ in seen["insert"]} <= allowed
     assert all(rows == (k[0] * 2,) for k, rows in seen["insert"])   # width = rows x G (2)
     assert len(seen["prefill"]) >= 3                   # the stream did exercise the variants
+
+
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_a_sampler_engine_holds_one_copy_of_the_loaded_version(layout):
+    """The sampler program's engine (``keep_model_weights=False``) and its pull target keep
+    no array of the model they were built from, and a loaded version leaves nothing behind
+    beside the engine's leaves: no per-layer slice once transposed ("out_in"), no stacked
+    array once sliced. Counted with ``jax.live_arrays`` (what this test creates: the
+    difference from its start)."""
+    import gc
+
+    from rlflow.sampler.precision import pull_target
+
+    gc.collect()
+    start = sum(a.nbytes for a in jax.live_arrays())
+    model, _ = build_model(ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=48,
+                                       num_layers=3, num_heads=2, num_kv_heads=1,
+                                       head_dim=8, init_seed=2))
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    engine = RlflowEngine(model, sampler_cfg(kernel_layout=layout), mesh=one_device_mesh(),
+                          keep_model_weights=False)
+    target = pull_target(nnx.state(model, nnx.Param), "float32")
+    del model
+    gc.collect()
+    assert sum(a.nbytes for a in jax.live_arrays()) == start        # nothing of the model
+    with pytest.raises(ValueError, match="keep_model_weights"):
+        engine.load_params()
+    version = jax.tree.map(lambda t: jnp.full(t.shape, 0.5, t.dtype), target)
+    params = engine.load_params(version, 1)
+    del version
+    gc.collect()
+    held = sum(x.nbytes for x in params.leaves)
+    assert held == weights
+    assert sum(a.nbytes for a in jax.live_arrays()) - start == held + params.version.nbytes

@@ -84,3 +84,43 @@ def test_a_freed_large_block_is_reused_without_page_faults():
 def test_the_learner_log_says_which_settings_it_runs_with(environ, keep, said):
     note = host_memory.startup_note(environ, keep)
     assert note is None if said is None else said in note, note
+
+
+_TRIM_CHILD = textwrap.dedent("""
+    import ctypes, sys
+    from rlflow.system.host_memory import release_freed_memory
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024
+
+    CHUNK, COUNT = 64 << 10, 3200          # 200 MiB of heap blocks (under mmap's threshold)
+    blocks = [libc.malloc(CHUNK) for _ in range(COUNT)]
+    for p in blocks:
+        ctypes.memset(p, 1, CHUNK)
+    pinned = libc.malloc(CHUNK)              # keeps the heap's top: free() cannot shrink it
+    for p in blocks:
+        libc.free(p)
+    freed = rss()
+    done = release_freed_memory()
+    print(int(done), freed, rss(), CHUNK * COUNT)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
+def test_release_freed_memory_gives_freed_heap_pages_back():
+    """What the sampler calls after a weight swap: freed heap blocks below the heap's top
+    stay resident after free() and leave with release_freed_memory()."""
+    plain = {k: v for k, v in os.environ.items()
+             if k not in host_memory.user_settings(os.environ)}
+    proc = subprocess.run([sys.executable, "-c", _TRIM_CHILD], env=plain,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    done, freed, after, size = map(int, proc.stdout.split())
+    assert done == 1
+    assert freed - after > 0.9 * size, (freed, after, size)

@@ -16,14 +16,18 @@ against :data:`HEADROOM` of the device's memory: an accelerator's HBM per chip
 (:data:`DEVICE_MEMORY`, by the TPU type the scripts were given or ``TPU_ACCELERATOR_TYPE``
 on a TPU VM), or on the CPU backend (``rlflow train`` on one machine: every program's fake
 devices share the host) this machine's memory (the smaller of its RAM and its cgroup's
-limit) against the learner's and every sampler replica's totals together. A run that does
+limit) against what every program's process holds together: the learner's and each
+sampler replica's device terms plus their processes' runtime, host copies of weights,
+weight swaps, held evaluation versions and decode buffers, and the reward worker
+processes (:mod:`rlflow.console.process_memory`, which says what is left out). A run that does
 not fit is refused with a :class:`MemoryDoesNotFit` (a ``ConfigError``) that prints every
 term and names the setting to change (``learner.micro_batches`` with the count that fits,
 ``learner.remat``, ``learner.attention``, ``learner.logprob_chunk``, ``sampler.max_tokens``,
 ``sampler.num_slots``, ``learner.mesh`` / the slice). ``runtime.check_memory=False`` skips
 it: the learner's activations are an estimate (within 1% of XLA's compiled temporaries of
-the grad step at 2K-32K tokens a row on CPU, ``benchmarks/long_context.py``; a backend's own
-buffers, the compiler's and the Python processes' memory are what :data:`HEADROOM` leaves).
+the grad step at 2K-32K tokens a row on CPU, ``benchmarks/long_context.py``; on an
+accelerator a backend's own buffers and the compiler's memory are what :data:`HEADROOM`
+leaves).
 
 :func:`smallest_slice` picks the smallest TPU slice of a generation on which a learner fits
 (the learner given every chip of the slice as ``fsdp``).
@@ -211,6 +215,8 @@ class Fit:
     sampler_capacity: float
     sampler_where: str
     shared: bool = False      # the CPU backend: one machine's memory for every program
+    processes: tuple = ()     # the CPU backend: ProcessMemory of the learner and a replica
+    reward_workers: float = 0.0     # the CPU backend: one replica's reward worker processes
 
     @property
     def learner_fits(self) -> bool:
@@ -222,9 +228,11 @@ class Fit:
 
     def describe(self) -> str:
         if self.shared:
+            procs = "; ".join(p.describe() for p in self.processes)
             return (f"learner per device: {self.learner.describe()}; sampler replica "
-                    f"{_size(self.sampler)}; in all {_size(self.learner_need)} of "
-                    f"{self.where}")
+                    f"{_size(self.sampler)}; processes: {procs}; reward workers "
+                    f"{_size(self.reward_workers)} a replica; in all "
+                    f"{_size(self.learner_need)} of {self.where}")
         return (f"learner per device: {self.learner.describe()} of {self.where}; sampler "
                 f"replica {_size(self.sampler)}, {_size(self.sampler_need)} a device of "
                 f"{self.sampler_where}")
@@ -247,13 +255,19 @@ def memory_fit(cfg, arch: Architecture, device_bytes: Optional[float] = None,
         return Fit(mem, sampler, device_bytes, where, mem.total, sampler / sp.num_devices,
                    sampler_device_bytes,
                    sampler_where or f"{_size(sampler_device_bytes)} a chip")
+    from rlflow.console.process_memory import (learner_process, reward_workers_bytes,
+                                               sampler_process)
+
     host = host_memory_bytes()
-    both = mem.total * cfg.learner.num_devices + sampler * sp.num_replicas
+    learner_proc, sampler_proc = learner_process(cfg, arch), sampler_process(cfg, arch)
+    workers = reward_workers_bytes(cfg)
+    both = learner_proc.total + (sampler_proc.total + workers) * sp.num_replicas
     where = where or (f"this machine's {_size(host or 0)} (the CPU backend: the learner's "
                       f"{cfg.learner.num_devices} device(s) and {sp.num_replicas} sampler "
                       f"replica(s) share it)")
     return Fit(mem, sampler, host or float("inf"), where, both, both, host or float("inf"),
-               where, shared=True)
+               where, shared=True, processes=(learner_proc, sampler_proc),
+               reward_workers=workers)
 
 
 def accelerator_memory(env=None) -> tuple[Optional[float], str]:
@@ -335,9 +349,11 @@ def _learner_advice(cfg, arch: Architecture, fit: Fit, device_bytes) -> str:
     if device_bytes:
         head = f"the learner needs {per}, more than {HEADROOM:.0%} of {fit.where}"
     else:
+        procs = "; ".join(p.describe() for p in fit.processes)
         head = (f"the learner needs {per} x {lr.num_devices} device(s); with "
-                f"{sp.num_replicas} sampler replica(s) of {_size(fit.sampler)} that is "
-                f"{_size(fit.learner_need)} on this machine, more than "
+                f"{sp.num_replicas} sampler replica(s) of {_size(fit.sampler)} and what the "
+                f"processes hold ({procs}; reward workers {_size(fit.reward_workers)} a "
+                f"replica) that is {_size(fit.learner_need)} on this machine, more than "
                 f"{HEADROOM:.0%} of {fit.where}")
     state = fit.learner.total - fit.learner.activations
     micro = _micro_batches_that_fit(cfg, arch, device_bytes, fit)

@@ -71,16 +71,25 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
       tokenizer_path: HF tokenizer folder for ``get_tokenizer`` / ``build_tokenizer``.
       eos_token_ids: stop ids; ``None``: the model config's ``eos_token_ids`` (which
         ``load_hf`` fills from config.json and generation_config.json).
+      keep_model_weights: keep ``model``'s weights as the default params
+        (:meth:`load_params` with none given); False (the sampler program, whose weights
+        come from the learner) keeps only their shapes, dtypes and shardings, so the
+        engine does not hold a copy of the weights it never runs (0.5 GiB for
+        SmolLM2-135M in float32).
     """
 
     def __init__(self, model, sampler_cfg, *, mesh=None, tokenizer_path: str = "",
-                 eos_token_ids: Optional[Sequence[int]] = None):
+                 eos_token_ids: Optional[Sequence[int]] = None,
+                 keep_model_weights: bool = True):
         from rlflow import mesh as mesh_lib
         self._mesh_lib = mesh_lib
         self.cfg = model.cfg
         self.sampler_cfg = sampler_cfg
         self._mesh = mesh if mesh is not None else mesh_lib.make_mesh(sampler_cfg.mesh)
-        self._default_state = nnx.state(model, nnx.Param)       # the model's tree: stacked
+        model_state = nnx.state(model, nnx.Param)       # the model's tree: stacked
+        # the default params (load_params(None)), or only their shapes (keep_model_weights)
+        self._default_state = model_state if keep_model_weights else jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model_state)
         # the engine runs a view with one array per layer (rlflow.sampler.layer_storage)
         self.graphdef, state = nnx.split(layer_storage.unstacked_view(model), nnx.Param)
         self._layers = layer_storage.LayerStorage(self._default_state, state)
@@ -155,9 +164,14 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
 
         Raises:
           ValueError: the params' tree does not match the model's, or a parameter's shape
-            differs (names the parameter and both shapes).
+            differs (names the parameter and both shapes); no params given to an engine
+            built with ``keep_model_weights=False``.
         """
         state = self._default_state if params is None else params
+        if params is None and any(not isinstance(x, jax.Array)
+                                  for x in jax.tree_util.tree_leaves(state)):
+            raise ValueError("load_params: no params given, and this engine was built with "
+                             "keep_model_weights=False (it holds no weights of its own)")
         ref = jax.tree_util.tree_structure(self._default_state)
         got = jax.tree_util.tree_structure(state)
         if ref != got:
@@ -169,11 +183,19 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
                 raise ValueError(f"load_params: parameter {jax.tree_util.keystr(path)} has "
                                  f"shape {tuple(np.shape(x))}, the model's is {tuple(r.shape)}")
         # one leaf per layer (sliced once per array given), each in the model's dtype
-        given = self._layers.view_leaves(jax.tree_util.tree_leaves(state))
+        stacked = jax.tree_util.tree_leaves(state)
+        given = self._layers.view_leaves(stacked)
+        # the per-version caches below key each view leaf by the array it was sliced from:
+        # the slices themselves are not kept once transposed or quantized
+        origins = self._layers.origins(stacked)
         view = jax.tree_util.tree_unflatten(self._state_treedef, [
             x if x.dtype == dt else x.astype(dt) for x, dt in zip(given, self._view_dtypes)])
+        del given
         placed = jax.tree_util.tree_leaves(self._mesh_lib.shard_params(view, self._mesh))
-        leaves = self._kernels.store(given, self._quant.quantize(given, placed))
+        del view
+        placed = self._quant.quantize(origins, placed)
+        leaves = self._kernels.store(origins, placed)    # each slice freed once transposed
+        del placed
         return EngineParams(leaves=tuple(leaves), version=jnp.asarray(version, jnp.int32))
 
     def param_state(self, params: EngineParams):

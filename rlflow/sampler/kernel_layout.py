@@ -114,10 +114,13 @@ class StoredKernels:
 
     def store(self, given: Sequence, placed: Sequence) -> list:
         """The leaves to keep: ``placed`` (on the engine mesh, ``[in, out]``) with each wide
-        kernel transposed, once per array: a kernel whose ``given`` array (the caller's,
-        before placement) is the one of the previous call keeps its stored copy (a LoRA
-        forward swap passes the same base every version)."""
-        leaves = list(placed)
+        kernel transposed, once per array: a kernel whose ``given`` array (per leaf, the
+        caller's array it comes from, before slicing and placement:
+        ``LayerStorage.origins``) is the one of the previous call keeps its stored copy (a LoRA
+        forward swap passes the same base every version). ``placed`` is taken over: a list
+        given is updated in place, so each kernel's ``[in, out]`` array is dropped as soon as
+        its transpose exists (a whole version's worth of both never coexists)."""
+        leaves = placed if isinstance(placed, list) else list(placed)
         for i, _, _ in self.wide:
             src, kept = self._kept.get(i, (lambda: None, None))
             if src() is not given[i]:

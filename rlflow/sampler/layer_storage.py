@@ -66,23 +66,37 @@ class LayerStorage:
                                  f"stacked source {'.'.join(map(str, key))}")
             self.sources.append((src[key], keys[1] if layered else None))
         self.num_stacked = len(src)
-        self._kept: dict = {}        # stacked leaf -> (weak ref to it, its per-layer slices)
+        # stacked leaf -> (weak ref to it, weak refs to its per-layer slices): a slice
+        # the engine transposed or quantized is not kept alive here (with strong
+        # references every version's slices stayed resident beside the engine's
+        # transposed kernels, 0.4 GiB for SmolLM2-135M in float32)
+        self._kept: dict = {}
 
     def view_leaves(self, stacked_leaves: Sequence) -> list:
         """The model's leaves -> the view's: slice ``[i]`` of a stacked leaf for layer ``i``
-        (eager: one copy per layer, once per array given)."""
+        (eager: one copy per layer; an array given again whose slices are all still alive,
+        e.g. held as the engine's leaves, keeps them)."""
         out = []
+        sliced: dict = {}
         for j, layer in self.sources:
             x = stacked_leaves[j]
             if layer is None:
                 out.append(x)
                 continue
-            ref, parts = self._kept.get(j, (lambda: None, None))
-            if ref() is not x:
-                parts = [x[i] for i in range(x.shape[0])]
-                self._kept[j] = (weak_ref(x), parts)
-            out.append(parts[layer])
+            if j not in sliced:
+                ref, refs = self._kept.get(j, (lambda: None, ()))
+                parts = [r() for r in refs] if ref() is x else []
+                if not parts or any(p is None for p in parts):
+                    parts = [x[i] for i in range(x.shape[0])]
+                    self._kept[j] = (weak_ref(x), [weak_ref(p) for p in parts])
+                sliced[j] = parts
+            out.append(sliced[j][layer])
         return out
+
+    def origins(self, stacked_leaves: Sequence) -> list:
+        """Per view leaf, the model's leaf it comes from (a stacked leaf for every layer's
+        slice of it): what the engine's per-version caches key by identity."""
+        return [stacked_leaves[j] for j, _ in self.sources]
 
     def stacked_leaves(self, view_leaves: Sequence) -> list:
         """The view's leaves -> the model's (layers stacked in order: copies)."""

@@ -66,6 +66,7 @@ from rlflow.models.hf import build_model
 from rlflow.models.lora import LoraSpec
 from rlflow.control.run_control import ControlClient
 from rlflow.run.phases import report_phase
+from rlflow.system.host_memory import release_freed_memory
 from rlflow.sampler.background import Heartbeat, RateCounters, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.delivery import GroupDelivery
@@ -116,6 +117,7 @@ class SamplerProgram:
     env_reset_run = 0        # of them, since the last prompt whose environments started
     evals = None             # EvalRunner when eval.every_steps > 0
     _held_weights = None     # (version, params, pull_s) pulled while an evaluation decodes
+    _trim_next_step = False  # a swap ran: trim the heap after the next step
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         self.cfg = cfg
@@ -155,8 +157,10 @@ class SamplerProgram:
                  ", chosen by rlflow.sampler.lanes.lane_count" if sc.decode_lanes == 0 else "")
         lane_cfg = replace(sc, num_slots=sc.num_slots // self.lanes, decode_lanes=1,
                            num_pages=sc.num_pages // self.lanes)     # (paged: split too)
+        # the engine keeps no weights of its own: every version comes from the learner
         self.engine = RlflowEngine(engine_model, lane_cfg, mesh=self.mesh,
-                                   tokenizer_path=cfg.model.path, eos_token_ids=sorted(eos))
+                                   tokenizer_path=cfg.model.path, eos_token_ids=sorted(eos),
+                                   keep_model_weights=False)
         coord = _endpoint(endpoints.coordinator)
         self.control = ControlClient(coord, consumer_id=self.name, instance=endpoints.instance,
                                      token=cfg.buffer.token, timeout_s=cfg.buffer.timeout_s)
@@ -164,7 +168,7 @@ class SamplerProgram:
             coord, consumer_id=self.name, instance=endpoints.instance, token=cfg.buffer.token,
             timeout_s=cfg.buffer.timeout_s))
         self.subscriber = self._subscriber(coord, model)
-        del model
+        del model, engine_model      # the learner sends every version: free the loaded weights
         self.buffer = BufferClient.from_config(cfg.buffer, _endpoint(endpoints.buffer),
                                                name=self.name)
         self.episodes = self._episode_driver() if cfg.env.enabled else None
@@ -193,6 +197,7 @@ class SamplerProgram:
         reply = self._status()
         report_phase("waiting for the learner's first weights")
         self.batcher = self._first_weights(reply)
+        release_freed_memory()          # the start-up weights and the first pull's slices
         self.puller = WeightPuller(self.subscriber, self._on_weights)
         report_phase("compiling prefill and decode, then generating the first rollouts")
 
@@ -425,7 +430,11 @@ class SamplerProgram:
             used, avail, swaps = c.slot_steps_used, c.slot_steps_available, c.weight_swaps
             t0 = time.monotonic()
             groups = self.batcher.step()
-            self._time_step(time.monotonic() - t0, swapped=c.weight_swaps > swaps)
+            swapped = c.weight_swaps > swaps
+            self._time_step(time.monotonic() - t0, swapped=swapped)
+            if self._trim_next_step:     # the previous step's swap: the old version is freed
+                release_freed_memory()
+            self._trim_next_step = swapped
             if self.evals is not None and groups:
                 groups = self.evals.take(groups)
                 self._release_held_weights()

@@ -150,7 +150,8 @@ class QuantizedKernels:
         """``placed`` (the version's leaves on the engine mesh, model layout) with every
         projection kernel replaced by its int8 ``QArray`` (or its dequantized values,
         :func:`holds_float`), quantized once per version: when every kernel's ``given``
-        array (the caller's, before placement) is the one of the previous call, the
+        array (per leaf, the caller's array it comes from, before slicing and placement:
+        ``LayerStorage.origins``) is the one of the previous call, the
         quantized copies are kept; else all are quantized again."""
         leaves = list(placed)
         if any(self._kept.get(i, (lambda: None,))[0]() is not given[i]
