@@ -121,8 +121,7 @@ def learner_process(cfg, arch: Architecture) -> ProcessMemory:
 
 def sampler_process(cfg, arch: Architecture) -> ProcessMemory:
     """One sampler replica's process on the CPU backend (module doc)."""
-    from rlflow.console.checks import kv_cache_bytes
-    from rlflow.console.fit import sampler_bytes, sampler_weight_bytes
+    from rlflow.sampler.memory import kv_cache_bytes, sampler_bytes, sampler_weight_bytes
 
     sp = cfg.sampler
     per = _BYTES[sp.dtype or cfg.model.dtype]
