@@ -66,7 +66,7 @@ def compile_grad(sequence: int, rows: int, seq: int):
     def loss(p, t, m):
         h = nnx.merge(graphdef, p).hidden_states(
             t, jnp.cumsum(m, axis=1) - 1, m, segment_ids=t % 3, attention_impl="blockwise",
-            remat="full", mesh=mesh)
+            remat="full", mesh=mesh).hidden
         return jnp.sum(h.astype(jnp.float32) ** 2)
 
     return jax.jit(jax.grad(loss)).lower(abstract, tokens, mask).compile()

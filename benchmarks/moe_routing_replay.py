@@ -97,7 +97,8 @@ def main(argv=None) -> None:
     behaviour = np.asarray(batch.behaviour_logprobs, np.float64)
     gaps, agreement = {}, None
     for replay in (False, True):
-        logp, _, _, agree = forward(params, jb, replay)
+        out = forward(params, jb, replay)
+        logp, agree = out.logprobs, out.router_agreement
         gaps[replay] = float(np.abs(np.asarray(logp, np.float64) - behaviour)[mask].mean())
         if not replay:
             agree = np.asarray(agree)

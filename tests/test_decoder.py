@@ -22,7 +22,14 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # jitted entry points (one compilation per shape instead of op-by-op dispatch)
 _forward = nnx.jit(lambda m, t, p, mask: m(t, p, mask))
-_cached = nnx.jit(lambda m, t, p, mask, cache, idx: m.forward_cached(t, p, mask, cache, idx))
+_cached = nnx.jit(lambda m, t, p, mask, cache, idx: _logits_cache(
+    m.forward_cached(t, p, mask, cache, idx)))
+
+
+def _logits_cache(out):
+    """``(logits, new cache)`` of a ``forward_cached`` result."""
+    assert out.hidden is None and out.expert_ids is None        # not asked for
+    return out.logits, out.cache
 
 
 def _model(family, tie=None, **kw):
@@ -65,7 +72,7 @@ def test_prefill_plus_8_decode_steps_equal_full_forward(family):
 
     @jax.jit
     def fwd(params, t, p, m, cache, idx):
-        return nnx.merge(graphdef, params).forward_cached(t, p, m, cache, idx)
+        return _logits_cache(nnx.merge(graphdef, params).forward_cached(t, p, m, cache, idx))
 
     cache = init_cache(cfg, 3, 16)
     t_ = jnp.asarray(toks)

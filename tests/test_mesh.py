@@ -36,7 +36,8 @@ def _run(model, cfg, mesh, toks, mask, with_cache):
 
     @jax.jit
     def cached(params, t, p, m, cache, idx):
-        return nnx.merge(graphdef, params).forward_cached(t, p, m, cache, idx)
+        out = nnx.merge(graphdef, params).forward_cached(t, p, m, cache, idx)
+        return out.logits, out.cache
 
     logits = full(params, toks, pos, mask)
     if not with_cache:

@@ -37,8 +37,8 @@ def test_load_balancing_loss_equals_transformers(tmp_path):
     toks = np.array([[0, 0, 0, 17, 200, 31, 4, 99], [5, 77, 190, 3, 42, 8, 64, 128]], np.int32)
     mask = toks != 0
     mask[1, 0] = True
-    _, aux = nnx.jit(lambda m, t, p, a: m.hidden_states(t, p, a, moe_aux=True))(
-        model, jnp.asarray(toks), positions_from_mask(mask), jnp.asarray(mask))
+    aux = nnx.jit(lambda m, t, p, a: m.hidden_states(t, p, a, moe_aux=True))(
+        model, jnp.asarray(toks), positions_from_mask(mask), jnp.asarray(mask)).aux_loss
     with torch.no_grad():
         out = _hf(path)(input_ids=torch.tensor(toks, dtype=torch.long),
                         attention_mask=torch.tensor(mask, dtype=torch.long),
@@ -103,7 +103,7 @@ def test_aux_loss_gradient_reaches_the_router_and_not_the_experts(trained):
 
     def aux(p):
         return nnx.merge(learner.graphdef, p).hidden_states(toks, positions_from_mask(mask),
-                                                            mask, moe_aux=True)[1]
+                                                            mask, moe_aux=True).aux_loss
 
     g = nnx.to_pure_dict(jax.jit(jax.grad(aux))(learner.params))
     mlp = g["layers"]["mlp"]                                   # stacked: [L, ...] leaves
@@ -149,9 +149,10 @@ def test_context_parallel_forward_and_aux_loss_equal_one_device():
     mask[0, :5] = False
     toks[~mask] = 0
     args = (jnp.asarray(toks), positions_from_mask(mask), jnp.asarray(mask))
-    want_h, want_aux = nnx.jit(lambda m, *a: m.hidden_states(*a, moe_aux=True))(model, *args)
-    got_h, got_aux = nnx.jit(lambda m, *a: m.hidden_states(*a, moe_aux=True, mesh=mesh))(
-        model, *args)
+    want = nnx.jit(lambda m, *a: m.hidden_states(*a, moe_aux=True))(model, *args)
+    want_h, want_aux = want.hidden, want.aux_loss
+    got = nnx.jit(lambda m, *a: m.hidden_states(*a, moe_aux=True, mesh=mesh))(model, *args)
+    got_h, got_aux = got.hidden, got.aux_loss
     scale = float(np.abs(np.asarray(want_h)).max())
     np.testing.assert_allclose(np.asarray(got_h)[mask], np.asarray(want_h)[mask], rtol=0,
                                atol=forward_atol(cfg, 16, scale))

@@ -25,7 +25,13 @@ from test_engine import one_device_mesh, random_model
 from tolerances import forward_atol
 
 
+def _logits_cache(out):
+    """``(logits, new cache)`` of a ``forward_cached`` result."""
+    return out.logits, out.cache
+
+
 # ---------------------------------------------------------------------- allocator
+
 def test_page_pool_takes_shares_and_frees_pages():
     pool = PagePool(num_pages=6, page_size=4, slots=3, pages_per_slot=4)
     assert pages_for(0, 4) == 0 and pages_for(1, 4) == 1 and pages_for(8, 4) == 2
@@ -111,7 +117,7 @@ def test_cached_forward_over_pages_equals_the_contiguous_cache():
     paged = init_paged_cache(cfg, b, num_pages=9, page_size=p, pages_per_row=3)
     paged = paged.replace(page_table=jnp.asarray([[7, 2, 4], [0, 8, 5]], jnp.int32))
     graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda st, *a: nnx.merge(graphdef, st).forward_cached(*a))
+    forward = jax.jit(lambda st, *a: _logits_cache(nnx.merge(graphdef, st).forward_cached(*a)))
     outs = {}
     for name, cache in (("contiguous", contiguous), ("paged", paged)):
         mask = jnp.arange(5)[None] < jnp.asarray([[5], [3]])      # row 1: 3 real tokens
@@ -270,7 +276,7 @@ def test_kernel_attention_plumbing_against_the_kernels_math(monkeypatch):
     cfg, b, p = model.cfg, 2, 4
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (b, 7)), jnp.int32)
     graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda st, *a: nnx.merge(graphdef, st).forward_cached(*a))
+    forward = jax.jit(lambda st, *a: _logits_cache(nnx.merge(graphdef, st).forward_cached(*a)))
     out = {}
     for attention in ("gather", "kernel"):
         cache = init_paged_cache(cfg, b, num_pages=6, page_size=p, pages_per_row=2,

@@ -266,7 +266,8 @@ def tiny():
     def forward(batch):
         model = nnx.merge(graphdef, params)
         hidden = model.hidden_states(batch.tokens, batch.positions, batch.attention_mask,
-                                     segment_ids=batch.segment_ids, prefix_ids=batch.prefix_ids)
+                                     segment_ids=batch.segment_ids,
+                                     prefix_ids=batch.prefix_ids).hidden
         return model.project(hidden), policy_logprobs(graphdef, params, batch)[0]
 
     return graphdef, params, forward

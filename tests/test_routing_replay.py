@@ -112,8 +112,10 @@ def test_decoder_replays_each_layers_ids_like_a_plain_loop_over_blocks():
     rng = np.random.default_rng(2)
     ids = _forced_ids(rng, (2, 8, 3))                     # [B, T, L, k]
     ids[0, 5] = -1                                        # one token without a record
-    hidden, agreement = model.hidden_states(tokens, pos, mask, routing_ids=jnp.asarray(ids),
-                                            replay_routing=True)
+    out = model.hidden_states(tokens, pos, mask, routing_ids=jnp.asarray(ids),
+                              replay_routing=True)
+    hidden, agreement = out.hidden, out.router_agreement
+    assert out.aux_loss is None and out.logits is None       # not asked for
     # oracle: the blocks in a Python loop (no scan), layer l given ids[:, :, l]
     x = model._embed(tokens)
     attend = SequenceMask(jnp.asarray(mask), None, None, "auto", None)
@@ -131,11 +133,11 @@ def test_decoder_replays_each_layers_ids_like_a_plain_loop_over_blocks():
     np.testing.assert_array_equal(np.asarray(agreement), want_agree)
     assert (want_agree[:, 1] == 15).all()
     # replay changes the forward: forced ids differ from the router's own choice
-    plain = model.hidden_states(tokens, pos, mask)
+    plain = model.hidden_states(tokens, pos, mask).hidden
     assert np.abs(np.asarray(plain) - np.asarray(hidden)).max() > 1e-3
     # without replay the recorded ids are only compared: the forward is the plain one
-    compared, agreement_off = model.hidden_states(tokens, pos, mask,
-                                                  routing_ids=jnp.asarray(ids))
+    out_off = model.hidden_states(tokens, pos, mask, routing_ids=jnp.asarray(ids))
+    compared, agreement_off = out_off.hidden, out_off.router_agreement
     np.testing.assert_array_equal(np.asarray(compared), np.asarray(plain))
     assert np.all(np.asarray(agreement_off)[:, 1] == 15)
 
@@ -146,13 +148,13 @@ def test_replaying_the_models_own_cached_choice_changes_nothing_and_agrees_fully
     model = Decoder(CFG, rngs=nnx.Rngs(1))
     tokens, pos, mask = _batch(1)
     cache = init_cache(CFG, 2, 8)
-    _, _, chosen = model.forward_cached(tokens, pos, mask, cache, jnp.zeros(2, jnp.int32),
-                                        return_routing=True)
+    chosen = model.forward_cached(tokens, pos, mask, cache, jnp.zeros(2, jnp.int32),
+                                  return_routing=True).expert_ids
     assert chosen.shape == (2, 8, 3, TOP_K) and chosen.dtype == jnp.int32
     chosen = jnp.where(jnp.asarray(mask)[:, :, None, None], chosen, -1)   # as recorded
-    plain = model.hidden_states(tokens, pos, mask)
-    replayed, agreement = model.hidden_states(tokens, pos, mask, routing_ids=chosen,
-                                              replay_routing=True)
+    plain = model.hidden_states(tokens, pos, mask).hidden
+    out = model.hidden_states(tokens, pos, mask, routing_ids=chosen, replay_routing=True)
+    replayed, agreement = out.hidden, out.router_agreement
     np.testing.assert_array_equal(np.asarray(replayed)[mask], np.asarray(plain)[mask])
     np.testing.assert_array_equal(np.asarray(agreement), [[mask.sum()] * 2] * 3)
 
@@ -201,25 +203,30 @@ def test_replay_on_a_sequence_mesh_equals_one_device():
 
     one = jax.jit(lambda p: run(p, None))(params)
     split = jax.jit(lambda p: run(p, mesh))(params)
-    np.testing.assert_allclose(np.asarray(split[0]), np.asarray(one[0]), rtol=0,
-                               atol=forward_atol(CFG, 8, float(np.abs(one[0]).max())))
-    np.testing.assert_array_equal(np.asarray(split[1])[:, 1], np.asarray(one[1])[:, 1])
+    np.testing.assert_allclose(np.asarray(split.hidden), np.asarray(one.hidden), rtol=0,
+                               atol=forward_atol(CFG, 8, float(np.abs(one.hidden).max())))
+    np.testing.assert_array_equal(np.asarray(split.router_agreement)[:, 1],
+                                  np.asarray(one.router_agreement)[:, 1])
     # the learner's own top-k on another program: equal unless a near tie flips (one at most)
-    assert np.abs(np.asarray(split[1]) - np.asarray(one[1])).max() <= 1
+    assert np.abs(np.asarray(split.router_agreement)
+                  - np.asarray(one.router_agreement)).max() <= 1
 
 
 def test_load_balancing_loss_and_replay_in_one_forward():
-    """``moe_aux`` with ``routing_ids``: ``(hidden, aux, agreement)``; replaying the model's
+    """``moe_aux`` with ``routing_ids``: hidden, ``aux_loss`` and ``router_agreement``; replaying the model's
     own choice, the same hidden states, loss and agreement as the separate forwards."""
     model = Decoder(CFG, rngs=nnx.Rngs(6))
     tokens, pos, mask = _batch(5)
-    _, _, own = model.forward_cached(tokens, pos, mask, init_cache(CFG, 2, 8),
-                                     jnp.zeros(2, jnp.int32), return_routing=True)
+    own = model.forward_cached(tokens, pos, mask, init_cache(CFG, 2, 8),
+                               jnp.zeros(2, jnp.int32), return_routing=True).expert_ids
     own = jnp.where(jnp.asarray(mask)[:, :, None, None], own, -1)
-    hidden, aux, agreement = model.hidden_states(tokens, pos, mask, moe_aux=True,
-                                                 routing_ids=own, replay_routing=True)
-    want_hidden, want_aux = model.hidden_states(tokens, pos, mask, moe_aux=True)
-    _, want_agreement = model.hidden_states(tokens, pos, mask, routing_ids=own)
+    out = model.hidden_states(tokens, pos, mask, moe_aux=True, routing_ids=own,
+                              replay_routing=True)
+    hidden, aux, agreement = out.hidden, out.aux_loss, out.router_agreement
+    want = model.hidden_states(tokens, pos, mask, moe_aux=True)
+    want_hidden, want_aux = want.hidden, want.aux_loss
+    assert want.router_agreement is None                  # no recorded ids given
+    want_agreement = model.hidden_states(tokens, pos, mask, routing_ids=own).router_agreement
     np.testing.assert_array_equal(np.asarray(hidden)[mask], np.asarray(want_hidden)[mask])
     np.testing.assert_allclose(float(aux), float(want_aux), rtol=sum_tol(8 * 3), atol=0)
     np.testing.assert_array_equal(np.asarray(agreement), np.asarray(want_agreement))

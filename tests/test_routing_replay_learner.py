@@ -65,8 +65,10 @@ def test_step_replays_the_recorded_ids_and_logs_agreement_and_gap(learners, repl
     jb = TrainBatch(*(None if x is None else jnp.asarray(x) for x in batch))
     jb = jb._replace(segment_ids=None, prefix_ids=None)
     params = learner.params
-    logp, _, _, agreement = model_outputs(learner.graphdef, params, jb, routing_replay=replay)
-    other, _, _, _ = model_outputs(learner.graphdef, params, jb, routing_replay=not replay)
+    out = model_outputs(learner.graphdef, params, jb, routing_replay=replay)
+    logp, agreement = out.logprobs, out.router_agreement
+    assert out.values is None and out.aux_loss is None        # no value head, no moe_aux
+    other = model_outputs(learner.graphdef, params, jb, routing_replay=not replay).logprobs
     mask = batch.loss_mask
     # random recorded ids differ from the router's own choice: replay changes the logprobs
     assert np.abs(np.asarray(logp) - np.asarray(other))[mask].max() > 1e-4

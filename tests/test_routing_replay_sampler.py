@@ -49,8 +49,9 @@ def test_engine_records_each_tokens_experts_in_the_group_record():
                                  rec["completion_tokens"]], 1)
         mask = np.arange(seq)[None] < p + lengths[:, None]
         pos = np.broadcast_to(np.arange(seq, dtype=np.int32), tokens.shape)
-        _, agreement = model.hidden_states(jnp.asarray(tokens), jnp.asarray(pos),
-                                           jnp.asarray(mask), routing_ids=jnp.asarray(ids))
+        agreement = model.hidden_states(jnp.asarray(tokens), jnp.asarray(pos),
+                                        jnp.asarray(mask),
+                                        routing_ids=jnp.asarray(ids)).router_agreement
         counted = int(2 * p + (lengths - 1).sum())         # each row: its prompt, fed tokens
         np.testing.assert_array_equal(np.asarray(agreement), [[counted, counted]] * 2)
         # the records travel: the learner batch's routing rows round-trip the bytes
@@ -102,9 +103,9 @@ def test_episode_records_the_sampled_turns_experts_and_none_for_environment_toke
         ids = np.concatenate([rec["prompt_routing"][None],
                               rec["completion_routing"][i:i + 1, :n]], 1)
         pos = np.arange(seq.shape[1], dtype=np.int32)[None]
-        _, agreement = model.hidden_states(jnp.asarray(seq), jnp.asarray(pos),
-                                           jnp.ones(seq.shape, bool),
-                                           routing_ids=jnp.asarray(ids))
+        agreement = model.hidden_states(jnp.asarray(seq), jnp.asarray(pos),
+                                        jnp.ones(seq.shape, bool),
+                                        routing_ids=jnp.asarray(ids)).router_agreement
         counted = p + int(want.sum())
         np.testing.assert_array_equal(np.asarray(agreement), [[counted, counted]] * 2)
 

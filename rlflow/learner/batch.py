@@ -44,8 +44,16 @@ from typing import Literal, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from rlflow.exchange.routing import NO_CHOICE, routing_rows
-from rlflow.learner import advantages as adv_lib
+from rlflow.learner.selection import (Keep, keep_mask, sample_advantages, sample_staleness,
+                                      shape_rewards, stale_keep)
 from rlflow.run.metrics import staleness_histogram
+
+# stale_keep and sample_staleness are defined in rlflow.learner.selection and imported from
+# here too (the import path callers use)
+__all__ = ["BatchError", "BatchSpec", "TrainBatch", "batch_metrics", "batch_routing",
+           "build_batch", "host_positions", "layout_rows", "row_segment_ids",
+           "sample_staleness", "seq_bucket", "stale_keep", "validate_batch",
+           "with_sequence_ids"]
 
 FIELDS_2D = ("completion_tokens", "behaviour_logprobs", "policy_versions")
 FIELDS_1D = ("completion_lengths", "rewards", "truncated")
@@ -210,59 +218,6 @@ def host_positions(attention_mask: np.ndarray) -> np.ndarray:
     return np.maximum(pos, 0, out=pos)
 
 
-# ------------------------------------------------------------------------ staleness (pure)
-
-def sample_staleness(policy_versions, lengths, learner_version: int,
-                     sampled=None) -> np.ndarray:
-    """Per-sample staleness ``learner_version - min_t policy_versions[g, t]`` over the sampled
-    tokens.
-
-    Args:
-      policy_versions: ``[G, T]`` int versions that produced each token (-1 on padding and on
-        the environment tokens of multi-turn episodes).
-      lengths: ``[G]`` real tokens per completion (>= 1).
-      learner_version: the learner's current policy version.
-      sampled: optional bool ``[G, T]``, the record's ``loss_mask`` (1 on sampled tokens);
-        ``None``: every real token was sampled. A sample without any sampled token has
-        staleness 0.
-
-    Returns: ``[G]`` int64 staleness (>= 0).
-
-    Raises:
-      ValueError: a real token has version < 0, or a version newer than the learner's.
-    """
-    v = np.asarray(policy_versions).astype(np.int64)
-    n = np.asarray(lengths)
-    real = np.arange(v.shape[1])[None, :] < n[:, None]
-    if sampled is not None:
-        real = real & np.asarray(sampled, bool)
-    if np.any(real & (v < 0)):
-        g = int(np.argwhere(real & (v < 0))[0, 0])
-        raise ValueError(f"sample {g}: policy_versions has -1 on a sampled token "
-                         f"(length {n[g]})")
-    oldest = np.where(real, v, np.iinfo(np.int64).max).min(axis=1)
-    oldest = np.where(real.any(axis=1), oldest, learner_version)
-    stale = learner_version - oldest.astype(np.int64)
-    if np.any(stale < 0):
-        g = int(np.argmin(stale))
-        raise ValueError(f"sample {g}: policy version {oldest[g]} is newer than the learner's "
-                         f"{learner_version}")
-    return stale
-
-
-def stale_keep(staleness, max_staleness: int, stale_policy: str) -> np.ndarray:
-    """Which samples stay in the loss: all with ``"correct"``, ``staleness <= max`` with ``"drop"``.
-
-    Returns: bool array shaped like ``staleness``.
-    """
-    s = np.asarray(staleness)
-    if stale_policy == "correct":
-        return np.ones(s.shape, bool)
-    if stale_policy == "drop":
-        return s <= max_staleness
-    raise ValueError(f"stale_policy must be 'drop' or 'correct', got {stale_policy!r}")
-
-
 # --------------------------------------------------------------------------- validation
 
 def _check_record(i: int, rec: Mapping, g_expected: int) -> None:
@@ -299,7 +254,10 @@ def _check_record(i: int, rec: Mapping, g_expected: int) -> None:
 
 def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: int
                 ) -> tuple[TrainBatch, dict]:
-    """Assemble one training batch from rollout group records (``docs/interfaces.md``).
+    """Assemble one training batch from rollout group records (``docs/interfaces.md``):
+    reward shaping, advantages and the keep mask (:mod:`rlflow.learner.selection`), the row
+    layout (:func:`layout_rows`, module docstring) and the batch's metrics
+    (:func:`batch_metrics`).
 
     Args:
       records: group records, each with ``G = spec.group_size`` completions.
@@ -325,85 +283,104 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
         raise BatchError("no records: a training batch needs at least one group")
     for i, rec in enumerate(records):
         _check_record(i, rec, g)
-
     rewards = np.stack([np.asarray(r["rewards"], np.float32) for r in records])      # [N, G]
     lengths = np.stack([np.asarray(r["completion_lengths"], np.int64) for r in records])
     truncated = np.stack([np.asarray(r["truncated"], bool) for r in records])
     failed = np.stack([np.asarray(r["failed"], bool) if "failed" in r else np.zeros(g, bool)
                        for r in records])                                          # [N, G]
+    _check_rewards(records, rewards, spec.on_bad_reward)
     masked_failed = failed if spec.on_failed_sample == "mask" and failed.any() else None
-    finite = np.isfinite(rewards)
-    if not finite.all():
-        n_bad, s_bad = (int(x) for x in np.argwhere(~finite)[0])
-        if spec.on_bad_reward == "error":
-            raise BatchError(f"record {n_bad} (prompt_id {records[n_bad].get('prompt_id', '?')}),"
-                             f" sample {s_bad}: reward is {rewards[n_bad, s_bad]} (expected a "
-                             f"finite number; learner.on_bad_reward='drop' drops such groups)")
-    good_group = finite.all(axis=1)
-    # Host path (xp=np) of the tested jnp reference: no device dispatch per step.
-    shaped = np.where(finite, rewards, np.float32(0.0))
-    if spec.overlong_buffer > 0:
-        shaped = shaped + adv_lib.overlong_penalty(
-            lengths, max_tokens=spec.max_tokens, buffer=spec.overlong_buffer,
-            factor=spec.overlong_penalty, xp=np)
-    if spec.zero_truncated_rewards:
-        shaped = adv_lib.zero_truncated_rewards(shaped, truncated, xp=np)
-    shaped = np.where(failed, np.float32(0.0), shaped)   # a failure's reward is no grade
-    if spec.estimator == "gae":                   # PPO: the step computes advantages (GAE)
-        advantages = np.zeros_like(shaped)
-    else:
-        advantages = adv_lib.group_advantages(
-            shaped, estimator=spec.estimator, scale_by_std=spec.scale_by_std,
-            std_floor=spec.std_floor, xp=np,
-            valid=None if masked_failed is None else ~masked_failed)
-
+    shaped = shape_rewards(rewards, lengths, truncated, failed, spec)
+    advantages = sample_advantages(shaped, masked_failed, spec)
     staleness = np.stack([sample_staleness(r["policy_versions"], r["completion_lengths"],
                                            learner_version, r.get("loss_mask"))
                           for r in records])
-    keep_stale = stale_keep(staleness, spec.max_staleness, spec.stale_policy)
-    signal = adv_lib.groups_with_signal(
-        shaped, xp=np, valid=None if masked_failed is None else ~masked_failed) \
-        if spec.dynamic_sampling else np.ones(len(records), bool)
-    keep = good_group[:, None] & keep_stale & signal[:, None]
-    if masked_failed is not None:
-        keep &= ~masked_failed
-    if spec.mask_truncated:
-        keep &= ~truncated
+    kept = keep_mask(rewards, shaped, staleness, truncated, masked_failed, spec)
+    batch, p_max = layout_rows(records, spec, lengths, kept.keep, shaped, advantages, staleness)
+    info = batch_metrics(records, spec, rewards, lengths, truncated, failed, staleness, kept,
+                         batch)
+    routing_ids = batch_routing(records, g, spec.num_rows, p_max, batch.tokens.shape[1])
+    if routing_ids is not None:
+        info["batch/routed_samples"] = sum(g for r in records if "completion_routing" in r)
+    return batch._replace(routing_ids=routing_ids), info
 
-    p_max = max(int(np.asarray(r["prompt_tokens"]).shape[0]) for r in records)
-    need = p_max + int(lengths.max())
-    fits = [b for b in spec.seq_buckets if b >= need]
+
+def _check_rewards(records: Sequence[Mapping], rewards: np.ndarray, on_bad_reward: str) -> None:
+    """Raises BatchError naming the first non-finite reward's record and sample with
+    ``on_bad_reward="error"`` (with ``"drop"`` its group leaves the loss: :func:`keep_mask`)."""
+    finite = np.isfinite(rewards)
+    if not finite.all() and on_bad_reward == "error":
+        n_bad, s_bad = (int(x) for x in np.argwhere(~finite)[0])
+        raise BatchError(f"record {n_bad} (prompt_id {records[n_bad].get('prompt_id', '?')}),"
+                         f" sample {s_bad}: reward is {rewards[n_bad, s_bad]} (expected a "
+                         f"finite number; learner.on_bad_reward='drop' drops such groups)")
+
+
+def seq_bucket(p_max: int, t_max: int, seq_buckets) -> int:
+    """The smallest of ``seq_buckets`` that holds ``p_max + t_max`` tokens.
+
+    Raises: BatchError naming both lengths and ``learner.seq_buckets`` when none does."""
+    need = p_max + t_max
+    fits = [b for b in seq_buckets if b >= need]
     if not fits:
-        raise BatchError(f"longest prompt ({p_max}) + completion ({int(lengths.max())}) = {need} "
-                         f"tokens exceed the largest seq bucket {max(spec.seq_buckets)} "
+        raise BatchError(f"longest prompt ({p_max}) + completion ({t_max}) = {need} "
+                         f"tokens exceed the largest seq bucket {max(seq_buckets)} "
                          f"(learner.seq_buckets)")
-    seq = fits[0]
-    b_rows = spec.num_rows
-    tokens = np.full((b_rows, seq), spec.pad_id, np.int32)
-    attn = np.zeros((b_rows, seq), bool)
-    loss_mask = np.zeros((b_rows, seq), bool)
-    behaviour = np.zeros((b_rows, seq), np.float32)
-    adv_tok = np.zeros((b_rows, seq), np.float32)
-    rew_tok = np.zeros((b_rows, seq), np.float32)
-    attn[len(records) * g:, 0] = True                   # padding rows: one attended pad token
-    for i, rec in enumerate(records):                   # prompts, left-padded to p_max
-        prompt = np.asarray(rec["prompt_tokens"], np.int32)
-        tokens[i * g:(i + 1) * g, p_max - prompt.shape[0]:p_max] = prompt
-        attn[i * g:(i + 1) * g, p_max - prompt.shape[0]:p_max] = True
-    # completions, right-padded: all rows at once ([R, t_max] with R = N * G real rows)
-    rows, t_max = len(records) * g, int(lengths.max())
+    return fits[0]
+
+
+def _completion_rows(records: Sequence[Mapping], g: int, t_max: int):
+    """The completions of every real row ``[R, t_max]`` (``R = N * G``), right-padded:
+    ``(tokens int32, behaviour logprobs float32, sampled bool)``; ``sampled`` is the records'
+    ``loss_mask`` (multi-turn episodes), True where they have none."""
+    rows = len(records) * g
     comp = np.zeros((rows, t_max), np.int32)
     mu = np.zeros((rows, t_max), np.float32)
-    sampled = np.ones((rows, t_max), bool)             # the records' loss_mask (multi-turn)
+    sampled = np.ones((rows, t_max), bool)
     for i, rec in enumerate(records):
         t = min(t_max, np.shape(rec["completion_tokens"])[1])
         comp[i * g:(i + 1) * g, :t] = np.asarray(rec["completion_tokens"])[:, :t]
         mu[i * g:(i + 1) * g, :t] = np.asarray(rec["behaviour_logprobs"])[:, :t]
         if "loss_mask" in rec:
             sampled[i * g:(i + 1) * g, :t] = np.asarray(rec["loss_mask"], bool)[:, :t]
+    return comp, mu, sampled
+
+
+def layout_rows(records: Sequence[Mapping], spec: BatchSpec, lengths, keep, shaped, advantages,
+                staleness) -> tuple[TrainBatch, int]:
+    """The batch's rows (layout: module docstring): prompts left-padded to the longest
+    ``P``, completions right-padded to the bucket ``L`` (:func:`seq_bucket`), padding rows
+    with one attended pad token.
+
+    Args:
+      lengths, keep, shaped, advantages, staleness: ``[N, G]`` per sample (completion length,
+        in the loss, shaped reward, advantage, staleness).
+
+    Returns: ``(batch, P)``: a :class:`TrainBatch` ``[num_rows, L]`` without ``routing_ids``
+    (and without ``segment_ids`` / ``prefix_ids``), and the longest prompt ``P``.
+
+    Raises: BatchError when no bucket is long enough, or a behaviour logprob of a completion
+    token is not finite (names record, sample and token).
+    """
+    g, b_rows, pad = spec.group_size, spec.num_rows, spec.pad_id
+    p_max = max(int(np.asarray(r["prompt_tokens"]).shape[0]) for r in records)
+    rows, t_max = len(records) * g, int(lengths.max())
+    seq = seq_bucket(p_max, t_max, spec.seq_buckets)
+    tokens = np.full((b_rows, seq), pad, np.int32)
+    attn = np.zeros((b_rows, seq), bool)
+    loss_mask = np.zeros((b_rows, seq), bool)
+    behaviour = np.zeros((b_rows, seq), np.float32)
+    adv_tok = np.zeros((b_rows, seq), np.float32)
+    rew_tok = np.zeros((b_rows, seq), np.float32)
+    attn[rows:, 0] = True                               # padding rows: one attended pad token
+    for i, rec in enumerate(records):                   # prompts, left-padded to p_max
+        prompt = np.asarray(rec["prompt_tokens"], np.int32)
+        tokens[i * g:(i + 1) * g, p_max - prompt.shape[0]:p_max] = prompt
+        attn[i * g:(i + 1) * g, p_max - prompt.shape[0]:p_max] = True
+    comp, mu, sampled = _completion_rows(records, g, t_max)     # all real rows at once
     n_flat, keep_flat = lengths.reshape(-1), keep.reshape(-1)
     real_tok = np.arange(t_max)[None, :] < n_flat[:, None]                 # [R, t_max]
-    tokens[:rows, p_max:p_max + t_max] = np.where(real_tok, comp, spec.pad_id)
+    tokens[:rows, p_max:p_max + t_max] = np.where(real_tok, comp, pad)
     attn[:rows, p_max:p_max + t_max] = real_tok
     # target t predicts token t+1: completion tokens sit at p_max .. p_max+n-1
     tgt = slice(p_max - 1, p_max - 1 + t_max)
@@ -417,23 +394,34 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
     group_ids[:rows] = np.repeat(np.arange(1, len(records) + 1, dtype=np.int32), g)[:, None]
     lag = np.zeros((b_rows, seq), np.int32)
     lag[:rows] = staleness.reshape(-1, 1).astype(np.int32)
-    targets = np.concatenate([tokens[:, 1:], np.full((b_rows, 1), spec.pad_id, np.int32)], 1)
-    positions = host_positions(attn)
+    targets = np.concatenate([tokens[:, 1:], np.full((b_rows, 1), pad, np.int32)], 1)
     if not np.isfinite(behaviour).all():
         r, t = (int(x) for x in np.argwhere(~np.isfinite(behaviour))[0])
         raise BatchError(f"record {r // g}, sample {r % g}: behaviour_logprobs at completion "
                          f"token {t - p_max + 1} is not finite")
+    return TrainBatch(tokens=tokens, attention_mask=attn, positions=host_positions(attn),
+                      targets=targets, loss_mask=loss_mask, behaviour_logprobs=behaviour,
+                      advantages=adv_tok, token_rewards=rew_tok, group_ids=group_ids,
+                      policy_lag=lag), p_max
 
-    real = rewards[finite]
-    info = {
-        "batch/samples": len(records) * g,
+
+def batch_metrics(records: Sequence[Mapping], spec: BatchSpec, rewards, lengths, truncated,
+                  failed, staleness, kept: Keep, batch: TrainBatch) -> dict:
+    """The host-side metrics of a built batch (names: :mod:`rlflow.run.metrics`): ``batch/*``
+    counts (samples, loss tokens, drops by reason, bucket length), ``reward/*`` over the raw
+    finite rewards (NaN when none is finite), ``response/*`` over the completions and the
+    staleness histogram of every sample (arguments ``[N, G]`` per sample; ``kept``:
+    :func:`rlflow.learner.selection.keep_mask`)."""
+    real = rewards[np.isfinite(rewards)]
+    return {
+        "batch/samples": len(records) * spec.group_size,
         "batch/groups": len(records),
-        "batch/loss_samples": int(keep.sum()),
-        "batch/loss_tokens": int(loss_mask.sum()),
-        "batch/seq_len": seq,
-        "batch/dropped_bad_reward_groups": int((~good_group).sum()),
-        "batch/dropped_stale": int((~keep_stale).sum()),
-        "batch/dropped_zero_variance_groups": int((~signal).sum()),
+        "batch/loss_samples": int(kept.keep.sum()),
+        "batch/loss_tokens": int(batch.loss_mask.sum()),
+        "batch/seq_len": batch.tokens.shape[1],
+        "batch/dropped_bad_reward_groups": int((~kept.good_group).sum()),
+        "batch/dropped_stale": int((~kept.keep_stale).sum()),
+        "batch/dropped_zero_variance_groups": int((~kept.signal).sum()),
         "batch/masked_truncated": int(truncated.sum()) if spec.mask_truncated else 0,
         "batch/failed_samples": int(failed.sum()),
         "reward/mean": float(real.mean()) if real.size else float("nan"),
@@ -445,14 +433,6 @@ def build_batch(records: Sequence[Mapping], spec: BatchSpec, learner_version: in
         "response/truncation_rate": float(truncated.mean()),
         **staleness_histogram(staleness.reshape(-1)),
     }
-    routing_ids = batch_routing(records, g, b_rows, p_max, seq)
-    if routing_ids is not None:
-        info["batch/routed_samples"] = sum(g for r in records if "completion_routing" in r)
-    batch = TrainBatch(tokens=tokens, attention_mask=attn, positions=positions, targets=targets,
-                       loss_mask=loss_mask, behaviour_logprobs=behaviour, advantages=adv_tok,
-                       token_rewards=rew_tok, group_ids=group_ids, policy_lag=lag,
-                       routing_ids=routing_ids)
-    return batch, info
 
 
 def batch_routing(records: Sequence[Mapping], group_size: int, num_rows: int, p_max: int,

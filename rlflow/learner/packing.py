@@ -176,23 +176,8 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
     if batch.segment_ids is not None:
         raise BatchError("pack_batch: the batch is already packed (segment_ids set)")
     attn = np.asarray(batch.attention_mask, bool)
-    b, l = attn.shape
-    first = np.argmax(attn, axis=1)
-    n_tok = attn.sum(axis=1)
-    last = l - np.argmax(attn[:, ::-1], axis=1)
-    if np.any(last - first != n_tok):
-        r = int(np.flatnonzero(last - first != n_tok)[0])
-        raise BatchError(f"pack_batch: row {r} has non-contiguous attended tokens")
-    loss = np.asarray(batch.loss_mask, bool)
-    if np.any(loss & ~attn):
-        r = int(np.argwhere(loss & ~attn)[0, 0])
-        raise BatchError(f"pack_batch: row {r} has a loss position outside its attended tokens")
-    keep = np.flatnonzero(loss.any(axis=1))
-    too_long = keep[n_tok[keep] > spec.pack_length]
-    if too_long.size:
-        r = int(too_long[0])
-        raise BatchError(f"row {r} has {int(n_tok[r])} tokens, more than learner.pack_length "
-                         f"{spec.pack_length}")
+    b = attn.shape[0]
+    first, n_tok, loss, keep = _row_spans(attn, batch.loss_mask, spec.pack_length)
     plain = [(-1, 0, [int(i)]) for i in keep]
     units = _shared_units(batch.tokens, first, n_tok, loss, keep, spec.pack_length) \
         if spec.shared_prefix else plain
@@ -206,7 +191,60 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
         ("token_rewards", np.float32), ("policy_lag", np.int32)) if getattr(batch, name) is None})
     if src.group_ids is None:                        # each sample its own group (its row + 1)
         src = src._replace(group_ids=row_segment_ids(attn))
-    # where each packed position comes from: source row (-1: padding) and offset in its span
+    src_row, pos, seg, pre = _place(bins, units, n_tok, b, rows, lp)
+    real = src_row >= 0
+    rr = np.maximum(src_row, 0)
+    cc = np.where(real, first[rr] + pos, 0)
+    out = {}
+    for name in _MOVED:
+        if getattr(src, name) is None:             # routing_ids of a batch without routing
+            out[name] = None
+            continue
+        x = np.asarray(getattr(src, name))
+        fill = {"tokens": spec.pad_id, "targets": spec.pad_id, "routing_ids": NO_CHOICE}
+        moved = x[rr, cc]                          # [R, lp, ...] (routing: [.., layers, k])
+        at = real.reshape(real.shape + (1,) * (moved.ndim - 2))
+        out[name] = np.where(at, moved, np.asarray(fill.get(name, 0), x.dtype))
+    packed = TrainBatch(positions=pos, segment_ids=seg,
+                        prefix_ids=pre if spec.shared_prefix else None, **out)
+    info = {"learner/padding_fraction": padding_fraction(attn),
+            "learner/packed_padding_fraction": padding_fraction(packed.attention_mask),
+            "batch/packed_rows": rows, "batch/packed_samples": int(keep.size)}
+    return packed, info
+
+
+def _row_spans(attn, loss_mask, pack_length: int):
+    """Each row's attended span of an unpacked batch (``attn`` ``[B, L]`` bool): ``(first
+    attended column [B], attended tokens [B], loss mask [B, L] bool, rows with loss tokens
+    [K])``.
+
+    Raises: BatchError when a row's attended tokens are not contiguous, a loss position lies
+    outside them, or a row with loss tokens is longer than ``pack_length``."""
+    l = attn.shape[1]
+    first = np.argmax(attn, axis=1)
+    n_tok = attn.sum(axis=1)
+    last = l - np.argmax(attn[:, ::-1], axis=1)
+    if np.any(last - first != n_tok):
+        r = int(np.flatnonzero(last - first != n_tok)[0])
+        raise BatchError(f"pack_batch: row {r} has non-contiguous attended tokens")
+    loss = np.asarray(loss_mask, bool)
+    if np.any(loss & ~attn):
+        r = int(np.argwhere(loss & ~attn)[0, 0])
+        raise BatchError(f"pack_batch: row {r} has a loss position outside its attended tokens")
+    keep = np.flatnonzero(loss.any(axis=1))
+    too_long = keep[n_tok[keep] > pack_length]
+    if too_long.size:
+        r = int(too_long[0])
+        raise BatchError(f"row {r} has {int(n_tok[r])} tokens, more than learner.pack_length "
+                         f"{pack_length}")
+    return first, n_tok, loss, keep
+
+
+def _place(bins, units, n_tok, b: int, rows: int, lp: int):
+    """Where each packed position ``[rows, lp]`` comes from: ``(source row int64, -1 on
+    padding; position in its sequence int32; segment id int32; prefix id int32)``, the
+    ``units`` (``(head row or -1, shared prompt length, sample rows)``) laid out bin by bin
+    (``bins``: unit indices per packed row) from a batch of ``b`` rows."""
     src_row = np.full((rows, lp), -1, np.int64)
     pos = np.zeros((rows, lp), np.int32)
     seg = np.zeros((rows, lp), np.int32)
@@ -237,25 +275,7 @@ def pack_batch(batch: TrainBatch, spec: PackSpec, used: Iterable[int] = ()
                              return_inverse=True)
         seg = dense[1:seg.size + 1].reshape(seg.shape).astype(np.int32)
         pre = dense[seg.size + 1:].reshape(pre.shape).astype(np.int32)
-    real = src_row >= 0
-    rr = np.maximum(src_row, 0)
-    cc = np.where(real, first[rr] + pos, 0)
-    out = {}
-    for name in _MOVED:
-        if getattr(src, name) is None:             # routing_ids of a batch without routing
-            out[name] = None
-            continue
-        x = np.asarray(getattr(src, name))
-        fill = {"tokens": spec.pad_id, "targets": spec.pad_id, "routing_ids": NO_CHOICE}
-        moved = x[rr, cc]                          # [R, lp, ...] (routing: [.., layers, k])
-        at = real.reshape(real.shape + (1,) * (moved.ndim - 2))
-        out[name] = np.where(at, moved, np.asarray(fill.get(name, 0), x.dtype))
-    packed = TrainBatch(positions=pos, segment_ids=seg,
-                        prefix_ids=pre if spec.shared_prefix else None, **out)
-    info = {"learner/padding_fraction": padding_fraction(attn),
-            "learner/packed_padding_fraction": padding_fraction(packed.attention_mask),
-            "batch/packed_rows": rows, "batch/packed_samples": int(keep.size)}
-    return packed, info
+    return src_row, pos, seg, pre
 
 
 def _unit_length(unit, n_tok) -> int:

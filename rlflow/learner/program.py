@@ -43,7 +43,6 @@ the learner's own clock (step time, idle fraction, publish-to-swap time).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -55,16 +54,13 @@ from rlflow.exchange.buffer import BufferServer
 from rlflow.data.reasoning import get_reasoning_parser
 from rlflow.exchange.records import completion_samples, policy_version_range
 from rlflow.exchange.ring import RingBuffer
-from rlflow.learner import advantages as adv_lib
-from rlflow.learner.batch import sample_staleness
-from rlflow.learner.prefetch import NextGroups, build_ahead, take_waiting
+from rlflow.learner.intake import GroupIntake
 from rlflow.learner.publish import Publisher, keeps_params
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner, pull_metrics
 from rlflow.run.metrics import MetricsWriter
-from rlflow.run.phases import report_phase
 from rlflow.run.report import make_report
-from rlflow.control.ledger import PromptLedger, TrainedPromptsLog, group_key
+from rlflow.control.ledger import PromptLedger, TrainedPromptsLog
 from rlflow.control.replicas import ReplicaTable
 from rlflow.control.run_control import RunCoordinator
 from rlflow.control.evals import RunEvals
@@ -75,16 +71,14 @@ log = logging.getLogger("rlflow.learner")
 UNLOGGED_BATCH_INFO = frozenset({"batch/dropped_bad_reward_groups"})
 
 DONE_GRACE_S = 10.0   # seconds the learner waits for the samplers to see "done"
-WAIT_SLICE_S = 1.0    # the wait for groups is cut in slices to check the ledger and replicas
 
 
-class LearnerProgram:
-    """State of one learner program (a thin shell; the math lives in rlflow.learner.*)."""
+class LearnerProgram(GroupIntake):
+    """State of one learner program (a thin shell; the math lives in rlflow.learner.*; taking
+    the groups of each step: :class:`rlflow.learner.intake.GroupIntake`)."""
 
     hosts = None    # LearnerHosts when learner.num_hosts > 1 (this is host 0), set in __init__
-    next_groups: NextGroups | None = None   # taken while the step before ran (prefetch)
     evals: RunEvals | None = None   # eval.every_steps > 0: the held-out evaluations
-    _stepped = False                # a step was taken (its compile phase reported)
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         from rlflow.control.replica_metrics import StepRates
@@ -98,8 +92,6 @@ class LearnerProgram:
 
             prepare_run_folder(cfg)
         self.gps = cfg.learner.groups_per_step
-        report_phase(f"loading the model ({cfg.model.path or 'built in'}) and the optimizer "
-                     "state")
         self.tokenizer = pc.run_tokenizer(cfg)
         self.learner = Learner(cfg, keep_params=keeps_params(cfg),
                                student_tokenizer=self.tokenizer)
@@ -157,8 +149,6 @@ class LearnerProgram:
         self._last_buffer = self.buffer.metrics()
         log.info("learner ready at version %d: buffer %s, coordinator %s", self.version,
                  self.buffer.address, self.coordinator.address)
-        report_phase(f"waiting for the first rollouts ({self.gps} groups of "
-                     f"{cfg.sampler.group_size})")
 
     # ------------------------------------------------------------------ set-up pieces
     def _resume(self):
@@ -212,15 +202,6 @@ class LearnerProgram:
             self.counts[name] = int(totals.get(name, 0))
         self.skips.total.update({r: int(n) for r, n in totals.get("skipped_steps", {}).items()})
 
-    def _arrived(self, group) -> bool:
-        key = group_key(group)
-        return key is None or self.ledger.stored(key)
-
-    def _discarded(self, group) -> None:
-        key = group_key(group)
-        if key is not None:
-            self.ledger.unstore(key)
-
     def _mark_trained(self) -> None:
         """The ledger counts the current batch trained (once the step that used it is done);
         also called before a checkpoint, should a stop request fall in between."""
@@ -242,108 +223,7 @@ class LearnerProgram:
         if self.evals is not None:
             self.evals.request(self.version)
 
-    # ------------------------------------------------------------------ consuming groups
-    def accept(self, group, version: int | None = None) -> bool:
-        """Buffer filter (runs under the ring's lock, so counts stay consistent with the
-        buffer's fill): reject a group whose every sample is too stale ("drop" policy) or
-        that has no reward variance (dynamic sampling). ``version``: the learner version the
-        group is judged against (default: the current one; :meth:`prefetch` passes the
-        version of the step in flight)."""
-        rt = self.cfg.runtime
-        version = self.version if version is None else version
-        key = group_key(group)
-        if key is not None and not self.ledger.take(key):
-            return False                   # a lost replica's late group (counted there)
-        if rt.stale_policy == "drop":
-            stale = sample_staleness(group["policy_versions"], group["completion_lengths"],
-                                     version, group.get("loss_mask"))
-            if (stale > rt.max_staleness).all():
-                self.counts["stale_groups"] += 1
-                if key is not None:
-                    self.ledger.give_back(key)     # generated again, never lost
-                return False
-        valid = ~group["failed"][None] if "failed" in group and \
-            self.cfg.learner.on_failed_sample == "mask" else None     # failed: no baseline
-        if self.cfg.learner.dynamic_sampling and \
-                not adv_lib.groups_with_signal(group["rewards"][None], xp=np, valid=valid)[0]:
-            self.counts["zero_variance_groups"] += 1
-            if key is not None:
-                self.ledger.drop(key)              # resolved: counted as dropped
-            self.filter_streak.rejected(version)   # raises after too many in a row
-            return False
-        self.filter_streak.accepted()
-        self.counts["accepted"] += 1
-        return True
-
-    def take_groups(self, taken: list = ()) -> list:
-        """``groups_per_step`` accepted groups, starting with ``taken`` (groups already
-        accepted, from :meth:`prefetch`); waits in slices of ``WAIT_SLICE_S``, checking
-        that groups can still come (prompts left, a replica alive). Sets
-        :attr:`batch_keys` (the ledger keys of the step's groups).
-
-        Raises:
-          BufferTimeoutError: no group for ``buffer.timeout_s`` seconds.
-          PromptsExhaustedError / NoReplicaError: see the module docstring.
-        """
-        from rlflow.exchange.ring import BufferTimeoutError
-
-        groups = list(taken)
-        waited_since = time.monotonic()
-        while len(groups) < self.gps:
-            pc.raise_if_stopped()              # a stop whose exception a finaliser dropped
-            self.ledger.check_enough((self.version + 1) * self.gps)
-            self.coordinator.check_replicas()
-            left = self.cfg.buffer.timeout_s - (time.monotonic() - waited_since)
-            try:
-                got = self.buffer.get_groups(1, timeout=max(0.01, min(WAIT_SLICE_S, left)),
-                                             accept=self.accept)
-            except BufferTimeoutError:
-                if left <= WAIT_SLICE_S:
-                    raise
-                continue
-            groups += got
-            waited_since = time.monotonic()
-        self.batch_keys = [(group_key(g), int(g["prompt_id"])) for g in groups]
-        return groups
-
-    def prefetch(self) -> None:
-        """Host work for the next step while the current one runs on the device (JAX
-        dispatches it asynchronously): take the next step's groups that already wait in the
-        buffer (no waiting), judged against version ``v + 1``, the version the running step
-        makes; with all ``groups_per_step`` there, build and check the batch too. The next
-        :meth:`step` starts from :attr:`next_groups`.
-
-        It takes the groups a take after the step would take: the buffer's oldest groups,
-        filtered against the same version. Nothing is taken before the last step (the run
-        ends there) or in sync mode (the samplers wait for ``v + 1``, so the buffer is
-        empty). Taken groups are consumed in the prompt ledger, so a checkpoint written now
-        counts them untrained (regenerated after a resume, as groups left in the buffer are).
-        Errors: what taking raises is kept for the next step (:class:`NextGroups`); an error
-        building or checking the batch is left for the next step to raise, which builds it
-        again.
-        """
-        version = self.version + 1
-        if version >= self.cfg.learner.num_steps:
-            return
-        accept = functools.partial(self.accept, version=version)
-        self.next_groups = nxt = take_waiting(self.buffer, accept, self.gps, version)
-        if len(nxt.groups) == self.gps and nxt.error is None:
-            build_ahead(self.learner, nxt)
-
     # ------------------------------------------------------------------ one step
-    def skip(self, groups, reason: str, info: dict) -> None:
-        """A step without loss samples: no update, no publish; its groups go back to the
-        admission budget (counted like rejected groups, so the samplers make replacements
-        and the budget does not shrink with each skip; the prompt ledger counts them
-        dropped). Raises :class:`rlflow.learner.skips.DegenerateStepsError` after too many
-        in a row."""
-        self.counts["accepted"] -= len(groups)
-        for key, _ in self.batch_keys:
-            if key is not None:
-                self.ledger.drop(key)
-        self.batch_keys = []
-        self.skips.skipped(reason, self.version, info)
-
     def step(self) -> dict | None:
         """One step; returns its metrics, or None when it was skipped (see :meth:`skip`)."""
         t0 = time.monotonic()
@@ -355,9 +235,6 @@ class LearnerProgram:
         # built at the version the step before was to make; rebuilt when it made none
         built = nxt.built if nxt is not None and nxt.version == self.version else None
         batch, info = built if built is not None else self.learner.build_batch(groups)
-        if not self._stepped:
-            self._stepped = True
-            report_phase("compiling the train step (the first step of this run)")
         reason = skip_reason(info)
         if reason is not None:
             self.skip(groups, reason, info)

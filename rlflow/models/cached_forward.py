@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlflow.models.forward_output import ForwardOutput
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.layer_scan import layer_modules
 from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
@@ -88,7 +89,8 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, attention_mas
         if return_routing:
             chosen.append(routing.expert_ids.reshape(b, t, -1))
     if paged:
-        out = model._logits(x), cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
+        new_cache = cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
     else:
-        out = model._logits(x), KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)
-    return out + (jnp.stack(chosen, axis=2),) if return_routing else out
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)
+    return ForwardOutput(logits=model._logits(x), cache=new_cache,
+                         expert_ids=jnp.stack(chosen, axis=2) if return_routing else None)

@@ -16,9 +16,11 @@ RMSNorm statistics, RoPE angles, attention logits and softmax, and output logits
 float32. Masked attention entries get a large negative logit (not -inf), so a query
 whose keys are all masked (a padding row) gives a finite uniform average, never NaN.
 
-Beside this module: RoPE in :mod:`rlflow.models.rope`, the projections' matmul and init in
-:mod:`rlflow.models.linear`, the KV-cached forward in :mod:`rlflow.models.cached_forward`,
-the MoE extras of the full forward in :mod:`rlflow.models.moe_scan`.
+Beside this module: the layers (norm, attention, MLP, block) in :mod:`rlflow.models.blocks`,
+the forward result in :mod:`rlflow.models.forward_output`, RoPE in :mod:`rlflow.models.rope`,
+the projections' matmul and init in :mod:`rlflow.models.linear`, the KV-cached forward in
+:mod:`rlflow.models.cached_forward`, the MoE extras of the full forward in
+:mod:`rlflow.models.moe_scan`.
 """
 
 from __future__ import annotations
@@ -30,21 +32,23 @@ from flax import nnx
 
 from rlflow.mesh import activation_sharding, sequence_size
 from rlflow.models import cached_forward, context_parallel, expert_parallel
-from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
+from rlflow.models.attention import SequenceMask
+from rlflow.models.blocks import MLP, Attention, Block, RMSNorm
 from rlflow.models.cached_forward import write_cache
 from rlflow.models.config import DecoderConfig
+from rlflow.models.forward_output import ForwardOutput
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import PagedKVCache
 from rlflow.models.layer_scan import scan_layers, stack_modules
-from rlflow.models.linear import INIT_STD, _cpu_dot_operands, _dense, _normal, _param
-from rlflow.models.lora import LoraAdapter, LoraSpec
-from rlflow.models.moe import MoE
+from rlflow.models.linear import INIT_STD, _dense, _normal
+from rlflow.models.lora import LoraSpec
 from rlflow.models.moe_replay import layer_major
 from rlflow.models.moe_scan import finish_routed, scan_routed
 from rlflow.models.rope import apply_rope, positions_from_mask, rope_inv_freq
 
 # Defined in the modules above and imported from here too (the one import path callers use).
-__all__ = ["Attention", "Block", "Decoder", "INIT_STD", "MLP", "RMSNorm", "TokenRangeError",
+__all__ = ["Attention", "Block", "Decoder", "ForwardOutput", "INIT_STD", "MLP", "RMSNorm",
+           "TokenRangeError",
            "apply_rope", "positions_from_mask", "rope_inv_freq", "validate_tokens",
            "write_cache"]
 
@@ -76,183 +80,6 @@ def validate_tokens(tokens, vocab_size: int, *, where: str = "tokens") -> None:
         raise TokenRangeError(
             f"{where}: token id {int(arr[idx])} at index {idx} is out of range for vocab_size "
             f"{vocab_size} ({int(bad.sum())} ids out of range; expected 0 <= id < {vocab_size})")
-
-
-
-class RMSNorm(nnx.Module):
-    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, statistics in float32."""
-
-    def __init__(self, dim: int, eps: float, param_dtype, dtype):
-        self.scale = _param(jnp.ones((dim,), param_dtype), ("norm",))
-        self.eps = eps
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return y.astype(self.dtype) * self.scale[...].astype(self.dtype)
-
-
-class Attention(nnx.Module):
-    """Grouped-query attention; kernels ``q [E, H, D]``, ``k, v [E, K, D]``, ``o [H, D, E]``;
-    with ``lora``, adapters ``{q,k,v,o}_lora`` on the targeted projections (else None)."""
-
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
-        e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
-        self.num_kv_heads, self.head_dim = k, d
-        self.q_kernel = _normal(rngs, (e, h, d), pdt, ("embed", "q_heads", "head_dim"))
-        self.k_kernel = _normal(rngs, (e, k, d), pdt, ("embed", "kv_heads", "head_dim"))
-        self.v_kernel = _normal(rngs, (e, k, d), pdt, ("embed", "kv_heads", "head_dim"))
-        self.o_kernel = _normal(rngs, (h, d, e), pdt, ("q_heads", "head_dim", "embed"))
-        if cfg.attention_bias:
-            self.q_bias = _param(jnp.zeros((h, d), pdt), ("q_heads", "head_dim"))
-            self.k_bias = _param(jnp.zeros((k, d), pdt), ("kv_heads", "head_dim"))
-            self.v_bias = _param(jnp.zeros((k, d), pdt), ("kv_heads", "head_dim"))
-        else:
-            self.q_bias = self.k_bias = self.v_bias = None
-        self.o_bias = _param(jnp.zeros((e,), pdt), ("embed",)) if cfg.o_bias else None
-        shapes = {"q": ((e,), (h, d), ("embed",), ("q_heads", "head_dim")),
-                  "k": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
-                  "v": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
-                  "o": ((h, d), (e,), ("q_heads", "head_dim"), ("embed",))}
-        for name, (ins, outs, in_axes, out_axes) in shapes.items():
-            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora,
-                                                      jnp.float32, self.dtype, rngs=rngs)
-                    if lora is not None and lora.targets(name) else None)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
-        else:
-            self.q_norm = self.k_norm = None
-
-    def _proj(self, x, kernel, bias, lora):
-        y = _dense(x, kernel[...].astype(self.dtype))
-        if lora is not None:
-            y = y + lora(x)
-        return y if bias is None else y + bias[...].astype(self.dtype)
-
-    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None):
-        """x ``[B, T, E]``. Full sequence (learner): ``attend_mask`` a
-        :class:`rlflow.models.attention.SequenceMask` (``kv_hook`` unused), attention by
-        :func:`rlflow.models.attention.attention`. Cached (sampler): ``attend_mask [B, T, S]``
-        bool over the keys that ``kv_hook`` returns: ``kv_hook(k [B, T, K, D], v) ->
-        (keys [B, K, D, S], values [B, K, S, D])``, or a function ``q [B, T, H, D] -> out
-        [B, T, H, D]`` when the cache runs the attention itself (a paged-attention kernel)."""
-        q = self._proj(x, self.q_kernel, self.q_bias, self.q_lora)
-        k = self._proj(x, self.k_kernel, self.k_bias, self.k_lora)
-        v = self._proj(x, self.v_kernel, self.v_bias, self.v_lora)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        b, t, h, d = q.shape
-        if isinstance(attend_mask, SequenceMask):
-            kw = attend_mask._asdict()
-            mesh = kw.pop("mesh")
-            if sequence_size(mesh) > 1:   # q, k, v in the folded view (hidden_states)
-                return self._out(context_parallel.folded_attention(q, k, v, mesh=mesh, **kw))
-            return self._out(attention(q, k, v, **kw))
-        read = kv_hook(k, v)
-        if callable(read):                  # the cache runs attention itself (a paged kernel)
-            return self._out(read(q))
-        keys, values = read
-        q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
-        if t == 1:
-            # One query per row (decode): multiply-and-reduce over the cache's second-minor
-            # axis (D of the keys [B, K, D, S], S of the values [B, K, S, D]) reads each
-            # layer's cache once, in place, with vector loads along its minor axis. As dot
-            # products these are G x D by D x S matrices batched over B x K, which XLA:CPU
-            # runs several times slower (benchmarks/sampler_throughput.py, 4.46M size).
-            qf = q[:, 0].astype(jnp.float32)                                   # [B, K, G, D]
-            scores = jnp.sum(qf[..., None] * keys[:, :, None].astype(jnp.float32),
-                             axis=3)[:, :, :, None, :] * (d ** -0.5)           # [B, K, G, 1, S]
-        else:
-            qs, ks_ = _cpu_dot_operands(q, keys)
-            scores = jnp.einsum("btkgd,bkds->bkgts", qs, ks_,
-                                preferred_element_type=jnp.float32) * (d ** -0.5)
-        scores = jnp.where(attend_mask[:, None, None, :, :], scores, MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        if t == 1:
-            out = jnp.sum(probs[:, :, :, 0, :, None] * values[:, :, None], axis=3,
-                          dtype=jnp.float32).astype(self.dtype)[:, None]      # [B, 1, K, G, D]
-            out = out.reshape(b, t, h, d)
-        else:
-            out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, d)
-        return self._out(out)
-
-    def _out(self, out):
-        """Attention output ``[B, T, H, D]`` -> ``[B, T, E]`` (output projection)."""
-        b, t, h, d = out.shape
-        o = self.o_kernel[...].astype(self.dtype)
-        y = _dense(out.reshape(b, t, h * d), o.reshape(h * d, o.shape[-1]))
-        if self.o_lora is not None:
-            y = y + self.o_lora(out)
-        return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
-
-
-class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``; gate/up ``[E, F]``, down ``[F, E]``;
-    with ``lora``, adapters ``{gate,up,down}_lora`` on the targeted projections (else None).
-    ``out_in``: names of the kernels held transposed, ``[out, in]`` (set by the sampler
-    engine on the model it merges inside its jitted calls, :mod:`rlflow.sampler.kernel_layout`).
-    """
-
-    out_in: frozenset = frozenset()
-
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
-        e, f = cfg.hidden_size, cfg.intermediate_size
-        pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
-        self.gate_kernel = _normal(rngs, (e, f), pdt, ("embed", "mlp"))
-        self.up_kernel = _normal(rngs, (e, f), pdt, ("embed", "mlp"))
-        self.down_kernel = _normal(rngs, (f, e), pdt, ("mlp", "embed"))
-        shapes = {"gate": ((e,), (f,), ("embed",), ("mlp",)),
-                  "up": ((e,), (f,), ("embed",), ("mlp",)),
-                  "down": ((f,), (e,), ("mlp",), ("embed",))}
-        for name, (ins, outs, in_axes, out_axes) in shapes.items():
-            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora,
-                                                      jnp.float32, self.dtype, rngs=rngs)
-                    if lora is not None and lora.targets(name) else None)
-
-    def _lin(self, x, name):
-        y = _dense(x, getattr(self, f"{name}_kernel")[...].astype(self.dtype),
-                   out_in=f"{name}_kernel" in self.out_in)
-        adapter = getattr(self, f"{name}_lora")
-        return y if adapter is None else y + adapter(x)
-
-    def __call__(self, x):
-        gate = jax.nn.silu(self._lin(x, "gate"))
-        return self._lin(gate * self._lin(x, "up"), "down")
-
-
-class Block(nnx.Module):
-    """One pre-norm decoder layer; ``mlp`` is a :class:`rlflow.models.moe.MoE` when the
-    config has experts (``cfg.is_moe``), else an :class:`MLP`. The decoder stores its ``L``
-    blocks as one stacked module of this structure
-    (:func:`rlflow.models.layer_scan.stack_modules`: every variable ``[L, ...]``); what a
-    block holds does not matter to it."""
-
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
-        pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
-        self.attn = Attention(cfg, rngs=rngs, lora=lora)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
-        self.mlp = (MoE if cfg.is_moe else MLP)(cfg, rngs=rngs, lora=lora)
-
-    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None, *,
-                 replay_ids=None, return_routing: bool = False):
-        """``x [B, T, E]`` -> ``[B, T, E]``; with ``return_routing`` the pair ``(x, routing)``,
-        ``routing`` the MoE layer's :class:`rlflow.models.moe.Routing` over the ``B * T``
-        tokens (None for a dense layer). ``replay_ids``: ``[B, T, k]`` expert ids to replay
-        (MoE layers only; :func:`rlflow.models.moe.route`)."""
-        x = x + self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
-        h = self.post_attn_norm(x)
-        if isinstance(self.mlp, MoE):
-            y, routing = self.mlp(h, replay_ids)
-        else:
-            if replay_ids is not None:
-                raise ValueError("replay_ids given to a dense layer (the model has no experts)")
-            y, routing = self.mlp(h), None
-        return (x + y, routing) if return_routing else x + y
 
 
 class Decoder(nnx.Module):
@@ -339,7 +166,7 @@ class Decoder(nnx.Module):
           ValueError: unknown ``attention_impl``, or a kernel asked for ``prefix_ids``.
         """
         hidden = self.hidden_states(tokens, positions, attention_mask, segment_ids=segment_ids,
-                                    prefix_ids=prefix_ids, attention_impl=attention_impl)
+                                    prefix_ids=prefix_ids, attention_impl=attention_impl).hidden
         logits = self.project(hidden)
         return (logits, hidden) if return_hidden else logits
 
@@ -348,10 +175,13 @@ class Decoder(nnx.Module):
                       prefix_ids: jax.Array | None = None,
                       attention_impl: str = "auto", remat: str = "none",
                       mesh=None, moe_aux: bool = False,
-                      routing_ids: jax.Array | None = None, replay_routing: bool = False):
-        """The full forward without the output projection: ``[B, T, E]`` in ``cfg.dtype``,
-        the last layer's output after the final RMSNorm (arguments and errors as
-        :meth:`__call__`); :meth:`project` maps (a subset of) them to logits.
+                      routing_ids: jax.Array | None = None,
+                      replay_routing: bool = False) -> ForwardOutput:
+        """The full forward without the output projection: a
+        :class:`rlflow.models.forward_output.ForwardOutput` whose ``hidden`` ``[B, T, E]`` in
+        ``cfg.dtype`` is the last layer's output after the final RMSNorm (arguments and errors
+        as :meth:`__call__`); :meth:`project` maps (a subset of) it to logits. ``aux_loss`` and
+        ``router_agreement`` are filled as below, the other parts are None.
 
         The layers run under one ``jax.lax.scan`` over their stored stacked parameters
         (:func:`rlflow.models.layer_scan.scan_layers`: one compiled layer body whatever the
@@ -371,20 +201,19 @@ class Decoder(nnx.Module):
         one device, mixture-of-experts layers split their experts over it
         (:mod:`rlflow.models.expert_parallel`).
 
-        ``moe_aux`` (mixture-of-experts models only): also return the load-balancing loss
-        of this forward, the pair ``(hidden, aux)`` with ``aux`` float32 ``[]``
-        (:func:`rlflow.models.moe.balance_loss` over every layer and the tokens where
-        ``attention_mask`` is True, as HF's ``load_balancing_loss_func``).
+        ``moe_aux`` (mixture-of-experts models only): also compute the load-balancing loss
+        of this forward, ``aux_loss`` float32 ``[]`` (:func:`rlflow.models.moe.balance_loss`
+        over every layer and the tokens where ``attention_mask`` is True, as HF's
+        ``load_balancing_loss_func``).
 
         ``routing_ids`` (mixture-of-experts models; rollout routing replay,
         :mod:`rlflow.models.moe_replay`): ``[B, T, L, k]`` int expert ids the sampler chose for
         each token and layer, -1 where it recorded none. With ``replay_routing`` every MoE
         layer routes the tokens with recorded ids to those experts (gates from its own
         router: :func:`rlflow.models.moe.route`), the others by its own top-k; without, the
-        ids are only compared. The result then ends with ``agreement`` float32 ``[L, 2]``:
-        per layer, the token-layers whose own top-k set equals the recorded one, and those
-        with a recorded choice (:func:`rlflow.models.moe_replay.agreement_sums`). With both
-        ``moe_aux`` and ``routing_ids``: ``(hidden, aux, agreement)``.
+        ids are only compared. ``router_agreement`` float32 ``[L, 2]`` is then filled: per
+        layer, the token-layers whose own top-k set equals the recorded one, and those with a
+        recorded choice (:func:`rlflow.models.moe_replay.agreement_sums`).
 
         Raises (beside :meth:`__call__`'s):
           LayerScanError: ``remat`` is unknown or unsupported on this backend.
@@ -451,16 +280,16 @@ class Decoder(nnx.Module):
         return scan_routed(self.layers, x, layer, remat, token_mask, per_layer_ids,
                            self.cfg.num_experts)
 
-    def _finish(self, x, attention_mask, moe_aux, finish):
-        """``finish(x)``, or (``x`` the triple of :meth:`_scan`) ``(finish(x), *extras)``
-        (:func:`rlflow.models.moe_scan.finish_routed`)."""
+    def _finish(self, x, attention_mask, moe_aux, finish) -> ForwardOutput:
+        """``ForwardOutput(hidden=finish(x))``, or (``x`` the triple of :meth:`_scan`) with the
+        MoE parts too (:func:`rlflow.models.moe_scan.finish_routed`)."""
         if not isinstance(x, tuple):
-            return finish(x)
+            return ForwardOutput(hidden=finish(x))
         return finish_routed(x, attention_mask, moe_aux, finish, self.cfg.num_layers)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        cache: KVCache | PagedKVCache, cache_index: jax.Array, *, mesh=None,
-                       return_routing: bool = False):
+                       return_routing: bool = False) -> ForwardOutput:
         """Forward over ``T`` new tokens per row against a KV cache (prefill / decode).
 
         Row ``b``'s new keys/values go to cache positions
@@ -483,13 +312,14 @@ class Decoder(nnx.Module):
             mixture-of-experts layers split their experts over it
             (:mod:`rlflow.models.expert_parallel`).
 
-          return_routing: (mixture-of-experts models) also return the expert ids each
+          return_routing: (mixture-of-experts models) also report the expert ids each
             layer's router chose for each new token: what the sampler records for rollout
             routing replay (:mod:`rlflow.exchange.routing`).
 
         Returns:
-          ``(logits [B, T, V] float32, new cache)``; with ``return_routing`` the triple
-          ``(logits, new cache, expert ids int32 [B, T, L, k])``.
+          a :class:`rlflow.models.forward_output.ForwardOutput` with ``logits [B, T, V]``
+          float32 and ``cache`` (the new cache); with ``return_routing`` also ``expert_ids``
+          int32 ``[B, T, L, k]``; the other parts None.
 
         The layers run as a Python loop here (one cache array per layer, written through
         ``kv_hook``), unlike :meth:`hidden_states`' scan: over static slices of the stacked

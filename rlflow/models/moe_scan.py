@@ -2,8 +2,8 @@
 (:meth:`rlflow.models.decoder.Decoder.hidden_states`): the layer scan that also carries the
 load-balancing sums (:func:`rlflow.models.moe.balance_sums`; Fedus et al. 2021, "Switch
 Transformers", eq. 4-6) and outputs each layer's router agreement with
-recorded expert ids (rollout routing replay, :mod:`rlflow.models.moe_replay`), and the tuple
-that ends the forward.
+recorded expert ids (rollout routing replay, :mod:`rlflow.models.moe_replay`), and the
+forward result they end in (:class:`rlflow.models.forward_output.ForwardOutput`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from rlflow.models import moe as moe_lib
+from rlflow.models.forward_output import ForwardOutput
 from rlflow.models.layer_scan import scan_layers
 from rlflow.models.moe_replay import agreement_sums
 
@@ -55,14 +56,16 @@ def scan_routed(layers, x, layer, remat: str, token_mask, per_layer_ids, num_exp
     return x, sums, agreement
 
 
-def finish_routed(scanned, attention_mask, moe_aux: bool, finish, num_layers: int):
-    """``(finish(x), *extras)`` from the triple of :func:`scan_routed`: the load-balancing
-    loss (float32 ``[]``, :func:`rlflow.models.moe.balance_loss` over ``num_layers`` times
-    the tokens where ``attention_mask [B, T]`` is True) with ``moe_aux``, then the router
-    agreement ``[L, 2]`` when recorded ids were given."""
+def finish_routed(scanned, attention_mask, moe_aux: bool, finish,
+                  num_layers: int) -> ForwardOutput:
+    """The :class:`rlflow.models.forward_output.ForwardOutput` of the triple of
+    :func:`scan_routed`: ``hidden = finish(x)``; with ``moe_aux`` the load-balancing loss
+    ``aux_loss`` (float32 ``[]``, :func:`rlflow.models.moe.balance_loss` over ``num_layers``
+    times the tokens where ``attention_mask [B, T]`` is True); ``router_agreement`` ``[L, 2]``
+    when recorded ids were given (else None)."""
     x, sums, agreement = scanned
-    out = (finish(x),)
+    aux = None
     if moe_aux:
         rows = num_layers * jnp.sum(jnp.asarray(attention_mask, jnp.float32))
-        out += (moe_lib.balance_loss(sums, rows),)
-    return out + (() if agreement is None else (agreement,))
+        aux = moe_lib.balance_loss(sums, rows)
+    return ForwardOutput(hidden=finish(x), aux_loss=aux, router_agreement=agreement)

@@ -353,7 +353,7 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
         out = model.forward_cached(
             state.tokens[:, None], state.index[:, None], jnp.ones((b, 1), bool), state.cache,
             state.index, mesh=self._mesh, return_routing=self.records_routing)
-        logits, cache = out[:2]
+        logits, cache = out.logits, out.cache
         t = jnp.minimum(state.gen_len, state.uniforms.shape[1] - 1)
         u = jnp.take_along_axis(state.uniforms, t[:, None], axis=1)[:, 0]
         tokens, logprobs = sample_tokens(logits[:, 0], u, state.temperature, state.top_k,
@@ -371,7 +371,7 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
                             jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32),
                                                          jnp.int32)], axis=-1)
         if self.records_routing:                  # [B, 1, L, k] -> L * k columns
-            packed = jnp.concatenate([packed, out[2].reshape(b, -1)], axis=-1)
+            packed = jnp.concatenate([packed, out.expert_ids.reshape(b, -1)], axis=-1)
         return new_state, packed
 
     def _generate_impl(self, params: EngineParams, state: DecodeState):

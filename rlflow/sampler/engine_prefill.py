@@ -37,8 +37,8 @@ class EnginePrefill:
         out = model.forward_cached(padded_tokens, idx, mask, cache,
                                    jnp.zeros((n,), jnp.int32),
                                    mesh=self._mesh, return_routing=self.records_routing)
-        cache = out[1]
-        routing = out[2].astype(self.routing_dtype) if self.records_routing else None
+        cache = out.cache
+        routing = out.expert_ids.astype(self.routing_dtype) if self.records_routing else None
         last = jnp.take_along_axis(padded_tokens, lengths[:, None], axis=1)[:, 0]
         return Prefix(cache=cache, last_token=last, length=lengths,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,

@@ -60,8 +60,8 @@ class SlotExtender:
         w = tokens.shape[1]
         run = jnp.concatenate([first[:, None], tokens[:, :-1]], axis=1)          # [m, W]
         cols = jnp.arange(w, dtype=jnp.int32)[None, :]
-        _, sub = model.forward_cached(run, index[:, None] + cols, cols < lengths[:, None],
-                                      sub, index, mesh=eng.mesh)
+        sub = model.forward_cached(run, index[:, None] + cols, cols < lengths[:, None],
+                                   sub, index, mesh=eng.mesh).cache
         last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
 
         def put(dst, src):

@@ -1,0 +1,201 @@
+"""The layers of the decoder (:mod:`rlflow.models.decoder`): RMSNorm (Zhang & Sennrich 2019,
+eq. 4), grouped-query attention (Ainslie et al. 2023) with rotary position embeddings (Su et
+al. 2021, eq. 34), the SwiGLU MLP (Shazeer 2020, eq. 6), and the pre-norm block that chains
+them (Touvron et al. 2023, "Llama 2"; Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm on q
+and k). A block's MLP is a :class:`rlflow.models.moe.MoE` for a mixture-of-experts config.
+
+Numerics: parameters are cast from ``cfg.param_dtype`` to ``cfg.dtype`` at use; RMSNorm
+statistics, RoPE angles, attention logits and softmax are float32 (see the decoder's module
+docstring).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlflow.mesh import sequence_size
+from rlflow.models import context_parallel
+from rlflow.models.attention import MASK_VALUE, SequenceMask, attention
+from rlflow.models.config import DecoderConfig
+from rlflow.models.linear import _cpu_dot_operands, _dense, _normal, _param
+from rlflow.models.lora import LoraAdapter, LoraSpec
+from rlflow.models.moe import MoE
+from rlflow.models.rope import apply_rope
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, dtype):
+        self.scale = _param(jnp.ones((dim,), param_dtype), ("norm",))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * self.scale[...].astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention; kernels ``q [E, H, D]``, ``k, v [E, K, D]``, ``o [H, D, E]``;
+    with ``lora``, adapters ``{q,k,v,o}_lora`` on the targeted projections (else None)."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
+        e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+        self.num_kv_heads, self.head_dim = k, d
+        self.q_kernel = _normal(rngs, (e, h, d), pdt, ("embed", "q_heads", "head_dim"))
+        self.k_kernel = _normal(rngs, (e, k, d), pdt, ("embed", "kv_heads", "head_dim"))
+        self.v_kernel = _normal(rngs, (e, k, d), pdt, ("embed", "kv_heads", "head_dim"))
+        self.o_kernel = _normal(rngs, (h, d, e), pdt, ("q_heads", "head_dim", "embed"))
+        if cfg.attention_bias:
+            self.q_bias = _param(jnp.zeros((h, d), pdt), ("q_heads", "head_dim"))
+            self.k_bias = _param(jnp.zeros((k, d), pdt), ("kv_heads", "head_dim"))
+            self.v_bias = _param(jnp.zeros((k, d), pdt), ("kv_heads", "head_dim"))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = _param(jnp.zeros((e,), pdt), ("embed",)) if cfg.o_bias else None
+        shapes = {"q": ((e,), (h, d), ("embed",), ("q_heads", "head_dim")),
+                  "k": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
+                  "v": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
+                  "o": ((h, d), (e,), ("q_heads", "head_dim"), ("embed",))}
+        for name, (ins, outs, in_axes, out_axes) in shapes.items():
+            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora,
+                                                      jnp.float32, self.dtype, rngs=rngs)
+                    if lora is not None and lora.targets(name) else None)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _proj(self, x, kernel, bias, lora):
+        y = _dense(x, kernel[...].astype(self.dtype))
+        if lora is not None:
+            y = y + lora(x)
+        return y if bias is None else y + bias[...].astype(self.dtype)
+
+    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None):
+        """x ``[B, T, E]``. Full sequence (learner): ``attend_mask`` a
+        :class:`rlflow.models.attention.SequenceMask` (``kv_hook`` unused), attention by
+        :func:`rlflow.models.attention.attention`. Cached (sampler): ``attend_mask [B, T, S]``
+        bool over the keys that ``kv_hook`` returns: ``kv_hook(k [B, T, K, D], v) ->
+        (keys [B, K, D, S], values [B, K, S, D])``, or a function ``q [B, T, H, D] -> out
+        [B, T, H, D]`` when the cache runs the attention itself (a paged-attention kernel)."""
+        q = self._proj(x, self.q_kernel, self.q_bias, self.q_lora)
+        k = self._proj(x, self.k_kernel, self.k_bias, self.k_lora)
+        v = self._proj(x, self.v_kernel, self.v_bias, self.v_lora)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        b, t, h, d = q.shape
+        if isinstance(attend_mask, SequenceMask):
+            kw = attend_mask._asdict()
+            mesh = kw.pop("mesh")
+            if sequence_size(mesh) > 1:   # q, k, v in the folded view (hidden_states)
+                return self._out(context_parallel.folded_attention(q, k, v, mesh=mesh, **kw))
+            return self._out(attention(q, k, v, **kw))
+        read = kv_hook(k, v)
+        if callable(read):                  # the cache runs attention itself (a paged kernel)
+            return self._out(read(q))
+        keys, values = read
+        q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
+        if t == 1:
+            # One query per row (decode): multiply-and-reduce over the cache's second-minor
+            # axis (D of the keys [B, K, D, S], S of the values [B, K, S, D]) reads each
+            # layer's cache once, in place, with vector loads along its minor axis. As dot
+            # products these are G x D by D x S matrices batched over B x K, which XLA:CPU
+            # runs several times slower (benchmarks/sampler_throughput.py, 4.46M size).
+            qf = q[:, 0].astype(jnp.float32)                                   # [B, K, G, D]
+            scores = jnp.sum(qf[..., None] * keys[:, :, None].astype(jnp.float32),
+                             axis=3)[:, :, :, None, :] * (d ** -0.5)           # [B, K, G, 1, S]
+        else:
+            qs, ks_ = _cpu_dot_operands(q, keys)
+            scores = jnp.einsum("btkgd,bkds->bkgts", qs, ks_,
+                                preferred_element_type=jnp.float32) * (d ** -0.5)
+        scores = jnp.where(attend_mask[:, None, None, :, :], scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        if t == 1:
+            out = jnp.sum(probs[:, :, :, 0, :, None] * values[:, :, None], axis=3,
+                          dtype=jnp.float32).astype(self.dtype)[:, None]      # [B, 1, K, G, D]
+            out = out.reshape(b, t, h, d)
+        else:
+            out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, d)
+        return self._out(out)
+
+    def _out(self, out):
+        """Attention output ``[B, T, H, D]`` -> ``[B, T, E]`` (output projection)."""
+        b, t, h, d = out.shape
+        o = self.o_kernel[...].astype(self.dtype)
+        y = _dense(out.reshape(b, t, h * d), o.reshape(h * d, o.shape[-1]))
+        if self.o_lora is not None:
+            y = y + self.o_lora(out)
+        return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``; gate/up ``[E, F]``, down ``[F, E]``;
+    with ``lora``, adapters ``{gate,up,down}_lora`` on the targeted projections (else None).
+    ``out_in``: names of the kernels held transposed, ``[out, in]`` (set by the sampler
+    engine on the model it merges inside its jitted calls, :mod:`rlflow.sampler.kernel_layout`).
+    """
+
+    out_in: frozenset = frozenset()
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+        self.gate_kernel = _normal(rngs, (e, f), pdt, ("embed", "mlp"))
+        self.up_kernel = _normal(rngs, (e, f), pdt, ("embed", "mlp"))
+        self.down_kernel = _normal(rngs, (f, e), pdt, ("mlp", "embed"))
+        shapes = {"gate": ((e,), (f,), ("embed",), ("mlp",)),
+                  "up": ((e,), (f,), ("embed",), ("mlp",)),
+                  "down": ((f,), (e,), ("mlp",), ("embed",))}
+        for name, (ins, outs, in_axes, out_axes) in shapes.items():
+            setattr(self, f"{name}_lora", LoraAdapter(ins, outs, in_axes, out_axes, lora,
+                                                      jnp.float32, self.dtype, rngs=rngs)
+                    if lora is not None and lora.targets(name) else None)
+
+    def _lin(self, x, name):
+        y = _dense(x, getattr(self, f"{name}_kernel")[...].astype(self.dtype),
+                   out_in=f"{name}_kernel" in self.out_in)
+        adapter = getattr(self, f"{name}_lora")
+        return y if adapter is None else y + adapter(x)
+
+    def __call__(self, x):
+        gate = jax.nn.silu(self._lin(x, "gate"))
+        return self._lin(gate * self._lin(x, "up"), "down")
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer; ``mlp`` is a :class:`rlflow.models.moe.MoE` when the
+    config has experts (``cfg.is_moe``), else an :class:`MLP`. The decoder stores its ``L``
+    blocks as one stacked module of this structure
+    (:func:`rlflow.models.layer_scan.stack_modules`: every variable ``[L, ...]``); what a
+    block holds does not matter to it."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
+        pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
+        self.attn = Attention(cfg, rngs=rngs, lora=lora)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
+        self.mlp = (MoE if cfg.is_moe else MLP)(cfg, rngs=rngs, lora=lora)
+
+    def __call__(self, x, positions, inv_freq, attend_mask, kv_hook=None, *,
+                 replay_ids=None, return_routing: bool = False):
+        """``x [B, T, E]`` -> ``[B, T, E]``; with ``return_routing`` the pair ``(x, routing)``,
+        ``routing`` the MoE layer's :class:`rlflow.models.moe.Routing` over the ``B * T``
+        tokens (None for a dense layer). ``replay_ids``: ``[B, T, k]`` expert ids to replay
+        (MoE layers only; :func:`rlflow.models.moe.route`)."""
+        x = x + self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
+        h = self.post_attn_norm(x)
+        if isinstance(self.mlp, MoE):
+            y, routing = self.mlp(h, replay_ids)
+        else:
+            if replay_ids is not None:
+                raise ValueError("replay_ids given to a dense layer (the model has no experts)")
+            y, routing = self.mlp(h), None
+        return (x + y, routing) if return_routing else x + y
