@@ -12,10 +12,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "rlflow"
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 100
 FUNCTION_FOLDERS = ("learner", "models")
-# Modules over the bound outside rlflow/learner and rlflow/models, split by other work in
-# flight (issue 49): the merge that splits them removes them here. A listed module that is
-# no longer over the bound fails too, so the list cannot go stale.
-KNOWN_LONG_MODULES = frozenset({"console/fit.py", "sampler/engine.py"})
 
 
 def module_lines() -> dict:
@@ -39,15 +35,9 @@ def long_functions(source: str, path: str, limit: int) -> list:
 
 def test_no_module_over_500_lines():
     lines = module_lines()
-    over = {p for p, n in lines.items() if n > MAX_MODULE_LINES}
-    assert sorted(over - KNOWN_LONG_MODULES) == [], (
-        "modules over 500 lines: " + ", ".join(f"rlflow/{p}:{lines[p]}"
-                                               for p in sorted(over - KNOWN_LONG_MODULES)))
-    assert sorted(KNOWN_LONG_MODULES - over) == [], (
-        f"no longer over 500 lines, drop them from KNOWN_LONG_MODULES: "
-        f"{sorted(KNOWN_LONG_MODULES - over)}")
-    # the exceptions are other folders' only: learner/ and models/ have none
-    assert not any(p.startswith(FUNCTION_FOLDERS) for p in KNOWN_LONG_MODULES)
+    over = sorted(p for p, n in lines.items() if n > MAX_MODULE_LINES)
+    assert over == [], "modules over 500 lines: " + ", ".join(f"rlflow/{p}:{lines[p]}"
+                                                              for p in over)
 
 
 @pytest.mark.parametrize("folder", FUNCTION_FOLDERS)
