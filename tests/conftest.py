@@ -132,6 +132,13 @@ def two_learner_hosts(tmp_path_factory):
                 pulled={k: v[...] for k, v in nnx.to_flat_state(params)})
 
 
+def pytest_configure(config):
+    # RLFLOW_TEST_CPU_JSON=<file>: CPU seconds per test and file (tests/cpu_profile.py).
+    import cpu_profile
+
+    cpu_profile.register(config)
+
+
 # pytest-xdist (scripts/test.sh runs ``-n <workers> --dist loadgroup``): each test file runs
 # on one worker, as ``--dist loadfile`` would, so its module fixtures are built once; files
 # that share a session fixture run on the same worker, which builds it once.
