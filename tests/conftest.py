@@ -134,9 +134,10 @@ def two_learner_hosts(tmp_path_factory):
 
 def pytest_configure(config):
     # RLFLOW_TEST_CPU_JSON=<file>: CPU seconds per test and file (tests/cpu_profile.py).
-    import cpu_profile
+    if os.environ.get("RLFLOW_TEST_CPU_JSON"):
+        import cpu_profile
 
-    cpu_profile.register(config)
+        cpu_profile.register(config)
 
 
 # pytest-xdist (scripts/test.sh runs ``-n <workers> --dist loadgroup``): each test file runs
