@@ -3,11 +3,16 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# The tests live in tiers (tests/unit/<package>/, tests/e2e/); the helper modules they share
+# (hf_fixtures, learner_fixtures, tolerances, repo_paths, ...) stay here in tests/.
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
 
 # The demo model folder and other caches go to a session tmp folder, never ~/.cache.
 os.environ.setdefault("RLFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="rlflow-test-cache-"))

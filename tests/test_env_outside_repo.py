@@ -31,9 +31,11 @@ def test_suite_part_passes_from_a_venv_outside_the_repository(tmp_path):
     checkout = tmp_path / "checkout"                    # no .venv in it
     shutil.copytree(os.path.join(REPO, "scripts"), checkout / "scripts")
     shutil.copytree(os.path.join(REPO, "configs"), checkout / "configs")   # the slice check's
-    (checkout / "tests").mkdir()
-    for name in ("conftest.py", "test_tpu_scripts.py", "tpu_slices.py", "test_progress.py"):
-        shutil.copy(os.path.join(REPO, "tests", name), checkout / "tests" / name)
+    parts = ("tests/conftest.py", "tests/repo_paths.py", "tests/tpu_slices.py",
+             "tests/test_tpu_scripts.py", "tests/test_progress.py")
+    for rel in parts:
+        (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(REPO, rel), checkout / rel)
     shutil.copy(os.path.join(REPO, "pytest.ini"), checkout / "pytest.ini")
     assert not (checkout / ".venv").exists()
 
@@ -62,7 +64,7 @@ def test_suite_part_passes_from_a_venv_outside_the_repository(tmp_path):
     env = dict(os.environ, PATH=path, PYTHONPATH=REPO)  # rlflow itself: this checkout
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_tpu_scripts.py", "tests/test_progress.py",
+                           *(p for p in parts if os.path.basename(p).startswith("test_")),
                            "-k", "shellcheck or start or eta or plain"],
                           cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
