@@ -145,17 +145,46 @@ def pytest_configure(config):
         cpu_profile.register(config)
 
 
+@pytest.fixture(scope="session")
+def sync_run(tmp_path_factory):
+    """tests/e2e_runs.py's one sync-mode ``rlflow train`` (2 learner devices, single-device
+    transfer layout, sleeping sampler, 2 decode lanes): ``(CompletedProcess, run folder)``."""
+    import e2e_runs
+
+    return e2e_runs.start_sync_run(tmp_path_factory.mktemp("sync-run"))
+
+
 # pytest-xdist (scripts/test.sh runs ``-n <workers> --dist loadgroup``): each test file runs
 # on one worker, as ``--dist loadfile`` would, so its module fixtures are built once; files
-# that share a session fixture run on the same worker, which builds it once.
-_SHARED_SESSION_FIXTURES = {
-    "test_multihost.py": "two_learner_hosts", "test_host_shards.py": "two_learner_hosts",
-    "test_gsm8k_e2e.py": "gsm8k_model", "test_episodes_e2e.py": "gsm8k_model",
-}
+# that share a session fixture of the list below (found from the tests' fixture names) run on
+# the same worker, which builds it once.
+SHARED_SESSION_FIXTURES = ("two_learner_hosts", "gsm8k_model", "sync_run")
+
+
+def xdist_groups(items) -> dict[str, str]:
+    """``{test file path: group name}``: a file's own path, or one name for all the files
+    that share (transitively) one of SHARED_SESSION_FIXTURES."""
+    parent: dict[str, str] = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for item in items:
+        path = str(item.fspath)
+        for name in SHARED_SESSION_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                parent[find(path)] = find("fixture:" + name)
+    return {str(item.fspath): find(str(item.fspath)) for item in items}
 
 
 def pytest_collection_modifyitems(config, items):
+    groups = xdist_groups(items)
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            name = os.path.basename(str(item.fspath))
-            item.add_marker(pytest.mark.xdist_group(_SHARED_SESSION_FIXTURES.get(name, name)))
+            group = groups[str(item.fspath)]
+            name = group.split(":", 1)[1] if group.startswith("fixture:") else \
+                os.path.relpath(group, TESTS_DIR)
+            item.add_marker(pytest.mark.xdist_group(name))

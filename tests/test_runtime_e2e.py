@@ -3,46 +3,35 @@
 Each test runs the demo config (tiny model written to a temporary cache) for a few steps
 and reads what happened from the run folder (metrics.jsonl, processes.json, logs/). The plain
 asynchronous run (staleness bound, versions, run folder) is tests/test_run_outputs_e2e.py's
-shared run.
+shared run; the plain sync run is tests/e2e_runs.py's (the ``sync_run`` session fixture);
+the other tests inject faults or resume, so each starts its own.
 """
 
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
+import e2e_runs
 from rlflow.run.folder import metrics_by_step, read_jsonl
 
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HANG_GUARD_S = 300          # a run that takes longer than this is a hang (the test fails)
+HANG_GUARD_S = e2e_runs.HANG_GUARD_S
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    e = dict(os.environ)
-    e["RLFLOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))   # the demo model folder
-    # Compiled programs are shared between the runs (same shapes): conftest's session-wide
-    # JAX_COMPILATION_CACHE_DIR.
-    assert e.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's XLA cache"
-    return e
+    return e2e_runs.demo_env(tmp_path_factory.mktemp("cache"))   # the demo model folder
 
 
-def _cmd(run_dir, name, *overrides):
-    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
-    base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
-    return base + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
-                   "--run_dir", str(run_dir), "--name", name, "--metrics.progress", "plain",
-                   "--buffer.timeout_s", "120", "--checkpoint.every_steps", "0",
-                   *overrides]
+_cmd = e2e_runs.demo_train_cmd
 
 
 def _train(env, run_dir, name, *overrides):
@@ -57,43 +46,26 @@ def _steps(run):
     return metrics_by_step(records)
 
 
-def test_sync_mode_two_learner_devices_sleeping_sampler(env, tmp_path):
-    """Sync mode (k = 0), the learner on 2 fake devices (fsdp) and the sampler on 1, weights
-    through jax.experimental.transfer gathered on one device, and a sampler that frees its KV cache whenever it waits: every consumed
-    sample is version-current, so the sampler kept generating with the last synced weights
-    after each free. The learner runs with glibc keeping freed memory (the default), the
-    sampler does not."""
-    proc, run = _train(env, tmp_path, "sync", "--learner.num_steps", "4",
-                       "--runtime.mode", "sync", "--runtime.max_staleness", "0",
-                       "--runtime.sampler_sleep", "True", "--learner.num_devices", "2",
-                       "--learner.mesh.fsdp", "2", "--runtime.transfer_layout", "single_device")
+def test_sync_mode_two_learner_devices_sleeping_sampler_two_lanes(sync_run):
+    """tests/e2e_runs.py's shared sync run (k = 0): the learner on 2 fake devices (fsdp) and
+    the sampler on 1, weights through jax.experimental.transfer gathered on one device, a
+    sampler that frees its KV cache whenever it waits and decodes in two lanes (its slots in
+    two batchers decoding at once). Every step trains complete groups, every consumed sample
+    version-current, so the sampler kept generating with the last synced weights after each
+    free. The learner runs with glibc keeping freed memory (the default), the sampler does not
+    (runtime.keep_freed_host_memory=false: tests/test_runtime_e2e.py's resume runs)."""
+    proc, run = sync_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_step = _steps(run)
-    assert sorted(by_step) == [1, 2, 3, 4]
+    assert sorted(by_step) == list(range(1, e2e_runs.SYNC_STEPS + 1))
     for step, m in by_step.items():
         assert m["staleness/max"] == 0 and m["staleness/frac_0"] == 1.0
         assert m["rollout/version_min"] == m["rollout/version_max"] == step - 1
         assert m["learner/stale_groups_dropped"] == 0
+        assert m["batch/groups"] == 8
     logs = {p: open(os.path.join(run, "logs", f"{p}.log")).read() for p in ("learner", "sampler")}
     assert "host memory: glibc malloc keeps freed memory" in logs["learner"]
     assert "host memory:" not in logs["sampler"]
-
-
-def test_decode_lanes_run_on_policy_in_sync_mode(env, tmp_path):
-    """sampler.decode_lanes=2: the sampler's slots in two batchers decoding at once; every
-    step trains complete groups sampled with the current version. Also: the programs start
-    with the system's malloc settings when asked, the learner too (runtime.keep_freed_host_memory=false)."""
-    proc, run = _train(env, tmp_path, "lanes", "--learner.num_steps", "3",
-                       "--runtime.mode", "sync", "--runtime.max_staleness", "0",
-                       "--sampler.decode_lanes", "2", "--runtime.keep_freed_host_memory",
-                       "false")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    by_step = _steps(run)
-    assert sorted(by_step) == [1, 2, 3]
-    for step, m in by_step.items():
-        assert m["rollout/version_min"] == m["rollout/version_max"] == step - 1
-        assert m["batch/groups"] == 8 and m["staleness/max"] == 0
-    assert "host memory:" not in open(os.path.join(run, "logs", "learner.log")).read()
 
 
 def _start(env, run_dir, name, *overrides):
@@ -225,11 +197,12 @@ def _samples_by_step(run):
 def test_sync_resume_continues_exactly(env, tmp_path):
     """Stop after step 3 and resume to 6: the same prompts, completions and versions per
     step, and the same final parameters, as an uninterrupted run (sync mode, CPU; weights
-    through the orbax folder fallback, so that path runs end to end too)."""
+    through the orbax folder fallback, so that path runs end to end too; the programs with
+    the system's malloc settings, runtime.keep_freed_host_memory=false)."""
     from rlflow.checkpoint import Checkpointer, checkpoint_dir
 
     common = ["--runtime.mode", "sync", "--runtime.max_staleness", "0",
-              "--runtime.weight_transfer", "orbax",
+              "--runtime.weight_transfer", "orbax", "--runtime.keep_freed_host_memory", "false",
               "--metrics.samples_every", "1", "--metrics.num_samples", "64"]
     ref, ref_run = _train(env, tmp_path, "ref", "--learner.num_steps", "6", *common)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -247,8 +220,11 @@ def test_sync_resume_continues_exactly(env, tmp_path):
             f.write('{"step": 5, "cut')
     second, _ = _train(env, tmp_path, "resumed", "--learner.num_steps", "6", *common)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from checkpoint step 3" in open(os.path.join(run, "logs",
-                                                                 "learner.log")).read()
+    learner_log = open(os.path.join(run, "logs", "learner.log")).read()
+    assert "resumed from checkpoint step 3" in learner_log
+    # runtime.keep_freed_host_memory=false: the learner too starts with the system's malloc
+    # settings (no "host memory:" line; the shared sync run's learner shows the default's)
+    assert "host memory:" not in learner_log
     want, got = _samples_by_step(ref_run), _samples_by_step(run)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
     records, _ = read_jsonl(os.path.join(run, "metrics.jsonl"))
