@@ -3,9 +3,6 @@ nothing is re-published, the admission budget does not shrink, and too many skip
 stop the run with an error naming the reason and the settings behind it."""
 
 import os
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -261,33 +258,3 @@ def test_a_stop_during_a_periodic_checkpoint_lets_it_finish_first(monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert events == [("save begins", 1), ("save ends", 1), ("exit save", 1)]
-
-
-# ------------------------------------------------------------------ end to end
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.mark.slow
-def test_issue_flags_stop_the_run_with_the_reason(tmp_path):
-    """The issue's flags on the demo config, sync budget (max_staleness 0): three skipped
-    steps need three steps' worth of groups while the version stays 0, which the sampler
-    can only make when each skip gives its groups back to the budget."""
-    env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))
-    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
-    base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
-    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
-                  "--run_dir", str(tmp_path), "--name", "skip", "--metrics.progress", "plain",
-                  "--checkpoint.every_steps", "0", "--buffer.timeout_s", "120",
-                  "--sampler.temperature", "0", "--sampler.max-tokens", "1",
-                  "--learner.mask-truncated", "True", "--learner.num_steps", "4",
-                  "--runtime.max_staleness", "0",
-                  "--learner.max_consecutive_skipped_steps", "3"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "weight versions never go backwards" not in proc.stderr
-    assert "DegenerateStepsError: 3 steps in a row left no sample to train on (all_masked)" \
-        in proc.stderr
-    assert "learner.mask_truncated=True" in proc.stderr
-    log = open(os.path.join(str(tmp_path), "skip", "logs", "learner.log")).read()
-    assert log.count("skipped a step at version 0 (all_masked)") == 3
