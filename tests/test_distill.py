@@ -6,13 +6,12 @@ student's steps, and a 2-step ``rlflow train`` with a teacher."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from distill_fixtures import student_teacher_folders
 from learner_fixtures import make_group_records
 from tolerances import forward_atol, sum_tol
 
@@ -26,34 +25,13 @@ from rlflow.learner.teacher import Teacher, check_teacher_tokenizer
 from rlflow.mesh import make_mesh
 from rlflow.models.hf import read_decoder_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARCH = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-            num_kv_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=True)
-# the teacher differs from the student in depth and width: only the tokenizer is shared
-TEACHER_ARCH = dict(ARCH, hidden_size=48, num_layers=3, intermediate_size=96, head_dim=12,
-                    tie_word_embeddings=False)
 G, T_MAX, TEMP = 4, 4, 0.7
-
-
-def _demo_module():
-    """configs/demo.py as a module (configs/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rlflow_demo_config",
-                                                  os.path.join(REPO, "configs", "demo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """``(student, teacher)`` HF folders: random digit-task models with the task's tokenizer."""
-    build_model_folder = _demo_module().build_model_folder
-    root = tmp_path_factory.mktemp("distill")
-    student = build_model_folder(str(root / "student"), arch=ARCH, init_seed=0)
-    teacher = build_model_folder(str(root / "teacher"), arch=TEACHER_ARCH, init_seed=1)
-    return student, teacher
+    return student_teacher_folders(tmp_path_factory.mktemp("distill"))
 
 
 def _cfg(student, teacher, *, mode="distill", kl_coef=1.0, devices=1, mesh=None, **learner):
@@ -276,28 +254,3 @@ def test_lora_student_trains_on_the_distillation_advantage(folders, mode):
         m = learner.train_on(_records(student, seed=2 + step))
         assert np.isfinite(m["distill/reverse_kl"]) and m["learner/tokens"] > 0
         assert learner.version == step
-
-
-@pytest.mark.slow
-def test_rlflow_train_two_steps_with_a_teacher(folders, tmp_path):
-    """``rlflow train`` on the distillation demo config with a teacher built here: two steps,
-    the reverse KL logged every step, the teacher never in the checkpoint."""
-    student, teacher = folders
-    env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))
-    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
-    cmd = ([exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]) + [
-        "train", "--config", os.path.join(REPO, "configs", "distill_demo.py"),
-        "--run_dir", str(tmp_path), "--name", "distill", "--metrics.progress", "plain",
-        "--learner.num_steps", "2", "--buffer.timeout_s", "120",
-        "--model.path", student, "--teacher.path", teacher]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from rlflow.run.folder import metrics_by_step, read_jsonl
-
-    records, problems = read_jsonl(str(tmp_path / "distill" / "metrics.jsonl"))
-    steps = metrics_by_step(records)
-    assert not problems and sorted(steps) == [1, 2]
-    for m in steps.values():
-        assert np.isfinite(m["distill/reverse_kl"]) and m["distill/teacher_time_s"] > 0
-    with open(tmp_path / "distill" / "config.json") as f:
-        assert json.load(f)["teacher"]["path"] == teacher
