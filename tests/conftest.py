@@ -11,8 +11,15 @@ import pytest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # The tests live in tiers (tests/unit/<package>/, tests/e2e/); the helper modules they share
 # (hf_fixtures, learner_fixtures, tolerances, repo_paths, ...) stay here in tests/.
+# A few test files import another's fixtures or oracles (``from test_engine import ...``):
+# every folder holding test files is importable too, after tests/ itself.
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
+for _dir, _subdirs, _files in os.walk(TESTS_DIR):
+    _subdirs[:] = sorted(d for d in _subdirs if not d.startswith((".", "__")))
+    if _dir != TESTS_DIR and _dir not in sys.path and \
+            any(f.startswith("test_") and f.endswith(".py") for f in _files):
+        sys.path.append(_dir)
 
 # The demo model folder and other caches go to a session tmp folder, never ~/.cache.
 os.environ.setdefault("RLFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="rlflow-test-cache-"))
