@@ -31,8 +31,8 @@ def test_suite_part_passes_from_a_venv_outside_the_repository(tmp_path):
     checkout = tmp_path / "checkout"                    # no .venv in it
     shutil.copytree(os.path.join(REPO, "scripts"), checkout / "scripts")
     shutil.copytree(os.path.join(REPO, "configs"), checkout / "configs")   # the slice check's
-    parts = ("tests/conftest.py", "tests/repo_paths.py", "tests/tpu_slices.py",
-             "tests/test_tpu_scripts.py", "tests/test_progress.py")
+    parts = ("tests/conftest.py", "tests/tpu_slices.py", "tests/test_tpu_scripts.py",
+             "tests/test_progress.py")
     for rel in parts:
         (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(REPO, rel), checkout / rel)
