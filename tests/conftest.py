@@ -29,7 +29,7 @@ if "xla_force_host_platform_device_count" not in flags:
     flags = (flags + " --xla_force_host_platform_device_count=4").strip()
 # The tests' one CPU speed setting: XLA:CPU's LLVM back end at -O0. The suite's tiny programs
 # spend far longer compiling than running, and -O0 compiles them in about half the CPU time
-# (tests/test_scan_remat.py: 34 s of CPU against 75 s at the default level). LLVM's levels
+# (tests/unit/models/test_scan_remat.py: 34 s of CPU against 75 s at the default level). LLVM's levels
 # change no float semantics (XLA:CPU never enables fast-math reassociation), and every
 # comparison in a test runs both sides under the same flag. Never used outside the tests.
 if "xla_backend_optimization_level" not in flags:
@@ -64,8 +64,8 @@ def gsm8k_records():
 
 @pytest.fixture(scope="session")
 def gsm8k_model(tmp_path_factory):
-    """One tiny model folder for the GSM8K end-to-end runs (tests/test_gsm8k_e2e.py,
-    tests/test_episodes_e2e.py; neither writes to it): ``(path, vocab size)`` of
+    """One tiny model folder for the GSM8K end-to-end runs (tests/e2e/test_gsm8k_e2e.py,
+    tests/e2e/test_episodes_e2e.py; neither writes to it): ``(path, vocab size)`` of
     ``hf_fixtures.make_gsm8k_model_folder`` with the tokenizer trained on the GSM8K test
     questions. Skips when the shared data folder has no GSM8K test file."""
     if not os.path.isfile(GSM8K_TEST):
@@ -79,7 +79,7 @@ def gsm8k_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def two_learner_hosts(tmp_path_factory):
-    """One 2-host learner run shared by tests/test_multihost.py and tests/test_host_shards.py
+    """One 2-host learner run shared by tests/e2e/test_multihost.py and tests/e2e/test_host_shards.py
     (each process start-up builds a learner and compiles its step: the costly part).
 
     2 processes x 2 fake devices (fsdp=2 x tensor=2, ``mp_jobs.train_multihost``): 3 train

@@ -1,5 +1,5 @@
-"""The student and teacher model folders of the distillation tests (tests/test_distill.py,
-tests/test_distill_e2e.py): random digit-task models of configs/demo.py's task sharing its
+"""The student and teacher model folders of the distillation tests (tests/unit/learner/test_distill.py,
+tests/e2e/test_distill_e2e.py): random digit-task models of configs/demo.py's task sharing its
 tokenizer; the teacher deeper and wider than the student."""
 
 import os
