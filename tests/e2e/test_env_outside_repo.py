@@ -63,6 +63,7 @@ def test_suite_part_passes_from_a_venv_outside_the_repository(tmp_path):
     path = os.pathsep.join([str(env_dir / "bin"), path])
     env = dict(os.environ, PATH=path, PYTHONPATH=REPO)  # rlflow itself: this checkout
     env.pop("VIRTUAL_ENV", None)
+    env.pop("RLFLOW_TEST_CPU_JSON", None)   # this session's profile: its plugin is not copied
     proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            *(p for p in parts if os.path.basename(p).startswith("test_")),
                            "-k", "shellcheck or start or eta or plain"],
