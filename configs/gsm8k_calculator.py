@@ -19,7 +19,7 @@ model's own chat template, which must be able to render ``system``, ``user``, ``
 and ``tool`` messages).
 
 Sizes are for one accelerator host; a laptop run of a tiny model overrides them (see
-``tests/test_episodes_e2e.py``).
+``tests/e2e/test_episodes_e2e.py``).
 """
 
 import os

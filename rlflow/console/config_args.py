@@ -19,7 +19,7 @@ REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 DEFAULT_CONFIG = os.path.join(REPO_DIR, "configs", "demo.py")
 
 # The flags most runs set, shown by `rlflow train --help` (every field: --help-all or
-# docs/config.md). tests/test_cli.py checks that each is a config field.
+# docs/config.md). tests/unit/console/test_cli.py checks that each is a config field.
 COMMON_FLAGS: tuple[tuple[str, str], ...] = (
     ("name", "run name: the run folder is <run_dir>/<name>"),
     ("run_dir", "folder holding the run folders"),

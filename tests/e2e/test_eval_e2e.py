@@ -1,0 +1,122 @@
+"""Issue 42 item 1 acceptance on real runs: `rlflow train` (demo config, 4 steps) with a
+held-out JSONL evaluated every 2 steps, synchronous (one replica) and asynchronous (two
+replicas), as subprocesses.
+
+The held-out prompts are two-digit "next digit" prompts ("37>", answer "8"): the demo's
+training prompts have one digit, so any held-out prompt in a learner batch would show in
+samples.jsonl (every sample of every step is logged here). Checked: one complete evaluation
+per requested version (0, 2, 4) at that version (sync: exactly; async: that or a newer one,
+never past the learner), eval_samples.jsonl holds only held-out prompts, trained_prompts.jsonl
+only the ledger's prompts; and `rlflow eval --run --step 4` on the async run's checkpoint
+gives the same greedy completions and metrics as the in-run evaluation of version 4.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from rlflow.run.folder import metrics_by_step, read_jsonl
+from rlflow.control.ledger import read_trained_prompts
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+HANG_GUARD_S = 300
+NUM_STEPS, EVERY, GROUPS, GROUP_SIZE, HELD_OUT = 4, 2, 8, 8, 10
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval-e2e")
+    env = dict(os.environ)
+    env["RLFLOW_CACHE_DIR"] = str(root / "cache")
+    held = root / "held_out.jsonl"
+    with open(held, "w") as f:
+        for i in range(HELD_OUT):
+            tens, d = (3 * i + 1) % 10, i % 10
+            f.write(json.dumps({"question": f"{tens}{d}>", "answer": str((d + 1) % 10)}) + "\n")
+    return root, env, str(held)
+
+
+def _rlflow():
+    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
+
+
+def _train(setup, name, *overrides):
+    root, env, held = setup
+    cmd = _rlflow() + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+                       "--run-dir", str(root / "runs"), "--name", name,
+                       "--metrics.progress", "plain", "--buffer.timeout-s", "120",
+                       "--learner.num-steps", str(NUM_STEPS), "--checkpoint.every-steps", "0",
+                       "--metrics.samples-every", "1",
+                       "--metrics.num-samples", str(GROUPS * GROUP_SIZE),
+                       "--eval.every-steps", str(EVERY), "--eval.source", "jsonl",
+                       "--eval.path", held, "--eval.num-prompts", "0",
+                       "--eval.num-logged-samples", str(HELD_OUT), *overrides]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return os.path.join(str(root / "runs"), name)
+
+
+def _evals(run):
+    records, problems = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    assert not problems, problems
+    return [r for r in records if "eval/complete" in r]
+
+
+def _check_run(run, *, exact: bool):
+    evals = _evals(run)
+    assert sorted(r["eval/requested_version"] for r in evals) == [0, 2, 4]
+    for r in evals:
+        assert r["eval/complete"] == 1 and r["eval/num_prompts"] == HELD_OUT
+        assert r["step"] == r["eval/version"]         # logged at the version that generated it
+        want = r["eval/requested_version"]
+        assert r["eval/version"] == want if exact else want <= r["eval/version"] <= NUM_STEPS
+        assert 0 <= r["eval/pass@1"] <= 1 and 1 <= r["eval/completion_length"] <= 4
+    samples, _ = read_jsonl(os.path.join(run, "eval_samples.jsonl"))
+    assert len(samples) == 3 * HELD_OUT
+    assert all(re.fullmatch(r"\d\d>", s["prompt"]) for s in samples)
+    # the learner's batches: every sample of every step, none a held-out prompt
+    trained, _ = read_jsonl(os.path.join(run, "samples.jsonl"))
+    assert len(trained) == NUM_STEPS * GROUPS * GROUP_SIZE
+    assert all(re.fullmatch(r"(<bos>)?\d>", s["prompt"]) for s in trained)   # decoded ids
+    ledger = read_trained_prompts(run)
+    assert [r["step"] for r in ledger] == list(range(1, NUM_STEPS + 1))
+    indices = [i for r in ledger for i in r["stream_index"]]
+    assert all(len(r["stream_index"]) == GROUPS for r in ledger)
+    assert len(set(indices)) == len(indices)           # the ledger's stream only
+    by_step = metrics_by_step(_evals(run))
+    return evals, samples, by_step
+
+
+def test_eval_in_sync_mode_at_the_step_boundary(setup):
+    run = _train(setup, "sync", "--runtime.mode", "sync", "--runtime.max-staleness", "0")
+    _check_run(run, exact=True)
+
+
+def test_eval_in_async_mode_and_rlflow_eval_of_the_checkpoint_agree(setup, capsys):
+    from rlflow.console import cli
+
+    run = _train(setup, "async", "--sampler.num-replicas", "2")     # evals spread over both
+    evals, samples, _ = _check_run(run, exact=False)
+    last = max(evals, key=lambda r: r["eval/requested_version"])
+    assert last["eval/version"] == NUM_STEPS           # nothing newer exists
+    out = os.path.join(run, "offline.json")
+    assert cli.main(["eval", "--run", run, "--step", str(NUM_STEPS), "--out", out]) == 0, \
+        capsys.readouterr().err
+    offline = json.load(open(out))
+    assert offline["step"] == NUM_STEPS
+    in_run = {k: v for k, v in last.items() if k.startswith("eval/") and k not in (
+        "eval/requested_version", "eval/wait_s", "eval/attempts", "eval/complete")}
+    assert offline["metrics"] == pytest.approx(in_run, rel=1e-6)
+    offline_samples, _ = read_jsonl(os.path.join(run, "offline_samples.jsonl"))
+    got = [(s["prompt"], s["completion"]) for s in offline_samples]
+    assert got == [(s["prompt"], s["completion"]) for s in samples
+                   if s["version"] == NUM_STEPS]       # the same greedy completions

@@ -1,0 +1,58 @@
+"""The end-to-end runs many tests assert on, each started once per session (tests/conftest.py
+exposes them as session fixtures): separate ``rlflow train`` processes stay only for the
+tests that inject faults or need a run of their own.
+
+``sync_run``: the demo config in sync mode (k = 0) for ``SYNC_STEPS`` steps, the learner on 2
+fake devices (fsdp=2) and the sampler on 1 with weights through jax.experimental.transfer
+gathered on one device, a sampler that frees its KV cache whenever it waits
+(``runtime.sampler_sleep``), its slots in two decode lanes; default host-memory settings.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from repo_paths import REPO
+
+HANG_GUARD_S = 300          # a run that takes longer than this is a hang (the test fails)
+SYNC_STEPS = 4
+SYNC_FLAGS = ("--learner.num_steps", str(SYNC_STEPS),
+              "--runtime.mode", "sync", "--runtime.max_staleness", "0",
+              "--runtime.sampler_sleep", "True", "--learner.num_devices", "2",
+              "--learner.mesh.fsdp", "2", "--runtime.transfer_layout", "single_device",
+              "--sampler.decode_lanes", "2")
+
+
+def rlflow_argv() -> list[str]:
+    """The console script beside this interpreter, else ``python -m rlflow.console.cli``."""
+    exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
+
+
+def demo_train_cmd(run_dir, name, *overrides) -> list[str]:
+    """``rlflow train`` on configs/demo.py into ``run_dir/name``, plain progress lines, no
+    periodic checkpoints, a 120 s buffer timeout; ``overrides`` are further flags."""
+    return rlflow_argv() + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+                            "--run_dir", str(run_dir), "--name", name,
+                            "--metrics.progress", "plain", "--buffer.timeout_s", "120",
+                            "--checkpoint.every_steps", "0", *overrides]
+
+
+def demo_env(cache_dir) -> dict:
+    """This process's environment with the demo model folder in ``cache_dir``; compiled
+    programs are shared through conftest's session-wide JAX_COMPILATION_CACHE_DIR."""
+    env = dict(os.environ)
+    env["RLFLOW_CACHE_DIR"] = str(cache_dir)
+    assert env.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's XLA cache"
+    return env
+
+
+def start_sync_run(root) -> tuple[subprocess.CompletedProcess, str]:
+    """Run ``sync_run`` (module docstring) under ``root``: ``(completed process, run folder)``."""
+    cmd = demo_train_cmd(root / "runs", "sync", *SYNC_FLAGS)
+    proc = subprocess.run(cmd, env=demo_env(root / "cache"), cwd=REPO, capture_output=True,
+                          text=True, timeout=HANG_GUARD_S)
+    return proc, str(root / "runs" / "sync")
