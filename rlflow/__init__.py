@@ -2,7 +2,7 @@
 programs (``../shared/DESIGN.md``; the README's "How it is built").
 
 Its folders are floors; a module imports only from its own floor or below, ground up
-(``tests/test_layering.py`` holds the table and checks every import):
+(``tests/unit/test_layering.py`` holds the table and checks every import):
 
 1. ground: :mod:`rlflow.system` (process plumbing) and :mod:`rlflow.mesh`;
 2. :mod:`rlflow.config`;

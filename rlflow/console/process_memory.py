@@ -75,7 +75,7 @@ from rlflow.learner.memory import GIB, Architecture, learner_memory
 #: metrics and the weight server. Measured 2026-12-07 on the 2-core CPU test machine
 #: (Python 3.11, jax CPU): the demo config's learner (a 0.1M-parameter model) peaked at
 #: 0.79 GiB (``VmHWM``) over a 2-step run with an evaluation
-#: (``tests/test_process_memory.py`` measures it again).
+#: (``tests/e2e/test_process_memory.py`` measures it again).
 LEARNER_RUNTIME_BYTES = 0.8 * GIB
 
 #: The same for a sampler replica's process (imports 0.29 GiB; its engine's compiled

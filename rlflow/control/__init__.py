@@ -1,5 +1,5 @@
 """The contract between the two programs: what the learner program and the sampler program
-agree on and both import; it imports neither of them (``tests/test_layering.py``).
+agree on and both import; it imports neither of them (``tests/unit/test_layering.py``).
 
 * :mod:`rlflow.control.run_control`: run control on the learner's coordinator socket
   (status, admission rule, prompt leases, heartbeats, weight offers).

@@ -1,5 +1,5 @@
 """The launcher: start, supervise and watch the programs of a run. It may import every floor
-below it, the two programs included; only ``console/`` imports it (``tests/test_layering.py``).
+below it, the two programs included; only ``console/`` imports it (``tests/unit/test_layering.py``).
 
 * :mod:`rlflow.launcher.supervisor`: ``rlflow train``: start and supervise the learner and the
   sampler replicas on one machine; :mod:`rlflow.launcher.children`: its child processes

@@ -1,5 +1,5 @@
 """The ground floor: process plumbing every other floor may use; it imports nothing of rlflow
-(``tests/test_layering.py``).
+(``tests/unit/test_layering.py``).
 
 * :mod:`rlflow.system.ports`: free ports outside the kernel's ephemeral range, wildcard and
   advertised hosts.

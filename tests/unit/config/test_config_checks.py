@@ -169,7 +169,7 @@ def test_an_unsupported_architecture_or_a_tokenizer_past_the_vocabulary_is_refus
     from rlflow.config import ModelConfig
     import numpy as np
     from safetensors.numpy import save_file
-    # the weights' headers are checked too (tests/test_weight_files.py): an intact file
+    # the weights' headers are checked too (tests/e2e/test_weight_files.py): an intact file
     save_file({"x": np.zeros(1, np.float32)}, str(folder / "model.safetensors"))
     check_runnable(ExperimentConfig(model=ModelConfig(path=str(folder))))
 

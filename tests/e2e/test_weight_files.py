@@ -173,7 +173,7 @@ def damaged_demo_folder(tmp_path):
     """A copy of the demo model folder (tokenizer included) with its weights cut short."""
     from rlflow.config import load_config_file
 
-    src = load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs",
+    src = load_config_file(os.path.join(os.path.dirname(__file__), "..", "..", "configs",
                                         "demo.py")).model.path
     folder = tmp_path / "model"
     shutil.copytree(src, folder)

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # A script path at the start of a command: after a line start, a backtick, a shell prompt
 # `$ `, `&&`/`;`/`|`, or environment assignments (`VAR=value `); not after another word such

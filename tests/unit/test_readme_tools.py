@@ -13,7 +13,7 @@ import importlib.metadata
 import os
 import re
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # the installers and interpreters the set-up itself provides
 BASICS = {"pip", "pip3", "python", "python3", "rlflow"}
 

@@ -16,7 +16,7 @@ from rlflow.console import cli, model_folders
 from rlflow.models import smollm2
 from smollm2_fixtures import smollm2_or_skip
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WHEEL = f"{smollm2.WHEEL}=={smollm2.WHEEL_VERSION}"
 
 

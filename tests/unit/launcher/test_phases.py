@@ -16,7 +16,7 @@ import sys
 
 from rlflow.run.phases import PHASE_LOGGER, PhaseTail, parse_phase, report_phase
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 # torch made absent for a child interpreter: not found by the import system, as if it were
 # not installed

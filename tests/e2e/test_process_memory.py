@@ -33,7 +33,7 @@ from rlflow.console.checks import kv_cache_bytes
 from rlflow.console.fit import memory_fit
 from rlflow.learner.memory import Architecture, learner_memory
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
              num_kv_heads=2, head_dim=8, init_seed=0)
 
