@@ -32,7 +32,7 @@ def test_suite_part_passes_from_a_venv_outside_the_repository(tmp_path):
     shutil.copytree(os.path.join(REPO, "scripts"), checkout / "scripts")
     shutil.copytree(os.path.join(REPO, "configs"), checkout / "configs")   # the slice check's
     parts = ("tests/conftest.py", "tests/tpu_slices.py", "tests/unit/scripts/test_tpu_scripts.py",
-             "tests/unit/runtime/test_progress.py")
+             "tests/unit/launcher/test_progress.py")
     for rel in parts:
         (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(REPO, rel), checkout / rel)

@@ -1,5 +1,5 @@
 """End to end: skipped steps (rlflow.learner.skips) on a real ``rlflow train`` run; the unit
-tests of the counters, filters and the learner's handling are tests/unit/runtime/test_skipped_steps.py."""
+tests of the counters, filters and the learner's handling are tests/unit/learner/test_skipped_steps.py."""
 
 import os
 import subprocess
