@@ -8,7 +8,10 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "rlflow"
+from repo_paths import REPO
+
+ROOT = pathlib.Path(REPO) / "rlflow"
+assert (ROOT / "__init__.py").is_file(), f"not the rlflow package: {ROOT}"
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 100
 FUNCTION_FOLDERS = ("learner", "models")

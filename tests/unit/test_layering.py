@@ -33,7 +33,10 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Places on one floor that must not import each other (DESIGN.md: neither imports the other).
 APART: tuple[tuple[str, str], ...] = (("sampler", "learner"),)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "rlflow"
+from repo_paths import REPO
+
+ROOT = pathlib.Path(REPO) / "rlflow"
+assert (ROOT / "__init__.py").is_file(), f"not the rlflow package: {ROOT}"
 
 
 @dataclasses.dataclass(frozen=True)
