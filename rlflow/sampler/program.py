@@ -76,6 +76,7 @@ from rlflow.data.reasoning import get_reasoning_parser
 from rlflow.sampler.precision import pull_target, sampler_model_config
 from rlflow.sampler.sampling import SamplingParams
 from rlflow.sampler.subscribe import weight_subscriber
+from rlflow.sampler.weight_pause import SwapPauseMeter
 
 log = logging.getLogger("rlflow.sampler")
 
@@ -186,8 +187,7 @@ class SamplerProgram:
         self._weights_lock = threading.Lock()
         self._held_weights = None
         self.swap = {"sync/pull_s": 0.0}
-        self.pause_s = 0.0
-        self.step_ema = None       # seconds per decode step without a swap
+        self.pause = SwapPauseMeter()  # decode time lost per version (pull, cast, install)
         self.sleeping = False
         self.version = -1          # version of the weights new groups start with
         reply = self._status()
@@ -251,15 +251,21 @@ class SamplerProgram:
     def _on_weights(self, version: int, params, pull_s: float) -> None:
         """Puller thread: a new version arrived (laid out on this program's mesh); held
         back while a held-out evaluation decodes (:meth:`_release_held_weights`)."""
+        t1 = time.monotonic()
+        self.pause.note(version, "pull", t1 - pull_s, t1)
         with self._weights_lock:
             if self.evals is not None and self.evals.decoding:
                 self._held_weights = (version, params, pull_s)
                 return
             self._swap_in(version, params, pull_s)
 
-    def _swap_in(self, version: int, params, pull_s: float) -> None:
+    def _swap_in(self, version: int, params, pull_s: float, blocking: bool = False) -> None:
+        """Cast / quantise / re-lay ``params`` for the engine and hand them to the batcher
+        (used from its next decode step on); ``blocking``: on the decode thread."""
         log_weights_digest(log, version, params)
-        self.batcher.update_params(self._engine_params(params), version)   # used from the next decode step on
+        t0 = time.monotonic()
+        self.batcher.update_params(self._engine_params(params), version)
+        self.pause.note(version, "cast", t0, time.monotonic(), blocking=blocking)
         self.version = version     # every group admitted from now on starts with it
         self._note_swap(version, pull_s)
 
@@ -268,7 +274,7 @@ class SamplerProgram:
         with self._weights_lock:
             if self._held_weights is not None and not self.evals.decoding:
                 held, self._held_weights = self._held_weights, None
-                self._swap_in(*held)
+                self._swap_in(*held, blocking=True)
 
     def _start_eval(self, requested: int) -> None:
         """Run the held-out evaluation the learner named, at this replica's version."""
@@ -278,7 +284,9 @@ class SamplerProgram:
     # ------------------------------------------------------------------ control
     def _status(self, want: int = 0):
         metrics = dict(self.window.figures(), **self.swap)
-        metrics["sync/sampler_pause_s"] = self.pause_s
+        pause = self.pause.metrics()
+        metrics.update(pause)
+        metrics["sync/sampler_pause_s"] = pause.get("sampler/weight_pause_s", 0.0)
         metrics["sampler/instance"] = float(self.control.instance)
         metrics.update(self.delivery.metrics())
         if self.evals is not None:       # the held-out evaluations' reward failures
@@ -425,7 +433,8 @@ class SamplerProgram:
             used, avail, swaps = c.slot_steps_used, c.slot_steps_available, c.weight_swaps
             t0 = time.monotonic()
             groups = self.batcher.step()
-            self._time_step(time.monotonic() - t0, swapped=c.weight_swaps > swaps)
+            self.pause.step(t0, time.monotonic(),
+                            swapped_to=self.batcher.version if c.weight_swaps > swaps else None)
             if self.evals is not None and groups:
                 groups = self.evals.take(groups)
                 self._release_held_weights()
@@ -433,16 +442,6 @@ class SamplerProgram:
                 self.delivery.score(groups)
             self.window.add(tokens=c.slot_steps_used - used, slots_used=c.slot_steps_used - used,
                             slots_total=c.slot_steps_available - avail)
-
-    def _time_step(self, seconds: float, swapped: bool) -> None:
-        """``sync/sampler_pause_s``: extra time of the decode step that swapped weights in,
-        over the running mean of steps that did not."""
-        if swapped:
-            if self.step_ema is not None:
-                self.pause_s = max(0.0, seconds - self.step_ema)
-        else:
-            self.step_ema = seconds if self.step_ema is None else \
-                0.9 * self.step_ema + 0.1 * seconds
 
     def report(self, message: str) -> None:
         try:
