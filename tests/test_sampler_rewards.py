@@ -187,7 +187,7 @@ def test_a_prompt_the_batcher_refuses_is_retried_then_stops_the_sampler(failures
     calls = []
 
     class Batcher:
-        def submit(self, request):
+        def submit(self, request, resumed=()):
             calls.append(request.prompt_id)
             if len(calls) <= failures:      # the batcher's errors name the prompt
                 raise ValueError(f"prompt_id {request.prompt_id}: prompt of 3 tokens is longer "

@@ -35,9 +35,10 @@ with reward 0 (counted). Neither stops the run unless ``env.max_consecutive_erro
 
 Each request's seed comes with its lease (derived from the prompt's position in the prompt
 stream), so a prompt re-dispatched to another replica, or after a resume, is drawn with the
-same seed. A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it
-(logged with the function and sample, counted as ``sampler/dropped_bad_reward_groups``, and
-reported to the ledger as dropped), "error" stops the run with that message. That error or
+same seed (its samples resume from the journal, :mod:`rlflow.sampler.journal_keeper`). A
+group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it (logged with
+the function and sample, counted as ``sampler/dropped_bad_reward_groups``, and reported to
+the ledger as dropped), "error" stops the run with that message. That error or
 a prompt that fails at every retry (``MAX_PROMPT_RETRIES``) is reported to the learner
 through the buffer (its next ``get_groups`` raises the message) and stops this program with
 the error.
@@ -69,6 +70,7 @@ from rlflow.run.phases import report_phase
 from rlflow.sampler.background import Heartbeat, RateCounters, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.delivery import GroupDelivery
+from rlflow.sampler.journal_keeper import JournalKeeper
 from rlflow.sampler.lanes import DecodeLanes, available_cpus, lane_count
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
@@ -116,6 +118,7 @@ class SamplerProgram:
     env_reset_errors = 0     # prompts dropped because their environments could not start
     env_reset_run = 0        # of them, since the last prompt whose environments started
     evals = None             # EvalRunner when eval.every_steps > 0
+    journal = None           # JournalKeeper when sampler.journal_every_steps > 0
     _held_weights = None     # (version, params, pull_s) pulled while an evaluation decodes
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
@@ -177,6 +180,7 @@ class SamplerProgram:
             None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),
             self.window, on_bad_reward=cfg.learner.on_bad_reward, reasoning=self.reasoning)
         self.prompts_started = 0
+        self.journal = JournalKeeper.for_config(cfg, self.name)     # None: off
         # held-out evaluations (rlflow.sampler.eval_runner); pulled weights held back while
         # one decodes (one version per evaluation), under the lock with the puller thread
         self.evals = None
@@ -187,7 +191,7 @@ class SamplerProgram:
         self._weights_lock = threading.Lock()
         self._held_weights = None
         self.swap = {"sync/pull_s": 0.0}
-        self.pause = SwapPauseMeter()  # decode time lost per version (pull, cast, install)
+        self.pause = SwapPauseMeter()   # decode time lost per version (pull, cast, install)
         self.sleeping = False
         self.version = -1          # version of the weights new groups start with
         reply = self._status()
@@ -289,6 +293,7 @@ class SamplerProgram:
         metrics["sync/sampler_pause_s"] = pause.get("sampler/weight_pause_s", 0.0)
         metrics["sampler/instance"] = float(self.control.instance)
         metrics.update(self.delivery.metrics())
+        metrics.update(self.journal.metrics() if self.journal is not None else {})
         if self.evals is not None:       # the held-out evaluations' reward failures
             metrics.update(self.evals.metrics())
         if self.episodes is not None:    # environments that raised or timed out: counted
@@ -328,9 +333,10 @@ class SamplerProgram:
         request = Request(prompt_id=int(element["prompt_id"]), prompt_tokens=prompt,
                           num_samples=self.cfg.sampler.group_size, sampling=sampling,
                           episode=episode)
+        resumed = self.journal.resumed(element, request, self.version) if self.journal else ()
         for attempt in range(MAX_PROMPT_RETRIES + 1):
             try:
-                self.batcher.submit(request)
+                self.batcher.submit(request, resumed)
                 break
             except Exception as e:  # noqa: BLE001 - reported below with the prompt id
                 named = f"prompt_id {request.prompt_id}: "
@@ -435,6 +441,8 @@ class SamplerProgram:
             groups = self.batcher.step()
             self.pause.step(t0, time.monotonic(),
                             swapped_to=self.batcher.version if c.weight_swaps > swaps else None)
+            if self.journal is not None:
+                self.journal.after_step(self.batcher, self.delivery.in_flight)
             if self.evals is not None and groups:
                 groups = self.evals.take(groups)
                 self._release_held_weights()
