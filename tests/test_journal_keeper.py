@@ -38,6 +38,7 @@ def test_writes_every_n_calls_and_a_new_keeper_resumes(tmp_path):
     k = JournalKeeper(str(tmp_path), "sampler-0", every=3, max_staleness=1)
     for _ in range(7):
         k.after_step(batcher, leases)
+        k.flush()
     assert batcher.calls == 2 and k.metrics()["sampler/journal_writes"] == 2.0
     index, damaged = journal.read_journals(str(tmp_path))
     assert damaged == 0 and sorted(index) == [(4, 77), (5, 78)]
@@ -73,9 +74,34 @@ def test_a_failed_write_is_counted_not_fatal(tmp_path):
     k = JournalKeeper(str(tmp_path / "nothing"), "sampler-0", every=1, max_staleness=0)
     k.run_path = str(blocker)
     k.after_step(_Batcher([(r, [_c(1, 0, 2, 0)])]), {id(r): {"stream_index": 0, "seed": 1}})
+    k.flush()
     m = k.metrics()
     assert m["sampler/journal_write_errors"] == 1.0 and m["sampler/journal_writes"] == 0.0
 
 
 def _arrays(n):
     return np.arange(n, dtype=np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32)
+
+
+def test_a_snapshot_is_skipped_while_the_previous_write_goes_on(tmp_path, monkeypatch):
+    import threading
+
+    release, calls = threading.Event(), []
+
+    def slow_write(run_path, replica, entries):
+        calls.append(len(entries))
+        release.wait(30)
+
+    monkeypatch.setattr(journal, "write_journal", slow_write)
+    r = _request(1)
+    batcher, leases = _Batcher([(r, [_c(1, 0, 2, 0)])]), {id(r): {"stream_index": 0, "seed": 1}}
+    k = JournalKeeper(str(tmp_path), "sampler-0", every=1, max_staleness=0)
+    k.after_step(batcher, leases)
+    k.after_step(batcher, leases)        # the first write has not returned: skipped
+    release.set()
+    k.flush()
+    k.after_step(batcher, leases)
+    k.flush()
+    m = k.metrics()
+    assert calls == [1, 1] and batcher.calls == 2
+    assert (m["sampler/journal_writes"], m["sampler/journal_writes_skipped"]) == (2.0, 1.0)

@@ -39,7 +39,8 @@ _SUM = ("sampler/rejected_groups", "sampler/in_flight",
         "sampler/episodes_cut_tokens", "sampler/reward_failed_samples",
         "sampler/episodes_reasoning_unclosed",
         # the journal of partial generations (rlflow.sampler.journal_keeper)
-        "sampler/journal_writes", "sampler/journal_write_s", "sampler/journal_write_errors",
+        "sampler/journal_writes", "sampler/journal_writes_skipped", "sampler/journal_snapshot_s",
+        "sampler/journal_write_s", "sampler/journal_write_errors",
         "sampler/journal_resumed_samples", "sampler/journal_resumed_tokens",
         "sampler/journal_damaged", "sampler/journal_dropped_stale")
 

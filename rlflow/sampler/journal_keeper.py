@@ -11,13 +11,16 @@ A thin shell, one per replica, when ``sampler.journal_every_steps > 0``:
   unfinished prompt back): dropped whole and counted when its oldest token lags the
   replica's weights by more than ``runtime.max_staleness`` versions; an entry that does not
   fit the request (sample index, length) is skipped and counted as damaged;
-* :meth:`JournalKeeper.after_step` writes the replica's journal every
-  ``journal_every_steps`` decode calls (the batcher's :meth:`partials`, keyed by each
-  request's lease); a write that fails is logged and counted, never fatal.
+* :meth:`JournalKeeper.after_step` snapshots the replica's samples in flight every
+  ``journal_every_steps`` decode calls (the batcher's :meth:`partials`, copies, keyed by
+  each request's lease; on the decode thread) and writes the snapshot on a writer thread,
+  so decoding goes on during the encode and the write; while one write is still going, a
+  snapshot is skipped (counted). A write that fails is logged and counted, never fatal.
 
 Figures (running totals of this replica instance, in its status): ``sampler/journal_writes``,
-``sampler/journal_write_s`` (seconds spent writing; against the decode time it is the
-journal's overhead), ``sampler/journal_write_errors``, ``sampler/journal_resumed_samples``,
+``sampler/journal_writes_skipped``, ``sampler/journal_snapshot_s`` (decode-thread seconds
+taking the snapshots: the journal's cost to decoding), ``sampler/journal_write_s`` (writer
+thread seconds), ``sampler/journal_write_errors``, ``sampler/journal_resumed_samples``,
 ``sampler/journal_resumed_tokens`` (tokens not generated again), ``sampler/journal_damaged``,
 ``sampler/journal_dropped_stale`` (prompts whose partial generations were too old).
 """
@@ -25,6 +28,7 @@ journal's overhead), ``sampler/journal_write_errors``, ``sampler/journal_resumed
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -34,8 +38,8 @@ from rlflow.sampler.requests import Completion
 
 log = logging.getLogger("rlflow.sampler")
 
-COUNTS = ("writes", "write_s", "write_errors", "resumed_samples", "resumed_tokens",
-          "damaged", "dropped_stale")
+COUNTS = ("writes", "writes_skipped", "snapshot_s", "write_s", "write_errors",
+          "resumed_samples", "resumed_tokens", "damaged", "dropped_stale")
 
 
 class JournalKeeper:
@@ -48,6 +52,7 @@ class JournalKeeper:
         self.run_path, self.replica = run_path, replica
         self.every, self.max_staleness = int(every), int(max_staleness)
         self.steps = 0
+        self._writer = None        # the thread writing the latest snapshot
         self.counts = dict.fromkeys(COUNTS, 0.0)
         self.index, damaged = journal.read_journals(run_path)
         self.counts["damaged"] = float(damaged)
@@ -97,6 +102,9 @@ class JournalKeeper:
         self.steps += 1
         if self.steps % self.every:
             return
+        if self._writer is not None and self._writer.is_alive():
+            self.counts["writes_skipped"] += 1     # the previous write is still going
+            return
         t0 = time.monotonic()
         entries = []
         for request, samples in batcher.partials():
@@ -107,6 +115,14 @@ class JournalKeeper:
                 int(element["stream_index"]), int(element["seed"]), request.prompt_id,
                 c.sample_index, np.asarray(c.tokens), np.asarray(c.logprobs),
                 np.asarray(c.versions), c.finish_reason) for c in samples]
+        self.counts["snapshot_s"] += time.monotonic() - t0
+        self._writer = threading.Thread(target=self._write, args=(entries,),
+                                        name="rlflow-journal", daemon=True)
+        self._writer.start()
+
+    def _write(self, entries) -> None:
+        """Writer thread: encode and write one snapshot (off the decode loop)."""
+        t0 = time.monotonic()
         try:
             journal.write_journal(self.run_path, self.replica, entries)
             self.counts["writes"] += 1
@@ -116,6 +132,11 @@ class JournalKeeper:
                         "(decoding goes on; a restart would generate them again)",
                         self.run_path, e)
         self.counts["write_s"] += time.monotonic() - t0
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for the write in progress (tests; a clean stop)."""
+        if self._writer is not None:
+            self._writer.join(timeout)
 
     def metrics(self) -> dict:
         return {f"sampler/journal_{k}": float(v) for k, v in self.counts.items()}
