@@ -105,3 +105,20 @@ def test_a_snapshot_is_skipped_while_the_previous_write_goes_on(tmp_path, monkey
     m = k.metrics()
     assert calls == [1, 1] and batcher.calls == 2
     assert (m["sampler/journal_writes"], m["sampler/journal_writes_skipped"]) == (2.0, 1.0)
+
+
+def test_tokens_newer_than_the_first_weights_are_dropped(tmp_path):
+    """A run resumed from a checkpoint at version 2 publishes versions 3, 4 again with other
+    weights: a journaled prompt holding a token of version 3 is dropped (counted); one whose
+    tokens are all of versions <= 2 is kept."""
+    r = _request(10)
+    journal.write_journal(str(tmp_path), "sampler-0", [
+        journal.JournalEntry(4, 77, 10, 0, np.arange(3, dtype=np.int32), np.zeros(3, np.float32),
+                             np.array([2, 2, 3], np.int32)),
+        journal.JournalEntry(5, 78, 10, 0, np.arange(2, dtype=np.int32), np.zeros(2, np.float32),
+                             np.array([1, 2], np.int32))])
+    k = JournalKeeper(str(tmp_path), "sampler-0", every=1, max_staleness=4)
+    k.forget_newer(2)
+    assert k.resumed({"stream_index": 4, "seed": 77}, r, version=3) == []
+    assert [c.tokens.size for c in k.resumed({"stream_index": 5, "seed": 78}, r, version=3)] == [2]
+    assert k.metrics()["sampler/journal_dropped_stale"] == 1.0

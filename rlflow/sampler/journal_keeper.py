@@ -6,6 +6,8 @@ A thin shell, one per replica, when ``sampler.journal_every_steps > 0``:
 
 * at start it reads every replica's journal in the run folder (a replica restarted after a
   kill -9, or one that takes over a dead replica's prompts, finds them there);
+* once the replica holds its first weights, prompts with tokens of a newer version (a run
+  resumed from a checkpoint older than the journal) are dropped (:meth:`forget_newer`);
 * :meth:`JournalKeeper.resumed` gives a newly leased prompt its samples from the journal
   (matched by the lease's ``(stream_index, seed)``, which the ledger keeps when it hands an
   unfinished prompt back): dropped whole and counted when its oldest token lags the
@@ -66,6 +68,18 @@ class JournalKeeper:
         ``sampler.journal_every_steps`` is 0 (off)."""
         every = cfg.sampler.journal_every_steps
         return cls(cfg.run_path, replica, every, cfg.runtime.max_staleness) if every else None
+
+    def forget_newer(self, version: int) -> None:
+        """The replica loaded its first weights, ``version``: drop (counted as stale) every
+        prompt whose journal holds a token of a newer version. Such tokens come from a run
+        that went past its last checkpoint before it stopped: the resumed learner publishes
+        that version number again with other weights. Tokens of versions up to the
+        checkpoint's were sampled by the same weights as before the stop."""
+        for key in [k for k, entries in self.index.items()
+                    if any(e.versions.size and int(e.versions.max()) > version
+                           for e in entries)]:
+            del self.index[key]
+            self.counts["dropped_stale"] += 1
 
     def resumed(self, element, request, version: int) -> list[Completion]:
         """The journaled samples of a leased prompt (``element``: the lease, with

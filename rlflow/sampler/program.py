@@ -183,13 +183,11 @@ class SamplerProgram:
         self.journal = JournalKeeper.for_config(cfg, self.name)     # None: off
         # held-out evaluations (rlflow.sampler.eval_runner); pulled weights held back while
         # one decodes (one version per evaluation), under the lock with the puller thread
-        self.evals = None
         if cfg.eval.enabled:
             from rlflow.sampler.eval_runner import EvalRunner
 
             self.evals = EvalRunner(cfg, self.tokenizer, self.reasoning)
         self._weights_lock = threading.Lock()
-        self._held_weights = None
         self.swap = {"sync/pull_s": 0.0}
         self.pause = SwapPauseMeter()   # decode time lost per version (pull, cast, install)
         self.sleeping = False
@@ -197,6 +195,8 @@ class SamplerProgram:
         reply = self._status()
         report_phase("waiting for the learner's first weights")
         self.batcher = self._first_weights(reply)
+        if self.journal is not None:    # a journal newer than a resumed learner's weights
+            self.journal.forget_newer(self.version)
         self.puller = WeightPuller(self.subscriber, self._on_weights)
         report_phase("compiling prefill and decode, then generating the first rollouts")
 
@@ -293,7 +293,7 @@ class SamplerProgram:
         metrics["sync/sampler_pause_s"] = pause.get("sampler/weight_pause_s", 0.0)
         metrics["sampler/instance"] = float(self.control.instance)
         metrics.update(self.delivery.metrics())
-        metrics.update(self.journal.metrics() if self.journal is not None else {})
+        metrics.update(self.journal.metrics() if self.journal else {})
         if self.evals is not None:       # the held-out evaluations' reward failures
             metrics.update(self.evals.metrics())
         if self.episodes is not None:    # environments that raised or timed out: counted
