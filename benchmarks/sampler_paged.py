@@ -66,6 +66,8 @@ class SimulatedEngine:
     """The engine calls the batcher makes, on host arrays, without a model: slot ``s``
     emits token 2 until its request's drawn length, then the stop id 1."""
 
+    records_routing = False       # (a dense model: no expert choices to record)
+
     def __init__(self, cfg, lengths: np.ndarray):
         self.sampler_cfg = cfg
         self.paged = cfg.kv_cache == "paged"
@@ -93,7 +95,7 @@ class SimulatedEngine:
         return np.asarray(tokens), int(np.size(tokens))
 
     def prefill_batch(self, params, padded, lengths, samplings, sample_indices=None):
-        return types.SimpleNamespace(length=np.asarray(lengths))
+        return types.SimpleNamespace(length=np.asarray(lengths), routing=None)
 
     def insert_batch(self, prefix, state, rows, slots, sample_indices):
         for s in slots:

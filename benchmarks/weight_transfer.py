@@ -13,6 +13,7 @@ connections, one per device). Printed::
     RESULT weight_publish_to_swap_<W>MB_<case> <ms> ms
     RESULT weight_swap_vs_numpy_copy_<W>MB_<case> <ratio> x     (target <= 3)
     RESULT weight_sampler_pause_<W>MB_<case> <ms> ms            (re-layout + swap)
+    RESULT weight_decode_pause_<W>MB_same_layout_decoding <ms> ms  (pause vs transfer, below)
 
     RESULT raw_socket_<n>stream_<W>MB <ms> ms                  (the link alone)
     RESULT weight_swap_vs_raw_socket_<W>MB_<case> <ratio> x     (1: the link is the limit)
@@ -35,6 +36,16 @@ on the sampler, which the CPU backend does slowly).
 The first rounds are slow while the allocators of both processes warm up (fresh pages on
 every pull); ``--warmup`` rounds (default 5) are not counted, so the figures are the steady
 state of a run that swaps weights every step.
+
+Pause vs transfer (issue 53): the case ``same_layout_decoding`` runs a stand-in decode loop
+(a fixed float32 matmul per step, on its own thread, as the sampler's decode thread) while
+this thread pulls, as rlflow's background puller does; the decode time the version cost is
+measured as in the sampler program (:class:`rlflow.sampler.weight_pause.SwapPauseMeter`:
+each step's excess over the baseline step, split into pull, cast = re-layout and install =
+the step that takes the new arrays) and printed beside the transfer (pull) time::
+
+    RESULT weight_decode_pause_<W>MB_same_layout_decoding <ms> ms decode time lost
+        (pull <ms>, cast <ms>, install <ms>) vs transfer <ms> ms (<ratio> x)
 
 The CPU lines are what bounds the latency on a host with few cores (every copy of both
 processes shares them), and they hold still when other jobs load the machine.
@@ -190,19 +201,60 @@ def sampler(mb: int, repeats: int, warmup: int, serial: bool) -> None:
         ("same_layout", False, same),
         ("resharded", False, NamedSharding(mesh, P(None, "tensor"))),
         ("same_layout_donated", True, same),
+        ("same_layout_decoding", False, same),   # a decode loop runs during the pull
     ]
-    results, transports = {}, 1
+    results, pauses, transports = {}, {}, 1
     for donated in (False, True):
         params, sub = _run_cases(mb, repeats, warmup, serial, donated,
-                                 [(n, sh) for n, d, sh in cases if d == donated], results)
+                                 [(n, sh) for n, d, sh in cases if d == donated], results,
+                                 pauses)
         transports = sub.transports
-    report(mb, params, results, transports, repeats, warmup, serial)
+    report(mb, params, results, transports, repeats, warmup, serial, pauses)
 
 
-def _run_cases(mb, repeats, warmup, serial, donated, cases, results):
+class DecodeStandIn:
+    """A decode loop on its own thread: one fixed matmul per step, each step noted in a
+    :class:`rlflow.sampler.weight_pause.SwapPauseMeter`; :meth:`install` makes the next
+    step the one that swaps a version in, and returns once it ran."""
+
+    def __init__(self, n: int = 256):
+        import threading
+
+        from rlflow.sampler.weight_pause import SwapPauseMeter
+
+        rng = np.random.default_rng(0)
+        self.a, self.b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+        self.meter = SwapPauseMeter()
+        self._pending, self._done = None, threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            swapped, self._pending = self._pending, None
+            for _ in range(4):
+                self.a @ self.b
+            self.meter.step(t0, time.monotonic(), swapped_to=swapped)
+            if swapped is not None:
+                self._done.set()
+
+    def install(self, version: int) -> None:
+        self._done.clear()
+        self._pending = version
+        self._done.wait(30)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _run_cases(mb, repeats, warmup, serial, donated, cases, results, pauses):
     """One learner process (``donated`` or not), the sampler's ``cases`` against it; fills
-    ``results[name]`` with the median row of ms figures. Returns the last params and the
-    subscriber."""
+    ``results[name]`` with the median row of ms figures (and ``pauses[name]``, for a case
+    with a decode loop: pause, its pull / cast / install parts, transfer, ms). Returns the
+    last params and the subscriber."""
     from rlflow.exchange.transfer import WeightSubscriber
     from rlflow.system.host_memory import allocator_env
 
@@ -219,18 +271,30 @@ def _run_cases(mb, repeats, warmup, serial, donated, cases, results):
         for case, sharding in cases:
             sub.target = {f"w{i}": sharding for i in range(LEAVES)}
             params = None
-            rows = []
+            rows, pause_rows = [], []
+            decode = DecodeStandIn() if case.endswith("_decoding") else None
             for r in range(warmup + repeats):  # warm-up: connections, allocator, page faults
                 proc.stdin.write(f"publish {version}\n")
                 proc.stdin.flush()
                 _, _, t_start, t_publish = proc.stdout.readline().split()
                 c0 = time.process_time()
+                p0 = time.monotonic()
                 got, new = sub.poll()
+                p1 = time.monotonic()
                 s0 = time.perf_counter()
                 params = new  # the swap: the sampler's engine takes this pytree
                 swap_s = time.perf_counter() - s0
                 t_done = time.time()
                 cpu_sampler = time.process_time() - c0
+                if decode is not None:
+                    relayout = min(sub.metrics["last_relayout_s"], p1 - p0)
+                    decode.meter.note(version, "pull", p0, p1 - relayout)
+                    decode.meter.note(version, "cast", p1 - relayout, p1)
+                    decode.install(version)
+                    if r >= warmup:
+                        m = decode.meter.latest
+                        pause_rows.append([m[k] for k in ("pause", "pull", "cast", "install",
+                                                          "transfer")])
                 copy_s = float(proc.stdout.readline().split()[1])
                 proc.stdin.write("cpu\n")
                 proc.stdin.flush()
@@ -243,6 +307,9 @@ def _run_cases(mb, repeats, warmup, serial, donated, cases, results):
                                  cpu_learner, cpu_sampler))
                 version += 1
             results[case] = np.median(np.array(rows), axis=0) * 1e3  # ms
+            if decode is not None:
+                decode.close()
+                pauses[case] = np.median(np.array(pause_rows), axis=0) * 1e3  # ms
         proc.stdin.write("quit\n")
         proc.stdin.flush()
         proc.wait(60)
@@ -252,7 +319,7 @@ def _run_cases(mb, repeats, warmup, serial, donated, cases, results):
     return params, sub
 
 
-def report(mb, params, results, transports, repeats, warmup, serial) -> None:
+def report(mb, params, results, transports, repeats, warmup, serial, pauses=None) -> None:
     nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     base, fresh, threaded = (t * 1e3 for t in numpy_copy_s(nbytes, repeats, warmup))
     link = {n: [t * 1e3 for t in raw_socket_s(nbytes, n, repeats, min(warmup, 2))]
@@ -292,6 +359,10 @@ def report(mb, params, results, transports, repeats, warmup, serial) -> None:
         print(f"RESULT weight_swap_vs_raw_socket_{name}_{case} {latency / floor:.2f} x "
               f"publish-to-swap over the fastest raw-socket send of the same bytes (1: the "
               f"link is the limit)")
+    for case, (pause, pull, cast, install, transfer) in (pauses or {}).items():
+        print(f"RESULT weight_decode_pause_{name}_{case} {pause:.1f} ms decode time lost "
+              f"(pull {pull:.1f}, cast {cast:.1f}, install {install:.1f}) vs transfer "
+              f"{transfer:.1f} ms ({pause / max(transfer, 1e-9):.2f} x)")
 
 
 def main() -> None:

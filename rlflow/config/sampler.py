@@ -109,6 +109,16 @@ class SamplerConfig:
         quantized policy; the learner's ``learner.rollout_correction`` (on by default:
         token-level truncated IS) corrects for it, and an explicit setting there, "off"
         included, is honoured (:mod:`rlflow.sampler.quantization`).
+      journal_every_steps: the journal of partial generations (issue 53): every this many
+        decode calls (of decode_steps_per_call steps each) a replica writes its samples in
+        flight (tokens so far, behaviour logprobs, per-token versions) to
+        ``<run folder>/journal/<replica>.npz`` (atomically, :mod:`rlflow.run.journal`), and
+        a restarted replica resumes a re-leased prompt's samples from there by re-prefill of
+        prompt + tokens so far, instead of generating them again: a kill -9 loses at most
+        this many decode calls per slot. A partial generation older than
+        runtime.max_staleness is dropped (counted, ``sampler/journal_dropped_stale``); a
+        damaged entry is skipped (``sampler/journal_damaged``). 0 (default): off. Needs
+        kv_cache="paged" (its preemption path resumes the samples); single-turn only.
     """
 
     num_slots: int = 16
@@ -134,6 +144,7 @@ class SamplerConfig:
     num_pages: int = 0
     paged_attention: Literal["auto", "gather", "kernel"] = "auto"
     quantization: Quantization = "none"
+    journal_every_steps: int = 0
 
     @property
     def pages_per_slot(self) -> int:
@@ -173,6 +184,13 @@ class SamplerConfig:
         _one_of(self.paged_attention, ("auto", "gather", "kernel"), "sampler.paged_attention")
         _one_of(self.quantization, QUANTIZATIONS, "sampler.quantization")
         _positive(self.page_size, "sampler.page_size")
+        _check(isinstance(self.journal_every_steps, int) and self.journal_every_steps >= 0,
+               "sampler.journal_every_steps",
+               f"must be an integer >= 0 (0: no journal), got {self.journal_every_steps!r}")
+        _check(self.journal_every_steps == 0 or self.kv_cache == "paged",
+               "sampler.journal_every_steps",
+               f"needs sampler.kv_cache='paged' (a journaled sample resumes by the paged "
+               f"pool's preemption path), got kv_cache={self.kv_cache!r}")
         _check(isinstance(self.num_pages, int) and (self.num_pages == 0 or
                                                     self.num_pages >= self.pages_per_slot),
                "sampler.num_pages",

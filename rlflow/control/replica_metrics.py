@@ -10,8 +10,8 @@ counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`
 (sums: each a total of the replica's current instance), ``sampler/version`` (newest),
 ``sampler/replicas_alive``, ``replica/<i>/lost`` for every replica the learner has
 declared lost for silence (times, ``runtime.replica_timeout_s``; live or not) and their sum
-``sampler/replicas_lost``, and the ``sync/*`` swap figures of the replica that reported
-last, with ``sync/weight_sync_s`` = its swap time minus the publish time of the version it
+``sampler/replicas_lost``, and the ``sync/*`` swap figures and the ``sampler/weight_*``
+pause per version (``rlflow.sampler.weight_pause``) of the replica that reported last, with ``sync/weight_sync_s`` = its swap time minus the publish time of the version it
 swapped in.
 
 Rates (:class:`StepRates`): each replica reports running totals (tokens decoded, slot-steps
@@ -37,7 +37,12 @@ _SUM = ("sampler/rejected_groups", "sampler/in_flight",
         "sampler/env_steps", "sampler/env_errors", "sampler/env_timeouts",
         "sampler/env_reset_errors", "sampler/episodes", "sampler/episodes_cut_turns",
         "sampler/episodes_cut_tokens", "sampler/reward_failed_samples",
-        "sampler/episodes_reasoning_unclosed")
+        "sampler/episodes_reasoning_unclosed",
+        # the journal of partial generations (rlflow.sampler.journal_keeper)
+        "sampler/journal_writes", "sampler/journal_writes_skipped", "sampler/journal_snapshot_s",
+        "sampler/journal_write_s", "sampler/journal_write_errors",
+        "sampler/journal_resumed_samples", "sampler/journal_resumed_tokens",
+        "sampler/journal_damaged", "sampler/journal_dropped_stale")
 
 
 def _index(name: str) -> str:
@@ -82,7 +87,7 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
     last = max(statuses.values(), key=lambda s: s.received)
     lf = figures[last.consumer]
     out.update({k: v for k, v in lf.items()
-                if k.startswith("sync/") or k == "sampler/instance"})
+                if k.startswith(("sync/", "sampler/weight_")) or k == "sampler/instance"})
     swap_v, swap_t = out.get("sync/swap_version"), out.pop("sync/swap_time", None)
     if swap_v is not None and swap_t is not None and int(swap_v) in publish_time:
         out["sync/weight_sync_s"] = max(0.0, swap_t - publish_time[int(swap_v)])

@@ -71,7 +71,8 @@ METRIC_SPECS: dict[str, tuple[str, str]] = {
     "sampler/tokens_per_s_per_chip": ("tokens/s", "decoded tokens per second per device of "
                                       "the replicas' meshes, over the step's interval"),
     "sync/weight_sync_s": ("s", "publish-to-swap time of the latest weight version"),
-    "sync/sampler_pause_s": ("s", "decode time lost to the latest weight swap"),
+    "sync/sampler_pause_s": ("s", "decode time lost to the latest weight swap (pull, cast, "
+                             "install; = sampler/weight_pause_s, rlflow.sampler.weight_pause)"),
     "buffer/fill": ("fraction", "groups held / buffer.capacity"),
     "buffer/producer_wait_s": ("s", "time the sampler waited on a full buffer"),
     "buffer/consumer_wait_s": ("s", "time the learner waited on an empty buffer"),

@@ -9,6 +9,9 @@ Reads what :class:`rlflow.run.metrics.MetricsWriter` wrote (``metrics.jsonl``,
     plots/throughput.png  sampler tokens/s; idle fractions, slot occupancy, buffer fill
     plots/staleness.png   staleness histogram over steps (stacked); mean/max staleness
     plots/timing.png      learner step time, weight sync, sampler pause; buffer waits
+    plots/weight_pause.png  the sampler's pause per weight version (decode time lost to the
+                          swap) beside the transfer and cast times; the pause's parts (pull,
+                          cast, install) stacked (runs whose sampler swapped weights in)
     plots/mismatch.png    sampler / learner mismatch: KL(behaviour || learner) k3 by policy
                           lag; chi-square, log-perplexity difference, KL k1 (runs whose
                           step logged ``mismatch/*``, rlflow.learner.rollout_correction)
@@ -116,6 +119,20 @@ def replica_plots(by_step: dict[int, dict[str, float]]) -> tuple[PlotSpec, ...]:
                                       "ledger/dropped", "ledger/duplicates")),
             Panel("prompts (now)", ("ledger/in_flight", "ledger/buffered", "ledger/returned")))),
     )
+
+
+#: The sampler's pause per weight version beside its transfer time (rlflow.sampler.weight_pause).
+WEIGHT_PAUSE_PLOT = PlotSpec("weight_pause", "Sampler pause per weight version vs transfer time", (
+    Panel("seconds", ("sampler/weight_transfer_s", "sampler/weight_cast_s",
+                      "sampler/weight_pause_s")),
+    Panel("pause parts (s)", ("sampler/weight_pause_pull_s", "sampler/weight_pause_cast_s",
+                              "sampler/weight_pause_install_s"), stacked=True)))
+
+
+def weight_pause_plots(by_step: dict[int, dict[str, float]]) -> tuple[PlotSpec, ...]:
+    """The weight-pause plot, for runs whose sampler swapped weights in (``sampler/weight_*``
+    logged after its first swap)."""
+    return (WEIGHT_PAUSE_PLOT,) if _has(by_step, "sampler/weight_pause_s") else ()
 
 
 def mismatch_plots(by_step: dict[int, dict[str, float]]) -> tuple[PlotSpec, ...]:
@@ -381,7 +398,8 @@ def make_report(run_dir: str, *, out_dir: str = "", fmt: str = "both",
     img_dir = os.path.join(out_dir, "plots")
     os.makedirs(img_dir, exist_ok=True)
     drawn, missing = [], []
-    for spec in PLOTS + mismatch_plots(by_step) + replica_plots(by_step) + eval_plots(by_step):
+    for spec in (PLOTS + weight_pause_plots(by_step) + mismatch_plots(by_step)
+                 + replica_plots(by_step) + eval_plots(by_step)):
         (drawn if plot(spec, by_step, os.path.join(img_dir, f"{spec.name}.png"))
          else missing).append(spec)
     name = (config or {}).get("name") or os.path.basename(files.absolute(run_dir).rstrip("/"))

@@ -48,6 +48,7 @@ from rlflow.exchange.routing import NO_CHOICE
 from rlflow.sampler.decode_state import PACKED_FIELDS, EngineParams
 from rlflow.sampler.engine import MAX_STOP_IDS, PromptError
 from rlflow.sampler.episode_slots import EpisodeSlots
+from rlflow.sampler.journal_slots import JournalSlots
 from rlflow.sampler.paged_batching import PagedSlots
 from rlflow.sampler.requests import CompletedGroup, Completion, Request  # noqa: F401 (re-exported)
 from rlflow.sampler.sampling import SamplingError, SamplingParams
@@ -123,7 +124,7 @@ class _Slot:
     length: int = 0               # episode: completion tokens when it parked
 
 
-class ContinuousBatcher(EpisodeSlots, PagedSlots):
+class ContinuousBatcher(EpisodeSlots, PagedSlots, JournalSlots):
     """Drives an :class:`rlflow.sampler.engine.RlflowEngine` with continuous batching.
 
     Args:
@@ -177,8 +178,9 @@ class ContinuousBatcher(EpisodeSlots, PagedSlots):
         self._init_pages()
 
     # ------------------------------------------------------------------ input
-    def submit(self, request: Request) -> None:
-        """Queue a request's G samples.
+    def submit(self, request: Request, resumed: Sequence[Completion] = ()) -> None:
+        """Queue a request's G samples; ``resumed``: samples of it begun or finished before
+        (from the journal of partial generations, :mod:`rlflow.sampler.journal_slots`).
 
         Raises:
           PromptError: empty prompt, non-integer ids, an id outside the vocabulary, or a
@@ -225,11 +227,13 @@ class ContinuousBatcher(EpisodeSlots, PagedSlots):
         if request.episode is not None and self.episodes is None:
             raise SamplingError(f"prompt_id {pid}: an episode request needs a batcher "
                                 f"with an episode driver (episodes=)")
+        if resumed and (self._pool is None or request.episode is not None):
+            raise SamplingError(f"prompt_id {pid}: resuming samples needs "
+                                f"sampler.kv_cache='paged' and a single-turn request")
         self.counters.prompts_truncated += int(truncated)
         live = _Live(request=request, tokens=tokens.astype(np.int32), sampling=sp,
                      stop_ids=frozenset(stop), pending=request.num_samples)
-        for i in range(request.num_samples):
-            self._queue.append((live, i))
+        self._queue_samples(live, resumed)
 
     def update_params(self, params, version: int) -> None:
         """New weights (``nnx.State``), used from the next decode step on (thread-safe).

@@ -105,11 +105,16 @@ class DecodeLanes:
         self._pool = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="rlflow-lane")
 
     # ------------------------------------------------------------------ input
-    def submit(self, request: Request) -> None:
-        """Queue a request's samples on the lane with the fewest samples queued or decoding
-        (the first of those on a tie). Raises: as :meth:`ContinuousBatcher.submit`."""
+    def submit(self, request: Request, resumed=()) -> None:
+        """Queue a request's samples (``resumed``: as :meth:`ContinuousBatcher.submit`) on
+        the lane with the fewest samples queued or decoding (the first of those on a tie).
+        Raises: as :meth:`ContinuousBatcher.submit`."""
         lane = min(self.lanes, key=lambda b: b.num_queued + b.num_active)
-        lane.submit(request)
+        lane.submit(request, resumed)
+
+    def partials(self) -> list:
+        """Every lane's :meth:`ContinuousBatcher.partials`, one list."""
+        return [p for lane in self.lanes for p in lane.partials()]
 
     def update_params(self, params, version: int) -> None:
         """New weights for every lane, placed on the engine's mesh once; each lane uses them

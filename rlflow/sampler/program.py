@@ -35,9 +35,10 @@ with reward 0 (counted). Neither stops the run unless ``env.max_consecutive_erro
 
 Each request's seed comes with its lease (derived from the prompt's position in the prompt
 stream), so a prompt re-dispatched to another replica, or after a resume, is drawn with the
-same seed. A group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it
-(logged with the function and sample, counted as ``sampler/dropped_bad_reward_groups``, and
-reported to the ledger as dropped), "error" stops the run with that message. That error or
+same seed (its samples resume from the journal, :mod:`rlflow.sampler.journal_keeper`). A
+group with a NaN/inf reward follows ``learner.on_bad_reward``: "drop" drops it (logged with
+the function and sample, counted as ``sampler/dropped_bad_reward_groups``, and reported to
+the ledger as dropped), "error" stops the run with that message. That error or
 a prompt that fails at every retry (``MAX_PROMPT_RETRIES``) is reported to the learner
 through the buffer (its next ``get_groups`` raises the message) and stops this program with
 the error.
@@ -70,6 +71,7 @@ from rlflow.system.host_memory import release_freed_memory
 from rlflow.sampler.background import Heartbeat, RateCounters, WeightPuller
 from rlflow.sampler.batching import ContinuousBatcher, Request
 from rlflow.sampler.delivery import GroupDelivery
+from rlflow.sampler.journal_keeper import JournalKeeper
 from rlflow.sampler.lanes import DecodeLanes, available_cpus, lane_count
 from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
@@ -77,6 +79,7 @@ from rlflow.data.reasoning import get_reasoning_parser
 from rlflow.sampler.precision import pull_target, sampler_model_config
 from rlflow.sampler.sampling import SamplingParams
 from rlflow.sampler.subscribe import weight_subscriber
+from rlflow.sampler.weight_pause import SwapPauseMeter
 
 log = logging.getLogger("rlflow.sampler")
 
@@ -116,6 +119,7 @@ class SamplerProgram:
     env_reset_errors = 0     # prompts dropped because their environments could not start
     env_reset_run = 0        # of them, since the last prompt whose environments started
     evals = None             # EvalRunner when eval.every_steps > 0
+    journal = None           # JournalKeeper when sampler.journal_every_steps > 0
     _held_weights = None     # (version, params, pull_s) pulled while an evaluation decodes
     _trim_next_step = False  # a swap ran: trim the heap after the next step
 
@@ -180,24 +184,24 @@ class SamplerProgram:
             None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),
             self.window, on_bad_reward=cfg.learner.on_bad_reward, reasoning=self.reasoning)
         self.prompts_started = 0
+        self.journal = JournalKeeper.for_config(cfg, self.name)     # None: off
         # held-out evaluations (rlflow.sampler.eval_runner); pulled weights held back while
         # one decodes (one version per evaluation), under the lock with the puller thread
-        self.evals = None
         if cfg.eval.enabled:
             from rlflow.sampler.eval_runner import EvalRunner
 
             self.evals = EvalRunner(cfg, self.tokenizer, self.reasoning)
         self._weights_lock = threading.Lock()
-        self._held_weights = None
         self.swap = {"sync/pull_s": 0.0}
-        self.pause_s = 0.0
-        self.step_ema = None       # seconds per decode step without a swap
+        self.pause = SwapPauseMeter()   # decode time lost per version (pull, cast, install)
         self.sleeping = False
         self.version = -1          # version of the weights new groups start with
         reply = self._status()
         report_phase("waiting for the learner's first weights")
         self.batcher = self._first_weights(reply)
         release_freed_memory()          # the start-up weights and the first pull's slices
+        if self.journal is not None:    # a journal newer than a resumed learner's weights
+            self.journal.forget_newer(self.version)
         self.puller = WeightPuller(self.subscriber, self._on_weights)
         report_phase("compiling prefill and decode, then generating the first rollouts")
 
@@ -256,15 +260,21 @@ class SamplerProgram:
     def _on_weights(self, version: int, params, pull_s: float) -> None:
         """Puller thread: a new version arrived (laid out on this program's mesh); held
         back while a held-out evaluation decodes (:meth:`_release_held_weights`)."""
+        t1 = time.monotonic()
+        self.pause.note(version, "pull", t1 - pull_s, t1)
         with self._weights_lock:
             if self.evals is not None and self.evals.decoding:
                 self._held_weights = (version, params, pull_s)
                 return
             self._swap_in(version, params, pull_s)
 
-    def _swap_in(self, version: int, params, pull_s: float) -> None:
+    def _swap_in(self, version: int, params, pull_s: float, blocking: bool = False) -> None:
+        """Cast / quantise / re-lay ``params`` for the engine and hand them to the batcher
+        (used from its next decode step on); ``blocking``: on the decode thread."""
         log_weights_digest(log, version, params)
-        self.batcher.update_params(self._engine_params(params), version)   # used from the next decode step on
+        t0 = time.monotonic()
+        self.batcher.update_params(self._engine_params(params), version)
+        self.pause.note(version, "cast", t0, time.monotonic(), blocking=blocking)
         self.version = version     # every group admitted from now on starts with it
         self._note_swap(version, pull_s)
 
@@ -273,7 +283,7 @@ class SamplerProgram:
         with self._weights_lock:
             if self._held_weights is not None and not self.evals.decoding:
                 held, self._held_weights = self._held_weights, None
-                self._swap_in(*held)
+                self._swap_in(*held, blocking=True)
 
     def _start_eval(self, requested: int) -> None:
         """Run the held-out evaluation the learner named, at this replica's version."""
@@ -283,9 +293,12 @@ class SamplerProgram:
     # ------------------------------------------------------------------ control
     def _status(self, want: int = 0):
         metrics = dict(self.window.figures(), **self.swap)
-        metrics["sync/sampler_pause_s"] = self.pause_s
+        pause = self.pause.metrics()
+        metrics.update(pause)
+        metrics["sync/sampler_pause_s"] = pause.get("sampler/weight_pause_s", 0.0)
         metrics["sampler/instance"] = float(self.control.instance)
         metrics.update(self.delivery.metrics())
+        metrics.update(self.journal.metrics() if self.journal else {})
         if self.evals is not None:       # the held-out evaluations' reward failures
             metrics.update(self.evals.metrics())
         if self.episodes is not None:    # environments that raised or timed out: counted
@@ -325,9 +338,10 @@ class SamplerProgram:
         request = Request(prompt_id=int(element["prompt_id"]), prompt_tokens=prompt,
                           num_samples=self.cfg.sampler.group_size, sampling=sampling,
                           episode=episode)
+        resumed = self.journal.resumed(element, request, self.version) if self.journal else ()
         for attempt in range(MAX_PROMPT_RETRIES + 1):
             try:
-                self.batcher.submit(request)
+                self.batcher.submit(request, resumed)
                 break
             except Exception as e:  # noqa: BLE001 - reported below with the prompt id
                 named = f"prompt_id {request.prompt_id}: "
@@ -431,7 +445,10 @@ class SamplerProgram:
             t0 = time.monotonic()
             groups = self.batcher.step()
             swapped = c.weight_swaps > swaps
-            self._time_step(time.monotonic() - t0, swapped=swapped)
+            self.pause.step(t0, time.monotonic(),
+                            swapped_to=self.batcher.version if swapped else None)
+            if self.journal is not None:
+                self.journal.after_step(self.batcher, self.delivery.in_flight)
             if self._trim_next_step:     # the previous step's swap: the old version is freed
                 release_freed_memory()
             self._trim_next_step = swapped
@@ -442,16 +459,6 @@ class SamplerProgram:
                 self.delivery.score(groups)
             self.window.add(tokens=c.slot_steps_used - used, slots_used=c.slot_steps_used - used,
                             slots_total=c.slot_steps_available - avail)
-
-    def _time_step(self, seconds: float, swapped: bool) -> None:
-        """``sync/sampler_pause_s``: extra time of the decode step that swapped weights in,
-        over the running mean of steps that did not."""
-        if swapped:
-            if self.step_ema is not None:
-                self.pause_s = max(0.0, seconds - self.step_ema)
-        else:
-            self.step_ema = seconds if self.step_ema is None else \
-                0.9 * self.step_ema + 0.1 * seconds
 
     def report(self, message: str) -> None:
         try:

@@ -46,7 +46,8 @@ TOKEN = "tok-9f3e71c2-not-for-files"
 NUM_STEPS, SAMPLES_EVERY, STALENESS = 10, 2, 2
 PLOTS = ("reward", "length", "kl_entropy", "throughput", "staleness", "perf", "timing",
          "mismatch", "rollout_correction",  # every train step logs the mismatch diagnostics
-         "replicas", "ledger")          # the last two: every run has a replica and a ledger
+         "replicas", "ledger",          # these two: every run has a replica and a ledger
+         "weight_pause")                # the sampler swapped weights mid-run
 # C0 controls except tab and newline (so: ESC of ANSI codes, carriage return, backspace ...),
 # DEL and the C1 controls.
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -277,5 +278,15 @@ def test_async_run_completes_within_staleness_bound(run):
     used = {int(m[k]) for m in by_step.values() for k in ("rollout/version_min",
                                                           "rollout/version_max")}
     assert len(used) >= 2, used                     # the sampler swapped weights mid-run
+    # issue 53.3: the pause per version, in parts that sum to it, beside the transfer time
+    pauses = [m for m in by_step.values() if "sampler/weight_pause_s" in m]
+    assert pauses, "no step logged sampler/weight_pause_s"
+    parts = [f"sampler/weight_pause_{p}_s" for p in ("pull", "cast", "install")]
+    for m in pauses:
+        assert all(m[k] >= 0.0 for k in parts + ["sampler/weight_transfer_s"]), m
+        assert m["sampler/weight_pause_s"] == pytest.approx(sum(m[k] for k in parts),
+                                                            rel=4 * F32_EPS, abs=1e-9)
+        assert m["sync/sampler_pause_s"] == m["sampler/weight_pause_s"]
+        assert 0 <= m["sampler/weight_pause_version"] <= m["learner/version"]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["steps_completed"] == NUM_STEPS and summary["success"]

@@ -21,6 +21,7 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
                                                      "sampler/groups_delivered": 7.0,
                                                      "sync/swap_version": 3.0,
                                                      "sync/swap_time": 50.0,
+                                                     "sampler/weight_pause_s": 9.0,
                                                      "sampler/dropped_bad_reward_groups": 2.0,
                                                      "reward/errors/f": 1.0,
                                                      "reward/timeouts/f": 4.0,
@@ -30,6 +31,8 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
                                                       "sampler/slot_occupancy": 0.25,
                                                       "sync/swap_version": 2.0,
                                                       "sync/swap_time": 40.5,
+                                                      "sampler/weight_pause_s": 0.25,
+                                                      "sampler/weight_transfer_s": 1.5,
                                                       "sampler/dropped_bad_reward_groups": 1.0,
                                                       "reward/errors/f": 3.0,
                                                       "reward/errors/g": 1.0,
@@ -43,6 +46,8 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
     assert m["replica/2/restarts"] == 2.0 and m["replica/0/groups_delivered"] == 7.0
     # the swap figures are the last reporter's (sampler-2): swapped v2 0.5 s after publish
     assert m["sync/swap_version"] == 2.0 and m["sync/weight_sync_s"] == 0.5
+    # and so is the pause per version beside the transfer time (not summed)
+    assert (m["sampler/weight_pause_s"], m["sampler/weight_transfer_s"]) == (0.25, 1.5)
     # counts of groups dropped and of reward-function failures: summed over the replicas
     assert m["sampler/dropped_bad_reward_groups"] == 3.0
     assert (m["reward/errors/f"], m["reward/errors/g"], m["reward/timeouts/f"]) == (4.0, 1.0, 4.0)

@@ -238,3 +238,23 @@ def test_mismatch_plots_drawn_when_the_step_logged_them(tmp_path):
         assert rgb.std() > 10.0 and (np.abs(rgb - TAB_BLUE).max(axis=-1) < 40).sum() > 300
         assert f"![{'Rollout correction' if name != 'mismatch' else 'Sampler'}" in page
     assert "| mismatch/kl_k3_lag2plus | 0.12 |" in page
+
+
+def test_weight_pause_plot_shows_pause_beside_transfer(tmp_path):
+    """A run whose steps logged the sampler's pause per weight version gets the
+    weight_pause plot (transfer, cast and pause; the pause's parts stacked)."""
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:
+        for step in range(1, 6):
+            parts = {"sampler/weight_pause_pull_s": 0.01 * step,
+                     "sampler/weight_pause_cast_s": 0.02, "sampler/weight_pause_install_s": 0.005}
+            w.log(step, {"reward/mean": 0.1, "sampler/weight_transfer_s": 0.5 + 0.1 * step,
+                         "sampler/weight_cast_s": 0.2, **parts,
+                         "sampler/weight_pause_s": sum(parts.values())})
+    page = open(make_report(str(tmp_path), fmt="md"), encoding="utf-8").read()
+    rgb = _rgb(str(tmp_path / "report" / "plots" / "weight_pause.png"))
+    assert rgb.std() > 10.0 and (np.abs(rgb - TAB_BLUE).max(axis=-1) < 40).sum() > 300
+    assert "![Sampler pause per weight version vs transfer time]" in page
+    # a run that never swapped: no such plot, and nothing said missing
+    assert "Sampler pause per weight version" not in open(
+        make_report(write_run(str(tmp_path / "other")).run_path, fmt="md"),
+        encoding="utf-8").read()

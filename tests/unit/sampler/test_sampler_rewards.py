@@ -22,6 +22,7 @@ from rlflow.control.run_control import ControlReply
 from rlflow.sampler.background import RateCounters
 from rlflow.sampler.delivery import GroupDelivery
 from rlflow.sampler.program import SamplerProgram
+from rlflow.sampler.weight_pause import SwapPauseMeter
 from delivery_fakes import CharTokenizer, RecordingBuffer
 from tolerances import sum_tol
 
@@ -57,7 +58,7 @@ def _program(plugin_file, on_bad_reward):
     p.delivery = GroupDelivery(CharTokenizer(), RecordingBuffer(), Rewarder(cfg.reward, plugins=cfg.plugins),
                                p.window, on_bad_reward=cfg.learner.on_bad_reward)
     p.control, p.prompts_started = _Control(), 0
-    p.swap, p.pause_s, p.version = {}, 0.0, 0
+    p.swap, p.pause, p.version = {}, SwapPauseMeter(), 0
     return p
 
 
@@ -186,7 +187,7 @@ def test_a_prompt_the_batcher_refuses_is_retried_then_stops_the_sampler(failures
     calls = []
 
     class Batcher:
-        def submit(self, request):
+        def submit(self, request, resumed=()):
             calls.append(request.prompt_id)
             if len(calls) <= failures:      # the batcher's errors name the prompt
                 raise ValueError(f"prompt_id {request.prompt_id}: prompt of 3 tokens is longer "

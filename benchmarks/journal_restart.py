@@ -1,0 +1,147 @@
+"""Tokens generated again after a sampler restart, with and without the journal of partial
+generations (issue 53), and the journal's cost per write.
+
+For completion lengths L = 1K, 2K, 4K, 8K tokens (each drawn uniform in ``[L/2, L]``),
+JOURNAL_BENCH_SLOTS [64] single-sample requests decode in rlflow's own
+:class:`rlflow.sampler.batching.ContinuousBatcher` (paged cache, its admission, preemption
+and resume code unchanged) over the stand-in engine of ``benchmarks/sampler_paged.py`` (no
+model: a decode call emits each sequence's next k = 16 tokens; 8K-token decodes of a real
+model do not fit a 2-core host, and the model does not change what is lost). The replica is
+killed at a decode call drawn uniform in the middle half of the run (seeded), then a new
+batcher finishes every request:
+
+* without the journal, every token of an unfinished request is generated again;
+* with the journal written every N = JOURNAL_BENCH_EVERY [8] decode calls
+  (``sampler.journal_every_steps``), the new batcher resumes each request from the journal
+  file (written and read through :mod:`rlflow.run.journal` in a temporary run folder) and
+  generates again only what was decoded after the last write (at most N x k per slot).
+
+The figures are counted: tokens decoded by both batchers minus the tokens of the finished
+completions, mean and max over 5 seeded kill points. Also measured (real time, this host,
+median): the snapshot on the decode thread (the batcher's partials, copied: what the
+sampler program's decode loop pays, ``rlflow.sampler.journal_keeper``) and the write on
+the writer thread (encode, atomic write), in ms and MB; the overhead on decode is the
+snapshot time over N decode calls of JOURNAL_BENCH_STEP_MS [30] ms each (an assumed decode
+call time of a large model on an accelerator: the stand-in's calls take no time), and the
+interval that keeps it under 2% at that call time. Printed::
+
+    RESULT journal_regenerated_tokens_<L>_without <mean> (max <n>)
+    RESULT journal_regenerated_tokens_<L>_with <mean> (max <n>; bound N x k x slots = <b>)
+    RESULT journal_snapshot_ms_<L> <ms> ms on the decode thread; write <ms> ms ... (<MB> MB)
+    RESULT journal_overhead_<L> <fraction> of decode at N=<N>, <ms> ms a call (N for < 2%:
+        <n>; write thread busy <fraction> of the interval)
+
+Usage: ``python benchmarks/journal_restart.py`` (env: JOURNAL_BENCH_SLOTS, _EVERY, _STEP_MS).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sampler_paged import STOP, SimulatedEngine, _Extender  # noqa: E402
+
+SLOTS = int(os.environ.get("JOURNAL_BENCH_SLOTS", "64"))
+EVERY = int(os.environ.get("JOURNAL_BENCH_EVERY", "8"))
+STEP_MS = float(os.environ.get("JOURNAL_BENCH_STEP_MS", "30"))
+K = 16
+PROMPT = 64
+SEEDS = range(5)
+
+
+def _batcher(cfg, lengths):
+    from rlflow.sampler.batching import ContinuousBatcher
+
+    engine = SimulatedEngine(cfg, lengths)
+    batcher = ContinuousBatcher(engine)
+    engine.bind(batcher)
+    batcher._extender = _Extender(engine)
+    return batcher
+
+
+def run(length: int, journaled: bool, seed: int = 0) -> dict:
+    from rlflow.config import SamplerConfig
+    from rlflow.run import journal
+    from rlflow.sampler.batching import Request
+    from rlflow.sampler.requests import Completion
+    from rlflow.sampler.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(length // 2, length + 1, SLOTS)
+    cfg = SamplerConfig(num_slots=SLOTS, max_prefill_length=PROMPT, prefill_buckets=(PROMPT,),
+                        max_tokens=length, group_size=1, decode_steps_per_call=K,
+                        kv_cache="paged", page_size=16)
+    sp = SamplingParams(temperature=1.0, max_tokens=length, stop_token_ids=(STOP,))
+    requests = [Request(i, [3] * PROMPT, 1, sp) for i in range(SLOTS)]
+    calls = int(np.ceil(lengths.max() / K))
+    kill_at = int(rng.integers(calls // 4, 3 * calls // 4))
+    a = _batcher(cfg, lengths)
+    for r in requests:
+        a.submit(r)
+    done, snap_s, write_s, nbytes = {}, 0.0, 0.0, 0
+    with tempfile.TemporaryDirectory() as run_dir:
+        for call in range(1, kill_at + 1):
+            done.update({g.prompt_id: g for g in a.step()})
+            if journaled and call % EVERY == 0:
+                t0 = time.perf_counter()
+                entries = [journal.JournalEntry(r.prompt_id, 0, r.prompt_id, c.sample_index,
+                                                c.tokens, c.logprobs, c.versions,
+                                                c.finish_reason)
+                           for r, samples in a.partials() for c in samples]
+                t1 = time.perf_counter()
+                journal.write_journal(run_dir, "sampler-0", entries)
+                snap_s, write_s = t1 - t0, time.perf_counter() - t1
+                nbytes = os.path.getsize(journal.journal_path(run_dir, "sampler-0"))
+                done.update({g.prompt_id: g for g in a._take_ready()})
+        decoded_a = a.counters.slot_steps_used
+        index = journal.read_journals(run_dir)[0] if journaled else {}
+    b = _batcher(cfg, lengths)
+    for r in requests:
+        if r.prompt_id in done:
+            continue
+        b.submit(r, resumed=[Completion(e.prompt_id, e.sample_index, e.tokens, e.logprobs,
+                                        e.versions, e.finish_reason)
+                             for e in index.get((r.prompt_id, 0), [])])
+    while b.has_work:
+        done.update({g.prompt_id: g for g in b.step()})
+    got = sorted(len(done[i].completions[0].tokens) for i in range(SLOTS))
+    if got != sorted(lengths.tolist()):
+        raise RuntimeError(f"L={length}: completions lost or cut")
+    regenerated = decoded_a + b.counters.slot_steps_used - int(lengths.sum())
+    return dict(regenerated=regenerated, snap_s=snap_s, write_s=write_s, mb=nbytes / 2**20)
+
+
+def main() -> int:
+    print(f"# {SLOTS} requests in flight, k={K} tokens per decode call, journal every "
+          f"{EVERY} calls; stand-in engine (no model); kills at {len(SEEDS)} seeded decode "
+          f"calls (mean, max); write times on this host (median)")
+    for length in (1024, 2048, 4096, 8192):
+        name = f"{length // 1024}K"
+        without = [run(length, journaled=False, seed=s)["regenerated"] for s in SEEDS]
+        runs = [run(length, journaled=True, seed=s) for s in SEEDS]
+        with_ = [r["regenerated"] for r in runs]
+        print(f"RESULT journal_regenerated_tokens_{name}_without {np.mean(without):.0f} "
+              f"(max {max(without)})")
+        print(f"RESULT journal_regenerated_tokens_{name}_with {np.mean(with_):.0f} (max "
+              f"{max(with_)}; bound N x k x slots = {EVERY * K * SLOTS})")
+        snap, write = (float(np.median([r[k] for r in runs])) * 1e3 for k in ("snap_s", "write_s"))
+        mb = max(r["mb"] for r in runs)
+        print(f"RESULT journal_snapshot_ms_{name} {snap:.2f} ms on the decode thread; write "
+              f"{write:.1f} ms on the writer thread ({mb:.2f} MB)")
+        frac = snap / (EVERY * STEP_MS)
+        need = int(np.ceil(snap / (0.02 * STEP_MS)))
+        print(f"RESULT journal_overhead_{name} {frac:.4f} of decode at N={EVERY}, {STEP_MS:.0f} "
+              f"ms a call (N for < 2%: {need}; write thread busy {write / (EVERY * STEP_MS):.2f} "
+              f"of the interval)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The journal of partial generations: a sampler replica's in-flight samples, in its run folder.
+
+Each replica writes ``<run folder>/journal/<replica>.npz`` whole, atomically
+(:func:`rlflow.run.files.write_atomic`: a reader sees the previous journal or the new one,
+never part; local or ``gs://``), every ``sampler.journal_every_steps`` decode calls. It
+holds one :class:`JournalEntry` per sample of every group the replica has in flight: the
+prompt's lease keys (``stream_index``, ``seed``: the ledger re-dispatches an unfinished
+prompt with the same ones), the sample's index in its group, its tokens so far with their
+behaviour logprobs and the policy version each was sampled with, and its finish reason when
+it already finished (its group waits for the others). A restarted replica reads every
+journal (:func:`read_journals`) and resumes a re-leased prompt's samples from them
+(``rlflow.sampler.program``), so a kill -9 loses only the tokens decoded since the last
+write.
+
+Format (no pickle): an ``.npz`` (``numpy.savez``) with ``header``, the UTF-8 JSON
+``{"format": 1, "replica": str, "entries": [{"stream_index", "seed", "prompt_id",
+"sample_index", "finish_reason", "n", "crc"}, ...]}`` as ``uint8``, and per entry ``i`` the
+arrays ``t<i>`` (int32 ``[n]`` token ids), ``l<i>`` (float32 ``[n]`` logprobs, nats) and
+``v<i>`` (int32 ``[n]`` policy versions). ``crc`` is the CRC-32 (:func:`zlib.crc32`) of the
+three arrays' bytes in that order. A file that cannot be read counts as one damaged entry;
+an entry whose arrays are missing, misshapen or fail their CRC is skipped and counted
+(``damaged``); neither raises.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rlflow.run import files
+
+FORMAT = 1
+FOLDER = "journal"
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One sample's generation so far.
+
+    Attributes:
+      stream_index, seed: the prompt's lease keys (position in the prompt stream and the
+        seed the ledger derived from it).
+      prompt_id: the prompt's id (for messages).
+      sample_index: the sample's index in its group, ``0 .. G - 1``.
+      tokens: int32 ``[n]`` completion token ids so far.
+      logprobs: float32 ``[n]`` behaviour logprobs (nats) of those tokens.
+      versions: int32 ``[n]`` the policy version each token was sampled with.
+      finish_reason: "stop" / "length" when the sample finished, "" while it decodes.
+    """
+
+    stream_index: int
+    seed: int
+    prompt_id: int
+    sample_index: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str = ""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (int(self.stream_index), int(self.seed))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.ascontiguousarray(self.tokens, np.int32),
+                np.ascontiguousarray(self.logprobs, np.float32),
+                np.ascontiguousarray(self.versions, np.int32))
+
+
+def _crc(arrays) -> int:
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(a.tobytes(), crc)
+    return crc
+
+
+def encode(replica: str, entries: Sequence[JournalEntry]) -> bytes:
+    """The journal file's bytes (module docstring).
+
+    Raises:
+      ValueError: an entry's three arrays differ in length.
+    """
+    arrays, meta = {}, []
+    for i, e in enumerate(entries):
+        t, lp, v = e.arrays()
+        if not t.shape == lp.shape == v.shape or t.ndim != 1:
+            raise ValueError(f"journal entry prompt_id {e.prompt_id} sample {e.sample_index}: "
+                             f"tokens {t.shape}, logprobs {lp.shape} and versions {v.shape} "
+                             f"must be the same 1-D length")
+        arrays.update({f"t{i}": t, f"l{i}": lp, f"v{i}": v})
+        meta.append({"stream_index": int(e.stream_index), "seed": int(e.seed),
+                     "prompt_id": int(e.prompt_id), "sample_index": int(e.sample_index),
+                     "finish_reason": e.finish_reason, "n": int(t.size),
+                     "crc": _crc((t, lp, v))})
+    header = json.dumps({"format": FORMAT, "replica": replica, "entries": meta})
+    buf = io.BytesIO()
+    np.savez(buf, header=np.frombuffer(header.encode("utf-8"), np.uint8), **arrays)
+    return buf.getvalue()
+
+
+def decode(data: bytes) -> tuple[list[JournalEntry], int]:
+    """``(entries, damaged)`` of one journal file's bytes: the entries that check out, and
+    the number skipped (1 for a file that cannot be read at all). Never raises."""
+    try:
+        z = np.load(io.BytesIO(data), allow_pickle=False)
+        header = json.loads(bytes(z["header"]).decode("utf-8"))
+        if header.get("format") != FORMAT or not isinstance(header.get("entries"), list):
+            return [], 1
+        meta = header["entries"]
+    except Exception:  # noqa: BLE001 - any damage to the file is counted, never fatal
+        return [], 1
+    out, damaged = [], 0
+    for i, m in enumerate(meta):
+        try:
+            t, lp, v = (z[f"{k}{i}"] for k in "tlv")
+            n = int(m["n"])
+            ok = (t.dtype == np.int32 and lp.dtype == np.float32 and v.dtype == np.int32
+                  and t.shape == lp.shape == v.shape == (n,) and _crc((t, lp, v)) == m["crc"]
+                  and m["finish_reason"] in ("", "stop", "length"))
+            if ok:
+                out.append(JournalEntry(int(m["stream_index"]), int(m["seed"]),
+                                        int(m["prompt_id"]), int(m["sample_index"]),
+                                        t, lp, v, m["finish_reason"]))
+                continue
+        except Exception:  # noqa: BLE001 - a damaged entry is skipped and counted
+            pass
+        damaged += 1
+    return out, damaged
+
+
+def journal_path(run_path: str, replica: str) -> str:
+    return files.join(run_path, FOLDER, f"{replica}.npz")
+
+
+def write_journal(run_path: str, replica: str, entries: Sequence[JournalEntry]) -> None:
+    """Replace ``replica``'s journal in ``run_path`` (atomically; the folder made first).
+
+    Raises:
+      OSError: the run folder cannot be written (``rlflow.run.files.write_atomic``).
+    """
+    files.makedirs(files.join(run_path, FOLDER))
+    files.write_atomic(journal_path(run_path, replica), encode(replica, entries))
+
+
+def read_journals(run_path: str) -> tuple[dict[tuple[int, int], list[JournalEntry]], int]:
+    """Every replica's journal in ``run_path``: ``({(stream_index, seed): entries}, damaged)``
+    (entries of one prompt from several journals: the newest file's are not told apart, a
+    sample index is taken once, first file in name order). No journal folder: ``({}, 0)``."""
+    folder = files.join(run_path, FOLDER)
+    if not files.isdir(folder):
+        return {}, 0
+    by_key: dict[tuple[int, int], list[JournalEntry]] = {}
+    damaged = 0
+    for name in sorted(n for n in files.listdir(folder) if n.endswith(".npz")):
+        try:
+            data = files.read_bytes(files.join(folder, name))
+        except OSError:
+            damaged += 1
+            continue
+        entries, bad = decode(data)
+        damaged += bad
+        for e in entries:
+            have = by_key.setdefault(e.key, [])
+            if all(x.sample_index != e.sample_index for x in have):
+                have.append(e)
+    return by_key, damaged
+
+
+def stale(entries: Sequence[JournalEntry], version: int, max_staleness: int) -> bool:
+    """Whether a prompt's partial generation is older than the staleness bound: its oldest
+    token's policy version lags ``version`` by more than ``max_staleness`` (the rule the
+    learner applies to a finished sample, counted on the versions the tokens were sampled
+    with)."""
+    oldest: Optional[int] = None
+    for e in entries:
+        if e.versions.size:
+            v = int(e.versions.min())
+            oldest = v if oldest is None else min(oldest, v)
+    return oldest is not None and version - oldest > max_staleness
