@@ -100,6 +100,11 @@ def secret_values(cfg_or_dict: Any, env: Optional[Mapping[str, str]] = None) -> 
     return [v for v in values if isinstance(v, str) and v and v != REDACTED]
 
 
+#: the shortest cut-off start of a secret form that :func:`redact_text` hides (a quoted reply
+#: cut at a fixed length can end inside the key)
+MIN_PREFIX = 8
+
+
 def secret_forms(secret: str) -> list[str]:
     """Every spelling in which ``secret`` can reach a log or a terminal, longest first: the
     value and the value stripped of surrounding whitespace (an editor's trailing CR/LF), each
@@ -114,12 +119,32 @@ def secret_forms(secret: str) -> list[str]:
     return sorted(out, key=len, reverse=True)
 
 
+def _cut_prefixes(text: str, form: str) -> str:
+    """``text`` with every run of :data:`MIN_PREFIX` or more characters that starts ``form``
+    (but is shorter than it: a key cut off by a length limit) replaced by :data:`REDACTED`."""
+    if len(form) <= MIN_PREFIX:
+        return text
+    head, out, i = form[:MIN_PREFIX], [], 0
+    while (j := text.find(head, i)) >= 0:
+        k = MIN_PREFIX
+        while k < len(form) and j + k < len(text) and text[j + k] == form[k]:
+            k += 1
+        out.append(text[i:j] + REDACTED)
+        i = j + k
+    return "".join(out) + text[i:] if out else text
+
+
 def redact_text(text: str, secrets: Iterable[str]) -> str:
     """``text`` with every occurrence of each secret, in each of its
-    :func:`secret_forms`, replaced by :data:`REDACTED`."""
+    :func:`secret_forms`, replaced by :data:`REDACTED`; then every run of
+    :data:`MIN_PREFIX` or more characters that starts a form (a secret cut off where a
+    quoted text was shortened) too. Quote a server's text redacted first, then cut it: a
+    cut-off key shorter than :data:`MIN_PREFIX` is not recognizable here."""
     forms = sorted({f for s in secrets if s for f in secret_forms(s)}, key=len, reverse=True)
     for f in forms:
         text = text.replace(f, REDACTED)
+    for f in forms:
+        text = _cut_prefixes(text, f)
     return text
 
 

@@ -40,6 +40,8 @@ from rlflow.data.served_rewards import MalformedReply, parse_reply, request_body
 
 #: HTTP statuses worth another try (the server may recover); other 4xx are final.
 RETRY_STATUSES = frozenset({408, 429})
+#: Characters of an error reply's body quoted in the failure reason (after redaction).
+REPLY_HEAD_CHARS = 200
 #: Seconds :meth:`HttpScorer.close` waits for the loop to cancel its requests and stop.
 CLOSE_TIMEOUT_S = 5.0
 
@@ -98,10 +100,12 @@ class HttpScorer:
         self.counts = {"requests": 0, "retries": 0, "timeouts": 0, "errors": 0}
         self._results = results
         self._headers = request_headers(cfg)
-        # the header and the key: hidden in every reason this scorer reports (a server may
-        # echo the key in its reply; httpx quotes the header in its errors)
+        # the key: hidden in every reason this scorer reports (a server may echo the key in
+        # its reply; httpx quotes the header in its errors). The header is the fixed prefix
+        # and the key, so hiding the key hides it; the prefix itself is not secret, and as a
+        # secret its start ("Bearer s") would make every cut-off "Bearer s..." redacted
         sent = self._headers[cfg.api_key_header] if cfg.api_key_env else ""
-        self._secrets = [sent, sent[len(cfg.api_key_prefix):]] if sent else []
+        self._secrets = [sent[len(cfg.api_key_prefix):]] if sent else []
         self._rng = random.Random(seed)
         self._next_id = 0
         self._tasks: set = set()
@@ -195,13 +199,15 @@ class HttpScorer:
                 continue
             if not 200 <= reply.status_code < 300:
                 self.counts["errors"] += 1
-                status, reason = "error", f"HTTP {reply.status_code}: {reply.text[:200]!r}"
+                # the body redacted first, then cut: a key crossing the cut stays hidden
+                body_head = redact_text(reply.text, self._secrets)[:REPLY_HEAD_CHARS]
+                status, reason = "error", f"HTTP {reply.status_code}: {body_head!r}"
                 if 400 <= reply.status_code < 500 \
                         and reply.status_code not in RETRY_STATUSES:
                     break                       # the request itself is wrong: final
                 continue
             try:
-                return "ok", parse_reply(cfg, reply.text, len(samples))
+                return "ok", parse_reply(cfg, reply.text, len(samples), self._secrets)
             except MalformedReply as e:
                 self.counts["errors"] += 1
                 status, reason = "error", f"malformed reply: {e}"

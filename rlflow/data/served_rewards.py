@@ -30,6 +30,7 @@ import math
 import re
 from typing import Any, Dict, List, Mapping, Sequence
 
+from rlflow.config.secrets import redact_text
 from rlflow.config.served_reward import (HttpRewardConfig, JudgeConfig, ServedRewardConfig,
                                          field_pairs)
 
@@ -73,11 +74,12 @@ def request_body(cfg: ServedRewardConfig, samples: Sequence[Mapping[str, str]]) 
     return body
 
 
-def json_path(data: Any, path: str) -> Any:
+def json_path(data: Any, path: str, secrets: Sequence[str] = ()) -> Any:
     """``data`` followed along the dotted ``path`` (``"a.b.0"``: key a, key b, index 0).
 
     Raises:
-      MalformedReply: a key or index on the way is missing (names it).
+      MalformedReply: a key or index on the way is missing (names it; the reply quoted
+        with ``secrets`` redacted, then cut).
     """
     node = data
     for part in path.split("."):
@@ -88,19 +90,24 @@ def json_path(data: Any, path: str) -> Any:
             node = node[part]
         else:
             raise MalformedReply(f"no {part!r} on the path {path!r} in the reply "
-                                 f"{_head(data)}")
+                                 f"{_head(data, secrets)}")
     return node
 
 
-def _number(value: Any, where: str) -> float:
+def _number(value: Any, where: str, secrets: Sequence[str] = ()) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value):
-        raise MalformedReply(f"{where} is {_head(value)}, expected a finite number")
+        raise MalformedReply(f"{where} is {_head(value, secrets)}, expected a finite number")
     return float(value)
 
 
-def parse_reply(cfg: ServedRewardConfig, text: str, num_samples: int) -> List[float]:
+def parse_reply(cfg: ServedRewardConfig, text: str, num_samples: int,
+                secrets: Sequence[str] = ()) -> List[float]:
     """The rewards of ``num_samples`` samples from a reply's body ``text``.
+
+    ``secrets`` (the API key sent) are redacted in every part of the reply a message quotes,
+    before it is cut short (a server may echo the key; a key crossing the cut would
+    otherwise stay partly visible).
 
     Raises:
       MalformedReply: not JSON; the score is missing, not a finite number, or there are not
@@ -110,33 +117,35 @@ def parse_reply(cfg: ServedRewardConfig, text: str, num_samples: int) -> List[fl
     try:
         data = json.loads(text)
     except ValueError:
-        raise MalformedReply(f"the reply is not JSON: {_head(text)}") from None
+        raise MalformedReply(f"the reply is not JSON: {_head(text, secrets)}") from None
     if isinstance(cfg, JudgeConfig):
-        content = json_path(data, CHAT_REPLY_PATH)
+        content = json_path(data, CHAT_REPLY_PATH, secrets)
         if not isinstance(content, str):
-            raise MalformedReply(f"{CHAT_REPLY_PATH} is {_head(content)}, expected text")
-        return [judge_score(cfg, content)]
+            raise MalformedReply(f"{CHAT_REPLY_PATH} is {_head(content, secrets)}, "
+                                 "expected text")
+        return [judge_score(cfg, content, secrets)]
     assert isinstance(cfg, HttpRewardConfig), type(cfg)
-    scores = json_path(data, cfg.score_field)
+    scores = json_path(data, cfg.score_field, secrets)
     if not cfg.batch_key:
-        return [_number(scores, cfg.score_field)]
+        return [_number(scores, cfg.score_field, secrets)]
     if not isinstance(scores, list) or len(scores) != num_samples:
-        raise MalformedReply(f"{cfg.score_field} is {_head(scores)}, expected a list of "
+        raise MalformedReply(f"{cfg.score_field} is {_head(scores, secrets)}, expected a list of "
                              f"{num_samples} numbers (one per sample, in order)")
-    return [_number(v, f"{cfg.score_field}[{i}]") for i, v in enumerate(scores)]
+    return [_number(v, f"{cfg.score_field}[{i}]", secrets) for i, v in enumerate(scores)]
 
 
-def judge_score(cfg: JudgeConfig, reply: str) -> float:
+def judge_score(cfg: JudgeConfig, reply: str, secrets: Sequence[str] = ()) -> float:
     """A judge's reply text -> reward in ``[0, 1]``: group 1 of the last match of
     ``cfg.score_regex``, divided by ``cfg.max_score``.
 
     Raises:
-      MalformedReply: no match, or the number is outside ``[0, max_score]``.
+      MalformedReply: no match, or the number is outside ``[0, max_score]`` (the reply
+        quoted with ``secrets`` redacted, then cut).
     """
     matches = list(re.finditer(cfg.score_regex, reply))
     if not matches:
         raise MalformedReply(f"the judge's reply has no match of score_regex "
-                             f"{cfg.score_regex!r}: {_head(reply)}")
+                             f"{cfg.score_regex!r}: {_head(reply, secrets)}")
     try:
         score = float(matches[-1].group(1))
     except (TypeError, ValueError):
@@ -148,8 +157,10 @@ def judge_score(cfg: JudgeConfig, reply: str) -> float:
     return score / cfg.max_score
 
 
-def _head(value: Any, limit: int = 120) -> str:
-    """``value`` for a message: its repr (a string's quoted), cut at ``limit`` characters."""
-    text = value if isinstance(value, str) else repr(value)
+def _head(value: Any, secrets: Sequence[str] = (), limit: int = 120) -> str:
+    """``value`` for a message: its repr (a string's quoted) with ``secrets`` redacted
+    (:func:`rlflow.config.secrets.redact_text`) and only then cut at ``limit`` characters,
+    so no part of a secret crossing the cut stays."""
+    text = redact_text(value if isinstance(value, str) else repr(value), secrets)
     cut = text[:limit] + ("..." if len(text) > limit else "")
     return repr(cut) if isinstance(value, str) else cut
