@@ -15,7 +15,9 @@ through this module:
 
 Each secret is redacted in every form it takes in text (:func:`secret_forms`): with and
 without surrounding whitespace, and as ``repr`` of str and bytes and JSON escape it (an
-httpx ``Illegal header value b'Bearer sk-...\\r'``).
+httpx ``Illegal header value b'Bearer sk-...\\r'``), once or twice; a cut-off start of
+:data:`MIN_PREFIX` or more characters is redacted too. An API key holding a quote or a
+backslash is refused where it is read (:func:`clean_api_key`).
 
 Where the token comes from (:func:`resolve_secrets`, first match wins):
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -54,6 +57,8 @@ REDACTED = "<redacted>"
 SECRET_FIELDS: tuple[str, ...] = ("buffer.token",)
 # Dotted paths of the fields that name an environment variable holding a secret.
 SECRET_ENV_FIELDS: tuple[str, ...] = ("reward.http.api_key_env", "reward.judge.api_key_env")
+# Characters of printable ASCII that repr / JSON quoting escape (refused in an API key).
+NEEDS_ESCAPE = frozenset("\"'\\")
 # Command-line flags that would put a secret in argv (refused by `rlflow train`).
 SECRET_FLAGS: tuple[str, ...] = tuple("--" + f for f in SECRET_FIELDS)
 
@@ -105,18 +110,35 @@ def secret_values(cfg_or_dict: Any, env: Optional[Mapping[str, str]] = None) -> 
 MIN_PREFIX = 8
 
 
-def secret_forms(secret: str) -> list[str]:
-    """Every spelling in which ``secret`` can reach a log or a terminal, longest first: the
-    value and the value stripped of surrounding whitespace (an editor's trailing CR/LF), each
-    as is, as Python's ``repr`` of the str and of its bytes writes it (``b'Bearer sk-..\\r'``
-    in an httpx error), and as JSON escapes it. Empty for an empty or all-space value."""
+def _escapes(value: str) -> set[str]:
+    """``value`` as is and as each quoting escapes it: Python's ``repr`` of the str and of
+    its bytes (alone, and inside a longer text holding both quote kinds, where ``'`` becomes
+    ``\\'``), and JSON (ASCII-escaped and not)."""
+    raw = value.encode("utf-8", "backslashreplace")
+    return {value, repr(value)[1:-1], repr(value + "'\"")[1:-4],
+            repr(raw)[2:-1], repr(raw + b"'\"")[2:-4],
+            json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]}
+
+
+@functools.lru_cache(maxsize=64)
+def _forms(secret: str) -> tuple[str, ...]:
     out: set[str] = set()
     for value in {secret, secret.strip()}:
         if not value.strip():
             continue
-        out.update({value, repr(value)[1:-1], json.dumps(value)[1:-1],
-                    repr(value.encode("utf-8", "backslashreplace"))[2:-1]})
-    return sorted(out, key=len, reverse=True)
+        for once in _escapes(value):       # and escaped twice: the repr of a JSON-escaped
+            out.update(_escapes(once))     # key in a quoted reply, JSON of a repr
+    return tuple(sorted(out, key=len, reverse=True))
+
+
+def secret_forms(secret: str) -> list[str]:
+    """Every spelling in which ``secret`` can reach a log or a terminal, longest first: the
+    value and the value stripped of surrounding whitespace (an editor's trailing CR/LF), each
+    as is, as Python's ``repr`` of the str and of its bytes writes it (``b'Bearer sk-..\\r'``
+    in an httpx error; also inside a text holding both quote kinds), and as JSON escapes it
+    (ASCII-escaped or not), and each of these escaped once more (the ``repr`` of a reply
+    quoting the JSON-escaped key: ``sk-a\\\\\\\\b``). Empty for an empty or all-space value."""
+    return list(_forms(secret))
 
 
 def _cut_prefixes(text: str, form: str) -> str:
@@ -227,24 +249,29 @@ def clean_api_key(value: Optional[str], where: str) -> str:
       where: the source for messages, e.g. ``"reward.http.api_key_env: the environment
         variable MY_KEY"``.
 
-    Returns: the key, printable ASCII without spaces.
+    Returns: the key, printable ASCII without spaces, quotes or backslashes.
 
     Raises: SecretError naming ``where`` (never the key): unset or blank, or holding a
       space, a control character or a non-ASCII character inside (an HTTP header value
-      cannot carry them, and such a key is a pasting mistake).
+      cannot carry them, and such a key is a pasting mistake), or a quote (``"``, ``'``) or
+      backslash (:data:`NEEDS_ESCAPE`: no API key holds them, RFC 7235 token68 has none, and
+      every quoting of a text escapes them, so a log could show the key in a spelling
+      that is not the key's).
     """
     key = (value or "").strip()
     if not key:
         raise SecretError(f"{where} holds no API key")
     for i, ch in enumerate(key):
-        if not "!" <= ch <= "~":
+        if not "!" <= ch <= "~" or ch in NEEDS_ESCAPE:
             what = ("a space" if ch == " " else
                     f"a control character (U+{ord(ch):04X})" if ord(ch) < 32 or ord(ch) == 127
+                    else "a quote or backslash" if ch in NEEDS_ESCAPE
                     else "a non-ASCII character")            # never the character itself
             raise SecretError(
                 f"{where} holds an API key with {what} at character {i + 1} of {len(key)} "
-                f"(expected printable ASCII without spaces; whitespace around the key, such "
-                f"as a trailing CR/LF, is removed)")
+                f"(expected printable ASCII without spaces, quotes or backslashes: an API key "
+                f"is a token such as RFC 7235's token68; whitespace around the key, such as a "
+                f"trailing CR/LF, is removed)")
     return key
 
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import queue
-import sys
 
 import pytest
 
-from rlflow.config import ExperimentConfig, HttpRewardConfig, JudgeConfig, RewardConfig, secrets
+from rlflow.config import ExperimentConfig, HttpRewardConfig, JudgeConfig, RewardConfig
 from rlflow.config.secrets import MIN_PREFIX, REDACTED, clean_api_key, redact_text
 from rlflow.data.http_scorer import HttpScorer, ServedRewardError, request_headers
 from reward_server import RewardServer, chat_reply
@@ -92,3 +91,30 @@ def test_the_log_redaction_hides_a_cut_off_start_of_the_key():
     # a run shorter than MIN_PREFIX is left (it cannot be told from other text) and
     # text that merely starts like the header is not touched
     assert redact_text("sk-live tokens; Bearer scheme", [KEY]) == "sk-live tokens; Bearer scheme"
+
+
+@pytest.mark.parametrize("bad", ['sk-live-QQ\\RR"SS-123', 'sk-live-"quoted"', "sk-live-it's",
+                                 "sk-\\x41BCDEFGHJK"])
+def test_a_key_with_a_quote_or_backslash_is_refused_naming_the_variable(bad):
+    with pytest.raises(ServedRewardError) as e:
+        request_headers(_cfg("http://127.0.0.1:9", "http"), {"RM_KEY": bad})
+    msg = str(e.value)
+    assert msg.startswith("reward.http.api_key_env: the environment variable RM_KEY "), msg
+    assert "a quote or backslash at character" in msg and "token68" in msg, msg
+    assert bad not in msg and bad[8:] not in msg, msg
+    # the characters token68 allows pass
+    assert clean_api_key("sk-A_b.c~d+e/f==", "X") == "sk-A_b.c~d+e/f=="
+
+
+def test_escaped_spellings_of_a_secret_with_quotes_and_backslashes_are_redacted():
+    """The buffer token may hold any character; its spellings in a JSON body, in the repr
+    of a JSON-escaped text and in a repr holding both quote kinds, written out here."""
+    token = 'tok-QQ\\RR"SS\'TT-1234'
+    header = "Bearer " + token
+    as_json = json.dumps({"auth": header})                     # ...QQ\\RR\"SS'TT...
+    spellings = [as_json, repr(as_json), repr(json.dumps(header)), repr(header + '"'),
+                 repr(header.encode()), json.dumps(repr(header)), str({"k": header})]
+    for text in spellings:
+        out = redact_text(f"reply {text} end", [token])
+        assert REDACTED in out and "QQ" not in out and "RR" not in out and "TT-1" not in out, \
+            (text, out)
