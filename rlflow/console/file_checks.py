@@ -10,11 +10,13 @@ import os
 from rlflow.config import ConfigError
 
 
-def check_held_out(cfg) -> None:
+def check_held_out(cfg, *, offline: bool = False) -> None:
     """``eval.path`` reaches no file that ``data.path`` reaches, whatever the spelling
     (symlink, hard link, ``..``, a glob or folder covering it: file identity,
     :func:`rlflow.data.file_identity.shared_files`), so training prompts are never reported
-    as held-out results.
+    as held-out results. ``rlflow train`` checks it when the run evaluates
+    (``eval.enabled``); ``rlflow eval --run`` (``offline=True``) always, against the run's
+    ``data.path``.
 
     Raises: ConfigError naming ``eval.path``, both paths and the shared file.
     """
@@ -22,7 +24,8 @@ def check_held_out(cfg) -> None:
     from rlflow.data.file_identity import shared_files
 
     ev = eval_data_config(cfg)
-    if not cfg.eval.enabled or ev.source == "builtin" or cfg.data.source == "builtin":
+    if not (cfg.eval.enabled or offline) or ev.source == "builtin" \
+            or cfg.data.source == "builtin":
         return
     pairs = shared_files(cfg.data.path, ev.path)
     if pairs:

@@ -138,6 +138,7 @@ def _config_and_params(args, rest: Sequence[str], say=_quiet):
     """(config, params, version) for the parsed flags; ``rest``: field overrides."""
     import tyro
 
+    from rlflow.console import file_checks
     from rlflow.console.config_args import DEFAULT_CONFIG, normalize_bools, parse_overrides
     from rlflow.config import load_config_file
     from rlflow.config.secrets import refuse_secret_flags
@@ -170,6 +171,8 @@ def _config_and_params(args, rest: Sequence[str], say=_quiet):
                                                                  path=args.model_path))
     if rest:
         cfg = parse_overrides(tyro, cfg, normalize_bools(rest))
+    if args.run:        # the run's own training file, under any spelling, is not held out
+        file_checks.check_held_out(cfg, offline=True)
     return cfg, params, version
 
 
