@@ -44,18 +44,8 @@ def weight_files(path: str) -> list[str]:
     ``weight_map`` object of file names, a shard it lists that is missing, or neither an
     index nor ``model.safetensors``.
     """
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise ModelFormatError(f"{index}: not a JSON object ({e}) (expected "
-                                   '{"weight_map": {tensor name: shard file}})') from None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(v, str) for v in weight_map.values()):
-            raise ModelFormatError(f"{index}: has no 'weight_map' object of file names "
-                                   '(expected {"weight_map": {tensor name: shard file}})')
+    weight_map = index_weight_map(path)
+    if weight_map is not None:
         files = sorted({os.path.join(path, v) for v in weight_map.values()})
         for fname in files:
             if not os.path.isfile(fname):
@@ -68,6 +58,29 @@ def weight_files(path: str) -> list[str]:
         raise ModelFormatError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
                                "weights are supported)")
     return [single]
+
+
+def index_weight_map(path: str) -> dict[str, str] | None:
+    """The ``weight_map`` (``{tensor name: shard file name}``) of the folder ``path``'s
+    ``model.safetensors.index.json``; None without an index.
+
+    Raises: ModelFormatError naming the index: not JSON, or no ``weight_map`` object of
+    file names.
+    """
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ModelFormatError(f"{index}: not a JSON object ({e}) (expected "
+                                   '{"weight_map": {tensor name: shard file}})') from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ModelFormatError(f"{index}: has no 'weight_map' object of file names "
+                                   '(expected {"weight_map": {tensor name: shard file}})')
+        return weight_map
+    return None
 
 
 def read_header(fname: str) -> dict[str, dict]:
@@ -152,11 +165,22 @@ def check_weight_files(path: str) -> dict[str, str]:
     """Check every weight file of the model folder ``path`` (:func:`weight_files`,
     :func:`read_header`); reads headers only.
 
-    Returns: ``{tensor name: file}`` from the files' own headers (an index can be stale).
+    Returns: ``{tensor name: file}`` from the files' own headers (an index can be stale:
+    a tensor found in another shard than the index says is taken from where it is).
 
-    Raises: ModelFormatError naming the file and what is wrong.
+    Raises: ModelFormatError naming the file and what is wrong; with an index, a tensor it
+    lists that no shard holds names the shard the index maps it to, the tensor and how
+    many are missing in all (the loader would refuse the folder).
     """
     out: dict[str, str] = {}
     for fname in weight_files(path):
         out.update({k: fname for k in read_header(fname)})
+    missing = sorted((f, n) for n, f in (index_weight_map(path) or {}).items() if n not in out)
+    if missing:
+        shard, name = missing[0]
+        names = [n for _, n in missing]
+        raise ModelFormatError(
+            f"{os.path.join(path, shard)}: has no tensor {name!r} (expected: {INDEX_FILE} "
+            f"maps it to this file; {len(missing)} listed tensors are in no shard: "
+            f"{names[:5]}{' ...' if len(names) > 5 else ''})")
     return out

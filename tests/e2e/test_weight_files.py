@@ -132,6 +132,34 @@ def test_a_truncated_or_missing_shard_of_a_sharded_folder_is_named(tmp_path):
         check_weight_files(str(folder))
 
 
+def test_a_tensor_the_index_lists_but_no_shard_holds_is_named(tmp_path):
+    """A new user's report: the index maps ``d`` to a shard whose header lacks it; the
+    pre-start check passed it and both programs then died in the loader."""
+    from rlflow.config import ConfigError
+    from rlflow.console.file_checks import check_model_weights
+
+    folder = sharded(tmp_path)
+    second = folder / "model-00002-of-00002.safetensors"
+    index = json.loads((folder / INDEX_FILE).read_text())
+    index["weight_map"].update({"d": second.name, "e": second.name})
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    with safe_open(str(second), framework="numpy") as f:       # the library's view
+        assert "d" not in f.keys() and "e" not in f.keys()
+    with pytest.raises(ModelFormatError, match=rf"^{second}: has no tensor 'd' \(expected: "
+                                               rf"{INDEX_FILE} maps it to this file; 2 listed "
+                                               rf"tensors are in no shard: \['d', 'e'\]\)"):
+        check_weight_files(str(folder))
+    with pytest.raises(ConfigError, match=rf"^model\.path: {second}: has no tensor 'd'"):
+        check_model_weights(str(folder))
+    # a stale index that puts a tensor in the other listed shard is not refused: the
+    # tensor is taken from the shard whose header holds it
+    first = "model-00001-of-00002.safetensors"
+    index["weight_map"] = {"a": second.name, "b": first, "c": second.name}
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    assert check_weight_files(str(folder)) == {"a": str(folder / first), "b": str(second),
+                                               "c": str(second)}
+
+
 def test_only_headers_are_read(tmp_path, monkeypatch):
     """The check reads 8 bytes + the header of each file, never the tensor data."""
     import builtins
