@@ -92,14 +92,16 @@ def test_a_key_echoed_by_a_401_reaches_no_log_stderr_or_failure_line(tmp_path):
     trailing CR/LF (stripped: the server receives the bare key), the server answers 401 with
     the key echoed; the sampler stops after reward.max_consecutive_errors. Neither the run
     folder (program logs, metrics, samples) nor the launcher's stdout/stderr (its failure
-    line) holds the key in any spelling."""
+    line) holds the key in any spelling. The echo is padded so the 200-character cut of the
+    quoted body falls 12 characters into the key (a new user's report: the part before the
+    cut stayed visible)."""
     key = "sk-live-9b8e7d6c5a4f"
     seen = []
 
     def respond(n, path, body, headers):
         auth = {k.lower(): v for k, v in headers.items()}.get("authorization", "")
         seen.append(auth)
-        return 401, f"invalid api key {auth!r} ({auth[7:]})"
+        return 401, "E" * (200 - len("Bearer ") - 12) + f"{auth} ({auth[7:]})"
 
     env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"), RM_KEY=key + "\r\n")
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
