@@ -56,7 +56,7 @@ def _own(event: str, target: int) -> bool:
 
 def _load_limits_module():
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(os.path.dirname(here), "runtime", "process_limits.py")
+    path = os.path.join(os.path.dirname(here), "system", "process_limits.py")
     spec = importlib.util.spec_from_file_location("_rlflow_process_limits", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -59,6 +59,7 @@ from rlflow.learner.publish import Publisher, keeps_params
 from rlflow.learner.skips import FilterStreak, SkipCounter, skip_reason
 from rlflow.learner.trainer import Learner, pull_metrics
 from rlflow.run.metrics import MetricsWriter
+from rlflow.run.phases import report_phase
 from rlflow.run.report import make_report
 from rlflow.control.ledger import PromptLedger, TrainedPromptsLog
 from rlflow.control.replicas import ReplicaTable
@@ -79,6 +80,7 @@ class LearnerProgram(GroupIntake):
 
     hosts = None    # LearnerHosts when learner.num_hosts > 1 (this is host 0), set in __init__
     evals: RunEvals | None = None   # eval.every_steps > 0: the held-out evaluations
+    _stepped = False                # a step was taken (its compile phase reported)
 
     def __init__(self, cfg, endpoints: pc.Endpoints):
         from rlflow.control.replica_metrics import StepRates
@@ -92,6 +94,8 @@ class LearnerProgram(GroupIntake):
 
             prepare_run_folder(cfg)
         self.gps = cfg.learner.groups_per_step
+        report_phase(f"loading the model ({cfg.model.path or 'built in'}) and the optimizer "
+                     "state")
         self.tokenizer = pc.run_tokenizer(cfg)
         self.learner = Learner(cfg, keep_params=keeps_params(cfg),
                                student_tokenizer=self.tokenizer)
@@ -149,6 +153,8 @@ class LearnerProgram(GroupIntake):
         self._last_buffer = self.buffer.metrics()
         log.info("learner ready at version %d: buffer %s, coordinator %s", self.version,
                  self.buffer.address, self.coordinator.address)
+        report_phase(f"waiting for the first rollouts ({self.gps} groups of "
+                     f"{cfg.sampler.group_size})")
 
     # ------------------------------------------------------------------ set-up pieces
     def _resume(self):
@@ -235,6 +241,9 @@ class LearnerProgram(GroupIntake):
         # built at the version the step before was to make; rebuilt when it made none
         built = nxt.built if nxt is not None and nxt.version == self.version else None
         batch, info = built if built is not None else self.learner.build_batch(groups)
+        if not self._stepped:
+            self._stepped = True
+            report_phase("compiling the train step (the first step of this run)")
         reason = skip_reason(info)
         if reason is not None:
             self.skip(groups, reason, info)

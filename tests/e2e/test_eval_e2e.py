@@ -115,7 +115,12 @@ def test_eval_in_async_mode_and_rlflow_eval_of_the_checkpoint_agree(setup, capsy
     assert offline["step"] == NUM_STEPS
     in_run = {k: v for k, v in last.items() if k.startswith("eval/") and k not in (
         "eval/requested_version", "eval/wait_s", "eval/attempts", "eval/complete")}
-    assert offline["metrics"] == pytest.approx(in_run, rel=1e-6)
+    # the reward calls that failed: per evaluation in rlflow eval, a replica's running totals
+    # in the run (logged apart from the evaluation's record), so compared as counts only
+    failures = ("eval/reward_errors/", "eval/reward_timeouts/", "eval/reward_http_")
+    scored = {k: v for k, v in offline["metrics"].items() if not k.startswith(failures)}
+    assert all(v == 0 for k, v in offline["metrics"].items() if k.startswith(failures))
+    assert scored == pytest.approx(in_run, rel=1e-6)
     offline_samples, _ = read_jsonl(os.path.join(run, "offline_samples.jsonl"))
     got = [(s["prompt"], s["completion"]) for s in offline_samples]
     assert got == [(s["prompt"], s["completion"]) for s in samples

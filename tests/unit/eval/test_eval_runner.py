@@ -75,6 +75,7 @@ def test_runner_scores_its_groups_and_leaves_training_groups_alone(tmp_path):
 
 def test_weights_pulled_during_an_evaluation_wait_for_its_last_prompt():
     from rlflow.sampler.program import SamplerProgram
+    from rlflow.sampler.weight_pause import SwapPauseMeter
 
     class Evals:
         decoding = True
@@ -82,6 +83,7 @@ def test_weights_pulled_during_an_evaluation_wait_for_its_last_prompt():
     p = object.__new__(SamplerProgram)
     p.evals, p.batcher, p._weights_lock = Evals(), Batcher(), threading.Lock()
     p.adapters, p.version, p.swap = None, 3, {}
+    p.pause = SwapPauseMeter()
     p._on_weights(4, {"w": np.ones(2)}, 0.5)
     assert p.batcher.updates == [] and p.version == 3            # held back
     p._on_weights(5, {"w": np.ones(2)}, 0.5)                      # a newer one replaces it
