@@ -156,13 +156,20 @@ def _cut_prefixes(text: str, form: str) -> str:
     return "".join(out) + text[i:] if out else text
 
 
+@functools.lru_cache(maxsize=16)
+def _all_forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
+    """The forms of all ``secrets`` together, longest first (built once per set of secrets:
+    :func:`redact_text` runs on every log line and every write to stdout / stderr)."""
+    return tuple(sorted({f for s in secrets for f in _forms(s)}, key=len, reverse=True))
+
+
 def redact_text(text: str, secrets: Iterable[str]) -> str:
     """``text`` with every occurrence of each secret, in each of its
     :func:`secret_forms`, replaced by :data:`REDACTED`; then every run of
     :data:`MIN_PREFIX` or more characters that starts a form (a secret cut off where a
     quoted text was shortened) too. Quote a server's text redacted first, then cut it: a
     cut-off key shorter than :data:`MIN_PREFIX` is not recognizable here."""
-    forms = sorted({f for s in secrets if s for f in secret_forms(s)}, key=len, reverse=True)
+    forms = _all_forms(tuple(s for s in secrets if s))
     for f in forms:
         text = text.replace(f, REDACTED)
     for f in forms:
