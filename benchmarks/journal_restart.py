@@ -1,5 +1,5 @@
 """Tokens generated again after a sampler restart, with and without the journal of partial
-generations (issue 53), and the journal's cost per write.
+generations (issue 53), and the journal's cost on the decode thread.
 
 For completion lengths L = 1K, 2K, 4K, 8K tokens (each drawn uniform in ``[L/2, L]``),
 JOURNAL_BENCH_SLOTS [64] single-sample requests decode in rlflow's own
@@ -7,23 +7,27 @@ JOURNAL_BENCH_SLOTS [64] single-sample requests decode in rlflow's own
 and resume code unchanged) over the stand-in engine of ``benchmarks/sampler_paged.py`` (no
 model: a decode call emits each sequence's next k = 16 tokens; 8K-token decodes of a real
 model do not fit a 2-core host, and the model does not change what is lost). The replica is
-killed at a decode call drawn uniform in the middle half of the run (seeded), then a new
-batcher finishes every request:
+killed at a decode call drawn uniform in the middle half of the run (seeded): what the
+journal file holds at that moment is what a kill -9 leaves; then a new batcher finishes
+every request:
 
 * without the journal, every token of an unfinished request is generated again;
-* with the journal written every N = JOURNAL_BENCH_EVERY [8] decode calls
-  (``sampler.journal_every_steps``), the new batcher resumes each request from the journal
-  file (written and read through :mod:`rlflow.run.journal` in a temporary run folder) and
-  generates again only what was decoded after the last write (at most N x k per slot).
+* with the journal, the sampler program's own :class:`rlflow.sampler.journal_keeper.
+  JournalKeeper` runs after every decode call with N = JOURNAL_BENCH_EVERY [8]
+  (``sampler.journal_every_steps``: a snapshot every N // 2 calls, written on its writer
+  thread into a temporary run folder); the new batcher resumes each request from the file
+  and generates again only what was decoded after the snapshot on disk (at most N x k per
+  slot).
 
 The figures are counted: tokens decoded by both batchers minus the tokens of the finished
 completions, mean and max over 5 seeded kill points. Also measured (real time, this host,
-median): the snapshot on the decode thread (the batcher's partials, copied: what the
-sampler program's decode loop pays, ``rlflow.sampler.journal_keeper``) and the write on
-the writer thread (encode, atomic write), in ms and MB; the overhead on decode is the
-snapshot time over N decode calls of JOURNAL_BENCH_STEP_MS [30] ms each (an assumed decode
-call time of a large model on an accelerator: the stand-in's calls take no time), and the
-interval that keeps it under 2% at that call time. Printed::
+median over the run's snapshots at the kill state): the snapshot on the decode thread (the
+batcher's partials, copied, as entries: what the decode loop pays) and the write on the
+writer thread (encode, atomic write), in ms and MB. The overhead on decode is the snapshot
+time over the N // 2 decode calls between snapshots, of JOURNAL_BENCH_STEP_MS [30] ms each
+(an assumed decode call time of a large model on an accelerator: the stand-in's calls take
+no time); the writer thread's busy fraction of that interval says whether decoding would
+wait for it (> 1). Printed::
 
     RESULT journal_regenerated_tokens_<L>_without <mean> (max <n>)
     RESULT journal_regenerated_tokens_<L>_with <mean> (max <n>; bound N x k x slots = <b>)
@@ -31,7 +35,8 @@ interval that keeps it under 2% at that call time. Printed::
     RESULT journal_overhead_<L> <fraction> of decode at N=<N>, <ms> ms a call (N for < 2%:
         <n>; write thread busy <fraction> of the interval)
 
-Usage: ``python benchmarks/journal_restart.py`` (env: JOURNAL_BENCH_SLOTS, _EVERY, _STEP_MS).
+Usage: ``python benchmarks/journal_restart.py`` (env: JOURNAL_BENCH_SLOTS, _EVERY, _STEP_MS,
+_LENGTHS: comma-separated K values, default 1,2,4,8).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from sampler_paged import STOP, SimulatedEngine, _Extender  # noqa: E402
 SLOTS = int(os.environ.get("JOURNAL_BENCH_SLOTS", "64"))
 EVERY = int(os.environ.get("JOURNAL_BENCH_EVERY", "8"))
 STEP_MS = float(os.environ.get("JOURNAL_BENCH_STEP_MS", "30"))
+LENGTHS = [int(x) * 1024 for x in os.environ.get("JOURNAL_BENCH_LENGTHS", "1,2,4,8").split(",")]
 K = 16
 PROMPT = 64
 SEEDS = range(5)
@@ -66,10 +72,21 @@ def _batcher(cfg, lengths):
     return batcher
 
 
+def _timed(fn, repeats: int = 5) -> float:
+    """Median seconds of ``fn()``."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def run(length: int, journaled: bool, seed: int = 0) -> dict:
     from rlflow.config import SamplerConfig
     from rlflow.run import journal
     from rlflow.sampler.batching import Request
+    from rlflow.sampler.journal_keeper import JournalKeeper
     from rlflow.sampler.requests import Completion
     from rlflow.sampler.sampling import SamplingParams
 
@@ -80,28 +97,29 @@ def run(length: int, journaled: bool, seed: int = 0) -> dict:
                         kv_cache="paged", page_size=16)
     sp = SamplingParams(temperature=1.0, max_tokens=length, stop_token_ids=(STOP,))
     requests = [Request(i, [3] * PROMPT, 1, sp) for i in range(SLOTS)]
+    leases = {id(r): {"stream_index": r.prompt_id, "seed": 0} for r in requests}
     calls = int(np.ceil(lengths.max() / K))
     kill_at = int(rng.integers(calls // 4, 3 * calls // 4))
     a = _batcher(cfg, lengths)
     for r in requests:
         a.submit(r)
-    done, snap_s, write_s, nbytes = {}, 0.0, 0.0, 0
+    done, out = {}, dict(snap_s=0.0, write_s=0.0, mb=0.0)
     with tempfile.TemporaryDirectory() as run_dir:
-        for call in range(1, kill_at + 1):
+        keeper = JournalKeeper(run_dir, "sampler-0", EVERY, max_staleness=0) if journaled \
+            else None
+        for _ in range(kill_at):
             done.update({g.prompt_id: g for g in a.step()})
-            if journaled and call % EVERY == 0:
-                t0 = time.perf_counter()
-                entries = [journal.JournalEntry(r.prompt_id, 0, r.prompt_id, c.sample_index,
-                                                c.tokens, c.logprobs, c.versions,
-                                                c.finish_reason)
-                           for r, samples in a.partials() for c in samples]
-                t1 = time.perf_counter()
-                journal.write_journal(run_dir, "sampler-0", entries)
-                snap_s, write_s = t1 - t0, time.perf_counter() - t1
-                nbytes = os.path.getsize(journal.journal_path(run_dir, "sampler-0"))
-                done.update({g.prompt_id: g for g in a._take_ready()})
+            if keeper is not None:
+                keeper.after_step(a, leases)
         decoded_a = a.counters.slot_steps_used
-        index = journal.read_journals(run_dir)[0] if journaled else {}
+        index = journal.read_journals(run_dir)[0] if journaled else {}   # what a kill leaves
+        if keeper is not None:
+            keeper.flush()
+            entries = keeper._snapshot(a, leases, ())
+            out["snap_s"] = _timed(lambda: keeper._snapshot(a, leases, ()))
+            out["write_s"] = _timed(lambda: journal.write_journal(run_dir, "sampler-0", entries))
+            out["mb"] = os.path.getsize(journal.journal_path(run_dir, "sampler-0")) / 2**20
+            out["waits"] = keeper.counts["write_waits"]
     b = _batcher(cfg, lengths)
     for r in requests:
         if r.prompt_id in done:
@@ -114,15 +132,16 @@ def run(length: int, journaled: bool, seed: int = 0) -> dict:
     got = sorted(len(done[i].completions[0].tokens) for i in range(SLOTS))
     if got != sorted(lengths.tolist()):
         raise RuntimeError(f"L={length}: completions lost or cut")
-    regenerated = decoded_a + b.counters.slot_steps_used - int(lengths.sum())
-    return dict(regenerated=regenerated, snap_s=snap_s, write_s=write_s, mb=nbytes / 2**20)
+    out["regenerated"] = decoded_a + b.counters.slot_steps_used - int(lengths.sum())
+    return out
 
 
 def main() -> int:
-    print(f"# {SLOTS} requests in flight, k={K} tokens per decode call, journal every "
-          f"{EVERY} calls; stand-in engine (no model); kills at {len(SEEDS)} seeded decode "
-          f"calls (mean, max); write times on this host (median)")
-    for length in (1024, 2048, 4096, 8192):
+    cadence = 1 if EVERY == 1 else EVERY // 2
+    print(f"# {SLOTS} requests in flight, k={K} tokens per decode call, journal N={EVERY} "
+          f"(a snapshot every {cadence} calls); stand-in engine (no model); kills at "
+          f"{len(SEEDS)} seeded decode calls (mean, max); times on this host (median)")
+    for length in LENGTHS:
         name = f"{length // 1024}K"
         without = [run(length, journaled=False, seed=s)["regenerated"] for s in SEEDS]
         runs = [run(length, journaled=True, seed=s) for s in SEEDS]
@@ -135,11 +154,11 @@ def main() -> int:
         mb = max(r["mb"] for r in runs)
         print(f"RESULT journal_snapshot_ms_{name} {snap:.2f} ms on the decode thread; write "
               f"{write:.1f} ms on the writer thread ({mb:.2f} MB)")
-        frac = snap / (EVERY * STEP_MS)
-        need = int(np.ceil(snap / (0.02 * STEP_MS)))
+        frac = snap / (cadence * STEP_MS)
+        need = 2 * int(np.ceil(snap / (0.02 * STEP_MS)))     # snapshots every N // 2 calls
         print(f"RESULT journal_overhead_{name} {frac:.4f} of decode at N={EVERY}, {STEP_MS:.0f} "
-              f"ms a call (N for < 2%: {need}; write thread busy {write / (EVERY * STEP_MS):.2f} "
-              f"of the interval)")
+              f"ms a call (N for < 2%: {need}; write thread busy "
+              f"{write / (cadence * STEP_MS):.2f} of the interval)")
     return 0
 
 

@@ -109,13 +109,15 @@ class SamplerConfig:
         quantized policy; the learner's ``learner.rollout_correction`` (on by default:
         token-level truncated IS) corrects for it, and an explicit setting there, "off"
         included, is honoured (:mod:`rlflow.sampler.quantization`).
-      journal_every_steps: the journal of partial generations (issue 53): every this many
-        decode calls (of decode_steps_per_call steps each) a replica writes its samples in
-        flight (tokens so far, behaviour logprobs, per-token versions) to
-        ``<run folder>/journal/<replica>.npz`` (atomically, :mod:`rlflow.run.journal`), and
-        a restarted replica resumes a re-leased prompt's samples from there by re-prefill of
-        prompt + tokens so far, instead of generating them again: a kill -9 loses at most
-        this many decode calls per slot. A partial generation older than
+      journal_every_steps: the journal of partial generations (issue 53): N > 0 keeps a
+        replica's samples in flight (tokens so far, behaviour logprobs, per-token versions)
+        in ``<run folder>/journal/<replica>.npz`` (atomically, :mod:`rlflow.run.journal`)
+        never more than N decode calls (of decode_steps_per_call steps each) behind
+        decoding (a snapshot every N // 2 calls written on a writer thread; N = 1: every
+        call, written on the decode thread), and a restarted replica or a resumed run
+        resumes a re-leased prompt's samples from there by re-prefill of prompt + tokens so
+        far, instead of generating them again: a kill -9 loses at most N decode calls per
+        slot. A partial generation older than
         runtime.max_staleness is dropped (counted, ``sampler/journal_dropped_stale``); a
         damaged entry is skipped (``sampler/journal_damaged``). 0 (default): off. Needs
         kv_cache="paged" (its preemption path resumes the samples); single-turn only.

@@ -175,7 +175,10 @@ class PromptLedger:
         ones in stream order.
 
         Returns:
-          a list of ``{"stream_index", "lease_id", "seed", **source(stream_index)}``.
+          a list of ``{"stream_index", "lease_id", "seed", "redispatched",
+          **source(stream_index)}``; ``redispatched``: the prompt was taken back (from a
+          lost replica, a failed put, a stale group, or a checkpoint's untrained prompts),
+          so a replica's journal may hold its partial generation.
         """
         if version < 0 or want <= 0:
             return []
@@ -183,7 +186,8 @@ class PromptLedger:
         with self._lock:
             n = min(want, self._budget(version))
             while len(out) < n:
-                if self._returned:
+                again = bool(self._returned)
+                if again:
                     i = heapq.heappop(self._returned)
                     self.counts["redispatched"] += 1
                 elif self.length is None or self.next_index < self.length:
@@ -194,9 +198,9 @@ class PromptLedger:
                 self._lease_ids += 1
                 self._entries[i] = _Entry(LEASED, self._lease_ids, replica)
                 self.counts["admitted"] += 1
-                out.append((i, self._lease_ids, self._seed(i)))
-        return [{**self.source(i), "stream_index": i, "lease_id": lid, "seed": seed}
-                for i, lid, seed in out]
+                out.append((i, self._lease_ids, self._seed(i), again))
+        return [{**self.source(i), "stream_index": i, "lease_id": lid, "seed": seed,
+                 "redispatched": again} for i, lid, seed, again in out]
 
     def _seed(self, i: int) -> int:
         seed = self._seeds.get(i)

@@ -7,7 +7,8 @@ NaN/inf reward (``sampler/dropped_bad_reward_groups``), the reward functions' er
 timeout counts (``reward/errors/<fn>``, ``reward/timeouts/<fn>``), the served rewards' tries
 (``reward/http_requests|retries|timeouts|errors/<name>``), the multi-turn episode
 counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
-(sums: each a total of the replica's current instance), ``sampler/version`` (newest),
+(sums: each a total of the replica's current instance), ``sampler/journal_lag_max`` (the
+largest), ``sampler/version`` (newest),
 ``sampler/replicas_alive``, ``replica/<i>/lost`` for every replica the learner has
 declared lost for silence (times, ``runtime.replica_timeout_s``; live or not) and their sum
 ``sampler/replicas_lost``, and the ``sync/*`` swap figures and the ``sampler/weight_*``
@@ -39,10 +40,12 @@ _SUM = ("sampler/rejected_groups", "sampler/in_flight",
         "sampler/episodes_cut_tokens", "sampler/reward_failed_samples",
         "sampler/episodes_reasoning_unclosed",
         # the journal of partial generations (rlflow.sampler.journal_keeper)
-        "sampler/journal_writes", "sampler/journal_writes_skipped", "sampler/journal_snapshot_s",
+        "sampler/journal_writes", "sampler/journal_write_waits", "sampler/journal_snapshot_s",
         "sampler/journal_write_s", "sampler/journal_write_errors",
         "sampler/journal_resumed_samples", "sampler/journal_resumed_tokens",
-        "sampler/journal_damaged", "sampler/journal_dropped_stale")
+        "sampler/journal_damaged", "sampler/journal_dropped_stale", "sampler/journal_refreshes")
+#: Figures whose maximum over the live replicas is logged.
+_MAX = ("sampler/journal_lag_max",)
 
 
 def _index(name: str) -> str:
@@ -64,10 +67,11 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
     figures = {name: {k: float(v) for k, v in st.metrics.items()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
                for name, st in statuses.items()}
-    for key in _SUM:
-        vals = [f[key] for f in figures.values() if key in f]
-        if vals:
-            out[key] = float(sum(vals))
+    for keys, fold in ((_SUM, sum), (_MAX, max)):
+        for key in keys:
+            vals = [f[key] for f in figures.values() if key in f]
+            if vals:
+                out[key] = float(fold(vals))
     # environments' info, reward functions' failures (training's and the held-out
     # evaluations', rlflow.sampler.eval_runner.EvalRunner.metrics), served rewards' tries
     summed = ("env/", "reward/errors/", "reward/timeouts/", "reward/http_", "eval/reward_")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
@@ -98,6 +99,9 @@ class ControlReply:
         empty.
       eval_version: the held-out evaluation this replica is to run (the version requested,
         :mod:`rlflow.control.evals`), or -1 for none.
+      launch: this start of the learner (a random hex id, new at each start of the run):
+        the journal of partial generations tells a resumed run's versions from those of the
+        launch before it (:mod:`rlflow.run.journal`).
     """
 
     done: bool = False
@@ -109,6 +113,7 @@ class ControlReply:
     budget: int = 0
     weight_hosts: list = field(default_factory=list)
     eval_version: int = -1
+    launch: str = ""
 
 
 @dataclass
@@ -128,6 +133,7 @@ def _jsonable_prompt(element: dict) -> dict:
     """A ledger element for the wire: plain ints, lists and strings."""
     return {"stream_index": int(element["stream_index"]), "lease_id": int(element["lease_id"]),
             "seed": int(element["seed"]), "prompt_id": int(element["prompt_id"]),
+            "redispatched": bool(element.get("redispatched", False)),
             "prompt_tokens": [int(t) for t in element["prompt_tokens"]],
             "answer": str(element.get("answer", "")),
             # the record's text, for the environments of multi-turn episodes
@@ -169,6 +175,7 @@ class RunCoordinator(Coordinator):
         self.statuses: dict[str, SamplerStatus] = {}
         self.released = 0          # leased prompts taken back from lost replicas
         self.weight_hosts: list = []   # learner hosts 1..N-1's weight coordinators
+        self.launch = uuid.uuid4().hex   # this start of the learner (ControlReply.launch)
 
     def set_progress(self, *, learner_version: Optional[int] = None,
                      published_version: Optional[int] = None, done: Optional[bool] = None):
@@ -308,7 +315,7 @@ class RunCoordinator(Coordinator):
                                  published_version=self.published_version,
                                  accepted=accepted, buffered=buffered, prompts=prompts,
                                  budget=budget, weight_hosts=list(self.weight_hosts),
-                                 eval_version=eval_version)
+                                 eval_version=eval_version, launch=self.launch)
         return wire.OK, [wire.dumps(asdict(reply))]
 
 

@@ -13,7 +13,7 @@ journal (:func:`read_journals`) and resumes a re-leased prompt's samples from th
 write.
 
 Format (no pickle): an ``.npz`` (``numpy.savez``) with ``header``, the UTF-8 JSON
-``{"format": 1, "replica": str, "entries": [{"stream_index", "seed", "prompt_id",
+``{"format": 1, "replica": str, "launch": str, "entries": [{"stream_index", "seed", "prompt_id",
 "sample_index", "finish_reason", "n", "crc"}, ...]}`` as ``uint8``, and per entry ``i`` the
 arrays ``t<i>`` (int32 ``[n]`` token ids), ``l<i>`` (float32 ``[n]`` logprobs, nats) and
 ``v<i>`` (int32 ``[n]`` policy versions). ``crc`` is the CRC-32 (:func:`zlib.crc32`) of the
@@ -51,6 +51,10 @@ class JournalEntry:
       logprobs: float32 ``[n]`` behaviour logprobs (nats) of those tokens.
       versions: int32 ``[n]`` the policy version each token was sampled with.
       finish_reason: "stop" / "length" when the sample finished, "" while it decodes.
+      launch: the launch of the run that wrote it (the learner's run control names each
+        start of a run, :class:`rlflow.control.run_control.RunCoordinator`; its file's
+        header): a resumed run republishes version numbers past its checkpoint with other
+        weights, so tokens of those versions count only within their launch.
     """
 
     stream_index: int
@@ -61,6 +65,7 @@ class JournalEntry:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: str = ""
+    launch: str = ""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -79,7 +84,7 @@ def _crc(arrays) -> int:
     return crc
 
 
-def encode(replica: str, entries: Sequence[JournalEntry]) -> bytes:
+def encode(replica: str, entries: Sequence[JournalEntry], launch: str = "") -> bytes:
     """The journal file's bytes (module docstring).
 
     Raises:
@@ -97,7 +102,8 @@ def encode(replica: str, entries: Sequence[JournalEntry]) -> bytes:
                      "prompt_id": int(e.prompt_id), "sample_index": int(e.sample_index),
                      "finish_reason": e.finish_reason, "n": int(t.size),
                      "crc": _crc((t, lp, v))})
-    header = json.dumps({"format": FORMAT, "replica": replica, "entries": meta})
+    header = json.dumps({"format": FORMAT, "replica": replica, "launch": launch,
+                         "entries": meta})
     buf = io.BytesIO()
     np.savez(buf, header=np.frombuffer(header.encode("utf-8"), np.uint8), **arrays)
     return buf.getvalue()
@@ -111,7 +117,7 @@ def decode(data: bytes) -> tuple[list[JournalEntry], int]:
         header = json.loads(bytes(z["header"]).decode("utf-8"))
         if header.get("format") != FORMAT or not isinstance(header.get("entries"), list):
             return [], 1
-        meta = header["entries"]
+        meta, launch = header["entries"], str(header.get("launch", ""))
     except Exception:  # noqa: BLE001 - any damage to the file is counted, never fatal
         return [], 1
     out, damaged = [], 0
@@ -125,7 +131,7 @@ def decode(data: bytes) -> tuple[list[JournalEntry], int]:
             if ok:
                 out.append(JournalEntry(int(m["stream_index"]), int(m["seed"]),
                                         int(m["prompt_id"]), int(m["sample_index"]),
-                                        t, lp, v, m["finish_reason"]))
+                                        t, lp, v, m["finish_reason"], launch))
                 continue
         except Exception:  # noqa: BLE001 - a damaged entry is skipped and counted
             pass
@@ -137,26 +143,43 @@ def journal_path(run_path: str, replica: str) -> str:
     return files.join(run_path, FOLDER, f"{replica}.npz")
 
 
-def write_journal(run_path: str, replica: str, entries: Sequence[JournalEntry]) -> None:
-    """Replace ``replica``'s journal in ``run_path`` (atomically; the folder made first).
+def write_journal(run_path: str, replica: str, entries: Sequence[JournalEntry],
+                  launch: str = "") -> None:
+    """Replace ``replica``'s journal in ``run_path`` (atomically; the folder made first);
+    ``launch``: the run's launch writing it (:class:`JournalEntry`).
 
     Raises:
       OSError: the run folder cannot be written (``rlflow.run.files.write_atomic``).
     """
     files.makedirs(files.join(run_path, FOLDER))
-    files.write_atomic(journal_path(run_path, replica), encode(replica, entries))
+    files.write_atomic(journal_path(run_path, replica), encode(replica, entries, launch))
 
 
-def read_journals(run_path: str) -> tuple[dict[tuple[int, int], list[JournalEntry]], int]:
-    """Every replica's journal in ``run_path``: ``({(stream_index, seed): entries}, damaged)``
-    (entries of one prompt from several journals: the newest file's are not told apart, a
-    sample index is taken once, first file in name order). No journal folder: ``({}, 0)``."""
+def read_journal(run_path: str, replica: str) -> tuple[list[JournalEntry], int]:
+    """``replica``'s journal in ``run_path``: ``(entries, damaged)``; none: ``([], 0)``."""
+    p = journal_path(run_path, replica)
+    try:
+        if not files.isfile(p):
+            return [], 0
+        return decode(files.read_bytes(p))
+    except OSError:
+        return [], 1
+
+
+def read_journals(run_path: str, exclude: Sequence[str] = ()
+                  ) -> tuple[dict[tuple[int, int], list[JournalEntry]], int]:
+    """Every replica's journal in ``run_path`` but those of the replicas named in
+    ``exclude``: ``({(stream_index, seed): entries}, damaged)`` (entries of one sample in
+    several journals: :func:`merge`). No journal folder: ``({}, 0)``."""
     folder = files.join(run_path, FOLDER)
     if not files.isdir(folder):
         return {}, 0
     by_key: dict[tuple[int, int], list[JournalEntry]] = {}
     damaged = 0
+    skip = {f"{r}.npz" for r in exclude}
     for name in sorted(n for n in files.listdir(folder) if n.endswith(".npz")):
+        if name in skip:
+            continue
         try:
             data = files.read_bytes(files.join(folder, name))
         except OSError:
@@ -164,11 +187,25 @@ def read_journals(run_path: str) -> tuple[dict[tuple[int, int], list[JournalEntr
             continue
         entries, bad = decode(data)
         damaged += bad
-        for e in entries:
-            have = by_key.setdefault(e.key, [])
-            if all(x.sample_index != e.sample_index for x in have):
-                have.append(e)
+        merge(by_key, entries)
     return by_key, damaged
+
+
+def merge(by_key: dict, entries: Sequence[JournalEntry]) -> None:
+    """Add ``entries`` to ``by_key`` (``{(stream_index, seed): [entry per sample]}``, in
+    place): of two entries of one sample (journals of two replicas that held the prompt one
+    after the other) the finished one is kept, else the longer (more decoded), else the one
+    already there."""
+    for e in entries:
+        have = by_key.setdefault(e.key, [])
+        for j, x in enumerate(have):
+            if x.sample_index == e.sample_index:
+                if (bool(e.finish_reason), e.tokens.size) > (bool(x.finish_reason),
+                                                             x.tokens.size):
+                    have[j] = e
+                break
+        else:
+            have.append(e)
 
 
 def stale(entries: Sequence[JournalEntry], version: int, max_staleness: int) -> bool:

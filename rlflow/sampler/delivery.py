@@ -83,7 +83,7 @@ class GroupDelivery:
     """
 
     def __init__(self, tokenizer, buffer, rewarder, window, *, on_bad_reward: str = "drop",
-                 reasoning=None):
+                 reasoning=None, keep_sent: bool = False):
         self.tokenizer = tokenizer
         self.buffer = buffer
         self.rewarder = rewarder
@@ -91,9 +91,15 @@ class GroupDelivery:
         self.on_bad_reward = on_bad_reward
         self.reasoning = reasoning
         self.in_flight: dict[int, dict] = {}     # id(Request) -> leased prompt
-        # id(Request) -> (Request, record, unclosed reasoning bool [G]) awaiting its
-        # rewards (the Request is held so that its id is not reused while it is scored)
+        # id(Request) -> (Request, record, unclosed reasoning bool [G], CompletedGroup)
+        # awaiting its rewards (the Request is held so that its id is not reused while it
+        # is scored)
         self.scoring: dict[int, tuple] = {}
+        # with keep_sent (the journal of partial generations): id(Request) -> (lease,
+        # CompletedGroup, oldest token version) of groups in the buffer, not yet surely
+        # trained (release_sent)
+        self.keep_sent = keep_sent
+        self.sent: dict[int, tuple] = {}
         self.dropped_leases: list[list[int]] = []   # [stream_index, lease_id] dropped here
         self.bad_reward_groups = 0   # groups dropped for a NaN/inf reward (on_bad_reward=drop)
         self.groups_delivered = 0    # groups put into the buffer, in total
@@ -117,6 +123,24 @@ class GroupDelivery:
         dropped, self.dropped_leases = self.dropped_leases, []
         return dropped
 
+    def held(self) -> list:
+        """``[(lease, request, completions)]`` of the finished groups still being scored and,
+        with ``keep_sent``, of those in the learner's buffer not yet surely trained (the
+        journal of partial generations keeps both: a kill of this replica or of the learner
+        must not lose them)."""
+        out = [(self.in_flight[k], g.request, g.completions)
+               for k, (_, _, _, g) in self.scoring.items()]
+        return out + [(e, g.request, g.completions) for e, g, _ in self.sent.values()]
+
+    def release_sent(self, learner_version: int, max_staleness: int) -> None:
+        """Forget the sent groups the learner has surely consumed: a group whose oldest
+        token is of version ``v`` is taken at a step with policy version at most
+        ``v + max_staleness`` (or dropped as stale), so it is trained (or dropped) once the
+        learner's version exceeds ``v + max_staleness + 1``."""
+        for key in [k for k, (_, _, v) in self.sent.items()
+                    if learner_version > v + max_staleness + 1]:
+            del self.sent[key]
+
     @property
     def waiting_for_rewards(self) -> bool:
         """Some finished groups are still being scored."""
@@ -135,7 +159,7 @@ class GroupDelivery:
             key = id(group.request)
             element = self.in_flight[key]
             texts, finish, unclosed = graded_texts(group, self.tokenizer, self.reasoning)
-            self.scoring[key] = (group.request, group.to_record(), unclosed)
+            self.scoring[key] = (group.request, group.to_record(), unclosed, group)
             self.rewarder.submit_group(key, group.prompt_id, texts, element["answer"], finish,
                                        str(element.get("prompt_text", "")))
 
@@ -150,9 +174,9 @@ class GroupDelivery:
         """
         if self.rewarder is None:
             return
-        records = []
+        records, groups = [], []
         for key, batch in self.rewarder.collect(timeout):
-            _, record, unclosed = self.scoring.pop(key)
+            _, record, unclosed, group = self.scoring.pop(key)
             element = self.in_flight.pop(key)
             record = _leased(record, element)
             if batch.nonfinite:
@@ -176,12 +200,19 @@ class GroupDelivery:
                 record["failed"] = failed | record.get("failed", False)
                 self.failed_samples += int(failed.sum())
             records.append(record)
-        self.deliver(records)
+            groups.append((key, element, group))
+        rejected = self.deliver(records)
+        if self.keep_sent:
+            for i, (key, element, group) in enumerate(groups):
+                versions = [c.versions for c in group.completions if len(c.versions)]
+                if i not in rejected and versions:
+                    self.sent[key] = (element, group, int(min(v.min() for v in versions)))
 
-    def deliver(self, records) -> None:
-        """Send scored groups in one request to the buffer."""
+    def deliver(self, records) -> dict:
+        """Send scored groups in one request to the buffer; ``{index: error}`` of those it
+        refused."""
         if not records:
-            return
+            return {}
         t0 = time.monotonic()
         rejected = self.buffer.put_groups(records)
         self.window.add(idle=time.monotonic() - t0)
@@ -190,6 +221,7 @@ class GroupDelivery:
             log.error("the buffer rejected the group of prompt_id %d: %s",
                       int(records[i]["prompt_id"]), err)
         self.groups_delivered += len(records) - len(rejected)
+        return rejected
 
     def metrics(self) -> dict[str, float]:
         """This replica's delivery figures for its status (``sampler/...``), with the reward

@@ -8,7 +8,8 @@ slot's completion length):
 * :meth:`JournalSlots.partials`: every request in flight that has a sample begun, with its
   samples so far: a finished one as its :class:`Completion`, a decoding or preempted one as a
   ``Completion`` with ``finish_reason == ""`` (its tokens, behaviour logprobs and versions
-  up to the last decode call, filed first).
+  up to the last decode call, filed first); and every group finished but not yet returned
+  by ``step()``, with its completions.
 * :meth:`JournalSlots._queue_samples` (from ``submit(request, resumed=...)``): finished
   samples are taken as they are; partial ones are queued as a preempted sample is, with
   their completion so far, and resume by the paged pool's preemption path (a prefill of the
@@ -32,7 +33,8 @@ class JournalSlots:
 
     def partials(self) -> list[tuple[Request, list[Completion]]]:
         """``[(request, samples so far)]`` of the requests in flight with a sample begun
-        (finished: ``finish_reason`` "stop" / "length"; in flight: ""); arrays are copies.
+        (finished: ``finish_reason`` "stop" / "length"; in flight: ""; arrays are copies),
+        then of the groups finished and not yet returned by ``step()`` (their completions).
 
         Raises:
           RuntimeError: the cache is not paged (no completion lengths are kept) or a slot
@@ -64,7 +66,8 @@ class JournalSlots:
             samples += list(live.completions.values())
             if samples:                       # (a request not begun: nothing to keep)
                 out.append((live.request, sorted(samples, key=lambda c: c.sample_index)))
-        return out
+        # groups finished by the filing above (or earlier), not yet returned by step()
+        return out + [(g.request, list(g.completions)) for g in self._ready]
 
     def _queue_samples(self, live, resumed: Sequence[Completion]) -> None:
         """Queue ``live``'s samples, those in ``resumed`` from where they were (module doc);

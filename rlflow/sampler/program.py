@@ -173,10 +173,12 @@ class SamplerProgram(WeightSwaps):
         self.env_reset_errors = 0
         self.env_reset_run = 0
         self.window = RateCounters(chips=self.mesh.devices.size)
+        self.journal_on = cfg.sampler.journal_every_steps > 0
         self.delivery = GroupDelivery(
             self.tokenizer, self.buffer,
             None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),
-            self.window, on_bad_reward=cfg.learner.on_bad_reward, reasoning=self.reasoning)
+            self.window, on_bad_reward=cfg.learner.on_bad_reward, reasoning=self.reasoning,
+            keep_sent=self.journal_on)
         self.prompts_started = 0
         self.journal = JournalKeeper.for_config(cfg, self.name)     # None: off
         # held-out evaluations (rlflow.sampler.eval_runner); pulled weights held back while
@@ -195,7 +197,7 @@ class SamplerProgram(WeightSwaps):
         self.batcher = self._first_weights(reply)
         release_freed_memory()          # the start-up weights and the first pull's slices
         if self.journal is not None:    # a journal newer than a resumed learner's weights
-            self.journal.forget_newer(self.version)
+            self.journal.forget_newer(self.version, reply.launch)
         self.puller = WeightPuller(self.subscriber, self._on_weights)
         report_phase("compiling prefill and decode, then generating the first rollouts")
 
@@ -233,6 +235,10 @@ class SamplerProgram(WeightSwaps):
             want=want if self.version >= 0 else 0, metrics=metrics,
             dropped=self.delivery.take_dropped(),
             eval_results=self.evals.take_results() if self.evals is not None else ())
+        if self.journal is not None:
+            self.delivery.release_sent(reply.learner_version, self.cfg.runtime.max_staleness)
+            if reply.prompts:            # prompts taken back from a replica: read again
+                self.journal.refresh(reply.prompts, self.version)
         for element in reply.prompts:
             self._submit(element)
         if reply.eval_version >= 0 and self.evals is not None and not self.evals.busy \
@@ -367,8 +373,6 @@ class SamplerProgram(WeightSwaps):
             swapped = c.weight_swaps > swaps
             self.pause.step(t0, time.monotonic(),
                             swapped_to=self.batcher.version if swapped else None)
-            if self.journal is not None:
-                self.journal.after_step(self.batcher, self.delivery.in_flight)
             if self._trim_next_step:     # the previous step's swap: the old version is freed
                 release_freed_memory()
             self._trim_next_step = swapped
@@ -377,6 +381,9 @@ class SamplerProgram(WeightSwaps):
                 self._release_held_weights()
             if groups:
                 self.delivery.score(groups)
+            if self.journal is not None:   # (after score: a finished group is journaled)
+                self.journal.after_step(self.batcher, self.delivery.in_flight,
+                                        self.delivery.held())
             self.window.add(tokens=c.slot_steps_used - used, slots_used=c.slot_steps_used - used,
                             slots_total=c.slot_steps_available - avail)
 

@@ -141,6 +141,9 @@ def test_state_round_trip_redispatches_untrained_first_with_seeds():
     assert [e["stream_index"] for e in again] == [1, 3, 4, 5]
     assert [e["seed"] for e in again] == [derive_seed(5, i) for i in (1, 3, 4, 5)]
     assert b.metrics()["ledger/redispatched"] == 2
+    # the untrained ones are marked (a replica's journal may hold their partial generations)
+    assert [e["redispatched"] for e in again] == [True, True, False, False]
+    assert not any(e["redispatched"] for e in leased)
     # lease ids keep growing across the restore: an old lease is never current again
     assert min(e["lease_id"] for e in again) > max(k[1] for k in keys)
 
@@ -165,6 +168,7 @@ def test_duplicate_and_unknown_groups_are_refused_and_counted():
     assert a.release_replica("r0") == 1
     (e2,) = a.lease("r1", 0, 1)                       # same prompt, new lease
     assert e2["stream_index"] == e["stream_index"] and e2["lease_id"] != e["lease_id"]
+    assert e2["seed"] == e["seed"] and e2["redispatched"] and not e["redispatched"]
     assert not a.stored(key)                          # the lost replica's late group
     assert a.stored((e2["stream_index"], e2["lease_id"]))
     assert not a.take(key)

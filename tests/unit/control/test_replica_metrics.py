@@ -26,7 +26,9 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
                                                      "reward/errors/f": 1.0,
                                                      "reward/timeouts/f": 4.0,
                                                      "reward/http_retries/judge": 5.0,
-                                                     "eval/reward_timeouts/f": 1.0}),
+                                                     "eval/reward_timeouts/f": 1.0,
+                                                     "sampler/journal_resumed_samples": 3.0,
+                                                     "sampler/journal_lag_max": 2.0}),
         "sampler-2": _status("sampler-2", -1, 11.0, **{"sampler/tokens_per_s": 20.0,
                                                       "sampler/slot_occupancy": 0.25,
                                                       "sync/swap_version": 2.0,
@@ -37,7 +39,9 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
                                                       "reward/errors/f": 3.0,
                                                       "reward/errors/g": 1.0,
                                                       "reward/http_retries/judge": 2.0,
-                                                      "eval/reward_timeouts/f": 2.0}),
+                                                      "eval/reward_timeouts/f": 2.0,
+                                                      "sampler/journal_resumed_samples": 1.0,
+                                                      "sampler/journal_lag_max": 4.0}),
     }
     m = replica_metrics(statuses, {"sampler-0": 0, "sampler-2": 2}, {2: 40.0, 3: 49.0})
     assert m["sampler/replicas_alive"] == 2.0
@@ -55,6 +59,8 @@ def test_replica_metrics_sum_mean_newest_and_per_replica():
     assert m["eval/reward_timeouts/f"] == 3.0          # and the held-out evaluations' failures
     assert replica_metrics({}, {}, {}) == {"sampler/replicas_alive": 0.0}
     assert "sampler/replicas_lost" not in m
+    # the journal's counts are summed, its lag behind decoding is the largest replica's
+    assert (m["sampler/journal_resumed_samples"], m["sampler/journal_lag_max"]) == (4.0, 4.0)
 
 
 def _totals(instance, tokens, used, run, idle):

@@ -169,7 +169,8 @@ def test_leases_over_loopback_and_lost_replica_prompts_go_to_another():
         ra = a.status(version=0, want=3)
         assert [p["stream_index"] for p in ra.prompts] == [0, 1, 2]
         assert ra.prompts[1] == {"stream_index": 1, "lease_id": 2, "seed": 101, "prompt_id": 1,
-                                 "prompt_tokens": [1, 1], "answer": "a"}
+                                 "prompt_tokens": [1, 1], "answer": "a",
+                                 "redispatched": False}
         assert ra.budget == 1                                  # (0 + 1 + 1) * 2 - 3
         rb = b.status(version=0, want=3)
         assert [p["stream_index"] for p in rb.prompts] == [3]  # the shared budget
@@ -183,6 +184,7 @@ def test_leases_over_loopback_and_lost_replica_prompts_go_to_another():
         assert coord.released == 3
         rb = b.status(version=0, want=5)
         assert [p["stream_index"] for p in rb.prompts] == [0, 1, 2]   # re-dispatched first
+        assert all(p["redispatched"] for p in rb.prompts)
         assert ledger.metrics()["ledger/redispatched"] == 3
     finally:
         a.close()
