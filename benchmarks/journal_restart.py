@@ -35,8 +35,15 @@ wait for it (> 1). Printed::
     RESULT journal_overhead_<L> <fraction> of decode at N=<N>, <ms> ms a call (N for < 2%:
         <n>; write thread busy <fraction> of the interval)
 
+A real decode beside it (JOURNAL_BENCH_REAL_TOKENS [1024] new tokens, 0: skip): a random
+model of the 4.46M GSM8K shape, 16 slots, the keeper after every decode call; the keeper's
+decode-thread seconds over the decode calls' seconds, and tokens/s without and with::
+
+    RESULT journal_overhead_real <fraction> of decode time on the decode thread (...)
+    RESULT journal_decode_tokens_per_s <n> without, <n> with the journal (...)
+
 Usage: ``python benchmarks/journal_restart.py`` (env: JOURNAL_BENCH_SLOTS, _EVERY, _STEP_MS,
-_LENGTHS: comma-separated K values, default 1,2,4,8).
+_LENGTHS: comma-separated K values, default 1,2,4,8; _REAL_TOKENS).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from sampler_paged import STOP, SimulatedEngine, _Extender  # noqa: E402
 SLOTS = int(os.environ.get("JOURNAL_BENCH_SLOTS", "64"))
 EVERY = int(os.environ.get("JOURNAL_BENCH_EVERY", "8"))
 STEP_MS = float(os.environ.get("JOURNAL_BENCH_STEP_MS", "30"))
+REAL_TOKENS = int(os.environ.get("JOURNAL_BENCH_REAL_TOKENS", "1024"))
 LENGTHS = [int(x) * 1024 for x in os.environ.get("JOURNAL_BENCH_LENGTHS", "1,2,4,8").split(",")]
 K = 16
 PROMPT = 64
@@ -136,6 +144,58 @@ def run(length: int, journaled: bool, seed: int = 0) -> dict:
     return out
 
 
+def real_decode_overhead(tokens: int, slots: int = 16) -> dict:
+    """A real decode with the keeper attached: a random model of the 4.46M GSM8K shape
+    (hidden 256, 4 layers, vocab 2048, as ``benchmarks/sampler_paged.py``), ``slots``
+    single-sample requests of 64-token prompts and ``tokens`` new tokens each (no stop),
+    k = 16 tokens a decode call, paged cache. Returns the decode-thread seconds of the
+    keeper over the seconds of the decode calls (``journal_overhead_real``), and the
+    tokens/s of the same run without and with the journal (best of 2 each)."""
+    import jax
+
+    from rlflow.config import MeshConfig, ModelConfig, SamplerConfig
+    from rlflow.mesh import make_mesh
+    from rlflow.models import build_model
+    from rlflow.sampler.batching import ContinuousBatcher, Request
+    from rlflow.sampler.engine import RlflowEngine
+    from rlflow.sampler.journal_keeper import JournalKeeper
+    from rlflow.sampler.sampling import SamplingParams
+
+    model = build_model(ModelConfig(hidden_size=256, num_layers=4, num_heads=4,
+                                    num_kv_heads=2, head_dim=64, intermediate_size=1024,
+                                    vocab_size=2048))[0]
+    cfg = SamplerConfig(num_slots=slots, max_prefill_length=64, prefill_buckets=(64,),
+                        max_tokens=tokens, kv_cache="paged", page_size=16, decode_lanes=1,
+                        decode_steps_per_call=K)
+    engine = RlflowEngine(model, cfg, mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
+    rng = np.random.default_rng(0)
+    reqs = [Request(i, rng.integers(1, 2048, 64).tolist(), 1, SamplingParams(
+        temperature=1.0, max_tokens=tokens, seed=i, stop_token_ids=())) for i in range(slots)]
+    leases = {id(r): {"stream_index": r.prompt_id, "seed": 0} for r in reqs}
+    out = {"rate_without": 0.0, "rate_with": 0.0, "overhead": 1.0}
+    for journaled in (False, True, False, True):
+        with tempfile.TemporaryDirectory() as run_dir:
+            keeper = JournalKeeper(run_dir, "sampler-0", EVERY, 0) if journaled else None
+            batcher = ContinuousBatcher(engine)
+            for r in reqs:
+                batcher.submit(r)
+            decode_s = journal_s = 0.0
+            while batcher.has_work:
+                t0 = time.perf_counter()
+                batcher.step()
+                t1 = time.perf_counter()
+                if keeper is not None:
+                    keeper.after_step(batcher, leases)
+                decode_s += t1 - t0
+                journal_s += time.perf_counter() - t1
+            if keeper is not None:
+                keeper.flush()
+                out["overhead"] = min(out["overhead"], journal_s / decode_s)
+            key = "rate_with" if journaled else "rate_without"
+            out[key] = max(out[key], slots * tokens / (decode_s + journal_s))
+    return out
+
+
 def main() -> int:
     cadence = 1 if EVERY == 1 else EVERY // 2
     print(f"# {SLOTS} requests in flight, k={K} tokens per decode call, journal N={EVERY} "
@@ -159,6 +219,13 @@ def main() -> int:
         print(f"RESULT journal_overhead_{name} {frac:.4f} of decode at N={EVERY}, {STEP_MS:.0f} "
               f"ms a call (N for < 2%: {need}; write thread busy "
               f"{write / (cadence * STEP_MS):.2f} of the interval)")
+    if REAL_TOKENS:
+        r = real_decode_overhead(REAL_TOKENS)
+        print(f"RESULT journal_overhead_real {r['overhead']:.4f} of decode time on the decode "
+              f"thread (random 4.46M model, 16 slots x {REAL_TOKENS} tokens, k={K}, N={EVERY}, "
+              f"this host's CPU; best of 2)")
+        print(f"RESULT journal_decode_tokens_per_s {r['rate_without']:.0f} without, "
+              f"{r['rate_with']:.0f} with the journal (best of 2; the same host, noisy)")
     return 0
 
 

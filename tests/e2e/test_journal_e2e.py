@@ -7,8 +7,9 @@ tiny model on CPU, long completions, small decode calls, the journal on disk nev
 ``sampler.journal_every_steps`` decode calls behind (``sampler/journal_lag_max``).
 
 Each kill is aimed by freezing the replicas (SIGSTOP) and reading their journals: the kill
-comes when one holds a sample in mid-decode (of the policy version the learner's newest
-checkpoint holds, for the learner's kill); otherwise they go on (SIGCONT) and it looks again.
+comes when one holds a sample in mid-decode of the learner's current version (and, for the
+learner's kill, once its checkpoint of that version is written); otherwise they go on
+(SIGCONT) and it looks again.
 """
 
 import json
@@ -26,7 +27,7 @@ from test_runtime_e2e import HANG_GUARD_S, _start, _steps, _wait_for_step, env  
 
 pytestmark = pytest.mark.slow
 
-STEPS, GROUPS, G, REPLICAS, EVERY = 4, 4, 4, 2, 2
+STEPS, GROUPS, G, REPLICAS, EVERY = 5, 4, 4, 2, 2
 ARGS = ("--runtime.mode", "sync", "--runtime.max_staleness", "0",
         "--learner.num_steps", str(STEPS), "--learner.groups_per_step", str(GROUPS),
         "--sampler.num_replicas", str(REPLICAS),
@@ -86,9 +87,19 @@ def _mid_decode(run, replicas, version=None):
     return False
 
 
-def _aim(run, proc, kill, replicas=range(REPLICAS), learner_version=False):
-    """Freeze the replicas until the journals of ``replicas`` hold a sample in mid-decode,
-    then ``kill()`` and let them go on."""
+def _learner_version(run):
+    """The learner's version now: its newest step in metrics.jsonl (0 before the first)."""
+    path = os.path.join(run, "metrics.jsonl")
+    steps = [json.loads(x)["step"] for x in open(path) if x.strip().endswith("}")] \
+        if os.path.isfile(path) else []
+    return max(steps, default=0)
+
+
+def _aim(run, proc, kill, replicas=range(REPLICAS), checkpointed=False):
+    """Freeze the replicas until the journals of ``replicas`` hold a sample in mid-decode
+    with the learner's current version (with ``checkpointed``: once the learner's
+    checkpoint of that version is written, waited for frozen), then ``kill()`` and let them
+    go on."""
     deadline = time.monotonic() + HANG_GUARD_S
     while True:
         assert time.monotonic() < deadline and proc.poll() is None
@@ -96,9 +107,15 @@ def _aim(run, proc, kill, replicas=range(REPLICAS), learner_version=False):
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
-            if _mid_decode(run, replicas, _newest_checkpoint(run) if learner_version else None):
-                kill()
-                return
+            version = _learner_version(run)
+            if _mid_decode(run, replicas, version):
+                saved = time.monotonic() + 60
+                while checkpointed and _newest_checkpoint(run) < version and \
+                        time.monotonic() < saved and proc.poll() is None:
+                    time.sleep(0.05)
+                if not checkpointed or _newest_checkpoint(run) == version:
+                    kill()
+                    return
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
@@ -153,7 +170,7 @@ def test_killed_learner_then_launcher_resume_from_the_journal(env, tmp_path, ref
     for victim in ("learner", "launcher", None):
         # a step of this launch first (the journals on disk are then this launch's)
         at_step = 1 if victim == "learner" else _newest_checkpoint(run) + 1
-        assert at_step <= STEPS
+        assert at_step < STEPS, "the learner was killed too late to kill the launcher after"
         proc = _start(env, tmp_path, "resumed", *args)
         try:
             if victim is None:
@@ -163,7 +180,7 @@ def test_killed_learner_then_launcher_resume_from_the_journal(env, tmp_path, ref
             _wait_for_step(run, at_step, proc)
             if victim == "learner":
                 pid = json.load(open(os.path.join(run, "processes.json")))["learner"]
-                _aim(run, proc, lambda: os.kill(pid, signal.SIGKILL), learner_version=True)
+                _aim(run, proc, lambda: os.kill(pid, signal.SIGKILL), checkpointed=True)
                 _, err = _finish(proc)
                 assert proc.returncode == 1 and "the learner process died (killed by " \
                     "SIGKILL)" in err, err[-3000:]
