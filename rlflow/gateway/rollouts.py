@@ -108,7 +108,7 @@ class GatewayRollouts:
         for s in self.store.idle(self.session_timeout_s):
             if s.id in handed:                        # not started by an agent yet
                 continue
-            log.warning("gateway session %s: no call for %.0f s (gateway.session_timeout_s); "
+            log.warning("gateway session %s: no call for %g s (gateway.session_timeout_s); "
                         "it expires (reward 0, marked failed)", s.id, self.session_timeout_s)
             self.gateway.end(s, error="expired", status="expired")
         done, dropped = [], []
