@@ -17,8 +17,10 @@ Flow (:class:`GatewayRollouts`, driven by the sampler program's loop):
 The group's ``prompt_tokens`` are the longest common prefix of the ``G`` episodes' ids within
 their first prompts (usually the whole rendered first prompt: the agents of one task send the
 same first messages); each completion is the rest of its episode (cut at ``max_tokens``,
-then marked truncated). A group none of whose sessions made a call is dropped (counted
-``gateway/groups_without_calls``; the lease is reported as dropped).
+then marked truncated). A session that made no call gives a one-id placeholder (the
+end-of-turn id, no loss) marked failed (the learner never trains on an empty completion); a
+group none of whose sessions made a call is dropped (counted ``gateway/groups_without_calls``;
+the lease is reported as dropped).
 """
 
 from __future__ import annotations
@@ -150,10 +152,11 @@ class GatewayRollouts:
     def _completion(self, prompt_id, index, session, episode, full, p) -> Completion:
         t = self.max_tokens
         failed = session.status != "ended"
-        if episode is None:
-            empty = np.zeros(0, np.int32)
-            return Completion(prompt_id, index, empty, np.zeros(0, np.float32), empty, "length",
-                              reward=0.0, loss_mask=np.zeros(0, bool), failed=True)
+        if episode is None:        # no call: one placeholder id (no loss), marked failed
+            one = np.asarray([self.store.renderer.turn_end_id], np.int32)
+            return Completion(prompt_id, index, one, np.zeros(1, np.float32),
+                              np.full(1, -1, np.int32), "length", reward=0.0,
+                              loss_mask=np.zeros(1, bool), failed=True)
         head = len(episode["prompt"]) - p                  # first-prompt ids past the common
         tokens = full[p:]
         mask = np.concatenate([np.zeros(head, bool), episode["mask"]])

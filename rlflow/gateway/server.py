@@ -67,7 +67,7 @@ class GatewayServer:
         class Handler(_Handler):
             server_owner = owner
 
-        self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
+        self.httpd = _Server((host, int(port)), Handler)
         self.httpd.daemon_threads = True
         self.host, self.port = host, self.httpd.server_address[1]
         self.base_url = f"http://{host}:{self.port}"
@@ -84,6 +84,19 @@ class GatewayServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(timeout=10)
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256          # many agents connect at once (the default is 5)
+
+    def handle_error(self, request, client_address):
+        import sys
+
+        err = sys.exc_info()[1]
+        if isinstance(err, (ConnectionError, TimeoutError)):      # a client went away
+            log.debug("gateway: client %s: %s", client_address, err)
+            return
+        log.exception("gateway: error serving %s", client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -107,7 +120,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, err: GatewayError) -> None:
         self.server_owner.gateway.store.count("refused_calls")
-        self._send(err.status, error_body(err))
+        try:
+            self._send(err.status, error_body(err))
+        except (BrokenPipeError, ConnectionResetError):      # the client is gone
+            self.close_connection = True
 
     def _read(self) -> bytes:
         try:

@@ -15,6 +15,8 @@ Formats (``gateway.tool_parser``):
   ``<|python_tag|>``) is one JSON object ``{"name": ..., "parameters": {...}}`` (or
   ``"arguments"``), or several separated by ``;``.
 * ``"none"``: never a tool call.
+* ``"module:function"``: a plug-in (a model's own format, e.g. the gateway demo's tiny model,
+  whose answer digit is its ``guess`` call: ``configs/gateway_demo_agent.py``).
 
 A block that is not valid JSON or has no string ``name`` is left in the content (the agent
 sees what the model wrote) and counted by the caller as ``gateway/tool_parse_errors``.
@@ -95,11 +97,20 @@ PARSERS: Dict[str, Parser] = {"hermes": parse_hermes, "llama3": parse_llama3,
 
 
 def get_parser(name: str) -> Parser:
-    """The parser named ``name`` (``gateway.tool_parser``).
+    """The parser named ``name`` (``gateway.tool_parser``), or a ``"module:function"`` /
+    ``"path/to/file.py:function"`` plug-in with the same signature (a model's own format).
 
     Raises:
-      ValueError: an unknown name (the message lists the known ones).
+      ValueError: an unknown name (the message lists the known ones) or a plug-in that does
+        not load.
     """
+    if ":" in name and name not in PARSERS:
+        from rlflow.system import plugins
+
+        try:
+            return plugins.resolve(name)
+        except Exception as e:  # noqa: BLE001 - named in the message
+            raise ValueError(f"gateway.tool_parser: {name!r} does not load: {e}") from e
     if name not in PARSERS:
         raise ValueError(f"gateway.tool_parser: unknown format {name!r}; known: "
                          f"{sorted(PARSERS)}")
