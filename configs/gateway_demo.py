@@ -1,6 +1,6 @@
 """The gateway demo: an agent program written only against the ``openai`` client
-(``configs/gateway_demo_agent.py``: ``guess_digit`` with a ``guess`` tool) trains through the
-sampler's OpenAI-compatible gateway on CPU, no download.
+(``configs/agents/gateway_demo_agent.py``: ``guess_digit`` with a ``guess`` tool) trains
+through the sampler's OpenAI-compatible gateway on CPU, no download.
 
 Each leased prompt (a hidden digit 0-4) becomes 8 agent sessions; the agent runner process
 runs the agent function for each (64 at a time), the agent calls
@@ -26,7 +26,7 @@ from rlflow.config import (BufferConfig, CheckpointConfig, DataConfig, Experimen
 
 TASK = "guess_digit_tools"
 HERE = os.path.dirname(os.path.abspath(__file__))
-AGENT = os.path.join(HERE, "gateway_demo_agent.py")
+AGENT = os.path.join(HERE, "agents", "gateway_demo_agent.py")
 
 
 def _demo():

@@ -16,7 +16,7 @@ Formats (``gateway.tool_parser``):
   ``"arguments"``), or several separated by ``;``.
 * ``"none"``: never a tool call.
 * ``"module:function"``: a plug-in (a model's own format, e.g. the gateway demo's tiny model,
-  whose answer digit is its ``guess`` call: ``configs/gateway_demo_agent.py``).
+  whose answer digit is its ``guess`` call: ``configs/agents/gateway_demo_agent.py``).
 
 A block that is not valid JSON or has no string ``name`` is left in the content (the agent
 sees what the model wrote) and counted by the caller as ``gateway/tool_parse_errors``.
