@@ -70,7 +70,8 @@ class GatewayRollouts:
     def admit(self, prompt_id: int, task: dict) -> Request:
         """Open ``G`` sessions for a leased prompt; returns the group's :class:`Request` (for
         the delivery's lease table; its ``episode`` is the :class:`SessionGroup`)."""
-        sessions = [self.store.open(task=task) for _ in range(self.group_size)]
+        sessions = [self.store.open(task=task, group=int(prompt_id))
+                    for _ in range(self.group_size)]
         group = SessionGroup(prompt_id, task, sessions)
         request = Request(prompt_id=int(prompt_id), prompt_tokens=np.zeros(1, np.int32),
                           num_samples=self.group_size, episode=group)

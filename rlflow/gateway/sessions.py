@@ -42,6 +42,7 @@ the session table and the counters.
 
 from __future__ import annotations
 
+import collections
 import json
 import secrets
 import threading
@@ -182,6 +183,9 @@ class Session:
                 "versions": np.asarray(t.versions[p:], np.int32)}
 
 
+#: Closed external sessions (no group: not trained on) kept readable, oldest dropped first.
+KEEP_CLOSED_EXTERNAL = 1024
+
 COUNTERS = ("sessions_opened", "sessions_ended", "sessions_failed", "sessions_expired",
             "calls", "branches", "branches_from_root", "forks", "reused_tokens",
             "sampled_tokens", "continuation_tokens", "prompt_tokens_rendered",
@@ -207,6 +211,7 @@ class SessionStore:
         self.max_episode_tokens = int(max_episode_tokens)
         self.max_call_tokens = int(max_call_tokens)
         self._sessions: Dict[str, Session] = {}
+        self._closed_external: "collections.deque[str]" = collections.deque()
         self._lock = threading.Lock()
         self.counts = {k: 0 for k in COUNTERS}
 
@@ -260,6 +265,10 @@ class SessionStore:
             session.status = status or ("failed" if error else "ended")
             session.reward, session.error = reward, error
             self.counts[f"sessions_{session.status}"] += 1
+            if session.group is None:       # an external session: kept for reading, bounded
+                self._closed_external.append(session.id)
+                while len(self._closed_external) > KEEP_CLOSED_EXTERNAL:
+                    self._sessions.pop(self._closed_external.popleft(), None)
             if session.head >= 0:
                 head = session.trajectories[session.head]
                 self.counts["tokens_off_head"] += sum(

@@ -83,7 +83,9 @@ class GatewayHost:
         if self.gateway_calls is None:
             return
         self.gateway_calls.pump(self.batcher)
-        if self.rollouts is None:
+        if self.rollouts is None:                 # external sessions only: expire idle ones
+            for s in self.gateway.store.idle(self.cfg.gateway.session_timeout_s):
+                self.gateway.end(s, error="expired", status="expired")
             return
         if self.agent_runner is not None and self.agent_runner.poll() is not None:
             self.agent_restarts += 1

@@ -218,3 +218,49 @@ def test_concurrent_calls_of_one_session_run_one_at_a_time(renderer):
         assert gateway.store.counts["branches_from_root"] == 3
     finally:
         server.close()
+
+
+def test_completions_reuse_token_prefixes_and_n_choices_fork(renderer):
+    server, gateway, calls = gf.scripted(renderer, ["a", "b", "c", "d"])
+    try:
+        session = gateway.store.open()
+        client = gf.client(server, session.id)
+        prompt = renderer.encode("What is 12 times 7?")
+        r = client.completions.create(model="m", prompt=prompt, logprobs=1)
+        first = r.choices[0].model_extra["rlflow"]["token_ids"]
+        assert r.choices[0].logprobs.token_logprobs == [-1.0] * len(first)
+        # a prompt that extends the recorded ids extends the trajectory (no branch)
+        more = prompt + first + renderer.encode(" again")
+        client.completions.create(model="m", prompt=more)
+        c = gateway.store.counts
+        assert c["branches"] == 0 and c["reused_tokens"] == len(prompt) + len(first)
+        assert calls.prompts[1] == more
+        ep = session.episode()
+        second = renderer.encode("b") + [renderer.turn_end_id]
+        assert ep["prompt"].tolist() == prompt
+        assert ep["tokens"].tolist() == first + renderer.encode(" again") + second
+        assert ep["tokens"][ep["mask"]].tolist() == first + second
+        # n = 2 chat choices: one extends, the other is a fork the next history may pick
+        s2 = gateway.store.open()
+        r = gf.client(server, s2.id).chat.completions.create(model="m", messages=_first(), n=2)
+        assert len(r.choices) == 2 and c["forks"] == 1 and len(s2.trajectories) == 2
+    finally:
+        server.close()
+
+
+def test_closed_external_sessions_are_kept_bounded(renderer, monkeypatch):
+    from rlflow.gateway import sessions
+
+    monkeypatch.setattr(sessions, "KEEP_CLOSED_EXTERNAL", 2)
+    server, gateway, _ = gf.scripted(renderer, [])
+    try:
+        opened = [gateway.store.open() for _ in range(4)]
+        for s in opened:
+            gateway.end(s, reward=1.0)
+        ids = [s.id for s in opened]
+        with pytest.raises(sessions.GatewayError, match="unknown session"):
+            gateway.store.get(ids[0])
+        with pytest.raises(sessions.GatewayError, match="is ended"):
+            gateway.store.get(ids[3])
+    finally:
+        server.close()
