@@ -49,7 +49,7 @@ class GatewayRollouts:
     """Leased prompts <-> agent sessions <-> group records.
 
     Args:
-      gateway: the :class:`rlflow.gateway.service.Gateway` (its ``on_end`` is set here).
+      gateway: the :class:`rlflow.gateway.service.Gateway`.
       group_size: ``G`` sessions per prompt.
       max_tokens: the records' ``T`` (``sampler.max_tokens``).
       session_timeout_s: idle seconds after which an open session expires.
@@ -64,7 +64,6 @@ class GatewayRollouts:
         self._cv = threading.Condition()
         self.counts = {"groups_delivered": 0, "groups_without_calls": 0,
                        "sessions_handed_out": 0}
-        gateway.on_end = self._ended
 
     # ------------------------------------------------------------------ in
     def admit(self, prompt_id: int, task: dict) -> Request:
@@ -90,13 +89,10 @@ class GatewayRollouts:
                 return None
             self.counts["sessions_handed_out"] += 1
             got = self._todo.popleft()
-        s = self.store._sessions.get(got["session"])
+        s = self.store.peek(got["session"])
         if s is not None:
             s.last_active = time.monotonic()   # the idle clock starts now
         return got
-
-    def _ended(self, session) -> None:
-        pass                                          # poll() looks at the statuses
 
     @property
     def in_flight(self) -> int:

@@ -258,8 +258,7 @@ def _end_fields(body) -> tuple:
 
 def session_record(store, session_id: str) -> dict:
     """A session's state as JSON: status, reward, the head episode's lists, trajectories."""
-    with store._lock:
-        s = store._sessions.get(session_id)
+    s = store.peek(session_id)
     if s is None:
         raise GatewayError(404, "unknown_session", f"unknown session {session_id!r}")
     ep = s.episode()

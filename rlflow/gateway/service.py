@@ -137,7 +137,7 @@ class Gateway:
             root = bool(session.trajectories)
             plan = Plan(Trajectory(TOKENS_KEY, None, prompt_len=len(ids)), True, list(ids), 0,
                         [], [], reused=0, branch=root, from_root=root)
-        self.store._check_room(plan, session)
+        self.store.check_room(plan)
         return plan
 
     def _choice_base(self, c, spec) -> dict:

@@ -252,6 +252,11 @@ class SessionStore:
                                f"session {session_id!r} is {s.status}; it takes no more calls")
         return s
 
+    def peek(self, session_id: str) -> Optional[Session]:
+        """The session ``session_id`` whatever its status, or None."""
+        with self._lock:
+            return self._sessions.get(session_id)
+
     def pop(self, session_id: str) -> Optional[Session]:
         with self._lock:
             return self._sessions.pop(session_id, None)
@@ -308,7 +313,7 @@ class SessionStore:
         plan = self._reuse(session, api, tools_key)
         if plan is None:
             plan = self._fresh(session, messages, api, tools, tools_key)
-        self._check_room(plan, session)
+        self.check_room(plan)
         return plan
 
     def _reuse(self, session: Session, api, tools_key) -> Optional[Plan]:
@@ -350,7 +355,9 @@ class SessionStore:
         return Plan(t, True, list(prompt), 0, render, api, reused=0, branch=branch,
                     from_root=branch)
 
-    def _check_room(self, plan: Plan, session: Session) -> None:
+    def check_room(self, plan: Plan) -> None:
+        """Refuse a plan whose prompt or episode would pass the limits (400
+        ``context_length_exceeded``, naming both numbers)."""
         p = len(plan.prompt)
         if p > self.max_prompt_tokens:
             raise GatewayError(400, "context_length_exceeded",
