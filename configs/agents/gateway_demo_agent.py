@@ -6,7 +6,9 @@ either a ``guess`` tool call (the agent runs the tool: right -> the episode ends
 ``1 - 0.1 (t - 1)`` on turn ``t``; wrong -> the tool's result ``"+"`` (higher) or ``"-"``
 (lower) goes back as a ``tool`` message), or plain text (the agent answers ``"?"``). The
 whole history is sent back on every call, as any OpenAI agent does. At most 3 turns; a turn
-cut by the token limit ends the episode with reward 0. Rewards as ``rlflow.envs.guess_digit``.
+cut by the token limit, or a call refused because the episode's tokens are used up
+(``context_length_exceeded``), ends the episode with reward 0. Rewards as
+``rlflow.envs.guess_digit``.
 
 The tiny model's 20-token vocabulary cannot spell JSON, so its tool-call format is its own:
 an answer that starts with a digit is a call of ``guess`` with that digit
@@ -15,6 +17,8 @@ an answer that starts with a digit is a call of ``guess`` with that digit
 """
 
 import json
+
+import openai
 
 TOOLS = [{"type": "function", "function": {
     "name": "guess", "description": "Guess the hidden digit; answers '+' (higher) or '-' (lower).",
@@ -38,7 +42,12 @@ def agent(client, task) -> float:
     hidden = int(task["answer"])
     messages = [{"role": "user", "content": "?"}]
     for turn in range(1, MAX_TURNS + 1):
-        r = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        try:
+            r = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        except openai.BadRequestError as e:      # the episode's tokens are used up
+            if e.code == "context_length_exceeded":
+                return 0.0
+            raise
         choice = r.choices[0]
         messages.append(choice.message.model_dump(exclude_none=True))
         if choice.finish_reason == "length":

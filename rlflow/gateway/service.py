@@ -166,7 +166,8 @@ class Gateway:
         if calls:
             message["tool_calls"] = openai_tool_calls(
                 calls, f"call_{session_id[:8]}_{secrets.token_hex(3)}")
-            out["finish_reason"] = "tool_calls"
+            if out["finish_reason"] == "stop":     # a turn cut by max_tokens stays "length"
+                out["finish_reason"] = "tool_calls"
         out["message"], out["text"] = message, text
         return out
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import secrets
 import threading
 import time
@@ -169,19 +170,26 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def episode(self) -> Optional[dict]:
-        """The head trajectory as arrays: ``prompt`` int32 ``[P]``, ``tokens`` int32 ``[T]``
-        (everything after the first prompt), ``mask`` bool ``[T]``, ``logprobs`` float32
+        """The head trajectory as arrays: ``prompt`` int32 ``[P]`` (its first prompt, at most
+        as long as the session's first call's), ``tokens`` int32 ``[T]`` (everything after it), ``mask`` bool ``[T]``, ``logprobs`` float32
         ``[T]``, ``versions`` int32 ``[T]``; None when the session made no call."""
         if self.head < 0:
             return None
         t = self.trajectories[self.head]
-        p = t.prompt_len
+        # a branch from the root renders earlier turns into its first prompt: the episode's
+        # prompt is never longer than the session's first one (the rest gets no loss)
+        p = min(t.prompt_len, self.trajectories[0].prompt_len)
         return {"prompt": np.asarray(t.ids[:p], np.int32),
                 "tokens": np.asarray(t.ids[p:], np.int32),
                 "mask": np.asarray(t.mask[p:], bool),
                 "logprobs": np.asarray(t.logprobs[p:], np.float32),
                 "versions": np.asarray(t.versions[p:], np.int32)}
 
+
+log = logging.getLogger("rlflow.gateway")
+
+#: Branches logged (where the history differs from the record), then counted only.
+LOG_FIRST_BRANCHES = 20
 
 #: Closed external sessions (no group: not trained on) kept readable, oldest dropped first.
 KEEP_CLOSED_EXTERNAL = 1024
@@ -313,6 +321,8 @@ class SessionStore:
         plan = self._reuse(session, api, tools_key)
         if plan is None:
             plan = self._fresh(session, messages, api, tools, tools_key)
+        if plan.branch and self.counts["branches"] < LOG_FIRST_BRANCHES:
+            _log_branch(session, api, tools_key, plan)
         self.check_room(plan)
         return plan
 
@@ -431,6 +441,21 @@ class SessionStore:
             out["gateway/sessions_open"] = float(sum(s.status == "open"
                                                      for s in self._sessions.values()))
         return out
+
+
+def _log_branch(session: Session, api, tools_key: str, plan: Plan) -> None:
+    """Log where a branching history first differs from the head trajectory's record."""
+    head = session.trajectories[session.head] if session.head >= 0 else None
+    if head is None:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(head.api, api)) if a != b),
+              min(len(head.api), len(api)))
+    log.info("gateway session %s: the history is a branch (%s): message %d differs from the "
+             "record (%s vs %s); tools %s", session.id,
+             "from the root" if plan.from_root else f"sharing {plan.reused} ids",
+             at, str(head.api[at] if at < len(head.api) else None)[:200],
+             str(api[at] if at < len(api) else None)[:200],
+             "same" if tools_key == head.tools_key else "changed")
 
 
 def _render_of(api_message: tuple) -> dict:

@@ -46,7 +46,7 @@ class GatewayHost:
                              max_episode_tokens=sc.max_tokens, max_call_tokens=sc.max_tokens)
         self.gateway_calls = CallQueue()
         self.gateway = Gateway(store, self.gateway_calls, SamplingParams.from_config(sc),
-                               stop_ids=self.engine.eos_token_ids, tool_parser=g.tool_parser,
+                               tool_parser=g.tool_parser,
                                reasoning=self.reasoning if self.cfg.data.reasoning_parser
                                != "none" else None, call_timeout_s=g.call_timeout_s,
                                max_n=g.max_n, model_name=self.cfg.name)
