@@ -103,9 +103,10 @@ class GatewayRollouts:
         """Expire idle sessions, then return ``(groups, dropped)``: the
         :class:`CompletedGroup` s whose sessions are all closed, and the requests of groups
         dropped for having no call at all."""
-        handed = {d["session"] for d in self._todo}
+        with self._cv:                               # the HTTP threads pop from it
+            waiting = {d["session"] for d in self._todo}
         for s in self.store.idle(self.session_timeout_s):
-            if s.id in handed:                        # not started by an agent yet
+            if s.id in waiting:                       # not started by an agent yet
                 continue
             log.warning("gateway session %s: no call for %g s (gateway.session_timeout_s); "
                         "it expires (reward 0, marked failed)", s.id, self.session_timeout_s)
