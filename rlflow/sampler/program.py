@@ -33,6 +33,12 @@ reported to the ledger as dropped); environment step errors and timeouts end the
 with reward 0 (counted). Neither stops the run unless ``env.max_consecutive_errors`` prompts
 (or steps) in a row failed: then :class:`rlflow.envs.EnvFailureError` does.
 
+The agent gateway (``gateway.enabled`` / ``gateway.agent``, :mod:`rlflow.sampler.program_gateway`):
+OpenAI-compatible calls go through this batcher beside the rollouts (same slots, weight swaps
+and policy versions); with ``gateway.agent`` each leased prompt becomes ``G`` agent sessions
+instead of a request, and their episodes come back as the prompt's group (no reward workers:
+the agent gives the reward).
+
 Each request's seed comes with its lease (derived from the prompt's position in the prompt
 stream), so a prompt re-dispatched to another replica, or after a resume, is drawn with the
 same seed (its samples resume from the journal, :mod:`rlflow.sampler.journal_keeper`). A
