@@ -94,7 +94,7 @@ def normalized(message: dict) -> tuple:
             str(message.get("name") or ""))
 
 
-@dataclass
+@dataclass(eq=False)          # compared by identity (two regenerations may be equal)
 class Trajectory:
     """One token sequence of a session (see the module docstring).
 
@@ -417,7 +417,7 @@ class SessionStore:
             if k == 0:
                 if plan.new:
                     session.trajectories.append(t)
-                session.head = session.trajectories.index(t)
+                session.head = next(i for i, x in enumerate(session.trajectories) if x is t)
             else:
                 session.trajectories.append(t)
         session.last_active = time.monotonic()
