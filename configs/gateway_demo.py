@@ -13,7 +13,14 @@ Model: the demo's tiny Llama (``configs/demo.py``: hidden 64, 2 layers) with ran
 the ``guess_digit_tools`` task's 20-token character tokenizer (its chat template renders tool
 results as user turns), written once into ``$RLFLOW_CACHE_DIR/gateway-demo-model-<hash>``.
 Settings as ``configs/multiturn_demo.py`` (8 prompts x 8 sessions per step, at most 16 tokens
-per episode after the prompt, async with staleness 2).
+per episode after the prompt, async with staleness 2, 300 steps, lr 2e-3).
+
+Measured on 2 shared CPU cores (load average about 35 from other jobs): 1,505 s wall clock;
+mean reward of the first 10% of steps 0.145, of the last 10% 0.462 (rise +0.32; one run).
+46,522 gateway calls in 19,227 sessions (2.4 per session, each re-sending its history): every
+recorded id reused, 0 branches, 0 failed or expired sessions; 879 calls refused with
+``context_length_exceeded`` (the episode's 16 tokens used up: reward 0, as the multi-turn
+demo's episodes cut at the token limit).
 """
 
 import hashlib
