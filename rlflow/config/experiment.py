@@ -21,6 +21,7 @@ from rlflow.config.data import RewardConfig
 from rlflow.config.runtime import RuntimeConfig
 from rlflow.config.sampler import SamplerConfig
 from rlflow.config.envs import EnvConfig
+from rlflow.config.gateway import GatewayConfig
 from rlflow.config.eval import EvalConfig
 from rlflow.config.teacher import TeacherConfig
 
@@ -46,6 +47,7 @@ class ExperimentConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -128,6 +130,14 @@ class ExperimentConfig:
         _check(self.env.max_episode_tokens <= sp.max_tokens, "env.max_episode_tokens",
                f"must be <= sampler.max_tokens={sp.max_tokens} (the KV cache holds the prompt "
                f"and that many tokens), got {self.env.max_episode_tokens}")
+        _check(not (self.gateway.trains_agent and self.env.enabled), "gateway.agent",
+               f"training an agent through the gateway and multi-turn environments "
+               f"(env.name={self.env.name!r}) are exclusive; set one")
+        _check(not self.gateway.on or sp.decode_lanes <= 1, "sampler.decode_lanes",
+               f"must be 0 or 1 with the gateway on (gateway calls go to one batcher), got "
+               f"{sp.decode_lanes}")
+        _check(not self.gateway.trains_agent or sp.journal_every_steps == 0,
+               "sampler.journal_every_steps", "must be 0 when training through the gateway")
         self._check_eval()
         self._check_teacher()
         self._check_sequence_axis()

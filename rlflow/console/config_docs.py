@@ -20,6 +20,7 @@ SECTIONS = (
     ("reward", config_mod.RewardConfig),
     ("sampler", config_mod.SamplerConfig),
     ("env", config_mod.EnvConfig),
+    ("gateway", config_mod.GatewayConfig),
     ("learner", config_mod.LearnerConfig),
     ("buffer", config_mod.BufferConfig),
     ("runtime", config_mod.RuntimeConfig),

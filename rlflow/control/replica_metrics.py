@@ -6,9 +6,9 @@ the groups dropped for a
 NaN/inf reward (``sampler/dropped_bad_reward_groups``), the reward functions' error and
 timeout counts (``reward/errors/<fn>``, ``reward/timeouts/<fn>``), the served rewards' tries
 (``reward/http_requests|retries|timeouts|errors/<name>``), the multi-turn episode
-counters ``sampler/env_*``, ``sampler/episodes*`` and the environments' ``env/*`` info sums
-(sums: each a total of the replica's current instance), ``sampler/journal_lag_max`` (the
-largest), ``sampler/version`` (newest),
+counters ``sampler/env_*``, ``sampler/episodes*``, the environments' ``env/*`` info sums and
+the agent gateway's ``gateway/*`` counters (sums: each a total of the replica's current
+instance), ``sampler/journal_lag_max`` (the largest), ``sampler/version`` (newest),
 ``sampler/replicas_alive``, ``replica/<i>/lost`` for every replica the learner has
 declared lost for silence (times, ``runtime.replica_timeout_s``; live or not) and their sum
 ``sampler/replicas_lost``, and the ``sync/*`` swap figures and the ``sampler/weight_*``
@@ -74,7 +74,9 @@ def replica_metrics(statuses: Mapping, restarts: Mapping[str, int],
                 out[key] = float(fold(vals))
     # environments' info, reward functions' failures (training's and the held-out
     # evaluations', rlflow.sampler.eval_runner.EvalRunner.metrics), served rewards' tries
-    summed = ("env/", "reward/errors/", "reward/timeouts/", "reward/http_", "eval/reward_")
+    # and the agent gateway's counters (rlflow.gateway: calls, sessions, branches, ...)
+    summed = ("env/", "reward/errors/", "reward/timeouts/", "reward/http_", "eval/reward_",
+              "gateway/")
     for key in sorted({k for f in figures.values() for k in f if k.startswith(summed)}):
         out[key] = float(sum(f.get(key, 0.0) for f in figures.values()))
     versions = [st.version for st in statuses.values() if st.version >= 0]

@@ -39,6 +39,11 @@ import numpy as np
 
 from rlflow.data.tokenizer import DEFAULT_CHAT_TEMPLATE, build_char_tokenizer
 
+#: ``guess_digit_tools``: the default template with tool results rendered as user turns (the
+#: 20-token vocabulary has no ``<|tool|>`` token).
+TOOLS_CHAT_TEMPLATE = DEFAULT_CHAT_TEMPLATE.replace(
+    "<|{{ m['role'] }}|>", "<|{{ 'user' if m['role'] == 'tool' else m['role'] }}|>")
+
 
 class DigitsSource:
     """``num_records`` "next digit" records; record ``i`` depends only on ``(seed, i)``.
@@ -139,6 +144,9 @@ TASKS = {
     "guess_digit": Task(name="guess_digit", alphabet="0123456789+-?", reward="",
                         make_source=GuessDigitSource, chat_template=DEFAULT_CHAT_TEMPLATE,
                         environment="guess_digit"),
+    # the gateway demo (configs/gateway_demo.py): guess_digit played by an agent program
+    "guess_digit_tools": Task(name="guess_digit_tools", alphabet="0123456789+-?", reward="",
+                              make_source=GuessDigitSource, chat_template=TOOLS_CHAT_TEMPLATE),
 }
 
 

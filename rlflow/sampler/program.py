@@ -33,6 +33,12 @@ reported to the ledger as dropped); environment step errors and timeouts end the
 with reward 0 (counted). Neither stops the run unless ``env.max_consecutive_errors`` prompts
 (or steps) in a row failed: then :class:`rlflow.envs.EnvFailureError` does.
 
+The agent gateway (``gateway.enabled`` / ``gateway.agent``, :mod:`rlflow.sampler.program_gateway`):
+OpenAI-compatible calls go through this batcher beside the rollouts (same slots, weight swaps
+and policy versions); with ``gateway.agent`` each leased prompt becomes ``G`` agent sessions
+instead of a request, and their episodes come back as the prompt's group (no reward workers:
+the agent gives the reward).
+
 Each request's seed comes with its lease (derived from the prompt's position in the prompt
 stream), so a prompt re-dispatched to another replica, or after a resume, is drawn with the
 same seed (its samples resume from the journal, :mod:`rlflow.sampler.journal_keeper`). A
@@ -76,6 +82,7 @@ from rlflow.sampler.engine import RlflowEngine
 from rlflow.sampler.lora_swap import AdapterApplier
 from rlflow.data.reasoning import get_reasoning_parser
 from rlflow.sampler.precision import sampler_model_config
+from rlflow.sampler.program_gateway import GatewayHost
 from rlflow.sampler.program_weights import SamplerError, WeightSwaps
 from rlflow.sampler.sampling import SamplingParams
 from rlflow.sampler.weight_pause import SwapPauseMeter
@@ -106,7 +113,7 @@ def lease_cap(sampler_cfg, groups_per_step: int, num_replicas: int) -> int:
     return max(2 * per_fill, -(-groups_per_step // max(1, num_replicas)))
 
 
-class SamplerProgram(WeightSwaps):
+class SamplerProgram(WeightSwaps, GatewayHost):
     """State of one sampler program (a thin shell over engine, batcher and clients)."""
 
     episodes = None          # the episode driver (env.name set), else None
@@ -140,7 +147,7 @@ class SamplerProgram(WeightSwaps):
         eos = set(dcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
-        if cfg.env.enabled:         # every turn stops on the chat template's end-of-turn ids
+        if cfg.env.enabled or cfg.gateway.on:    # turns stop on the template's end of turn
             from rlflow.envs.chat import ChatRenderer
 
             self.renderer = ChatRenderer(self.tokenizer)
@@ -149,7 +156,8 @@ class SamplerProgram(WeightSwaps):
         # with decode lanes the engine holds one lane's slots (rlflow.sampler.lanes)
         self.lanes = lane_count(sc.decode_lanes, sc.num_slots, hidden_size=dcfg.hidden_size,
                                 backend=jax.default_backend(), cpus=available_cpus(),
-                                replicas=sc.num_replicas, multi_turn=cfg.env.enabled)
+                                replicas=sc.num_replicas,
+                                multi_turn=cfg.env.enabled or cfg.gateway.on)
         log.info("decode lanes: %d of %d slots (sampler.decode_lanes=%d%s)", self.lanes,
                  sc.num_slots // self.lanes, sc.decode_lanes,
                  ", chosen by rlflow.sampler.lanes.lane_count" if sc.decode_lanes == 0 else "")
@@ -176,7 +184,8 @@ class SamplerProgram(WeightSwaps):
         self.journal_on = cfg.sampler.journal_every_steps > 0
         self.delivery = GroupDelivery(
             self.tokenizer, self.buffer,
-            None if self.episodes is not None else Rewarder(cfg.reward, plugins=cfg.plugins),
+            None if self.episodes is not None or cfg.gateway.trains_agent else
+            Rewarder(cfg.reward, plugins=cfg.plugins),
             self.window, on_bad_reward=cfg.learner.on_bad_reward, reasoning=self.reasoning,
             keep_sent=self.journal_on)
         self.prompts_started = 0
@@ -199,6 +208,8 @@ class SamplerProgram(WeightSwaps):
         if self.journal is not None:    # a journal newer than a resumed learner's weights
             self.journal.forget_newer(self.version, reply.launch)
         self.puller = WeightPuller(self.subscriber, self._on_weights)
+        if cfg.gateway.on:              # OpenAI-compatible calls through this batcher
+            self._start_gateway()
         report_phase("compiling prefill and decode, then generating the first rollouts")
 
     def _episode_driver(self):
@@ -223,6 +234,7 @@ class SamplerProgram(WeightSwaps):
         metrics.update(self.journal.metrics() if self.journal else {})
         if self.evals is not None:       # the held-out evaluations' reward failures
             metrics.update(self.evals.metrics())
+        metrics.update(self._gateway_metrics())
         if self.episodes is not None:    # environments that raised or timed out: counted
             metrics.update(self.episodes.metrics())
             metrics["sampler/env_reset_errors"] = float(self.env_reset_errors)
@@ -253,6 +265,8 @@ class SamplerProgram(WeightSwaps):
         # The seed comes with the lease: derived by the ledger from the element's position
         # in the prompt stream, not its prompt_id, so a prompt met again in a later epoch
         # gets new random draws, and a re-dispatched or resumed one the same draws.
+        if self.rollouts is not None:            # agent sessions through the gateway
+            return self._submit_sessions(element)
         seed = int(element["seed"])
         sampling = SamplingParams.from_config(self.cfg.sampler, seed=seed)
         prompt, episode = np.asarray(element["prompt_tokens"], np.int32), None
@@ -342,6 +356,7 @@ class SamplerProgram(WeightSwaps):
                 if reply.published_version > self.version and self._held_weights is None:
                     self.puller.request()
             self.puller.check()
+            self._gateway_step()
             if self.evals is not None:
                 self.evals.collect()
             try:
@@ -369,7 +384,7 @@ class SamplerProgram(WeightSwaps):
             c = self.batcher.counters
             used, avail, swaps = c.slot_steps_used, c.slot_steps_available, c.weight_swaps
             t0 = time.monotonic()
-            groups = self.batcher.step()
+            groups = self._gateway_take(self.batcher.step())
             swapped = c.weight_swaps > swaps
             self.pause.step(t0, time.monotonic(),
                             swapped_to=self.batcher.version if swapped else None)
@@ -394,7 +409,7 @@ class SamplerProgram(WeightSwaps):
             log.warning("could not report the failure to the learner: %s", e)
 
     def close(self) -> None:
-        closers = [self.heartbeat.close, self.control.close, self.buffer.close,
+        closers = [self._close_gateway, self.heartbeat.close, self.control.close, self.buffer.close,
                    self.subscriber.close]
         closers += [x.close for x in (self.delivery, self.episodes, self.evals)
                     if x is not None]

@@ -25,7 +25,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models, data, run", ("models", "data", "run")),
     ("exchange, checkpoint, envs, eval", ("exchange", "checkpoint", "envs", "eval")),
     ("contract between the programs, export", ("control", "export")),
-    ("programs", ("sampler", "learner")),
+    ("programs", ("sampler", "learner", "gateway")),
     ("launcher", ("launcher",)),
     ("console", ("console",)),
 )
