@@ -14,7 +14,8 @@ numbers the tasks: use a builtin source with at least as many records); the envi
 harness sends its model calls to verifiers' interception server, which forwards each one
 (the harness's OpenAI ``/chat/completions`` body, ``model`` and ``sampling_args`` applied,
 relayed by verifiers' eval client) to the session's base URL, so the gateway records the
-episode's tokens as for any agent; the episode's one trace's reward (the sum of its weighted task rewards) is the session's reward.
+episode's tokens as for any agent; the episode's one trace's reward (the sum of its weighted
+task rewards) is the session's reward.
 
 The run's gateway key reaches verifiers' client through this process's environment, as
 ``RLFLOW_GATEWAY_API_KEY`` (verifiers reads provider keys only from environment variables;
