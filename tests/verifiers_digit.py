@@ -3,8 +3,8 @@ tests (:mod:`rlflow.gateway.verifiers_env`): the taskset plugin ``verifiers_digi
 name; ``tests/`` on ``sys.path``) holds 5 tasks, prompt ``"?"``, hidden digits 0-4; the
 reward is the share of the reply's characters that are the task's digit (graded, so that a
 random model's group has a spread of rewards and the learner a gradient). Its bundled
-harness plays a task in process (one chat call through verifiers' interception endpoint, as verifiers' ``null``
-harness does from a subprocess), so no package download and no network."""
+harness plays a task in process (one chat call through verifiers' interception endpoint, as
+verifiers' ``null`` harness does from a subprocess), so no package download and no network."""
 
 import openai
 import verifiers.v1 as vf
