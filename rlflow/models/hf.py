@@ -376,7 +376,7 @@ def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | N
         part = _to_hf(t.kind, host[t.path][t.index])
         if t.kind in hf_moe.INTERLEAVED_KINDS:      # gpt-oss gate_up: gate even, up odd
             parts.setdefault(t.name, [None, None])[hf_moe.INTERLEAVED_KINDS.index(t.kind)] = part
-            if None in parts[t.name]:
+            if any(x is None for x in parts[t.name]):
                 continue
             part = np.stack(parts[t.name], axis=-1).reshape(part.shape[:-1] + (-1,))
         tensors[t.name] = part
