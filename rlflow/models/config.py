@@ -26,6 +26,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from rlflow.models import hf_families
+from rlflow.models.format_error import ModelFormatError, eos_token_ids  # noqa: F401 (re-export)
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16")
@@ -42,24 +45,11 @@ ROPE_OPTIONAL_KEYS = {"yarn": ("beta_fast", "beta_slow", "truncate", "attention_
 LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
-class ModelFormatError(ValueError):
-    """A model folder, config or weight file does not match what rlflow expects.
-
-    The message names the file and the field / tensor, and what was expected.
-    """
-
-
 def _need(ok: bool, where: str, msg: str) -> None:
     if not ok:
         raise ModelFormatError(f"{where}: {msg}")
 
 
-
-def eos_token_ids(value) -> tuple[int, ...]:
-    """An HF ``eos_token_id`` field (None, one id, or a list of ids) as a tuple of ints."""
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
 def _moe_fields(d: Mapping[str, Any], where: str) -> dict:
     """The MoE fields of a HF ``qwen3_moe`` config.json (transformers 4.x names experts
@@ -294,7 +284,6 @@ class DecoderConfig:
             return d[key]
 
         if model_type in FAMILY_MODEL_TYPES:        # Gemma 3, gpt-oss: their own fields
-            from rlflow.models import hf_families
             return cls._checked(where, lambda: cls(**hf_families.config_fields(d, where, req),
                                                    dtype=dtype, param_dtype=param_dtype))
         act = d.get("hidden_act", "silu")
@@ -362,7 +351,6 @@ class DecoderConfig:
         """A HF ``config.json`` object: ``model_type``, every RoPE field and the tie flag at
         top level (4.x layout) plus ``rope_parameters`` (5.x layout)."""
         if self.model_type in FAMILY_MODEL_TYPES:
-            from rlflow.models import hf_families
             return hf_families.to_hf_dict(self, torch_dtype or self.param_dtype)
         rope_parameters = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from rlflow.models.config import ModelFormatError, eos_token_ids
+from rlflow.models.format_error import ModelFormatError, eos_token_ids
 
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 _SLIDING, _FULL = "sliding_attention", "full_attention"
