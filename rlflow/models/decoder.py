@@ -40,7 +40,7 @@ from rlflow.models.forward_output import ForwardOutput
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import PagedKVCache
 from rlflow.models.layer_pattern import LayerKinds, layer_pattern, scan_pattern
-from rlflow.models.layer_scan import stack_modules
+from rlflow.models.layer_scan import scan_layers, stack_modules
 from rlflow.models.linear import INIT_STD, _dense, _normal
 from rlflow.models.lora import LoraSpec
 from rlflow.models.moe_replay import layer_major
@@ -299,8 +299,10 @@ class Decoder(nnx.Module):
         Returns: ``x``, or ``(x, sums or None, agreement [L, 2] or None)``."""
         pattern = layer_pattern(self.cfg.kinds)
         if token_mask is None and per_layer_ids is None:
-            return scan_pattern(self.layers, pattern, x,
-                                lambda block, h: layer(block, h, None), remat)
+            apply = lambda block, h: layer(block, h, None)   # noqa: E731
+            if len(pattern.kinds) == 1:
+                return scan_layers(self.layers, x, apply, remat)
+            return scan_pattern(self.layers, pattern, x, apply, remat)
         return scan_routed(self.layers, x, layer, remat, token_mask, per_layer_ids,
                            self.cfg.num_experts, pattern)
 

@@ -179,3 +179,32 @@ def test_kernels_refuse_variants():
     assert resolve("auto", prefix=False, backend="tpu", plain=False) == "blockwise"
     with pytest.raises(ValueError, match="sliding window"):
         resolve("splash", prefix=False, plain=False)
+
+
+def test_routing_replay_and_balance_loss_follow_layer_order():
+    """gpt-oss ([sliding, full] x 2 + [sliding]): the expert ids the cached forward records
+    per layer, replayed through the cycle scan, agree with every layer's own choice (a
+    layer fed another layer's ids would disagree), and the forward is unchanged."""
+    from rlflow.models.kv_cache import init_cache
+
+    cfg = _cfg("gpt_oss", layers=5, every=2, num_experts=8)
+    model = _random(cfg, seed=2)
+    rng = np.random.RandomState(3)
+    toks = jnp.asarray(rng.randint(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    mask = jnp.ones((2, 7), bool)
+    pos = positions_from_mask(mask)
+    out = nnx.jit(lambda m, t, p, a, c: m.forward_cached(t, p, a, c, jnp.zeros(2, jnp.int32),
+                                                         return_routing=True))(
+        model, toks, pos, mask, init_cache(cfg, 2, 8))
+    ids = np.asarray(out.expert_ids)                                   # [B, T, L, k]
+    assert ids.shape == (2, 7, 5, 2)
+    assert len({ids[:, :, i].tobytes() for i in range(5)}) == 5        # layers differ
+    fwd = nnx.jit(lambda m, t, p, a, r: m.hidden_states(t, p, a, routing_ids=r,
+                                                        replay_routing=True, moe_aux=True))
+    res = fwd(model, toks, pos, mask, jnp.asarray(ids))
+    agree = np.asarray(res.router_agreement)                           # [L, 2]
+    np.testing.assert_array_equal(agree[:, 0], agree[:, 1])
+    assert agree[:, 1].min() == 14 and float(res.aux_loss) > 0
+    plain = nnx.jit(lambda m, t, p, a: m.hidden_states(t, p, a).hidden)(model, toks, pos, mask)
+    np.testing.assert_allclose(np.asarray(res.hidden), np.asarray(plain), rtol=0,
+                               atol=forward_atol(cfg, 7, float(np.abs(plain).max())))
