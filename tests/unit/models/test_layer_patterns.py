@@ -208,3 +208,26 @@ def test_routing_replay_and_balance_loss_follow_layer_order():
     plain = nnx.jit(lambda m, t, p, a: m.hidden_states(t, p, a).hidden)(model, toks, pos, mask)
     np.testing.assert_allclose(np.asarray(res.hidden), np.asarray(plain), rtol=0,
                                atol=forward_atol(cfg, 7, float(np.abs(plain).max())))
+
+
+@pytest.mark.parametrize("name", ["xla", "blockwise"])
+def test_sliding_window_measures_positions_across_a_shared_prompt(name):
+    """Shared-prompt packing (prompt once, two completions after it, each continuing the
+    prompt's positions): a completion token's window reaches back into the prompt by
+    position, not by row index (the second completion sits 3 rows further away)."""
+    rng = np.random.RandomState(2)
+    t, h, kh, d, w = 11, 2, 1, 8, 3
+    q, k, v = (rng.randn(1, t, n, d).astype(np.float32) for n in (h, kh, kh))
+    seg = np.array([[0] * 5 + [1] * 3 + [2] * 3], np.int32)
+    prefix = np.zeros((1, t), np.int32)              # every segment also sees the prompt's
+    pos = np.array([list(range(5)) + [5, 6, 7] * 2], np.int32)
+    m = KeyQueryMask.whole_row(jnp.ones((1, t), bool), jnp.asarray(seg), jnp.asarray(prefix),
+                               jnp.asarray(pos))
+    got = np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), m, name,
+                            block_size=4, variant=Variant(window=w)))
+    # the second completion alone, prompt + its 3 tokens contiguous: plain rows
+    idx = list(range(5)) + [8, 9, 10]
+    alone = _np_attention(q[:, idx], k[:, idx], v[:, idx], np.ones((1, 8), bool),
+                          np.zeros((1, 8), np.int32), pos[:, idx], Variant(window=w), None)
+    tol = sum_tol(d + t + 2, float(np.abs(q).max() * np.abs(k).max() * d + np.abs(v).max()))
+    np.testing.assert_allclose(got[0, 8:], alone[0, 5:], rtol=0, atol=tol)
