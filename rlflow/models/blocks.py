@@ -61,7 +61,12 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
     """Grouped-query attention; kernels ``q [E, H, D]``, ``k, v [E, K, D]``, ``o [H, D, E]``;
-    with ``lora``, adapters ``{q,k,v,o}_lora`` on the targeted projections (else None)."""
+    with ``lora``, adapters ``{q,k,v,o}_lora`` on the targeted projections (else None).
+
+    ``kind`` (a layer kind of ``cfg.kinds``) fixes the static settings: ``variant`` (sliding
+    window, softcap, score scale, sinks: :func:`layer_variant`) and the RoPE table
+    (``rope_freqs``, ``rope_scale``: :func:`rlflow.models.rope.rope_table`); ``sinks [H]``
+    float is the learned sink logit per query head (gpt-oss) or None."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None,
                  kind: str = "full_attention"):
@@ -222,8 +227,11 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer; ``mlp`` is a :class:`rlflow.models.moe.MoE` when the
-    config has experts (``cfg.is_moe``), else an :class:`MLP`. The decoder stores its ``L``
+    """One pre-norm decoder layer of layer kind ``kind`` (static; its attention's settings);
+    ``mlp`` is a :class:`rlflow.models.moe.MoE` when the config has experts (``cfg.is_moe``),
+    else an :class:`MLP`. Gemma (``cfg.gemma_norms``): ``post_attn_norm`` normalises the
+    attention output, ``pre_mlp_norm`` / ``post_mlp_norm`` the MLP's input and output (HF
+    ``pre_`` / ``post_feedforward_layernorm``); else both are None. The decoder stores its ``L``
     blocks as one stacked module of this structure
     (:func:`rlflow.models.layer_scan.stack_modules`: every variable ``[L, ...]``); what a
     block holds does not matter to it."""
