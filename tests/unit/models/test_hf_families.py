@@ -159,36 +159,11 @@ def test_gpt_oss_gate_up_interleave_round_trip(family_dir, tmp_path):
 
 
 @pytest.mark.parametrize("family", PATTERN_FAMILIES)
-def test_greedy_text_matches_transformers_generate(family_dir, family):
-    from rlflow.config import MeshConfig, SamplerConfig
-    from rlflow.mesh import make_mesh
-    from rlflow.sampler.batching import ContinuousBatcher, Request
-    from rlflow.sampler.engine import RlflowEngine
-    from rlflow.sampler.sampling import SamplingParams
-
-    path = family_dir(family)
-    model, cfg = load_hf(path)
-    engine = RlflowEngine(model, SamplerConfig(
-        num_slots=3, max_prefill_length=16, prefill_buckets=(8, 16), max_tokens=10,
-        temperature=0.0, kv_cache="paged", page_size=4),
-        mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
-    prompts = [s.tolist() for s in SEQS]
-    groups = {g.prompt_id: g for g in ContinuousBatcher(engine).run(
-        [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=10))
-         for i, p in enumerate(prompts)])}
-    hf = _hf_model(path)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                              dtype=torch.long), do_sample=False, max_new_tokens=10)
-        ours = groups[i].completions[0].tokens.tolist()
-        assert ours == ref[0, len(p):len(p) + len(ours)].tolist(), (family, i)
-
-
-@pytest.mark.parametrize("family", PATTERN_FAMILIES)
-def test_paged_engine_logprobs_equal_learner_recompute(family_dir, family):
-    """Sampled (temperature 1) completions of the paged engine: their behaviour logprobs
-    equal one full forward over prompt + completion (the learner's recompute)."""
+def test_paged_engine_greedy_text_and_logprobs(family_dir, family):
+    """One paged engine (pages of 4 tokens), greedy and sampled requests decoded together:
+    the greedy text is transformers' ``generate``; the sampled completions' behaviour
+    logprobs (temperature 1) equal one full forward over prompt + completion (the learner's
+    recompute)."""
     from rlflow.config import MeshConfig, SamplerConfig
     from rlflow.mesh import make_mesh
     from rlflow.models.logprobs import token_logprobs
@@ -196,23 +171,35 @@ def test_paged_engine_logprobs_equal_learner_recompute(family_dir, family):
     from rlflow.sampler.engine import RlflowEngine
     from rlflow.sampler.sampling import SamplingParams
 
-    model, cfg = load_hf(family_dir(family))
+    path = family_dir(family)
+    model, cfg = load_hf(path)
     engine = RlflowEngine(model, SamplerConfig(
-        num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16), max_tokens=8,
-        temperature=1.0, kv_cache="paged", page_size=4),
+        num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16), max_tokens=10,
+        temperature=0.0, kv_cache="paged", page_size=4),
         mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
-    groups = ContinuousBatcher(engine).run(
-        [Request(i, s.tolist(), 2, SamplingParams(temperature=1.0, max_tokens=8, seed=5 + i))
-         for i, s in enumerate(SEQS[:2])])
-    for g in groups:
-        prompt = np.asarray(g.request.prompt_tokens)
-        for c in g.completions:
-            seq = np.concatenate([prompt, c.tokens])[None].astype(np.int32)
+    prompts = [s.tolist() for s in SEQS]
+    greedy = [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=10))
+              for i, p in enumerate(prompts)]
+    sampled = [Request(10 + i, p, 2, SamplingParams(temperature=1.0, max_tokens=8, seed=5 + i))
+               for i, p in enumerate(prompts[:2])]
+    groups = {g.prompt_id: g for g in ContinuousBatcher(engine).run(greedy + sampled)}
+    hf = _hf_model(path)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                              dtype=torch.long), do_sample=False, max_new_tokens=10)
+        ours = groups[i].completions[0].tokens.tolist()
+        assert len(ours) > 0
+        assert ours == ref[0, len(p):len(p) + len(ours)].tolist(), (family, i)
+    for i, p in enumerate(prompts[:2]):
+        for c in groups[10 + i].completions:
+            seq = np.asarray(p + c.tokens.tolist(), np.int32)[None]
             mask = np.ones_like(seq, bool)
             logits = _forward(model, jnp.asarray(seq), positions_from_mask(mask),
                               jnp.asarray(mask))
             lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(seq[:, 1:]), 1.0))[0]
-            ref = lp[len(prompt) - 1:]
+            ref = lp[len(p) - 1:]
+            assert seq.shape[1] > 2 * SLIDING_WINDOW
             np.testing.assert_allclose(c.logprobs, ref, rtol=0,
                                        atol=_atol(cfg, seq.shape[1], ref))
 
