@@ -163,7 +163,7 @@ def test_paged_engine_greedy_text_and_logprobs(family_dir, family):
     """One paged engine (pages of 4 tokens), greedy and sampled requests decoded together:
     the greedy text is transformers' ``generate``; the sampled completions' behaviour
     logprobs (temperature 1) equal one full forward over prompt + completion (the learner's
-    recompute)."""
+    recompute), also across a weight swap in mid-generation (:func:`_swap_in_flight`)."""
     from rlflow.config import MeshConfig, SamplerConfig
     from rlflow.mesh import make_mesh
     from rlflow.models.logprobs import token_logprobs
@@ -175,7 +175,7 @@ def test_paged_engine_greedy_text_and_logprobs(family_dir, family):
     model, cfg = load_hf(path)
     engine = RlflowEngine(model, SamplerConfig(
         num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16), max_tokens=10,
-        temperature=0.0, kv_cache="paged", page_size=4),
+        temperature=0.0, kv_cache="paged", page_size=4, decode_steps_per_call=2),
         mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
     prompts = [s.tolist() for s in SEQS]
     greedy = [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=10))
@@ -202,6 +202,43 @@ def test_paged_engine_greedy_text_and_logprobs(family_dir, family):
             assert seq.shape[1] > 2 * SLIDING_WINDOW
             np.testing.assert_allclose(c.logprobs, ref, rtol=0,
                                        atol=_atol(cfg, seq.shape[1], ref))
+    _swap_in_flight(engine, model, cfg, prompts[0])
+
+
+def _swap_in_flight(engine, model, cfg, prompt):
+    """A weight swap after 2 decode calls (of 2 steps): the new weights differ in the final norm only (so
+    the keys and values written under either version are the same), and every sampled
+    token's logprob is the recompute under the version that sampled it."""
+    from rlflow.models.logprobs import token_logprobs
+    from rlflow.sampler.batching import ContinuousBatcher, Request
+    from rlflow.sampler.sampling import SamplingParams
+
+    graphdef, w0 = nnx.split(model, nnx.Param)
+    w1 = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 1.5 + 0.1 if "final_norm" in jax.tree_util.keystr(path) else x, w0)
+    batcher = ContinuousBatcher(engine, params=w0, version=0)
+    batcher.submit(Request(0, prompt, 2, SamplingParams(temperature=1.0, max_tokens=10,
+                                                        seed=9, stop_token_ids=())))
+    batcher.step()
+    batcher.step()
+    batcher.update_params(w1, version=1)
+    groups = []
+    while batcher.has_work:
+        groups += batcher.step()
+    spans = 0
+    for c in groups[0].completions:
+        seq = np.asarray(prompt + c.tokens.tolist(), np.int32)[None]
+        mask = jnp.ones(seq.shape, bool)
+        spans += int((c.versions == 0).any() and (c.versions == 1).any())
+        for v, w in ((0, w0), (1, w1)):
+            logits = _forward(nnx.merge(graphdef, w), jnp.asarray(seq),
+                              positions_from_mask(mask), mask)
+            lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(seq[:, 1:]), 1.0))[0]
+            lp = lp[len(prompt) - 1:]
+            at = np.asarray(c.versions) == v
+            np.testing.assert_allclose(np.asarray(c.logprobs)[at], lp[at], rtol=0,
+                                       atol=_atol(cfg, seq.shape[1], lp))
+    assert spans == 2, [c.versions for c in groups[0].completions]   # each spans the swap
 
 
 def test_refusals_name_the_field(family_dir):
