@@ -133,3 +133,71 @@ def make_tiny_hf_moe_model(out_dir: str, *, num_experts: int = 16, top_k: int = 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+#: families whose layers come in several kinds (rlflow.models.layer_pattern)
+PATTERN_FAMILIES = ("gemma3_text", "gpt_oss")
+SLIDING_WINDOW = 4
+
+
+def make_tiny_pattern_model(family: str, out_dir: str, *, seed: int = 0,
+                            num_layers: int | None = None) -> str:
+    """A tiny random Gemma 3 text or gpt-oss model, ``save_pretrained`` to ``out_dir``.
+
+    Both have sliding-window layers of window :data:`SLIDING_WINDOW` (so test rows are
+    longer than it) and a layer count that is not a multiple of the cycle (a remainder):
+
+    * ``gemma3_text``: 5 layers ``[sliding, sliding, full] + [sliding, sliding]``, vocab 256,
+      hidden 64, 4 query / 2 kv heads of head_dim 16, MLP 96, local RoPE base 10^4, global
+      base 10^6 with linear scaling 8, ``query_pre_attn_scalar`` 24, final-logit softcap 30
+      (Gemma 2's, which Gemma 3's code keeps), tied embeddings.
+    * ``gpt_oss``: 3 layers ``[sliding, full] + [sliding]``, vocab 256, hidden 32, 4 / 2
+      heads of head_dim 8, 4 experts of width 16, top-2, YaRN (factor 8, original context
+      64), ``swiglu_limit`` 1.0 (so that the clamp binds), untied.
+
+    Weights as :func:`make_tiny_hf_model` draws them (norm scales around their identity,
+    biases and sinks non-zero)."""
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, sliding_window=SLIDING_WINDOW,
+                  bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
+    if family == "gemma3_text":
+        n = num_layers or 5
+        config = tf.Gemma3TextConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=n, head_dim=16,
+            layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                         for i in range(n)],
+            query_pre_attn_scalar=24, final_logit_softcapping=30.0, tie_word_embeddings=True,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                "rope_theta": 1e6}}, **common)
+        cls = tf.Gemma3ForCausalLM
+    elif family == "gpt_oss":
+        n = num_layers or 3
+        config = tf.GptOssConfig(
+            hidden_size=32, intermediate_size=16, num_hidden_layers=n, head_dim=8,
+            num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 64}, **common)
+        cls = tf.GptOssForCausalLM
+    else:
+        raise ValueError(f"family must be one of {PATTERN_FAMILIES}, got {family!r}")
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:       # Gemma's (1 + w) scales: w around 0; others around 1
+                base = 0.0 if family == "gemma3_text" else 1.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias") or name.endswith("sinks"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir

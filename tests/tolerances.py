@@ -40,7 +40,7 @@ def model_chain_len(cfg, seq: int) -> int:
     """:func:`chain_len` of a :class:`rlflow.config.ModelConfig` or
     :class:`rlflow.models.config.DecoderConfig` at sequence length ``seq``."""
     inter = cfg.intermediate_size
-    if cfg.model_type == "qwen3_moe":
+    if cfg.model_type in ("qwen3_moe", "gpt_oss"):
         # the router (hidden) and its softmax (experts), one expert's SwiGLU (its width),
         # the gates' renormalisation and the combine over the top-k
         inter = (cfg.moe_intermediate_size + cfg.hidden_size + cfg.num_experts

@@ -92,7 +92,7 @@ class ModelConfig:
 
     def expert_count(self) -> int:
         """Experts per layer of the policy, 0 for a dense model: ``path``'s config.json when
-        it names a ``model_type`` (``num_experts`` of a ``qwen3_moe`` model), else the
+        it names a ``model_type`` (``num_experts`` of a ``qwen3_moe`` or ``gpt_oss`` model), else the
         random model's fields (a stand-in folder, or none)."""
         d = {}
         if self.path:
@@ -102,7 +102,7 @@ class ModelConfig:
             except (OSError, ValueError):
                 d = {}
         if isinstance(d, dict) and d.get("model_type"):
-            if d["model_type"] != "qwen3_moe":
+            if d["model_type"] not in ("qwen3_moe", "gpt_oss"):
                 return 0
             return int(d.get("num_experts") or d.get("num_local_experts") or 0)
         return self.num_experts if self.model_type == "qwen3_moe" else 0

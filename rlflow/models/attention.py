@@ -28,6 +28,15 @@ Implementations (``learner.attention``):
   ``prefix_ids`` (shared-prompt packing) takes ``"blockwise"`` on every backend, the one
   implementation here whose mask has the prefix term (:func:`resolve`).
 
+Attention variants (per layer kind, static; the xla and blockwise implementations, which
+``"auto"`` takes whenever one is on): a sliding ``window`` ``W`` (a query at token position
+``p`` sees keys at positions ``> p - W``: HF's ``sliding_window_overlay``; positions are the
+RoPE positions, so packed segments and the shared-prompt prefix keep their distances),
+learned attention ``sinks`` (one logit per query head joined to the softmax and dropped
+after it: gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models with Attention
+Sinks"), score ``softcap`` ``c tanh(s / c)`` before the mask (Gemma 2), and another score
+``scale`` than ``D^-1/2``.
+
 The kernels (splash, gpu_flash) mask padding through the segment ids: a padding position
 gets its own segment id, so real queries never see it. A padding *row* then attends the
 padding keys before it instead of averaging all keys: still finite, and never read (its
@@ -69,7 +78,23 @@ class SequenceMask(NamedTuple):
     mesh: Any = None
 
 
-def resolve(impl: str, *, prefix: bool, backend: str | None = None, sequence: int = 1) -> str:
+class Variant(NamedTuple):
+    """A layer kind's attention settings (module doc), static: ``window`` (tokens) or None,
+    ``softcap`` or None, ``scale`` (None: ``D^-1/2``), ``sinks``: the layer has per-head sink
+    logits (passed as an array beside it)."""
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+    sinks: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """No variant at all: what the kernels compute."""
+        return self.window is None and self.softcap is None and not self.sinks
+
+
+def resolve(impl: str, *, prefix: bool, backend: str | None = None, sequence: int = 1,
+            plain: bool = True) -> str:
     """The implementation ``impl`` names: ``"auto"`` -> per backend (TPU ``"splash"``, GPU
     ``"gpu_flash"``, else ``"blockwise"``; ``"blockwise"`` wherever ``prefix``, the shared-
     prompt mask the kernels cannot express, or ``sequence > 1``, context parallelism, whose
@@ -82,7 +107,7 @@ def resolve(impl: str, *, prefix: bool, backend: str | None = None, sequence: in
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"learner.attention: expected one of {IMPLEMENTATIONS}, got {impl!r}")
     if impl == "auto":
-        if prefix or sequence > 1:
+        if prefix or sequence > 1 or not plain:
             return "blockwise"
         backend = backend or jax.default_backend()
         return {"tpu": "splash", "gpu": "gpu_flash"}.get(backend, "blockwise")
@@ -90,6 +115,10 @@ def resolve(impl: str, *, prefix: bool, backend: str | None = None, sequence: in
         raise ValueError(f"learner.attention={impl!r} cannot express the shared-prompt prefix "
                          f"mask (prefix_ids); use 'auto' or 'blockwise', or turn "
                          f"learner.shared_prefix off")
+    if not plain and impl in ("splash", "gpu_flash"):
+        raise ValueError(f"learner.attention={impl!r} does not express this model's sliding "
+                         f"window, attention sinks or logit softcapping; use 'auto' or "
+                         f"'blockwise'")
     if sequence > 1 and impl in ("splash", "gpu_flash"):
         raise ValueError(f"learner.attention={impl!r} does not run under context parallelism "
                          f"(learner.mesh.sequence={sequence}); use 'auto' or 'blockwise', or "
@@ -97,8 +126,12 @@ def resolve(impl: str, *, prefix: bool, backend: str | None = None, sequence: in
     return impl
 
 
-def allowed(q_pos, k_pos, key_valid, q_seg=None, k_seg=None, q_prefix=None) -> jax.Array:
+def allowed(q_pos, k_pos, key_valid, q_seg=None, k_seg=None, q_prefix=None, *,
+            window=None, q_tok=None, k_tok=None) -> jax.Array:
     """Which keys each query attends: ``[B, Tq, Tk]`` bool.
+
+    ``window``: with it, also ``q_tok - k_tok < window`` (``[B, Tq]`` / ``[B, Tk]`` token
+    positions; None: the row indices ``q_pos`` / ``k_pos``).
 
     Args:
       q_pos: ``[Tq]`` int row indices of the queries; k_pos ``[Tk]`` of the keys (causal:
@@ -113,7 +146,27 @@ def allowed(q_pos, k_pos, key_valid, q_seg=None, k_seg=None, q_prefix=None) -> j
         if q_prefix is not None:
             same = same | (q_prefix[:, :, None] == k_seg[:, None, :])
         ok = ok & same
+    if window is not None:
+        if q_tok is None:
+            ok = ok & (q_pos[:, None] - k_pos[None, :] < window)[None]
+        else:
+            ok = ok & (q_tok[:, :, None] - k_tok[:, None, :] < window)
     return ok
+
+
+def softcap_scores(s: jax.Array, softcap: float | None) -> jax.Array:
+    """``c tanh(s / c)`` (Gemma 2's attention logit softcapping), or ``s`` for None."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def sink_softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis of float32 ``scores [B, K, G, Tq, Tk]``, with ``sinks``
+    (``[K, G]`` logits, or None) joined as one more key whose probability is dropped."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None, None],
+                            scores.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
 
 
 def _dot_operands(a, b):
@@ -142,20 +195,32 @@ class KeyQueryMask(NamedTuple):
     q_seg: jax.Array | None = None
     k_seg: jax.Array | None = None
     q_prefix: jax.Array | None = None
+    q_tok: jax.Array | None = None
+    k_tok: jax.Array | None = None
 
     @classmethod
-    def whole_row(cls, attention_mask, segment_ids=None, prefix_ids=None) -> "KeyQueryMask":
-        """Queries and keys both the whole row ``[B, T]`` (no context parallelism)."""
+    def whole_row(cls, attention_mask, segment_ids=None, prefix_ids=None,
+                  positions=None) -> "KeyQueryMask":
+        """Queries and keys both the whole row ``[B, T]`` (no context parallelism);
+        ``positions [B, T]``: the token positions a sliding window measures (None: row
+        indices)."""
         pos = jnp.arange(attention_mask.shape[1])
-        return cls(pos, pos, attention_mask, segment_ids, segment_ids, prefix_ids)
+        return cls(pos, pos, attention_mask, segment_ids, segment_ids, prefix_ids,
+                   positions, positions)
+
+    def allowed(self, window=None) -> jax.Array:
+        """:func:`allowed` of this mask."""
+        return allowed(self.q_pos, self.k_pos, self.key_valid, self.q_seg, self.k_seg,
+                       self.q_prefix, window=window, q_tok=self.q_tok, k_tok=self.k_tok)
 
 
-def _xla(q, k, v, m: KeyQueryMask, scale):
+def _xla(q, k, v, m: KeyQueryMask, scale, var: Variant = Variant(), sinks=None):
     b, t, h, d = q.shape
     q5 = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
-    attend = allowed(m.q_pos, m.k_pos, m.key_valid, m.q_seg, m.k_seg, m.q_prefix)  # [B, Tq, Tk]
-    scores = jnp.where(attend[:, None, None], _scores(q5, k, scale), MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    attend = m.allowed(var.window)                                        # [B, Tq, Tk]
+    scores = softcap_scores(_scores(q5, k, scale), var.softcap)
+    scores = jnp.where(attend[:, None, None], scores, MASK_VALUE)
+    probs = sink_softmax(scores, sinks).astype(q.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
 
 
@@ -170,7 +235,8 @@ def _blocks(x, n, blk, axis=1, fill=0):
     return jnp.moveaxis(x, axis, 0)
 
 
-def _blockwise(q, k, v, m: KeyQueryMask, scale, block_q: int, block_k: int):
+def _blockwise(q, k, v, m: KeyQueryMask, scale, block_q: int, block_k: int,
+               var: Variant = Variant(), sinks=None):
     b, t, h, d = q.shape
     tk, kh = k.shape[1], k.shape[2]
     g = h // kh
@@ -179,18 +245,22 @@ def _blockwise(q, k, v, m: KeyQueryMask, scale, block_q: int, block_k: int):
     seg_k = jnp.zeros((b, tk), jnp.int32) if m.k_seg is None else m.k_seg
     seg_q = jnp.zeros((b, t), jnp.int32) if m.q_seg is None else m.q_seg
     prefix = seg_q if m.q_prefix is None else m.q_prefix
+    tok_q = jnp.broadcast_to(m.q_pos[None], (b, t)) if m.q_tok is None else m.q_tok
+    tok_k = jnp.broadcast_to(m.k_pos[None], (b, tk)) if m.k_tok is None else m.k_tok
     # keys past Tk (block padding) are out of range: -inf, not MASK_VALUE, so a padding row
     # still averages exactly the Tk real keys (block 0 always holds key 0: m stays finite)
     kv = (_blocks(k, nk, bk), _blocks(v, nk, bk), _blocks(m.k_pos[None], nk, bk)[:, 0],
-          _blocks(m.key_valid, nk, bk, fill=False), _blocks(seg_k, nk, bk))
+          _blocks(m.key_valid, nk, bk, fill=False), _blocks(seg_k, nk, bk),
+          _blocks(tok_k, nk, bk))
     in_range = _blocks(jnp.ones((1, tk), bool), nk, bk, fill=False)[:, 0]     # [nk, bk]
     qb = (_blocks(q.reshape(b, t, kh, g, d), nq, bq), _blocks(m.q_pos[None], nq, bq)[:, 0],
-          _blocks(seg_q, nq, bq), _blocks(prefix, nq, bq))
-    def key_step(carry, xs, q5, q_pos, q_seg, q_pre):
+          _blocks(seg_q, nq, bq), _blocks(prefix, nq, bq), _blocks(tok_q, nq, bq))
+    def key_step(carry, xs, q5, q_pos, q_seg, q_pre, q_tok):
         m, l, acc = carry                       # [B, K, G, bq], same, [B, K, G, bq, D] f32
-        kb, vb, k_pos, k_valid, k_seg, k_in = xs
-        ok = allowed(q_pos, k_pos, k_valid, q_seg, k_seg, q_pre)[:, None, None]
-        s = jnp.where(ok, _scores(q5, kb, scale), MASK_VALUE)
+        kb, vb, k_pos, k_valid, k_seg, k_tok, k_in = xs
+        ok = allowed(q_pos, k_pos, k_valid, q_seg, k_seg, q_pre, window=var.window,
+                     q_tok=q_tok, k_tok=k_tok)[:, None, None]
+        s = jnp.where(ok, softcap_scores(_scores(q5, kb, scale), var.softcap), MASK_VALUE)
         s = jnp.where(k_in, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         corr = jnp.exp(m - m_new)
@@ -200,11 +270,16 @@ def _blockwise(q, k, v, m: KeyQueryMask, scale, block_q: int, block_k: int):
         return (m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv), None
 
     def query_block(xs):
-        q5, q_pos, q_seg, q_pre = xs
+        q5, q_pos, q_seg, q_pre, q_tok = xs
         step = jax.checkpoint(functools.partial(key_step, q5=q5, q_pos=q_pos, q_seg=q_seg,
-                                                q_pre=q_pre))
-        init = (jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
-                jnp.zeros((b, kh, g, bq), jnp.float32), jnp.zeros((b, kh, g, bq, d), jnp.float32))
+                                                q_pre=q_pre, q_tok=q_tok))
+        if sinks is None:
+            init = (jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
+                    jnp.zeros((b, kh, g, bq), jnp.float32))
+        else:   # the sink is one more key with no value: running max at it, weight 1
+            init = (jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], (b, kh, g, bq)),
+                    jnp.ones((b, kh, g, bq), jnp.float32))
+        init = init + (jnp.zeros((b, kh, g, bq, d), jnp.float32),)
         (_, l, acc), _ = jax.lax.scan(step, init, kv + (in_range,))
         out = (acc / l[..., None]).astype(q.dtype)               # [B, K, G, bq, D]
         return out.transpose(0, 3, 1, 2, 4).reshape(b, bq, h, d)
@@ -256,7 +331,8 @@ def _gpu_flash(q, k, v, mask_args: KeyQueryMask, scale, interpret: bool):
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, attention_mask: jax.Array,
               segment_ids: jax.Array | None = None, prefix_ids: jax.Array | None = None,
               impl: str = "auto", block_size: int | None = None,
-              interpret: bool | None = None) -> jax.Array:
+              interpret: bool | None = None, positions: jax.Array | None = None,
+              variant: Variant = Variant(), sinks: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention of a whole sequence, ``softmax(q k^T / sqrt(D)) v``
     (Vaswani et al. 2017, eq. 1; GQA: Ainslie et al. 2023) under the mask of the module
     docstring.
@@ -273,6 +349,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, attention_mask: jax.A
       block_size: query and key block of ``"blockwise"`` (tokens); None: :data:`BLOCK`.
       interpret: run the Pallas kernels in interpret mode; None: when the backend is not the
         kernel's own (TPU for splash, GPU for gpu_flash), e.g. CPU tests.
+      positions: ``[B, T]`` int token positions a sliding window measures (None: row
+        indices).
+      variant: the layer kind's :class:`Variant` (module doc).
+      sinks: ``[H]`` float sink logits when ``variant.sinks`` (query head ``i``'s).
 
     Returns:
       ``[B, T, H, D]`` in ``q.dtype``; scores and softmax in float32.
@@ -287,15 +367,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, attention_mask: jax.A
                          f"k, v [B, T, K, D] with H % K == 0")
     if prefix_ids is not None and segment_ids is None:
         raise ValueError("attention: prefix_ids needs segment_ids")
-    name = resolve(impl, prefix=prefix_ids is not None)
+    name = resolve(impl, prefix=prefix_ids is not None, plain=variant.plain)
     mask = KeyQueryMask.whole_row(jnp.asarray(attention_mask, bool),
                                   None if segment_ids is None else jnp.asarray(segment_ids),
-                                  None if prefix_ids is None else jnp.asarray(prefix_ids))
-    return attend(q, k, v, mask, name, block_size=block_size, interpret=interpret)
+                                  None if prefix_ids is None else jnp.asarray(prefix_ids),
+                                  None if positions is None else jnp.asarray(positions))
+    return attend(q, k, v, mask, name, block_size=block_size, interpret=interpret,
+                  variant=variant, sinks=sinks)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: KeyQueryMask, name: str, *,
-           block_size: int | None = None, interpret: bool | None = None) -> jax.Array:
+           block_size: int | None = None, interpret: bool | None = None,
+           variant: Variant = Variant(), sinks: jax.Array | None = None) -> jax.Array:
     """:func:`attention` of queries ``q [B, Tq, H, D]`` against keys / values
     ``[B, Tk, K, D]`` under ``mask`` (:class:`KeyQueryMask`), by the resolved implementation
     ``name`` (not "auto"). The kernels need ``Tq == Tk`` and the mask of the whole row.
@@ -306,11 +389,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: KeyQueryMask, name: s
     block_size = BLOCK if block_size is None else block_size
     if block_size <= 0:
         raise ValueError(f"attention: block_size must be > 0, got {block_size}")
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if variant.scale is None else variant.scale
+    kh = k.shape[2]
+    sinks = None if sinks is None else sinks.reshape(kh, q.shape[2] // kh)      # [K, G]
     if name == "xla":
-        return _xla(q, k, v, mask, scale)
+        return _xla(q, k, v, mask, scale, variant, sinks)
     if name == "blockwise":
-        return _blockwise(q, k, v, mask, scale, block_size, block_size)
+        return _blockwise(q, k, v, mask, scale, block_size, block_size, variant, sinks)
+    if not variant.plain:
+        raise ValueError(f"attention: {name!r} does not express {variant}")
     own = "tpu" if name == "splash" else "gpu"
     interp = (jax.default_backend() != own) if interpret is None else interpret
     return (_splash if name == "splash" else _gpu_flash)(q, k, v, mask, scale, interp)

@@ -14,9 +14,8 @@ from flax import nnx
 
 from rlflow.models.forward_output import ForwardOutput
 from rlflow.models.kv_cache import KVCache
-from rlflow.models.layer_scan import layer_modules
+from rlflow.models.layer_pattern import layer_pattern, ordered_layers
 from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
-from rlflow.models.rope import rope_inv_freq
 
 
 def write_cache(cache: jax.Array, new: jax.Array, cols: jax.Array, seq_axis: int) -> jax.Array:
@@ -69,23 +68,34 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, attention_mas
     cols = cache_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]     # [B, T]
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     new_mask = cache.mask.at[rows, cols].set(jnp.asarray(attention_mask, bool), mode="drop")
-    attend = new_mask[:, None, :] & (jnp.arange(s)[None, None, :] <= cols[:, :, None])
-    inv_freq = rope_inv_freq(model.cfg)
+    keys = jnp.arange(s)[None, None, :]
+    attend = new_mask[:, None, :] & (keys <= cols[:, :, None])
+    window = model.cfg.sliding_window
+    # a sliding layer sees the W cache positions ending at the query's (a row's tokens are
+    # contiguous in its cache: pads only before them)
+    attend_window = None if window is None else attend & (cols[:, :, None] - keys < window)
     ks, vs = list(cache.k), list(cache.v)
     paged = isinstance(cache, PagedKVCache)
     x = model._embed(tokens)
-    blocks = model.layers if isinstance(model.layers, nnx.List) else layer_modules(model.layers)
+    if isinstance(model.layers, nnx.List):
+        blocks = model.layers
+    else:
+        blocks = ordered_layers(model.layers, layer_pattern(model.cfg.kinds))
     chosen = []                                         # [B, T, k] per layer
     for layer, block in enumerate(blocks):
-        def hook(k, v, layer=layer):
+        plain = block.attn.variant.plain
+        def hook(k, v, layer=layer, plain=plain):
             if paged:
+                # the paged kernel computes plain attention only: the others gather
                 ks[layer], vs[layer], read = layer_attention_inputs(
-                    cache, ks[layer], vs[layer], k, v, cols)
+                    cache if plain else cache.replace(attention="gather"), ks[layer],
+                    vs[layer], k, v, cols)
                 return read
             ks[layer] = write_cache(ks[layer], k, cols, seq_axis=3)
             vs[layer] = write_cache(vs[layer], v, cols, seq_axis=2)
             return ks[layer].astype(k.dtype), vs[layer].astype(v.dtype)
-        x, routing = block(x, positions, inv_freq, attend, hook, return_routing=True)
+        mask = attend if block.attn.variant.window is None else attend_window
+        x, routing = block(x, positions, None, mask, hook, return_routing=True)
         if return_routing:
             chosen.append(routing.expert_ids.reshape(b, t, -1))
     if paged:

@@ -7,6 +7,14 @@ Supported families (``model_type``):
 * ``qwen3``: Qwen3 dense (per-head RMSNorm on q and k before RoPE).
 * ``qwen3_moe``: Qwen3-MoE (Qwen3 attention; every layer's MLP a top-k mixture of experts,
   :mod:`rlflow.models.moe`).
+* ``gemma3_text``: Gemma 3 text (sliding-window and global layers with their own RoPE, the
+  ``(1 + w)`` RMSNorm before and after attention and MLP, scaled embeddings, q/k norms,
+  GELU-tanh MLP; :mod:`rlflow.models.hf_families`).
+* ``gpt_oss``: gpt-oss (sliding-window and full layers, learned attention sinks, YaRN RoPE,
+  q/k/v/o biases, MoE with router and expert biases and the clamped SwiGLU).
+
+Layers of several kinds (``layer_types``, HF's field: ``"full_attention"``,
+``"sliding_attention"``) run as a repeating cycle (:mod:`rlflow.models.layer_pattern`).
 
 Both config.json layouts are read: the transformers 4.x one (``rope_theta`` and
 ``rope_scaling`` at top level) and the 5.x one (``rope_parameters`` holding both).
@@ -18,19 +26,23 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+from rlflow.models import hf_families
+from rlflow.models.format_error import ModelFormatError, eos_token_ids  # noqa: F401 (re-export)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16")
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
+FAMILY_MODEL_TYPES = ("gemma3_text", "gpt_oss")   # config fields in rlflow.models.hf_families
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
-
-
-class ModelFormatError(ValueError):
-    """A model folder, config or weight file does not match what rlflow expects.
-
-    The message names the file and the field / tensor, and what was expected.
-    """
+ROPE_KEYS = {"llama3": LLAMA3_ROPE_KEYS, "linear": ("factor",),
+             "yarn": ("factor", "original_max_position_embeddings")}
+#: optional keys of a scaling dict (kept when present)
+ROPE_OPTIONAL_KEYS = {"yarn": ("beta_fast", "beta_slow", "truncate", "attention_factor")}
+#: the kinds of layer ``layer_types`` may name (``"linear_attention"`` comes with gated
+#: DeltaNet layers)
+LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 def _need(ok: bool, where: str, msg: str) -> None:
@@ -38,12 +50,6 @@ def _need(ok: bool, where: str, msg: str) -> None:
         raise ModelFormatError(f"{where}: {msg}")
 
 
-
-def eos_token_ids(value) -> tuple[int, ...]:
-    """An HF ``eos_token_id`` field (None, one id, or a list of ids) as a tuple of ints."""
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
 def _moe_fields(d: Mapping[str, Any], where: str) -> dict:
     """The MoE fields of a HF ``qwen3_moe`` config.json (transformers 4.x names experts
@@ -109,6 +115,18 @@ class DecoderConfig:
       norm_topk_prob: the k gates are divided by their sum (HF flag).
       router_aux_loss_coef: HF's load-balancing loss weight (the default of
         ``learner.moe_aux_loss_coef``).
+      layer_types: the kind of each layer (one of :data:`LAYER_KINDS` each, ``L`` of them),
+        or ``()``: every layer ``"full_attention"``.
+      sliding_window: ``W``, keys a ``"sliding_attention"`` query sees: the ``W`` positions
+        ending at its own (HF: ``k > q - W``); None without sliding layers.
+      rope_local_theta: RoPE base of the sliding layers (plain RoPE, Gemma 3's
+        ``rope_local_base_freq``); None: the sliding layers share ``rope_theta`` and
+        ``rope_scaling``.
+      query_pre_attn_scalar: attention scale ``s^-1/2`` (Gemma); None: ``D^-1/2``.
+      attn_logit_softcapping / final_logit_softcapping: ``c * tanh(x / c)`` on the
+        attention scores / output logits (Gemma 2 style); None: off.
+      swiglu_alpha / swiglu_limit: gpt-oss's clamped SwiGLU of the experts (module doc of
+        :mod:`rlflow.models.moe`); None for other families.
 
     Raises:
       ModelFormatError: on an unsupported family or inconsistent shape (names the field).
@@ -139,6 +157,14 @@ class DecoderConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.0
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     def __post_init__(self):
         _need(self.model_type in SUPPORTED_MODEL_TYPES, "model_type",
@@ -160,9 +186,10 @@ class DecoderConfig:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             _need(rope_type in SUPPORTED_ROPE_TYPES, "rope_scaling.rope_type",
                   f"unsupported {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-            if rope_type == "llama3":
-                missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
-                _need(not missing, "rope_scaling", f"llama3 scaling is missing {missing}")
+            missing = [k for k in ROPE_KEYS.get(rope_type, ()) if k not in self.rope_scaling]
+            _need(not missing, "rope_scaling", f"{rope_type} scaling is missing {missing}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self._check_layer_kinds()
         moe = self.model_type in MOE_MODEL_TYPES
         _need(moe == (self.num_experts > 0), "num_experts",
               f"must be > 0 exactly for model_type in {MOE_MODEL_TYPES}, got "
@@ -176,6 +203,44 @@ class DecoderConfig:
             _need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
                   f"must be >= 0, got {self.router_aux_loss_coef}")
         object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
+
+    def _check_layer_kinds(self) -> None:
+        types = self.layer_types
+        _need(not types or len(types) == self.num_layers, "layer_types",
+              f"must name the kind of each of the num_layers={self.num_layers} layers, got "
+              f"{len(types)}")
+        bad = sorted({t for t in types if t not in LAYER_KINDS})
+        _need(not bad, "layer_types", f"unsupported layer kinds {bad}; supported: "
+              f"{', '.join(LAYER_KINDS)}")
+        if "sliding_attention" in types:
+            w = self.sliding_window
+            _need(isinstance(w, int) and w > 0, "sliding_window",
+                  f"must be a positive int with sliding_attention layers, got {w!r}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping",
+                     "query_pre_attn_scalar", "rope_local_theta"):
+            value = getattr(self, name)
+            _need(value is None or value > 0, name, f"must be > 0 or None, got {value!r}")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kind of each of the ``L`` layers (``layer_types``, or all full attention)."""
+        return self.layer_types or ("full_attention",) * self.num_layers
+
+    @property
+    def gemma_norms(self) -> bool:
+        """Gemma's normalisation: ``(1 + w)`` RMSNorm scales, norms before and after both
+        attention and MLP, embeddings times ``sqrt(E)``, GELU-tanh MLP."""
+        return self.model_type == "gemma3_text"
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Each attention head has a learned sink logit (gpt-oss)."""
+        return self.model_type == "gpt_oss"
+
+    @property
+    def expert_biases(self) -> bool:
+        """The router and the experts' projections carry biases (gpt-oss)."""
+        return self.model_type == "gpt_oss"
 
     @property
     def is_moe(self) -> bool:
@@ -218,6 +283,9 @@ class DecoderConfig:
             _need(key in d and d[key] is not None, f"{where}: {key}", "required field is missing")
             return d[key]
 
+        if model_type in FAMILY_MODEL_TYPES:        # Gemma 3, gpt-oss: their own fields
+            return cls._checked(where, lambda: cls(**hf_families.config_fields(d, where, req),
+                                                   dtype=dtype, param_dtype=param_dtype))
         act = d.get("hidden_act", "silu")
         _need(act == "silu", f"{where}: hidden_act", f"only 'silu' is supported, got {act!r}")
         _need(not d.get("mlp_bias", False), f"{where}: mlp_bias", "MLP biases are not supported")
@@ -231,8 +299,9 @@ class DecoderConfig:
             rope_params = {**dict(legacy), **rope_params}
         theta = rope_params.pop("rope_theta", d.get("rope_theta", 10000.0))
         rope_type = rope_params.pop("rope_type", rope_params.pop("type", "default"))
-        _need(rope_type in SUPPORTED_ROPE_TYPES, f"{where}: rope_type",
-              f"unsupported {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        _need(rope_type in ("default", "llama3"), f"{where}: rope_type",
+              f"unsupported {rope_type!r} for model_type {model_type!r}; supported: default, "
+              f"llama3")
         max_pos = int(d.get("max_position_embeddings", 4096))
         scaling = None
         if rope_type == "llama3":
@@ -240,8 +309,7 @@ class DecoderConfig:
             scaling = {"rope_type": "llama3", **{k: rope_params.get(k) for k in LLAMA3_ROPE_KEYS}}
         eos_ids = eos_token_ids(d.get("eos_token_id"))
         moe = _moe_fields(d, where) if model_type in MOE_MODEL_TYPES else {}
-        try:
-            return cls(
+        return cls._checked(where, lambda: cls(
                 model_type=model_type,
                 vocab_size=int(req("vocab_size")),
                 hidden_size=hidden,
@@ -264,7 +332,13 @@ class DecoderConfig:
                 dtype=dtype,
                 param_dtype=param_dtype,
                 **moe,
-            )
+            ))
+
+    @staticmethod
+    def _checked(where: str, build):
+        """``build()``, its errors prefixed with ``where`` (the config file)."""
+        try:
+            return build()
         except ModelFormatError as e:
             if str(e).startswith(where):     # req()'s: names the file already
                 raise
@@ -276,6 +350,8 @@ class DecoderConfig:
     def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
         """A HF ``config.json`` object: ``model_type``, every RoPE field and the tie flag at
         top level (4.x layout) plus ``rope_parameters`` (5.x layout)."""
+        if self.model_type in FAMILY_MODEL_TYPES:
+            return hf_families.to_hf_dict(self, torch_dtype or self.param_dtype)
         rope_parameters = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope_parameters.update({k: self.rope_scaling[k] for k in LLAMA3_ROPE_KEYS})

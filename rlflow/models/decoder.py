@@ -39,6 +39,7 @@ from rlflow.models.config import DecoderConfig
 from rlflow.models.forward_output import ForwardOutput
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import PagedKVCache
+from rlflow.models.layer_pattern import LayerKinds, layer_pattern, scan_pattern
 from rlflow.models.layer_scan import scan_layers, stack_modules
 from rlflow.models.linear import INIT_STD, _dense, _normal
 from rlflow.models.lora import LoraSpec
@@ -86,6 +87,10 @@ class Decoder(nnx.Module):
     """Causal LM: ``embed [V, E]``, ``layers``, ``final_norm``, ``lm_head [E, V]`` (None when
     ``tie_word_embeddings``: logits use ``embed``).
 
+    ``layers`` of a model with several layer kinds (``cfg.layer_types``): a
+    :class:`rlflow.models.layer_pattern.LayerKinds`, one stack per kind
+    (``layers.sliding_attention.attn.q_kernel [L_s, E, H, D]``), run as a cycle.
+
     ``layers``: the ``L`` :class:`Block` s stored stacked, as one module of a block's
     structure whose every parameter has a leading ``[L, ...]`` axis (logical axis
     ``"layers"``: :mod:`rlflow.models.layer_scan`), e.g. ``layers.attn.q_kernel [L, E, H,
@@ -108,9 +113,17 @@ class Decoder(nnx.Module):
         self.lora = lora
         pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), pdt, ("vocab", "embed"))
-        self.layers = stack_modules([Block(cfg, rngs=rngs, lora=lora)
-                                     for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt)
+        pattern = layer_pattern(cfg.kinds)
+        if len(pattern.kinds) > 1 and lora is not None:
+            raise ValueError("learner.lora: LoRA adapters on a model with several layer kinds "
+                             f"({', '.join(pattern.kinds)}) are not supported yet")
+        blocks = [Block(cfg, rngs=rngs, lora=lora, kind=kind) for kind in cfg.kinds]
+        if len(pattern.kinds) == 1:
+            self.layers = stack_modules(blocks)
+        else:
+            self.layers = LayerKinds({k: stack_modules([b for b in blocks if b.kind == k])
+                                      for k in pattern.kinds})
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt, cfg.gemma_norms)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         _normal(rngs, (cfg.hidden_size, cfg.vocab_size), pdt, ("embed", "vocab")))
 
@@ -122,13 +135,21 @@ class Decoder(nnx.Module):
         return self.project(self.final_norm(x))
 
     def project(self, x) -> jax.Array:
-        """Final-normed hidden states ``[..., E]`` -> float32 logits ``[..., V]``."""
+        """Final-normed hidden states ``[..., E]`` -> float32 logits ``[..., V]`` (softcapped
+        ``c tanh(z / c)`` with ``cfg.final_logit_softcapping``)."""
         dt = jnp.dtype(self.cfg.dtype)
         w = self.embed[...].astype(dt).T if self.lm_head is None else self.lm_head[...].astype(dt)
-        return _dense(x, w, preferred_element_type=jnp.float32, out_in="lm_head" in self.out_in)
+        z = _dense(x, w, preferred_element_type=jnp.float32, out_in="lm_head" in self.out_in)
+        cap = self.cfg.final_logit_softcapping
+        return z if cap is None else cap * jnp.tanh(z / cap)
 
     def _embed(self, tokens) -> jax.Array:
-        return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        """Token embeddings in ``cfg.dtype``; Gemma's times ``sqrt(E)`` rounded to the stored
+        dtype (HF ``Gemma3TextScaledWordEmbedding``)."""
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.cfg.gemma_norms:
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
+        return x.astype(jnp.dtype(self.cfg.dtype))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                  *, return_hidden: bool = False, segment_ids: jax.Array | None = None,
@@ -238,7 +259,7 @@ class Decoder(nnx.Module):
         n = sequence_size(mesh)
         attend = SequenceMask(jnp.asarray(attention_mask, bool), segment_ids, prefix_ids,
                               attention_impl, mesh if n > 1 else None)  # never a [B, T, T] array
-        inv_freq = rope_inv_freq(self.cfg)
+        inv_freq = None                 # each layer its kind's RoPE (rope.rope_table)
         replay = replay_routing and routing_ids is not None
         if n == 1:
             x = self._scan(self._embed(tokens), lambda block, h, ids: block(
@@ -270,15 +291,20 @@ class Decoder(nnx.Module):
                             lambda h: self.final_norm(context_parallel.unfold(h, n)))
 
     def _scan(self, x, layer, remat, token_mask, per_layer_ids):
-        """The layers under :func:`scan_layers`; ``layer(block, h, ids) -> h``, or ``(h,
+        """The layers under :func:`rlflow.models.layer_pattern.scan_pattern` (one scan over
+        the cycles of layer kinds); ``layer(block, h, ids) -> h``, or ``(h,
         routing)`` when ``token_mask`` (the MoE load-balancing loss) or ``per_layer_ids``
         (recorded expert ids) is given: then :func:`rlflow.models.moe_scan.scan_routed`.
 
         Returns: ``x``, or ``(x, sums or None, agreement [L, 2] or None)``."""
+        pattern = layer_pattern(self.cfg.kinds)
         if token_mask is None and per_layer_ids is None:
-            return scan_layers(self.layers, x, lambda block, h: layer(block, h, None), remat)
+            apply = lambda block, h: layer(block, h, None)   # noqa: E731
+            if len(pattern.kinds) == 1:
+                return scan_layers(self.layers, x, apply, remat)
+            return scan_pattern(self.layers, pattern, x, apply, remat)
         return scan_routed(self.layers, x, layer, remat, token_mask, per_layer_ids,
-                           self.cfg.num_experts)
+                           self.cfg.num_experts, pattern)
 
     def _finish(self, x, attention_mask, moe_aux, finish) -> ForwardOutput:
         """``ForwardOutput(hidden=finish(x))``, or (``x`` the triple of :meth:`_scan`) with the

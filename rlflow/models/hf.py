@@ -32,6 +32,7 @@ from rlflow.models import hf_moe
 from rlflow.models.hf_moe import moe_layer_tensors
 from rlflow.models.config import DecoderConfig, ModelFormatError, eos_token_ids
 from rlflow.models.decoder import Decoder
+from rlflow.models.layer_pattern import layer_pattern
 from rlflow.models.weight_files import INDEX_FILE, SINGLE_FILE, check_weight_files
 
 CONFIG_FILE = "config.json"
@@ -67,6 +68,12 @@ class LayerTensor(NamedTuple):
 LAYER_TENSORS: tuple[LayerTensor, ...] = (
     LayerTensor("input_layernorm.weight", ("input_norm", "scale"), "copy"),
     LayerTensor("post_attention_layernorm.weight", ("post_attn_norm", "scale"), "copy"),
+    LayerTensor("pre_feedforward_layernorm.weight", ("pre_mlp_norm", "scale"), "copy",
+                when=lambda cfg: cfg.gemma_norms),
+    LayerTensor("post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), "copy",
+                when=lambda cfg: cfg.gemma_norms),
+    LayerTensor("self_attn.sinks", ("attn", "sinks"), "copy",
+                when=lambda cfg: cfg.attention_sinks),
     *(t for p in ("q", "k", "v") for t in (
         LayerTensor(f"self_attn.{p}_proj.weight", ("attn", f"{p}_kernel"), "in_heads"),
         LayerTensor(f"self_attn.{p}_proj.bias", ("attn", f"{p}_bias"), "heads",
@@ -90,6 +97,8 @@ def layer_tensors(cfg: DecoderConfig) -> list[LayerTensor]:
     fixed = [t for t in LAYER_TENSORS if t.when(cfg)]
     if not cfg.is_moe:
         return fixed
+    if cfg.expert_biases:
+        return fixed + [LayerTensor(*entry) for entry in hf_moe.gpt_oss_layer_tensors()]
     return fixed + [LayerTensor(*entry) for entry in moe_layer_tensors(cfg.num_experts)]
 
 
@@ -109,8 +118,12 @@ def hf_weight_map(cfg: DecoderConfig) -> list[HfTensor]:
     untied LM head."""
     m = [HfTensor("model.embed_tokens.weight", ("embed",), "copy")]
     per_layer = layer_tensors(cfg)
+    pattern = layer_pattern(cfg.kinds)
     for i in range(cfg.num_layers):
-        m += [HfTensor(f"model.layers.{i}.{t.hf}", ("layers",) + t.path, t.kind, (i, *t.at))
+        # several kinds: layer i is slice j of its kind's stack (rlflow.models.layer_pattern)
+        kind, j = pattern.slot(i) if len(pattern.kinds) > 1 else (None, i)
+        prefix = ("layers",) if kind is None else ("layers", kind)
+        m += [HfTensor(f"model.layers.{i}.{t.hf}", prefix + t.path, t.kind, (j, *t.at))
               for t in per_layer]
     m.append(HfTensor("model.norm.weight", ("final_norm", "scale"), "copy"))
     if not cfg.tie_word_embeddings:
@@ -119,6 +132,8 @@ def hf_weight_map(cfg: DecoderConfig) -> list[HfTensor]:
 
 
 def _hf_shape(kind: str, shape: tuple) -> tuple:
+    if kind in hf_moe.INTERLEAVED_KINDS:
+        return tuple(shape[:-1]) + (2 * shape[-1],)
     if kind in hf_moe.FUSED_KINDS:
         return hf_moe.fused_hf_shape(kind, shape)
     if kind == "copy":
@@ -133,6 +148,8 @@ def _hf_shape(kind: str, shape: tuple) -> tuple:
 
 
 def _to_ours(kind: str, a: np.ndarray, shape: tuple) -> np.ndarray:
+    if kind in hf_moe.INTERLEAVED_KINDS:
+        return np.ascontiguousarray(a[..., hf_moe.INTERLEAVED_KINDS.index(kind)::2])
     if kind in hf_moe.FUSED_KINDS:
         return hf_moe.fused_to_ours(kind, a)
     if kind in ("linear", "expert_linear", "in_heads", "out_heads"):
@@ -254,7 +271,8 @@ def _read_parameter(tensors: list[HfTensor], shape: tuple, np_dtype, files: dict
 
 def load_hf(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
             mesh: jax.sharding.Mesh | None = None) -> tuple[Decoder, DecoderConfig]:
-    """Load a local HF folder (Llama / Qwen2 / Qwen3 / Qwen3-MoE) into a :class:`Decoder`.
+    """Load a local HF folder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 text / gpt-oss)
+    into a :class:`Decoder`.
 
     Args:
       path: folder with config.json and safetensors weights (single or sharded).
@@ -346,7 +364,7 @@ def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | N
     if dtype not in _NP_DTYPES:
         raise ModelFormatError(f"dtype: must be one of {sorted(_NP_DTYPES)}, got {dtype!r}")
     pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
-    tensors, host = {}, {}
+    tensors, host, parts = {}, {}, {}
     for t in hf_weight_map(cfg):
         if t.path not in host:          # a stacked parameter is fetched once, for all layers
             try:
@@ -355,7 +373,13 @@ def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | N
                 raise ModelFormatError(f"params: missing {'.'.join(map(str, t.path))} "
                                        f"(for HF tensor {t.name!r})") from None
             host[t.path] = np.asarray(jax.device_get(value)).astype(_NP_DTYPES[dtype])
-        tensors[t.name] = _to_hf(t.kind, host[t.path][t.index])
+        part = _to_hf(t.kind, host[t.path][t.index])
+        if t.kind in hf_moe.INTERLEAVED_KINDS:      # gpt-oss gate_up: gate even, up odd
+            parts.setdefault(t.name, [None, None])[hf_moe.INTERLEAVED_KINDS.index(t.kind)] = part
+            if any(x is None for x in parts[t.name]):
+                continue
+            part = np.stack(parts[t.name], axis=-1).reshape(part.shape[:-1] + (-1,))
+        tensors[t.name] = part
     os.makedirs(out_dir, exist_ok=True)
     _write_safetensors(tensors, out_dir, max_shard_bytes)
     source_cfg = source_gen = None

@@ -39,6 +39,28 @@ def moe_layer_tensors(num_experts: int) -> list[tuple[str, tuple, str, tuple]]:
     return m
 
 
+# gpt-oss: HF [.., 2F] with gate in the even columns, up in the odd -> rlflow [.., F] each
+GATE_EVEN, UP_ODD = "interleaved_even", "interleaved_odd"
+INTERLEAVED_KINDS = (GATE_EVEN, UP_ODD)
+
+
+def gpt_oss_layer_tensors() -> list[tuple[str, tuple, str, tuple]]:
+    """One gpt-oss layer's MoE tensors (``GptOssForCausalLM.save_pretrained``, transformers
+    5.x), as :func:`moe_layer_tensors`: the router ``mlp.router.weight [n, E]`` and
+    ``.bias [n]``; the experts fused, ``[in, out]``: ``mlp.experts.gate_up_proj [n, E, 2F]``
+    (gate the even columns, up the odd) and its ``_bias [n, 2F]``, ``mlp.experts.down_proj
+    [n, F, E]`` and its ``_bias [n, E]``."""
+    mlp = "mlp"
+    return [("mlp.router.weight", (mlp, "router"), "linear", ()),
+            ("mlp.router.bias", (mlp, "router_bias"), "copy", ()),
+            ("mlp.experts.gate_up_proj", (mlp, "gate_kernel"), GATE_EVEN, ()),
+            ("mlp.experts.gate_up_proj", (mlp, "up_kernel"), UP_ODD, ()),
+            ("mlp.experts.gate_up_proj_bias", (mlp, "gate_bias"), GATE_EVEN, ()),
+            ("mlp.experts.gate_up_proj_bias", (mlp, "up_bias"), UP_ODD, ()),
+            ("mlp.experts.down_proj", (mlp, "down_kernel"), "copy", ()),
+            ("mlp.experts.down_proj_bias", (mlp, "down_bias"), "copy", ())]
+
+
 def stored_layout(entries: list, names) -> list:
     """``entries`` (:func:`rlflow.models.hf.hf_weight_map`'s ``HfTensor`` list) with the
     per-expert entries of every layer whose files hold the fused tensors (``names``: the

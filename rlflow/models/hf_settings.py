@@ -29,6 +29,10 @@ OWNED_CONFIG_KEYS = frozenset({
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
     "tie_word_embeddings", "attention_bias", "mlp_bias", "torch_dtype",
+    # several layer kinds (rlflow.models.hf_families)
+    "layer_types", "sliding_window", "query_pre_attn_scalar", "final_logit_softcapping",
+    "hidden_activation", "hidden_act", "num_local_experts", "num_experts_per_tok",
+    "swiglu_alpha", "swiglu_limit", "rope_local_base_freq",
 })
 
 

@@ -17,6 +17,12 @@ expert); the results are unsorted and summed per token weighted by the gates. On
 an ``expert`` axis the experts are split over it and the tokens reach them by
 :func:`rlflow.models.expert_parallel.expert_ffn`.
 
+gpt-oss (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card"; HF ``GptOssMLP``): the
+router has a bias, ``z = x @ W_r + b_r`` (its softmax over the top-k logits equals the
+top-k probabilities renormalised, ``norm_topk_prob``); each expert's projections have biases
+and the clamped SwiGLU ``(clip(u, -l, l) + 1) * g' * sigmoid(alpha g')`` with
+``g' = min(g, l)`` (``alpha = swiglu_alpha``, ``l = swiglu_limit``).
+
 Rollout routing replay (R3: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by
 Aligning Training and Inference Routers", arXiv 2510.11370, Sec. 3): given the expert ids
 the sampler chose, the layer uses those ids instead of its own top-k, with the gates still
@@ -31,14 +37,15 @@ probability of ``e``, both over the valid tokens of every MoE layer together.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rlflow.models.expert_parallel import context_mesh, expert_ffn
-from rlflow.models.linear import _dense, _normal     # one matmul and init for every kernel
+from rlflow.models.expert_parallel import context_mesh, expert_ffn, expert_size
+from rlflow.models.linear import _dense, _normal, _param     # one matmul and init for every kernel
 
 EXPERT_AXES = ("expert", "embed", "mlp")        # gate / up kernels [n, E, F]
 EXPERT_DOWN_AXES = ("expert", "mlp", "embed")   # down kernel [n, F, E]
@@ -95,8 +102,26 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
     return Routing(ids.astype(jnp.int32), gates, probs)
 
 
+class ExpertBiases(NamedTuple):
+    """gpt-oss's expert extras: ``gate`` / ``up`` ``[n, F]`` and ``down`` ``[n, E]`` biases
+    (compute dtype) and the clamped SwiGLU's ``alpha`` and ``limit`` (module doc)."""
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    alpha: float
+    limit: float
+
+
+def _expert_bias(bias: jax.Array, sorted_ids: jax.Array) -> jax.Array:
+    """Rows of ``bias [n, X]`` for the sorted pairs' experts (0 for pairs not here)."""
+    n = bias.shape[0]
+    return jnp.where((sorted_ids < n)[:, None], jnp.take(bias, jnp.minimum(sorted_ids, n - 1),
+                                                         axis=0), 0)
+
+
 def dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, gate_kernel: jax.Array,
-             up_kernel: jax.Array, down_kernel: jax.Array, first_expert=0) -> jax.Array:
+             up_kernel: jax.Array, down_kernel: jax.Array, first_expert=0,
+             biases: ExpertBiases | None = None) -> jax.Array:
     """Dropless expert computation (module doc): every (token, expert) pair is computed.
 
     Args:
@@ -109,6 +134,7 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, gate_kernel:
         :mod:`rlflow.models.expert_parallel`).
       first_expert: global id of the kernels' expert 0 (int or int32 scalar). Pairs whose
         expert is not among these sort after the last group, get no product, and add 0.
+      biases: gpt-oss's :class:`ExpertBiases` of these experts, or None (SwiGLU, no biases).
 
     Returns:
       ``[N, E]`` in ``x.dtype``: ``sum_j gates[:, j] * expert_{ids[:, j]}(x)`` over the
@@ -122,9 +148,18 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, gate_kernel:
     order = jnp.argsort(flat, stable=True)                          # pairs sorted by expert
     rows = jnp.take(x, order // k, axis=0)                          # [N k, E]
     sizes = jnp.bincount(flat, length=n_experts + 1)[:n_experts].astype(jnp.int32)  # [n]
-    h = (jax.nn.silu(jax.lax.ragged_dot(rows, gate_kernel, sizes))
-         * jax.lax.ragged_dot(rows, up_kernel, sizes))              # [N k, F]
+    g = jax.lax.ragged_dot(rows, gate_kernel, sizes)
+    u = jax.lax.ragged_dot(rows, up_kernel, sizes)                  # [N k, F]
+    if biases is None:
+        h = jax.nn.silu(g) * u
+    else:
+        ids = jnp.take(flat, order)                                 # sorted pairs' experts
+        g = jnp.minimum(g + _expert_bias(biases.gate, ids), biases.limit)
+        u = jnp.clip(u + _expert_bias(biases.up, ids), -biases.limit, biases.limit)
+        h = (u + 1) * (g * jax.nn.sigmoid(g * biases.alpha))
     out = jax.lax.ragged_dot(h, down_kernel, sizes)                 # [N k, E]
+    if biases is not None:
+        out = out + _expert_bias(biases.down, ids)
     out = jnp.take(out, jnp.argsort(order), axis=0)
     out = jnp.where(here[:, None], out, 0).reshape(n_tokens, k, -1)
     return jnp.einsum("nk,nke->ne", gates.astype(x.dtype), out)
@@ -149,6 +184,15 @@ class MoE(nnx.Module):
         self.gate_kernel = _normal(rngs, (n, e, f), pdt, EXPERT_AXES)
         self.up_kernel = _normal(rngs, (n, e, f), pdt, EXPERT_AXES)
         self.down_kernel = _normal(rngs, (n, f, e), pdt, EXPERT_DOWN_AXES)
+        self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_biases else None
+        if cfg.expert_biases:               # gpt-oss (module doc)
+            zeros = lambda shape, axes: _param(jnp.zeros(shape, pdt), axes)  # noqa: E731
+            self.router_bias = zeros((n,), (None,))
+            self.gate_bias = zeros((n, f), ("expert", "mlp"))
+            self.up_bias = zeros((n, f), ("expert", "mlp"))
+            self.down_bias = zeros((n, e), ("expert", "embed"))
+        else:
+            self.router_bias = self.gate_bias = self.up_bias = self.down_bias = None
 
     def __call__(self, x: jax.Array, replay_ids: jax.Array | None = None
                  ) -> tuple[jax.Array, Routing]:
@@ -159,13 +203,24 @@ class MoE(nnx.Module):
         flat = x.reshape(-1, e)
         logits = _dense(flat, self.router[...].astype(self.dtype),
                         preferred_element_type=jnp.float32)
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...].astype(self.dtype).astype(jnp.float32)
         replay = None if replay_ids is None else replay_ids.reshape(-1, self.k)
         routing = route(logits, self.k, self.norm_topk_prob, replay)
+        experts_fn, mesh = dispatch, context_mesh()
+        if self.swiglu is not None:
+            if expert_size(mesh) > 1:
+                raise ValueError("mesh.expert > 1 (expert parallelism) does not run gpt-oss's "
+                                 "expert biases yet; set mesh.expert=1")
+            biases = ExpertBiases(*(b[...].astype(self.dtype) for b in
+                                    (self.gate_bias, self.up_bias, self.down_bias)),
+                                  *self.swiglu)
+            experts_fn = functools.partial(dispatch, biases=biases)
         y = expert_ffn(flat, routing.expert_ids, routing.gates,
                        self.gate_kernel[...].astype(self.dtype),
                        self.up_kernel[...].astype(self.dtype),
-                       self.down_kernel[...].astype(self.dtype), mesh=context_mesh(),
-                       experts_fn=dispatch)
+                       self.down_kernel[...].astype(self.dtype), mesh=mesh,
+                       experts_fn=experts_fn)
         return y.reshape(*lead, e), routing
 
 

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 
 from rlflow.models import moe as moe_lib
 from rlflow.models.forward_output import ForwardOutput
+from rlflow.models.layer_pattern import scan_pattern
 from rlflow.models.layer_scan import scan_layers
 from rlflow.models.moe_replay import agreement_sums
 
 
-def scan_routed(layers, x, layer, remat: str, token_mask, per_layer_ids, num_experts: int):
+def scan_routed(layers, x, layer, remat: str, token_mask, per_layer_ids, num_experts: int,
+                pattern=None):
     """The stacked ``layers`` under :func:`rlflow.models.layer_scan.scan_layers`, each
     reporting its routing: ``layer(block, h, ids) -> (h, routing)``.
 
@@ -35,6 +37,8 @@ def scan_routed(layers, x, layer, remat: str, token_mask, per_layer_ids, num_exp
         None: with them each layer also outputs its
         :func:`rlflow.models.moe_replay.agreement_sums`.
       num_experts: ``n``, the experts of every layer.
+      pattern: the decoder's :class:`rlflow.models.layer_pattern.LayerPattern` (None: one
+        stack of one kind).
 
     Returns:
       ``(x, sums [2, n] or None, agreement [L, 2] or None)``.
@@ -51,7 +55,10 @@ def scan_routed(layers, x, layer, remat: str, token_mask, per_layer_ids, num_exp
         return (h, sums), agreement_sums(routing, ids)
 
     sums = None if weights is None else jnp.zeros((2, num_experts), jnp.float32)
-    out = scan_layers(layers, (x, sums), apply, remat, per_layer_ids)
+    if pattern is None:
+        out = scan_layers(layers, (x, sums), apply, remat, per_layer_ids)
+    else:
+        out = scan_pattern(layers, pattern, (x, sums), apply, remat, per_layer_ids)
     (x, sums), agreement = out if per_layer_ids is not None else (out, None)
     return x, sums, agreement
 

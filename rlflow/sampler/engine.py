@@ -52,6 +52,7 @@ from rlflow.sampler.jetstream_api import engine_api, tokenizer_pb2
 
 from rlflow.exchange.routing import routing_dtype
 from rlflow.models.kv_cache import KVCache, init_cache
+from rlflow.models.layer_pattern import layer_pattern
 from rlflow.sampler import kernel_layout, layer_storage, paged, quantization
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
                                          EngineParams, Prefix, PromptError, SampledTokens,
@@ -92,7 +93,8 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model_state)
         # the engine runs a view with one array per layer (rlflow.sampler.layer_storage)
         self.graphdef, state = nnx.split(layer_storage.unstacked_view(model), nnx.Param)
-        self._layers = layer_storage.LayerStorage(self._default_state, state)
+        self._layers = layer_storage.LayerStorage(self._default_state, state,
+                                                  layer_pattern(model.cfg.kinds))
         self._state_treedef = jax.tree_util.tree_structure(state)
         self._view_dtypes = [x.dtype for x in jax.tree_util.tree_leaves(state)]
         self._model_treedef = jax.tree_util.tree_structure(self._default_state)

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rlflow.models.layer_scan import LAYER_AXIS, layer_modules
+from rlflow.models.layer_pattern import layer_pattern, ordered_layers
+from rlflow.models.layer_scan import LAYER_AXIS
 from rlflow.sampler.kernel_layout import weak_ref
 
 
@@ -33,7 +34,7 @@ def unstacked_view(model) -> nnx.Module:
     modules are ``model``'s own (shared, not copied)."""
     graphdef, state = nnx.split(model)
     view = nnx.merge(graphdef, state)          # new module objects over the same arrays
-    view.layers = nnx.List(layer_modules(model.layers))
+    view.layers = nnx.List(ordered_layers(model.layers, layer_pattern(model.cfg.kinds)))
     return view
 
 
@@ -48,23 +49,30 @@ class LayerStorage:
     Args:
       stacked: the model's parameter state (``nnx.State``, stacked layers).
       view: the engine view's parameter state (``nnx.State`` of :func:`unstacked_view`).
+      pattern: the model's :class:`rlflow.models.layer_pattern.LayerPattern` when its
+        layers come in several kinds (view layer ``i`` is then slice ``j`` of stack
+        ``layers.<kind>``, :meth:`LayerPattern.slot`); None: one stack.
 
     Raises: ValueError when the two trees do not correspond (a view leaf without its
     stacked source).
     """
 
-    def __init__(self, stacked, view):
+    def __init__(self, stacked, view, pattern=None):
+        multi = pattern is not None and len(pattern.kinds) > 1
         src = {_keys(p): j for j, (p, _) in
                enumerate(jax.tree_util.tree_flatten_with_path(stacked)[0])}
         self.sources: list[tuple[int, int | None]] = []   # per view leaf: (stacked leaf, layer)
         for path, _ in jax.tree_util.tree_flatten_with_path(view)[0]:
             keys = _keys(path)
             layered = keys[:1] == (LAYER_AXIS,) and len(keys) > 1 and isinstance(keys[1], int)
-            key = keys[:1] + keys[2:] if layered else keys
+            key, index = keys, None
+            if layered:
+                kind, index = pattern.slot(keys[1]) if multi else (None, keys[1])
+                key = keys[:1] + ((kind,) if multi else ()) + keys[2:]
             if key not in src:
                 raise ValueError(f"engine view parameter {'.'.join(map(str, keys))} has no "
                                  f"stacked source {'.'.join(map(str, key))}")
-            self.sources.append((src[key], keys[1] if layered else None))
+            self.sources.append((src[key], index))
         self.num_stacked = len(src)
         # stacked leaf -> (weak ref to it, weak refs to its per-layer slices): a slice
         # the engine transposed or quantized is not kept alive here (with strong

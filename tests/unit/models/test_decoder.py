@@ -263,8 +263,14 @@ def test_decoder_config_rejects_bad_values():
         DecoderConfig(model_type="gpt2")
     with pytest.raises(ValueError, match="num_kv_heads"):
         DecoderConfig(num_heads=4, num_kv_heads=3)
-    with pytest.raises(ValueError, match="rope_scaling.*'yarn'"):
+    with pytest.raises(ValueError, match="rope_scaling.*'dynamic'"):
+        DecoderConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="yarn scaling is missing.*original_max_position"):
         DecoderConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="sliding_window"):
+        DecoderConfig(num_layers=2, layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ValueError, match="layer_types"):
+        DecoderConfig(num_layers=2, layer_types=("full_attention",))
     hash(DecoderConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 64}))
