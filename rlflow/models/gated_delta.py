@@ -35,6 +35,8 @@ that picks one by name (:data:`IMPLEMENTATIONS`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -112,17 +114,18 @@ def _initial(initial_state, b, h, dk, dv) -> jax.Array:
     return initial_state.astype(jnp.float32)
 
 
-def _update(s, q_t, k_t, v_t, g_t, b_t):
+def _update(s, q_t, k_t, v_t, g_t, b_t, precision):
     """One token: ``s [B, H, dk, dv]``, ``q_t, k_t [B, H, dk]``, ``v_t [B, H, dv]``,
     ``g_t, b_t [B, H]`` (prepared). Returns the new state and ``o_t [B, H, dv]``."""
     s = s * jnp.exp(g_t)[..., None, None]
-    delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
+    delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=precision)) * b_t[..., None]
     s = s + k_t[..., :, None] * delta[..., None, :]
-    return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+    return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=precision)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_ids=None,
-                               qk_l2norm: bool = True) -> tuple[jax.Array, jax.Array]:
+                               qk_l2norm: bool = True, precision=None
+                               ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule token by token (``lax.scan`` over the sequence).
 
     Args:
@@ -131,6 +134,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_
       initial_state: ``[B, Hv, d_k, d_v]`` or None (zeros).
       segment_ids: ``[B, T]`` int or None; the state resets where it changes.
       qk_l2norm: L2-normalise ``q`` and ``k`` first.
+      precision: ``jax.lax.Precision`` of the float32 contractions (None: the backend's
+        default; TPU's default multiplies float32 in one bfloat16 pass, ``HIGHEST`` does not).
 
     Returns:
       ``(o [B, T, Hv, d_v] in q.dtype, final state [B, Hv, d_k, d_v] float32)``.
@@ -148,7 +153,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t, r_t = xs
         s = jnp.where(r_t[:, None, None, None], 0.0, s)
-        return _update(s, q_t, k_t, v_t, g_t, b_t)
+        return _update(s, q_t, k_t, v_t, g_t, b_t, precision)
 
     xs = (q.transpose(2, 0, 1, 3), k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3),
           g.transpose(2, 0, 1), beta.transpose(2, 0, 1), reset.T)
@@ -156,7 +161,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_
     return o.transpose(1, 0, 2, 3).astype(out_dtype), s
 
 
-def gated_delta_step(q, k, v, g, beta, state, *, qk_l2norm: bool = True
+def gated_delta_step(q, k, v, g, beta, state, *, qk_l2norm: bool = True, precision=None
                      ) -> tuple[jax.Array, jax.Array]:
     """One decode token: ``q, k [B, Hk, d_k]``, ``v [B, Hv, d_v]``, ``g, beta [B, Hv]``,
     ``state [B, Hv, d_k, d_v]`` (a slot starting a new sequence passes zeros). Returns
@@ -167,7 +172,7 @@ def gated_delta_step(q, k, v, g, beta, state, *, qk_l2norm: bool = True
                                 qk_l2norm)
     b, h, _, dk = k.shape
     s = _initial(state, b, h, dk, v.shape[-1])
-    s, o = _update(s, q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0])
+    s, o = _update(s, q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], precision)
     return o.astype(out_dtype), s
 
 
@@ -176,7 +181,7 @@ def _chunks(x, n, c):
     return x.reshape(x.shape[:2] + (n, c) + x.shape[3:])
 
 
-def _intra_chunk(q, k, v, g, beta, runs, c_in, c_last):
+def _intra_chunk(q, k, v, g, beta, runs, c_in, c_last, precision):
     """The chunk-local quantities, all chunks at once (shapes ``[B, H, N, C, ...]``; ``runs
     [B, N, C]``, ``c_in`` / ``c_last [B, N]`` the run of the state entering / leaving each
     chunk). ``D[i, j] = exp(G_i - G_j)`` where ``j <= i`` in one run, else 0 (``G`` the
@@ -192,14 +197,15 @@ def _intra_chunk(q, k, v, g, beta, runs, c_in, c_last):
     to_last = (runs == c_last[..., None])[:, None]
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    lower = jnp.where(strict, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0)
+    lower = jnp.where(strict, jnp.einsum("...id,...jd->...ij", k_beta, k,
+                                             precision=precision) * decay, 0.0)
     system = lower + jnp.eye(c, dtype=lower.dtype)
     rhs = jnp.concatenate([v_beta, k_beta * (jnp.exp(big_g) * from_in)[..., None]], axis=-1)
     solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
                                              unit_diagonal=True)
     dv = v.shape[-1]
     new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
-    attn = jnp.einsum("...id,...jd->...ij", q, k) * decay
+    attn = jnp.einsum("...id,...jd->...ij", q, k, precision=precision) * decay
     q_in = q * (jnp.exp(big_g) * from_in)[..., None]
     g_last = big_g[..., -1:]
     k_out = k * (jnp.exp(g_last - big_g) * to_last)[..., None]
@@ -208,8 +214,8 @@ def _intra_chunk(q, k, v, g, beta, runs, c_in, c_last):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size: int = DEFAULT_CHUNK,
-                           initial_state=None, segment_ids=None, qk_l2norm: bool = True
-                           ) -> tuple[jax.Array, jax.Array]:
+                           initial_state=None, segment_ids=None, qk_l2norm: bool = True,
+                           precision=None) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule in chunks of ``chunk_size`` tokens (the learner and prefill).
 
     Same arguments and results as :func:`recurrent_gated_delta_rule`, plus ``chunk_size``
@@ -242,13 +248,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size: int = DEFAULT_CHUNK,
     q, k, v = (_chunks(x, n, chunk_size) for x in (q, k, v))
     g, beta = (_chunks(x, n, chunk_size) for x in (g, beta))
     new_values, k_cumdecay, attn, q_in, k_out, chunk_decay = _intra_chunk(
-        q, k, v, g, beta, runs, c_in, c_last)
+        q, k, v, g, beta, runs, c_in, c_last, precision)
+
+    ein = functools.partial(jnp.einsum, precision=precision)
 
     def step(s, xs):
         u, w, a, qi, ko, dec = xs
-        v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
-        o = jnp.einsum("bhck,bhkv->bhcv", qi, s) + jnp.einsum("bhij,bhjv->bhiv", a, v_new)
-        s = s * dec[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", ko, v_new)
+        v_new = u - ein("bhck,bhkv->bhcv", w, s)
+        o = ein("bhck,bhkv->bhcv", qi, s) + ein("bhij,bhjv->bhiv", a, v_new)
+        s = s * dec[..., None, None] + ein("bhck,bhcv->bhkv", ko, v_new)
         return s, o
 
     to_scan = lambda x: jnp.moveaxis(x, 2, 0)   # chunks first
@@ -259,8 +267,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size: int = DEFAULT_CHUNK,
 
 
 def gated_delta_rule(q, k, v, g, beta, *, impl: str = "auto", chunk_size: int = DEFAULT_CHUNK,
-                     initial_state=None, segment_ids=None, qk_l2norm: bool = True
-                     ) -> tuple[jax.Array, jax.Array]:
+                     initial_state=None, segment_ids=None, qk_l2norm: bool = True,
+                     precision=None) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule over a sequence by the implementation ``impl`` names
     (:func:`resolve`): :func:`chunk_gated_delta_rule` for ``"xla"``,
     :func:`recurrent_gated_delta_rule` for ``"recurrent"``. Arguments and results as theirs.
@@ -270,7 +278,8 @@ def gated_delta_rule(q, k, v, g, beta, *, impl: str = "auto", chunk_size: int = 
     """
     if resolve(impl) == "recurrent":
         return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
-                                          segment_ids=segment_ids, qk_l2norm=qk_l2norm)
+                                          segment_ids=segment_ids, qk_l2norm=qk_l2norm,
+                                          precision=precision)
     return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size,
                                   initial_state=initial_state, segment_ids=segment_ids,
-                                  qk_l2norm=qk_l2norm)
+                                  qk_l2norm=qk_l2norm, precision=precision)

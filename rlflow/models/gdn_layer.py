@@ -43,7 +43,9 @@ class GDNSpec:
     """Shapes and settings of one GatedDeltaNet layer (transformers' ``linear_*`` fields).
 
     ``conv_kernel`` K (``linear_conv_kernel_dim``), ``chunk_size`` of the chunked rule,
-    ``impl`` a name of :data:`rlflow.models.gated_delta.IMPLEMENTATIONS`; dtypes as names.
+    ``impl`` a name of :data:`rlflow.models.gated_delta.IMPLEMENTATIONS`; ``precision`` of
+    the rule's float32 contractions (None, ``"default"``, ``"high"``, ``"highest"``: a
+    ``jax.lax.Precision``); dtypes as names.
     """
     hidden_size: int
     num_k_heads: int
@@ -54,6 +56,7 @@ class GDNSpec:
     rms_norm_eps: float = 1e-6
     chunk_size: int = gated_delta.DEFAULT_CHUNK
     impl: str = "auto"
+    precision: str | None = None
     param_dtype: str = "float32"
     dtype: str = "float32"
 
@@ -64,6 +67,9 @@ class GDNSpec:
         if self.conv_kernel < 1:
             raise ValueError(f"GDNSpec: conv_kernel must be >= 1, got {self.conv_kernel}")
         gated_delta.resolve(self.impl)
+        if self.precision not in (None, "default", "high", "highest"):
+            raise ValueError(f"GDNSpec: precision must be None, 'default', 'high' or "
+                             f"'highest', got {self.precision!r}")
 
     @property
     def key_dim(self) -> int:
@@ -143,6 +149,10 @@ class GatedDeltaNet(nnx.Module):
         self.norm_scale = _param(jnp.ones((dv,), pdt), ("norm",))
         self.o_kernel = _normal(rngs, (hv, dv, e), pdt, ("q_heads", "head_dim", "embed"))
 
+    def _precision(self):
+        p = self.spec.precision
+        return None if p is None else jax.lax.Precision[p.upper()]
+
     def _conv_weight(self) -> jax.Array:
         """``[K, conv_dim]``: the three conv kernels, channels ``q | k | v``."""
         kern = self.spec.conv_kernel
@@ -209,7 +219,8 @@ class GatedDeltaNet(nnx.Module):
         q, k, v = self._split(qkv)
         o, rec = gated_delta.gated_delta_rule(
             q, k, v, g, beta, impl=self.spec.impl, chunk_size=self.spec.chunk_size,
-            initial_state=None if state is None else state.recurrent, segment_ids=segment_ids)
+            initial_state=None if state is None else state.recurrent, segment_ids=segment_ids,
+            precision=self._precision())
         return self._out(o, z), GDNState(conv_state, rec)
 
     def step(self, x: jax.Array, state: GDNState) -> tuple[jax.Array, GDNState]:
@@ -219,7 +230,8 @@ class GatedDeltaNet(nnx.Module):
         qkv, z, beta, g = self._project(x)
         qkv, conv_state = causal_conv.causal_conv1d_step(qkv, self._conv_weight(), state.conv)
         q, k, v = self._split(qkv)
-        o, rec = gated_delta.gated_delta_step(q, k, v, g, beta, state.recurrent)
+        o, rec = gated_delta.gated_delta_step(q, k, v, g, beta, state.recurrent,
+                                              precision=self._precision())
         return self._out(o, z), GDNState(conv_state, rec)
 
 

@@ -156,7 +156,8 @@ def test_seam_and_errors():
         gd.resolve("pallas")
     q, k, v, g, beta, s0 = inputs(5, t=6)
     a, _ = gd.gated_delta_rule(q, k, v, g, beta, impl="recurrent")
-    b, _ = gd.gated_delta_rule(q, k, v, g, beta, impl="auto", chunk_size=4)
+    b, _ = gd.gated_delta_rule(q, k, v, g, beta, impl="auto", chunk_size=4,
+                               precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="v: expected"):
         gd.chunk_gated_delta_rule(q, k, v[:, :, :3], g, beta)

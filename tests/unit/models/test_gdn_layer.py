@@ -82,10 +82,10 @@ def activations(b, t, seed=0):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-@pytest.mark.parametrize("impl", ["auto", "recurrent"])
-def test_layer_matches_transformers_on_padded_rows(family, impl):
+@pytest.mark.parametrize("impl,precision", [("auto", None), ("recurrent", "highest")])
+def test_layer_matches_transformers_on_padded_rows(family, impl, precision):
     cfg, hf = hf_layer(family)
-    layer = ours(cfg, hf, impl=impl)
+    layer = ours(cfg, hf, impl=impl, precision=precision)
     x = activations(2, 21)
     mask = np.ones((2, 21), bool)
     mask[1, :5] = False      # left padding
@@ -177,6 +177,8 @@ def test_spec_errors():
         gdn_layer.GDNSpec(32, num_k_heads=3, num_v_heads=4, head_k_dim=8, head_v_dim=8)
     with pytest.raises(ValueError, match="expected one of"):
         gdn_layer.GDNSpec(32, 2, 4, 8, 8, impl="fla")
+    with pytest.raises(ValueError, match="precision must be"):
+        gdn_layer.GDNSpec(32, 2, 4, 8, 8, precision="fp32")
     cfg = transformers.Qwen3_5TextConfig(**SHAPES)
     cfg.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
