@@ -150,6 +150,19 @@ def test_chunked_gradients_equal_recurrent_and_stay_finite_under_strong_decay():
                                    err_msg=name)
 
 
+def test_unit_lower_inverse_ignores_the_upper_triangle_and_inverts():
+    rng = np.random.default_rng(8)
+    a = rng.normal(size=(3, 16, 16)).astype(np.float32) * 0.3
+    x = np.asarray(gd.unit_lower_inverse(a), np.float64)
+    m = np.eye(16) + np.tril(a.astype(np.float64), -1)
+    # a triangular inverse by substitution: |X M - I| <= c_n u |X| |M| with c_n ~ n
+    # (Higham 2002, sec. 14.2, first order); 2 n eps here
+    scale = float((np.abs(x) @ np.abs(m)).max())
+    np.testing.assert_allclose(x @ m, np.eye(16)[None].repeat(3, 0), rtol=0,
+                               atol=2 * 16 * F32_EPS * scale)
+    assert (np.triu(x, 1) == 0).all()
+
+
 def test_seam_and_errors():
     assert gd.resolve("auto") == "xla" and gd.resolve("recurrent") == "recurrent"
     with pytest.raises(ValueError, match="expected one of"):
