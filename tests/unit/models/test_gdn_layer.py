@@ -191,3 +191,28 @@ def test_spec_errors():
     tensors["conv1d.weight"] = tensors["conv1d.weight"][:, :, :3]
     with pytest.raises(ValueError, match="conv1d.weight"):
         gdn_layer.hf_to_params(layer, tensors)
+
+
+def test_parameter_gradients_of_chunked_and_recurrent_layers_agree():
+    """The learner differentiates the chunked layer; its parameter gradients equal the
+    recurrent layer's (both float32; the chain of the forward, scaled by the largest
+    gradient, twice: forward and the transposed backward)."""
+    cfg, hf = hf_layer("qwen3_5", seed=4)
+    x = activations(2, 13, seed=4)
+    seg = np.array([[0] * 4 + [1] * 9, [2] * 13])
+    w = np.random.default_rng(5).normal(size=(2, 13, 32)).astype(np.float32)
+    grads = []
+    for impl in ("auto", "recurrent"):
+        layer = ours(cfg, hf, impl=impl)
+        loss = lambda m: jnp.sum(m(x, segment_ids=seg)[0] * w)
+        grads.append(nnx.state(nnx.grad(loss)(layer), nnx.Param))
+    flat = [dict((jax_path(p), np.asarray(v)) for p, v in nnx.to_flat_state(g)) for g in grads]
+    assert flat[0].keys() == flat[1].keys() and len(flat[0]) == 13
+    for name in flat[0]:
+        a, b = flat[0][name], flat[1][name]
+        assert np.isfinite(a).all() and np.abs(b).max() > 0, name
+        np.testing.assert_allclose(a, b, rtol=0, atol=2 * atol(13, b), err_msg=name)
+
+
+def jax_path(path) -> str:
+    return "/".join(str(p) for p in path)
