@@ -5,7 +5,7 @@ The layer (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks", sec. 3.4 and 
 transformers 5.25's ``Qwen3_5GatedDeltaNet``)::
 
     x = x * attention_mask                                  (padding rows zeroed)
-    q, k, v = split(silu(causal_conv(x W_qkv)))             (kernel K, depthwise, over q|k|v)
+    q, k, v = silu(causal_conv(x W_q)), ... (x W_k), ... (x W_v)   (kernel K, depthwise)
     z = x W_z;  beta = sigmoid(x W_b);  g = -exp(A_log) * softplus(x W_a + dt_bias)
     o = gated_delta_rule(q, k, v, g, beta)                  (rlflow.models.gated_delta)
     y = (rmsnorm(o) * norm_scale * silu(z)) W_out           (per value head, over d_v)
@@ -14,14 +14,16 @@ Parameters (kernels ``[in, out...]`` like :mod:`rlflow.models.blocks`): ``q_kern
 [E, Hk, dk]``, ``v_kernel, z_kernel [E, Hv, dv]``, ``b_kernel, a_kernel [E, Hv]``,
 ``conv_q, conv_k [K, Hk, dk]``, ``conv_v [K, Hv, dv]``, ``A_log, dt_bias [Hv]``,
 ``norm_scale [dv]``, ``o_kernel [Hv, dv, E]``. transformers' fused ``in_proj_qkv`` and
-``conv1d`` (channels ``q | k | v``) are split per part so that each is sharded along its
-heads (logical axes ``kv_heads`` for the key heads, ``q_heads`` for the value heads);
+``conv1d`` (channels ``q | k | v``) are split per part so that each, and its conv state, is
+sharded along its heads (logical axes ``kv_heads`` for the key heads, ``q_heads`` for the
+value heads; the depthwise conv is per channel, so the split is exact);
 :func:`hf_to_params` converts Qwen3.5's and Qwen3-Next's tensors (Qwen3-Next's
 ``in_proj_qkvz`` / ``in_proj_ba`` interleave the parts per key head).
 
-Decode state per slot (:class:`GDNState`): the conv's last ``K - 1`` inputs ``[K - 1,
-conv_dim]`` in the activation dtype and the recurrent matrix ``[Hv, dk, dv]`` in float32;
-neither grows with the sequence (:func:`decode_state_bytes` vs :func:`kv_cache_bytes`).
+Decode state per slot (:class:`GDNState`): the convs' last ``K - 1`` inputs (``conv_dim``
+channels in all) in the activation dtype and the recurrent matrix ``[Hv, dk, dv]`` in
+float32; neither grows with the sequence (:func:`decode_state_bytes` vs
+:func:`kv_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -107,17 +109,31 @@ class GDNSpec:
 
 
 class GDNState(NamedTuple):
-    """Decode state of one GatedDeltaNet layer: ``conv [B, K - 1, conv_dim]`` (activation
-    dtype), ``recurrent [B, Hv, dk, dv]`` float32. Zeros for a slot starting a sequence."""
-    conv: jax.Array
+    """Decode state of one GatedDeltaNet layer: the conv windows ``conv_q, conv_k [B, K - 1,
+    Hk, dk]``, ``conv_v [B, K - 1, Hv, dv]`` (activation dtype) and ``recurrent [B, Hv, dk,
+    dv]`` float32. Zeros for a slot starting a sequence. Logical axes: :data:`STATE_AXES`."""
+    conv_q: jax.Array
+    conv_k: jax.Array
+    conv_v: jax.Array
     recurrent: jax.Array
+
+
+STATE_AXES = GDNState(conv_q=("cache_batch", None, "kv_heads", "head_dim"),
+                      conv_k=("cache_batch", None, "kv_heads", "head_dim"),
+                      conv_v=("cache_batch", None, "q_heads", "head_dim"),
+                      recurrent=("cache_batch", "q_heads", "head_dim", None))
+"""Logical axes of a :class:`GDNState` (:func:`rlflow.mesh.logical_sharding`): slots over
+the batch axes, heads over ``tensor``."""
 
 
 def init_state(spec: GDNSpec, batch: int) -> GDNState:
     """Zero decode state for ``batch`` slots."""
+    s, dt = spec, jnp.dtype(spec.dtype)
     return GDNState(
-        jnp.zeros((batch, spec.conv_kernel - 1, spec.conv_dim), jnp.dtype(spec.dtype)),
-        jnp.zeros((batch, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim), jnp.float32))
+        jnp.zeros((batch, s.conv_kernel - 1, s.num_k_heads, s.head_k_dim), dt),
+        jnp.zeros((batch, s.conv_kernel - 1, s.num_k_heads, s.head_k_dim), dt),
+        jnp.zeros((batch, s.conv_kernel - 1, s.num_v_heads, s.head_v_dim), dt),
+        jnp.zeros((batch, s.num_v_heads, s.head_k_dim, s.head_v_dim), jnp.float32))
 
 
 class GatedDeltaNet(nnx.Module):
@@ -153,32 +169,37 @@ class GatedDeltaNet(nnx.Module):
         p = self.spec.precision
         return None if p is None else jax.lax.Precision[p.upper()]
 
-    def _conv_weight(self) -> jax.Array:
-        """``[K, conv_dim]``: the three conv kernels, channels ``q | k | v``."""
-        kern = self.spec.conv_kernel
-        return jnp.concatenate([w[...].reshape(kern, -1) for w in
-                                (self.conv_q, self.conv_k, self.conv_v)], axis=1)
-
     def _project(self, x):
-        """``x [..., E]`` -> ``(qkv [..., conv_dim], z [..., Hv, dv], beta, g [..., Hv])``."""
+        """``x [..., E]`` -> ``(q, k [..., Hk, dk], v, z [..., Hv, dv], beta, g [..., Hv])``
+        (``q, k, v`` before the conv)."""
         p = lambda w: w[...].astype(self.dtype)
-        lead = x.shape[:-1]
-        qkv = jnp.concatenate([_dense(x, p(w)).reshape(lead + (-1,)) for w in
-                               (self.q_kernel, self.k_kernel, self.v_kernel)], axis=-1)
+        q, k, v = (_dense(x, p(w)) for w in (self.q_kernel, self.k_kernel, self.v_kernel))
         z = _dense(x, p(self.z_kernel))
         beta = jax.nn.sigmoid(_dense(x, p(self.b_kernel)).astype(jnp.float32))
         a = _dense(x, p(self.a_kernel)).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a + self.dt_bias[...].astype(jnp.float32))
-        return qkv, z, beta, g
+        return (q, k, v), z, beta, g
 
-    def _split(self, qkv):
-        s = self.spec
-        lead = qkv.shape[:-1]
-        q, k, v = jnp.split(qkv, [s.key_dim, 2 * s.key_dim], axis=-1)
-        return (q.reshape(lead + (s.num_k_heads, s.head_k_dim)),
-                k.reshape(lead + (s.num_k_heads, s.head_k_dim)),
-                v.reshape(lead + (s.num_v_heads, s.head_v_dim)))
+    def _convs(self, parts, states, segment_ids=None):
+        """Each of ``q, k, v`` (``[B, T, H, d]``, or ``[B, H, d]`` for one decode token)
+        through its conv (channels ``H * d``) from its state ``[B, K - 1, H, d]`` (or None);
+        returns the outputs and the new states."""
+        outs, news = [], []
+        for x, w, st in zip(parts, (self.conv_q, self.conv_k, self.conv_v), states):
+            h, d = x.shape[-2:]
+            lead = x.shape[:-2]
+            flat_w = w[...].reshape(w.shape[0], h * d)
+            flat_st = None if st is None else st.reshape(st.shape[:2] + (h * d,))
+            if len(lead) == 1:     # decode
+                y, new = causal_conv.causal_conv1d_step(x.reshape(lead + (h * d,)), flat_w,
+                                                        flat_st)
+            else:
+                y, new = causal_conv.causal_conv1d(x.reshape(lead + (h * d,)), flat_w,
+                                                   state=flat_st, segment_ids=segment_ids)
+            outs.append(y.reshape(x.shape))
+            news.append(new.reshape(new.shape[:2] + (h, d)))
+        return outs, news
 
     def _out(self, o, z):
         """Gated RMSNorm per value head (statistics float32; transformers'
@@ -212,27 +233,24 @@ class GatedDeltaNet(nnx.Module):
         x = x.astype(self.dtype)
         if attention_mask is not None:
             x = x * attention_mask[..., None].astype(self.dtype)
-        qkv, z, beta, g = self._project(x)
-        qkv, conv_state = causal_conv.causal_conv1d(
-            qkv, self._conv_weight(), state=None if state is None else state.conv,
-            segment_ids=segment_ids)
-        q, k, v = self._split(qkv)
+        parts, z, beta, g = self._project(x)
+        (q, k, v), convs = self._convs(parts, (None,) * 3 if state is None else state[:3],
+                                       segment_ids)
         o, rec = gated_delta.gated_delta_rule(
             q, k, v, g, beta, impl=self.spec.impl, chunk_size=self.spec.chunk_size,
             initial_state=None if state is None else state.recurrent, segment_ids=segment_ids,
             precision=self._precision())
-        return self._out(o, z), GDNState(conv_state, rec)
+        return self._out(o, z), GDNState(*convs, rec)
 
     def step(self, x: jax.Array, state: GDNState) -> tuple[jax.Array, GDNState]:
         """One decode token per slot: ``x [B, E]``, ``state`` the slots' :class:`GDNState`.
         Returns ``(y [B, E], new state)``."""
         x = x.astype(self.dtype)
-        qkv, z, beta, g = self._project(x)
-        qkv, conv_state = causal_conv.causal_conv1d_step(qkv, self._conv_weight(), state.conv)
-        q, k, v = self._split(qkv)
+        parts, z, beta, g = self._project(x)
+        (q, k, v), convs = self._convs(parts, state[:3])
         o, rec = gated_delta.gated_delta_step(q, k, v, g, beta, state.recurrent,
                                               precision=self._precision())
-        return self._out(o, z), GDNState(conv_state, rec)
+        return self._out(o, z), GDNState(*convs, rec)
 
 
 def qwen3_next_to_qwen3_5(tensors: Mapping[str, np.ndarray], spec: GDNSpec

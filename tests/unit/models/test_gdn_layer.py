@@ -92,7 +92,8 @@ def test_layer_matches_transformers_on_padded_rows(family, impl, precision):
     ref = run_hf(hf, x, mask)
     y, state = layer(x, attention_mask=mask)
     assert y.shape == (2, 21, 32) and y.dtype == jnp.float32
-    assert state.conv.shape == (2, 3, 56) and state.recurrent.shape == (2, 4, 8, 6)
+    assert state.conv_q.shape == state.conv_k.shape == (2, 3, 2, 8)
+    assert state.conv_v.shape == (2, 3, 4, 6) and state.recurrent.shape == (2, 4, 8, 6)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=atol(21, ref))
     # the padded row's real tokens equal the same tokens run unpadded
     alone = run_hf(hf, x[1:, 5:])
@@ -146,17 +147,19 @@ def test_bfloat16_layer_runs_and_params_shard_by_rules():
     import jax
 
     from rlflow.config import MeshConfig
-    from rlflow.mesh import make_mesh, param_shardings
+    from rlflow.mesh import logical_sharding, make_mesh, param_shardings
 
     cfg, hf = hf_layer("qwen3_5")
     layer = ours(cfg, hf, dtype="bfloat16", param_dtype="bfloat16")
     y, state = layer(activations(1, 5).astype(jnp.bfloat16))
-    assert y.dtype == jnp.bfloat16 and state.conv.dtype == jnp.bfloat16
+    assert y.dtype == jnp.bfloat16 and state.conv_v.dtype == jnp.bfloat16
     assert state.recurrent.dtype == jnp.float32
     assert np.isfinite(np.asarray(y, np.float32)).all()
     mesh = make_mesh(MeshConfig(), devices=jax.devices()[:1])
     shardings = param_shardings(nnx.state(layer, nnx.Param), mesh)
     assert len(jax.tree.leaves(shardings)) == 13
+    for arr, axes in zip(state, gdn_layer.STATE_AXES):
+        logical_sharding(mesh, axes, arr.shape)
 
 
 def test_state_bytes_are_constant_in_sequence_length_and_match_the_arrays():
