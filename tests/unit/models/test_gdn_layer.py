@@ -219,3 +219,38 @@ def test_parameter_gradients_of_chunked_and_recurrent_layers_agree():
 
 def jax_path(path) -> str:
     return "/".join(str(p) for p in path)
+
+
+def test_sharded_layer_equals_one_device():
+    """fsdp=2 x tensor=2 on fake CPU devices: heads (2 key, 4 value) over tensor, embed and
+    the batch over fsdp; a prefill and a decode step equal the unsharded layer's."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rlflow.config import MeshConfig
+    from rlflow.mesh import logical_sharding, make_mesh, shard_params
+
+    cfg, hf = hf_layer("qwen3_5", seed=6)
+    layer = ours(cfg, hf)
+    x = activations(2, 11, seed=6)
+    want, want_state = layer(x[:, :10])
+    want_step, _ = layer.step(x[:, 10], want_state)
+    mesh = make_mesh(MeshConfig(fsdp=2, tensor=2))
+    graph, params = nnx.split(layer, nnx.Param)
+    params = shard_params(params, mesh)
+    assert params["q_kernel"][...].sharding.spec == P("fsdp", "tensor", None)
+
+    @jax.jit
+    def run(params, x, nxt):
+        m = nnx.merge(graph, params)
+        y, state = m(x)
+        state = jax.lax.with_sharding_constraint(state, gdn_layer.GDNState(*(
+            logical_sharding(mesh, axes, a.shape) for axes, a in
+            zip(gdn_layer.STATE_AXES, state))))
+        return y, m.step(nxt, state)[0]
+
+    rows = NamedSharding(mesh, P("fsdp"))
+    y, y_step = run(params, jax.device_put(x[:, :10], rows), jax.device_put(x[:, 10], rows))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=0, atol=atol(10, want))
+    np.testing.assert_allclose(np.asarray(y_step), np.asarray(want_step), rtol=0,
+                               atol=atol(11, want_step))
