@@ -49,9 +49,12 @@ def resolve(impl: str, backend: str | None = None) -> str:
     """The implementation ``impl`` names. ``"xla"``: the chunked ``jnp`` form (every
     backend; the learner and prefill); ``"recurrent"``: the token-by-token scan;
     ``"auto"``: ``"xla"`` on every backend. No accelerator kernel of the gated delta rule
-    ships with the installed stack (``jax.experimental.pallas.ops`` has none; tokamax does
-    not import beside the CLI's typeguard, see :mod:`rlflow.models.attention`), so ``"auto"``
-    has nothing else to pick yet; a library kernel joins here under its own name.
+    ships with the installed stack: ``jax.experimental.pallas.ops`` has none, and tokamax is
+    not installed (nor importable beside the CLI's typeguard 4, see
+    :mod:`rlflow.models.attention`). Newer tokamax releases have a TPU Pallas op
+    ``causal_conv1d_gated_delta_rule`` (conv + rule fused, forward only, over a ragged batch
+    of prefill and decode tokens with a pooled state per slot: a sampler kernel, not a
+    learner one); it would join here, under its own name, for the sampler's prefill.
 
     Raises:
       ValueError: ``impl`` is not one of :data:`IMPLEMENTATIONS`.
