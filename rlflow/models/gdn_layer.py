@@ -4,7 +4,7 @@ with its decode state and the bytes that state takes per slot.
 The layer (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks", sec. 3.4 and fig. 1; as
 transformers 5.25's ``Qwen3_5GatedDeltaNet``)::
 
-    x = x * attention_mask                                  (padding rows zeroed)
+    x = x * attention_mask                                  (padding positions zeroed)
     q, k, v = silu(causal_conv(x W_q)), ... (x W_k), ... (x W_v)   (kernel K, depthwise)
     z = x W_z;  beta = sigmoid(x W_b);  g = -exp(A_log) * softplus(x W_a + dt_bias)
     o = gated_delta_rule(q, k, v, g, beta)                  (rlflow.models.gated_delta)
@@ -313,6 +313,26 @@ def hf_to_params(layer: GatedDeltaNet, tensors: Mapping[str, np.ndarray]) -> Non
     layer.norm_scale[...] = jnp.asarray(get("norm.weight"), pdt)
     layer.o_kernel[...] = jnp.asarray(
         get("out_proj.weight").T.reshape(s.num_v_heads, s.head_v_dim, s.hidden_size), pdt)
+
+
+def params_to_hf(layer: GatedDeltaNet) -> dict[str, np.ndarray]:
+    """The inverse of :func:`hf_to_params`: the layer's parameters as Qwen3.5's tensors
+    (``in_proj_qkv.weight [conv_dim, E]``, ``conv1d.weight [conv_dim, 1, K]``, ...; float32
+    numpy), for export."""
+    s = layer.spec
+    arr = lambda p: np.asarray(p[...], np.float32)
+    rows = lambda p: arr(p).reshape(s.hidden_size, -1).T           # [E, H, d] -> [H*d, E]
+    convs = [arr(w).reshape(s.conv_kernel, -1).T for w in (layer.conv_q, layer.conv_k,
+                                                          layer.conv_v)]
+    return {
+        "in_proj_qkv.weight": np.concatenate([rows(layer.q_kernel), rows(layer.k_kernel),
+                                              rows(layer.v_kernel)], 0),
+        "in_proj_z.weight": rows(layer.z_kernel),
+        "in_proj_b.weight": arr(layer.b_kernel).T, "in_proj_a.weight": arr(layer.a_kernel).T,
+        "conv1d.weight": np.concatenate(convs, 0)[:, None, :],
+        "A_log": arr(layer.A_log), "dt_bias": arr(layer.dt_bias),
+        "norm.weight": arr(layer.norm_scale),
+        "out_proj.weight": arr(layer.o_kernel).reshape(-1, s.hidden_size).T}
 
 
 def decode_state_bytes(spec: GDNSpec) -> int:

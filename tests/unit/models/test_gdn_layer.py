@@ -100,6 +100,19 @@ def test_layer_matches_transformers_on_padded_rows(family, impl, precision):
     np.testing.assert_allclose(np.asarray(y[1, 5:]), alone[0], rtol=0, atol=atol(21, ref))
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_export_returns_the_imported_qwen3_5_tensors(family):
+    cfg, hf = hf_layer(family, seed=7)
+    layer = ours(cfg, hf)
+    tensors = {n: t.detach().numpy() for n, t in hf.state_dict().items()}
+    if family == "qwen3_next":
+        tensors = gdn_layer.qwen3_next_to_qwen3_5(tensors, layer.spec)
+    out = gdn_layer.params_to_hf(layer)
+    assert out.keys() == tensors.keys()
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(out[name], t, err_msg=name)
+
+
 def test_packed_row_equals_its_segments_in_transformers():
     cfg, hf = hf_layer("qwen3_5", seed=1)
     layer = ours(cfg, hf)
