@@ -304,7 +304,7 @@ def linear_mix(layer: GatedDeltaNet, x, attend_mask, kv_hook):
       ValueError: shared-prefix packing (``prefix_ids``) or context parallelism (a
         ``sequence`` mesh axis > 1): neither runs a recurrent layer.
     """
-    if not isinstance(attend_mask, SequenceMask):
+    if kv_hook is not None:
         return kv_hook(layer, x)
     if attend_mask.prefix_ids is not None:
         raise ValueError("learner.shared_prefix: shared-prefix packing does not run "

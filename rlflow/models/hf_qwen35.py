@@ -158,4 +158,4 @@ def join_rows(parts: dict, kind: RowSlice, rows):
     parts[kind.start] = rows
     if sum(p.shape[0] for p in parts.values()) < kind.total:
         return None
-    return np.concatenate([parts[s] for s in sorted(parts)], 0)
+    return np.ascontiguousarray(np.concatenate([parts[s] for s in sorted(parts)], 0))
