@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 
-from rlflow.config import ModelConfig, SamplerConfig, config_module, replace
+from rlflow.config import ModelConfig, config_module, replace
 
 #: the random model (``rlflow.models.config.DecoderConfig`` fields besides the vocabulary)
 ARCH = dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_layers=4,
@@ -81,5 +81,8 @@ def hybrid_model_path() -> str:
 
 def config():
     base = _demo().config()
+    # shared-prefix packing attends a prompt from several completions' rows, which a
+    # recurrent layer cannot (its state is one sequence's): plain packing instead
     return replace(base, name="hybrid-demo", model=ModelConfig(path=hybrid_model_path()),
-                   sampler=replace(base.sampler, kv_cache="contiguous"))
+                   sampler=replace(base.sampler, kv_cache="contiguous"),
+                   learner=replace(base.learner, shared_prefix=False))

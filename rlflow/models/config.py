@@ -12,6 +12,9 @@ Supported families (``model_type``):
   GELU-tanh MLP; :mod:`rlflow.models.hf_families`).
 * ``gpt_oss``: gpt-oss (sliding-window and full layers, learned attention sinks, YaRN RoPE,
   q/k/v/o biases, MoE with router and expert biases and the clamped SwiGLU).
+* ``qwen3_5_text``: Qwen3.5 text (gated DeltaNet ``"linear_attention"`` layers and gated
+  full-attention layers with partial RoPE, ``(1 + w)`` RMSNorms;
+  :mod:`rlflow.models.hf_qwen35`).
 
 Layers of several kinds (``layer_types``, HF's field: ``"full_attention"``,
 ``"sliding_attention"``) run as a repeating cycle (:mod:`rlflow.models.layer_pattern`).

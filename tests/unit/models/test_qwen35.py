@@ -209,3 +209,24 @@ def test_refusals_name_the_setting(qwen35_dir):
     with pytest.raises(ValueError, match="learner.shared_prefix"):
         model(jnp.ones((1, 4), jnp.int32), positions_from_mask(ones), ones, segment_ids=seg,
               prefix_ids=seg)
+
+
+def test_config_refusals_name_the_field(qwen35_dir):
+    import json
+    import os
+
+    from rlflow.models import ModelFormatError
+    from rlflow.models.config import DecoderConfig
+    with open(os.path.join(qwen35_dir, "config.json")) as f:
+        d = json.load(f)
+    cfg = DecoderConfig.from_hf_dict(d)
+    assert DecoderConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    bad = dict(d, rope_parameters=dict(d["rope_parameters"], rope_type="yarn", factor=2.0))
+    with pytest.raises(ModelFormatError, match="rope_parameters.rope_type"):
+        DecoderConfig.from_hf_dict(bad)
+    with pytest.raises(ModelFormatError, match="linear_num_value_heads"):
+        DecoderConfig.from_hf_dict({k: v for k, v in d.items() if k != "linear_num_value_heads"})
+    with pytest.raises(ModelFormatError, match="gdn"):
+        cfg.replace(gdn=None)
+    with pytest.raises(ModelFormatError, match="partial_rotary_factor"):
+        cfg.replace(partial_rotary_factor=0.1)
