@@ -300,15 +300,15 @@ def linear_mix(layer: GatedDeltaNet, x, attend_mask, kv_hook):
     y``, the cache runs the layer from the slot's carried state
     (:mod:`rlflow.models.cached_forward`).
 
+    ``prefix_ids`` are not read: the learner always passes them (``segment_ids`` where no
+    prompt is shared) and refuses shared-prefix packing of these models at start
+    (:class:`rlflow.learner.trainer.Learner`).
+
     Raises:
-      ValueError: shared-prefix packing (``prefix_ids``) or context parallelism (a
-        ``sequence`` mesh axis > 1): neither runs a recurrent layer.
+      ValueError: context parallelism (a ``sequence`` mesh axis > 1).
     """
     if kv_hook is not None:
         return kv_hook(layer, x)
-    if attend_mask.prefix_ids is not None:
-        raise ValueError("learner.shared_prefix: shared-prefix packing does not run "
-                         "linear_attention (gated DeltaNet) layers; turn it off")
     if attend_mask.mesh is not None and sequence_size(attend_mask.mesh) > 1:
         raise ValueError("learner.mesh.sequence > 1 (context parallelism) does not run "
                          "linear_attention (gated DeltaNet) layers; set learner.mesh.sequence=1")

@@ -203,12 +203,12 @@ def test_refusals_name_the_setting(qwen35_dir):
     with pytest.raises(ValueError, match="learner.lora"):
         Decoder(cfg.replace(layer_types=("linear_attention",) * cfg.num_layers),
                 rngs=nnx.Rngs(0), lora=LoraSpec(rank=2, alpha=4.0))
-    model, _ = load_hf(qwen35_dir)
-    ones = jnp.ones((1, 4), bool)
-    seg = jnp.zeros((1, 4), jnp.int32)
-    with pytest.raises(ValueError, match="learner.shared_prefix"):
-        model(jnp.ones((1, 4), jnp.int32), positions_from_mask(ones), ones, segment_ids=seg,
-              prefix_ids=seg)
+    from rlflow.config import ExperimentConfig, LearnerConfig, ModelConfig
+    from rlflow.learner.trainer import Learner
+    exp = ExperimentConfig(model=ModelConfig(path=qwen35_dir),
+                           learner=LearnerConfig(shared_prefix=True, packing=True))
+    with pytest.raises(ValueError, match="learner.shared_prefix=False"):
+        Learner(exp, devices=jax.devices()[:1])
 
 
 def test_config_refusals_name_the_field(qwen35_dir):
