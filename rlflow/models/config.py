@@ -33,12 +33,12 @@ from rlflow.models import hf_families
 from rlflow.models.format_error import ModelFormatError, eos_token_ids  # noqa: F401 (re-export)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss",
-                         "qwen3_5_text")
+                         "qwen3_5_text", "qwen3_5_moe_text")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16")
-MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
+MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text")
 FAMILY_MODEL_TYPES = ("gemma3_text", "gpt_oss",   # config fields in rlflow.models.hf_families
-                      "qwen3_5_text")
+                      "qwen3_5_text", "qwen3_5_moe_text")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
 ROPE_KEYS = {"llama3": LLAMA3_ROPE_KEYS, "linear": ("factor",),
@@ -139,6 +139,8 @@ class DecoderConfig:
         before o_proj.
       partial_rotary_factor: RoPE rotates the first ``int(D * factor)`` dims of each head
         (Qwen3.5: 0.25); 1.0: all.
+      shared_expert_intermediate_size: (Qwen3.5-MoE) width of the shared SwiGLU expert every
+        token also goes through, scaled by ``sigmoid(x w)``; 0: none.
       gdn: the gated DeltaNet shapes of ``"linear_attention"`` layers, a dict of
         :data:`GDN_KEYS` (transformers' ``linear_*`` fields), or None without them.
 
@@ -182,6 +184,7 @@ class DecoderConfig:
     attn_output_gate: bool = False
     partial_rotary_factor: float = 1.0
     gdn: dict | None = None
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         _need(self.model_type in SUPPORTED_MODEL_TYPES, "model_type",
@@ -263,7 +266,7 @@ class DecoderConfig:
     def offset_norms(self) -> bool:
         """RMSNorm scales stored as offsets, factor ``1 + w`` (Gemma 3; Qwen3.5's
         zero-centred ``Qwen3_5RMSNorm``)."""
-        return self.gemma_norms or self.model_type == "qwen3_5_text"
+        return self.gemma_norms or self.model_type.startswith("qwen3_5")
 
     @property
     def gemma_norms(self) -> bool:

@@ -104,7 +104,9 @@ def layer_tensors(cfg: DecoderConfig, kind: str = "full_attention") -> list[Laye
         return fixed
     if cfg.expert_biases:
         return fixed + [LayerTensor(*entry) for entry in hf_moe.gpt_oss_layer_tensors()]
-    return fixed + [LayerTensor(*entry) for entry in moe_layer_tensors(cfg.num_experts)]
+    shared = [LayerTensor(*e) for e in hf_qwen35.shared_expert_tensors()
+              if cfg.shared_expert_intermediate_size]
+    return fixed + shared + [LayerTensor(*entry) for entry in moe_layer_tensors(cfg.num_experts)]
 
 
 class HfTensor(NamedTuple):

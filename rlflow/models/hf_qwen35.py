@@ -72,7 +72,15 @@ def config_fields(d: Mapping, where: str, req: Callable) -> dict:
                head_k_dim=int(req("linear_key_head_dim")),
                head_v_dim=int(req("linear_value_head_dim")),
                conv_kernel=int(d.get("linear_conv_kernel_dim", 4)))
-    return dict(model_type="qwen3_5_text", vocab_size=int(req("vocab_size")), hidden_size=hidden,
+    moe = {}
+    if d["model_type"] == "qwen3_5_moe_text":      # every layer's MLP: experts + shared one
+        moe = dict(num_experts=int(req("num_experts")),
+                   num_experts_per_tok=int(req("num_experts_per_tok")),
+                   moe_intermediate_size=int(req("moe_intermediate_size")),
+                   shared_expert_intermediate_size=int(req("shared_expert_intermediate_size")),
+                   norm_topk_prob=True,
+                   router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0) or 0.0))
+    return dict(model_type=d["model_type"], vocab_size=int(req("vocab_size")), hidden_size=hidden,
                 intermediate_size=int(req("intermediate_size")), num_layers=n,
                 num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
@@ -84,7 +92,7 @@ def config_fields(d: Mapping, where: str, req: Callable) -> dict:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", False)), qk_norm=True,
-                attn_output_gate=True, gdn=gdn)
+                attn_output_gate=True, gdn=gdn, **moe)
 
 
 def to_hf_dict(cfg, torch_dtype: str) -> dict:
@@ -92,6 +100,12 @@ def to_hf_dict(cfg, torch_dtype: str) -> dict:
     ``Qwen3_5ForCausalLM`` loads)."""
     eos = list(cfg.eos_token_ids)
     g = cfg.gdn
+    moe = {} if not cfg.is_moe else {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False}
     return {"architectures": ["Qwen3_5ForCausalLM"], "model_type": cfg.model_type,
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
@@ -108,7 +122,7 @@ def to_hf_dict(cfg, torch_dtype: str) -> dict:
             "linear_conv_kernel_dim": g["conv_kernel"],
             "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
             "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
-            "torch_dtype": torch_dtype, "use_cache": True}
+            "torch_dtype": torch_dtype, "use_cache": True, **moe}
 
 
 def linear_layer_tensors(cfg) -> list[tuple[str, tuple, object]]:
@@ -159,3 +173,11 @@ def join_rows(parts: dict, kind: RowSlice, rows):
     if sum(p.shape[0] for p in parts.values()) < kind.total:
         return None
     return np.ascontiguousarray(np.concatenate([parts[s] for s in sorted(parts)], 0))
+
+
+def shared_expert_tensors() -> list[tuple[str, tuple, str]]:
+    """Qwen3.5-MoE's shared expert in a layer's MLP: ``mlp.shared_expert.{gate,up,down}_proj``
+    and ``mlp.shared_expert_gate.weight [1, E]`` (as :func:`linear_layer_tensors`)."""
+    return [(f"mlp.shared_expert.{p}_proj.weight", ("mlp", f"shared_{p}_kernel"), "linear")
+            for p in ("gate", "up", "down")] + [
+        ("mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate"), "linear")]
