@@ -237,6 +237,10 @@ class DecoderConfig:
             _need(isinstance(w, int) and w > 0, "sliding_window",
                   f"must be a positive int with sliding_attention layers, got {w!r}")
         if "linear_attention" in types:
+            _need(self.model_type.startswith("qwen3_5"), "layer_types",
+                  f"unsupported layer kinds ['linear_attention'] for model_type "
+                  f"{self.model_type!r} (gated DeltaNet layers come with qwen3_5_text and "
+                  f"qwen3_5_moe_text)")
             g = self.gdn or {}
             bad = [k for k in GDN_KEYS if not (isinstance(g.get(k), int) and g[k] > 0)]
             _need(not bad, "gdn", f"linear_attention layers need positive ints {list(GDN_KEYS)}, "

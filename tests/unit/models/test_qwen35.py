@@ -256,3 +256,34 @@ def test_moe_logits_match_transformers_and_export_round_trips(tmp_path):
     assert sorted(src) == sorted(out)
     for name in src:
         np.testing.assert_array_equal(out[name], src[name], err_msg=name)
+
+
+def test_right_padded_chunk_continues_a_carried_state(qwen35_dir):
+    """Two right-padded chunks per row (as the engine's extend writes a turn's new tokens
+    after the slot's own): the second starts from the first's DeltaNet state at each row's
+    own length, and its logits at real tokens equal the full forward's."""
+    model, cfg = load_hf(qwen35_dir)
+    rng = np.random.RandomState(1)
+    first, second = (4, 2, 3), (2, 4, 1)
+    seqs = [rng.randint(1, cfg.vocab_size, a + b).astype(np.int32)
+            for a, b in zip(first, second)]
+    step = nnx.jit(lambda m, t, p, a, c, i: m.forward_cached(t, p, a, c, i))
+    cache, index, outs = init_cache(cfg, 3, 16), np.zeros(3, np.int32), []
+    for chunk in (first, second):
+        w = max(chunk)
+        toks, mask = np.zeros((3, w), np.int32), np.zeros((3, w), bool)
+        for b, n in enumerate(chunk):
+            toks[b, :n], mask[b, :n] = seqs[b][index[b]:index[b] + n], True
+        pos = index[:, None] + np.arange(w, dtype=np.int32)[None]
+        out = step(model, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(mask), cache,
+                   jnp.asarray(index))
+        cache = out.cache
+        outs.append([np.asarray(out.logits)[b, :n] for b, n in enumerate(chunk)])
+        index = index + np.array(chunk, np.int32)
+    for b, s in enumerate(seqs):
+        ones = jnp.ones((1, len(s)), bool)
+        full = np.asarray(_forward(model, jnp.asarray(s[None]), positions_from_mask(ones),
+                                   ones))[0]
+        got = np.concatenate([outs[0][b], outs[1][b]])
+        np.testing.assert_allclose(got, full, rtol=0, atol=_atol(cfg, len(s), full),
+                                   err_msg=f"row {b}")
