@@ -234,11 +234,18 @@ def activation_sharding(mesh: Mesh, shape: tuple[int, ...], folded: bool = False
 def cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):
     """Shardings of a :class:`rlflow.models.kv_cache.KVCache` (same NamedTuple shape; its
     arrays, or anything with a ``.shape``: keys per :data:`KEY_CACHE_AXES`, values per
-    :data:`CACHE_AXES`)."""
-    k = tuple(logical_sharding(mesh, KEY_CACHE_AXES, a.shape, rules) for a in cache.k)
-    v = tuple(logical_sharding(mesh, CACHE_AXES, a.shape, rules) for a in cache.v)
+    :data:`CACHE_AXES`; None for a linear-attention layer). ``cache.linear`` (gated DeltaNet
+    states, :class:`rlflow.models.gdn_layer.GDNState`): slots over ``cache_batch``, the rest
+    replicated (a state per slot is small and does not grow with the sequence)."""
+    def each(axes, arrays):
+        return tuple(None if a is None else logical_sharding(mesh, axes, a.shape, rules)
+                     for a in arrays)
     mask = logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules)
-    return type(cache)(k=k, v=v, mask=mask)
+    linear = jax.tree.map(lambda a: logical_sharding(
+        mesh, ("cache_batch",) + (None,) * (len(a.shape) - 1), a.shape, rules),
+        tuple(getattr(cache, "linear", ())))
+    return type(cache)(k=each(KEY_CACHE_AXES, cache.k), v=each(CACHE_AXES, cache.v),
+                       mask=mask, linear=linear)
 
 
 PAGE_POOL_AXES = ("kv_heads", "cache_pages", "page_tokens", "head_dim")

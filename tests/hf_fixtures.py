@@ -201,3 +201,49 @@ def make_tiny_pattern_model(family: str, out_dir: str, *, seed: int = 0,
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def make_tiny_qwen35(out_dir: str, *, num_layers: int = 6, tie: bool = False,
+                     seed: int = 0, moe: bool = False) -> str:
+    """A tiny random ``Qwen3_5ForCausalLM`` (``qwen3_5_text``) saved by ``save_pretrained``:
+    vocab 256, hidden 64, ``num_layers`` layers of HF's default pattern (three gated DeltaNet
+    layers per gated full-attention layer; 6 layers: a cycle and a remainder of two), 4 query
+    heads / 2 kv heads of head_dim 16 (partial rotary 0.25: 4 rotated dims), DeltaNet 2 key
+    heads / 4 value heads of 8 / 12 dims, conv kernel 4. Norm offsets, A_log, dt_bias and
+    biases perturbed so that none is trivial. ``moe``: ``Qwen3_5MoeForCausalLM``
+    (``qwen3_5_moe_text``), every MLP 4 experts of width 32, top 2, and a shared expert of
+    width 48 with its sigmoid gate. Returns ``out_dir``."""
+    import torch
+    import transformers as tf
+
+    cls, extra = tf.Qwen3_5TextConfig, {}
+    if moe:
+        cls, extra = tf.Qwen3_5MoeTextConfig, dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48)
+    config = cls(
+        **extra, vocab_size=256, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        max_position_embeddings=256, tie_word_embeddings=tie, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25})
+    torch.manual_seed(seed)
+    model = (tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM)(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen)
+                        + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif "conv1d" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -83,6 +83,11 @@ class Learner:
         self.mesh = mesh if mesh is not None else make_mesh(lc.mesh, devices)
         model_cfg = config_lib.replace(cfg.model, dtype=lc.compute_dtype)
         model, self.model_config = build_model(model_cfg, mesh=self.mesh)
+        if "linear_attention" in self.model_config.kinds and lc.shared_prefix and lc.packs:
+            raise ValueError(f"learner.shared_prefix: the model ({cfg.model.path or 'random'}) "
+                             "has linear_attention (gated DeltaNet) layers, whose state is one "
+                             "sequence's, so a prompt cannot be shared by several completions; "
+                             "set learner.shared_prefix=False")
         self.lora = LoraSpec.from_config(lc.lora)
         self.base, self.base_ref, base_sh = None, None, None
         if self.lora is None:

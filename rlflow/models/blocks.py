@@ -21,6 +21,7 @@ from rlflow.models import context_parallel
 from rlflow.models.attention import (MASK_VALUE, SequenceMask, Variant, attention,
                                      sink_softmax, softcap_scores)
 from rlflow.models.config import DecoderConfig
+from rlflow.models.gdn_layer import GatedDeltaNet, GDNSpec
 from rlflow.models.linear import _cpu_dot_operands, _dense, _normal, _param
 from rlflow.models.lora import LoraAdapter, LoraSpec
 from rlflow.models.moe import MoE
@@ -74,22 +75,24 @@ class Attention(nnx.Module):
         pdt, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         self.num_kv_heads, self.head_dim = k, d
         self.variant = layer_variant(cfg, kind)
+        self.gated = cfg.attn_output_gate      # Qwen3.5: q_kernel [E, H, 2D], [query | gate]
+        qd = 2 * d if self.gated else d
         inv_freq, self.rope_scale = rope_table(cfg, kind)
         self.rope_freqs = tuple(float(f) for f in inv_freq)   # static: one table per kind
         self.sinks = (_param(jnp.zeros((h,), pdt), ("q_heads",)) if self.variant.sinks
                       else None)
-        self.q_kernel = _normal(rngs, (e, h, d), pdt, ("embed", "q_heads", "head_dim"))
+        self.q_kernel = _normal(rngs, (e, h, qd), pdt, ("embed", "q_heads", "head_dim"))
         self.k_kernel = _normal(rngs, (e, k, d), pdt, ("embed", "kv_heads", "head_dim"))
         self.v_kernel = _normal(rngs, (e, k, d), pdt, ("embed", "kv_heads", "head_dim"))
         self.o_kernel = _normal(rngs, (h, d, e), pdt, ("q_heads", "head_dim", "embed"))
         if cfg.attention_bias:
-            self.q_bias = _param(jnp.zeros((h, d), pdt), ("q_heads", "head_dim"))
+            self.q_bias = _param(jnp.zeros((h, qd), pdt), ("q_heads", "head_dim"))
             self.k_bias = _param(jnp.zeros((k, d), pdt), ("kv_heads", "head_dim"))
             self.v_bias = _param(jnp.zeros((k, d), pdt), ("kv_heads", "head_dim"))
         else:
             self.q_bias = self.k_bias = self.v_bias = None
         self.o_bias = _param(jnp.zeros((e,), pdt), ("embed",)) if cfg.o_bias else None
-        shapes = {"q": ((e,), (h, d), ("embed",), ("q_heads", "head_dim")),
+        shapes = {"q": ((e,), (h, qd), ("embed",), ("q_heads", "head_dim")),
                   "k": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
                   "v": ((e,), (k, d), ("embed",), ("kv_heads", "head_dim")),
                   "o": ((h, d), (e,), ("q_heads", "head_dim"), ("embed",))}
@@ -98,8 +101,8 @@ class Attention(nnx.Module):
                                                       jnp.float32, self.dtype, rngs=rngs)
                     if lora is not None and lora.targets(name) else None)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype, cfg.gemma_norms)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype, cfg.gemma_norms)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype, cfg.offset_norms)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pdt, self.dtype, cfg.offset_norms)
         else:
             self.q_norm = self.k_norm = None
 
@@ -120,6 +123,9 @@ class Attention(nnx.Module):
         ``inv_freq``: the RoPE frequencies ``[D/2]``, or None: the layer kind's own
         (:func:`rlflow.models.rope.rope_table`)."""
         q = self._proj(x, self.q_kernel, self.q_bias, self.q_lora)
+        gate = None
+        if self.gated:                      # per head [query | gate] (Qwen3.5)
+            q, gate = jnp.split(q, 2, axis=-1)
         k = self._proj(x, self.k_kernel, self.k_bias, self.k_lora)
         v = self._proj(x, self.v_kernel, self.v_bias, self.v_lora)
         if self.q_norm is not None:
@@ -138,13 +144,14 @@ class Attention(nnx.Module):
                     raise ValueError("learner.mesh.sequence > 1 (context parallelism) does not "
                                      "run sliding-window, attention-sink or softcapped layers "
                                      "yet; set learner.mesh.sequence=1")
-                return self._out(context_parallel.folded_attention(q, k, v, mesh=mesh, **kw))
+                return self._out(context_parallel.folded_attention(q, k, v, mesh=mesh, **kw),
+                                 gate)
             return self._out(attention(q, k, v, **kw, positions=positions,
-                                       variant=self.variant, sinks=sinks))
+                                       variant=self.variant, sinks=sinks), gate)
         read = kv_hook(k, v)
         if callable(read):                  # the cache runs attention itself (a paged kernel)
-            return self._out(read(q))
-        return self._out(self._cached(q, read, attend_mask, sinks))
+            return self._out(read(q), gate)
+        return self._out(self._cached(q, read, attend_mask, sinks), gate)
 
     def _cached(self, q, read, attend_mask, sinks):
         """Attention of ``q [B, T, H, D]`` over the cache's ``(keys, values)`` under
@@ -180,8 +187,11 @@ class Attention(nnx.Module):
             out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, d)
         return out
 
-    def _out(self, out):
-        """Attention output ``[B, T, H, D]`` -> ``[B, T, E]`` (output projection)."""
+    def _out(self, out, gate=None):
+        """Attention output ``[B, T, H, D]`` -> ``[B, T, E]`` (output projection); times
+        ``sigmoid(gate [B, T, H, D])`` first when given (Qwen3.5's output gate)."""
+        if gate is not None:
+            out = out.astype(self.dtype) * jax.nn.sigmoid(gate)
         b, t, h, d = out.shape
         o = self.o_kernel[...].astype(self.dtype)
         y = _dense(out.reshape(b, t, h * d), o.reshape(h * d, o.shape[-1]))
@@ -240,10 +250,16 @@ class Block(nnx.Module):
                  kind: str = "full_attention"):
         pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt,  # noqa: E731
-                               cfg.gemma_norms)
+                               cfg.offset_norms)
         self.kind = kind
         self.input_norm = norm()
-        self.attn = Attention(cfg, rngs=rngs, lora=lora, kind=kind)
+        if kind == "linear_attention":      # a gated DeltaNet (rlflow.models.gdn_layer)
+            if lora is not None:
+                raise ValueError("learner.lora: adapters on linear_attention (gated DeltaNet) "
+                                 "layers are not supported; train without LoRA")
+            self.attn = GatedDeltaNet(gdn_spec(cfg), rngs=rngs)
+        else:
+            self.attn = Attention(cfg, rngs=rngs, lora=lora, kind=kind)
         self.post_attn_norm = norm()
         self.mlp = (MoE if cfg.is_moe else MLP)(cfg, rngs=rngs, lora=lora)
         # Gemma's sandwich: post_attn_norm normalises the attention output, and the MLP has
@@ -257,7 +273,10 @@ class Block(nnx.Module):
         ``routing`` the MoE layer's :class:`rlflow.models.moe.Routing` over the ``B * T``
         tokens (None for a dense layer). ``replay_ids``: ``[B, T, k]`` expert ids to replay
         (MoE layers only; :func:`rlflow.models.moe.route`)."""
-        y = self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
+        if self.kind == "linear_attention":
+            y = linear_mix(self.attn, self.input_norm(x), attend_mask, kv_hook)
+        else:
+            y = self.attn(self.input_norm(x), positions, inv_freq, attend_mask, kv_hook)
         if self.pre_mlp_norm is not None:          # Gemma's sandwich norms
             x = x + self.post_attn_norm(y)
             h = self.pre_mlp_norm(x)
@@ -273,3 +292,34 @@ class Block(nnx.Module):
         if self.post_mlp_norm is not None:
             y = self.post_mlp_norm(y)
         return (x + y, routing) if return_routing else x + y
+
+
+def gdn_spec(cfg: DecoderConfig) -> GDNSpec:
+    """The :class:`rlflow.models.gdn_layer.GDNSpec` of ``cfg``'s linear-attention layers
+    (``cfg.gdn``, its dtypes and ``rms_norm_eps``)."""
+    return GDNSpec(hidden_size=cfg.hidden_size, rms_norm_eps=cfg.rms_norm_eps,
+                   param_dtype=cfg.param_dtype, dtype=cfg.dtype, **cfg.gdn)
+
+
+def linear_mix(layer: GatedDeltaNet, x, attend_mask, kv_hook):
+    """A linear-attention layer's token mixing of ``x [B, T, E]``. Full sequence (learner):
+    ``attend_mask`` a :class:`rlflow.models.attention.SequenceMask` (its ``attention_mask``
+    and ``segment_ids``; the state starts at zero). Cached (sampler): ``kv_hook(layer, x) ->
+    y``, the cache runs the layer from the slot's carried state
+    (:mod:`rlflow.models.cached_forward`).
+
+    ``prefix_ids`` are not read: the learner always passes them (``segment_ids`` where no
+    prompt is shared) and refuses shared-prefix packing of these models at start
+    (:class:`rlflow.learner.trainer.Learner`).
+
+    Raises:
+      ValueError: context parallelism (a ``sequence`` mesh axis > 1).
+    """
+    if kv_hook is not None:
+        return kv_hook(layer, x)
+    if attend_mask.mesh is not None and sequence_size(attend_mask.mesh) > 1:
+        raise ValueError("learner.mesh.sequence > 1 (context parallelism) does not run "
+                         "linear_attention (gated DeltaNet) layers; set learner.mesh.sequence=1")
+    y, _ = layer(x, attention_mask=attend_mask.attention_mask,
+                 segment_ids=attend_mask.segment_ids)
+    return y

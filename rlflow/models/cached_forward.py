@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlflow.models.forward_output import ForwardOutput
+from rlflow.models.gdn_cache import run_cached
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.layer_pattern import layer_pattern, ordered_layers
 from rlflow.models.paged_kv_cache import PagedKVCache, layer_attention_inputs
@@ -82,7 +83,19 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, attention_mas
     else:
         blocks = ordered_layers(model.layers, layer_pattern(model.cfg.kinds))
     chosen = []                                         # [B, T, k] per layer
+    linear = list(getattr(cache, "linear", ()))
+    if linear and paged:
+        raise ValueError("sampler.kv_cache: the paged KV cache does not hold linear_attention "
+                         "(gated DeltaNet) state yet; use the contiguous cache")
     for layer, block in enumerate(blocks):
+        if block.kind == "linear_attention":            # carried state, no keys / values
+            def run(gdn, h, layer=layer):
+                y, linear[layer] = run_cached(gdn, h, attention_mask, linear[layer])
+                return y
+            x, _ = block(x, positions, None, None, run, return_routing=True)
+            if return_routing:
+                raise ValueError("return_routing: linear_attention layers have no experts")
+            continue
         plain = block.attn.variant.plain
         def hook(k, v, layer=layer, plain=plain):
             if paged:
@@ -101,6 +114,6 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, attention_mas
     if paged:
         new_cache = cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
     else:
-        new_cache = KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask)
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask, linear=tuple(linear))
     return ForwardOutput(logits=model._logits(x), cache=new_cache,
                          expert_ids=jnp.stack(chosen, axis=2) if return_routing else None)

@@ -12,6 +12,9 @@ Supported families (``model_type``):
   GELU-tanh MLP; :mod:`rlflow.models.hf_families`).
 * ``gpt_oss``: gpt-oss (sliding-window and full layers, learned attention sinks, YaRN RoPE,
   q/k/v/o biases, MoE with router and expert biases and the clamped SwiGLU).
+* ``qwen3_5_text``: Qwen3.5 text (gated DeltaNet ``"linear_attention"`` layers and gated
+  full-attention layers with partial RoPE, ``(1 + w)`` RMSNorms;
+  :mod:`rlflow.models.hf_qwen35`).
 
 Layers of several kinds (``layer_types``, HF's field: ``"full_attention"``,
 ``"sliding_attention"``) run as a repeating cycle (:mod:`rlflow.models.layer_pattern`).
@@ -29,20 +32,24 @@ from typing import Any, Mapping
 from rlflow.models import hf_families
 from rlflow.models.format_error import ModelFormatError, eos_token_ids  # noqa: F401 (re-export)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss",
+                         "qwen3_5_text", "qwen3_5_moe_text")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16")
-MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
-FAMILY_MODEL_TYPES = ("gemma3_text", "gpt_oss")   # config fields in rlflow.models.hf_families
+MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text")
+FAMILY_MODEL_TYPES = ("gemma3_text", "gpt_oss",   # config fields in rlflow.models.hf_families
+                      "qwen3_5_text", "qwen3_5_moe_text")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
 ROPE_KEYS = {"llama3": LLAMA3_ROPE_KEYS, "linear": ("factor",),
              "yarn": ("factor", "original_max_position_embeddings")}
 #: optional keys of a scaling dict (kept when present)
 ROPE_OPTIONAL_KEYS = {"yarn": ("beta_fast", "beta_slow", "truncate", "attention_factor")}
-#: the kinds of layer ``layer_types`` may name (``"linear_attention"`` comes with gated
-#: DeltaNet layers)
-LAYER_KINDS = ("full_attention", "sliding_attention")
+#: the kinds of layer ``layer_types`` may name (``"linear_attention"``: gated DeltaNet
+#: layers, :mod:`rlflow.models.gdn_layer`, with ``DecoderConfig.gdn`` set)
+LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
+#: keys of ``DecoderConfig.gdn`` (fields of :class:`rlflow.models.gdn_layer.GDNSpec`)
+GDN_KEYS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel")
 
 
 def _need(ok: bool, where: str, msg: str) -> None:
@@ -127,6 +134,15 @@ class DecoderConfig:
         attention scores / output logits (Gemma 2 style); None: off.
       swiglu_alpha / swiglu_limit: gpt-oss's clamped SwiGLU of the experts (module doc of
         :mod:`rlflow.models.moe`); None for other families.
+      attn_output_gate: (Qwen3.5) q_proj is twice as wide, per head ``[query | gate]``
+        (``q_kernel [E, H, 2D]``); the attention output is multiplied by ``sigmoid(gate)``
+        before o_proj.
+      partial_rotary_factor: RoPE rotates the first ``int(D * factor)`` dims of each head
+        (Qwen3.5: 0.25); 1.0: all.
+      shared_expert_intermediate_size: (Qwen3.5-MoE) width of the shared SwiGLU expert every
+        token also goes through, scaled by ``sigmoid(x w)``; 0: none.
+      gdn: the gated DeltaNet shapes of ``"linear_attention"`` layers, a dict of
+        :data:`GDN_KEYS` (transformers' ``linear_*`` fields), or None without them.
 
     Raises:
       ModelFormatError: on an unsupported family or inconsistent shape (names the field).
@@ -165,6 +181,10 @@ class DecoderConfig:
     final_logit_softcapping: float | None = None
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    gdn: dict | None = None
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         _need(self.model_type in SUPPORTED_MODEL_TYPES, "model_type",
@@ -216,6 +236,21 @@ class DecoderConfig:
             w = self.sliding_window
             _need(isinstance(w, int) and w > 0, "sliding_window",
                   f"must be a positive int with sliding_attention layers, got {w!r}")
+        if "linear_attention" in types:
+            _need(self.model_type.startswith("qwen3_5"), "layer_types",
+                  f"unsupported layer kinds ['linear_attention'] for model_type "
+                  f"{self.model_type!r} (gated DeltaNet layers come with qwen3_5_text and "
+                  f"qwen3_5_moe_text)")
+            g = self.gdn or {}
+            bad = [k for k in GDN_KEYS if not (isinstance(g.get(k), int) and g[k] > 0)]
+            _need(not bad, "gdn", f"linear_attention layers need positive ints {list(GDN_KEYS)}, "
+                  f"got {self.gdn!r}")
+            _need(g["num_v_heads"] % g["num_k_heads"] == 0, "gdn.num_v_heads",
+                  f"must be a multiple of num_k_heads={g['num_k_heads']}, got {g['num_v_heads']}")
+        rot = self.rotary_dim
+        _need(0 < self.partial_rotary_factor <= 1 and rot % 2 == 0 and rot > 0,
+              "partial_rotary_factor", f"must be in (0, 1] with an even head_dim * factor, got "
+              f"{self.partial_rotary_factor} (head_dim={self.head_dim})")
         for name in ("attn_logit_softcapping", "final_logit_softcapping",
                      "query_pre_attn_scalar", "rope_local_theta"):
             value = getattr(self, name)
@@ -225,6 +260,17 @@ class DecoderConfig:
     def kinds(self) -> tuple[str, ...]:
         """The kind of each of the ``L`` layers (``layer_types``, or all full attention)."""
         return self.layer_types or ("full_attention",) * self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates: ``int(D * partial_rotary_factor)``."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def offset_norms(self) -> bool:
+        """RMSNorm scales stored as offsets, factor ``1 + w`` (Gemma 3; Qwen3.5's
+        zero-centred ``Qwen3_5RMSNorm``)."""
+        return self.gemma_norms or self.model_type.startswith("qwen3_5")
 
     @property
     def gemma_norms(self) -> bool:

@@ -123,7 +123,7 @@ class Decoder(nnx.Module):
         else:
             self.layers = LayerKinds({k: stack_modules([b for b in blocks if b.kind == k])
                                       for k in pattern.kinds})
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt, cfg.gemma_norms)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt, dt, cfg.offset_norms)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         _normal(rngs, (cfg.hidden_size, cfg.vocab_size), pdt, ("embed", "vocab")))
 

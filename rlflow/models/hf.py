@@ -25,15 +25,16 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from rlflow.models import hf_settings
-from rlflow.models import hf_moe
+from rlflow.models import hf_moe, hf_qwen35
 from rlflow.models.hf_moe import moe_layer_tensors
 from rlflow.models.config import DecoderConfig, ModelFormatError, eos_token_ids
 from rlflow.models.decoder import Decoder
 from rlflow.models.layer_pattern import layer_pattern
-from rlflow.models.weight_files import INDEX_FILE, SINGLE_FILE, check_weight_files
+from rlflow.models.weight_files import (INDEX_FILE, SINGLE_FILE,  # noqa: F401 (re-export)
+                                        _write_safetensors, check_weight_files,
+                                        save_safetensors)
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
@@ -92,14 +93,20 @@ LAYER_TENSORS: tuple[LayerTensor, ...] = (
 kind of block: an entry per tensor, ``at`` for tensors that share one stacked array)."""
 
 
-def layer_tensors(cfg: DecoderConfig) -> list[LayerTensor]:
-    """The :data:`LAYER_TENSORS` entries ``cfg``'s blocks have."""
+def layer_tensors(cfg: DecoderConfig, kind: str = "full_attention") -> list[LayerTensor]:
+    """The :data:`LAYER_TENSORS` entries ``cfg``'s blocks of ``kind`` have (a
+    ``"linear_attention"`` layer: its DeltaNet's, :mod:`rlflow.models.hf_qwen35`)."""
     fixed = [t for t in LAYER_TENSORS if t.when(cfg)]
+    if kind == "linear_attention":
+        fixed = [t for t in fixed if t.path[0] != "attn"] + [
+            LayerTensor(*e) for e in hf_qwen35.linear_layer_tensors(cfg)]
     if not cfg.is_moe:
         return fixed
     if cfg.expert_biases:
         return fixed + [LayerTensor(*entry) for entry in hf_moe.gpt_oss_layer_tensors()]
-    return fixed + [LayerTensor(*entry) for entry in moe_layer_tensors(cfg.num_experts)]
+    shared = [LayerTensor(*e) for e in hf_qwen35.shared_expert_tensors()
+              if cfg.shared_expert_intermediate_size]
+    return fixed + shared + [LayerTensor(*entry) for entry in moe_layer_tensors(cfg.num_experts)]
 
 
 class HfTensor(NamedTuple):
@@ -117,14 +124,14 @@ def hf_weight_map(cfg: DecoderConfig) -> list[HfTensor]:
     (``model.layers.{i}.`` -> ``("layers", ...)`` at index ``i``), the final norm and an
     untied LM head."""
     m = [HfTensor("model.embed_tokens.weight", ("embed",), "copy")]
-    per_layer = layer_tensors(cfg)
+    per_kind = {k: layer_tensors(cfg, k) for k in set(cfg.kinds)}
     pattern = layer_pattern(cfg.kinds)
     for i in range(cfg.num_layers):
         # several kinds: layer i is slice j of its kind's stack (rlflow.models.layer_pattern)
         kind, j = pattern.slot(i) if len(pattern.kinds) > 1 else (None, i)
         prefix = ("layers",) if kind is None else ("layers", kind)
         m += [HfTensor(f"model.layers.{i}.{t.hf}", prefix + t.path, t.kind, (j, *t.at))
-              for t in per_layer]
+              for t in per_kind[cfg.kinds[i]]]
     m.append(HfTensor("model.norm.weight", ("final_norm", "scale"), "copy"))
     if not cfg.tie_word_embeddings:
         m.append(HfTensor("lm_head.weight", ("lm_head",), "linear"))
@@ -132,6 +139,8 @@ def hf_weight_map(cfg: DecoderConfig) -> list[HfTensor]:
 
 
 def _hf_shape(kind: str, shape: tuple) -> tuple:
+    if isinstance(kind, hf_qwen35.RowSlice):
+        return hf_qwen35.row_slice_hf_shape(kind, shape)
     if kind in hf_moe.INTERLEAVED_KINDS:
         return tuple(shape[:-1]) + (2 * shape[-1],)
     if kind in hf_moe.FUSED_KINDS:
@@ -148,6 +157,8 @@ def _hf_shape(kind: str, shape: tuple) -> tuple:
 
 
 def _to_ours(kind: str, a: np.ndarray, shape: tuple) -> np.ndarray:
+    if isinstance(kind, hf_qwen35.RowSlice):
+        return hf_qwen35.row_slice_to_ours(kind, a, shape)
     if kind in hf_moe.INTERLEAVED_KINDS:
         return np.ascontiguousarray(a[..., hf_moe.INTERLEAVED_KINDS.index(kind)::2])
     if kind in hf_moe.FUSED_KINDS:
@@ -158,6 +169,8 @@ def _to_ours(kind: str, a: np.ndarray, shape: tuple) -> np.ndarray:
 
 
 def _to_hf(kind: str, a: np.ndarray) -> np.ndarray:
+    if isinstance(kind, hf_qwen35.RowSlice):
+        return hf_qwen35.row_slice_to_hf(kind, a)
     if kind == "in_heads":
         a = a.reshape(a.shape[0], -1)
     elif kind == "out_heads":
@@ -379,6 +392,10 @@ def write_hf(params, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: str | N
             if any(x is None for x in parts[t.name]):
                 continue
             part = np.stack(parts[t.name], axis=-1).reshape(part.shape[:-1] + (-1,))
+        elif isinstance(t.kind, hf_qwen35.RowSlice):  # q | k | v rows of one tensor
+            part = hf_qwen35.join_rows(parts.setdefault(t.name, {}), t.kind, part)
+            if part is None:
+                continue
         tensors[t.name] = part
     os.makedirs(out_dir, exist_ok=True)
     _write_safetensors(tensors, out_dir, max_shard_bytes)
@@ -403,42 +420,6 @@ def save_hf(model: Decoder, cfg: DecoderConfig, out_dir: str, *, tokenizer_dir: 
     """Export a :class:`Decoder` as a HF folder (see :func:`write_hf`)."""
     write_hf(nnx.state(model, nnx.Param), cfg, out_dir, tokenizer_dir=tokenizer_dir, dtype=dtype,
              source_dir=source_dir)
-
-
-def save_safetensors(tensors: dict, path: str, metadata: dict) -> None:
-    """``safetensors.numpy.save_file``, then the file's mode as any file this process
-    creates (``0o666`` less the umask: usually ``-rw-r--r--``): save_file leaves it
-    ``0o600``, so another user could not load an export beside its readable config.json."""
-    save_file(tensors, path, metadata=metadata)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
-def _write_safetensors(tensors: dict, out_dir: str, max_shard_bytes: int) -> None:
-    for old in os.listdir(out_dir):
-        if old.endswith(".safetensors") or old == INDEX_FILE:
-            os.remove(os.path.join(out_dir, old))
-    meta = {"format": "pt"}
-    shards, current, size = [], {}, 0
-    for name, arr in tensors.items():
-        if current and size + arr.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = arr
-        size += arr.nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_safetensors(shards[0], os.path.join(out_dir, SINGLE_FILE), meta)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(shard, os.path.join(out_dir, fname), meta)
-        weight_map.update({name: fname for name in shard})
-    total = sum(a.nbytes for a in tensors.values())
-    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def _write_generation_config(cfg: DecoderConfig, out_dir: str) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+from rlflow.models import hf_qwen35
 from rlflow.models.format_error import ModelFormatError, eos_token_ids
 
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
@@ -137,6 +138,8 @@ def config_fields(d: Mapping[str, Any], where: str, req: Callable) -> dict:
     Raises:
       ModelFormatError: an unsupported setting (names ``where`` and the field).
     """
+    if d["model_type"].startswith("qwen3_5"):
+        return hf_qwen35.config_fields(d, where, req)
     return (_gemma3 if d["model_type"] == "gemma3_text" else _gpt_oss)(d, where, req)
 
 
@@ -153,6 +156,8 @@ def _int_if_whole(x):
 def to_hf_dict(cfg, torch_dtype: str) -> dict:
     """The HF ``config.json`` object of a ``gemma3_text`` / ``gpt_oss`` :class:`DecoderConfig`
     (what ``Gemma3ForCausalLM`` / ``GptOssForCausalLM`` load)."""
+    if cfg.model_type.startswith("qwen3_5"):
+        return hf_qwen35.to_hf_dict(cfg, torch_dtype)
     eos = list(cfg.eos_token_ids)
     d = {"model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
          "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,

@@ -23,20 +23,26 @@ class KVCache(NamedTuple):
         each layer's buffer in place (a stacked ``[L, ..]`` array costs a copy of the
         layer's slice per step on XLA CPU).
       mask: ``[B, S]`` bool: the entry holds a real (non-pad) token.
+      linear: ``()`` for a model without linear-attention layers; else ``L`` entries, a
+        :class:`rlflow.models.gdn_layer.GDNState` per linear-attention (gated DeltaNet)
+        layer (its ``k`` / ``v`` entries None) and None per attention layer
+        (:mod:`rlflow.models.gdn_cache`).
     """
 
     k: tuple
     v: tuple
     mask: jax.Array
+    linear: tuple = ()
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[3]
+        return self.mask.shape[1]
 
 
 def init_cache(cfg, batch: int, max_len: int) -> KVCache:
-    """An empty cache: per layer zero keys ``[batch, K, D, max_len]`` and values
-    ``[batch, K, max_len, D]`` in ``cfg.dtype``, mask all False.
+    """An empty cache: per attention layer zero keys ``[batch, K, D, max_len]`` and values
+    ``[batch, K, max_len, D]`` in ``cfg.dtype``, per linear-attention layer a zero
+    :class:`rlflow.models.gdn_layer.GDNState` (``linear``), mask all False.
 
     Raises:
       ValueError: ``batch`` or ``max_len`` is not positive.
@@ -46,5 +52,13 @@ def init_cache(cfg, batch: int, max_len: int) -> KVCache:
     k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
     v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
-    zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
-    return KVCache(k=zeros(k_shape), v=zeros(v_shape), mask=jnp.zeros((batch, max_len), bool))
+    linear = [kind == "linear_attention" for kind in cfg.kinds]
+    zeros = lambda shape: tuple(None if lin else jnp.zeros(shape, dtype)  # noqa: E731
+                                for lin in linear)
+    states = ()
+    if any(linear):
+        from rlflow.models.blocks import gdn_spec
+        from rlflow.models.gdn_layer import init_state
+        states = tuple(init_state(gdn_spec(cfg), batch) if lin else None for lin in linear)
+    return KVCache(k=zeros(k_shape), v=zeros(v_shape), mask=jnp.zeros((batch, max_len), bool),
+                   linear=states)

@@ -193,6 +193,15 @@ class MoE(nnx.Module):
             self.down_bias = zeros((n, e), ("expert", "embed"))
         else:
             self.router_bias = self.gate_bias = self.up_bias = self.down_bias = None
+        fs = cfg.shared_expert_intermediate_size       # Qwen3.5-MoE's shared expert
+        if fs:
+            self.shared_gate_kernel = _normal(rngs, (e, fs), pdt, ("embed", "mlp"))
+            self.shared_up_kernel = _normal(rngs, (e, fs), pdt, ("embed", "mlp"))
+            self.shared_down_kernel = _normal(rngs, (fs, e), pdt, ("mlp", "embed"))
+            self.shared_expert_gate = _normal(rngs, (e, 1), pdt, ("embed", None))
+        else:
+            self.shared_gate_kernel = self.shared_up_kernel = None
+            self.shared_down_kernel = self.shared_expert_gate = None
 
     def __call__(self, x: jax.Array, replay_ids: jax.Array | None = None
                  ) -> tuple[jax.Array, Routing]:
@@ -221,7 +230,18 @@ class MoE(nnx.Module):
                        self.up_kernel[...].astype(self.dtype),
                        self.down_kernel[...].astype(self.dtype), mesh=mesh,
                        experts_fn=experts_fn)
+        if self.shared_gate_kernel is not None:
+            y = y + self._shared(flat)
         return y.reshape(*lead, e), routing
+
+    def _shared(self, flat):
+        """Qwen3.5-MoE's shared expert ``sigmoid(x g) * down(silu(x W_gate) * (x W_up))``
+        (transformers' ``Qwen3_5MoeSparseMoeBlock``); ``flat [N, E]``."""
+        w = lambda p: p[...].astype(self.dtype)   # noqa: E731
+        h = jax.nn.silu(_dense(flat, w(self.shared_gate_kernel))) * _dense(
+            flat, w(self.shared_up_kernel))
+        return jax.nn.sigmoid(_dense(flat, w(self.shared_expert_gate))) * _dense(
+            h, w(self.shared_down_kernel))
 
 
 # ------------------------------------------------------------------ load-balancing loss

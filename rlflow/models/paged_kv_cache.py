@@ -94,6 +94,9 @@ def init_paged_cache(cfg, rows: int, num_pages: int, page_size: int, pages_per_r
     if min(rows, num_pages, page_size, pages_per_row) <= 0:
         raise ValueError(f"init_paged_cache: rows, num_pages, page_size, pages_per_row must be "
                          f"> 0, got {rows}, {num_pages}, {page_size}, {pages_per_row}")
+    if "linear_attention" in cfg.kinds:
+        raise ValueError("sampler.kv_cache='paged' does not hold the state of linear_attention "
+                         "(gated DeltaNet) layers yet; set sampler.kv_cache='contiguous'")
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
     pools = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731

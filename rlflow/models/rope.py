@@ -86,7 +86,7 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
     ``_compute_llama3_parameters`` (Llama 3.1 report, sec. 3.1.3 / Meta reference code),
     ``_compute_linear_scaling_rope_parameters`` and ``_compute_yarn_parameters``.
     """
-    d = cfg.head_dim
+    d = cfg.rotary_dim              # head_dim, or its rotated part (partial_rotary_factor)
     inv = _default_inv_freq(d, cfg.rope_theta)
     if cfg.rope_type == "linear":
         return (inv / np.float32(cfg.rope_scaling["factor"])).astype(np.float32)
@@ -109,7 +109,13 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
                scale: float = 1.0) -> jax.Array:
     """Rotate ``x`` ``[B, T, N, D]`` by ``positions`` ``[B, T]`` (HF rotate-half layout);
-    cos and sin are multiplied by ``scale`` (YaRN's attention scaling, :func:`rope_table`)."""
+    cos and sin are multiplied by ``scale`` (YaRN's attention scaling, :func:`rope_table`).
+    ``inv_freq [R/2]`` with ``R < D`` (partial rotary, Qwen3.5): the first ``R`` dims of each
+    head are rotated, the rest pass (transformers' ``apply_rotary_pos_emb``)."""
+    rot = 2 * len(inv_freq)
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq, scale),
+                                x[..., rot:]], axis=-1)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if scale != 1.0:

@@ -22,6 +22,8 @@ import math
 import os
 import struct
 
+from safetensors.numpy import save_file
+
 from rlflow.models.config import ModelFormatError
 
 SINGLE_FILE = "model.safetensors"
@@ -184,3 +186,39 @@ def check_weight_files(path: str) -> dict[str, str]:
             f"maps it to this file; {len(missing)} listed tensors are in no shard: "
             f"{names[:5]}{' ...' if len(names) > 5 else ''})")
     return out
+
+
+def save_safetensors(tensors: dict, path: str, metadata: dict) -> None:
+    """``safetensors.numpy.save_file``, then the file's mode as any file this process
+    creates (``0o666`` less the umask: usually ``-rw-r--r--``): save_file leaves it
+    ``0o600``, so another user could not load an export beside its readable config.json."""
+    save_file(tensors, path, metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def _write_safetensors(tensors: dict, out_dir: str, max_shard_bytes: int) -> None:
+    for old in os.listdir(out_dir):
+        if old.endswith(".safetensors") or old == INDEX_FILE:
+            os.remove(os.path.join(out_dir, old))
+    meta = {"format": "pt"}
+    shards, current, size = [], {}, 0
+    for name, arr in tensors.items():
+        if current and size + arr.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = arr
+        size += arr.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_safetensors(shards[0], os.path.join(out_dir, SINGLE_FILE), meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors(shard, os.path.join(out_dir, fname), meta)
+        weight_map.update({name: fname for name in shard})
+    total = sum(a.nbytes for a in tensors.values())
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -254,6 +254,7 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
             at = (slots,) + tuple(slice(0, p) if a == seq_axis else slice(None) for a in (1, 2, 3))
             mask = jnp.expand_dims(keep, [a for a in (1, 2, 3) if a != seq_axis])
             return tuple(
+                None if cache is None else   # a linear-attention layer: state in .linear
                 cache.at[at].set(jnp.where(mask, new[rows], 0).astype(cache.dtype), mode="drop")
                 for cache, new in zip(caches, news))
         if self.paged:
@@ -261,7 +262,9 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
         else:
             row_mask = jnp.zeros((rows.shape[0], self.cache_len), bool).at[:, :p].set(keep)
             cache = KVCache(k=write(c.k, pc.k, 3), v=write(c.v, pc.v, 2),
-                            mask=put(c.mask, row_mask))
+                            mask=put(c.mask, row_mask),   # GDN states: the prefix row's
+                            linear=jax.tree.map(lambda d, s: put(d, s[rows]), c.linear,
+                                                pc.linear))
         uniforms = jax.vmap(lambda s, i: request_uniforms(s, i, self.sampler_cfg.max_tokens))(
             prefix.seed[rows], sample_index)
         return DecodeState(

@@ -74,8 +74,9 @@ def slot_rows(cache, slots: jax.Array):
     if isinstance(cache, PagedKVCache):
         table = jnp.where((slots < b)[:, None], cache.page_table[safe], cache.num_pages)
         return cache.replace(page_table=table, mask=cache.mask[safe])
-    return KVCache(k=tuple(k[safe] for k in cache.k), v=tuple(v[safe] for v in cache.v),
-                   mask=cache.mask[safe])
+    rows = lambda t: jax.tree.map(lambda a: a[safe], t)   # noqa: E731 (None: a GDN layer)
+    return KVCache(k=rows(cache.k), v=rows(cache.v), mask=cache.mask[safe],
+                   linear=rows(cache.linear))
 
 
 def set_slot_rows(cache, sub, slots: jax.Array):
@@ -85,6 +86,6 @@ def set_slot_rows(cache, sub, slots: jax.Array):
         return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
     if isinstance(cache, PagedKVCache):
         return cache.replace(k=sub.k, v=sub.v, mask=put(cache.mask, sub.mask))
-    return KVCache(k=tuple(put(a, b) for a, b in zip(cache.k, sub.k)),
-                   v=tuple(put(a, b) for a, b in zip(cache.v, sub.v)),
-                   mask=put(cache.mask, sub.mask))
+    return KVCache(k=jax.tree.map(put, cache.k, sub.k), v=jax.tree.map(put, cache.v, sub.v),
+                   mask=put(cache.mask, sub.mask), linear=jax.tree.map(put, cache.linear,
+                                                                       sub.linear))
