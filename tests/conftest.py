@@ -187,6 +187,13 @@ def xdist_groups(items) -> dict[str, str]:
     return {str(item.fspath): find(str(item.fspath)) for item in items}
 
 
+# pytest-xdist's --dist loadgroup schedules by a suffix on each test id, ``<nodeid>@<group>``,
+# that its worker appends in its own pytest_collection_modifyitems (to ``item._nodeid``). Under
+# pytest 9 that no longer changes the id (``Node.nodeid`` is ``str(item._id)``), and the worker's
+# hook ran before this one anyway (it is registered later, so called first) and saw no marker:
+# every file's tests were spread over the workers, each building the file's module fixtures and
+# the shared runs. This hook runs last and writes the suffix itself where it is missing.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     groups = xdist_groups(items)
     for item in items:
@@ -195,3 +202,20 @@ def pytest_collection_modifyitems(config, items):
             name = group.split(":", 1)[1] if group.startswith("fixture:") else \
                 os.path.relpath(group, TESTS_DIR)
             item.add_marker(pytest.mark.xdist_group(name))
+        if getattr(config.option, "loadgroup", False):      # an xdist worker, --dist loadgroup
+            _suffix_group(item)
+
+
+def _suffix_group(item) -> None:
+    """Append ``@<xdist_group name>`` to ``item``'s test id unless it is there already."""
+    name = item.get_closest_marker("xdist_group").args[0]
+    nodeid = item.nodeid
+    if nodeid.endswith("@" + name):
+        return
+    nodeid = f"{nodeid}@{name}"
+    if hasattr(item, "_id"):                        # pytest >= 9: the id is a NodeId
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(nodeid)
+    else:
+        item._nodeid = nodeid
