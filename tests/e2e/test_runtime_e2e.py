@@ -41,9 +41,10 @@ def _train(env, run_dir, name, *overrides):
 
 
 def _steps(run):
+    """The train steps' merged metrics (evaluation records, logged at their version, apart)."""
     records, problems = read_jsonl(os.path.join(run, "metrics.jsonl"))
     assert not problems, problems
-    return metrics_by_step(records)
+    return metrics_by_step(r for r in records if "eval/complete" not in r)
 
 
 def test_sync_mode_two_learner_devices_sleeping_sampler_two_lanes(sync_run):
