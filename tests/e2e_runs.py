@@ -68,11 +68,16 @@ def demo_train_cmd(run_dir, name, *overrides) -> list[str]:
                             "--checkpoint.every_steps", "0", *overrides]
 
 
-def demo_env(cache_dir) -> dict:
-    """This process's environment with the demo model folder in ``cache_dir``; compiled
-    programs are shared through conftest's session-wide JAX_COMPILATION_CACHE_DIR."""
+def demo_env(cache_dir=None) -> dict:
+    """This process's environment; the demo model folder in ``cache_dir``, by default in
+    conftest's session-wide ``RLFLOW_CACHE_DIR`` (built once, by the first run: configs/demo.py
+    writes it into a temporary sibling and renames it, so runs only read it; building it cost
+    about 5 CPU s a run). Compiled programs are shared through conftest's session-wide
+    JAX_COMPILATION_CACHE_DIR."""
     env = dict(os.environ)
-    env["RLFLOW_CACHE_DIR"] = str(cache_dir)
+    if cache_dir is not None:
+        env["RLFLOW_CACHE_DIR"] = str(cache_dir)
+    assert env.get("RLFLOW_CACHE_DIR"), "tests/conftest.py sets the session's cache folder"
     assert env.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's XLA cache"
     return env
 
@@ -81,6 +86,6 @@ def start_sync_run(root) -> tuple[subprocess.CompletedProcess, str]:
     """Run ``sync_run`` (module docstring) under ``root``: ``(completed process, run folder)``."""
     held = write_held_out(root / "held_out.jsonl")
     cmd = demo_train_cmd(root / "runs", "sync", *SYNC_FLAGS, *eval_flags(held))
-    proc = subprocess.run(cmd, env=demo_env(root / "cache"), cwd=REPO, capture_output=True,
+    proc = subprocess.run(cmd, env=demo_env(), cwd=REPO, capture_output=True,
                           text=True, timeout=HANG_GUARD_S)
     return proc, str(root / "runs" / "sync")

@@ -36,9 +36,7 @@ GROUPS, GROUP_SIZE = e2e_runs.DEMO_GROUPS, e2e_runs.DEMO_GROUP_SIZE
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval-e2e")
-    env = dict(os.environ)
-    env["RLFLOW_CACHE_DIR"] = str(root / "cache")
-    return root, env, e2e_runs.write_held_out(root / "held_out.jsonl")
+    return root, e2e_runs.demo_env(), e2e_runs.write_held_out(root / "held_out.jsonl")
 
 
 def _rlflow():

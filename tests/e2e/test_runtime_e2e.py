@@ -27,8 +27,8 @@ HANG_GUARD_S = e2e_runs.HANG_GUARD_S
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return e2e_runs.demo_env(tmp_path_factory.mktemp("cache"))   # the demo model folder
+def env():
+    return e2e_runs.demo_env()          # the session's demo model folder
 
 
 _cmd = e2e_runs.demo_train_cmd
