@@ -1,6 +1,7 @@
 """Test-wide set-up: CPU only, 4 fake devices (sharded tests compare against 1 device)."""
 
 import atexit
+import concurrent.futures
 import os
 import shutil
 import sys
@@ -219,3 +220,37 @@ def _suffix_group(item) -> None:
         item._id = coerce_node_id(nodeid)
     else:
         item._nodeid = nodeid
+
+
+class _CompileWhenNeeded(concurrent.futures.Future):
+    """A ``Future`` of a compile that runs on the thread that first asks for its result."""
+
+    def __init__(self, compile_fn):
+        super().__init__()
+        self._compile_fn = compile_fn
+
+    def result(self, timeout=None):
+        if not self.done():
+            try:
+                self.set_result(self._compile_fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised by result(), as a thread's
+                self.set_exception(e)
+        return super().result(timeout)
+
+
+@pytest.fixture(autouse=True)
+def _worst_case_compiled_when_needed(request, monkeypatch):
+    """A packed Learner compiles the worst-case row count on a background thread after its
+    first step (``Learner.compiled_step``); the unit tests' learners take a step or two and
+    almost never need it, and each background compile cost as much CPU as the step's own.
+    Here the compile is deferred to the step that needs it (same program, same arguments:
+    what a step computes is unchanged). Tests marked ``background_compile`` keep the thread
+    (tests/unit/learner/test_packing.py checks it); ``rlflow train`` processes are untouched."""
+    trainer = sys.modules.get("rlflow.learner.trainer")
+    if trainer is None or request.node.get_closest_marker("background_compile"):
+        return
+
+    def deferred(self, rows, seq):
+        args = self._abstract_args(rows, seq)      # taken now: a step donates the buffers
+        return _CompileWhenNeeded(lambda: self._compile(rows, seq, args))
+    monkeypatch.setattr(trainer.Learner, "_compile_in_background", deferred)
