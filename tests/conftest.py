@@ -1,6 +1,7 @@
 """Test-wide set-up: CPU only, 4 fake devices (sharded tests compare against 1 device)."""
 
 import atexit
+import concurrent.futures
 import os
 import shutil
 import sys
@@ -187,6 +188,13 @@ def xdist_groups(items) -> dict[str, str]:
     return {str(item.fspath): find(str(item.fspath)) for item in items}
 
 
+# pytest-xdist's --dist loadgroup schedules by a suffix on each test id, ``<nodeid>@<group>``,
+# that its worker appends in its own pytest_collection_modifyitems (to ``item._nodeid``). Under
+# pytest 9 that no longer changes the id (``Node.nodeid`` is ``str(item._id)``), and the worker's
+# hook ran before this one anyway (it is registered later, so called first) and saw no marker:
+# every file's tests were spread over the workers, each building the file's module fixtures and
+# the shared runs. This hook runs last and writes the suffix itself where it is missing.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     groups = xdist_groups(items)
     for item in items:
@@ -195,3 +203,54 @@ def pytest_collection_modifyitems(config, items):
             name = group.split(":", 1)[1] if group.startswith("fixture:") else \
                 os.path.relpath(group, TESTS_DIR)
             item.add_marker(pytest.mark.xdist_group(name))
+        if getattr(config.option, "loadgroup", False):      # an xdist worker, --dist loadgroup
+            _suffix_group(item)
+
+
+def _suffix_group(item) -> None:
+    """Append ``@<xdist_group name>`` to ``item``'s test id unless it is there already."""
+    name = item.get_closest_marker("xdist_group").args[0]
+    nodeid = item.nodeid
+    if nodeid.endswith("@" + name):
+        return
+    nodeid = f"{nodeid}@{name}"
+    if hasattr(item, "_id"):                        # pytest >= 9: the id is a NodeId
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
+class _CompileWhenNeeded(concurrent.futures.Future):
+    """A ``Future`` of a compile that runs on the thread that first asks for its result."""
+
+    def __init__(self, compile_fn):
+        super().__init__()
+        self._compile_fn = compile_fn
+
+    def result(self, timeout=None):
+        if not self.done():
+            try:
+                self.set_result(self._compile_fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised by result(), as a thread's
+                self.set_exception(e)
+        return super().result(timeout)
+
+
+@pytest.fixture(autouse=True)
+def _worst_case_compiled_when_needed(request, monkeypatch):
+    """A packed Learner compiles the worst-case row count on a background thread after its
+    first step (``Learner.compiled_step``); the unit tests' learners take a step or two and
+    almost never need it, and each background compile cost as much CPU as the step's own.
+    Here the compile is deferred to the step that needs it (same program, same arguments:
+    what a step computes is unchanged). Tests marked ``background_compile`` keep the thread
+    (tests/unit/learner/test_packing.py checks it); ``rlflow train`` processes are untouched."""
+    trainer = sys.modules.get("rlflow.learner.trainer")
+    if trainer is None or request.node.get_closest_marker("background_compile"):
+        return
+
+    def deferred(self, rows, seq):
+        args = self._abstract_args(rows, seq)      # taken now: a step donates the buffers
+        return _CompileWhenNeeded(lambda: self._compile(rows, seq, args))
+    monkeypatch.setattr(trainer.Learner, "_compile_in_background", deferred)

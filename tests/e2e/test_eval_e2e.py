@@ -1,6 +1,7 @@
 """Issue 42 item 1 acceptance on real runs: `rlflow train` (demo config, 4 steps) with a
-held-out JSONL evaluated every 2 steps, synchronous (one replica) and asynchronous (two
-replicas), as subprocesses.
+held-out JSONL evaluated every 2 steps, synchronous (one replica: tests/e2e_runs.py's shared
+``sync_run``, which evaluates) and asynchronous (two replicas: this file's run), as
+subprocesses.
 
 The held-out prompts are two-digit "next digit" prompts ("37>", answer "8"): the demo's
 training prompts have one digit, so any held-out prompt in a learner batch would show in
@@ -20,6 +21,7 @@ import sys
 
 import pytest
 
+import e2e_runs
 from rlflow.run.folder import metrics_by_step, read_jsonl
 from rlflow.control.ledger import read_trained_prompts
 
@@ -27,20 +29,14 @@ pytestmark = pytest.mark.slow
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 HANG_GUARD_S = 300
-NUM_STEPS, EVERY, GROUPS, GROUP_SIZE, HELD_OUT = 4, 2, 8, 8, 10
+NUM_STEPS, EVERY, HELD_OUT = e2e_runs.SYNC_STEPS, e2e_runs.EVAL_EVERY, e2e_runs.HELD_OUT
+GROUPS, GROUP_SIZE = e2e_runs.DEMO_GROUPS, e2e_runs.DEMO_GROUP_SIZE
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval-e2e")
-    env = dict(os.environ)
-    env["RLFLOW_CACHE_DIR"] = str(root / "cache")
-    held = root / "held_out.jsonl"
-    with open(held, "w") as f:
-        for i in range(HELD_OUT):
-            tens, d = (3 * i + 1) % 10, i % 10
-            f.write(json.dumps({"question": f"{tens}{d}>", "answer": str((d + 1) % 10)}) + "\n")
-    return root, env, str(held)
+    return root, e2e_runs.demo_env(), e2e_runs.write_held_out(root / "held_out.jsonl")
 
 
 def _rlflow():
@@ -54,11 +50,7 @@ def _train(setup, name, *overrides):
                        "--run-dir", str(root / "runs"), "--name", name,
                        "--metrics.progress", "plain", "--buffer.timeout-s", "120",
                        "--learner.num-steps", str(NUM_STEPS), "--checkpoint.every-steps", "0",
-                       "--metrics.samples-every", "1",
-                       "--metrics.num-samples", str(GROUPS * GROUP_SIZE),
-                       "--eval.every-steps", str(EVERY), "--eval.source", "jsonl",
-                       "--eval.path", held, "--eval.num-prompts", "0",
-                       "--eval.num-logged-samples", str(HELD_OUT), *overrides]
+                       *e2e_runs.eval_flags(held), *overrides]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -96,8 +88,11 @@ def _check_run(run, *, exact: bool):
     return evals, samples, by_step
 
 
-def test_eval_in_sync_mode_at_the_step_boundary(setup):
-    run = _train(setup, "sync", "--runtime.mode", "sync", "--runtime.max-staleness", "0")
+def test_eval_in_sync_mode_at_the_step_boundary(sync_run):
+    """The shared sync run (k = 0, a sleeping sampler in two decode lanes, the learner on 2
+    devices): each evaluation exactly at its requested version."""
+    proc, run = sync_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
     _check_run(run, exact=True)
 
 

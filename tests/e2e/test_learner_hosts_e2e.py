@@ -66,7 +66,7 @@ def _checkpoint_digest(run, step):
 
 def test_killed_learner_host_is_named_and_the_rerun_resumes_and_matches(tmp_path):
     env = dict(os.environ, RLFLOW_WEIGHT_DIGESTS="1")
-    env["RLFLOW_CACHE_DIR"] = str(tmp_path / "cache")
+    # the demo model folder: the session's (conftest's RLFLOW_CACHE_DIR, tests/e2e_runs.py)
     # the rerun compiles nothing (conftest's session-wide JAX_COMPILATION_CACHE_DIR)
     assert env.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's XLA cache"
     run = str(tmp_path / "hosts")

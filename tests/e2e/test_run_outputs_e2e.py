@@ -62,7 +62,7 @@ def _rlflow():
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("run-outputs")
     env = no_torch_env(root / "site")       # as installed without torch: no advisory printed
-    env["RLFLOW_CACHE_DIR"] = str(root / "cache")
+    # the demo model folder: the session's (conftest's RLFLOW_CACHE_DIR, tests/e2e_runs.py)
     env["TERM"] = "xterm-256color"          # only the missing TTY may make the output plain
     for name in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
         env.pop(name, None)

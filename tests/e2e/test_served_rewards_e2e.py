@@ -36,7 +36,7 @@ def test_a_run_scores_through_a_local_reward_server(tmp_path):
             return HANG
         return scores_reply(body, _score)
 
-    env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ)              # the session's demo model folder (tests/e2e_runs.py)
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     with RewardServer(respond) as server:
         cmd = ([exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]) + [
@@ -103,7 +103,7 @@ def test_a_key_echoed_by_a_401_reaches_no_log_stderr_or_failure_line(tmp_path):
         seen.append(auth)
         return 401, "E" * (200 - len("Bearer ") - 12) + f"{auth} ({auth[7:]})"
 
-    env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"), RM_KEY=key + "\r\n")
+    env = dict(os.environ, RM_KEY=key + "\r\n")     # the session's demo model folder
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     with RewardServer(respond) as server:
         cmd = ([exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]) + [

@@ -15,7 +15,7 @@ def test_issue_flags_stop_the_run_with_the_reason(tmp_path):
     """The issue's flags on the demo config, sync budget (max_staleness 0): three skipped
     steps need three steps' worth of groups while the version stays 0, which the sampler
     can only make when each skip gives its groups back to the budget."""
-    env = demo_env(tmp_path / "cache")
+    env = demo_env()
     cmd = demo_train_cmd(tmp_path, "skip",
                          "--sampler.temperature", "0", "--sampler.max-tokens", "1",
                          "--learner.mask-truncated", "True", "--learner.num_steps", "4",

@@ -41,3 +41,28 @@ def test_merge_sums_files_over_dumps_and_later_dumps_win(tmp_path):
     got = cpu_profile.merge([str(a), str(b)])
     assert got["files"] == {"t/x.py": 6.0, "t/y.py": 0.5}
     assert got["total_s"] == 6.5 and os.path.isfile(a)
+
+
+def test_under_xdist_loadgroup_each_file_runs_on_one_worker(tmp_path):
+    """``-n 2 --dist loadgroup`` with tests/conftest.py's hooks: every test of a file runs on
+    the same worker (pytest 9 ignored pytest-xdist's own id suffix, and the files' tests
+    were spread over the workers)."""
+    (tmp_path / "suite_hooks.py").write_text(      # tests/conftest.py's hooks, as a plugin
+        f"import runpy\nglobals().update(runpy.run_path({conftest.__file__!r}))\n")
+    for name in ("a", "b"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import os, pytest\n"
+            "@pytest.mark.parametrize('i', range(6))\n"
+            "def test_x(i):\n"
+            f"    with open({str(tmp_path / name)!r} + '.' + os.environ['PYTEST_XDIST_WORKER'],"
+            " 'a') as f:\n"
+            "        f.write(str(i))\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
+                           "-p", "no:cacheprovider", "-p", "suite_hooks", str(tmp_path)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("a", "b"):
+        ran = sorted(p.name for p in tmp_path.glob(f"{name}.gw*"))
+        assert len(ran) == 1, (name, ran)                  # one worker ran all of the file
+        assert sorted((tmp_path / ran[0]).read_text()) == list("012345")

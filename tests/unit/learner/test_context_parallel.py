@@ -1,9 +1,11 @@
 """Context parallelism (issue 43 item 4): the ``sequence`` mesh axis. Attention with the
 positions split over it equals the one-device attention (values and gradients, packed rows
 with shared prompts and padding); the train step's loss, gradients, logprobs and KL on
-sequence=2, sequence=4, tensor x sequence and data x sequence meshes of fake CPU devices
-equal today's single-device step; the loss-position groups follow the position spans; row
-lengths that do not split over the axis are refused naming ``mesh.sequence``."""
+sequence=4 and tensor x sequence meshes of fake CPU devices equal today's single-device step
+(one module-scoped reference), and the learner's step on data x sequence equals the
+single-device learner's (the data x sequence split is checked there only); the loss-position
+groups follow the position spans; row lengths that do not split over the axis are refused
+naming ``mesh.sequence``."""
 
 import functools
 
@@ -32,10 +34,11 @@ VOCAB, G, T = 64, 4, 6
 MODEL = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=8)
 SPEC = BatchSpec(group_size=G, num_rows=8, seq_buckets=(16,), max_tokens=T)
-# sequence=2 alone is the data2_sequence2 mesh's layout within each data shard
+# sequence=2 alone is data=2 x sequence=2's layout within each data shard, and that mesh is
+# test_learner_on_data_fsdp_sequence_mesh_equals_single_device_today's (the learner's jitted
+# step is make_grad_fn on the mesh, checked there against the single-device learner)
 MESHES = {"sequence4": MeshConfig(sequence=4),
-          "tensor2_sequence2": MeshConfig(tensor=2, sequence=2),
-          "data2_sequence2": MeshConfig(data=2, sequence=2)}
+          "tensor2_sequence2": MeshConfig(tensor=2, sequence=2)}
 
 
 def mesh_of(cfg: MeshConfig):

@@ -1,8 +1,11 @@
 """Expert parallelism in the programs (issue 40 item 2): a tiny Qwen3-MoE model's train step
-(loss, gradients, KL / entropy / IS statistics, per-token logprobs) on fsdp x expert,
-data x expert and expert x tensor meshes of fake CPU devices equals the single-device step,
-and the sampler engine on expert and expert x tensor meshes gives the single-device greedy
-tokens and logprobs.
+(loss, gradients, KL / entropy / IS statistics, per-token logprobs) on fsdp x expert and
+expert x tensor meshes of fake CPU devices equals the single-device step, and the sampler
+engine on expert and expert x tensor meshes gives the single-device greedy tokens and
+logprobs (one single-device step and one single-device generation, module fixtures, are the
+references of every mesh). A data x expert mesh is not run: the batch rule
+(``mesh.batch_sharding``: rows over data x fsdp) and the expert rule are those of fsdp x
+expert, which also gathers the fsdp-split weights.
 
 Routing is discontinuous: a token whose k-th and (k+1)-th router logits were within the
 float rounding of the two programs could take another expert on the mesh. The routers are
@@ -41,7 +44,6 @@ MODEL = ModelConfig(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=32,
                     moe_intermediate_size=16)
 SPEC = BatchSpec(group_size=G, num_rows=8, seq_buckets=(16,), max_tokens=T)
 MESHES = {"fsdp2_expert2": MeshConfig(fsdp=2, expert=2),
-          "data2_expert2": MeshConfig(data=2, expert=2),
           "expert2_tensor2": MeshConfig(expert=2, tensor=2)}
 ROUTER_SCALE = 30.0
 
@@ -118,8 +120,7 @@ def moe_case():
     return graphdef, params, ref, packed, one, lp
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "data2_expert2"
-                                  else n for n in MESHES])
+@pytest.mark.parametrize("name", list(MESHES))
 def test_moe_train_step_on_an_expert_mesh_equals_one_device(moe_case, name, expert_meshes):
     graphdef, params, ref, packed, (l0, g0, s0), lp0 = moe_case
     mesh = mesh_of(MESHES[name])
@@ -146,31 +147,51 @@ def sampler_cfg():
                          max_tokens=6, temperature=0.0)
 
 
-@pytest.mark.parametrize("mesh_name,mesh_cfg", [("expert4", MeshConfig(expert=4)),
-                                                pytest.param("expert2_tensor2",
-                                                             MeshConfig(expert=2, tensor=2),
-                                                             marks=pytest.mark.slow)])
-def test_sampler_on_an_expert_mesh_gives_the_single_device_tokens(mesh_name, mesh_cfg,
-                                                                  expert_meshes):
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+
+
+def _generate(model, mesh):
+    reqs = [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=6))
+            for i, p in enumerate(PROMPTS)]
+    engine = RlflowEngine(model, sampler_cfg(), mesh=mesh)
+    return {g.prompt_id: g for g in ContinuousBatcher(engine).run(reqs)}
+
+
+@pytest.fixture(scope="module")
+def sampler_case():
+    """The sampler's tiny MoE model (weights x 6: sharp routers) and its single-device greedy
+    generations of :data:`PROMPTS` (``{prompt_id: group}``), traced with an unsplit MoE."""
     model = build_model(ModelConfig(**{**MODEL.__dict__, "vocab_size": 128,
                                        "init_seed": 3}))[0]
     nnx.update(model, jax.tree_util.tree_map(lambda x: x * 6.0, nnx.state(model, nnx.Param)))
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
-    reqs = [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=6))
-            for i, p in enumerate(prompts)]
-    results = {}
-    for name, mesh in [("1", mesh_of(MeshConfig())), (mesh_name, mesh_of(mesh_cfg))]:
-        engine = RlflowEngine(model, sampler_cfg(), mesh=mesh)
-        results[name] = {g.prompt_id: g for g in ContinuousBatcher(engine).run(reqs)}
-    assert set(expert_meshes) == {1, mesh_cfg.expert}     # prefill and decode, both meshes
-    base = results["1"]
+    seen = []
+
+    def spy(*args, mesh=None, **kw):
+        seen.append(1 if mesh is None else dict(mesh.shape)["expert"])
+        return expert_parallel.expert_ffn(*args, mesh=mesh, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "expert_ffn", spy)
+        base = _generate(model, mesh_of(MeshConfig()))
+    assert seen and set(seen) == {1}                # prefill and decode, experts unsplit
     # the greedy paths route with margins far above the rounding (module doc)
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(PROMPTS):
         seq = p + base[i].completions[0].tokens.tolist()
         assert_routing_margins(model, np.asarray([seq]), np.arange(len(seq))[None],
                                np.ones((1, len(seq)), bool))
     assert len({tuple(base[i].completions[0].tokens) for i in range(3)}) > 1
-    for pid, g in results[mesh_name].items():
+    return model, base
+
+
+@pytest.mark.parametrize("mesh_name,mesh_cfg", [("expert4", MeshConfig(expert=4)),
+                                                ("expert2_tensor2",
+                                                 MeshConfig(expert=2, tensor=2))])
+def test_sampler_on_an_expert_mesh_gives_the_single_device_tokens(sampler_case, mesh_name,
+                                                                  mesh_cfg, expert_meshes):
+    model, base = sampler_case
+    got = _generate(model, mesh_of(mesh_cfg))
+    assert set(expert_meshes) == {mesh_cfg.expert}       # prefill and decode split the experts
+    assert sorted(got) == sorted(base)
+    for pid, g in got.items():
         c, want = g.completions[0], base[pid].completions[0]
         assert c.tokens.tolist() == want.tokens.tolist(), (mesh_name, pid)
         np.testing.assert_allclose(c.logprobs, want.logprobs, rtol=0, atol=forward_atol(

@@ -393,6 +393,7 @@ def test_packed_learner_equals_unpacked_single_device(name):
                            rows=8, seq=16)
 
 
+@pytest.mark.background_compile
 def test_worst_case_shape_compiles_in_the_background_and_takes_bigger_steps():
     """After the first packed step the learner compiles the worst-case row count on a
     background thread; a later step needing more rows than the first runs at that count,
