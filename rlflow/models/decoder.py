@@ -127,6 +127,16 @@ class Decoder(nnx.Module):
         w = self.embed[...].astype(dt).T if self.lm_head is None else self.lm_head[...].astype(dt)
         return _dense(x, w, preferred_element_type=jnp.float32, out_in="lm_head" in self.out_in)
 
+    def lm_head_kernel(self) -> jax.Array:
+        """The LM head :meth:`project` multiplies by, ``[E, V]`` in the compute dtype (the
+        tied embedding transposed, or ``lm_head``; for the fused logprob kernels,
+        :mod:`rlflow.models.kernels`)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        if self.lm_head is None:
+            return self.embed[...].astype(dt).T
+        w = self.lm_head[...].astype(dt)
+        return w.T if "lm_head" in self.out_in else w
+
     def _embed(self, tokens) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
