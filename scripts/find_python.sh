@@ -31,7 +31,10 @@ for root in "${roots[@]}"; do
       echo "$exe"
       exit 0
     fi
-  done < <(ls "$root/versions" 2>/dev/null | grep -E '^3\.[0-9]+\.[0-9]+$' | sort -V)
+  done < <(for d in "$root"/versions/3.*; do
+             b="${d##*/}"
+             if [[ "$b" =~ ^3\.[0-9]+\.[0-9]+$ ]]; then echo "$b"; fi
+           done | sort -V)
 done
 echo "rlflow needs Python >= 3.12: install python3.12 (e.g. 'apt-get install python3.12 python3.12-venv' or 'pyenv install 3.12'), or set PYTHON=/path/to/python3.12" >&2
 exit 2
