@@ -15,6 +15,9 @@ esac
 if [ ! -x .venv/bin/python ]; then
   PY="${PYTHON:-$(bash scripts/find_python.sh)}" || exit $?
   "$PY" -m venv .venv
+elif ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  echo "setup_env.sh: .venv is Python $(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])'), rlflow needs >= 3.12: remove it (rm -rf .venv) and run this again" >&2
+  exit 2
 fi
 extras="$jax_extra${1:+,$1}"
 stamp=".venv/.rlflow-installed-${extras//,/-}"

@@ -101,3 +101,20 @@ def test_setup_env_refuses_an_unknown_jax_build(tmp_path, value):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 64
     assert f"RLFLOW_JAX='{value}' (expected cpu, tpu or cuda)" in r.stderr
+
+
+def test_setup_env_refuses_an_old_venv_and_says_what_to_do(tmp_path):
+    """A repository copy whose .venv is Python 3.11: one line naming the version and the
+    fix, exit 2, nothing installed."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SETUP, repo / "scripts" / "setup_env.sh")
+    fake = repo / ".venv" / "bin" / "python"
+    os.makedirs(fake.parent)
+    fake.write_text('#!/bin/sh\ncase "$2" in *print*) echo 3.11 ;; *) exit 1 ;; esac\n')
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", str(repo / "scripts" / "setup_env.sh"), "test"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == ("setup_env.sh: .venv is Python 3.11, rlflow needs >= 3.12: "
+                                "remove it (rm -rf .venv) and run this again")
