@@ -96,8 +96,9 @@ def no_cached_executables_across_processes() -> None:
     With jax 0.12.1 on CPU, a program whose collectives span processes (gloo) hangs in its
     first collective when it was loaded from the persistent compilation cache
     (``JAX_COMPILATION_CACHE_DIR``) rather than compiled: every host waits in gloo's
-    ``waitRecv`` for ever (py-spy / gdb: ``GlooCommunicator::AllReduce``). jax 0.10.2 ran
-    the same loaded program. Reproduced by 2 processes x 2 CPU devices jitting one sharded
+    ``waitRecv`` for ever (py-spy / gdb: ``GlooCommunicator::AllReduce``); jax 0.10.2 ran
+    the same loaded program. jax writes the cache from process 0 only, so every host then
+    runs process 0's executable (the likely cause; compiled, each host's program is its own). Reproduced by 2 processes x 2 CPU devices jitting one sharded
     sum twice as two function objects (the second compile is a cache hit and hangs;
     tests/e2e/test_multihost_cache.py). Compiling every program costs the CPU
     stand-in seconds; TPU and GPU hosts keep the cache.
