@@ -19,11 +19,9 @@ from hf_fixtures import PATTERN_FAMILIES, SLIDING_WINDOW, make_tiny_pattern_mode
 from rlflow.models import ModelFormatError, init_cache, load_hf, positions_from_mask, save_hf
 from rlflow.models.config import DecoderConfig
 from rlflow.models.paged_kv_cache import init_paged_cache
-from tolerances import forward_atol
+from family_parity import SEQS, atol, forward, hf_logits, hf_model, left_padded_logits
 
-SEQS = [np.array(s, np.int32) for s in
-        ([17, 200, 31, 4, 99, 250, 8, 64, 128, 7, 11], [5, 77, 190, 3, 42, 9, 13], [211, 9])]
-_forward = nnx.jit(lambda m, t, p, mask: m(t, p, mask))
+_forward = forward
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +30,10 @@ def family_dir(tmp_path_factory):
         family, str(tmp_path_factory.mktemp(family))))
 
 
-@functools.cache
-def _hf_model(path):
-    from transformers import AutoModelForCausalLM
-    # eager: the attention that applies sinks (gpt-oss) and the sliding window as written
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
-def _hf_logits(path, seq):
-    with torch.no_grad():
-        return _hf_model(path)(input_ids=torch.tensor(seq[None]).long()).logits[0].numpy()
-
-
-def _atol(cfg, seq, ref):
-    return forward_atol(cfg, seq, float(np.abs(ref).max()))
+# eager: the attention that applies sinks (gpt-oss) and the sliding window as written
+_hf_model = functools.partial(hf_model, attn_implementation="eager")
+_hf_logits = functools.partial(hf_logits, attn_implementation="eager")
+_atol = atol
 
 
 @pytest.mark.parametrize("family", PATTERN_FAMILIES)
@@ -55,12 +42,7 @@ def test_logits_match_transformers_left_padded(family_dir, family):
     model, cfg = load_hf(path)
     assert cfg.model_type == family and cfg.sliding_window == SLIDING_WINDOW
     assert len(set(cfg.kinds)) == 2 and max(map(len, SEQS)) > 2 * SLIDING_WINDOW
-    w = max(map(len, SEQS))
-    toks, mask = np.zeros((len(SEQS), w), np.int32), np.zeros((len(SEQS), w), bool)
-    for b, s in enumerate(SEQS):
-        toks[b, w - len(s):], mask[b, w - len(s):] = s, True
-    ours = np.asarray(_forward(model, jnp.asarray(toks), positions_from_mask(mask),
-                               jnp.asarray(mask)))
+    ours, w = left_padded_logits(model)
     for b, s in enumerate(SEQS):
         ref = _hf_logits(path, s)
         assert np.abs(ref).max() > 1.0

@@ -4,7 +4,6 @@ transformers' ``Qwen3_5ForCausalLM`` on a tiny random model written by ``save_pr
 against the full forward; greedy text of the engine against ``generate``; the engine's
 behaviour logprobs against the learner's recompute; export back to transformers; refusals."""
 
-import functools
 import os
 
 import jax
@@ -17,11 +16,9 @@ from flax import nnx
 from hf_fixtures import make_tiny_qwen35
 from rlflow.models import init_cache, load_hf, positions_from_mask, save_hf
 from rlflow.models.paged_kv_cache import init_paged_cache
-from tolerances import forward_atol
+from family_parity import SEQS, atol, forward, hf_logits, hf_model, left_padded_logits
 
-SEQS = [np.array(s, np.int32) for s in
-        ([17, 200, 31, 4, 99, 250, 8, 64, 128, 7, 11], [5, 77, 190, 3, 42, 9, 13], [211, 9])]
-_forward = nnx.jit(lambda m, t, p, mask: m(t, p, mask))
+_forward = forward
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +26,8 @@ def qwen35_dir(tmp_path_factory):
     return make_tiny_qwen35(str(tmp_path_factory.mktemp("qwen35")))
 
 
-@functools.cache
-def _hf_model(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _hf_logits(path, seq):
-    with torch.no_grad():
-        return _hf_model(path)(input_ids=torch.tensor(seq[None]).long()).logits[0].numpy()
-
-
-def _atol(cfg, seq, ref):
-    return forward_atol(cfg, seq, float(np.abs(ref).max()))
+_hf_model, _hf_logits = hf_model, hf_logits
+_atol = atol
 
 
 def test_config_reads_the_pattern_and_gated_attention(qwen35_dir):
@@ -54,12 +40,7 @@ def test_config_reads_the_pattern_and_gated_attention(qwen35_dir):
 
 def test_logits_match_transformers_left_padded(qwen35_dir):
     model, cfg = load_hf(qwen35_dir)
-    w = max(map(len, SEQS))
-    toks, mask = np.zeros((len(SEQS), w), np.int32), np.zeros((len(SEQS), w), bool)
-    for b, s in enumerate(SEQS):
-        toks[b, w - len(s):], mask[b, w - len(s):] = s, True
-    ours = np.asarray(_forward(model, jnp.asarray(toks), positions_from_mask(mask),
-                               jnp.asarray(mask)))
+    ours, w = left_padded_logits(model)
     for b, s in enumerate(SEQS):
         ref = _hf_logits(qwen35_dir, s)
         assert np.abs(ref).max() > 1.0
@@ -241,12 +222,7 @@ def test_moe_logits_match_transformers_and_export_round_trips(tmp_path):
     path = make_tiny_qwen35(str(tmp_path / "moe"), moe=True)
     model, cfg = load_hf(path)
     assert cfg.is_moe and cfg.shared_expert_intermediate_size == 48
-    w = max(map(len, SEQS))
-    toks, mask = np.zeros((len(SEQS), w), np.int32), np.zeros((len(SEQS), w), bool)
-    for b, s in enumerate(SEQS):
-        toks[b, w - len(s):], mask[b, w - len(s):] = s, True
-    ours = np.asarray(_forward(model, jnp.asarray(toks), positions_from_mask(mask),
-                               jnp.asarray(mask)))
+    ours, w = left_padded_logits(model)
     for b, s in enumerate(SEQS):
         ref = _hf_logits(path, s)
         np.testing.assert_allclose(ours[b, w - len(s):], ref, rtol=0, atol=_atol(cfg, w, ref))
