@@ -122,11 +122,6 @@ class ExperimentConfig:
         _check(sp.decode_lanes <= 1 or not self.env.enabled, "sampler.decode_lanes",
                f"must be 0 or 1 with multi-turn episodes (env.name={self.env.name!r}): decode "
                f"lanes run single-turn requests only, got {sp.decode_lanes}")
-        _check(sp.journal_every_steps == 0 or not self.env.enabled, "sampler.journal_every_steps",
-               f"must be 0 with multi-turn episodes (env.name={self.env.name!r}): the journal "
-               f"of partial generations holds single-turn samples only (an episode's "
-               f"environment state and turns are not journaled yet; a restart generates its "
-               f"episodes again), got {sp.journal_every_steps}")
         _check(self.env.max_episode_tokens <= sp.max_tokens, "env.max_episode_tokens",
                f"must be <= sampler.max_tokens={sp.max_tokens} (the KV cache holds the prompt "
                f"and that many tokens), got {self.env.max_episode_tokens}")

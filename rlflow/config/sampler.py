@@ -120,7 +120,12 @@ class SamplerConfig:
         slot. A partial generation older than
         runtime.max_staleness is dropped (counted, ``sampler/journal_dropped_stale``); a
         damaged entry is skipped (``sampler/journal_damaged``). 0 (default): off. Needs
-        kv_cache="paged" (its preemption path resumes the samples); single-turn only.
+        kv_cache="paged" (its preemption path resumes the samples). Multi-turn episodes
+        are journaled too (their turns, the environment's tokens with version -1, and a
+        finished episode's reward); a resumed episode's environment is rebuilt by replaying
+        its recorded turns (:meth:`rlflow.sampler.episodes.EpisodeDriver.resume`: the
+        environment must answer the same turns alike, as it must reset alike per record;
+        one that does not restarts its episode, ``sampler/episodes_replay_mismatch``).
     """
 
     num_slots: int = 16

@@ -39,6 +39,9 @@ _SUM = ("sampler/rejected_groups", "sampler/in_flight",
         "sampler/env_reset_errors", "sampler/episodes", "sampler/episodes_cut_turns",
         "sampler/episodes_cut_tokens", "sampler/reward_failed_samples",
         "sampler/episodes_reasoning_unclosed",
+        # episodes resumed from the journal of partial generations (rlflow.sampler.episodes)
+        "sampler/episodes_resumed", "sampler/episodes_replayed_steps",
+        "sampler/episodes_replay_mismatch",
         # the journal of partial generations (rlflow.sampler.journal_keeper)
         "sampler/journal_writes", "sampler/journal_write_waits", "sampler/journal_snapshot_s",
         "sampler/journal_write_s", "sampler/journal_write_errors",

@@ -7,14 +7,20 @@ holds one :class:`JournalEntry` per sample of every group the replica has in fli
 prompt's lease keys (``stream_index``, ``seed``: the ledger re-dispatches an unfinished
 prompt with the same ones), the sample's index in its group, its tokens so far with their
 behaviour logprobs and the policy version each was sampled with, and its finish reason when
-it already finished (its group waits for the others). A restarted replica reads every
+it already finished (its group waits for the others). A multi-turn episode's entry holds the
+episode so far the same way: its sampled turns (logprobs, versions >= 0) and the
+environment's tokens between them (logprob 0, version -1: the loss mask is ``versions >=
+0``), and, once finished, the environment's reward and whether an environment failure cut it
+(``reward``, ``failed``); the environment's own state is not stored but rebuilt from the
+turns (:meth:`rlflow.sampler.episodes.EpisodeDriver.resume`). A restarted replica reads every
 journal (:func:`read_journals`) and resumes a re-leased prompt's samples from them
 (``rlflow.sampler.program``), so a kill -9 loses only the tokens decoded since the last
 write.
 
 Format (no pickle): an ``.npz`` (``numpy.savez``) with ``header``, the UTF-8 JSON
 ``{"format": 1, "replica": str, "launch": str, "entries": [{"stream_index", "seed", "prompt_id",
-"sample_index", "finish_reason", "n", "crc"}, ...]}`` as ``uint8``, and per entry ``i`` the
+"sample_index", "finish_reason", "n", "crc"[, "reward", "failed"]}, ...]}`` as ``uint8``
+(``reward``, a float, and ``failed``, a bool: finished episodes only), and per entry ``i`` the
 arrays ``t<i>`` (int32 ``[n]`` token ids), ``l<i>`` (float32 ``[n]`` logprobs, nats) and
 ``v<i>`` (int32 ``[n]`` policy versions). ``crc`` is the CRC-32 (:func:`zlib.crc32`) of the
 three arrays' bytes in that order. A file that cannot be read counts as one damaged entry;
@@ -55,6 +61,10 @@ class JournalEntry:
         start of a run, :class:`rlflow.control.run_control.RunCoordinator`; its file's
         header): a resumed run republishes version numbers past its checkpoint with other
         weights, so tokens of those versions count only within their launch.
+      reward: a finished multi-turn episode's reward from its environment (None otherwise).
+      failed: a finished episode was cut by an environment error or timeout.
+
+    A multi-turn episode's environment tokens have logprob 0 and version -1.
     """
 
     stream_index: int
@@ -66,6 +76,8 @@ class JournalEntry:
     versions: np.ndarray
     finish_reason: str = ""
     launch: str = ""
+    reward: Optional[float] = None
+    failed: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -98,10 +110,12 @@ def encode(replica: str, entries: Sequence[JournalEntry], launch: str = "") -> b
                              f"tokens {t.shape}, logprobs {lp.shape} and versions {v.shape} "
                              f"must be the same 1-D length")
         arrays.update({f"t{i}": t, f"l{i}": lp, f"v{i}": v})
-        meta.append({"stream_index": int(e.stream_index), "seed": int(e.seed),
-                     "prompt_id": int(e.prompt_id), "sample_index": int(e.sample_index),
-                     "finish_reason": e.finish_reason, "n": int(t.size),
-                     "crc": _crc((t, lp, v))})
+        m = {"stream_index": int(e.stream_index), "seed": int(e.seed),
+             "prompt_id": int(e.prompt_id), "sample_index": int(e.sample_index),
+             "finish_reason": e.finish_reason, "n": int(t.size), "crc": _crc((t, lp, v))}
+        if e.reward is not None or e.failed:          # a finished episode's outcome
+            m.update(reward=float(e.reward or 0.0), failed=bool(e.failed))
+        meta.append(m)
     header = json.dumps({"format": FORMAT, "replica": replica, "launch": launch,
                          "entries": meta})
     buf = io.BytesIO()
@@ -125,13 +139,18 @@ def decode(data: bytes) -> tuple[list[JournalEntry], int]:
         try:
             t, lp, v = (z[f"{k}{i}"] for k in "tlv")
             n = int(m["n"])
+            reward = m.get("reward")
             ok = (t.dtype == np.int32 and lp.dtype == np.float32 and v.dtype == np.int32
                   and t.shape == lp.shape == v.shape == (n,) and _crc((t, lp, v)) == m["crc"]
-                  and m["finish_reason"] in ("", "stop", "length"))
+                  and m["finish_reason"] in ("", "stop", "length")
+                  and (reward is None or np.isfinite(float(reward)))
+                  and isinstance(m.get("failed", False), bool))
             if ok:
                 out.append(JournalEntry(int(m["stream_index"]), int(m["seed"]),
                                         int(m["prompt_id"]), int(m["sample_index"]),
-                                        t, lp, v, m["finish_reason"], launch))
+                                        t, lp, v, m["finish_reason"], launch,
+                                        None if reward is None else float(reward),
+                                        m.get("failed", False)))
                 continue
         except Exception:  # noqa: BLE001 - a damaged entry is skipped and counted
             pass
@@ -210,12 +229,21 @@ def merge(by_key: dict, entries: Sequence[JournalEntry]) -> None:
 
 def stale(entries: Sequence[JournalEntry], version: int, max_staleness: int) -> bool:
     """Whether a prompt's partial generation is older than the staleness bound: its oldest
-    token's policy version lags ``version`` by more than ``max_staleness`` (the rule the
-    learner applies to a finished sample, counted on the versions the tokens were sampled
-    with)."""
-    oldest: Optional[int] = None
-    for e in entries:
-        if e.versions.size:
-            v = int(e.versions.min())
-            oldest = v if oldest is None else min(oldest, v)
+    sampled token's policy version lags ``version`` by more than ``max_staleness`` (the rule
+    the learner applies to a finished sample, counted on the versions the tokens were
+    sampled with; an episode's environment tokens, version -1, are not sampled and do not
+    count)."""
+    oldest = oldest_version(entries)
     return oldest is not None and version - oldest > max_staleness
+
+
+def oldest_version(samples) -> Optional[int]:
+    """The oldest policy version of the sampled tokens (``versions >= 0``) of ``samples``
+    (anything with a ``versions`` array: entries, completions); None when none is sampled."""
+    oldest: Optional[int] = None
+    for e in samples:
+        v = np.asarray(e.versions)
+        v = v[v >= 0]
+        if v.size:
+            oldest = int(v.min()) if oldest is None else min(oldest, int(v.min()))
+    return oldest

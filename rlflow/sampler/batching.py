@@ -112,6 +112,8 @@ class _Live:
     pages: object = None          # paged cache: the group's shared prompt pages
     pages_weights: int = -1
     prompt_routing: object = None  # MoE: (Prefix.routing, row) of its first prefill
+    # episodes resumed from the journal: sample index -> (turn_start, parked, turns)
+    resume_turns: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -227,9 +229,9 @@ class ContinuousBatcher(EpisodeSlots, PagedSlots, JournalSlots):
         if request.episode is not None and self.episodes is None:
             raise SamplingError(f"prompt_id {pid}: an episode request needs a batcher "
                                 f"with an episode driver (episodes=)")
-        if resumed and (self._pool is None or request.episode is not None):
+        if resumed and self._pool is None:
             raise SamplingError(f"prompt_id {pid}: resuming samples needs "
-                                f"sampler.kv_cache='paged' and a single-turn request")
+                                f"sampler.kv_cache='paged'")
         self.counters.prompts_truncated += int(truncated)
         live = _Live(request=request, tokens=tokens.astype(np.int32), sampling=sp,
                      stop_ids=frozenset(stop), pending=request.num_samples)
@@ -353,6 +355,7 @@ class ContinuousBatcher(EpisodeSlots, PagedSlots, JournalSlots):
             self._state = self.engine.insert_batch(prefix, self._state, rows, slots, index)
             self.counters.insert_calls += 1
         self._resume(resumed)
+        self._resume_turns(resumed)
 
     # ------------------------------------------------------------------ loop
     def step(self) -> list[CompletedGroup]:

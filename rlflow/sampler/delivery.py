@@ -23,6 +23,8 @@ import time
 import numpy as np
 
 from rlflow.data.rewards import NonFiniteRewardError
+from rlflow.run.journal import oldest_version
+
 
 def graded_texts(group, tokenizer, reasoning=None) -> tuple[list[str], list[str], np.ndarray]:
     """What the reward functions grade of a finished group (training here, and the held-out
@@ -152,8 +154,9 @@ class GroupDelivery:
         in ``in_flight`` (admission counts them) until delivered or dropped. Episode groups
         (no rewarder) are delivered at once."""
         if self.rewarder is None:
-            self.deliver([_leased(g.to_record(), self.in_flight.pop(id(g.request)))
-                          for g in groups])
+            sent = [(id(g.request), self.in_flight.pop(id(g.request)), g) for g in groups]
+            rejected = self.deliver([_leased(g.to_record(), e) for _, e, g in sent])
+            self._keep_sent(sent, rejected)
             return
         for group in groups:
             key = id(group.request)
@@ -201,12 +204,19 @@ class GroupDelivery:
                 self.failed_samples += int(failed.sum())
             records.append(record)
             groups.append((key, element, group))
-        rejected = self.deliver(records)
-        if self.keep_sent:
-            for i, (key, element, group) in enumerate(groups):
-                versions = [c.versions for c in group.completions if len(c.versions)]
-                if i not in rejected and versions:
-                    self.sent[key] = (element, group, int(min(v.min() for v in versions)))
+        self._keep_sent(groups, self.deliver(records))
+
+    def _keep_sent(self, groups, rejected) -> None:
+        """With ``keep_sent``: hold the groups ``[(key, lease, CompletedGroup)]`` put into
+        the buffer (but those ``rejected``) until :meth:`release_sent`, each with the oldest
+        policy version of its sampled tokens (an episode's environment tokens, version -1,
+        are not sampled)."""
+        if not self.keep_sent:
+            return
+        for i, (key, element, group) in enumerate(groups):
+            oldest = oldest_version(group.completions)
+            if i not in rejected and oldest is not None:
+                self.sent[key] = (element, group, oldest)
 
     def deliver(self, records) -> dict:
         """Send scored groups in one request to the buffer; ``{index: error}`` of those it

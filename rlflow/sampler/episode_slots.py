@@ -138,6 +138,24 @@ class EpisodeSlots:
                 self._device_active[slot] = True
             self.counters.env_extends += len(slots)
 
+    def _resume_turns(self, resumed: list) -> None:
+        """Episodes among the samples just resumed from the journal (``[(slot, live,
+        saved)]``, their ids re-prefilled): each gets where its turn in progress began,
+        and one whose last turn had ended parks again (inactive on the device, as after
+        its end-of-turn id) and hands that turn to the driver: its environment step runs
+        again (:mod:`rlflow.sampler.journal_slots`)."""
+        for slot, live, saved in resumed:
+            s = self._slots[slot]
+            state = live.resume_turns.pop(s.sample_index, None)
+            if state is None:
+                continue
+            s.turn_start, parked, s.turns = state
+            if parked:
+                self._state = self.engine.release(self._state, slot)
+                self._device_active[slot] = False
+                s.parked = True
+                self._turn_ended(s, slot, int(saved[0].size))
+
     def _end_episode(self, s, slot: int, n: int, reason: str, reward: float,
                      failed: bool = False) -> None:
         """Finish a parked episode with the environment's reward; frees the slot."""

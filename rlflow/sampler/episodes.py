@@ -29,6 +29,17 @@ the model's chat template as the group's prompt ids. Then, per episode:
   with reward 0 (counted with ``sampler/episodes_cut_tokens``), as a continuation past the
   limit does; a tokenizer would take minutes and gigabytes over a message of megabytes.
 
+Resume (the journal of partial generations, :mod:`rlflow.run.journal`): an episode's
+environment state is not serialised (an environment is any Python object); a replica that
+resumes a journaled episode rebuilds it deterministically by replaying the recorded turns
+(:meth:`EpisodeDriver.resume`): fresh environments from the record (``new_group``), then each
+sampled turn that the environment answered is decoded and stepped again (in a worker when
+there is a pool), and the answer rendered must equal, id for id, the environment tokens the
+journal recorded after that turn. So an environment must answer the same turns alike (as it
+must reset alike per record); one that does not (or that fails during the replay) is counted
+(``sampler/episodes_replay_mismatch``) and its episode starts over from the prompt, never
+continued on a state other than the one its tokens were sampled in.
+
 The renderer is :class:`rlflow.envs.chat.ChatRenderer` (``prompt_ids(messages, tools)``,
 ``continuation_ids(messages, new_messages, tools)``, ``assistant_text(ids)``,
 ``end_of_turn_ids``); an environment
@@ -109,7 +120,8 @@ class EpisodeDriver:
         # (the batcher counts the continuations past the limit; the program adds both)
         self.counts = {"env_steps": 0, "env_errors": 0, "env_timeouts": 0,
                        "episodes": 0, "episodes_cut_turns": 0, "episodes_cut_tokens": 0,
-                       "episodes_reasoning_unclosed": 0}
+                       "episodes_reasoning_unclosed": 0, "episodes_resumed": 0,
+                       "episodes_replayed_steps": 0, "episodes_replay_mismatch": 0}
         self.info: Dict[str, float] = {}
         self._error_run = 0             # failed steps since the last successful one
 
@@ -183,6 +195,105 @@ class EpisodeDriver:
                 answers.append((group, index, status, value))
         return [(g, i, self._outcome(g, i, status, value)) for g, i, status, value in answers]
 
+    def resume(self, group: EpisodeGroup, index: int, tokens, versions, stop_ids
+               ) -> tuple[int, bool, int]:
+        """Rebuild episode ``index`` of ``group`` (a fresh group from :meth:`new_group`) at
+        the point its journaled ``tokens`` reached, by replaying its turns (module doc).
+
+        Args:
+          tokens: int ``[n]`` the episode's ids after the prompt so far: sampled turns
+            (``versions >= 0``) and the environment's answers between them (version -1).
+          versions: int ``[n]`` their policy versions.
+          stop_ids: the request's stop ids (a sampled run ending on one ended its turn).
+
+        Returns:
+          ``(turn_start, parked, turns)``: the first position of the turn in progress (``n``
+          when the last ids are the environment's: the next turn has not begun), whether
+          the last turn ended and waits for its environment step (the caller hands it to
+          :meth:`turn_ended`: that step runs again), and the turns replayed.
+
+        Raises:
+          EpisodeReplayError: the ids do not start with a sampled turn, a replayed step
+            fails, ends the episode, or answers other ids than those recorded (counted,
+            ``sampler/episodes_replay_mismatch``; the environment and conversation are
+            fresh again: the caller starts the episode over).
+        """
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        runs = _runs(np.asarray(versions).reshape(-1) >= 0)
+        first = [dict(m) for m in group.messages[index]]
+        try:
+            if not runs or not runs[0][2] or len(tokens) != len(versions):
+                raise EpisodeReplayError("its ids do not begin with a sampled turn")
+            turns = [(runs[i], runs[i + 1]) for i in range(0, len(runs) - 1, 2)]
+            for (a, b, _), (c, d, _) in turns:
+                self._replay_turn(group, index, tokens[a:b], tokens[c:d])
+        except EpisodeReplayError as e:
+            self.counts["episodes_replay_mismatch"] += 1
+            group.envs[index] = self.factory(group.record, **self.options)
+            group.envs[index].reset()
+            group.messages[index], group.turns[index] = first, 0
+            log.warning("environment %r, prompt_id %s episode %d: its journaled turns cannot "
+                        "be replayed (%s); the episode starts over", self.cfg.name,
+                        group.record.get("prompt_id", "?"), index, e)
+            raise
+        self.counts["episodes_resumed"] += 1
+        a, b, sampled = runs[-1]
+        if not sampled:                               # the environment's answer was last
+            return len(tokens), False, len(turns)
+        return a, int(tokens[-1]) in set(int(i) for i in stop_ids), len(turns)
+
+    def _replay_turn(self, group: EpisodeGroup, index: int, turn, answer) -> None:
+        """Step episode ``index`` again with its sampled ``turn`` ids; the rendered answer
+        must be ``answer``, the ids the journal recorded (:meth:`resume`)."""
+        text = self.renderer.assistant_text(turn)
+        messages = group.messages[index]
+        messages.append({"role": "assistant", "content": text})
+        group.turns[index] += 1
+        if self.reasoning is not None:
+            split = self.reasoning(text)
+            if not split.closed:
+                raise EpisodeReplayError(f"turn {group.turns[index]}: its reasoning never "
+                                         f"closed, yet the environment answered it")
+            text = split.answer
+        step, env = self._step_now(group.envs[index], text)
+        self.counts["episodes_replayed_steps"] += 1
+        bad = _bad_step(step)
+        if bad or step.done or group.turns[index] >= self.cfg.max_turns:
+            raise EpisodeReplayError(f"turn {group.turns[index]}: the replayed step "
+                                     f"{bad or 'ended the episode'}")
+        group.envs[index] = env
+        cont = self.renderer.continuation_ids(messages, step.messages, tools=group.tools)
+        if [int(i) for i in cont] != [int(i) for i in answer]:
+            raise EpisodeReplayError(
+                f"turn {group.turns[index]}: the replayed step's answer renders as "
+                f"{len(cont)} ids {list(cont)[:8]}..., the journal holds {len(answer)} ids "
+                f"{[int(i) for i in answer][:8]}...")
+        messages.extend(step.messages)
+
+    def _step_now(self, env, text: str) -> tuple:
+        """``(EnvStep, environment)`` of ``env.step(text)``, waited for (in a worker when
+        there is a pool; answers of other episodes that arrive meanwhile are kept for
+        :meth:`poll`).
+
+        Raises:
+          EpisodeReplayError: the step raised or timed out.
+        """
+        if self.pool is None:
+            try:
+                return env.step(text), env
+            except Exception as e:  # noqa: BLE001 - the replay fails; the episode restarts
+                raise EpisodeReplayError(f"the replayed step raised {type(e).__name__}: "
+                                         f"{e}") from None
+        task = self.pool.submit_call(env, text)
+        while True:
+            for task_id, status, value in self.pool.poll(1.0):
+                if task_id != task:
+                    self._answers.append(self._tasks.pop(task_id) + (status, value))
+                elif status != "ok":
+                    raise EpisodeReplayError(f"the replayed step failed ({status}: {value})")
+                else:
+                    return value
+
     def ended(self, group: EpisodeGroup, index: int) -> None:
         """The episode's completion is final: drop its environment."""
         group.envs[index] = None
@@ -255,6 +366,22 @@ class EpisodeDriver:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+class EpisodeReplayError(ValueError):
+    """A journaled episode's turns cannot be replayed through its environment
+    (:meth:`EpisodeDriver.resume`)."""
+
+
+def _runs(sampled: np.ndarray) -> list:
+    """``[(start, stop, sampled)]``: the maximal runs of equal values of the bool array
+    ``sampled`` (sampled turns and environment answers, alternating)."""
+    if not sampled.size:
+        return []
+    cuts = np.flatnonzero(sampled[1:] != sampled[:-1]) + 1
+    starts = np.concatenate([[0], cuts])
+    stops = np.concatenate([cuts, [sampled.size]])
+    return [(int(a), int(b), bool(sampled[a])) for a, b in zip(starts, stops)]
 
 
 def _bad_step(step) -> Optional[str]:

@@ -31,6 +31,12 @@ A thin shell, one per replica, when ``sampler.journal_every_steps = N > 0``:
   then at most ``2 (N // 2) <= N`` calls old). A write that fails is logged and counted,
   never fatal; the bound then holds from the next write that succeeds.
 
+Multi-turn episodes are journaled alike (an episode's ids so far, the environment's with
+version -1, and a finished one's reward and ``failed``); the batcher and the episode driver
+resume them (:mod:`rlflow.sampler.journal_slots`, the environment rebuilt by replaying the
+turns: :meth:`rlflow.sampler.episodes.EpisodeDriver.resume`). The staleness bound counts
+sampled tokens only.
+
 Figures (running totals of this replica instance, in its status): ``sampler/journal_writes``,
 ``sampler/journal_write_waits`` (snapshots that waited for the previous write),
 ``sampler/journal_snapshot_s`` (decode-thread seconds the journal took: snapshots, waits,
@@ -162,7 +168,8 @@ class JournalKeeper:
                 self.counts["damaged"] += 1
                 continue
             out.append(Completion(request.prompt_id, e.sample_index, e.tokens, e.logprobs,
-                                  e.versions, e.finish_reason))
+                                  e.versions, e.finish_reason, reward=e.reward,
+                                  failed=e.failed))
             self.counts["resumed_samples"] += 1
             self.counts["resumed_tokens"] += n
         log.info("prompt_id %d (stream_index %d): %d samples resumed from the journal, %d "
@@ -206,7 +213,9 @@ class JournalKeeper:
             entries += [journal.JournalEntry(
                 int(element["stream_index"]), int(element["seed"]), request.prompt_id,
                 c.sample_index, np.asarray(c.tokens), np.asarray(c.logprobs),
-                np.asarray(c.versions), c.finish_reason) for c in samples]
+                np.asarray(c.versions), c.finish_reason,
+                reward=c.reward if c.finish_reason else None,
+                failed=bool(c.failed)) for c in samples]
         version = max(self.version, int(getattr(batcher, "version", -1)))
         for key in list(self.carried):
             kept = self.index.get(key)

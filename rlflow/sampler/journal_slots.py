@@ -17,6 +17,17 @@ slot's completion length):
   token ``t`` still draws uniform ``t``, :mod:`rlflow.sampler.paged_batching`). Their KV
   entries are recomputed under the current weights; their tokens keep the versions they
   were sampled with.
+
+Multi-turn episodes (a request with ``episode`` set) are journaled alike: a sample's
+completion so far is the episode so far (sampled turns, and the environment's ids between
+them with logprob 0 and version -1), a parked slot's up to its turn's end-of-turn id, a
+finished one with its reward and ``failed``. A resumed episode first has its environment
+rebuilt by the driver replaying its turns (:meth:`rlflow.sampler.episodes.EpisodeDriver.resume`;
+one that cannot be replayed starts over, counted), then resumes by the same re-prefill of
+prompt + ids so far, into the turn in progress (its uniforms, indexed by completion
+position, are those of the uninterrupted episode); an episode whose last turn had ended is
+parked again at once and its environment step runs again
+(:meth:`rlflow.sampler.episode_slots.EpisodeSlots._resume_turns`).
 """
 
 from __future__ import annotations
@@ -35,10 +46,11 @@ class JournalSlots:
         """``[(request, samples so far)]`` of the requests in flight with a sample begun
         (finished: ``finish_reason`` "stop" / "length"; in flight: ""; arrays are copies),
         then of the groups finished and not yet returned by ``step()`` (their completions).
+        An episode's sample in flight: its ids so far (module doc); a parked one's up to
+        its turn's end.
 
         Raises:
-          RuntimeError: the cache is not paged (no completion lengths are kept) or a slot
-            holds a multi-turn episode (not journaled).
+          RuntimeError: the cache is not paged (no completion lengths are kept).
         """
         if self._pool is None:
             raise RuntimeError("the journal of partial generations needs sampler.kv_cache="
@@ -48,9 +60,7 @@ class JournalSlots:
         for slot, s in enumerate(self._slots):
             if s is None:
                 continue
-            if s.live.request.episode is not None:
-                raise RuntimeError("multi-turn episodes are not journaled")
-            g = self._gen[slot]
+            g = s.length if s.parked else self._gen[slot]
             lives.setdefault(id(s.live), (s.live, []))[1].append(Completion(
                 s.live.request.prompt_id, s.sample_index, self._tokens[slot, :g].copy(),
                 self._logprobs[slot, :g].copy(), self._versions[slot, :g].copy(), ""))
@@ -71,7 +81,9 @@ class JournalSlots:
 
     def _queue_samples(self, live, resumed: Sequence[Completion]) -> None:
         """Queue ``live``'s samples, those in ``resumed`` from where they were (module doc);
-        a group whose samples all finished is ready at once."""
+        a group whose samples all finished is ready at once. An episode's partial sample
+        whose turns cannot be replayed is queued from the start (the driver counts it)."""
+        episode = live.request.episode
         by_index = {}
         for c in resumed:
             i = int(c.sample_index)
@@ -93,11 +105,18 @@ class JournalSlots:
             if c is None:
                 self._queue.append((live, i))
             elif c.finish_reason:
+                versions = np.asarray(c.versions, np.int32)
                 live.completions[i] = Completion(
                     live.request.prompt_id, i, np.asarray(c.tokens, np.int32),
-                    np.asarray(c.logprobs, np.float32), np.asarray(c.versions, np.int32),
-                    c.finish_reason)
+                    np.asarray(c.logprobs, np.float32), versions, c.finish_reason,
+                    reward=None if episode is None else float(c.reward or 0.0),
+                    loss_mask=None if episode is None else versions >= 0,
+                    failed=bool(c.failed))
                 live.pending -= 1
+                if episode is not None:
+                    self.episodes.ended(episode, i)
+            elif episode is not None and not self._replayed(live, i, c):
+                self._queue.append((live, i))
             else:
                 self._queue.append((live, i, (np.asarray(c.tokens, np.int32),
                                               np.asarray(c.logprobs, np.float32),
@@ -107,3 +126,17 @@ class JournalSlots:
                 request=live.request, prompt_tokens=live.tokens,
                 max_tokens=live.sampling.max_tokens,
                 completions=[live.completions[i] for i in range(live.request.num_samples)]))
+
+    def _replayed(self, live, i: int, c: Completion) -> bool:
+        """Rebuild episode ``i``'s environment from its journaled ids ``c``
+        (:meth:`rlflow.sampler.episodes.EpisodeDriver.resume`); keeps where its turn in
+        progress began for the resume (``live.resume_turns``). False: it cannot be
+        replayed (the episode starts over)."""
+        from rlflow.sampler.episodes import EpisodeReplayError
+
+        try:
+            live.resume_turns[i] = self.episodes.resume(
+                live.request.episode, i, c.tokens, c.versions, live.stop_ids)
+        except EpisodeReplayError:
+            return False
+        return True

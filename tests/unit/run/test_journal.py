@@ -3,6 +3,8 @@ damaged files and entries skipped and counted, the staleness bound."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -77,3 +79,17 @@ def test_staleness_counts_the_oldest_tokens_version():
     assert not journal.stale(group, version=6, max_staleness=2)      # lag 2: kept
     assert journal.stale(group, version=7, max_staleness=2)          # lag 3: dropped
     assert not journal.stale([_entry(rng, 1, 0, 0)], version=99, max_staleness=0)  # no tokens
+    # an episode's environment ids (version -1) were not sampled: they do not count
+    episode = [_entry(rng, 1, 0, 6, (5, -1, -1, 6))]
+    assert not journal.stale(episode, version=6, max_staleness=1)
+    assert journal.stale(episode, version=7, max_staleness=1)
+
+
+def test_a_finished_episodes_reward_and_failure_round_trip():
+    rng = np.random.default_rng(3)
+    done = dataclasses.replace(_entry(rng, 2, 1, 6, (4, -1, 4), "stop"), reward=0.25,
+                               failed=True)
+    got, damaged = journal.decode(journal.encode("sampler-0", [done, _entry(rng, 2, 0, 3)]))
+    assert damaged == 0 and (got[0].reward, got[0].failed) == (0.25, True)
+    assert (got[1].reward, got[1].failed) == (None, False)       # a sample in flight
+    _same(done, got[0])

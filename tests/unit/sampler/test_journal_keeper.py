@@ -281,3 +281,48 @@ def test_finished_groups_are_journaled_until_surely_trained(tmp_path):
     assert journaled() == [(0, "stop", 4), (1, "length", 8)]
     delivery.release_sent(learner_version=6, max_staleness=1)
     assert journaled() == []
+
+
+def test_finished_episode_groups_are_journaled_with_rewards_until_surely_trained(tmp_path):
+    """Episode groups go to the buffer at once (their rewards come from the environments);
+    the journal keeps them, rewards and failures included, until the learner's version
+    passes their oldest *sampled* token's version + max_staleness + 1 (the environment's
+    ids, version -1, do not count)."""
+    import dataclasses
+    import types
+
+    from delivery_fakes import CharTokenizer, RecordingBuffer
+    from rlflow.sampler.delivery import GroupDelivery
+    from rlflow.sampler.requests import CompletedGroup
+
+    r = dataclasses.replace(_request(10, g=2), episode=object())
+    episodes = []
+    for i, (reward, failed) in enumerate([(0.5, False), (0.0, True)]):
+        c = _c(10, i, 6, 3, "stop")
+        c.versions[2:4] = -1                                     # the environment's ids
+        c.reward, c.failed, c.loss_mask = reward, failed, c.versions >= 0
+        episodes.append(c)
+    group = CompletedGroup(request=r, prompt_tokens=np.asarray([1, 2], np.int32), max_tokens=8,
+                           completions=episodes)
+    buffer = RecordingBuffer()
+    delivery = GroupDelivery(CharTokenizer(), buffer, None,
+                             types.SimpleNamespace(add=lambda **kw: None), keep_sent=True)
+    delivery.admit(r, {"stream_index": 4, "seed": 77, "lease_id": 1, "answer": "1"})
+    delivery.score([group])
+    assert len(buffer.records) == 1 and buffer.records[0]["rewards"].tolist() == [0.5, 0.0]
+    k = JournalKeeper(str(tmp_path), "sampler-0", every=1, max_staleness=1)
+
+    def journaled():
+        k.after_step(_Batcher([]), delivery.in_flight, delivery.held())
+        index, _ = journal.read_journals(str(tmp_path))
+        return [(e.sample_index, e.finish_reason, e.reward, e.failed)
+                for e in index.get((4, 77), [])]
+
+    assert journaled() == [(0, "stop", 0.5, False), (1, "stop", 0.0, True)]
+    got = JournalKeeper(str(tmp_path), "sampler-1", every=1, max_staleness=1).resumed(
+        {"stream_index": 4, "seed": 77}, r, version=4)           # lag 1 of sampled tokens
+    assert [(c.reward, c.failed) for c in got] == [(0.5, False), (0.0, True)]
+    delivery.release_sent(learner_version=5, max_staleness=1)    # 5 > 3 + 1 + 1: no
+    assert len(journaled()) == 2
+    delivery.release_sent(learner_version=6, max_staleness=1)
+    assert journaled() == []
