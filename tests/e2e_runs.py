@@ -63,10 +63,12 @@ def rlflow_argv() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
 
 
-def demo_train_cmd(run_dir, name, *overrides) -> list[str]:
-    """``rlflow train`` on configs/demo.py into ``run_dir/name``, plain progress lines, no
-    periodic checkpoints, a 120 s buffer timeout; ``overrides`` are further flags."""
-    return rlflow_argv() + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+def demo_train_cmd(run_dir, name, *overrides, config: str = "demo.py") -> list[str]:
+    """``rlflow train`` on configs/demo.py (or ``configs/<config>``, e.g. the multi-turn demo
+    ``multiturn_demo.py``, whose model folder is built beside the demo's) into
+    ``run_dir/name``, plain progress lines, no periodic checkpoints, a 120 s buffer timeout;
+    ``overrides`` are further flags."""
+    return rlflow_argv() + ["train", "--config", os.path.join(REPO, "configs", config),
                             "--run_dir", str(run_dir), "--name", name,
                             "--metrics.progress", "plain", "--buffer.timeout_s", "120",
                             "--checkpoint.every_steps", "0", *overrides]

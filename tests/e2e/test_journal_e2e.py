@@ -6,24 +6,34 @@ seeds, each prompt of the stream trained once (the trained-prompts log). Two rep
 tiny model on CPU, long completions, small decode calls, the journal on disk never more than
 ``sampler.journal_every_steps`` decode calls behind (``sampler/journal_lag_max``).
 
+Two cases: single-turn (configs/demo.py) and multi-turn episodes (configs/multiturn_demo.py:
+``guess_digit`` episodes, the same tiny model with the task's chat template; every episode's
+ids, the environment's answers between its turns included, equal the uninterrupted run's,
+and each kill comes while a journal holds an episode past its first turn, so the resumed
+replicas rebuild environments by replaying turns, ``sampler/episodes_resumed``).
+
 Each kill is aimed by freezing the replicas (SIGSTOP) and reading their journals: the kill
-comes when one holds a sample in mid-decode of the learner's current version (and, for the
-learner's kill, once its checkpoint of that version is written); otherwise they go on
-(SIGCONT) and it looks again.
+comes when one holds a sample in mid-decode of the learner's current version (multi-turn:
+with the environment's ids of an earlier turn; and, for the learner's kill, once its
+checkpoint of that version is written); otherwise they go on (SIGCONT) and it looks again.
 """
 
+import functools
 import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
 
+from e2e_runs import demo_train_cmd
+from repo_paths import REPO
 from rlflow.control.ledger import read_trained_prompts
 from rlflow.run import journal
 from test_replicas_e2e import _finish
-from test_runtime_e2e import HANG_GUARD_S, _start, _steps, _wait_for_step, env  # noqa: F401
+from test_runtime_e2e import HANG_GUARD_S, _steps, _wait_for_step, env  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +46,27 @@ ARGS = ("--runtime.mode", "sync", "--runtime.max_staleness", "0",
         "--sampler.decode_steps_per_call", "1", "--sampler.kv_cache", "paged",
         "--sampler.page_size", "8", "--learner.seq_buckets", "64",
         "--metrics.samples_every", "1", "--metrics.num_samples", str(GROUPS * G))
+# case -> its config (configs/); multi-turn: episodes of up to 48 ids after the prompt
+CONFIGS = {"single-turn": "demo.py", "multi-turn": "multiturn_demo.py"}
 JOURNAL = ("--sampler.journal_every_steps", str(EVERY))
 RESUMED = r"prompt_id \d+ \(stream_index \d+\): (\d+) samples resumed from the journal"
 
 
+@pytest.fixture(params=sorted(CONFIGS))
+def case(request):
+    return request.param
+
+
+def _start(env, run_dir, name, case, *overrides):
+    return subprocess.Popen(demo_train_cmd(run_dir, name, *overrides, config=CONFIGS[case]),
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 @pytest.fixture
-def reference(env, tmp_path):   # noqa: F811 - the module fixture of test_runtime_e2e
+def reference(env, tmp_path, case):   # noqa: F811 - the module fixture of test_runtime_e2e
     """The uninterrupted run's completions (``_completions``)."""
-    ref = _start(env, tmp_path, "ref", *ARGS)
+    ref = _start(env, tmp_path, "ref", case, *ARGS)
     _, err = _finish(ref)
     assert ref.returncode == 0, err[-3000:]
     return _completions(os.path.join(str(tmp_path), "ref"))
@@ -71,9 +94,10 @@ def _newest_checkpoint(run):
     return max(steps, default=-1)
 
 
-def _mid_decode(run, replicas, version=None):
+def _mid_decode(run, replicas, version=None, episodes=False):
     """Whether the journal of one of ``replicas`` holds a sample in mid-decode (>= 2 tokens,
-    not finished; all its tokens of ``version`` when given)."""
+    not finished; all its sampled tokens of ``version`` when given; with ``episodes``, an
+    episode past its first turn: environment ids, version -1, among them)."""
     for i in replicas:
         try:
             entries, _ = journal.decode(open(journal.journal_path(run, f"sampler-{i}"),
@@ -81,7 +105,8 @@ def _mid_decode(run, replicas, version=None):
         except OSError:
             continue
         if any(e.finish_reason == "" and e.tokens.size >= 2 and
-               (version is None or set(e.versions.tolist()) == {version}) for e in entries):
+               (version is None or set(e.versions.tolist()) - {-1} == {version}) and
+               (not episodes or -1 in e.versions) for e in entries):
             return True
     return False
 
@@ -94,7 +119,7 @@ def _learner_version(run):
     return max(steps, default=0)
 
 
-def _aim(run, proc, kill, replicas=range(REPLICAS), checkpointed=False):
+def _aim(run, proc, kill, replicas=range(REPLICAS), checkpointed=False, episodes=False):
     """Freeze the replicas until the journals of ``replicas`` hold a sample in mid-decode
     with the learner's current version (with ``checkpointed``: once the learner's
     checkpoint of that version is written, waited for frozen), then ``kill()`` and let them
@@ -107,7 +132,7 @@ def _aim(run, proc, kill, replicas=range(REPLICAS), checkpointed=False):
             os.kill(pid, signal.SIGSTOP)
         try:
             version = _learner_version(run)
-            if _mid_decode(run, replicas, version):
+            if _mid_decode(run, replicas, version, episodes):
                 saved = time.monotonic() + 20     # (runtime.replica_timeout_s: 60)
                 while checkpointed and _newest_checkpoint(run) < version and \
                         time.monotonic() < saved and proc.poll() is None:
@@ -127,7 +152,7 @@ def _resumed(run):
         RESUMED, open(os.path.join(run, "logs", f"sampler-{i}.log")).read()))
 
 
-def _check_against_reference(run, want):
+def _check_against_reference(run, want, case):
     got = _completions(run)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in want:
@@ -140,6 +165,9 @@ def _check_against_reference(run, want):
     last = _steps(run)[STEPS]
     assert last["sampler/journal_damaged"] == 0 and last["sampler/journal_dropped_stale"] == 0
     assert 1 <= last["sampler/journal_lag_max"] <= EVERY, last
+    if case == "multi-turn":      # environments rebuilt by replaying turns, all alike
+        assert last["sampler/episodes_replay_mismatch"] == 0, last
+        assert any(s.get("sampler/episodes_resumed") for s in _steps(run).values())
     assert sum(len(c) for s in got for _, _, c in got[s]) > 2 * len(got) * GROUPS * G
 
 
@@ -152,7 +180,8 @@ def _wait_for_resumed(run, proc, more_than):
         time.sleep(0.05)
 
 
-def test_killed_sampler_learner_and_launcher_resume_from_the_journal(env, tmp_path, reference):
+def test_killed_sampler_learner_and_launcher_resume_from_the_journal(env, tmp_path, case,
+                                                                     reference):
     """Launch 1: sampler-1 killed (-9) and restarted (``runtime.restart_sampler``): its
     prompts are leased again and resumed from its journal; then the learner killed (-9,
     checkpoints every step): the run stops. Launch 2 resumes from the newest checkpoint and
@@ -166,7 +195,8 @@ def test_killed_sampler_learner_and_launcher_resume_from_the_journal(env, tmp_pa
         # a step of this launch first (the journals on disk are then this launch's)
         at_step = 1 if not resumed else _newest_checkpoint(run) + 1
         assert at_step < STEPS, "the learner was killed too late to kill the launcher after"
-        proc = _start(env, tmp_path, "killed", *args)
+        proc = _start(env, tmp_path, "killed", case, *args)
+        aim = functools.partial(_aim, episodes=case == "multi-turn")
         try:
             if victim is None:
                 _, err = _finish(proc)
@@ -175,18 +205,18 @@ def test_killed_sampler_learner_and_launcher_resume_from_the_journal(env, tmp_pa
             _wait_for_step(run, at_step, proc)
             if victim == "launcher":
                 pids = list(json.load(open(os.path.join(run, "processes.json"))).values())
-                _aim(run, proc, proc.kill)
+                aim(run, proc, proc.kill)
                 _finish(proc)
                 deadline = time.monotonic() + HANG_GUARD_S
                 while any(_alive(p) for p in pids):
                     assert time.monotonic() < deadline, "the launcher's programs live on"
                     time.sleep(0.1)
             else:
-                _aim(run, proc, lambda: os.kill(_samplers(run)[1], signal.SIGKILL),
+                aim(run, proc, lambda: os.kill(_samplers(run)[1], signal.SIGKILL),
                      replicas=[1])
                 _wait_for_resumed(run, proc, 0)        # the restarted replica resumed
                 pid = json.load(open(os.path.join(run, "processes.json")))["learner"]
-                _aim(run, proc, lambda: os.kill(pid, signal.SIGKILL), checkpointed=True)
+                aim(run, proc, lambda: os.kill(pid, signal.SIGKILL), checkpointed=True)
                 _, err = _finish(proc)
                 assert "the sampler-1 process died (killed by SIGKILL); restarting it" in err
                 assert proc.returncode == 1 and "the learner process died (killed by " \
@@ -199,7 +229,7 @@ def test_killed_sampler_learner_and_launcher_resume_from_the_journal(env, tmp_pa
     assert len(re.findall(r"resumed from checkpoint step \d+", learner_log)) == 2
     got = _resumed(run)
     assert 1 <= resumed[0] < resumed[1] < got, (resumed, got)
-    _check_against_reference(run, reference)
+    _check_against_reference(run, reference, case)
 
 
 def _alive(pid):
