@@ -322,6 +322,9 @@ def test_finished_episode_groups_are_journaled_with_rewards_until_surely_trained
     got = JournalKeeper(str(tmp_path), "sampler-1", every=1, max_staleness=1).resumed(
         {"stream_index": 4, "seed": 77}, r, version=4)           # lag 1 of sampled tokens
     assert [(c.reward, c.failed) for c in got] == [(0.5, False), (0.0, True)]
+    late = JournalKeeper(str(tmp_path), "sampler-1", every=1, max_staleness=1)
+    assert late.resumed({"stream_index": 4, "seed": 77}, r, version=5) == []    # lag 2
+    assert late.metrics()["sampler/journal_dropped_stale"] == 1
     delivery.release_sent(learner_version=5, max_staleness=1)    # 5 > 3 + 1 + 1: no
     assert len(journaled()) == 2
     delivery.release_sent(learner_version=6, max_staleness=1)
