@@ -66,11 +66,14 @@ def rlflow_argv() -> list[str]:
 def demo_train_cmd(run_dir, name, *overrides, config: str = "demo.py") -> list[str]:
     """``rlflow train`` on configs/demo.py (or ``configs/<config>``, e.g. the multi-turn demo
     ``multiturn_demo.py``, whose model folder is built beside the demo's) into
-    ``run_dir/name``, plain progress lines, no periodic checkpoints, a 120 s buffer timeout;
-    ``overrides`` are further flags."""
+    ``run_dir/name``, plain progress lines, no periodic checkpoints, no report at the end
+    (``metrics.report``: about 4 CPU s of plots a run; tests/e2e/test_run_outputs_e2e.py
+    writes one with ``rlflow report``), a 120 s buffer timeout; ``overrides`` are further
+    flags."""
     return rlflow_argv() + ["train", "--config", os.path.join(REPO, "configs", config),
                             "--run_dir", str(run_dir), "--name", name,
-                            "--metrics.progress", "plain", "--buffer.timeout_s", "120",
+                            "--metrics.progress", "plain", "--metrics.report", "False",
+                            "--buffer.timeout_s", "120",
                             "--checkpoint.every_steps", "0", *overrides]
 
 

@@ -243,6 +243,11 @@ class MetricsConfig:
         "flag"ged (written as null, listed under the record's "non_finite" key, warned).
       wandb: Weights & Biases logging of the same metrics, config and samples (off by
         default; :class:`WandbConfig`).
+      report: at the end of a successful ``rlflow train``, write the run's report
+        (``report/report.html``, ``report.md`` and the PNG plots of
+        :mod:`rlflow.run.report`: about 4 CPU seconds of plotting). Off, the run ends without
+        it and ``rlflow report RUN_DIR`` writes the same report later (the tests' runs turn
+        it off).
     """
 
     samples_every: int = 5
@@ -250,6 +255,7 @@ class MetricsConfig:
     progress: Literal["auto", "bar", "plain"] = "auto"
     on_non_finite: Literal["error", "flag"] = "flag"
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    report: bool = True
 
     def __post_init__(self):
         _finite_floats(self, "metrics")

@@ -219,7 +219,7 @@ def _run_train(cfg, run_path: str) -> int:
         sup.stop_all()
         watcher.poll()
         try:
-            watcher.close(success=(code == 0))
+            watcher.close(success=(code == 0), report=cfg.metrics.report)
         except OSError as e:                # summary.json on a full disk: one line, no .tmp
             if files.no_space(e) is None:
                 raise

@@ -192,6 +192,33 @@ def test_resume_is_announced_and_summary_counts_this_invocation(tmp_path, monkey
     assert plain == ["3/5", "4/5", "5/5"]
 
 
+
+@pytest.mark.parametrize("report", [True, False])
+def test_the_report_is_written_at_the_end_unless_metrics_report_is_off(tmp_path, monkeypatch,
+                                                                       capsys, report):
+    run = tmp_path / "demo"
+    run.mkdir()
+
+    def fake_start(self, role, instance=0):          # stand-in programs, no JAX
+        code = LEARNER if role == "learner" else "pass"
+        proc = subprocess.Popen([sys.executable, "-c", code, str(run / "metrics.jsonl")])
+        proc.wait()
+        self.children[role] = supervisor.Child(role, proc, str(run / f"{role}.log"))
+        return self.children[role]
+
+    made = []
+    monkeypatch.setattr(supervisor.Supervisor, "start", fake_start)
+    monkeypatch.setattr("rlflow.run.report.make_report",
+                        lambda run_dir: made.append(run_dir) or "report.html")
+    cfg = C.replace(_cfg(tmp_path, num_steps=5, resume="never"),
+                    metrics=C.MetricsConfig(progress="plain", report=report))
+    assert supervisor.run_train(cfg) == 0
+    err = capsys.readouterr().err
+    assert made == ([str(run)] if report else [])
+    assert ("rlflow train: report report.html" in err) == report
+    assert (run / "summary.json").is_file()          # the summary is written either way
+
+
 APPENDING_LEARNER = """
 import json, sys
 with open(sys.argv[1], "a") as f:          # appends without truncating (the launcher must)

@@ -270,3 +270,26 @@ def test_importing_the_writer_and_progress_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert out.strip() == "[]"
+
+
+def test_the_tensorboard_writer_is_imported_without_torch(tmp_path):
+    """A fresh process opening a MetricsWriter (TensorBoard on) has not imported torch, and
+    leaves no blocker behind (``sys.modules`` has no "torch" entry, so a later ``import torch``
+    loads it); an event file is written."""
+    pytest.importorskip("torch")     # without torch there is nothing to hide
+    from repo_paths import REPO
+
+    code = """
+import sys
+from rlflow.run.metrics import MetricsWriter
+w = MetricsWriter(sys.argv[1], tensorboard=True)
+w.log(1, {"reward/mean": 0.5})
+w.close()
+print(sys.modules.get("torch", "absent"))
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["absent"]
+    events = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    assert len(events) == 1 and os.path.getsize(events[0]) > 0
