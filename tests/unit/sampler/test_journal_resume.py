@@ -175,7 +175,7 @@ def episode_reference(engine):
 def test_episodes_resume_from_the_journal_inside_and_between_turns(
         model, engine, episode_reference, tmp_path):
     """Multi-turn episodes journaled after every decode call (the keeper, N = 1) and the
-    batcher and its environments dropped (as by kill -9) after call 1, 2, ...: a fresh
+    batcher and its environments dropped (as by kill -9) after call 1, 3, 5, ...: a fresh
     driver and batcher resume them from the journal file (environments rebuilt by replaying
     the turns, re-prefill of prompt + ids so far), and every episode equals, token for token,
     the uninterrupted one (sync: one policy version, same seeds): ids, versions, loss mask,
@@ -190,7 +190,7 @@ def test_episodes_resume_from_the_journal_inside_and_between_turns(
     assert any(len(c.tokens) > 8 and (c.versions == -1).sum() >= 6
                for g in reference.values() for c in g.completions), "no episode of 3 turns"
     seen = set()
-    for cut in range(1, calls - 1):
+    for cut in range(1, calls - 1, 2):
         run = tmp_path / f"cut{cut}"
         _, a, reqs = _episodes(engine, eot)
         keeper = JournalKeeper(str(run), "sampler-0", every=1, max_staleness=0)
