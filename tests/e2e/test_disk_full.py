@@ -216,7 +216,8 @@ def test_rlflow_train_on_a_full_tmpfs_stops_in_one_line_and_resumes(tmp_path):
     try:
         exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
         cmd = ([exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]) + [
-            "train", "--config", os.path.join(REPO, "configs", "demo.py"), "--metrics.report", "False", "--run_dir",
+            "train", "--config", os.path.join(REPO, "configs", "demo.py"),
+            "--metrics.report", "False", "--run_dir",
             str(disk), "--name", "full", "--metrics.progress", "plain", "--learner.num_steps",
             "4", "--checkpoint.every_steps", "2", "--buffer.timeout_s", "120"]
         env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))   # the demo model

@@ -28,7 +28,8 @@ def test_rlflow_train_two_steps_with_a_teacher(folders, tmp_path):
     student, teacher = folders
     env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path / "cache"))
     cmd = rlflow_argv() + [
-        "train", "--config", os.path.join(REPO, "configs", "distill_demo.py"), "--metrics.report", "False",
+        "train", "--config", os.path.join(REPO, "configs", "distill_demo.py"),
+        "--metrics.report", "False",
         "--run_dir", str(tmp_path), "--name", "distill", "--metrics.progress", "plain",
         "--learner.num_steps", "2", "--buffer.timeout_s", "120",
         "--model.path", student, "--teacher.path", teacher]

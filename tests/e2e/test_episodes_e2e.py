@@ -24,7 +24,8 @@ def test_gsm8k_calculator_three_steps(tmp_path, gsm8k_model):
     model_dir, _ = gsm8k_model
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
-    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gsm8k_calculator.py"), "--metrics.report", "False",
+    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gsm8k_calculator.py"),
+                  "--metrics.report", "False",
                   "--model.path", model_dir, "--data.path", GSM8K_TEST,
                   "--learner.num-steps", str(NUM_STEPS), "--learner.groups-per-step", "2",
                   "--sampler.group-size", "2", "--sampler.num-slots", "4",

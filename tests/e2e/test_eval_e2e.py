@@ -46,7 +46,8 @@ def _rlflow():
 
 def _train(setup, name, *overrides):
     root, env, held = setup
-    cmd = _rlflow() + ["train", "--config", os.path.join(REPO, "configs", "demo.py"), "--metrics.report", "False",
+    cmd = _rlflow() + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+                       "--metrics.report", "False",
                        "--run-dir", str(root / "runs"), "--name", name,
                        "--metrics.progress", "plain", "--buffer.timeout-s", "120",
                        "--learner.num-steps", str(NUM_STEPS), "--checkpoint.every-steps", "0",

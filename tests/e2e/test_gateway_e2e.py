@@ -24,7 +24,8 @@ NUM_STEPS, GROUPS, G = 3, 2, 4
 def test_gateway_demo_three_steps(tmp_path):
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
-    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gateway_demo.py"), "--metrics.report", "False",
+    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gateway_demo.py"),
+                  "--metrics.report", "False",
                   "--learner.num-steps", str(NUM_STEPS), "--learner.groups-per-step",
                   str(GROUPS), "--sampler.group-size", str(G), "--sampler.num-slots", "8",
                   "--gateway.agent-threads", "8", "--metrics.progress", "plain",

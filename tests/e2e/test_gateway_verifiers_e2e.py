@@ -26,7 +26,8 @@ NUM_STEPS, GROUPS, G = 2, 2, 4
 def test_verifiers_environment_trains_two_steps_through_the_gateway(tmp_path):
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
-    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gateway_demo.py"), "--metrics.report", "False",
+    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gateway_demo.py"),
+                  "--metrics.report", "False",
                   "--gateway.agent", os.path.join(TESTS, "verifiers_digit.py") + ":agent",
                   "--gateway.tool-parser", "hermes", "--gateway.agent-threads", "4",
                   "--learner.num-steps", str(NUM_STEPS), "--learner.groups-per-step",

@@ -33,7 +33,8 @@ def gsm8k_run(tmp_path_factory, gsm8k_model):
     model_dir, vocab = gsm8k_model
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
-    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gsm8k.py"), "--metrics.report", "False",
+    cmd = base + ["train", "--config", os.path.join(REPO, "configs", "gsm8k.py"),
+                  "--metrics.report", "False",
                   "--model.path", model_dir, "--data.path", GSM8K_TEST,
                   "--learner.num-steps", str(NUM_STEPS),
                   "--learner.groups-per-step", str(GROUPS),

@@ -33,7 +33,8 @@ STEPS, EVERY, STALENESS = 6, 2, 2
 def _cmd(run_dir):
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
-    return base + ["train", "--config", os.path.join(REPO, "configs", "demo.py"), "--metrics.report", "False",
+    return base + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+                   "--metrics.report", "False",
                    "--run_dir", str(run_dir), "--name", "hosts", "--metrics.progress", "plain",
                    "--buffer.timeout_s", "300", "--learner.num_steps", str(STEPS),
                    "--learner.num-hosts", "2", "--learner.num_devices", "2",

@@ -148,7 +148,8 @@ def test_the_fit_figures_bound_a_real_runs_peak_resident_memory(tmp_path, monkey
     base = [exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]
     run = tmp_path / "runs" / "m"
     proc = subprocess.Popen(base + ["train", *args, "--run_dir", str(tmp_path / "runs"),
-                                    "--name", "m", "--metrics.progress", "plain", "--metrics.report", "False"],
+                                    "--name", "m", "--metrics.progress", "plain",
+                            "--metrics.report", "False"],
                             env=dict(os.environ), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     peaks: dict = {}

@@ -66,7 +66,8 @@ def run(tmp_path_factory):
     env["TERM"] = "xterm-256color"          # only the missing TTY may make the output plain
     for name in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
         env.pop(name, None)
-    cmd = _rlflow() + ["train", "--config", os.path.join(REPO, "configs", "demo.py"), "--metrics.report", "False",
+    cmd = _rlflow() + ["train", "--config", os.path.join(REPO, "configs", "demo.py"),
+                       "--metrics.report", "False",
                        "--run-dir", str(root / "runs"), "--name", "outputs",
                        "--learner.num-steps", str(NUM_STEPS),
                        "--metrics.samples-every", str(SAMPLES_EVERY),

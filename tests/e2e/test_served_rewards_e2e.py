@@ -40,7 +40,8 @@ def test_a_run_scores_through_a_local_reward_server(tmp_path):
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     with RewardServer(respond) as server:
         cmd = ([exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]) + [
-            "train", "--config", os.path.join(REPO, "configs", "demo.py"), "--metrics.report", "False",
+            "train", "--config", os.path.join(REPO, "configs", "demo.py"),
+            "--metrics.report", "False",
             "--run-dir", str(tmp_path / "runs"), "--name", "served",
             "--metrics.progress", "plain", "--buffer.timeout-s", "120",
             "--checkpoint.every-steps", "0", "--learner.num-steps", str(NUM_STEPS),
@@ -107,7 +108,8 @@ def test_a_key_echoed_by_a_401_reaches_no_log_stderr_or_failure_line(tmp_path):
     exe = shutil.which("rlflow", path=os.path.dirname(sys.executable))
     with RewardServer(respond) as server:
         cmd = ([exe] if exe else [sys.executable, "-m", "rlflow.console.cli"]) + [
-            "train", "--config", os.path.join(REPO, "configs", "demo.py"), "--metrics.report", "False",
+            "train", "--config", os.path.join(REPO, "configs", "demo.py"),
+            "--metrics.report", "False",
             "--run-dir", str(tmp_path / "runs"), "--name", "leak",
             "--metrics.progress", "plain", "--buffer.timeout-s", "120",
             "--checkpoint.every-steps", "0", "--learner.num-steps", "2",
