@@ -24,6 +24,17 @@ from rlflow.models import causal_conv, gated_delta as gd
 from tolerances import F32_EPS
 
 
+# The forms run jitted, as the learner and the sampler run them: one compile per shape.
+# Called eagerly, JAX dispatches (and compiles) every operation on its own: about 1,100
+# compiles for this file.
+STATIC = ("qk_l2norm", "precision")
+recurrent_rule = jax.jit(gd.recurrent_gated_delta_rule, static_argnames=STATIC)
+chunk_rule = jax.jit(gd.chunk_gated_delta_rule, static_argnames=("chunk_size",) + STATIC)
+delta_step = jax.jit(gd.gated_delta_step, static_argnames=STATIC)
+lower_inverse = jax.jit(gd.unit_lower_inverse)
+conv1d = jax.jit(causal_conv.causal_conv1d)
+conv1d_step = jax.jit(causal_conv.causal_conv1d_step)
+
 def oracle(q, k, v, g, beta, s0=None, seg=None):
     """The recurrence in float64, paper orientation ``M [d_v, d_k]``; returns ``o [B, T, Hv,
     d_v]``, the final state as ``[B, Hv, d_k, d_v]`` and ``max_t ||M_t||_F``."""
@@ -75,9 +86,9 @@ def test_chunked_and_recurrent_equal_the_oracle(t, chunk, packed):
     seg = SEGMENTS[:, :t] if packed else None
     want, want_s, top = oracle(q, k, v, g, beta, s0, seg)
     bound = tol(t, q.shape[-1], chunk, top)
-    rec, rec_s = gd.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0,
+    rec, rec_s = recurrent_rule(q, k, v, g, beta, initial_state=s0,
                                                segment_ids=seg)
-    chk, chk_s = gd.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0,
+    chk, chk_s = chunk_rule(q, k, v, g, beta, initial_state=s0,
                                            segment_ids=seg, chunk_size=chunk)
     for name, o, s in (("recurrent", rec, rec_s), ("chunked", chk, chk_s)):
         assert o.shape == want.shape and o.dtype == jnp.float32, name
@@ -89,10 +100,10 @@ def test_chunked_and_recurrent_equal_the_oracle(t, chunk, packed):
 def test_packed_row_equals_its_segments_run_alone():
     q, k, v, g, beta, _ = inputs(1)
     seg = SEGMENTS[:1, :37]
-    packed, _ = gd.chunk_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], segment_ids=seg,
+    packed, _ = chunk_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], segment_ids=seg,
                                           chunk_size=8)
     for lo, hi in ((0, 10), (10, 30), (30, 37)):
-        alone, _ = gd.chunk_gated_delta_rule(*(x[:1, lo:hi] for x in (q, k, v, g, beta)),
+        alone, _ = chunk_rule(*(x[:1, lo:hi] for x in (q, k, v, g, beta)),
                                              chunk_size=8)
         _, _, top = oracle(*(x[:1, lo:hi] for x in (q, k, v, g, beta)))
         np.testing.assert_allclose(np.asarray(packed[:, lo:hi]), np.asarray(alone), rtol=0,
@@ -101,13 +112,13 @@ def test_packed_row_equals_its_segments_run_alone():
 
 def test_decode_steps_after_prefill_equal_the_full_sequence():
     q, k, v, g, beta, s0 = inputs(2, t=20)
-    full, full_s = gd.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    full, full_s = recurrent_rule(q, k, v, g, beta, initial_state=s0)
     _, _, top = oracle(q, k, v, g, beta, s0)
-    out, s = gd.chunk_gated_delta_rule(*(x[:, :13] for x in (q, k, v, g, beta)),
+    out, s = chunk_rule(*(x[:, :13] for x in (q, k, v, g, beta)),
                                        initial_state=s0, chunk_size=4)
     outs = [out]
     for i in range(13, 20):
-        o, s = gd.gated_delta_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], s)
+        o, s = delta_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], s)
         assert o.shape == (2, 4, 6) and s.shape == (2, 4, 8, 6)
         outs.append(o[:, None])
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=0,
@@ -129,12 +140,12 @@ def test_chunked_gradients_equal_recurrent_and_stay_finite_under_strong_decay():
         o, s = fn(*xs)
         return jnp.sum(o * w) + jnp.sum(s)
 
-    chunked = lambda *xs: gd.chunk_gated_delta_rule(*xs, initial_state=s0, segment_ids=seg,
+    chunked = lambda *xs: chunk_rule(*xs, initial_state=s0, segment_ids=seg,
                                                     chunk_size=8)
-    recurrent = lambda *xs: gd.recurrent_gated_delta_rule(*xs, initial_state=s0, segment_ids=seg)
+    recurrent = lambda *xs: recurrent_rule(*xs, initial_state=s0, segment_ids=seg)
     args = (q, k, v, g, beta)
-    ga = jax.grad(lambda *xs: loss(chunked, *xs), argnums=range(5))(*args)
-    gb = jax.grad(lambda *xs: loss(recurrent, *xs), argnums=range(5))(*args)
+    ga = jax.jit(jax.grad(lambda *xs: loss(chunked, *xs), argnums=range(5)))(*args)
+    gb = jax.jit(jax.grad(lambda *xs: loss(recurrent, *xs), argnums=range(5)))(*args)
     _, _, top = oracle(q, k, v, g, beta, s0, seg)
     # The backward is the transposed recurrence, as non-expansive, carrying the cotangent
     # state dS (||dS|| <= sum_t ||w_t|| ||q_t|| + ||ones [d_k, d_v]||); every input's
@@ -152,7 +163,7 @@ def test_chunked_gradients_equal_recurrent_and_stay_finite_under_strong_decay():
 def test_unit_lower_inverse_ignores_the_upper_triangle_and_inverts():
     rng = np.random.default_rng(8)
     a = rng.normal(size=(3, 16, 16)).astype(np.float32) * 0.3
-    x = np.asarray(gd.unit_lower_inverse(a), np.float64)
+    x = np.asarray(lower_inverse(a), np.float64)
     m = np.eye(16) + np.tril(a.astype(np.float64), -1)
     # a triangular inverse by substitution: |X M - I| <= c_n u |X| |M| with c_n ~ n
     # (Higham 2002, sec. 14.2, first order); 2 n eps here
@@ -220,15 +231,15 @@ def test_causal_conv_equals_the_oracle_and_its_decode_steps(t):
     w = rng.normal(size=(4, 12)).astype(np.float32)
     hist = rng.normal(size=(2, 3, 12)).astype(np.float32)
     seg = np.array([[3] * (t // 2) + [4] * (t - t // 2) + [4] * 5, [1] * (t + 5)])
-    y, state = causal_conv.causal_conv1d(x[:, :t], w, state=hist, segment_ids=seg[:, :t])
+    y, state = conv1d(x[:, :t], w, state=hist, segment_ids=seg[:, :t])
     want, want_state = conv_oracle(x[:, :t], w, hist, seg[:, :t])
     bound = conv_bound(w, x)
     np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=bound)
     np.testing.assert_array_equal(np.asarray(state), want_state.astype(np.float32))
     # decode: the remaining 5 tokens one at a time equal the whole row run at once
-    full, _ = causal_conv.causal_conv1d(x, w, state=hist, segment_ids=seg)
+    full, _ = conv1d(x, w, state=hist, segment_ids=seg)
     for i in range(t, t + 5):
-        yi, state = causal_conv.causal_conv1d_step(x[:, i], w, state)
+        yi, state = conv1d_step(x[:, i], w, state)
         np.testing.assert_allclose(np.asarray(yi), np.asarray(full[:, i]), rtol=0, atol=bound)
 
 
@@ -241,7 +252,7 @@ def test_causal_conv_matches_transformers():
     w = rng.normal(size=(4, 10)).astype(np.float32)
     ref = hf.causal_conv1d_fn(torch.from_numpy(x).transpose(1, 2), torch.from_numpy(w.T.copy()),
                               None, activation="silu").transpose(1, 2).numpy()
-    y, _ = causal_conv.causal_conv1d(x, w)
+    y, _ = conv1d(x, w)
     bound = conv_bound(w, x)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=bound)
     with pytest.raises(ValueError, match="conv state: expected"):
