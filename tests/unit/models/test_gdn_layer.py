@@ -30,6 +30,21 @@ SHAPES = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
 CHUNK = 8
 
 
+
+# The layer runs jitted, as the learner and the sampler run it: one compile per shape.
+# Called eagerly, JAX dispatches (and compiles) every operation on its own: about 1,300
+# compiles for this file.
+@nnx.jit
+def forward(layer, x, **kwargs):
+    """``layer(x, **kwargs)`` (``attention_mask``, ``segment_ids``, ``state``)."""
+    return layer(x, **kwargs)
+
+
+@nnx.jit
+def decode_step(layer, x, state):
+    """``layer.step(x, state)``."""
+    return layer.step(x, state)
+
 def hf_layer(family: str, seed: int = 0):
     """A transformers GatedDeltaNet with random weights: projections 0.3 N(0, 1), norm
     scale 1 + 0.2 N(0, 1), ``A = exp(A_log)`` in (0.1, 2), ``dt_bias`` N(0, 1)."""
@@ -90,7 +105,7 @@ def test_layer_matches_transformers_on_padded_rows(family, impl, precision):
     mask = np.ones((2, 21), bool)
     mask[1, :5] = False      # left padding
     ref = run_hf(hf, x, mask)
-    y, state = layer(x, attention_mask=mask)
+    y, state = forward(layer, x, attention_mask=mask)
     assert y.shape == (2, 21, 32) and y.dtype == jnp.float32
     assert state.conv_q.shape == state.conv_k.shape == (2, 3, 2, 8)
     assert state.conv_v.shape == (2, 3, 4, 6) and state.recurrent.shape == (2, 4, 8, 6)
@@ -118,7 +133,7 @@ def test_packed_row_equals_its_segments_in_transformers():
     layer = ours(cfg, hf)
     x = activations(1, 23, seed=1)
     seg = np.array([[0] * 6 + [1] * 2 + [2] * 15])
-    y, _ = layer(x, segment_ids=seg)
+    y, _ = forward(layer, x, segment_ids=seg)
     for lo, hi in ((0, 6), (6, 8), (8, 23)):
         ref = run_hf(hf, x[:, lo:hi])
         np.testing.assert_allclose(np.asarray(y[:, lo:hi]), ref, rtol=0, atol=atol(23, ref),
@@ -131,17 +146,17 @@ def test_decode_steps_after_prefill_equal_the_full_sequence(prefill):
     layer = ours(cfg, hf)
     x = activations(2, 20, seed=2)
     ref = run_hf(hf, x)
-    out, state = layer(x[:, :prefill])
+    out, state = forward(layer, x[:, :prefill])
     outs = [np.asarray(out)]
     for i in range(prefill, 20):
-        y, state = layer.step(x[:, i], state)
+        y, state = decode_step(layer, x[:, i], state)
         assert y.shape == (2, 32)
         outs.append(np.asarray(y)[:, None])
     np.testing.assert_allclose(np.concatenate(outs, 1), ref, rtol=0, atol=atol(20, ref))
     # a fresh slot: zero state, step by step from the first token
     state = gdn_layer.init_state(layer.spec, 2)
     for i in range(3):
-        y, state = layer.step(x[:, i], state)
+        y, state = decode_step(layer, x[:, i], state)
     np.testing.assert_allclose(np.asarray(y), ref[:, 2], rtol=0, atol=atol(20, ref))
 
 
@@ -150,9 +165,9 @@ def test_continued_sequence_from_a_state_equals_one_pass():
     layer = ours(cfg, hf)
     x = activations(2, 19, seed=3)
     ref = run_hf(hf, x)
-    a, state = layer(x[:, :2])          # shorter than the conv window
-    b, state = layer(x[:, 2:11], state=state)
-    c, _ = layer(x[:, 11:], state=state)
+    a, state = forward(layer, x[:, :2])          # shorter than the conv window
+    b, state = forward(layer, x[:, 2:11], state=state)
+    c, _ = forward(layer, x[:, 11:], state=state)
     np.testing.assert_allclose(np.concatenate([a, b, c], 1), ref, rtol=0, atol=atol(19, ref))
 
 
@@ -164,7 +179,7 @@ def test_bfloat16_layer_runs_and_params_shard_by_rules():
 
     cfg, hf = hf_layer("qwen3_5")
     layer = ours(cfg, hf, dtype="bfloat16", param_dtype="bfloat16")
-    y, state = layer(activations(1, 5).astype(jnp.bfloat16))
+    y, state = forward(layer, activations(1, 5).astype(jnp.bfloat16))
     assert y.dtype == jnp.bfloat16 and state.conv_v.dtype == jnp.bfloat16
     assert state.recurrent.dtype == jnp.float32
     assert np.isfinite(np.asarray(y, np.float32)).all()
@@ -221,7 +236,7 @@ def test_parameter_gradients_of_chunked_and_recurrent_layers_agree():
     for impl in ("auto", "recurrent"):
         layer = ours(cfg, hf, impl=impl)
         loss = lambda m: jnp.sum(m(x, segment_ids=seg)[0] * w)
-        grads.append(nnx.state(nnx.grad(loss)(layer), nnx.Param))
+        grads.append(nnx.state(nnx.jit(nnx.grad(loss))(layer), nnx.Param))
     flat = [dict((jax_path(p), np.asarray(v)) for p, v in nnx.to_flat_state(g)) for g in grads]
     assert flat[0].keys() == flat[1].keys() and len(flat[0]) == 13
     for name in flat[0]:
@@ -246,8 +261,8 @@ def test_sharded_layer_equals_one_device():
     cfg, hf = hf_layer("qwen3_5", seed=6)
     layer = ours(cfg, hf)
     x = activations(2, 11, seed=6)
-    want, want_state = layer(x[:, :10])
-    want_step, _ = layer.step(x[:, 10], want_state)
+    want, want_state = forward(layer, x[:, :10])
+    want_step, _ = decode_step(layer, x[:, 10], want_state)
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2))
     graph, params = nnx.split(layer, nnx.Param)
     params = shard_params(params, mesh)
