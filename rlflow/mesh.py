@@ -255,13 +255,19 @@ PAGE_POOL_AXES = ("kv_heads", "cache_pages", "page_tokens", "head_dim")
 def paged_cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):
     """Shardings of a :class:`rlflow.models.paged_kv_cache.PagedKVCache` (its arrays, or
     anything with a ``.shape``): pools per :data:`PAGE_POOL_AXES` (KV heads over ``tensor``;
-    every slot's pages are reachable from every device of the slot axis), page table and
-    mask per slot (``cache_batch``)."""
+    every slot's pages are reachable from every device of the slot axis; None for a
+    linear-attention layer), page table and mask per slot (``cache_batch``), the
+    linear-attention states as :func:`cache_sharding`'s."""
     pool = lambda a: logical_sharding(mesh, PAGE_POOL_AXES, a.shape, rules)  # noqa: E731
+    linear = jax.tree.map(lambda a: logical_sharding(
+        mesh, ("cache_batch",) + (None,) * (len(a.shape) - 1), a.shape, rules),
+        tuple(cache.linear))
     return cache.replace(
-        k=tuple(pool(a) for a in cache.k), v=tuple(pool(a) for a in cache.v),
+        k=tuple(None if a is None else pool(a) for a in cache.k),
+        v=tuple(None if a is None else pool(a) for a in cache.v),
         page_table=logical_sharding(mesh, ("cache_batch", None), cache.page_table.shape, rules),
-        mask=logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules))
+        mask=logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules),
+        linear=linear)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -83,10 +83,7 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, attention_mas
     else:
         blocks = ordered_layers(model.layers, layer_pattern(model.cfg.kinds))
     chosen = []                                         # [B, T, k] per layer
-    linear = list(getattr(cache, "linear", ()))
-    if linear and paged:
-        raise ValueError("sampler.kv_cache: the paged KV cache does not hold linear_attention "
-                         "(gated DeltaNet) state yet; use the contiguous cache")
+    linear = list(cache.linear)                         # GDN states per slot (both caches)
     for layer, block in enumerate(blocks):
         if block.kind == "linear_attention":            # carried state, no keys / values
             def run(gdn, h, layer=layer):
@@ -112,7 +109,7 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, attention_mas
         if return_routing:
             chosen.append(routing.expert_ids.reshape(b, t, -1))
     if paged:
-        new_cache = cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask)
+        new_cache = cache.replace(k=tuple(ks), v=tuple(vs), mask=new_mask, linear=tuple(linear))
     else:
         new_cache = KVCache(k=tuple(ks), v=tuple(vs), mask=new_mask, linear=tuple(linear))
     return ForwardOutput(logits=model._logits(x), cache=new_cache,

@@ -355,8 +355,10 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
         """One decode step: ``(new state, packed int32 [B, 6])`` (:data:`PACKED_FIELDS`; a
         mixture-of-experts engine appends the input tokens' expert ids, ``[B, 6 + L * k]``)."""
         b = self.num_slots
+        # an inactive slot's token is not real: it writes nothing a later token reads (a
+        # gated DeltaNet state stays as it was, e.g. an episode parked between turns)
         out = model.forward_cached(
-            state.tokens[:, None], state.index[:, None], jnp.ones((b, 1), bool), state.cache,
+            state.tokens[:, None], state.index[:, None], state.active[:, None], state.cache,
             state.index, mesh=self._mesh, return_routing=self.records_routing)
         logits, cache = out.logits, out.cache
         t = jnp.minimum(state.gen_len, state.uniforms.shape[1] - 1)

@@ -5,7 +5,8 @@ The decode state's cache is a :class:`rlflow.models.paged_kv_cache.PagedKVCache`
 page table ``[slots, M]`` (``M = sampler.pages_per_slot``). Prefill is unchanged (a
 :class:`rlflow.sampler.decode_state.Prefix` holds contiguous ``[n, K, D, bucket]`` keys);
 :func:`insert_prefix` writes a prefix row's entries into the pages of the slot it is
-inserted into. The host (:class:`rlflow.sampler.paged_batching.PagedSlots`) owns the page
+inserted into, and a linear-attention (gated DeltaNet) layer's state at the prompt's end
+from the prefix row into each slot's own state (a group's samples each get a copy). The host (:class:`rlflow.sampler.paged_batching.PagedSlots`) owns the page
 table: it takes pages for a slot before any device call writes there, and uploads the table
 (:meth:`rlflow.sampler.engine.RlflowEngine.set_page_table`) when it changed.
 """
@@ -46,9 +47,10 @@ def insert_prefix(cache: PagedKVCache, prefix: KVCache, rows: jax.Array, slots: 
         written, so no page outside the slot's table is touched).
 
     Returns:
-      The cache with the entries in the slots' pages and each slot's mask row reset to
-      ``keep`` (its positions past ``W`` False). Samples of one group share their full
-      prompt pages: each writes the same values there.
+      The cache with the entries in the slots' pages, each slot's mask row reset to
+      ``keep`` (its positions past ``W`` False) and each slot's linear-attention states
+      those of its prefix row. Samples of one group share their full prompt pages: each
+      writes the same values there.
     """
     b, n_pages = cache.page_table.shape[0], cache.num_pages
     m, w = keep.shape
@@ -57,24 +59,29 @@ def insert_prefix(cache: PagedKVCache, prefix: KVCache, rows: jax.Array, slots: 
     cols = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (m, w))
     page, offset = page_slots(table, cols, cache.page_size)
     page = jnp.where(keep, page, n_pages)
-    ks = tuple(write_pages(pool, new[rows].transpose(0, 3, 1, 2), page, offset)
+    ks = tuple(None if pool is None else
+               write_pages(pool, new[rows].transpose(0, 3, 1, 2), page, offset)
                for pool, new in zip(cache.k, prefix.k))
-    vs = tuple(write_pages(pool, new[rows].transpose(0, 2, 1, 3), page, offset)
+    vs = tuple(None if pool is None else
+               write_pages(pool, new[rows].transpose(0, 2, 1, 3), page, offset)
                for pool, new in zip(cache.v, prefix.v))
     row_mask = jnp.zeros((m, cache.max_len), bool).at[:, :w].set(keep)
-    return cache.replace(k=ks, v=vs, mask=cache.mask.at[slots].set(row_mask, mode="drop"))
+    linear = jax.tree.map(lambda d, s: d.at[slots].set(s[rows].astype(d.dtype), mode="drop"),
+                          cache.linear, prefix.linear)
+    return cache.replace(k=ks, v=vs, mask=cache.mask.at[slots].set(row_mask, mode="drop"),
+                         linear=linear)
 
 
 def slot_rows(cache, slots: jax.Array):
     """The cache seen by ``m`` slots (padding slots ``>= B`` see no page, so a forward over
-    them writes nothing): a paged cache with those rows of the page table and mask (pools
-    shared), or a contiguous cache's rows."""
+    them writes nothing): a paged cache with those rows of the page table, mask and
+    linear-attention states (pools shared), or a contiguous cache's rows."""
     b = cache.mask.shape[0]
     safe = jnp.minimum(slots, b - 1)
+    rows = lambda t: jax.tree.map(lambda a: a[safe], t)   # noqa: E731 (None: a GDN layer)
     if isinstance(cache, PagedKVCache):
         table = jnp.where((slots < b)[:, None], cache.page_table[safe], cache.num_pages)
-        return cache.replace(page_table=table, mask=cache.mask[safe])
-    rows = lambda t: jax.tree.map(lambda a: a[safe], t)   # noqa: E731 (None: a GDN layer)
+        return cache.replace(page_table=table, mask=cache.mask[safe], linear=rows(cache.linear))
     return KVCache(k=rows(cache.k), v=rows(cache.v), mask=cache.mask[safe],
                    linear=rows(cache.linear))
 
@@ -85,7 +92,8 @@ def set_slot_rows(cache, sub, slots: jax.Array):
     def put(dst, src):
         return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
     if isinstance(cache, PagedKVCache):
-        return cache.replace(k=sub.k, v=sub.v, mask=put(cache.mask, sub.mask))
+        return cache.replace(k=sub.k, v=sub.v, mask=put(cache.mask, sub.mask),
+                             linear=jax.tree.map(put, cache.linear, sub.linear))
     return KVCache(k=jax.tree.map(put, cache.k, sub.k), v=jax.tree.map(put, cache.v, sub.v),
                    mask=put(cache.mask, sub.mask), linear=jax.tree.map(put, cache.linear,
                                                                        sub.linear))
