@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import (PagedKVCache, init_paged_cache, page_slots,
                                           resolve_attention, write_pages)
+from rlflow.models.window_cache import insert_ring
 
 
 def paged_settings(sampler_cfg, backend: str) -> dict:
@@ -59,12 +60,15 @@ def insert_prefix(cache: PagedKVCache, prefix: KVCache, rows: jax.Array, slots: 
     cols = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (m, w))
     page, offset = page_slots(table, cols, cache.page_size)
     page = jnp.where(keep, page, n_pages)
-    ks = tuple(None if pool is None else
-               write_pages(pool, new[rows].transpose(0, 3, 1, 2), page, offset)
-               for pool, new in zip(cache.k, prefix.k))
-    vs = tuple(None if pool is None else
-               write_pages(pool, new[rows].transpose(0, 2, 1, 3), page, offset)
-               for pool, new in zip(cache.v, prefix.v))
+    def layer(i, pools, news, seq_axis, order):
+        if pools[i] is None:                           # a linear-attention layer
+            return None
+        if not cache.is_pool(i):                       # a sliding layer's ring per slot
+            return insert_ring(pools[i], news[i], rows, slots, seq_axis)
+        return write_pages(pools[i], news[i][rows].transpose(order), page, offset)
+    n = len(cache.k)
+    ks = tuple(layer(i, cache.k, prefix.k, 3, (0, 3, 1, 2)) for i in range(n))
+    vs = tuple(layer(i, cache.v, prefix.v, 2, (0, 2, 1, 3)) for i in range(n))
     row_mask = jnp.zeros((m, cache.max_len), bool).at[:, :w].set(keep)
     linear = jax.tree.map(lambda d, s: d.at[slots].set(s[rows].astype(d.dtype), mode="drop"),
                           cache.linear, prefix.linear)
@@ -74,14 +78,18 @@ def insert_prefix(cache: PagedKVCache, prefix: KVCache, rows: jax.Array, slots: 
 
 def slot_rows(cache, slots: jax.Array):
     """The cache seen by ``m`` slots (padding slots ``>= B`` see no page, so a forward over
-    them writes nothing): a paged cache with those rows of the page table, mask and
-    linear-attention states (pools shared), or a contiguous cache's rows."""
+    them writes nothing): a paged cache with those rows of the page table, mask, sliding
+    layers' rings and linear-attention states (pools shared), or a contiguous cache's
+    rows."""
     b = cache.mask.shape[0]
     safe = jnp.minimum(slots, b - 1)
     rows = lambda t: jax.tree.map(lambda a: a[safe], t)   # noqa: E731 (None: a GDN layer)
     if isinstance(cache, PagedKVCache):
         table = jnp.where((slots < b)[:, None], cache.page_table[safe], cache.num_pages)
-        return cache.replace(page_table=table, mask=cache.mask[safe], linear=rows(cache.linear))
+        own = lambda t: tuple(a if cache.is_pool(i) else rows(a)  # noqa: E731 (rings)
+                              for i, a in enumerate(t))
+        return cache.replace(k=own(cache.k), v=own(cache.v), page_table=table,
+                             mask=cache.mask[safe], linear=rows(cache.linear))
     return KVCache(k=rows(cache.k), v=rows(cache.v), mask=cache.mask[safe],
                    linear=rows(cache.linear))
 
@@ -92,7 +100,10 @@ def set_slot_rows(cache, sub, slots: jax.Array):
     def put(dst, src):
         return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
     if isinstance(cache, PagedKVCache):
-        return cache.replace(k=sub.k, v=sub.v, mask=put(cache.mask, sub.mask),
+        back = lambda t, s: tuple(b if cache.is_pool(i) or a is None else put(a, b)  # noqa: E731
+                                  for i, (a, b) in enumerate(zip(t, s)))
+        return cache.replace(k=back(cache.k, sub.k), v=back(cache.v, sub.v),
+                             mask=put(cache.mask, sub.mask),
                              linear=jax.tree.map(put, cache.linear, sub.linear))
     return KVCache(k=jax.tree.map(put, cache.k, sub.k), v=jax.tree.map(put, cache.v, sub.v),
                    mask=put(cache.mask, sub.mask), linear=jax.tree.map(put, cache.linear,

@@ -141,20 +141,28 @@ def test_gpt_oss_gate_up_interleave_round_trip(family_dir, tmp_path):
     np.testing.assert_array_equal(g, a["model.layers.1.mlp.experts.gate_up_proj"][..., ::2])
 
 
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
 @pytest.mark.parametrize("family", PATTERN_FAMILIES)
-def test_paged_engine_greedy_text_and_logprobs(family_dir, family):
-    """One paged engine (pages of 4 tokens, a pool of 7: one full-length sequence), greedy
-    and sampled requests decoded together: the greedy text is transformers' ``generate``;
-    the sampled completions' behaviour logprobs (temperature 1) equal one full forward over
-    prompt + completion (the learner's recompute), across preemptions with re-prefill and
-    across a weight swap in mid-generation (tests/family_parity.py)."""
+def test_engine_greedy_text_and_logprobs(family_dir, family, kv_cache):
+    """One engine, greedy and sampled requests decoded together, the sliding layers holding
+    only their window (a ring of 4 entries per slot; prompts and completions longer than
+    twice the window): the greedy text is transformers' ``generate``; the sampled
+    completions' behaviour logprobs (temperature 1) equal one full forward over prompt +
+    completion (the learner's recompute). Paged (pages of 4 tokens, a pool of 7: one
+    full-length sequence): also across preemptions with re-prefill and across a weight
+    swap in mid-generation (tests/family_parity.py)."""
     path = family_dir(family)
     model, cfg = load_hf(path)
-    engine = paged_engine(model, num_pages=7)
+    paged = kv_cache == "paged"
+    engine = paged_engine(model, num_pages=7 if paged else 0, kv_cache=kv_cache)
+    sliding = [i for i, kind in enumerate(cfg.kinds) if kind == "sliding_attention"]
+    state = jax.eval_shape(engine.init_decode_state)
+    assert {state.cache.k[i].shape[-1] for i in sliding} == {SLIDING_WINDOW}   # the ring
     assert len(SEQS[0]) + 8 > 2 * SLIDING_WINDOW
     counters = greedy_text_and_logprobs(engine, model, cfg, _hf_model(path))
-    assert counters.preemptions > 0
-    assert swap_in_flight(engine, model, cfg, SEQS[0].tolist()).preemptions > 0
+    if paged:
+        assert counters.preemptions > 0
+        assert swap_in_flight(engine, model, cfg, SEQS[0].tolist()).preemptions > 0
 
 
 def test_refusals_name_the_field(family_dir):
