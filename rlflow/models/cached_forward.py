@@ -75,10 +75,10 @@ def forward_cached(model, tokens: jax.Array, positions: jax.Array, attention_mas
             if return_routing:
                 chosen.append(routing.expert_ids.reshape(b, t, -1))
             continue
-        plain = block.attn.variant.plain
+        # the paged kernel computes plain attention scaled by D^-1/2 only: the others gather
+        plain = block.attn.variant.plain and block.attn.variant.scale is None
         def hook(k, v, layer=layer, plain=plain):
             if paged:
-                # the paged kernel computes plain attention only: the others gather
                 ks[layer], vs[layer], read = layer_attention_inputs(
                     cache if plain else cache.replace(attention="gather"), ks[layer],
                     vs[layer], k, v, cols)

@@ -75,9 +75,16 @@ def test_packed_row_equals_each_sequence_alone(family_dir, family):
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("family", PATTERN_FAMILIES)
-def test_prefill_and_decode_equal_full_forward(family_dir, family, paged):
+def test_prefill_and_decode_equal_full_forward(family_dir, family, paged, monkeypatch):
     """Left-padded prefill of 5 then 8 decode steps (past the window) against the full
-    forward; the paged cache with pages of 3 tokens in a shuffled page table."""
+    forward; the paged cache with pages of 3 tokens in a shuffled page table, set to the
+    TPU paged-attention kernel, which none of these layers may take (sinks, a window or
+    Gemma's score scale): they gather."""
+    import jax.experimental.pallas.ops.tpu.paged_attention as kernel_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the paged kernel computes plain D^-1/2 attention only")
+    monkeypatch.setattr(kernel_module, "paged_attention", refuse)
     model, cfg = load_hf(family_dir(family))
     rng = np.random.RandomState(0)
     prompt_w, steps, lengths = 5, 8, (5, 3, 1)
@@ -89,7 +96,8 @@ def test_prefill_and_decode_equal_full_forward(family_dir, family, paged):
     pos = positions_from_mask(jnp.asarray(mask))
     full = np.asarray(_forward(model, jnp.asarray(toks), pos, jnp.asarray(mask)))
     if paged:
-        cache = init_paged_cache(cfg, 3, num_pages=18, page_size=3, pages_per_row=6)
+        cache = init_paged_cache(cfg, 3, num_pages=18, page_size=3, pages_per_row=6,
+                                 attention="kernel")
         table = rng.permutation(18).reshape(3, 6).astype(np.int32)
         cache = cache.replace(page_table=jnp.asarray(table))
     else:
