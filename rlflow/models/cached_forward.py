@@ -1,11 +1,12 @@
 """The KV-cached forward of :class:`rlflow.models.decoder.Decoder` (sampler prefill and
-decode): ``T`` new tokens per row against a contiguous :class:`rlflow.models.kv_cache.KVCache`
-or a :class:`rlflow.models.paged_kv_cache.PagedKVCache`, every layer writing its new keys and
+decode): ``T`` new tokens per row against a contiguous
+:class:`rlflow.models.kv_cache.KVCache` or a
+:class:`rlflow.models.paged_kv_cache.PagedKVCache`, every layer writing its new keys and
 values into the cache before attending it (a sliding-window layer attends its ring of the
 window joined with the new tokens, then writes them: :mod:`rlflow.models.window_cache`; a
-gated DeltaNet layer runs from each row's carried state: :mod:`rlflow.models.gdn_cache`), optionally recording each MoE layer's expert
-choice (rollout routing replay). :meth:`Decoder.forward_cached` documents it and delegates
-here.
+gated DeltaNet layer runs from each row's carried state: :mod:`rlflow.models.gdn_cache`),
+optionally recording each MoE layer's expert choice (rollout routing replay).
+:meth:`Decoder.forward_cached` documents it and delegates here.
 """
 
 from __future__ import annotations

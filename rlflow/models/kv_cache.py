@@ -13,7 +13,8 @@ class KVCache(NamedTuple):
 
     Attributes:
       k: ``L`` arrays ``[B, K, D, S]``, one per layer (a sliding-window layer's ``[B, K,
-        D, R]``, a ring of its window: :mod:`rlflow.models.window_cache`): keys (RoPE already applied),
+        D, R]``, a ring of its window: :mod:`rlflow.models.window_cache`): keys (RoPE
+        already applied),
         dtype ``cfg.dtype``, head dim before positions. A decode step's scores
         ``sum_D q [B, K, G, D] * k -> [B, K, G, S]`` then reduce over the keys'
         second-minor axis, with vector loads along S (with ``[B, K, S, D]`` keys the same

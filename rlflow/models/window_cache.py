@@ -1,30 +1,30 @@
 """The KV cache of a sliding-window layer holds only the window: a ring buffer per slot.
 
 A layer of window ``W`` (a query at cache position ``p`` attends keys at ``p - W < s <= p``:
-Gemma 3's local layers, gpt-oss's sliding ones; Beltagy et al. 2020, "Longformer", sec.
-3.1) never reads a key more than ``W - 1`` positions back, so its cache keeps ``R = min(W,
-S)`` entries per row (:func:`rlflow.models.kv_cache.cache_length`; ``S`` the cache's
-positions), position ``p`` in
-entry ``p % R`` (the ring buffer of HF's ``SlidingWindowLayer`` and of Mistral's rolling
-buffer cache, Jiang et al. 2023, "Mistral 7B", sec. 2). Keys ``[B, K, D, R]`` and values
-``[B, K, R, D]``, in the contiguous :class:`rlflow.models.kv_cache.KVCache` and in the
-paged :class:`rlflow.models.paged_kv_cache.PagedKVCache` alike (a ring per slot there,
-beside the full-attention layers' pages: its memory is ``R`` positions per slot whatever
-the sequence's length).
+Gemma 3's local layers, gpt-oss's sliding ones; Beltagy et al. 2020, "Longformer", sec. 3.1)
+never reads a key more than ``W - 1`` positions back, so its cache keeps ``R = min(W, S)``
+entries per row (:func:`rlflow.models.kv_cache.cache_length`; ``S`` the cache's positions),
+position ``p`` in entry ``p % R`` (as HF's ``StaticSlidingWindowLayer``, of
+``min(max_cache_len, sliding_window)`` entries, and Mistral's rolling buffer cache, Jiang et
+al. 2023, "Mistral 7B", sec. 2). Keys ``[B, K, D, R]`` and values ``[B, K, R, D]``, in the
+contiguous :class:`rlflow.models.kv_cache.KVCache` and in the paged
+:class:`rlflow.models.paged_kv_cache.PagedKVCache` alike (a ring per slot there, beside the
+full-attention layers' pages: its memory is ``R`` positions per slot whatever the sequence's
+length).
 
-A forward over ``T`` new tokens (:func:`ring_update`, :func:`ring_mask`) attends the ring as it was
-(the positions before ``cache_index``) joined with the ``T`` new keys, ``R + T`` keys, and
-then writes the new real tokens into the ring: only the last ``R`` of them (a prefill
-longer than the ring keeps its end; written positions never collide), never a padding
-token (a right-padded prefill's pads would overwrite the prompt's end).
+A forward over ``T`` new tokens (:func:`ring_update`, :func:`ring_mask`) attends the ring as
+it was (the positions before ``cache_index``) joined with the ``T`` new keys, ``R + T``
+keys, and then writes the new real tokens into the ring: only the last ``R`` of them (a
+prefill longer than the ring keeps its end; written positions never collide), never a
+padding token (a right-padded prefill's pads would overwrite the prompt's end).
 
 Which position an entry holds is not stored: a row's cached tokens are contiguous and
-written in order (the sampler's prefill, decode and extend; a left-padded batch's pads
-are never written), so before a call starting at ``c = cache_index`` entry ``j`` holds
-``p_j = c - 1 - ((c - 1 - j) mod R)``, the latest position below ``c`` of its residue,
-which is valid when ``p_j >= 0`` and the cache's ``[B, S]`` mask (kept for every position)
-marks it real. A slot's decode step writes nothing while it is inactive (its token mask is
-False), so a parked episode's ring stays as its last turn left it.
+written in order (the sampler's prefill, decode and extend; a left-padded batch's pads are
+never written), so before a call starting at ``c = cache_index`` entry ``j`` holds
+``p_j = c - 1 - ((c - 1 - j) mod R)``, the latest position below ``c`` of its residue, which
+is valid when ``p_j >= 0`` and the cache's ``[B, S]`` mask (kept for every position) marks
+it real. A slot's decode step writes nothing while it is inactive (its token mask is False),
+so a parked episode's ring stays as its last turn left it.
 """
 
 from __future__ import annotations

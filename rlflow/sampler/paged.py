@@ -1,13 +1,14 @@
 """The engine's device side of a paged KV cache (``sampler.kv_cache = "paged"``).
 
 The decode state's cache is a :class:`rlflow.models.paged_kv_cache.PagedKVCache` of
-``sampler.pool_pages`` pages (``N``) of ``sampler.page_size`` tokens (``P``) per layer and a
-page table ``[slots, M]`` (``M = sampler.pages_per_slot``). Prefill is unchanged (a
+``sampler.pool_pages`` pages (``N``) of ``sampler.page_size`` tokens (``P``) per layer and
+a page table ``[slots, M]`` (``M = sampler.pages_per_slot``). Prefill is unchanged (a
 :class:`rlflow.sampler.decode_state.Prefix` holds contiguous ``[n, K, D, bucket]`` keys);
 :func:`insert_prefix` writes a prefix row's entries into the pages of the slot it is
 inserted into, and a linear-attention (gated DeltaNet) layer's state at the prompt's end
-from the prefix row into each slot's own state (a group's samples each get a copy). The host (:class:`rlflow.sampler.paged_batching.PagedSlots`) owns the page
-table: it takes pages for a slot before any device call writes there, and uploads the table
+from the prefix row into each slot's own state (a group's samples each get a copy). The
+host (:class:`rlflow.sampler.paged_batching.PagedSlots`) owns the page table: it takes
+pages for a slot before any device call writes there, and uploads the table
 (:meth:`rlflow.sampler.engine.RlflowEngine.set_page_table`) when it changed.
 """
 
