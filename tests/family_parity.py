@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from flax import nnx
 
+import jax
 import jax.numpy as jnp
 from rlflow.models import positions_from_mask
 from tolerances import forward_atol
@@ -62,11 +63,10 @@ def recompute_logprobs(model, prompt, tokens) -> np.ndarray:
     return lp[len(prompt) - 1:]
 
 
-def paged_engine(model, num_pages: int = 0, kv_cache: str = "paged"):
-    """The families' engine: 4 slots, buckets (8, 16), 10 new tokens, 2 decode steps per
-    call; paged: pages of 4 tokens, ``num_pages`` of them (7: one full-length sequence, so
-    four running samples preempt each other)."""
-    import jax
+def family_engine(model, num_pages: int = 0, kv_cache: str = "paged"):
+    """The families' engine, contiguous or paged: 4 slots, buckets (8, 16), 10 new tokens,
+    2 decode steps per call; paged: pages of 4 tokens, ``num_pages`` of them (7: one
+    full-length sequence, so four running samples preempt each other)."""
     from rlflow.config import MeshConfig, SamplerConfig
     from rlflow.mesh import make_mesh
     from rlflow.sampler.engine import RlflowEngine
@@ -79,7 +79,10 @@ def paged_engine(model, num_pages: int = 0, kv_cache: str = "paged"):
 def greedy_text_and_logprobs(engine, model, cfg, hf) -> "object":
     """Greedy and sampled requests of :data:`SEQS` decoded together by ``engine``: the
     greedy text is ``hf``'s ``generate``; the sampled completions' behaviour logprobs
-    (temperature 1) equal the learner's recompute. Returns the batcher's counters."""
+    (temperature 1) equal the learner's recompute. Then a decode call over the slots, all
+    inactive now, leaves every gated DeltaNet state and sliding-window ring as it was (an
+    inactive slot's token writes nothing a later token reads: a parked episode's state).
+    Returns the batcher's counters."""
     from rlflow.sampler.batching import ContinuousBatcher, Request
     from rlflow.sampler.sampling import SamplingParams
 
@@ -102,6 +105,15 @@ def greedy_text_and_logprobs(engine, model, cfg, hf) -> "object":
             ref = recompute_logprobs(model, p, c.tokens.tolist())
             np.testing.assert_allclose(c.logprobs, ref, rtol=0,
                                        atol=atol(cfg, len(p) + len(ref), ref))
+    cache = batcher._state.cache
+    kept = [i for i, kind in enumerate(cfg.kinds) if kind == "sliding_attention"]
+    held = lambda c: [np.asarray(a) for a in jax.tree_util.tree_leaves(  # noqa: E731
+        (c.linear, [c.k[i] for i in kept], [c.v[i] for i in kept]))]
+    before = held(cache)
+    assert before and not np.asarray(batcher._state.active).any()
+    state, _ = engine.generate_packed(batcher._params, batcher._state)
+    for a, b in zip(before, held(state.cache)):
+        np.testing.assert_array_equal(a, b)
     return batcher.counters
 
 
@@ -110,7 +122,6 @@ def swap_in_flight(engine, model, cfg, prompt) -> "object":
     norm only (so the keys, values and DeltaNet states written under either version are
     the same), and every sampled token's logprob is the recompute under the version that
     sampled it; each of the 2 samples spans the swap. Returns the batcher's counters."""
-    import jax
     from rlflow.sampler.batching import ContinuousBatcher, Request
     from rlflow.sampler.sampling import SamplingParams
 

@@ -16,8 +16,8 @@ from flax import nnx
 from hf_fixtures import make_tiny_qwen35
 from rlflow.models import init_cache, load_hf, positions_from_mask, save_hf
 from rlflow.models.paged_kv_cache import init_paged_cache
-from family_parity import (SEQS, atol, forward, greedy_text_and_logprobs, hf_logits, hf_model,
-                           left_padded_logits, paged_engine, swap_in_flight)
+from family_parity import (SEQS, atol, family_engine, forward, greedy_text_and_logprobs,
+                           hf_logits, hf_model, left_padded_logits, swap_in_flight)
 
 _forward = forward
 
@@ -135,7 +135,7 @@ def test_engine_greedy_text_and_logprobs(qwen35_dir, kv_cache):
     mid-generation (tests/family_parity.py)."""
     model, cfg = load_hf(qwen35_dir)
     paged = kv_cache == "paged"
-    engine = paged_engine(model, num_pages=7 if paged else 0, kv_cache=kv_cache)
+    engine = family_engine(model, num_pages=7 if paged else 0, kv_cache=kv_cache)
     counters = greedy_text_and_logprobs(engine, model, cfg, _hf_model(qwen35_dir))
     if paged:
         assert counters.preemptions > 0
