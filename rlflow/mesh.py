@@ -255,13 +255,23 @@ PAGE_POOL_AXES = ("kv_heads", "cache_pages", "page_tokens", "head_dim")
 def paged_cache_sharding(mesh: Mesh, cache, rules=LOGICAL_AXIS_RULES):
     """Shardings of a :class:`rlflow.models.paged_kv_cache.PagedKVCache` (its arrays, or
     anything with a ``.shape``): pools per :data:`PAGE_POOL_AXES` (KV heads over ``tensor``;
-    every slot's pages are reachable from every device of the slot axis), page table and
-    mask per slot (``cache_batch``)."""
+    every slot's pages are reachable from every device of the slot axis; None for a
+    linear-attention layer), page table and mask per slot (``cache_batch``), the
+    sliding layers' rings and the linear-attention states as :func:`cache_sharding`'s."""
     pool = lambda a: logical_sharding(mesh, PAGE_POOL_AXES, a.shape, rules)  # noqa: E731
+    linear = jax.tree.map(lambda a: logical_sharding(
+        mesh, ("cache_batch",) + (None,) * (len(a.shape) - 1), a.shape, rules),
+        tuple(cache.linear))
+    def layer(i, a, ring_axes):      # a sliding layer's ring per slot: as a contiguous cache
+        if a is None:
+            return None
+        return pool(a) if cache.is_pool(i) else logical_sharding(mesh, ring_axes, a.shape, rules)
     return cache.replace(
-        k=tuple(pool(a) for a in cache.k), v=tuple(pool(a) for a in cache.v),
+        k=tuple(layer(i, a, KEY_CACHE_AXES) for i, a in enumerate(cache.k)),
+        v=tuple(layer(i, a, CACHE_AXES) for i, a in enumerate(cache.v)),
         page_table=logical_sharding(mesh, ("cache_batch", None), cache.page_table.shape, rules),
-        mask=logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules))
+        mask=logical_sharding(mesh, ("cache_batch", "cache_seq"), cache.mask.shape, rules),
+        linear=linear)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -13,6 +13,16 @@ page, head dim), the layout of the TPU kernel
 total_num_pages, page_size, head_dim]``). A page-table entry ``N`` (one past the last page)
 means "no page": writes through it are dropped, reads are clamped and masked.
 
+Only full-attention layers are paged. Linear-attention (gated DeltaNet) layers hold no keys
+or values: their ``k`` / ``v`` entries are None and each slot's recurrent state sits in
+``linear`` (per slot, as in the contiguous cache: :mod:`rlflow.models.gdn_cache`). A
+sliding-window layer holds only its window, a ring of ``R = min(W, M * P)`` entries per slot
+(keys ``[B, K, D, R]``, values ``[B, K, R, D]``, as in the contiguous cache:
+:mod:`rlflow.models.window_cache`; ``rings`` marks those layers), so its memory does not grow
+with the sequence and no page of it ever falls out of the window. Both are per slot: a
+group's samples each get a copy of the prompt's at insert, and a preempted sequence's are
+recomputed by its resume (prefill + extend), as its pages' entries are.
+
 Attention over pages (:func:`layer_attention_inputs`): on TPU the library kernel for a
 decode step (one query per row); elsewhere (CPU, GPU, and every prefill) an XLA gather of
 the row's pages into the contiguous ``[B, K, D, S]`` / ``[B, K, S, D]`` views that the
@@ -26,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from rlflow.models.kv_cache import cache_length
+
 #: Attention over pages: "gather" (XLA gather into contiguous views, any backend) or
 #: "kernel" (the Pallas TPU paged-attention kernel for decode steps; TPU only).
 PAGED_ATTENTION = ("auto", "gather", "kernel")
@@ -36,12 +48,18 @@ class PagedKVCache:
     """Keys and values of every layer in pages, and each row's page table.
 
     Attributes:
-      k: ``L`` arrays ``[K, N, P, D]``, one per layer: keys (RoPE applied), ``cfg.dtype``.
-      v: ``L`` arrays ``[K, N, P, D]``: values.
+      k: ``L`` entries, one per layer: keys ``[K, N, P, D]`` (RoPE applied), ``cfg.dtype``;
+        a sliding layer's ring ``[B, K, D, R]``; None for a linear-attention layer.
+      v: ``L`` entries ``[K, N, P, D]`` (a ring ``[B, K, R, D]``, or None): values.
       page_table: int32 ``[B, M]``: physical page of each row's logical page ``j``
         (position ``t`` is in logical page ``t // P``); ``N`` = no page.
       mask: ``[B, M * P]`` bool: the logical position holds a real (non-pad) token.
       attention: "gather" or "kernel" (static; see the module doc).
+      linear: ``()`` for a model without linear-attention layers; else ``L`` entries, a
+        :class:`rlflow.models.gdn_layer.GDNState` ``[B, ...]`` per linear-attention layer
+        (each slot's conv windows and recurrent matrix) and None per attention layer.
+      rings: static, per layer: its ``k`` / ``v`` are a ring per slot (a sliding-window
+        layer), not pools; ``()``: none are.
     """
 
     k: tuple
@@ -49,14 +67,23 @@ class PagedKVCache:
     page_table: jax.Array
     mask: jax.Array
     attention: str = struct.field(pytree_node=False, default="gather")
+    linear: tuple = ()
+    rings: tuple = struct.field(pytree_node=False, default=())
+
+    def is_pool(self, layer: int) -> bool:
+        """Layer ``layer``'s ``k`` / ``v`` are page pools (a full-attention layer)."""
+        return self.k[layer] is not None and not (self.rings and self.rings[layer])
+
+    def _pool(self) -> jax.Array:
+        return next(self.k[i] for i in range(len(self.k)) if self.is_pool(i))
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.mask.shape[1] // self.page_table.shape[1]
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[1]
+        return self._pool().shape[1]
 
     @property
     def max_len(self) -> int:
@@ -85,25 +112,49 @@ def resolve_attention(choice: str, backend: str) -> str:
 
 def init_paged_cache(cfg, rows: int, num_pages: int, page_size: int, pages_per_row: int,
                      attention: str = "gather") -> PagedKVCache:
-    """An empty paged cache: per layer zero pools ``[K, num_pages, page_size, D]`` in
-    ``cfg.dtype``, every page-table entry ``num_pages`` (no page), mask all False.
+    """An empty paged cache: per full-attention layer zero pools ``[K, num_pages, page_size,
+    D]`` in ``cfg.dtype``, per sliding-window layer a zero ring per row (module doc), per
+    linear-attention layer a zero
+    :class:`rlflow.models.gdn_layer.GDNState` of ``rows`` slots (``linear``), every
+    page-table entry ``num_pages`` (no page), mask all False.
 
     Raises:
-      ValueError: a size is not positive.
+      ValueError: a size is not positive, or the model has no full-attention layer (nothing
+        to page: names ``sampler.kv_cache``).
     """
     if min(rows, num_pages, page_size, pages_per_row) <= 0:
         raise ValueError(f"init_paged_cache: rows, num_pages, page_size, pages_per_row must be "
                          f"> 0, got {rows}, {num_pages}, {page_size}, {pages_per_row}")
-    if "linear_attention" in cfg.kinds:
-        raise ValueError("sampler.kv_cache='paged' does not hold the state of linear_attention "
-                         "(gated DeltaNet) layers yet; set sampler.kv_cache='contiguous'")
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    kinds = cfg.kinds
+    linear = [kind == "linear_attention" for kind in kinds]
+    s = pages_per_row * page_size
+    rings = tuple(kind == "sliding_attention" and cfg.sliding_window is not None
+                  for kind in kinds)
+    if all(a or b for a, b in zip(linear, rings)):
+        raise ValueError("sampler.kv_cache='paged': this model has no full-attention layer "
+                         "whose keys and values pages would hold; set "
+                         "sampler.kv_cache='contiguous'")
     dtype = jnp.dtype(cfg.dtype)
-    pools = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
-    return PagedKVCache(k=pools(), v=pools(),
+    k, d = cfg.num_kv_heads, cfg.head_dim
+
+    def layer(kind, lin, ring, keys):
+        if lin:
+            return None
+        if ring:                                  # [B, K, D, R] keys, [B, K, R, D] values
+            r = cache_length(cfg, kind, s)
+            return jnp.zeros((rows, k, d, r) if keys else (rows, k, r, d), dtype)
+        return jnp.zeros((k, num_pages, page_size, d), dtype)
+    pools = lambda keys: tuple(layer(*x, keys) for x in zip(kinds, linear, rings))  # noqa: E731
+    states = ()
+    if any(linear):
+        from rlflow.models.blocks import gdn_spec
+        from rlflow.models.gdn_layer import init_state
+        states = tuple(init_state(gdn_spec(cfg), rows) if lin else None for lin in linear)
+    return PagedKVCache(k=pools(True), v=pools(False),
                         page_table=jnp.full((rows, pages_per_row), num_pages, jnp.int32),
-                        mask=jnp.zeros((rows, pages_per_row * page_size), bool),
-                        attention=attention)
+                        mask=jnp.zeros((rows, s), bool),
+                        attention=attention, linear=states,
+                        rings=rings if any(rings) else ())
 
 
 def page_slots(page_table: jax.Array, cols: jax.Array, page_size: int

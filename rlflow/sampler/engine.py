@@ -53,6 +53,7 @@ from rlflow.sampler.jetstream_api import engine_api, tokenizer_pb2
 from rlflow.exchange.routing import routing_dtype
 from rlflow.models.kv_cache import KVCache, init_cache
 from rlflow.models.layer_pattern import layer_pattern
+from rlflow.models.window_cache import insert_ring
 from rlflow.sampler import kernel_layout, layer_storage, paged, quantization
 from rlflow.sampler.decode_state import (MAX_STOP_IDS, PACKED_FIELDS, DecodeState,  # noqa: F401
                                          EngineParams, Prefix, PromptError, SampledTokens,
@@ -255,8 +256,9 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
             mask = jnp.expand_dims(keep, [a for a in (1, 2, 3) if a != seq_axis])
             return tuple(
                 None if cache is None else   # a linear-attention layer: state in .linear
+                insert_ring(cache, new, rows, slots, seq_axis) if new.shape[seq_axis] != p else
                 cache.at[at].set(jnp.where(mask, new[rows], 0).astype(cache.dtype), mode="drop")
-                for cache, new in zip(caches, news))
+                for cache, new in zip(caches, news))   # (a sliding layer's ring of W < P)
         if self.paged:
             cache = paged.insert_prefix(c, pc, rows, slots, keep)
         else:
@@ -355,8 +357,10 @@ class RlflowEngine(EnginePrefill, engine_api.Engine):
         """One decode step: ``(new state, packed int32 [B, 6])`` (:data:`PACKED_FIELDS`; a
         mixture-of-experts engine appends the input tokens' expert ids, ``[B, 6 + L * k]``)."""
         b = self.num_slots
+        # an inactive slot's token is not real: it writes nothing a later token reads (a
+        # gated DeltaNet state stays as it was, e.g. an episode parked between turns)
         out = model.forward_cached(
-            state.tokens[:, None], state.index[:, None], jnp.ones((b, 1), bool), state.cache,
+            state.tokens[:, None], state.index[:, None], state.active[:, None], state.cache,
             state.index, mesh=self._mesh, return_routing=self.records_routing)
         logits, cache = out.logits, out.cache
         t = jnp.minimum(state.gen_len, state.uniforms.shape[1] - 1)

@@ -1,12 +1,14 @@
 """The engine's device side of a paged KV cache (``sampler.kv_cache = "paged"``).
 
 The decode state's cache is a :class:`rlflow.models.paged_kv_cache.PagedKVCache` of
-``sampler.pool_pages`` pages (``N``) of ``sampler.page_size`` tokens (``P``) per layer and a
-page table ``[slots, M]`` (``M = sampler.pages_per_slot``). Prefill is unchanged (a
+``sampler.pool_pages`` pages (``N``) of ``sampler.page_size`` tokens (``P``) per layer and
+a page table ``[slots, M]`` (``M = sampler.pages_per_slot``). Prefill is unchanged (a
 :class:`rlflow.sampler.decode_state.Prefix` holds contiguous ``[n, K, D, bucket]`` keys);
 :func:`insert_prefix` writes a prefix row's entries into the pages of the slot it is
-inserted into. The host (:class:`rlflow.sampler.paged_batching.PagedSlots`) owns the page
-table: it takes pages for a slot before any device call writes there, and uploads the table
+inserted into, and a linear-attention (gated DeltaNet) layer's state at the prompt's end
+from the prefix row into each slot's own state (a group's samples each get a copy). The
+host (:class:`rlflow.sampler.paged_batching.PagedSlots`) owns the page table: it takes
+pages for a slot before any device call writes there, and uploads the table
 (:meth:`rlflow.sampler.engine.RlflowEngine.set_page_table`) when it changed.
 """
 
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from rlflow.models.kv_cache import KVCache
 from rlflow.models.paged_kv_cache import (PagedKVCache, init_paged_cache, page_slots,
                                           resolve_attention, write_pages)
+from rlflow.models.window_cache import insert_ring
 
 
 def paged_settings(sampler_cfg, backend: str) -> dict:
@@ -46,9 +49,10 @@ def insert_prefix(cache: PagedKVCache, prefix: KVCache, rows: jax.Array, slots: 
         written, so no page outside the slot's table is touched).
 
     Returns:
-      The cache with the entries in the slots' pages and each slot's mask row reset to
-      ``keep`` (its positions past ``W`` False). Samples of one group share their full
-      prompt pages: each writes the same values there.
+      The cache with the entries in the slots' pages, each slot's mask row reset to
+      ``keep`` (its positions past ``W`` False) and each slot's linear-attention states
+      those of its prefix row. Samples of one group share their full prompt pages: each
+      writes the same values there.
     """
     b, n_pages = cache.page_table.shape[0], cache.num_pages
     m, w = keep.shape
@@ -57,24 +61,36 @@ def insert_prefix(cache: PagedKVCache, prefix: KVCache, rows: jax.Array, slots: 
     cols = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (m, w))
     page, offset = page_slots(table, cols, cache.page_size)
     page = jnp.where(keep, page, n_pages)
-    ks = tuple(write_pages(pool, new[rows].transpose(0, 3, 1, 2), page, offset)
-               for pool, new in zip(cache.k, prefix.k))
-    vs = tuple(write_pages(pool, new[rows].transpose(0, 2, 1, 3), page, offset)
-               for pool, new in zip(cache.v, prefix.v))
+    def layer(i, pools, news, seq_axis, order):
+        if pools[i] is None:                           # a linear-attention layer
+            return None
+        if not cache.is_pool(i):                       # a sliding layer's ring per slot
+            return insert_ring(pools[i], news[i], rows, slots, seq_axis)
+        return write_pages(pools[i], news[i][rows].transpose(order), page, offset)
+    n = len(cache.k)
+    ks = tuple(layer(i, cache.k, prefix.k, 3, (0, 3, 1, 2)) for i in range(n))
+    vs = tuple(layer(i, cache.v, prefix.v, 2, (0, 2, 1, 3)) for i in range(n))
     row_mask = jnp.zeros((m, cache.max_len), bool).at[:, :w].set(keep)
-    return cache.replace(k=ks, v=vs, mask=cache.mask.at[slots].set(row_mask, mode="drop"))
+    linear = jax.tree.map(lambda d, s: d.at[slots].set(s[rows].astype(d.dtype), mode="drop"),
+                          cache.linear, prefix.linear)
+    return cache.replace(k=ks, v=vs, mask=cache.mask.at[slots].set(row_mask, mode="drop"),
+                         linear=linear)
 
 
 def slot_rows(cache, slots: jax.Array):
     """The cache seen by ``m`` slots (padding slots ``>= B`` see no page, so a forward over
-    them writes nothing): a paged cache with those rows of the page table and mask (pools
-    shared), or a contiguous cache's rows."""
+    them writes nothing): a paged cache with those rows of the page table, mask, sliding
+    layers' rings and linear-attention states (pools shared), or a contiguous cache's
+    rows."""
     b = cache.mask.shape[0]
     safe = jnp.minimum(slots, b - 1)
+    rows = lambda t: jax.tree.map(lambda a: a[safe], t)   # noqa: E731 (None: a GDN layer)
     if isinstance(cache, PagedKVCache):
         table = jnp.where((slots < b)[:, None], cache.page_table[safe], cache.num_pages)
-        return cache.replace(page_table=table, mask=cache.mask[safe])
-    rows = lambda t: jax.tree.map(lambda a: a[safe], t)   # noqa: E731 (None: a GDN layer)
+        own = lambda t: tuple(a if cache.is_pool(i) else rows(a)  # noqa: E731 (rings)
+                              for i, a in enumerate(t))
+        return cache.replace(k=own(cache.k), v=own(cache.v), page_table=table,
+                             mask=cache.mask[safe], linear=rows(cache.linear))
     return KVCache(k=rows(cache.k), v=rows(cache.v), mask=cache.mask[safe],
                    linear=rows(cache.linear))
 
@@ -85,7 +101,11 @@ def set_slot_rows(cache, sub, slots: jax.Array):
     def put(dst, src):
         return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
     if isinstance(cache, PagedKVCache):
-        return cache.replace(k=sub.k, v=sub.v, mask=put(cache.mask, sub.mask))
+        back = lambda t, s: tuple(b if cache.is_pool(i) or a is None else put(a, b)  # noqa: E731
+                                  for i, (a, b) in enumerate(zip(t, s)))
+        return cache.replace(k=back(cache.k, sub.k), v=back(cache.v, sub.v),
+                             mask=put(cache.mask, sub.mask),
+                             linear=jax.tree.map(put, cache.linear, sub.linear))
     return KVCache(k=jax.tree.map(put, cache.k, sub.k), v=jax.tree.map(put, cache.v, sub.v),
                    mask=put(cache.mask, sub.mask), linear=jax.tree.map(put, cache.linear,
                                                                        sub.linear))

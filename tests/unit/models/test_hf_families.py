@@ -12,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from hf_fixtures import PATTERN_FAMILIES, SLIDING_WINDOW, make_tiny_pattern_model
 from rlflow.models import ModelFormatError, init_cache, load_hf, positions_from_mask, save_hf
 from rlflow.models.config import DecoderConfig
 from rlflow.models.paged_kv_cache import init_paged_cache
-from family_parity import SEQS, atol, forward, hf_logits, hf_model, left_padded_logits
+from family_parity import (SEQS, atol, family_engine, forward, greedy_text_and_logprobs,
+                           hf_logits, hf_model, left_padded_logits, swap_in_flight)
 
 _forward = forward
 
@@ -74,9 +74,16 @@ def test_packed_row_equals_each_sequence_alone(family_dir, family):
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("family", PATTERN_FAMILIES)
-def test_prefill_and_decode_equal_full_forward(family_dir, family, paged):
+def test_prefill_and_decode_equal_full_forward(family_dir, family, paged, monkeypatch):
     """Left-padded prefill of 5 then 8 decode steps (past the window) against the full
-    forward; the paged cache with pages of 3 tokens in a shuffled page table."""
+    forward; the paged cache with pages of 3 tokens in a shuffled page table, set to the
+    TPU paged-attention kernel, which none of these layers may take (sinks, a window or
+    Gemma's score scale): they gather."""
+    import jax.experimental.pallas.ops.tpu.paged_attention as kernel_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the paged kernel computes plain D^-1/2 attention only")
+    monkeypatch.setattr(kernel_module, "paged_attention", refuse)
     model, cfg = load_hf(family_dir(family))
     rng = np.random.RandomState(0)
     prompt_w, steps, lengths = 5, 8, (5, 3, 1)
@@ -88,7 +95,8 @@ def test_prefill_and_decode_equal_full_forward(family_dir, family, paged):
     pos = positions_from_mask(jnp.asarray(mask))
     full = np.asarray(_forward(model, jnp.asarray(toks), pos, jnp.asarray(mask)))
     if paged:
-        cache = init_paged_cache(cfg, 3, num_pages=18, page_size=3, pages_per_row=6)
+        cache = init_paged_cache(cfg, 3, num_pages=18, page_size=3, pages_per_row=6,
+                                 attention="kernel")
         table = rng.permutation(18).reshape(3, 6).astype(np.int32)
         cache = cache.replace(page_table=jnp.asarray(table))
     else:
@@ -140,87 +148,29 @@ def test_gpt_oss_gate_up_interleave_round_trip(family_dir, tmp_path):
     np.testing.assert_array_equal(g, a["model.layers.1.mlp.experts.gate_up_proj"][..., ::2])
 
 
-@pytest.mark.parametrize("family", PATTERN_FAMILIES)
-def test_paged_engine_greedy_text_and_logprobs(family_dir, family):
-    """One paged engine (pages of 4 tokens), greedy and sampled requests decoded together:
-    the greedy text is transformers' ``generate``; the sampled completions' behaviour
-    logprobs (temperature 1) equal one full forward over prompt + completion (the learner's
-    recompute), also across a weight swap in mid-generation (:func:`_swap_in_flight`)."""
-    from rlflow.config import MeshConfig, SamplerConfig
-    from rlflow.mesh import make_mesh
-    from rlflow.models.logprobs import token_logprobs
-    from rlflow.sampler.batching import ContinuousBatcher, Request
-    from rlflow.sampler.engine import RlflowEngine
-    from rlflow.sampler.sampling import SamplingParams
-
+@pytest.mark.parametrize("family,kv_cache", [("gemma3_text", "contiguous"),
+                                             ("gemma3_text", "paged"), ("gpt_oss", "paged")])
+def test_engine_greedy_text_and_logprobs(family_dir, family, kv_cache):
+    """One engine, greedy and sampled requests decoded together, the sliding layers holding
+    only their window (a ring of 4 entries per slot; prompts and completions longer than
+    twice the window): the greedy text is transformers' ``generate``; the sampled
+    completions' behaviour logprobs (temperature 1) equal one full forward over prompt +
+    completion (the learner's recompute). Paged (pages of 4 tokens, a pool of 7: one
+    full-length sequence): also across preemptions with re-prefill and across a weight
+    swap in mid-generation (tests/family_parity.py). gpt-oss runs paged only: its rings
+    run the same code in either cache, and the contiguous insert is Gemma 3's run's."""
     path = family_dir(family)
     model, cfg = load_hf(path)
-    engine = RlflowEngine(model, SamplerConfig(
-        num_slots=4, max_prefill_length=16, prefill_buckets=(8, 16), max_tokens=10,
-        temperature=0.0, kv_cache="paged", page_size=4, decode_steps_per_call=2),
-        mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
-    prompts = [s.tolist() for s in SEQS]
-    greedy = [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=10))
-              for i, p in enumerate(prompts)]
-    sampled = [Request(10 + i, p, 2, SamplingParams(temperature=1.0, max_tokens=8, seed=5 + i))
-               for i, p in enumerate(prompts[:2])]
-    groups = {g.prompt_id: g for g in ContinuousBatcher(engine).run(greedy + sampled)}
-    hf = _hf_model(path)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                              dtype=torch.long), do_sample=False, max_new_tokens=10)
-        ours = groups[i].completions[0].tokens.tolist()
-        assert len(ours) > 0
-        assert ours == ref[0, len(p):len(p) + len(ours)].tolist(), (family, i)
-    for i, p in enumerate(prompts[:2]):
-        for c in groups[10 + i].completions:
-            seq = np.asarray(p + c.tokens.tolist(), np.int32)[None]
-            mask = np.ones_like(seq, bool)
-            logits = _forward(model, jnp.asarray(seq), positions_from_mask(mask),
-                              jnp.asarray(mask))
-            lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(seq[:, 1:]), 1.0))[0]
-            ref = lp[len(p) - 1:]
-            assert seq.shape[1] > 2 * SLIDING_WINDOW
-            np.testing.assert_allclose(c.logprobs, ref, rtol=0,
-                                       atol=_atol(cfg, seq.shape[1], ref))
-    _swap_in_flight(engine, model, cfg, prompts[0])
-
-
-def _swap_in_flight(engine, model, cfg, prompt):
-    """A weight swap after 2 decode calls (of 2 steps): the new weights differ in the final norm only (so
-    the keys and values written under either version are the same), and every sampled
-    token's logprob is the recompute under the version that sampled it."""
-    from rlflow.models.logprobs import token_logprobs
-    from rlflow.sampler.batching import ContinuousBatcher, Request
-    from rlflow.sampler.sampling import SamplingParams
-
-    graphdef, w0 = nnx.split(model, nnx.Param)
-    w1 = jax.tree_util.tree_map_with_path(
-        lambda path, x: x * 1.5 + 0.1 if "final_norm" in jax.tree_util.keystr(path) else x, w0)
-    batcher = ContinuousBatcher(engine, params=w0, version=0)
-    batcher.submit(Request(0, prompt, 2, SamplingParams(temperature=1.0, max_tokens=10,
-                                                        seed=9, stop_token_ids=())))
-    batcher.step()
-    batcher.step()
-    batcher.update_params(w1, version=1)
-    groups = []
-    while batcher.has_work:
-        groups += batcher.step()
-    spans = 0
-    for c in groups[0].completions:
-        seq = np.asarray(prompt + c.tokens.tolist(), np.int32)[None]
-        mask = jnp.ones(seq.shape, bool)
-        spans += int((c.versions == 0).any() and (c.versions == 1).any())
-        for v, w in ((0, w0), (1, w1)):
-            logits = _forward(nnx.merge(graphdef, w), jnp.asarray(seq),
-                              positions_from_mask(mask), mask)
-            lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(seq[:, 1:]), 1.0))[0]
-            lp = lp[len(prompt) - 1:]
-            at = np.asarray(c.versions) == v
-            np.testing.assert_allclose(np.asarray(c.logprobs)[at], lp[at], rtol=0,
-                                       atol=_atol(cfg, seq.shape[1], lp))
-    assert spans == 2, [c.versions for c in groups[0].completions]   # each spans the swap
+    paged = kv_cache == "paged"
+    engine = family_engine(model, num_pages=7 if paged else 0, kv_cache=kv_cache)
+    sliding = [i for i, kind in enumerate(cfg.kinds) if kind == "sliding_attention"]
+    state = jax.eval_shape(engine.init_decode_state)
+    assert {state.cache.k[i].shape[-1] for i in sliding} == {SLIDING_WINDOW}   # the ring
+    assert len(SEQS[0]) + 8 > 2 * SLIDING_WINDOW
+    counters = greedy_text_and_logprobs(engine, model, cfg, _hf_model(path))
+    if paged:
+        assert counters.preemptions > 0
+        assert swap_in_flight(engine, model, cfg, SEQS[0].tolist()).preemptions > 0
 
 
 def test_refusals_name_the_field(family_dir):

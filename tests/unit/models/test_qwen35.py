@@ -16,7 +16,8 @@ from flax import nnx
 from hf_fixtures import make_tiny_qwen35
 from rlflow.models import init_cache, load_hf, positions_from_mask, save_hf
 from rlflow.models.paged_kv_cache import init_paged_cache
-from family_parity import SEQS, atol, forward, hf_logits, hf_model, left_padded_logits
+from family_parity import (SEQS, atol, family_engine, forward, greedy_text_and_logprobs,
+                           hf_logits, hf_model, left_padded_logits, swap_in_flight)
 
 _forward = forward
 
@@ -123,57 +124,22 @@ def test_export_loads_in_transformers_with_the_same_logits(qwen35_dir, tmp_path)
         np.asarray(_forward(model, jnp.asarray(s[None]), positions_from_mask(ones), ones)))
 
 
-def _engine(model, slots, max_tokens, temperature):
-    from rlflow.config import MeshConfig, SamplerConfig
-    from rlflow.mesh import make_mesh
-    from rlflow.sampler.engine import RlflowEngine
-    return RlflowEngine(model, SamplerConfig(
-        num_slots=slots, max_prefill_length=16, prefill_buckets=(8, 16), max_tokens=max_tokens,
-        temperature=temperature, kv_cache="contiguous"),
-        mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
-
-
-def test_greedy_text_matches_transformers_generate(qwen35_dir):
-    from rlflow.sampler.batching import ContinuousBatcher, Request
-    from rlflow.sampler.sampling import SamplingParams
-
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_engine_greedy_text_and_logprobs(qwen35_dir, kv_cache):
+    """Greedy and sampled requests decoded together, two samples per sampled prompt in slots
+    of their own (the prefix's DeltaNet state copied into each): the greedy text is
+    transformers' ``generate``, the behaviour logprobs equal one full forward over prompt +
+    completion (float32). Paged (pages of 4, a pool of 7: one full-length sequence): the
+    DeltaNet states per slot beside the attention layer's pages, across preemptions with
+    re-prefill (state recomputed from prompt + tokens so far) and a weight swap in
+    mid-generation (tests/family_parity.py)."""
     model, cfg = load_hf(qwen35_dir)
-    prompts = [s.tolist() for s in SEQS]
-    groups = {g.prompt_id: g for g in ContinuousBatcher(_engine(model, 3, 10, 0.0)).run(
-        [Request(i, p, 1, SamplingParams(temperature=0.0, max_tokens=10))
-         for i, p in enumerate(prompts)])}
-    hf = _hf_model(qwen35_dir)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                              dtype=torch.long), do_sample=False, max_new_tokens=10)
-        ours = groups[i].completions[0].tokens.tolist()
-        assert len(ours) > 0 and ours == ref[0, len(p):len(p) + len(ours)].tolist(), i
-
-
-def test_engine_logprobs_equal_learner_recompute(qwen35_dir):
-    """Sampled (temperature 1) completions, two per prompt in slots of their own (the
-    prefix's DeltaNet state copied into each): their behaviour logprobs equal one full
-    forward over prompt + completion (float32)."""
-    from rlflow.models.logprobs import token_logprobs
-    from rlflow.sampler.batching import ContinuousBatcher, Request
-    from rlflow.sampler.sampling import SamplingParams
-
-    model, cfg = load_hf(qwen35_dir)
-    groups = ContinuousBatcher(_engine(model, 4, 8, 1.0)).run(
-        [Request(i, s.tolist(), 2, SamplingParams(temperature=1.0, max_tokens=8, seed=5 + i))
-         for i, s in enumerate(SEQS[:2])])
-    for g in groups:
-        prompt = np.asarray(g.request.prompt_tokens)
-        for c in g.completions:
-            seq = np.concatenate([prompt, c.tokens])[None].astype(np.int32)
-            mask = np.ones_like(seq, bool)
-            logits = _forward(model, jnp.asarray(seq), positions_from_mask(mask),
-                              jnp.asarray(mask))
-            lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(seq[:, 1:]), 1.0))[0]
-            ref = lp[len(prompt) - 1:]
-            np.testing.assert_allclose(c.logprobs, ref, rtol=0,
-                                       atol=_atol(cfg, seq.shape[1], ref))
+    paged = kv_cache == "paged"
+    engine = family_engine(model, num_pages=7 if paged else 0, kv_cache=kv_cache)
+    counters = greedy_text_and_logprobs(engine, model, cfg, _hf_model(qwen35_dir))
+    if paged:
+        assert counters.preemptions > 0
+        assert swap_in_flight(engine, model, cfg, SEQS[0].tolist()).preemptions > 0
 
 
 def test_refusals_name_the_setting(qwen35_dir):
@@ -181,7 +147,8 @@ def test_refusals_name_the_setting(qwen35_dir):
     from rlflow.models.decoder import Decoder
     _, cfg = load_hf(qwen35_dir)
     with pytest.raises(ValueError, match="sampler.kv_cache='paged'"):
-        init_paged_cache(cfg, 2, num_pages=4, page_size=4, pages_per_row=2)
+        init_paged_cache(cfg.replace(layer_types=("linear_attention",) * cfg.num_layers), 2,
+                         num_pages=4, page_size=4, pages_per_row=2)
     with pytest.raises(ValueError, match="learner.lora"):
         Decoder(cfg.replace(layer_types=("linear_attention",) * cfg.num_layers),
                 rngs=nnx.Rngs(0), lora=LoraSpec(rank=2, alpha=4.0))
