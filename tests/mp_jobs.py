@@ -129,3 +129,19 @@ def collectives_until_killed(ctx):
             open(os.path.join(ctx.work_dir, f"ready_{ctx.process_id}"), "w").close()
         time.sleep(0.2)
     return "not killed"
+
+
+def sharded_sum_twice(ctx):
+    """A sum over 4 devices of 2 processes, jitted twice as two function objects (the second
+    compile may be a persistent-cache hit): both results, on every host."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+    x = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("a", "b")))
+    outs = []
+    for _ in range(2):
+        def total(v):
+            return jnp.sum(v * v)
+        outs.append(float(np.asarray(jax.jit(total, out_shardings=NamedSharding(mesh, P()))(x))))
+    return dict(outs=outs, cache=bool(jax.config.jax_enable_compilation_cache))

@@ -90,6 +90,22 @@ def use_gloo_collectives() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
+def no_cached_executables_across_processes() -> None:
+    """Turn jax's persistent compilation cache off in this process (a CPU learner host).
+
+    With jax 0.12.1 on CPU, a program whose collectives span processes (gloo) hangs in its
+    first collective when it was loaded from the persistent compilation cache
+    (``JAX_COMPILATION_CACHE_DIR``) rather than compiled: every host waits in gloo's
+    ``waitRecv`` for ever (py-spy / gdb: ``GlooCommunicator::AllReduce``); jax 0.10.2 ran
+    the same loaded program. jax writes the cache from process 0 only, so every host then
+    runs process 0's executable (the likely cause; compiled, each host's program is its own). Reproduced by 2 processes x 2 CPU devices jitting one sharded
+    sum twice as two function objects (the second compile is a cache hit and hangs;
+    tests/e2e/test_multihost_cache.py). Compiling every program costs the CPU
+    stand-in seconds; TPU and GPU hosts keep the cache.
+    """
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def wait_for_coordinator(address: str, timeout_s: float, *, process_id: int,
                          poll_s: float = 0.25) -> float:
     """Retry a TCP connect to ``address`` until it succeeds or ``timeout_s`` passes.
@@ -137,6 +153,8 @@ def initialize(cfg: DistributedConfig) -> None:
                                num_processes=cfg.num_processes, process_id=cfg.process_id,
                                initialization_timeout=int(math.ceil(cfg.init_timeout_s)),
                                heartbeat_timeout_seconds=int(math.ceil(cfg.heartbeat_timeout_s)))
+    if jax.default_backend() == "cpu":
+        no_cached_executables_across_processes()
     if jax.process_count() != cfg.num_processes:
         raise DistributedError(f"learner host {cfg.process_id}: joined {jax.process_count()} "
                                f"processes, expected num_processes = {cfg.num_processes}")
