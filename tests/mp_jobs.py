@@ -144,4 +144,25 @@ def sharded_sum_twice(ctx):
         def total(v):
             return jnp.sum(v * v)
         outs.append(float(np.asarray(jax.jit(total, out_shardings=NamedSharding(mesh, P()))(x))))
-    return dict(outs=outs, cache=bool(jax.config.jax_enable_compilation_cache))
+    return dict(outs=outs, cache=bool(jax.config.jax_enable_compilation_cache),
+                **commands_from_two_call_sites(ctx))
+
+
+def commands_from_two_call_sites(ctx):
+    """The learner hosts' command exchange as ``rlflow train`` runs it: host 0 sends from
+    ``HostCommands.send``, the others receive in ``HostCommands.receive`` (one
+    ``broadcast_one_to_all`` reached from two source lines; it hung on jax 0.12.1 while the
+    call stack was part of the lowered program), twice; then every host's address."""
+    from rlflow.learner.hosts import STEP, PUBLISH, HostCommands, gather_addresses
+
+    commands = HostCommands()
+    got = []
+    for op, arg in ((PUBLISH, 7), (STEP, 0)):
+        if commands.leader:
+            commands.send(op, arg)
+            got.append([op, arg])
+        else:
+            got.append(list(commands.receive()))
+    address = "" if commands.leader else f"host{ctx.process_id}:{1000 + ctx.process_id}"
+    return dict(commands=got, addresses=gather_addresses(address),
+                locations=jax.config.jax_traceback_in_locations_limit)

@@ -90,6 +90,29 @@ def use_gloo_collectives() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
+def same_program_on_every_host() -> None:
+    """Leave the Python call stack out of every program this process lowers
+    (``jax_traceback_in_locations_limit = 0``), so that a program spanning the hosts is the
+    same program on each of them whatever code path reached it.
+
+    jax writes the Python traceback of each operation into the HLO as source-location
+    metadata (up to ``jax_traceback_in_locations_limit`` frames, default 100), and the
+    learner's hosts reach the same cross-host program from different call sites: host 0
+    from :class:`rlflow.learner.program.LearnerProgram`, the others from
+    :func:`rlflow.learner.hosts.follower_main` (``HostCommands.send`` on host 0 and
+    ``HostCommands.receive`` elsewhere are two lines calling one ``broadcast_one_to_all``; the
+    train step and :func:`distribute_batch` are traced under ``dispatch_step`` on host 0 and
+    ``train_step`` elsewhere). Those programs then differ only in that metadata, and with
+    jax 0.12.1 on CPU such a pair hangs in its first gloo collective: every host waits in
+    ``gloo::allreduce`` / ``waitRecv`` for ever (the CPU client keys a cross-process launch
+    on the executable, whose fingerprint covers the metadata; jax 0.10.2 ran the pair).
+    Reproduced by two processes calling ``broadcast_one_to_all`` from two source lines
+    (``tests/mp_jobs.py:commands_from_two_call_sites``); with no frames in the locations
+    both hosts lower byte-identical HLO and it runs. Costs only source lines in profiles
+    and HLO dumps (op names stay)."""
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+
+
 def no_cached_executables_across_processes() -> None:
     """Turn jax's persistent compilation cache off in this process (a CPU learner host).
 
@@ -149,6 +172,7 @@ def initialize(cfg: DistributedConfig) -> None:
         wait_for_coordinator(cfg.coordinator_address, cfg.init_timeout_s,
                              process_id=cfg.process_id)
     use_gloo_collectives()
+    same_program_on_every_host()
     jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
                                num_processes=cfg.num_processes, process_id=cfg.process_id,
                                initialization_timeout=int(math.ceil(cfg.init_timeout_s)),
