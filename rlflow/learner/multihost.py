@@ -104,8 +104,9 @@ def same_program_on_every_host() -> None:
     train step and :func:`distribute_batch` are traced under ``dispatch_step`` on host 0 and
     ``train_step`` elsewhere). Those programs then differ only in that metadata, and with
     jax 0.12.1 on CPU such a pair hangs in its first gloo collective: every host waits in
-    ``gloo::allreduce`` / ``waitRecv`` for ever (the CPU client keys a cross-process launch
-    on the executable, whose fingerprint covers the metadata; jax 0.10.2 ran the pair).
+    ``gloo::allreduce`` / ``waitRecv`` for ever (jax 0.10.2 ran the pair; likely the
+    CPU client's collective launch key comes from the executable's fingerprint, which
+    covers the metadata, so the hosts' launches never meet).
     Reproduced by two processes calling ``broadcast_one_to_all`` from two source lines
     (``tests/mp_jobs.py:commands_from_two_call_sites``); with no frames in the locations
     both hosts lower byte-identical HLO and it runs. Costs only source lines in profiles
@@ -120,11 +121,14 @@ def no_cached_executables_across_processes() -> None:
     first collective when it was loaded from the persistent compilation cache
     (``JAX_COMPILATION_CACHE_DIR``) rather than compiled: every host waits in gloo's
     ``waitRecv`` for ever (py-spy / gdb: ``GlooCommunicator::AllReduce``); jax 0.10.2 ran
-    the same loaded program. jax writes the cache from process 0 only, so every host then
-    runs process 0's executable (the likely cause; compiled, each host's program is its own). Reproduced by 2 processes x 2 CPU devices jitting one sharded
+    the same loaded program. Reproduced by 2 processes x 2 CPU devices jitting one sharded
     sum twice as two function objects (the second compile is a cache hit and hangs;
-    tests/e2e/test_multihost_cache.py). Compiling every program costs the CPU
-    stand-in seconds; TPU and GPU hosts keep the cache.
+    tests/e2e/test_multihost_cache.py). The likely cause is the one of
+    :func:`same_program_on_every_host`: jax's cache key leaves the source locations out,
+    so a loaded executable carries the metadata of the compile that wrote it, and the
+    hosts' programs then differ in it; with locations off the same job ran with the cache
+    on (one try, 2026-12-08), but the cache stays off until that is confirmed. Compiling
+    every program costs the CPU stand-in seconds; TPU and GPU hosts keep the cache.
     """
     jax.config.update("jax_enable_compilation_cache", False)
 
