@@ -3,12 +3,17 @@
 from setuptools import find_packages, setup
 
 RUNTIME = [
-    "jax[cpu]==0.10.2",
-    "jaxlib==0.10.2",
-    "flax==0.12.8",
-    "optax>=0.2.5",
-    "orbax-checkpoint>=0.11",
-    "grain>=0.2.12",
+    # jax, jaxlib and flax as ranges with no platform extra: the extras below pick jax's build
+    # (".[cpu]" here and in CI, ".[tpu]" on a TPU VM, ".[cuda]" on an NVIDIA GPU). jax 0.12.1
+    # needs libtpu 0.0.53, which the index lacks; the range lets ".[tpu]" resolve to jax 0.12.0
+    # with libtpu 0.0.50.1.
+    "jax>=0.12.0,<0.13",
+    "jaxlib>=0.12.0,<0.13",
+    "flax>=0.12.12,<0.13",
+    "tokamax>=0.0.17",      # library kernels: rlflow/models/kernels.py
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12.8",
+    "grain>=0.2.18",
     "google-jetstream==0.2.2",
     "transformers>=5.0",
     "tokenizers>=0.21",
@@ -22,10 +27,9 @@ RUNTIME = [
     "rich>=13",
     "matplotlib>=3.8",
     "numpy",
-    # 0.7.0 takes ~1 s to import beside numpy 2.4 (its ufunc loop registration: 1.0-1.2 s
-    # against 0.02 s for 0.5.4 / 0.6.0, measured 2026-12-03), paid by every process that
-    # imports jax: the learner, each sampler replica, the tests. jax 0.10.2 needs >= 0.5.
-    "ml_dtypes>=0.5,<0.7",
+    # The cap <0.7 (0.7.0 took ~1 s to import beside numpy 2.4) is gone: beside numpy 2.5 0.7.0
+    # imports in 0.25 s like 0.6.0 (python -X importtime, 2026-12-07).
+    "ml_dtypes>=0.5",
     "pyarrow",
     "zstandard>=0.22",      # delta weight sync's codec (rlflow/exchange/delta.py)
     "xxhash>=3",            # delta weight sync's hash of each rebuilt tensor
@@ -54,6 +58,11 @@ GATEWAY = ["openai>=1.40"]
 # gateway agents that are verifiers environments (rlflow/gateway/verifiers_env.py)
 VERIFIERS = ["verifiers==0.4.0"]
 
+# The jax build (one of these beside the runtime dependencies): pip install -e ".[cpu,test]"
+JAX_CPU = ["jax[cpu]"]
+JAX_TPU = ["jax[tpu]"]
+JAX_CUDA = ["jax[cuda13]"]
+
 # metrics.wandb (rlflow/run/wandb_sink.py): pip install -e ".[wandb]"
 WANDB = ["wandb>=0.19"]
 
@@ -62,9 +71,11 @@ setup(
     version="0.1.0",
     description=__doc__,
     packages=find_packages(include=["rlflow", "rlflow.*"]),
-    python_requires=">=3.11",
+    python_requires=">=3.12",
     install_requires=RUNTIME,
-    extras_require={"test": TEST, "wandb": WANDB, "gateway": GATEWAY,
-                    "verifiers": VERIFIERS},
+    extras_require={
+        "cpu": JAX_CPU, "tpu": JAX_TPU, "cuda": JAX_CUDA, "test": TEST, "wandb": WANDB,
+        "gateway": GATEWAY, "verifiers": VERIFIERS,
+    },
     entry_points={"console_scripts": ["rlflow=rlflow.console.cli:main"]},
 )

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Accelerator check (issue 43 item 8): finds this machine's accelerator (an NVIDIA GPU through
 # nvidia-smi, a TPU through /dev/accel* or /dev/vfio/<n>), makes its own virtual environment
-# .venv-accel, installs rlflow's runtime dependencies (pip install -e .) and then the
-# accelerator build of jax at the version setup.py pins (jax[cuda12] or jax[tpu]), prints
+# .venv-accel (Python >= 3.12), installs rlflow with the extra of that accelerator's jax build
+# (pip install -e ".[cuda]" for jax[cuda13], ".[tpu]" for jax[tpu] and libtpu), prints
 # jax.devices(), and runs benchmarks/accelerator.py (the learner step and the sampler at the
 # Qwen2.5-0.5B / 1.5B architectures, 4K-16K tokens per row: step time, tokens/s, MFU, HBM),
 # its output teed to bench_results/accelerator_<UTC date>.txt.
@@ -15,9 +15,10 @@
 # Environment:
 #   ACCEL_CHECK_ALLOW_CPU=1   without an accelerator, run on CPU with jax[cpu] and the
 #                             benchmark's --tiny sizes (a smoke test of the whole path)
-#   ACCEL_CHECK_JAX_EXTRA     the jax extra to install instead of the one found (cuda12,
-#                             cuda13, tpu, cpu)
-#   ACCEL_CHECK_PYTHON        interpreter for the venv (default python3.11)
+#   ACCEL_CHECK_JAX_EXTRA     rlflow's jax extra to install instead of the one found (cuda,
+#                             tpu, cpu)
+#   ACCEL_CHECK_PYTHON        interpreter for the venv (default: scripts/find_python.sh's
+#                             Python >= 3.12)
 #   ACCEL_CHECK_VENV          venv folder (default .venv-accel)
 #   ACCEL_CHECK_OUT           results folder (default bench_results)
 #   ACCEL_CHECK_DEV           device folder searched for a TPU (default /dev)
@@ -46,12 +47,6 @@ run() {  # print (dry run) or run one command
   fi
 }
 
-version="$(sed -n -E 's/.*"jax\[cpu\]==([0-9][0-9.]*)".*/\1/p' setup.py | head -n 1)"
-if [ -z "$version" ]; then
-  echo "accelerator_check.sh: no jax[cpu]==<version> pin found in setup.py" >&2
-  exit 1
-fi
-
 dev="${ACCEL_CHECK_DEV:-/dev}"
 accel=""
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -60,7 +55,7 @@ elif compgen -G "$dev/accel*" >/dev/null || compgen -G "$dev/vfio/[0-9]*" >/dev/
   accel=tpu
 fi
 case "$accel" in
-  gpu) extra=cuda12; found="NVIDIA GPU: $(nvidia-smi -L | head -n 1)" ;;
+  gpu) extra=cuda; found="NVIDIA GPU: $(nvidia-smi -L | head -n 1)" ;;
   tpu) extra=tpu; found="TPU: $({ compgen -G "$dev/accel*" || compgen -G "$dev/vfio/[0-9]*"; } | tr '\n' ' ')" ;;
   *)
     if [ "${ACCEL_CHECK_ALLOW_CPU:-0}" != 1 ]; then
@@ -73,13 +68,21 @@ case "$accel" in
     ;;
 esac
 extra="${ACCEL_CHECK_JAX_EXTRA:-$extra}"
-py="${ACCEL_CHECK_PYTHON:-python3.11}"
+py="${ACCEL_CHECK_PYTHON:-}"
 venv="${ACCEL_CHECK_VENV:-.venv-accel}"
 out="${ACCEL_CHECK_OUT:-bench_results}"
 results="$out/accelerator_$(date -u +%Y-%m-%d_%H%M%S).txt"
 vpy="$venv/bin/python"
 
-echo "# found $found; jax[$extra]==$version into $venv; results: $results"
+case "$extra" in
+  cpu|tpu|cuda) ;;
+  *) echo "accelerator_check.sh: ACCEL_CHECK_JAX_EXTRA='$extra' (expected cpu, tpu or cuda)" >&2
+     exit 64 ;;
+esac
+if [ -z "$py" ]; then
+  py="$(bash scripts/find_python.sh)" || exit $?
+fi
+echo "# found $found; rlflow[$extra] into $venv with $py; results: $results"
 if [ "$dry" -eq 0 ] && ! command -v "$py" >/dev/null 2>&1; then
   echo "accelerator_check.sh: $py not found (ACCEL_CHECK_PYTHON names another)" >&2
   exit 1
@@ -88,8 +91,7 @@ if [ "$dry" -eq 1 ] || [ ! -x "$vpy" ]; then
   run "$py" -m venv "$venv"
 fi
 run "$vpy" -m pip install -q --upgrade pip
-run "$vpy" -m pip install -q -e .
-run "$vpy" -m pip install -q "jax[$extra]==$version"
+run "$vpy" -m pip install -q -e ".[$extra]"
 # jax falls back to CPU (with a warning) when its plugin cannot start: refuse that here
 run "$vpy" -c 'import sys, jax; print(jax.devices()); b = jax.default_backend(); sys.exit(0 if b == sys.argv[1] else f"jax backend is {b}, not {sys.argv[1]}")' "$accel"
 if [ "$dry" -eq 1 ]; then

@@ -129,3 +129,40 @@ def collectives_until_killed(ctx):
             open(os.path.join(ctx.work_dir, f"ready_{ctx.process_id}"), "w").close()
         time.sleep(0.2)
     return "not killed"
+
+
+def sharded_sum_twice(ctx):
+    """A sum over 4 devices of 2 processes, jitted twice as two function objects (the second
+    compile may be a persistent-cache hit): both results, on every host."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+    x = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("a", "b")))
+    outs = []
+    for _ in range(2):
+        def total(v):
+            return jnp.sum(v * v)
+        outs.append(float(np.asarray(jax.jit(total, out_shardings=NamedSharding(mesh, P()))(x))))
+    return dict(outs=outs, cache=bool(jax.config.jax_enable_compilation_cache),
+                **commands_from_two_call_sites(ctx))
+
+
+def commands_from_two_call_sites(ctx):
+    """The learner hosts' command exchange as ``rlflow train`` runs it: host 0 sends from
+    ``HostCommands.send``, the others receive in ``HostCommands.receive`` (one
+    ``broadcast_one_to_all`` reached from two source lines; it hung on jax 0.12.1 while the
+    call stack was part of the lowered program), twice; then every host's address."""
+    from rlflow.learner.hosts import STEP, PUBLISH, HostCommands, gather_addresses
+
+    commands = HostCommands()
+    got = []
+    for op, arg in ((PUBLISH, 7), (STEP, 0)):
+        if commands.leader:
+            commands.send(op, arg)
+            got.append([op, arg])
+        else:
+            got.append(list(commands.receive()))
+    address = "" if commands.leader else f"host{ctx.process_id}:{1000 + ctx.process_id}"
+    return dict(commands=got, addresses=gather_addresses(address),
+                locations=jax.config.jax_traceback_in_locations_limit)

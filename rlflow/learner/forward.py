@@ -16,7 +16,10 @@ from flax import nnx
 
 from rlflow.learner import loss_positions
 from rlflow.learner.batch import TrainBatch
+from rlflow.models import kernels
 from rlflow.models.logprobs import chunked_logprobs
+
+ENTROPY_CHUNK = 1024   # positions per chunk of the entropy pass beside a fused logprob kernel
 
 
 class PolicyOutputs(NamedTuple):
@@ -44,7 +47,7 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                   value_graphdef=None, frozen=None, loss_slots: tuple[int, ...] | None = None,
                   attention: str = "auto", logprob_chunk: int = 0, remat: str = "none",
                   mesh=None, moe_aux: bool = False,
-                  routing_replay: bool = False) -> PolicyOutputs:
+                  routing_replay: bool = False, logprob_impl: str = "auto") -> PolicyOutputs:
     """One forward: tempered logprobs of ``batch.targets``, entropy and values.
 
     Args:
@@ -67,6 +70,7 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
       routing_replay: route the tokens of ``batch.routing_ids`` (a mixture-of-experts
         model's recorded expert ids; rollout routing replay) to those experts; without,
         they are only compared with the model's own choice.
+      logprob_impl: how the logprobs are computed (:func:`logprobs_of`).
 
     Returns: a :class:`PolicyOutputs`: ``values`` None without a value head, ``aux_loss``
     None without ``moe_aux``, ``router_agreement`` None when ``batch`` has no
@@ -85,20 +89,44 @@ def model_outputs(graphdef, params, batch: TrainBatch, temperature: float = 1.0,
                  jax.lax.stop_gradient(jnp.sum(out.router_agreement, axis=0)))
     values = None if value_graphdef is None else nnx.merge(value_graphdef, vparams)(hidden)
     if loss_slots is None:
-        logp, ent = chunked_logprobs(model.project, hidden, batch.targets, temperature,
-                                     logprob_chunk)
+        logp, ent = logprobs_of(model, hidden, batch.targets, temperature, logprob_chunk,
+                                impl=logprob_impl)
         return PolicyOutputs(logp, ent, values, out.aux_loss, agreement)
     shards, capacity, seq_shards = (tuple(loss_slots) + (1,))[:3]
     index = loss_positions.loss_index(batch.loss_mask, shards, capacity, seq_shards)
     hidden = loss_positions.gather(hidden, index, seq_shards)
     targets = loss_positions.gather(batch.targets, index, seq_shards)
     # one chunk of every group at a time: the groups are the devices' own loss positions
-    logp, ent = chunked_logprobs(model.project, hidden, targets, temperature, logprob_chunk,
-                                 groups=index.shape[0])
+    logp, ent = logprobs_of(model, hidden, targets, temperature, logprob_chunk,
+                            groups=index.shape[0], impl=logprob_impl)
     shape = batch.loss_mask.shape
     return PolicyOutputs(loss_positions.scatter(logp, index, shape, seq_shards),
                          loss_positions.scatter(ent, index, shape, seq_shards), values,
                          out.aux_loss, agreement)
+
+
+def logprobs_of(model, hidden: jax.Array, targets: jax.Array, temperature, chunk: int,
+                groups: int = 1, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """Tempered logprobs of ``targets`` and the policy entropy from final-normed ``hidden``
+    states ``[..., E]`` (``targets`` ``[...]`` int32): float32 ``[...]`` each, the entropy
+    without gradient.
+
+    ``impl`` (:func:`rlflow.models.kernels.resolve_logprobs`; "auto": tokamax's fused
+    linear + softmax kernel on TPU, the jnp path elsewhere): "jnp" is
+    :func:`rlflow.models.logprobs.chunked_logprobs` (``chunk`` positions of each of
+    ``groups`` spans at a time); a tokamax implementation computes the logprobs by
+    :func:`rlflow.models.kernels.linear_logprobs` (no ``[N, vocab]`` logits, forward or
+    backward) and the entropy, a metric without gradient, by a chunked forward-only pass
+    (``chunk`` or :data:`ENTROPY_CHUNK` positions at a time).
+    """
+    impl = kernels.resolve_logprobs(impl)
+    if impl == "jnp":
+        return chunked_logprobs(model.project, hidden, targets, temperature, chunk, groups)
+    logp = kernels.linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), model.lm_head_kernel(),
+                                   targets.reshape(-1), temperature, impl=impl)
+    _, ent = chunked_logprobs(model.project, jax.lax.stop_gradient(hidden), targets,
+                              temperature, chunk or ENTROPY_CHUNK, groups)
+    return logp.reshape(targets.shape), ent
 
 
 def policy_logprobs(graphdef, params, batch: TrainBatch, temperature: float = 1.0, frozen=None,

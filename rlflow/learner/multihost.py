@@ -90,6 +90,49 @@ def use_gloo_collectives() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
+def same_program_on_every_host() -> None:
+    """Leave the Python call stack out of every program this process lowers
+    (``jax_traceback_in_locations_limit = 0``), so that a program spanning the hosts is the
+    same program on each of them whatever code path reached it.
+
+    jax writes the Python traceback of each operation into the HLO as source-location
+    metadata (up to ``jax_traceback_in_locations_limit`` frames, default 100), and the
+    learner's hosts reach the same cross-host program from different call sites: host 0
+    from :class:`rlflow.learner.program.LearnerProgram`, the others from
+    :func:`rlflow.learner.hosts.follower_main` (``HostCommands.send`` on host 0 and
+    ``HostCommands.receive`` elsewhere are two lines calling one ``broadcast_one_to_all``; the
+    train step and :func:`distribute_batch` are traced under ``dispatch_step`` on host 0 and
+    ``train_step`` elsewhere). Those programs then differ only in that metadata, and with
+    jax 0.12.1 on CPU such a pair hangs in its first gloo collective: every host waits in
+    ``gloo::allreduce`` / ``waitRecv`` for ever (jax 0.10.2 ran the pair; likely the
+    CPU client's collective launch key comes from the executable's fingerprint, which
+    covers the metadata, so the hosts' launches never meet).
+    Reproduced by two processes calling ``broadcast_one_to_all`` from two source lines
+    (``tests/mp_jobs.py:commands_from_two_call_sites``); with no frames in the locations
+    both hosts lower byte-identical HLO and it runs. Costs only source lines in profiles
+    and HLO dumps (op names stay)."""
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+
+
+def no_cached_executables_across_processes() -> None:
+    """Turn jax's persistent compilation cache off in this process (a CPU learner host).
+
+    With jax 0.12.1 on CPU, a program whose collectives span processes (gloo) hangs in its
+    first collective when it was loaded from the persistent compilation cache
+    (``JAX_COMPILATION_CACHE_DIR``) rather than compiled: every host waits in gloo's
+    ``waitRecv`` for ever (py-spy / gdb: ``GlooCommunicator::AllReduce``); jax 0.10.2 ran
+    the same loaded program. Reproduced by 2 processes x 2 CPU devices jitting one sharded
+    sum twice as two function objects (the second compile is a cache hit and hangs;
+    tests/e2e/test_multihost_cache.py). The likely cause is the one of
+    :func:`same_program_on_every_host`: jax's cache key leaves the source locations out,
+    so a loaded executable carries the metadata of the compile that wrote it, and the
+    hosts' programs then differ in it; with locations off the same job ran with the cache
+    on (one try, 2026-12-08), but the cache stays off until that is confirmed. Compiling
+    every program costs the CPU stand-in seconds; TPU and GPU hosts keep the cache.
+    """
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def wait_for_coordinator(address: str, timeout_s: float, *, process_id: int,
                          poll_s: float = 0.25) -> float:
     """Retry a TCP connect to ``address`` until it succeeds or ``timeout_s`` passes.
@@ -133,10 +176,13 @@ def initialize(cfg: DistributedConfig) -> None:
         wait_for_coordinator(cfg.coordinator_address, cfg.init_timeout_s,
                              process_id=cfg.process_id)
     use_gloo_collectives()
+    same_program_on_every_host()
     jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
                                num_processes=cfg.num_processes, process_id=cfg.process_id,
                                initialization_timeout=int(math.ceil(cfg.init_timeout_s)),
                                heartbeat_timeout_seconds=int(math.ceil(cfg.heartbeat_timeout_s)))
+    if jax.default_backend() == "cpu":
+        no_cached_executables_across_processes()
     if jax.process_count() != cfg.num_processes:
         raise DistributedError(f"learner host {cfg.process_id}: joined {jax.process_count()} "
                                f"processes, expected num_processes = {cfg.num_processes}")

@@ -21,9 +21,10 @@ Implementations (``learner.attention``):
 - ``"splash"``: the TPU Pallas splash-attention kernel of ``jax.experimental.pallas.ops.tpu``
   (causal ``CausalMask`` + ``SegmentIds``; runs in Pallas interpret mode off TPU, which the
   tests use). Cannot express the prefix mask (a query attending two segment ids).
-- ``"gpu_flash"``: the GPU Pallas (Triton) flash-attention kernel of
-  ``jax.experimental.pallas.ops.gpu.attention`` (causal + segment ids; K/V heads repeated
-  to the query heads). Cannot express the prefix mask either.
+- ``"gpu_flash"``: tokamax's GPU flash attention (Mosaic GPU or Triton; jax 0.12 dropped
+  ``jax.experimental.pallas.ops.gpu.attention``) under a causal mask whose keys start at
+  the query's packed segment (``k_start``); off GPU tokamax's XLA implementation of the
+  same mask, which the tests use. Cannot express the prefix mask either.
 - ``"auto"``: TPU ``"splash"``, GPU ``"gpu_flash"``, CPU ``"blockwise"``; a call with
   ``prefix_ids`` (shared-prompt packing) takes ``"blockwise"`` on every backend, the one
   implementation here whose mask has the prefix term (:func:`resolve`).
@@ -43,9 +44,8 @@ padding keys before it instead of averaging all keys: still finite, and never re
 logits are not a loss position). ``jax.nn.dot_product_attention``'s cuDNN path is not
 offered: its public arguments express padding only as right-padded lengths and packing not
 at all without a materialised ``[B, T, T]`` mask, and the learner's rows are left-padded.
-The tokamax library (issue 43's first choice) pins ``typeguard==2.13.3`` while ``tyro`` (the
-CLI) needs ``typeguard>=4``, and tokamax does not import beside typeguard 4, so the kernels
-come from ``jax.experimental.pallas.ops`` (the same splash kernel MaxText uses).
+The splash kernel comes from ``jax.experimental.pallas.ops`` (the same one MaxText uses), the
+GPU kernel from tokamax (0.0.17 imports beside typeguard 4, which tyro needs).
 """
 
 from __future__ import annotations
@@ -316,16 +316,35 @@ def _splash(q, k, v, mask_args: KeyQueryMask, scale, interpret: bool):
     return out.swapaxes(1, 2)[:, :t].astype(q.dtype)
 
 
+def _run_starts(seg):
+    """``[B, T]`` index of the first position of each position's run of equal ids."""
+    t = seg.shape[1]
+    new_run = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
+    return jax.lax.cummax(jnp.where(new_run, jnp.arange(t, dtype=jnp.int32), 0), axis=1)
+
+
 def _gpu_flash(q, k, v, mask_args: KeyQueryMask, scale, interpret: bool):
-    from jax.experimental.pallas.ops.gpu import attention as ga
+    """tokamax's GPU flash attention (Mosaic GPU on Hopper and later, else Triton) under
+    ``Mask(k_start, is_causal)``: a query attends the keys from the start of its run of
+    equal segment ids (padding a run of its own) up to itself, the segment mask of
+    contiguous packed segments. ``interpret``: tokamax's XLA implementation under the same
+    mask (CPU tests)."""
+    from tokamax._src.ops.attention import api as tk_api
+    from tokamax._src.ops.attention import base as tk_base
     b, t, h, d = q.shape
-    t_pad = -(-t // _KERNEL_BLOCK) * _KERNEL_BLOCK
-    seg = _kernel_segments(t_pad, mask_args)
-    rep = h // k.shape[2]
-    k, v = (_pad_seq(jnp.repeat(x, rep, axis=2), t_pad) for x in (k, v))
-    out = ga.mha(_pad_seq(q, t_pad), k, v, seg, sm_scale=scale, causal=True,
-                 block_sizes=ga.BlockSizes.get_default(), interpret=interpret)
-    return out[:, :t].astype(q.dtype)
+    starts = _run_starts(_kernel_segments(t, mask_args))               # [B, T]
+    mask = tk_base.Mask(k_start=starts[:, None, :], is_causal=True)
+    names = ("xla",) if interpret else tuple(
+        n for n in ("mosaic_gpu", "triton") if n in tk_api.IMPLEMENTATIONS)
+    errors = []
+    for name in names:
+        try:
+            out = tk_api.IMPLEMENTATIONS[name](q, k, v, mask=mask, logits_scale=scale)
+            return out.astype(q.dtype)
+        except NotImplementedError as e:     # e.g. Mosaic GPU on a pre-Hopper card
+            errors.append(e)
+    raise NotImplementedError(f"learner.attention='gpu_flash': no tokamax GPU attention "
+                              f"kernel runs here ({names}): {errors}")
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, attention_mask: jax.Array,

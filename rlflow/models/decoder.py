@@ -143,6 +143,16 @@ class Decoder(nnx.Module):
         cap = self.cfg.final_logit_softcapping
         return z if cap is None else cap * jnp.tanh(z / cap)
 
+    def lm_head_kernel(self) -> jax.Array:
+        """The LM head :meth:`project` multiplies by, ``[E, V]`` in the compute dtype (the
+        tied embedding transposed, or ``lm_head``; for the fused logprob kernels,
+        :mod:`rlflow.models.kernels`)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        if self.lm_head is None:
+            return self.embed[...].astype(dt).T
+        w = self.lm_head[...].astype(dt)
+        return w.T if "lm_head" in self.out_in else w
+
     def _embed(self, tokens) -> jax.Array:
         """Token embeddings in ``cfg.dtype``; Gemma's times ``sqrt(E)`` rounded to the stored
         dtype (HF ``Gemma3TextScaledWordEmbedding``)."""

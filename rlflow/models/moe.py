@@ -12,8 +12,9 @@ Large Neural Networks", eq. 3-5 for softmax top-k gating): for a token ``x [E]``
 
 Dispatch is dropless (no capacity factor, no token dropped; Gale et al. 2023, "MegaBlocks"):
 the ``N x k`` (token, expert) pairs are sorted by expert and each expert's contiguous rows
-are multiplied by its weights with one ``jax.lax.ragged_dot`` (group sizes = tokens per
-expert); the results are unsorted and summed per token weighted by the gates. On a mesh with
+are multiplied by its weights with one grouped matmul (group sizes = tokens per expert;
+:func:`rlflow.models.kernels.ragged_dot`: tokamax's kernel on TPU / GPU, ``jax.lax.ragged_dot``
+on CPU); the results are unsorted and summed per token weighted by the gates. On a mesh with
 an ``expert`` axis the experts are split over it and the tokens reach them by
 :func:`rlflow.models.expert_parallel.expert_ffn`.
 
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlflow.models.expert_parallel import context_mesh, expert_ffn, expert_size
+from rlflow.models.kernels import ragged_dot
 from rlflow.models.linear import _dense, _normal, _param     # one matmul and init for every kernel
 
 EXPERT_AXES = ("expert", "embed", "mlp")        # gate / up kernels [n, E, F]
@@ -121,7 +123,7 @@ def _expert_bias(bias: jax.Array, sorted_ids: jax.Array) -> jax.Array:
 
 def dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, gate_kernel: jax.Array,
              up_kernel: jax.Array, down_kernel: jax.Array, first_expert=0,
-             biases: ExpertBiases | None = None) -> jax.Array:
+             biases: ExpertBiases | None = None, *, impl: str = "auto") -> jax.Array:
     """Dropless expert computation (module doc): every (token, expert) pair is computed.
 
     Args:
@@ -135,6 +137,8 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, gate_kernel:
       first_expert: global id of the kernels' expert 0 (int or int32 scalar). Pairs whose
         expert is not among these sort after the last group, get no product, and add 0.
       biases: gpt-oss's :class:`ExpertBiases` of these experts, or None (SwiGLU, no biases).
+      impl: the grouped matmul (:func:`rlflow.models.kernels.resolve_ragged_dot`; "auto":
+        tokamax on TPU / GPU, ``jax.lax.ragged_dot`` on CPU).
 
     Returns:
       ``[N, E]`` in ``x.dtype``: ``sum_j gates[:, j] * expert_{ids[:, j]}(x)`` over the
@@ -148,8 +152,8 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, gate_kernel:
     order = jnp.argsort(flat, stable=True)                          # pairs sorted by expert
     rows = jnp.take(x, order // k, axis=0)                          # [N k, E]
     sizes = jnp.bincount(flat, length=n_experts + 1)[:n_experts].astype(jnp.int32)  # [n]
-    g = jax.lax.ragged_dot(rows, gate_kernel, sizes)
-    u = jax.lax.ragged_dot(rows, up_kernel, sizes)                  # [N k, F]
+    g = ragged_dot(rows, gate_kernel, sizes, impl=impl)
+    u = ragged_dot(rows, up_kernel, sizes, impl=impl)               # [N k, F]
     if biases is None:
         h = jax.nn.silu(g) * u
     else:
@@ -157,7 +161,7 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, gate_kernel:
         g = jnp.minimum(g + _expert_bias(biases.gate, ids), biases.limit)
         u = jnp.clip(u + _expert_bias(biases.up, ids), -biases.limit, biases.limit)
         h = (u + 1) * (g * jax.nn.sigmoid(g * biases.alpha))
-    out = jax.lax.ragged_dot(h, down_kernel, sizes)                 # [N k, E]
+    out = ragged_dot(h, down_kernel, sizes, impl=impl)              # [N k, E]
     if biases is not None:
         out = out + _expert_bias(biases.down, ids)
     out = jnp.take(out, jnp.argsort(order), axis=0)

@@ -22,8 +22,8 @@ JAX_PORT="8476"
 TOKEN="${RLFLOW_BUFFER_TOKEN:-}"
 LEARNER_IP=""
 GIT_REF="HEAD"
-PYTHON="python3.11"
-JAX_VERSION="0.10.2"
+PYTHON="python3.12"
+JAX_VERSION=""
 ROLE="both"
 WORKER="0"
 NO_WAIT=0
@@ -58,8 +58,8 @@ Common flags (docs/tpu.md):
                            command line (--token is refused: argv is visible in ps)
   --learner-ip IP          internal IP of learner host 0 (default: asked from gcloud)
   --git-ref REF            git ref shipped to the hosts by install.sh (default HEAD)
-  --python EXE             Python on the hosts (default python3.11)
-  --jax-version V          jax[tpu] version installed on the hosts (default 0.10.2)
+  --python EXE             Python on the hosts, >= 3.12 (default python3.12)
+  --jax-version V          pin jax[tpu]==V on the hosts (default: what setup.py's tpu extra resolves)
   --role learner|sampler|both   slice(s) that logs.sh / stop.sh act on (default both)
   --worker N|all           host(s) whose log logs.sh streams (default 0)
   --no-wait                create.sh: do not wait for the queued resources to be ACTIVE

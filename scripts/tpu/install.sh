@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Install rlflow on every host of both slices: ship `git archive GIT_REF` of this repository,
-# create ~/rlflow/.venv with Python 3.11, pip-install rlflow and jax[tpu]; optionally copy the
-# model folder from Cloud Storage to --model-dir on every host.
+# create ~/rlflow/.venv with Python 3.12, pip-install rlflow with its tpu extra (jax[tpu], libtpu;
+# --jax-version pins jax); optionally copy the model folder from Cloud Storage to --model-dir.
 #   scripts/tpu/install.sh --zone us-west4-a [--git-ref HEAD] [--model-gcs gs://b/qwen
 #       --model-dir /home/me/qwen] [--dry-run] ...
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-usage() { sed -n '2,7p' "${BASH_SOURCE[0]}"; usage_common; }
+usage() { sed -n '2,6p' "${BASH_SOURCE[0]}"; usage_common; }
 parse_flags "$@"
 if [ -n "$MODEL_GCS" ] && [ -z "$MODEL_DIR" ]; then die "--model-gcs needs --model-dir"; fi
 
@@ -21,7 +21,9 @@ remote+="; command -v $PYTHON >/dev/null || (sudo apt-get update -q && sudo apt-
 remote+="; rm -rf $REMOTE_DIR && tar -xzf \"\$HOME/${NAME}-src.tar.gz\" -C \"\$HOME\""
 remote+="; $PYTHON -m venv $venv"
 remote+="; $venv/bin/pip install -q --upgrade pip"
-remote+="; $venv/bin/pip install -q -e $REMOTE_DIR $(shell_quote "jax[tpu]==$JAX_VERSION")"
+pin=""
+[ -z "$JAX_VERSION" ] || pin=" $(shell_quote "jax[tpu]==$JAX_VERSION")"
+remote+="; $venv/bin/pip install -q -e \"${REMOTE_DIR}[tpu]\"$pin"
 if [ -n "$MODEL_GCS" ]; then
   remote+="; mkdir -p $(shell_quote "$MODEL_DIR")"
   remote+=" && gcloud storage rsync --recursive $(shell_quote "$MODEL_GCS") $(shell_quote "$MODEL_DIR")"

@@ -19,7 +19,8 @@ Flags (GKE with xpk; the cluster exists already, e.g. `xpk cluster create`):
   --name NAME              workload prefix: NAME-learner, NAME-sampler (default rlflow)
   --learner-type TYPE      learner TPU type, e.g. v5p-16, v6e-16 (default v5litepod-8)
   --sampler-type TYPE      sampler TPU type (default v5litepod-8)
-  --docker-image IMAGE     image with rlflow installed at /app (required for start.sh)
+  --docker-image IMAGE     image with rlflow installed at /app (required for start.sh; Python >= 3.12,
+                           pip install -e "/app[tpu]")
   --config PATH            rlflow config file inside the image (default configs/gsm8k_qwen2_5_0_5b.py)
   --model-dir DIR          model folder in the pods (RLFLOW_MODEL_PATH)
   --run-dir DIR            rlflow run_dir (gs://... : every learner host writes its shards)

@@ -93,7 +93,7 @@ def test_create_prints_one_queued_resource_per_slice():
 
 
 def test_install_ships_the_repo_to_every_host_of_both_slices():
-    cmds, _, _ = dry("install.sh", *BASE, "--git-ref", "v1.2", "--jax-version", "0.10.2",
+    cmds, _, _ = dry("install.sh", *BASE, "--git-ref", "v1.2", "--jax-version", "0.12.0",
                      "--python", "python3.12", "--model-gcs", "gs://bkt/qwen",
                      "--model-dir", "/home/u/qwen")
     assert cmds[0][:3] == ["git", "-C", REPO] and cmds[0][-1] == "v1.2"
@@ -106,9 +106,14 @@ def test_install_ships_the_repo_to_every_host_of_both_slices():
     for c in ssh:
         assert flag(c, "--worker") == "all" and flag(c, "--zone") == "europe-west4-a"
         remote = flag(c, "--command")
-        assert "python3.12 -m venv" in remote and "jax[tpu]==0.10.2" in remote
+        assert "python3.12 -m venv" in remote and "jax[tpu]==0.12.0" in remote
+        assert 'pip install -q -e "$HOME/rlflow[tpu]"' in remote
         assert "gcloud storage rsync --recursive gs://bkt/qwen /home/u/qwen" in remote
         assert "exp7-src.tar.gz" in remote
+    cmds, _, _ = dry("install.sh", *BASE)            # defaults: python3.12, the tpu extra's jax
+    remote = flag([c for c in cmds if c[3:5] == ["tpu-vm", "ssh"]][0], "--command")
+    assert "python3.12 -m venv" in remote and "jax[tpu]==" not in remote
+    assert remote.rstrip().endswith('pip install -q -e "$HOME/rlflow[tpu]"')
     _, _, proc = dry("install.sh", *BASE, "--model-gcs", "gs://bkt/qwen", ok=False)
     assert proc.returncode == 2 and "--model-gcs needs --model-dir" in proc.stderr
 
