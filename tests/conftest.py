@@ -36,6 +36,12 @@ if "xla_force_host_platform_device_count" not in flags:
 if "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags
+# torch serves the tests as a CPU oracle only. On Python >= 3.12 the index's torch is a CUDA
+# build that brings triton, which transformers' generation code imports (through
+# torch._dynamo); a pytest worker died once with a segmentation fault inside triton's
+# extension import, after jax had run. Nothing in the tests needs triton: with None in
+# sys.modules ``import triton`` raises ImportError, and torch takes its no-triton path.
+sys.modules.setdefault("triton", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
