@@ -43,7 +43,7 @@ def _kind_sizes(d: dict, layers: int) -> dict:
     kind = d.get("model_type")
     types = d.get("layer_types")
     if types is None and kind in _QWEN35:
-        every = int(d.get("full_attention_interval", 4))
+        every = int(d.get("full_attention_interval") or 4)
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                  for i in range(layers)]
     out = dict(layer_types=tuple(types or ()))

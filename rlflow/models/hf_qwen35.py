@@ -61,7 +61,7 @@ def config_fields(d: Mapping, where: str, req: Callable) -> dict:
     n = int(req("num_hidden_layers"))
     types = d.get("layer_types")
     if types is None:
-        every = int(d.get("full_attention_interval", 4))
+        every = int(d.get("full_attention_interval") or 4)
         types = [_LINEAR if (i + 1) % every else _FULL for i in range(n)]
     _need(isinstance(types, (list, tuple)), f"{where}: layer_types",
           f"must be a list of layer kinds, got {types!r}")
