@@ -55,15 +55,20 @@ def _names_a_model(path: str) -> bool:
         return False
 
 
-def config(model_path=None) -> ExperimentConfig:
+def pod_config(name: str, sizes_only: str, model_path, *, learner_mesh: MeshConfig,
+               sampler_mesh: MeshConfig, shared_prefix: bool) -> ExperimentConfig:
+    """The GSM8K GRPO run of this module (64 prompts x 8 samples of <= 1,024 new tokens, one
+    row a chip per micro-batch) for a model folder, or ``sizes_only`` (module doc); also
+    the pod configs of gpt-oss-20b and Gemma 3 27B."""
     path = os.path.expanduser(model_path or os.environ.get("RLFLOW_MODEL_PATH") or "")
     if path and not os.path.isdir(path):
         raise ConfigError(f"model.path: must be an existing Hugging Face folder, got {path!r} "
                           "(set RLFLOW_MODEL_PATH or call config(model_path=...))")
     group_size, groups = 8, 64
+    chips = learner_mesh.num_devices
     return ExperimentConfig(
-        name="gsm8k_qwen3_5_35b_a3b",
-        model=ModelConfig(path=path if _names_a_model(path) else SIZES_ONLY, dtype="bfloat16",
+        name=name,
+        model=ModelConfig(path=path if _names_a_model(path) else sizes_only, dtype="bfloat16",
                           param_dtype="float32"),
         data=DataConfig(source="jsonl",
                         path=os.path.expanduser(os.environ.get("RLFLOW_DATA_PATH",
@@ -75,16 +80,20 @@ def config(model_path=None) -> ExperimentConfig:
                               prefill_buckets=(64, 128, PROMPT_TOKENS),
                               max_tokens=RESPONSE_TOKENS, group_size=group_size,
                               temperature=1.0, on_long_prompt="truncate", dtype="bfloat16",
-                              num_devices=SAMPLER_CHIPS, mesh=MeshConfig(expert=SAMPLER_CHIPS)),
+                              num_devices=sampler_mesh.num_devices, mesh=sampler_mesh),
         learner=LearnerConfig(num_steps=400, groups_per_step=groups,
-                              micro_batches=groups * group_size // LEARNER_CHIPS, lr=1e-6,
+                              micro_batches=groups * group_size // chips, lr=1e-6,
                               warmup_steps=10, schedule="constant", weight_decay=0.01,
                               max_grad_norm=1.0, advantage="grpo", loss_agg="token-mean",
-                              clip_low=0.2, clip_high=0.28, kl_coef=0.0,
-                              num_devices=LEARNER_CHIPS,
-                              mesh=MeshConfig(fsdp=LEARNER_CHIPS // EXPERT, expert=EXPERT),
-                              compute_dtype="bfloat16", remat="full", logprob_chunk=1024,
-                              shared_prefix=False),
+                              clip_low=0.2, clip_high=0.28, kl_coef=0.0, num_devices=chips,
+                              mesh=learner_mesh, compute_dtype="bfloat16", remat="full",
+                              logprob_chunk=1024, shared_prefix=shared_prefix),
         runtime=RuntimeConfig(mode="async", max_staleness=1, stale_policy="correct"),
         checkpoint=CheckpointConfig(every_steps=25, keep_last=3),
     )
+
+
+def config(model_path=None) -> ExperimentConfig:
+    return pod_config("gsm8k_qwen3_5_35b_a3b", SIZES_ONLY, model_path,
+                      learner_mesh=MeshConfig(fsdp=LEARNER_CHIPS // EXPERT, expert=EXPERT),
+                      sampler_mesh=MeshConfig(expert=SAMPLER_CHIPS), shared_prefix=False)
