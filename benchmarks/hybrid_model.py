@@ -29,6 +29,12 @@ Figures (``RESULT`` lines, benchmarks/README.md):
   layer's state (conv window + ``[32, 128, 128]`` float32 matrix) is the same at every
   length.
 
+Measured on the shared 2-core host (2026-12-08, branch h-fam2; the compile figures move with
+the load of other sessions, best of two each): 24 over 4 layers 1.35x at load ~2-4 (17.2 /
+23.2 s; 8 layers 32.3 s), 1.62x at load ~7 (29.5 / 47.8 s), 1.94x at load ~8 (37.6 / 73.1 s,
+4 and 24 only). Decode state of a slot, hybrid over dense: 0.634x at 2K (101.4 / 160.0 MiB),
+0.346x at 8K (221.4 / 640.0 MiB), 0.274x at 32K (701.4 / 2560.0 MiB); growth 0.250x.
+
 Usage: ``.venv/bin/python benchmarks/hybrid_model.py [--state-only | --compile-only]``
 (the compiles take one to a few minutes on 2 shared cores; the state lines a few seconds).
 """
