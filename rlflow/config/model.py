@@ -92,8 +92,9 @@ class ModelConfig:
 
     def expert_count(self) -> int:
         """Experts per layer of the policy, 0 for a dense model: ``path``'s config.json when
-        it names a ``model_type`` (``num_experts`` of a ``qwen3_moe`` or ``gpt_oss`` model), else the
-        random model's fields (a stand-in folder, or none)."""
+        it names a ``model_type`` (``num_experts`` / ``num_local_experts`` of a
+        :data:`HF_MOE_TYPES` model), else the random model's fields (a stand-in folder, or
+        none)."""
         d = {}
         if self.path:
             try:
@@ -102,11 +103,15 @@ class ModelConfig:
             except (OSError, ValueError):
                 d = {}
         if isinstance(d, dict) and d.get("model_type"):
-            if d["model_type"] not in ("qwen3_moe", "gpt_oss"):
+            if d["model_type"] not in HF_MOE_TYPES:
                 return 0
             return int(d.get("num_experts") or d.get("num_local_experts") or 0)
         return self.num_experts if self.model_type == "qwen3_moe" else 0
 
+
+#: HF ``model_type`` s of mixture-of-experts models (rlflow.models.config.MOE_MODEL_TYPES;
+#: this package does not import the models).
+HF_MOE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text")
 
 #: The mixture-of-experts fields of :class:`ModelConfig`: only with model_type "qwen3_moe".
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from rlflow.config import ConfigError
+from rlflow.console.hf_sizes import hf_architecture
 from rlflow.learner.memory import GIB, Architecture, LearnerMemory, learner_memory
 from rlflow.sampler.memory import sampler_bytes
 
@@ -141,43 +142,6 @@ def architecture(cfg) -> Optional[Architecture]:
 
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim")
-
-
-def _moe_sizes(d: dict) -> dict:
-    """The expert sizes of a ``qwen3_moe`` config.json (``num_experts``, 5.x
-    ``num_local_experts``), or none for a dense model."""
-    if d.get("model_type") != "qwen3_moe":
-        return {}
-    return dict(num_experts=int(d.get("num_experts") or d["num_local_experts"]),
-                num_experts_per_tok=int(d["num_experts_per_tok"]),
-                moe_intermediate_size=int(d["moe_intermediate_size"]))
-
-
-def hf_architecture(path: str) -> Optional[Architecture]:
-    """The sizes in a Hugging Face folder's ``config.json`` (Llama / Qwen2 / Qwen3 names:
-    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``
-    defaulting to ``hidden_size / num_attention_heads``), read with ``json`` only (no jax:
-    the TPU scripts run this where they are started); None when it lacks them. The
-    programs' full reader, :func:`rlflow.models.hf.read_decoder_config`, reports a bad
-    file."""
-    import json
-
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            d = json.load(f)
-        heads = int(d["num_attention_heads"])
-        return Architecture(
-            vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=d.get("model_type") == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=d.get("model_type") in ("qwen3", "qwen3_moe"),
-            **_moe_sizes(d))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 def host_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[float]:

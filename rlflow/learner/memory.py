@@ -68,6 +68,12 @@ dispatch to stay dropless. Their cotangents ``3 a ep k f / t``; "dots" keeps
 ``2 a ep k f / t`` of them. With ``ep = 1`` this is a dense MLP of width ``i = k f`` plus the
 dispatch's ``2 a k h`` and the router's ``4 n``.
 
+Layers of several kinds (``Architecture.layer_types``, :mod:`rlflow.models.layer_pattern`):
+full and sliding-window attention layers count as above (the learner's forward holds the
+same ``[T, T]`` scores for both when it materialises them); a gated DeltaNet layer
+(``"linear_attention"``, Qwen3.5) has no scores and its own projections and chunk states
+(:func:`_gdn_layer`); the working set is the larger kind's.
+
 ``N`` counts embeddings, ``L`` layers of (q, k, v, o projections, gate/up/down MLP, two RMSNorm
 scales), the final norm and (untied) the output projection, Qwen2's q/k/v biases included
 when ``qkv_bias`` and Qwen3's q/k norm scales when ``qk_norm``; with experts, each layer's
@@ -83,6 +89,7 @@ from dataclasses import dataclass
 from rlflow.config import ConfigError
 
 GIB = 2 ** 30
+GDN_CHUNK = 64       # rlflow.models.gated_delta.DEFAULT_CHUNK (no jax imported here)
 _BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -108,6 +115,11 @@ class Architecture:
     num_experts: int = 0     # Qwen3-MoE: experts per layer (0: a dense MLP)
     num_experts_per_tok: int = 0        # top-k
     moe_intermediate_size: int = 0      # each expert's SwiGLU width
+    layer_types: tuple = ()  # each layer's kind (HF layer_types); (): all "full_attention"
+    sliding_window: int = 0  # keys a "sliding_attention" query sees (Gemma 3, gpt-oss)
+    gdn: dict | None = None  # "linear_attention" (gated DeltaNet) shapes: GDN_KEYS (Qwen3.5)
+    attn_output_gate: bool = False      # Qwen3.5: q_proj twice as wide (query | gate)
+    shared_expert_intermediate_size: int = 0   # Qwen3.5-MoE: the shared expert's width
 
     @classmethod
     def from_model_config(cls, m) -> "Architecture":
@@ -119,6 +131,29 @@ class Architecture:
                    num_experts=m.num_experts if moe else 0,
                    num_experts_per_tok=m.num_experts_per_tok if moe else 0,
                    moe_intermediate_size=m.moe_intermediate_size if moe else 0)
+
+    @property
+    def kinds(self) -> tuple:
+        """The kind of each of the ``L`` layers (``"full_attention"``, ``"sliding_attention"``,
+        ``"linear_attention"``; :mod:`rlflow.models.layer_pattern`)."""
+        return tuple(self.layer_types) or ("full_attention",) * self.num_layers
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with keys and values (full or sliding attention)."""
+        return sum(1 for k in self.kinds if k != "linear_attention")
+
+    def gdn_params(self) -> int:
+        """Parameters of one gated DeltaNet layer's token mixing
+        (:class:`rlflow.models.gdn_layer.GatedDeltaNet`): q, k ``[E, Hk dk]``, v, z ``[E, Hv
+        dv]``, b, a ``[E, Hv]``, the convs ``K (2 Hk dk + Hv dv)``, ``A_log``, ``dt_bias``
+        ``[Hv]``, the norm ``[dv]``, out ``[Hv dv, E]``; 0 without such layers."""
+        if not self.gdn:
+            return 0
+        g, h = self.gdn, self.hidden_size
+        key, value = g["num_k_heads"] * g["head_k_dim"], g["num_v_heads"] * g["head_v_dim"]
+        return (h * (2 * key + 2 * value + 2 * g["num_v_heads"]) + g["conv_kernel"] *
+                (2 * key + value) + 2 * g["num_v_heads"] + g["head_v_dim"] + value * h)
 
     def expert_params(self) -> int:
         """Parameters of the experts (every MoE layer's ``[n, E, F]`` x 2 and ``[n, F, E]``;
@@ -137,11 +172,16 @@ class Architecture:
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        wq = 2 * q if self.attn_output_gate else q             # [query | gate] per head
+        attn = h * wq + 2 * h * kv + q * h + (wq + 2 * kv if self.qkv_bias else 0)
+        attn += 2 * d if self.qk_norm else 0
         mlp = h * self.num_experts if self.num_experts else 3 * h * i     # router, or the MLP
-        layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
+        fs = self.shared_expert_intermediate_size
+        mlp += 3 * h * fs + h if fs else 0                       # shared expert and its gate
+        linear = self.num_layers - self.attention_layers
+        layers = self.attention_layers * attn + linear * self.gdn_params()
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_layers * layer + h + self.expert_params()
+        return embed + layers + self.num_layers * (mlp + 2 * h) + h + self.expert_params()
 
     def params_per_shard(self, shards: int, expert: int = 1) -> float:
         """Parameters one device holds with the weights split ``shards`` ways (``fsdp x
@@ -202,20 +242,46 @@ def activation_bytes(arch: Architecture, *, rows: float, seq: int, compute_bytes
         mlp_cotangents, mlp_dots = 3 * a * pairs * f / t, 2 * a * pairs * f / t
     else:
         mlp, mlp_cotangents, mlp_dots = 4 * a * i / t, 3 * a * i / t, 2 * a * i / t
-    layer = a * (4 * h + 2 * (q + 2 * kv) * d / t) + mlp + scores     # A, per token
-    if remat == "none":
-        kept, working = layer, layer + mlp_cotangents
-    elif remat in ("full", "offload"):
-        kept, working = a * h, layer + mlp_cotangents
-    elif remat == "dots":
-        kept, working = a * (h + (q + 2 * kv) * d / t + 2 * h) + mlp_dots, layer
-    else:
+    if remat not in ("none", "full", "offload", "dots"):
         raise ValueError(f"learner.remat must be one of none, full, dots, offload, got {remat!r}")
+    # per kind of layer: (layers, A per token, the projections' outputs "dots" keeps)
+    kinds = [(arch.attention_layers, a * (4 * h + 2 * (q + 2 * kv) * d / t) + mlp + scores,
+              (q + 2 * kv) * d / t)]
+    if arch.num_layers > arch.attention_layers:
+        kinds.append((arch.num_layers - arch.attention_layers,) + _gdn_layer(arch, a, t, mlp))
+    kept, working = 0.0, 0.0
+    for n, layer, proj in kinds:
+        if remat == "none":
+            kept, working = kept + n * layer, max(working, layer + mlp_cotangents)
+        elif remat in ("full", "offload"):
+            kept, working = kept + n * a * h, max(working, layer + mlp_cotangents)
+        else:
+            kept, working = kept + n * (a * (h + proj + 2 * h) + mlp_dots), max(working, layer)
     tokens = rows * seq / sequence
     gathered = rows * seq * 4 * a * kv * d / t if sequence > 1 else 0.0
     head_tokens = tokens if logits_chunk_tokens is None else min(logits_chunk_tokens, tokens)
     logits = head_tokens * 12 * arch.vocab_size / t
-    return tokens * arch.num_layers * kept + max(tokens * working + gathered, logits)
+    return tokens * kept + max(tokens * working + gathered, logits)
+
+
+def _gdn_layer(arch: Architecture, a: int, t: int, mlp: float) -> tuple[float, float]:
+    """``(A, projections)`` per token of a gated DeltaNet layer: norms / residuals ``4 h``; q, k, v, z projections ``2 k_d +
+    2 v_d`` (``k_d = Hk dk``, ``v_d = Hv dv``), their conv outputs ``2 k_d + v_d``, the rule's
+    output and the gated norm's ``2 v_d`` in the compute dtype; the rule's float32 q, k, v
+    ``4 (2 k_d + v_d)`` and its chunk states, one float32 ``[Hv, dk, dv]`` per chunk of
+    :data:`rlflow.models.gated_delta.DEFAULT_CHUNK` tokens; no ``[T, T]`` scores.
+
+    Not calibrated, and short: XLA's compiled temporaries of the grad step (remat "full",
+    one row, 1K-4K tokens, hidden 256, 8 layers ``[linear x3, full]``, DeltaNet 4 / 8 heads
+    of 64) grow by ~340 KiB a token; this model's activations + gradients are 0.19-0.29x
+    the compiled figure there (the same model with attention in every layer: 1.17x at 2K).
+    The gated delta rule's own gradient takes ~54 KiB a token of it (8 heads of 64, one
+    layer); where the rest goes is not found yet."""
+    g, h = arch.gdn, arch.hidden_size
+    key, value = g["num_k_heads"] * g["head_k_dim"], g["num_v_heads"] * g["head_v_dim"]
+    states = 4 * g["num_v_heads"] * g["head_k_dim"] * g["head_v_dim"] / GDN_CHUNK
+    layer = a * (4 * h + (4 * key + 5 * value) / t) + (4 * (2 * key + value) + states) / t
+    return layer + mlp, (2 * key + 2 * value) / t
 
 
 def learner_memory(arch: Architecture, cfg, *, scores_materialised: bool | None = None,

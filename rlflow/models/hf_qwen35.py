@@ -61,7 +61,7 @@ def config_fields(d: Mapping, where: str, req: Callable) -> dict:
     n = int(req("num_hidden_layers"))
     types = d.get("layer_types")
     if types is None:
-        every = int(d.get("full_attention_interval", 4))
+        every = int(d.get("full_attention_interval") or 4)
         types = [_LINEAR if (i + 1) % every else _FULL for i in range(n)]
     _need(isinstance(types, (list, tuple)), f"{where}: layer_types",
           f"must be a list of layer kinds, got {types!r}")
@@ -80,8 +80,10 @@ def config_fields(d: Mapping, where: str, req: Callable) -> dict:
                    shared_expert_intermediate_size=int(req("shared_expert_intermediate_size")),
                    norm_topk_prob=True,
                    router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0) or 0.0))
+    # a Qwen3.5-MoE config.json has no intermediate_size (no dense MLP): the experts' width
+    inter = d.get("intermediate_size") if moe else req("intermediate_size")
     return dict(model_type=d["model_type"], vocab_size=int(req("vocab_size")), hidden_size=hidden,
-                intermediate_size=int(req("intermediate_size")), num_layers=n,
+                intermediate_size=int(inter or moe.get("moe_intermediate_size")), num_layers=n,
                 num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 max_position_embeddings=int(d.get("max_position_embeddings", 32768)),

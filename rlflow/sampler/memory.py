@@ -10,18 +10,62 @@ beside the learner's (:mod:`rlflow.learner.memory`). Pure arithmetic, no JAX.
 from __future__ import annotations
 
 
+#: Whether the contiguous cache (:func:`rlflow.models.kv_cache.init_cache`) gives a
+#: ``"sliding_attention"`` layer only its window of positions per slot. False: today every
+#: attention layer holds the slot's whole length; tests/unit/sampler/test_state_memory.py
+#: compares :func:`kv_cache_bytes` with ``jax.eval_shape`` of ``init_cache`` and fails when
+#: that changes.
+SLIDING_HOLDS_WINDOW = False
+
+
+def _kinds(m) -> tuple:
+    """Each layer's kind of ``m`` (a ``DecoderConfig`` or an ``Architecture``)."""
+    return tuple(getattr(m, "kinds", ())) or ("full_attention",) * m.num_layers
+
+
+def gdn_state_bytes(m, dtype_bytes: int) -> int:
+    """One slot's decode state of one gated DeltaNet layer of ``m``
+    (:func:`rlflow.models.gdn_layer.init_state`): conv windows ``(K - 1) (2 Hk dk + Hv dv)``
+    in the sampler dtype and the float32 ``[Hv, dk, dv]`` matrix; 0 without ``m.gdn``."""
+    g = getattr(m, "gdn", None)
+    if not g:
+        return 0
+    conv = (g["conv_kernel"] - 1) * (2 * g["num_k_heads"] * g["head_k_dim"] +
+                                     g["num_v_heads"] * g["head_v_dim"])
+    return conv * dtype_bytes + 4 * g["num_v_heads"] * g["head_k_dim"] * g["head_v_dim"]
+
+
 def kv_cache_bytes(cfg, m) -> int:
-    """Bytes of one sampler replica's KV cache (``rlflow.models.kv_cache.init_cache``):
-    ``num_slots x (max_prefill_length + max_tokens)`` positions (``sampler.kv_cache =
-    "paged"``: ``pool_pages x page_size``, :mod:`rlflow.models.paged_kv_cache`) x layers x
-    keys and values x ``num_kv_heads x head_dim`` x the sampler dtype's bytes (``m``: the
-    model's ``DecoderConfig``)."""
+    """Bytes of one sampler replica's decode state, counted per kind of layer (``m``: the
+    model's ``DecoderConfig`` or an ``Architecture``; the slots' masks and page tables, a
+    byte or an int per position or page, are left out):
+
+    * contiguous (:func:`rlflow.models.kv_cache.init_cache`): per slot ``S =
+      max_prefill_length + max_tokens`` positions of keys and values, ``2 x num_kv_heads x
+      head_dim`` values of the sampler dtype each, for every full-attention layer and every
+      sliding-window one (``min(S, sliding_window)`` positions instead if
+      :data:`SLIDING_HOLDS_WINDOW`);
+    * ``sampler.kv_cache = "paged"``: ``pool_pages x page_size`` positions of keys and
+      values per attention layer (:mod:`rlflow.models.paged_kv_cache`);
+    * every gated DeltaNet (``"linear_attention"``) layer: ``num_slots`` states of
+      :func:`gdn_state_bytes`, whatever the length (in both layouts).
+    """
     sp = cfg.sampler
     dtype = sp.dtype or cfg.model.dtype
     per = 2 if dtype == "bfloat16" else 4
-    positions = (sp.pool_pages * sp.page_size if sp.kv_cache == "paged" else
-                 sp.num_slots * (sp.max_prefill_length + sp.max_tokens))
-    return positions * m.num_layers * 2 * m.num_kv_heads * m.head_dim * per
+    kinds = _kinds(m)
+    slot_len = sp.max_prefill_length + sp.max_tokens
+    window = getattr(m, "sliding_window", None) or slot_len
+    held = {"full_attention": slot_len, "linear_attention": 0,
+            "sliding_attention": min(window, slot_len) if SLIDING_HOLDS_WINDOW else slot_len}
+    if sp.kv_cache == "paged":
+        positions = sp.pool_pages * sp.page_size * sum(1 for k in kinds
+                                                       if k != "linear_attention")
+    else:
+        positions = sp.num_slots * sum(held[k] for k in kinds)
+    linear = sum(1 for k in kinds if k == "linear_attention")
+    return (positions * 2 * m.num_kv_heads * m.head_dim * per
+            + sp.num_slots * linear * gdn_state_bytes(m, per))
 
 
 def sampler_weight_bytes(arch, dtype_bytes: int, quantization: str = "none") -> float:

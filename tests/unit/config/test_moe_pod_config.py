@@ -135,6 +135,13 @@ def test_expert_axes_only_for_moe_models_and_dividing_the_expert_count(tmp_path)
         _experiment(dataclasses.replace(tiny_moe, path=str(tmp_path)), MeshConfig(expert=2))
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 4}')
     assert _experiment(ModelConfig(path=str(tmp_path)), MeshConfig(expert=4))
+    from rlflow.config.model import HF_MOE_TYPES
+    from rlflow.models.config import MOE_MODEL_TYPES
+    assert HF_MOE_TYPES == MOE_MODEL_TYPES     # the config package's copy of the models' list
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe_text", "num_experts": 6}')
+    with pytest.raises(ConfigError, match=r"^learner\.mesh\.expert: must divide the model's "
+                                          r"6 experts"):
+        _experiment(ModelConfig(path=str(tmp_path)), MeshConfig(expert=4))
     # the batch splits over data x fsdp x expert
     with pytest.raises(ConfigError, match=r"learner\.micro_batches: .* 4 samples must divide "
                                           r"into .*learner\.mesh\.expert = 8 parts"):

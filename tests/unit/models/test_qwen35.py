@@ -181,6 +181,21 @@ def test_config_refusals_name_the_field(qwen35_dir):
         cfg.replace(partial_rotary_factor=0.1)
 
 
+def test_released_configs_read_without_a_dense_mlp_width():
+    """transformers' own Qwen3.5 / Qwen3.5-MoE configs (their defaults: Qwen3.5-27B and
+    Qwen3.5-35B-A3B's shapes) read; a Qwen3.5-MoE config.json has no ``intermediate_size``."""
+    import transformers
+
+    from rlflow.models.config import DecoderConfig
+    d = transformers.Qwen3_5MoeTextConfig().to_dict()
+    assert "intermediate_size" not in d
+    moe = DecoderConfig.from_hf_dict(d)
+    assert (moe.num_layers, moe.num_experts, moe.kinds.count("full_attention")) == (40, 256, 10)
+    assert moe.intermediate_size == moe.moe_intermediate_size == 512
+    dense = DecoderConfig.from_hf_dict(transformers.Qwen3_5TextConfig().to_dict())
+    assert (dense.intermediate_size, dense.gdn["num_v_heads"]) == (12288, 32)
+
+
 def test_moe_logits_match_transformers_and_export_round_trips(tmp_path):
     """``qwen3_5_moe_text``: every MLP top-2 of 4 experts plus the sigmoid-gated shared
     expert; logits of padded rows equal ``Qwen3_5MoeForCausalLM``'s, and the export holds
