@@ -10,14 +10,6 @@ beside the learner's (:mod:`rlflow.learner.memory`). Pure arithmetic, no JAX.
 from __future__ import annotations
 
 
-#: Whether the contiguous cache (:func:`rlflow.models.kv_cache.init_cache`) gives a
-#: ``"sliding_attention"`` layer only its window of positions per slot. False: today every
-#: attention layer holds the slot's whole length; tests/unit/sampler/test_state_memory.py
-#: compares :func:`kv_cache_bytes` with ``jax.eval_shape`` of ``init_cache`` and fails when
-#: that changes.
-SLIDING_HOLDS_WINDOW = False
-
-
 def _kinds(m) -> tuple:
     """Each layer's kind of ``m`` (a ``DecoderConfig`` or an ``Architecture``)."""
     return tuple(getattr(m, "kinds", ())) or ("full_attention",) * m.num_layers
@@ -42,11 +34,12 @@ def kv_cache_bytes(cfg, m) -> int:
 
     * contiguous (:func:`rlflow.models.kv_cache.init_cache`): per slot ``S =
       max_prefill_length + max_tokens`` positions of keys and values, ``2 x num_kv_heads x
-      head_dim`` values of the sampler dtype each, for every full-attention layer and every
-      sliding-window one (``min(S, sliding_window)`` positions instead if
-      :data:`SLIDING_HOLDS_WINDOW`);
+      head_dim`` values of the sampler dtype each, for every full-attention layer; a
+      sliding-window layer holds only its window, a ring of ``min(S, sliding_window)``
+      positions per slot (:mod:`rlflow.models.window_cache`);
     * ``sampler.kv_cache = "paged"``: ``pool_pages x page_size`` positions of keys and
-      values per attention layer (:mod:`rlflow.models.paged_kv_cache`);
+      values per full-attention layer (:mod:`rlflow.models.paged_kv_cache`), and the same
+      per-slot rings for the sliding-window layers (never paged);
     * every gated DeltaNet (``"linear_attention"``) layer: ``num_slots`` states of
       :func:`gdn_state_bytes`, whatever the length (in both layouts).
     """
@@ -56,13 +49,13 @@ def kv_cache_bytes(cfg, m) -> int:
     kinds = _kinds(m)
     slot_len = sp.max_prefill_length + sp.max_tokens
     window = getattr(m, "sliding_window", None) or slot_len
-    held = {"full_attention": slot_len, "linear_attention": 0,
-            "sliding_attention": min(window, slot_len) if SLIDING_HOLDS_WINDOW else slot_len}
+    ring = min(window, slot_len)
+    rings = sp.num_slots * ring * sum(1 for k in kinds if k == "sliding_attention")
+    full = sum(1 for k in kinds if k == "full_attention")
     if sp.kv_cache == "paged":
-        positions = sp.pool_pages * sp.page_size * sum(1 for k in kinds
-                                                       if k != "linear_attention")
+        positions = sp.pool_pages * sp.page_size * full + rings
     else:
-        positions = sp.num_slots * sum(held[k] for k in kinds)
+        positions = sp.num_slots * slot_len * full + rings
     linear = sum(1 for k in kinds if k == "linear_attention")
     return (positions * 2 * m.num_kv_heads * m.head_dim * per
             + sp.num_slots * linear * gdn_state_bytes(m, per))

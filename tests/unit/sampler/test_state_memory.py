@@ -1,7 +1,7 @@
 """The memory model counts each kind of layer (issue 51): the sampler's decode state of
 Qwen3.5 (gated DeltaNet states that do not grow with the length), Gemma 3 and gpt-oss
-(sliding-window layers, which the contiguous cache holds at the slot's whole length today:
-``rlflow.sampler.memory.SLIDING_HOLDS_WINDOW``) equals the bytes of the arrays
+(sliding-window layers, which hold a ring of their window per slot:
+:mod:`rlflow.models.window_cache`) equals the bytes of the arrays
 ``jax.eval_shape`` of :func:`rlflow.models.kv_cache.init_cache` gives (what the engine
 allocates); the parameter count equals the built decoder's (``nnx.eval_shape``: nothing is
 allocated). Shapes: transformers' own configs of each family (their defaults: Qwen3.5-27B,
@@ -76,9 +76,15 @@ def test_decode_state_bytes_are_those_the_engine_allocates(family, tmp_path):
         want = allocated(dcfg, 3, prompt + new)
         assert memory.kv_cache_bytes(cfg, dcfg) == memory.kv_cache_bytes(cfg, arch) == want
         got[prompt + new] = want
-    # 96 more positions a slot: keys and values of the attention layers only
+    # 96 more positions a slot: keys and values of the full-attention layers, and of the
+    # sliding-window layers up to their window (a ring of min(window, S) positions)
     attn = dcfg.num_layers - linear
-    assert got[128] - got[32] == 3 * 96 * attn * 2 * dcfg.num_kv_heads * dcfg.head_dim * 2
+    full = dcfg.kinds.count("full_attention")
+    window = dcfg.sliding_window or 0
+    ring = lambda length: min(window, length)      # noqa: E731
+    sliding_growth = dcfg.kinds.count("sliding_attention") * (ring(128) - ring(32))
+    assert got[128] - got[32] == 3 * (96 * full + sliding_growth) * 2 * dcfg.num_kv_heads * \
+        dcfg.head_dim * 2
     if linear:         # the DeltaNet states: conv windows bf16 + [Hv, dk, dv] float32
         g = dcfg.gdn
         state = (3 * (2 * g["num_k_heads"] * g["head_k_dim"] + g["num_v_heads"] *
