@@ -68,20 +68,21 @@ from dataclasses import dataclass
 from rlflow.learner.memory import GIB, Architecture, learner_memory
 
 #: A learner process whose model is negligible (bytes): ``import jax``, the CPU client,
-#: the program's imports (0.31 GiB of them: ``VmRSS`` after importing
-#: ``rlflow.learner.program``, building SmolLM2's tokenizer and one jitted call), the
-#: compilation of its train steps (XLA's compiler works in this process's heap, which the
-#: learner keeps: ``runtime.keep_freed_host_memory``), the prompt pipeline, checkpointing,
-#: metrics and the weight server. Measured 2026-12-07 on the 2-core CPU test machine
-#: (Python 3.11, jax CPU): the demo config's learner (a 0.1M-parameter model) peaked at
-#: 0.79 GiB (``VmHWM``) over a 2-step run with an evaluation
-#: (``tests/e2e/test_process_memory.py`` measures it again).
-LEARNER_RUNTIME_BYTES = 0.8 * GIB
+#: the program's imports, the compilation of its train steps (XLA's compiler works in this
+#: process's heap, which the learner keeps: ``runtime.keep_freed_host_memory``), the prompt
+#: pipeline, checkpointing, metrics and the weight server. Measured 2026-12-08 on the 2-core
+#: CPU test machine (Python 3.12, jax 0.12.1 CPU): the demo config's learner (a
+#: 0.1M-parameter model) peaked (``VmHWM``) over a 2-step run with an evaluation at 0.53 GiB
+#: when it compiled its programs and 0.35 GiB when it loaded them from a persistent
+#: compilation cache (``tests/e2e/test_process_memory.py`` measures it again; 0.79 GiB on
+#: Python 3.11 before tensorboardX was imported with torch hidden:
+#: :func:`rlflow.run.metrics.summary_writer_class`).
+LEARNER_RUNTIME_BYTES = 0.45 * GIB
 
-#: The same for a sampler replica's process (imports 0.29 GiB; its engine's compiled
-#: prefill, insert and decode programs; its reward and evaluation clients): the demo
-#: config's sampler peaked at 0.42 GiB in the same run.
-SAMPLER_RUNTIME_BYTES = 0.45 * GIB
+#: The same for a sampler replica's process (its imports; its engine's compiled prefill,
+#: insert and decode programs; its reward and evaluation clients): the demo config's
+#: sampler peaked at 0.37 GiB (compiling) and 0.28 GiB (from the cache) in the same runs.
+SAMPLER_RUNTIME_BYTES = 0.33 * GIB
 
 #: One reward worker process (a spawned Python with the reward functions imported):
 #: measured 74 MiB each (``VmHWM``, ``math_verify``), 2026-12-07, same machine.
