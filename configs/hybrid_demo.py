@@ -9,13 +9,14 @@ reward, 8 prompts x 8 samples per step, up to 4 new tokens, lr 1e-3, async with 
 gate, RoPE on a quarter of each head); hidden 64, MLP 128, tied embeddings, random weights,
 written once as a Hugging Face folder into ``$RLFLOW_CACHE_DIR/hybrid-demo-model-<hash>``.
 The sampler carries each DeltaNet layer's (conv window, recurrent state) per slot beside
-the full layer's KV cache (contiguous cache: the paged one refuses these layers).
+the full layer's KV cache (the contiguous cache here; the paged one holds them too).
 
 Run: ``rlflow train --config configs/hybrid_demo.py`` (add ``--learner.num_steps N`` for a
 shorter run); the summary prints the mean reward of the first and the last 10% of steps.
 Measured on 2 shared CPU cores (seed 0, async runs differ with timing): 60 steps in 230 s,
 mean reward 0.074 over the first 10% of steps and 0.345 over the last (rise +0.271); 150
-steps in 169 s, 0.089 -> 0.774 (rise +0.685).
+steps in 169 s, 0.089 -> 0.774 (rise +0.685); the default 300 steps on Python 3.12 / jax
+0.12.1 in 137 s, 0.120 -> 0.592 (rise +0.472).
 """
 
 import hashlib
