@@ -52,6 +52,24 @@ def left_padded_logits(model) -> tuple[np.ndarray, int]:
                               jnp.asarray(mask))), w
 
 
+
+def assert_packed_row_equals_each_sequence(model, cfg, path: str, **hf_kwargs) -> None:
+    """:data:`SEQS` packed in one row (segment ids, positions restarting at 0): each
+    segment's rlflow logits are transformers' of the sequence alone (:func:`hf_logits` of
+    ``path``, ``hf_kwargs`` passed on), within :func:`atol` at the row's length."""
+    toks = np.concatenate(SEQS)[None]
+    seg = np.concatenate([np.full(len(s), i) for i, s in enumerate(SEQS)])[None]
+    pos = np.concatenate([np.arange(len(s)) for s in SEQS])[None]
+    fwd = nnx.jit(lambda m, t, p, a, s: m(t, p, a, segment_ids=s))
+    ours = np.asarray(fwd(model, jnp.asarray(toks), jnp.asarray(pos, jnp.int32),
+                          jnp.ones(toks.shape, bool), jnp.asarray(seg, jnp.int32)))[0]
+    start = 0
+    for s in SEQS:
+        ref = hf_logits(path, s, **hf_kwargs)
+        np.testing.assert_allclose(ours[start:start + len(s)], ref, rtol=0,
+                                   atol=atol(cfg, toks.shape[1], ref))
+        start += len(s)
+
 def recompute_logprobs(model, prompt, tokens) -> np.ndarray:
     """The learner's recompute: float32 logprobs (temperature 1) of ``tokens`` after
     ``prompt`` by one full forward over prompt + completion."""

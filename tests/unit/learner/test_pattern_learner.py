@@ -12,8 +12,8 @@ import pytest
 from rlflow.config import MeshConfig, ModelConfig
 from rlflow.learner.trainer import Learner
 from hf_fixtures import PATTERN_FAMILIES, make_tiny_pattern_model, make_tiny_qwen35
-from learner_fixtures import assert_same_train_step, make_group_records, one_device_mesh, \
-    tiny_experiment
+from learner_fixtures import assert_same_train_step, flat, make_group_records, \
+    one_device_mesh, tiny_experiment
 
 G, T = 4, 6
 
@@ -44,15 +44,8 @@ def assert_export_gives_the_learners_logits(learner, source_dir: str, out: str, 
     got = np.asarray(forward(model, jnp.asarray(seq)))[0]
     np.testing.assert_allclose(got, want, rtol=0, atol=forward_atol(
         learner.model_config, seq.shape[1], float(np.abs(want).max())))
-    after = flat_params(learner)
+    after = flat(learner.params)
     assert any(not np.array_equal(after[k], before[k]) for k in before)   # it trained
-
-
-def flat_params(learner) -> dict:
-    import numpy as np
-    from flax import nnx
-
-    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(learner.params)}
 
 
 @pytest.mark.slow
@@ -64,7 +57,7 @@ def test_pattern_model_sharded_step_equals_single_device_and_exports(tmp_path, f
     sharded, single = Learner(cfg), Learner(cfg, mesh=one_device_mesh())
     stack = sharded.params["layers"]["sliding_attention"]["attn"]["q_kernel"][...]
     assert len(stack.sharding.device_set) == 4 and not stack.sharding.is_fully_replicated
-    before = flat_params(single)
+    before = flat(single.params)
     for step in range(2):
         recs = make_group_records(step, 2, vocab=64, group_size=G, max_tokens=T)
         m4, m1 = sharded.train_on(recs), single.train_on(recs)
@@ -81,7 +74,7 @@ def test_qwen3_5_moe_export_after_two_steps_gives_the_learners_logits(tmp_path):
     path = make_tiny_qwen35(str(tmp_path / "qwen3_5_moe"), num_layers=4, moe=True)
     learner = Learner(tiny_experiment(ModelConfig(path=path), G, T, shared_prefix=False),
                       mesh=one_device_mesh())
-    before = flat_params(learner)
+    before = flat(learner.params)
     for step in range(2):
         learner.train_on(make_group_records(step, 2, vocab=64, group_size=G, max_tokens=T))
     assert_export_gives_the_learners_logits(learner, path, str(tmp_path / "export"), before)

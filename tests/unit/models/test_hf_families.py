@@ -18,8 +18,9 @@ from hf_fixtures import PATTERN_FAMILIES, SLIDING_WINDOW, make_tiny_pattern_mode
 from rlflow.models import ModelFormatError, init_cache, load_hf, positions_from_mask, save_hf
 from rlflow.models.config import DecoderConfig
 from rlflow.models.paged_kv_cache import init_paged_cache
-from family_parity import (SEQS, atol, family_engine, forward, greedy_text_and_logprobs,
-                           hf_logits, hf_model, left_padded_logits, swap_in_flight)
+from family_parity import (SEQS, assert_packed_row_equals_each_sequence, atol, family_engine,
+                           forward, greedy_text_and_logprobs, hf_logits, hf_model,
+                           left_padded_logits, swap_in_flight)
 
 _forward = forward
 
@@ -57,19 +58,7 @@ def test_packed_row_equals_each_sequence_alone(family_dir, family):
     segment's logits are transformers' of the sequence alone."""
     path = family_dir(family)
     model, cfg = load_hf(path)
-    toks = np.concatenate(SEQS)[None]
-    seg = np.concatenate([np.full(len(s), i) for i, s in enumerate(SEQS)])[None]
-    pos = np.concatenate([np.arange(len(s)) for s in SEQS])[None]
-    mask = np.ones_like(toks, bool)
-    fwd = nnx.jit(lambda m, t, p, a, s: m(t, p, a, segment_ids=s))
-    ours = np.asarray(fwd(model, jnp.asarray(toks), jnp.asarray(pos, jnp.int32),
-                          jnp.asarray(mask), jnp.asarray(seg, jnp.int32)))[0]
-    start = 0
-    for s in SEQS:
-        ref = _hf_logits(path, s)
-        np.testing.assert_allclose(ours[start:start + len(s)], ref, rtol=0,
-                                   atol=_atol(cfg, toks.shape[1], ref))
-        start += len(s)
+    assert_packed_row_equals_each_sequence(model, cfg, path, attn_implementation="eager")
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -16,8 +16,9 @@ from flax import nnx
 from hf_fixtures import make_tiny_qwen35
 from rlflow.models import init_cache, load_hf, positions_from_mask, save_hf
 from rlflow.models.paged_kv_cache import init_paged_cache
-from family_parity import (SEQS, atol, family_engine, forward, greedy_text_and_logprobs,
-                           hf_logits, hf_model, left_padded_logits, swap_in_flight)
+from family_parity import (SEQS, assert_packed_row_equals_each_sequence, atol, family_engine,
+                           forward, greedy_text_and_logprobs, hf_logits, hf_model,
+                           left_padded_logits, swap_in_flight)
 
 _forward = forward
 
@@ -53,18 +54,7 @@ def test_packed_row_equals_each_sequence_alone(qwen35_dir):
     """Three sequences packed in one row (segment ids: the DeltaNet state and conv window
     restart; positions restarting at 0): each segment's logits are transformers' alone."""
     model, cfg = load_hf(qwen35_dir)
-    toks = np.concatenate(SEQS)[None]
-    seg = np.concatenate([np.full(len(s), i) for i, s in enumerate(SEQS)])[None]
-    pos = np.concatenate([np.arange(len(s)) for s in SEQS])[None]
-    fwd = nnx.jit(lambda m, t, p, a, s: m(t, p, a, segment_ids=s))
-    ours = np.asarray(fwd(model, jnp.asarray(toks), jnp.asarray(pos, jnp.int32),
-                          jnp.ones(toks.shape, bool), jnp.asarray(seg, jnp.int32)))[0]
-    start = 0
-    for s in SEQS:
-        ref = _hf_logits(qwen35_dir, s)
-        np.testing.assert_allclose(ours[start:start + len(s)], ref, rtol=0,
-                                   atol=_atol(cfg, toks.shape[1], ref))
-        start += len(s)
+    assert_packed_row_equals_each_sequence(model, cfg, qwen35_dir)
 
 
 @pytest.mark.parametrize("left", [True, False])
